@@ -1,0 +1,166 @@
+"""The `fsdprun` command line: thin commands that hand off to one implementation each.
+
+    fsdprun train debug                      # the built-in demo recipe on 2 CPU ranks
+    fsdprun train my.yaml optim.lr=1e-3 --nproc-per-node 8
+    fsdprun config debug --explain           # resolved recipe and where each value came from
+    fsdprun recipes                          # the built-in recipes
+
+Mistakes a user can fix print one line and exit 2 (FSDPRUN_DEBUG=1 shows the traceback); a
+failing worker exits 1 with the rank, the error and its log file.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from fsdprun import __version__
+from fsdprun.config import builtin_recipes, explain, load_recipe
+from fsdprun.errors import UserError
+
+app = typer.Typer(
+    help="Train LLMs with PyTorch FSDP from layered YAML recipes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+Recipe = Annotated[str, typer.Argument(help="A recipe YAML path or a built-in recipe name.")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(help="KEY=VALUE overrides (dotted keys, e.g. optim.lr=3e-4); ~KEY drops a key "
+                   "back to its default.", show_default=False),
+]  # fmt: skip
+NprocOpt = Annotated[int | None, typer.Option("--nproc-per-node", help="Workers on this node.")]
+NnodesOpt = Annotated[int | None, typer.Option("--nnodes", help="Number of nodes.")]
+NodeRankOpt = Annotated[int | None, typer.Option("--node-rank", help="This node's rank.")]
+EndpointOpt = Annotated[
+    str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (node 0).")
+]
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    err_console.print(f"[red]error:[/red] {message}", markup=True)
+    return typer.Exit(code)
+
+
+def guarded(fn):
+    """Turn UserError into one line + exit 2, and a failed worker into one line + exit 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from fsdprun.launch import WorkerFailed  # imports torch.distributed: only when needed
+
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            if os.environ.get("FSDPRUN_DEBUG"):
+                raise
+            raise _fail(str(e), 2) from None
+        except WorkerFailed as e:
+            if os.environ.get("FSDPRUN_DEBUG"):
+                raise
+            raise _fail(str(e), 2 if e.user_error else 1) from None
+
+    return wrapper
+
+
+def _launch_overrides(
+    nproc_per_node: int | None,
+    nnodes: int | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    run_dir: Path | None = None,
+) -> list[str]:
+    """Launch flags as overrides applied after the recipe's own (flags win)."""
+    pairs = {
+        "launch.nproc_per_node": nproc_per_node,
+        "launch.nnodes": nnodes,
+        "launch.node_rank": node_rank,
+        "launch.rdzv_endpoint": rdzv_endpoint,
+        "output.run_dir": run_dir,
+    }
+    return [f"{k}={v}" for k, v in pairs.items() if v is not None]
+
+
+def _version(value: bool) -> None:
+    if value:
+        import torch
+
+        print(f"fsdprun {__version__} (torch {torch.__version__})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print versions.")
+    ] = False,
+) -> None:
+    """Train LLMs with PyTorch FSDP from layered YAML recipes."""
+
+
+@app.command()
+@guarded
+def train(
+    recipe: Recipe,
+    overrides: Overrides = None,
+    nproc_per_node: NprocOpt = None,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_endpoint: EndpointOpt = None,
+    run_dir: Annotated[
+        Path | None, typer.Option("--run-dir", help="Run directory (default runs/<recipe>-<time>).")
+    ] = None,
+) -> None:
+    """Train a recipe: launch the workers, print throughput and memory tables."""
+    extra = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint, run_dir)
+    all_overrides = [*(overrides or []), *extra]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
+        from fsdprun.direct import run_as_worker
+
+        run_as_worker(recipe, all_overrides)
+        return
+    from fsdprun.launch import default_run_dir, launch_training
+
+    resolved = load_recipe(recipe, all_overrides)
+    target = Path(resolved.config.output.run_dir or default_run_dir(resolved.name))
+    resolved.config.output.run_dir = str(target)
+    launch_training(resolved, target)
+
+
+@app.command("config")
+@guarded
+def config_cmd(
+    recipe: Recipe,
+    overrides: Overrides = None,
+    explain_: Annotated[
+        bool, typer.Option("--explain", help="Show which layer set each key.")
+    ] = False,
+    nproc_per_node: NprocOpt = None,
+    nnodes: NnodesOpt = None,
+) -> None:
+    """Print the fully resolved recipe as YAML (exit 2 with the error if it is invalid)."""
+    extra = _launch_overrides(nproc_per_node, nnodes, None, None)
+    resolved = load_recipe(recipe, [*(overrides or []), *extra])
+    sys.stdout.write(explain(resolved) if explain_ else resolved.to_yaml())
+
+
+@app.command()
+def recipes() -> None:
+    """List the built-in recipes."""
+    entries = builtin_recipes()
+    width = max(map(len, entries), default=0)
+    for name, desc in entries.items():
+        print(f"{name:<{width}}  {desc}")
+
+
+def main() -> None:
+    app()

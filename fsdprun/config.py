@@ -1,0 +1,647 @@
+"""Recipes: typed schema, layered loading (`extends:`), command-line overrides, validation.
+
+A recipe is YAML data read with a safe loader. `load_recipe("debug", ["optim.lr=1e-3"])`
+resolves the layers in order (schema defaults, each `extends:` parent, the file, the
+overrides), checks every key against the dataclass schema below (OmegaConf structured
+configs do the type and enum checks), runs the cross-field checks, and returns one
+`RecipeConfig` plus where each value came from. Every mistake raises `UserError` with one line
+naming the key, the layer that set it and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fsdprun.errors import UserError
+
+DEFAULT_SOURCE = "default"
+CLI_SOURCE = "command line"
+
+
+def _f(default: Any, help: str, **kwargs: Any) -> Any:
+    """A schema field with its help text (feeds `fsdprun config --explain` and the README)."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+class Dtype(enum.Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class WrapPolicy(enum.Enum):
+    block = "block"
+    size = "size"
+    classes = "classes"
+
+
+class CheckpointMode(enum.Enum):
+    none = "none"
+    full = "full"
+    every_n = "every_n"
+
+
+class CompileMode(enum.Enum):
+    default = "default"
+    reduce_overhead = "reduce-overhead"
+    max_autotune = "max-autotune"
+    max_autotune_no_cudagraphs = "max-autotune-no-cudagraphs"
+
+
+class OptimImpl(enum.Enum):
+    auto = "auto"
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for_loop"
+
+
+class Decay(enum.Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class DataSource(enum.Enum):
+    synthetic = "synthetic"
+
+
+class DeviceKind(enum.Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+    npu = "npu"
+    xpu = "xpu"
+
+
+@dataclass
+class ModelConfig:
+    family: str = _f("llama", "Model family; `llama` (RMSNorm, RoPE, GQA attention, SwiGLU).")
+    dim: int = _f(256, "Hidden size.")
+    n_layers: int = _f(4, "Number of transformer blocks.")
+    n_heads: int = _f(8, "Attention heads.")
+    n_kv_heads: int | None = _f(
+        None, "Key/value heads for grouped-query attention; null = n_heads."
+    )
+    ffn_dim: int = _f(688, "Hidden size of the SwiGLU feed-forward.")
+    vocab_size: int = _f(1024, "Vocabulary size.")
+    max_seq_len: int = _f(256, "Longest sequence the RoPE table covers.")
+    rope_theta: float = _f(10000.0, "RoPE base frequency.")
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
+    tie_embeddings: bool = _f(False, "Share the token embedding with the output projection.")
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: Dtype = _f(
+        Dtype.bf16, "Dtype of gathered parameters for compute (sharded master weights stay fp32)."
+    )
+    reduce_dtype: Dtype = _f(Dtype.fp32, "Dtype of the gradient reduce-scatter.")
+
+
+@dataclass
+class FsdpConfig:
+    reshard_after_forward: bool = _f(
+        True,
+        "Free gathered parameters after forward (ZeRO-3); false keeps them until backward "
+        "(ZeRO-2 style: more memory, one all-gather less per step).",
+    )
+    wrap: WrapPolicy = _f(
+        WrapPolicy.block,
+        "FSDP units: `block` = each transformer block then the root; `size` = modules with at "
+        "least min_num_params not yet wrapped, then the root; `classes` = modules whose class "
+        "name is in wrap_classes, then the root.",
+    )
+    min_num_params: int = _f(1_000_000, "Threshold of the `size` wrap policy.")
+    wrap_classes: list[str] = _f([], "Class names for the `classes` wrap policy.")
+    forward_prefetch: int = _f(
+        0, "All-gather this many next blocks ahead in forward (explicit prefetch); 0 = none."
+    )
+    backward_prefetch: int = _f(
+        1,
+        "Blocks all-gathered ahead in backward; 1 = FSDP2's own implicit prefetch, more sets "
+        "explicit prefetch; 0 is not possible with FSDP2 and is rejected.",
+    )
+    cpu_offload: bool = _f(
+        False, "Keep sharded parameters, gradients and optimizer state in host memory."
+    )
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    mode: CheckpointMode = _f(
+        CheckpointMode.none,
+        "Recompute block activations in backward: `none`, `full` (every block), `every_n`.",
+    )
+    every_n: int = _f(2, "With mode `every_n`: checkpoint every n-th block.")
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = _f(False, "torch.compile the model.")
+    per_block: bool = _f(
+        True, "Compile each transformer block separately (fast, FSDP-friendly); false = whole."
+    )
+    fullgraph: bool = _f(False, "Ask torch.compile for a single graph (error on graph breaks).")
+    mode: CompileMode = _f(CompileMode.default, "torch.compile mode.")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-4, "Peak learning rate of AdamW.")
+    betas: list[float] = _f([0.9, 0.95], "AdamW betas.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    weight_decay: float = _f(0.1, "Decoupled weight decay.")
+    implementation: OptimImpl = _f(
+        OptimImpl.auto,
+        "AdamW kernel: `auto` = fused on CUDA/XPU/NPU, foreach elsewhere; or force "
+        "`fused`, `foreach`, `for_loop`.",
+    )
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = _f(0, "Linear warm-up from 0 to optim.lr over this many steps.")
+    decay: Decay = _f(Decay.cosine, "Shape after warm-up: `cosine`, `linear` or `constant`.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of optim.lr.")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(100, "Optimizer steps to run.")
+    global_batch_size: int = _f(
+        8, "Sequences per optimizer step over all ranks (kept when the world size changes)."
+    )
+    micro_batch_size: int = _f(
+        1,
+        "Sequences per rank per forward/backward; gradient accumulation = global_batch_size / "
+        "(micro_batch_size x data-parallel ranks).",
+    )
+    seq_len: int = _f(256, "Tokens per sequence.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    seed: int = _f(0, "Seed of the initial weights and the data order.")
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = _f(
+        DataSource.synthetic,
+        "`synthetic`: sample i is a function of (train.seed, i) only; a noisy permutation "
+        "chain the model can learn, so the loss falls.",
+    )
+    noise: float = _f(0.1, "Synthetic data: probability that a token is random.")
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int = _f(1, "Worker processes per node (one per device on GPU).")
+    nnodes: int = _f(1, "Number of nodes.")
+    node_rank: int = _f(0, "This node's rank; node 0 hosts the rendezvous store.")
+    rdzv_endpoint: str = _f(
+        "",
+        "HOST:PORT of the c10d rendezvous; required with nnodes > 1. Empty = 127.0.0.1 with a "
+        "free port (single node).",
+    )
+    rdzv_timeout_s: int = _f(300, "Seconds to wait for all nodes to join the rendezvous.")
+    max_restarts: int = _f(0, "Times the elastic agent restarts the workers after a failure.")
+    device: DeviceKind = _f(
+        DeviceKind.auto,
+        "`auto` (cuda, then npu, then xpu, else cpu), `cuda` (nccl), `cpu` (gloo), `npu` "
+        "(hccl; needs torch_npu), `xpu` (xccl).",
+    )
+
+
+@dataclass
+class OutputConfig:
+    run_dir: str | None = _f(
+        None, "Run directory; null = runs/<recipe>-<YYYYmmdd-HHMMSS> under the working dir."
+    )
+    log_every: int = _f(10, "Log (and write metrics.jsonl) every this many steps.")
+    metrics_file: str = _f("metrics.jsonl", "File in the run directory for metrics events.")
+    timing_warmup_steps: int = _f(
+        2, "Steps left out of the step-time and throughput figures (compile, allocator warm-up)."
+    )
+    peak_tflops: float | None = _f(
+        None,
+        "Peak dense TFLOP/s of one device for MFU; null = look the device up in the built-in "
+        "table (MFU n/a when it is not there).",
+    )
+
+
+@dataclass
+class RecipeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nproc_per_node * self.launch.nnodes
+
+
+# --------------------------------------------------------------------------------------------
+# Schema introspection
+
+
+def schema_fields() -> dict[str, dataclasses.Field]:
+    """Every leaf key of the schema as a dotted name, in declaration order."""
+    out: dict[str, dataclasses.Field] = {}
+    for section in dataclasses.fields(RecipeConfig):
+        for f in dataclasses.fields(section.default_factory):
+            out[f"{section.name}.{f.name}"] = f
+    return out
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(RecipeConfig))
+
+
+def _closest(key: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if not match:
+        # A misspelt leaf in the right section is the common case: compare leaf names there.
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        leaf_match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        match = [by_leaf[leaf_match[0]]] if leaf_match else []
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+# --------------------------------------------------------------------------------------------
+# Reading recipe files
+
+
+@dataclass
+class Layer:
+    """One layer of a recipe: where it came from and its keys (dotted) and values."""
+
+    source: str
+    values: dict[str, Any]
+
+
+@dataclass
+class ResolvedRecipe:
+    config: RecipeConfig
+    name: str
+    layers: list[Layer]
+    provenance: dict[str, str]
+
+    def to_yaml(self) -> str:
+        return dump_config(self.config)
+
+
+def builtin_recipes() -> dict[str, str]:
+    """Built-in recipe names → the first comment line (what it is for)."""
+    out = {}
+    for entry in sorted(resources.files("fsdprun.recipes").iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".yaml"):
+            desc = ""
+            for line in entry.read_text().splitlines():
+                if line.startswith("#") and not line.lstrip("# ").startswith("fsdprun "):
+                    desc = line.lstrip("# ").strip()
+                    break
+            out[entry.name[: -len(".yaml")]] = desc
+    return out
+
+
+def _builtin_text(name: str) -> str | None:
+    entry = resources.files("fsdprun.recipes") / f"{name}.yaml"
+    return entry.read_text() if entry.is_file() else None
+
+
+def _read_yaml(text: str, source: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{source}:{where}: YAML syntax error: {problem}") from e
+    if data is None:
+        raise UserError(f"{source}: the recipe is empty; it needs at least one section")
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{source}: a recipe must be a mapping of sections (model:, train:, ...), "
+            f"not a {type(data).__name__}"
+        )
+    return data
+
+
+def _flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
+    fields = schema_fields()
+    flat: dict[str, Any] = {}
+    for section, body in data.items():
+        section = str(section)
+        if section not in SECTIONS:
+            raise UserError(
+                f"{source}: unknown section '{section}'{_closest(section, list(SECTIONS))}"
+            )
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise UserError(f"{source}: '{section}' must be a mapping of keys, not {body!r}")
+        for key, value in body.items():
+            dotted = f"{section}.{key}"
+            if dotted not in fields:
+                raise UserError(f"{source}: unknown key '{dotted}'{_closest(dotted, list(fields))}")
+            _check_interpolation(dotted, value, source)
+            flat[dotted] = value
+    return flat
+
+
+# Plain references such as ${train.seq_len} are allowed; resolver calls such as ${oc.env:X}
+# are not: a recipe is data and must not read the environment or run code.
+_INTERPOLATION = re.compile(r"\$\{([^}]*)\}")
+
+
+def _check_interpolation(key: str, value: Any, source: str) -> None:
+    if not isinstance(value, str):
+        return
+    for ref in _INTERPOLATION.findall(value):
+        if ref not in schema_fields():
+            raise UserError(
+                f"{source}: {key}: '${{{ref}}}' is not allowed; only references to other "
+                f"recipe keys such as ${{train.seq_len}} are"
+            )
+
+
+def _resolve_path(ref: str, base: Path | None) -> tuple[str, str]:
+    """A recipe reference → (identity, text). Files win over built-in names."""
+    candidates = []
+    if base is not None:
+        candidates.append(base / ref)
+    candidates.append(Path(ref))
+    for path in candidates:
+        if path.is_file():
+            return str(path.resolve()), path.read_text()
+        if path.exists():
+            raise UserError(f"{path}: not a file")
+    name = ref[:-5] if ref.endswith(".yaml") else ref
+    text = _builtin_text(name) if "/" not in ref else None
+    if text is not None:
+        return f"builtin:{name}", text
+    builtins = ", ".join(builtin_recipes())
+    raise UserError(
+        f"recipe '{ref}' is neither a file nor a built-in recipe (built-ins: {builtins})"
+    )
+
+
+def _load_layers(ref: str, base: Path | None, stack: tuple[str, ...]) -> list[Layer]:
+    identity, text = _resolve_path(ref, base)
+    source = identity if not identity.startswith("builtin:") else identity
+    if identity in stack:
+        chain = " -> ".join([*stack, identity])
+        raise UserError(f"{source}: 'extends' cycle: {chain}; remove one of the links")
+    data = _read_yaml(text, source)
+    parents = data.pop("extends", None)
+    if parents is None:
+        parents = []
+    if isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise UserError(f"{source}: 'extends' must be a recipe name or path, or a list of them")
+    here = Path(identity).parent if not identity.startswith("builtin:") else None
+    layers: list[Layer] = []
+    for parent in parents:
+        try:
+            layers += _load_layers(parent, here, (*stack, identity))
+        except UserError as e:
+            if "neither a file nor a built-in" in str(e):
+                raise UserError(f"{source}: extends {e}") from e
+            raise
+    layers.append(Layer(source, _flatten(data, source)))
+    return layers
+
+
+def parse_overrides(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """`key=value` and `~key` strings → (values, keys to drop). Values are parsed as YAML."""
+    fields = schema_fields()
+    values: dict[str, Any] = {}
+    drops: list[str] = []
+    for item in overrides:
+        if item.startswith("~"):
+            key = item[1:]
+            if key not in fields:
+                raise UserError(
+                    f"override '{item}': unknown key '{key}'{_closest(key, list(fields))}"
+                )
+            drops.append(key)
+            continue
+        if "=" not in item:
+            raise UserError(
+                f"override '{item}' has no '='; write KEY=VALUE (or ~KEY to drop a key)"
+            )
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if key not in fields:
+            raise UserError(f"override '{item}': unknown key '{key}'{_closest(key, list(fields))}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        _check_interpolation(key, value, CLI_SOURCE)
+        values[key] = value
+    return values, drops
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        section, leaf = key.split(".", 1)
+        out.setdefault(section, {})[leaf] = value
+    return out
+
+
+def _merge(layers: list[Layer]) -> RecipeConfig:
+    merged = OmegaConf.structured(RecipeConfig)
+    for layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, _nest(layer.values))
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None) or "?"
+            msg = str(e).splitlines()[0]
+            raise UserError(f"{layer.source}: {key}: {msg}") from e
+    try:
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise UserError(f"recipe: {key}: {str(e).splitlines()[0]}") from e
+
+
+def load_recipe(
+    recipe: str, overrides: list[str] | None = None, *, world_size: int | None = None
+) -> ResolvedRecipe:
+    """Resolve a recipe reference plus overrides into a validated config.
+
+    Args:
+        recipe: a YAML path or a built-in recipe name.
+        overrides: `key=value` / `~key` strings, applied last.
+        world_size: the real number of ranks when known (a worker); else launch.* decides.
+
+    Raises:
+        UserError: anything wrong with the recipe, one line.
+    """
+    layers = _load_layers(recipe, None, ())
+    values, drops = parse_overrides(overrides or [])
+    for key in drops:
+        for layer in layers:
+            layer.values.pop(key, None)
+    if values:
+        layers.append(Layer(CLI_SOURCE, values))
+    config = _merge(layers)
+    provenance = {key: DEFAULT_SOURCE for key in schema_fields()}
+    for layer in layers:
+        for key in layer.values:
+            provenance[key] = layer.source
+    errors = validate(config, world_size=world_size)
+    if errors:
+        raise UserError("; ".join(errors))
+    name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+    return ResolvedRecipe(config=config, name=name, layers=layers, provenance=provenance)
+
+
+# --------------------------------------------------------------------------------------------
+# Cross-field checks
+
+
+def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
+    """Checks that span keys; returns one message per problem (empty when valid)."""
+    errors: list[str] = []
+    m, t = cfg.model, cfg.train
+
+    def positive(key: str, value: float) -> None:
+        if value <= 0:
+            errors.append(f"{key} must be > 0 (got {value})")
+
+    for key in (
+        "model.dim", "model.n_layers", "model.n_heads", "model.ffn_dim", "model.vocab_size",
+        "model.max_seq_len", "model.rope_theta", "model.norm_eps", "optim.lr", "optim.eps",
+        "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
+        "launch.nproc_per_node", "launch.nnodes", "output.log_every", "fsdp.min_num_params",
+        "launch.rdzv_timeout_s",
+    ):  # fmt: skip
+        section, leaf = key.split(".")
+        positive(key, getattr(getattr(cfg, section), leaf))
+    for key in ("optim.weight_decay", "train.grad_clip", "schedule.warmup_steps",
+                "launch.max_restarts", "launch.node_rank", "fsdp.forward_prefetch",
+                "output.timing_warmup_steps", "train.seed"):  # fmt: skip
+        section, leaf = key.split(".")
+        if getattr(getattr(cfg, section), leaf) < 0:
+            errors.append(f"{key} must be >= 0 (got {getattr(getattr(cfg, section), leaf)})")
+    if errors:
+        return errors
+
+    n_kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
+    if m.dim % m.n_heads:
+        errors.append(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
+    elif (m.dim // m.n_heads) % 2:
+        errors.append(f"model.dim / model.n_heads ({m.dim // m.n_heads}) must be even for RoPE")
+    if n_kv <= 0 or m.n_heads % n_kv:
+        errors.append(
+            f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({n_kv})"
+        )
+    if m.family != "llama":
+        errors.append(f"model.family: '{m.family}' is not known; the built-in family is 'llama'")
+    if t.seq_len > m.max_seq_len:
+        errors.append(
+            f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+            "raise model.max_seq_len or shorten train.seq_len"
+        )
+    ws = world_size if world_size is not None else cfg.world_size
+    per_step = t.micro_batch_size * ws
+    if t.global_batch_size % per_step:
+        errors.append(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+            f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({ws}) = "
+            f"{per_step}; change one of them"
+        )
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        errors.append(f"optim.betas must be two numbers in [0, 1) (got {cfg.optim.betas})")
+    if not 0 <= cfg.schedule.min_lr_ratio <= 1:
+        errors.append(f"schedule.min_lr_ratio must be in [0, 1] (got {cfg.schedule.min_lr_ratio})")
+    if cfg.schedule.warmup_steps > t.steps:
+        errors.append(
+            f"schedule.warmup_steps ({cfg.schedule.warmup_steps}) exceeds train.steps ({t.steps})"
+        )
+    if cfg.fsdp.backward_prefetch < 1:
+        errors.append(
+            "fsdp.backward_prefetch must be >= 1 (1 = FSDP2's implicit prefetch of the next block)"
+        )
+    if cfg.fsdp.wrap is WrapPolicy.classes and not cfg.fsdp.wrap_classes:
+        errors.append("fsdp.wrap is 'classes' but fsdp.wrap_classes is empty; list class names")
+    ac = cfg.activation_checkpointing
+    if ac.mode is CheckpointMode.every_n and ac.every_n < 1:
+        errors.append(f"activation_checkpointing.every_n must be >= 1 (got {ac.every_n})")
+    if not 0 <= cfg.data.noise <= 1:
+        errors.append(f"data.noise must be in [0, 1] (got {cfg.data.noise})")
+    if cfg.launch.node_rank >= cfg.launch.nnodes:
+        errors.append(
+            f"launch.node_rank ({cfg.launch.node_rank}) must be < launch.nnodes "
+            f"({cfg.launch.nnodes})"
+        )
+    if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint:
+        errors.append("launch.nnodes > 1 needs launch.rdzv_endpoint (HOST:PORT of node 0)")
+    if cfg.launch.rdzv_endpoint and not re.fullmatch(r"[^:\s]+:\d+", cfg.launch.rdzv_endpoint):
+        errors.append(f"launch.rdzv_endpoint '{cfg.launch.rdzv_endpoint}' must look like HOST:PORT")
+    if cfg.output.peak_tflops is not None and cfg.output.peak_tflops <= 0:
+        errors.append(f"output.peak_tflops must be > 0 (got {cfg.output.peak_tflops})")
+    return errors
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def config_to_dict(cfg: RecipeConfig) -> dict[str, Any]:
+    """Plain nested dict (enums as their values), for YAML, JSON and manifests."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return {
+        s.name: {f.name: plain(getattr(getattr(cfg, s.name), f.name))
+                 for f in dataclasses.fields(getattr(cfg, s.name))}
+        for s in dataclasses.fields(cfg)
+    }  # fmt: skip
+
+
+def dump_config(cfg: RecipeConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def explain(resolved: ResolvedRecipe) -> str:
+    """The resolved recipe as YAML with, after each key, the layer that set it."""
+    data = config_to_dict(resolved.config)
+    lines = []
+    for section, body in data.items():
+        lines.append(f"{section}:")
+        for key, value in body.items():
+            text = yaml.safe_dump({key: value}, default_flow_style=True, width=10_000).strip()
+            text = text[1:-1]  # drop the braces of the flow mapping
+            lines.append(f"  {text:<44} # {resolved.provenance[f'{section}.{key}']}")
+    return "\n".join(lines) + "\n"

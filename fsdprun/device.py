@@ -1,0 +1,145 @@
+"""Accelerator abstraction: which device a worker uses, its collective backend, memory readings.
+
+Everything device-specific goes through here (`torch.get_device_module` for cuda/npu/xpu), so a
+new accelerator is one entry in `BACKENDS` plus its import hook, not edits across the engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import platform
+import resource
+from dataclasses import dataclass
+
+import torch
+
+from fsdprun.errors import UserError
+
+# Device kind → torch.distributed backend.
+BACKENDS = {"cuda": "nccl", "cpu": "gloo", "npu": "hccl", "xpu": "xccl"}
+
+# Accelerators whose PyTorch support lives in a separate package that registers the device.
+_PLUGINS = {"npu": ("torch_npu", "pip install torch-npu (the release matching your torch)")}
+
+
+def _import_plugin(kind: str) -> None:
+    if kind not in _PLUGINS:
+        return
+    module, how = _PLUGINS[kind]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise UserError(
+            f"launch.device is '{kind}' but {module} is not importable ({e}); {how}, "
+            "or set launch.device=cpu"
+        ) from e
+
+
+def _available(kind: str) -> bool:
+    if kind == "cpu":
+        return True
+    if kind in _PLUGINS:
+        try:
+            _import_plugin(kind)
+        except UserError:
+            return False
+    mod = getattr(torch, kind, None)
+    return bool(mod is not None and mod.is_available())
+
+
+def resolve_device_kind(requested: str) -> str:
+    """`auto` → the first available of cuda, npu, xpu, else cpu; a named kind must exist.
+
+    Raises:
+        UserError: the requested accelerator is missing.
+    """
+    if requested == "auto":
+        for kind in ("cuda", "npu", "xpu"):
+            # npu only counts when torch_npu is installed; auto never fails for its absence.
+            if kind == "npu" and importlib.util.find_spec("torch_npu") is None:
+                continue
+            if _available(kind):
+                return kind
+        return "cpu"
+    if requested not in BACKENDS:
+        raise UserError(f"launch.device: '{requested}' is not one of auto, {', '.join(BACKENDS)}")
+    _import_plugin(requested)
+    if not _available(requested):
+        raise UserError(
+            f"launch.device is '{requested}' but no {requested} device is available here; "
+            "use launch.device=auto or cpu"
+        )
+    return requested
+
+
+def device_count(kind: str) -> int:
+    if kind == "cpu":
+        return 0
+    return torch.get_device_module(kind).device_count()
+
+
+def check_nproc(kind: str, nproc_per_node: int) -> None:
+    """More ranks than accelerators on a node is a user error (CPU ranks are processes)."""
+    if kind == "cpu":
+        return
+    count = device_count(kind)
+    if nproc_per_node > count:
+        raise UserError(
+            f"launch.nproc_per_node is {nproc_per_node} but this node has {count} {kind} "
+            f"device(s); use --nproc-per-node {count} or fewer"
+        )
+
+
+@dataclass(frozen=True)
+class Device:
+    """The device of one worker."""
+
+    kind: str
+    index: int | None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return (
+            torch.device(self.kind, self.index) if self.index is not None else torch.device("cpu")
+        )
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.kind]
+
+    @property
+    def module(self):
+        return torch.get_device_module(self.kind) if self.kind != "cpu" else None
+
+    def name(self) -> str:
+        if self.kind == "cpu":
+            return f"CPU ({platform.processor() or platform.machine()})"
+        return self.module.get_device_name(self.index)
+
+    def synchronize(self) -> None:
+        if self.module is not None:
+            self.module.synchronize(self.index)
+
+    def reset_peak_memory(self) -> None:
+        if self.module is not None:
+            self.module.reset_peak_memory_stats(self.index)
+
+    def peak_memory(self) -> dict[str, int]:
+        """Peak bytes: allocated and reserved on an accelerator; resident set size on CPU."""
+        if self.module is None:
+            # ru_maxrss is in KiB on Linux. It is the whole process's peak, torch runtime included.
+            return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        return {
+            "peak_allocated_bytes": self.module.max_memory_allocated(self.index),
+            "peak_reserved_bytes": self.module.max_memory_reserved(self.index),
+        }
+
+
+def build_worker_device(kind: str, local_rank: int) -> Device:
+    """The device of the worker with this local rank, made current."""
+    if kind == "cpu":
+        return Device("cpu", None)
+    _import_plugin(kind)
+    torch.get_device_module(kind).set_device(local_rank)
+    return Device(kind, local_rank)

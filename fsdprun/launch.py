@@ -1,0 +1,130 @@
+"""Starting the workers of a run with torch's own elastic launcher, in this process.
+
+`launch_training` writes the resolved recipe to RUN_DIR/recipe.yaml once (workers read that
+file, never the command line), starts `nproc_per_node` workers through
+`torch.distributed.launcher.api.elastic_launch` over a c10d rendezvous (loopback for one node,
+the user's endpoint for several), follows RUN_DIR/metrics.jsonl to render the report, and turns
+a worker failure into one line naming the rank, the error and the log file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from fsdprun.config import RecipeConfig, ResolvedRecipe
+from fsdprun.device import check_nproc, resolve_device_kind
+from fsdprun.errors import UserError
+from fsdprun.report import MetricsFollower, Reporter
+from fsdprun.worker import RECIPE_FILE, elastic_entry
+
+
+class WorkerFailed(Exception):
+    """A worker exited with an error; the message is one line (rank, error, log file)."""
+
+    def __init__(self, message: str, *, user_error: bool):
+        super().__init__(message)
+        self.user_error = user_error
+
+
+def default_run_dir(recipe_name: str) -> Path:
+    return Path("runs") / f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def prepare_run_dir(run_dir: Path, resolved: ResolvedRecipe) -> None:
+    """Create the run directory and write the resolved recipe; never overwrite an earlier run.
+
+    Raises:
+        UserError: the directory already holds a run, or cannot be written.
+    """
+    cfg = resolved.config
+    if (run_dir / cfg.output.metrics_file).exists() or (run_dir / "checkpoints").exists():
+        raise UserError(
+            f"{run_dir} already holds a run; choose another --run-dir (fsdprun never "
+            "overwrites a run)"
+        )
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / RECIPE_FILE).write_text(
+            f"# resolved by fsdprun from '{resolved.name}'\n{resolved.to_yaml()}"
+        )
+    except OSError as e:
+        raise UserError(f"cannot write the run directory {run_dir}: {e.strerror}") from e
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What `elastic_launch` is given, derived from the recipe (testable without launching)."""
+
+    config: LaunchConfig
+    omp_threads: int
+
+
+def build_launch_plan(cfg: RecipeConfig, run_dir: Path, *, device_kind: str) -> LaunchPlan:
+    launch = cfg.launch
+    rdzv_configs: dict = {"join_timeout": launch.rdzv_timeout_s}
+    if launch.nnodes > 1:
+        # Node 0 hosts the rendezvous store; the others only connect to it.
+        rdzv_configs["is_host"] = launch.node_rank == 0
+    # A single node binds rendezvous to loopback with a free port: nothing listens outside.
+    endpoint = launch.rdzv_endpoint or "127.0.0.1:0"
+    cpus = os.cpu_count() or 1
+    omp = max(1, cpus // launch.nproc_per_node) if device_kind == "cpu" else 1
+    config = LaunchConfig(
+        min_nodes=launch.nnodes,
+        max_nodes=launch.nnodes,
+        nproc_per_node=launch.nproc_per_node,
+        run_id="fsdprun",
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=launch.max_restarts,
+        start_method="spawn",
+        monitor_interval=0.1,
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
+    )
+    return LaunchPlan(config=config, omp_threads=omp)
+
+
+def describe_failure(err: ChildFailedError) -> WorkerFailed:
+    rank, failure = err.get_first_failure()
+    message = (failure.message or f"exit code {failure.exitcode}").strip().splitlines()[0]
+    log = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
+    where = f"; log: {log}" if log is not None and log.exists() else ""
+    user_error = message.startswith("UserError: ")
+    if user_error:
+        return WorkerFailed(message.removeprefix("UserError: ") + where, user_error=True)
+    return WorkerFailed(f"rank {rank} failed: {message}{where}", user_error=False)
+
+
+def launch_training(resolved: ResolvedRecipe, run_dir: Path) -> dict | None:
+    """Run the whole job on this node; returns rank 0's summary when it ran here.
+
+    Raises:
+        UserError: a problem with the recipe or the machine (checked before any worker starts).
+        WorkerFailed: a worker failed.
+    """
+    cfg = resolved.config
+    kind = resolve_device_kind(cfg.launch.device.value)
+    check_nproc(kind, cfg.launch.nproc_per_node)
+    prepare_run_dir(run_dir, resolved)
+    plan = build_launch_plan(cfg, run_dir, device_kind=kind)
+    os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
+    if not os.environ.get("FSDPRUN_DEBUG"):
+        # The agent logs every phase at INFO and failures as multi-line reports; fsdprun prints
+        # its own one-line summary and points at the per-rank logs instead.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    reporter = Reporter()
+    try:
+        with MetricsFollower(run_dir / cfg.output.metrics_file, reporter):
+            results = elastic_launch(plan.config, elastic_entry)(str(run_dir), resolved.name)
+    except ChildFailedError as err:
+        raise describe_failure(err) from err
+    return results.get(0)

@@ -1,0 +1,117 @@
+"""Throughput, MFU and the metrics event log — arithmetic and files, no printing.
+
+MFU = achieved FLOP/s per device / the device's peak dense FLOP/s at the compute dtype, with
+FLOPs per token from `fsdprun.models.llama.flops_per_token` (an estimate by convention: it counts
+matmuls only). Peak figures are vendor datasheet numbers for dense (non-sparse) math.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# Peak dense bf16/fp16 TFLOP/s of one device, matched in order against the device name.
+PEAK_TFLOPS_16BIT: list[tuple[str, float]] = [
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H20", 148.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("MI300X", 1307.0),
+    ("MI250X", 383.0),
+]
+
+
+def peak_flops(
+    device_name: str, dtype: str, override_tflops: float | None
+) -> tuple[float | None, str]:
+    """Peak FLOP/s of one device for MFU, and where the figure comes from (or why there is none).
+
+    Args:
+        device_name: e.g. "NVIDIA H200" or "CPU (x86_64)".
+        dtype: the compute dtype, "bf16" | "fp16" | "fp32".
+        override_tflops: the recipe's output.peak_tflops, which wins when set.
+    """
+    if override_tflops is not None:
+        return override_tflops * 1e12, "output.peak_tflops"
+    if device_name.startswith("CPU"):
+        return None, "no peak figure for CPUs; set output.peak_tflops"
+    if dtype == "fp32":
+        return None, "fp32 peak depends on TF32 settings; set output.peak_tflops"
+    for key, tflops in PEAK_TFLOPS_16BIT:
+        if key in device_name:
+            return tflops * 1e12, f"{key} {dtype} dense datasheet peak"
+    return None, f"'{device_name}' is not in the peak table; set output.peak_tflops"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def throughput(
+    step_times_s: list[float],
+    *,
+    warmup_steps: int,
+    tokens_per_step: int,
+    world_size: int,
+    flops_per_token: int,
+    peak_flops_per_device: float | None,
+) -> dict[str, Any]:
+    """Throughput figures over the steps after `warmup_steps` (all steps if that leaves none)."""
+    measured = step_times_s[warmup_steps:] or step_times_s
+    total_s = sum(measured)
+    tokens_per_s = tokens_per_step * len(measured) / total_s if total_s > 0 else math.nan
+    per_device = tokens_per_s / world_size
+    flops_per_device = per_device * flops_per_token
+    return {
+        "steps_measured": len(measured),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": per_device,
+        "step_time_p50_s": percentile(measured, 50),
+        "step_time_p90_s": percentile(measured, 90),
+        "tflops_per_device": flops_per_device / 1e12,
+        "mfu": flops_per_device / peak_flops_per_device if peak_flops_per_device else None,
+    }
+
+
+class MetricsLog:
+    """Appends one JSON object per line to the run's metrics file (rank 0 only writes)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = path.open("a")
+
+    def write(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"event": event, **fields}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """All complete records of a metrics file."""
+    events = []
+    with path.open() as f:
+        for line in f:
+            if line.endswith("\n"):
+                events.append(json.loads(line))
+    return events

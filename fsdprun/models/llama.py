@@ -1,0 +1,173 @@
+"""The Llama architecture (RMSNorm, RoPE, grouped-query attention, SwiGLU) — architecture only.
+
+How the model is sharded, compiled and checkpointed lives in `fsdprun.parallel`; this file never
+touches torch.distributed. Build it on the meta device and let the caller materialize it:
+
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(dim=256, n_layers=4, ...))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """cos/sin of the rotary angles, shape (max_seq_len, head_dim // 2, 2), fp32."""
+    half = args.head_dim // 2
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(half, device=device).float() / half))
+    angles = torch.outer(torch.arange(args.max_seq_len, device=device).float(), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :half], x[..., half:]) of x (batch, seq, heads, head_dim)."""
+    seq = x.shape[1]
+    cos = table[:seq, :, 0][None, :, None, :].to(x.dtype)
+    sin = table[:seq, :, 1][None, :, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 for stability under bf16/fp16 compute.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed "0", "1", ... keeps checkpoint keys stable when blocks are wrapped.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: derived from the config, so checkpoints hold only trained state.
+        self.register_buffer("rope", rope_table(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Recompute non-persistent buffers after `to_empty` (they hold garbage then)."""
+        self.rope = rope_table(self.args, device=device)
+
+    def init_std(self, name: str) -> float | None:
+        """Initial std of parameter `name` (normal, mean 0); None means all ones (norm weights).
+
+        Output projections of each residual branch are scaled by 1/sqrt(2 n_layers) (GPT-2).
+        """
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return 0.02 / math.sqrt(2 * self.args.n_layers)
+        return 0.02
+
+
+def num_params(args: ModelArgs) -> int:
+    """All trainable parameters (the tied output projection counted once)."""
+    kv = args.n_kv_heads * args.head_dim
+    block = 2 * args.dim * args.dim + 2 * args.dim * kv + 3 * args.dim * args.ffn_dim + 2 * args.dim
+    head = 0 if args.tie_embeddings else args.vocab_size * args.dim
+    return args.vocab_size * args.dim + args.n_layers * block + args.dim + head
+
+
+def num_matmul_params(args: ModelArgs) -> int:
+    """Parameters that take part in a matmul per token: every Linear, including the output
+    projection even when tied; not the embedding lookup nor the norm weights."""
+    kv = args.n_kv_heads * args.head_dim
+    block = 2 * args.dim * args.dim + 2 * args.dim * kv + 3 * args.dim * args.ffn_dim
+    return args.n_layers * block + args.vocab_size * args.dim
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward): 6·N_matmul + 12·n_layers·dim·seq_len.
+
+    6·N counts 2 FLOPs per multiply-add, forward plus twice that for backward; the second term is
+    attention's QK^T and AV matmuls at this sequence length (PaLM's convention: no discount for
+    the causal mask, no recompute for activation checkpointing).
+    """
+    return 6 * num_matmul_params(args) + 12 * args.n_layers * args.dim * seq_len

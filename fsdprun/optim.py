@@ -1,0 +1,56 @@
+"""AdamW and the learning-rate schedule (linear warm-up, then cosine/linear/constant decay)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fsdprun.config import Decay, OptimConfig, OptimImpl, ScheduleConfig
+
+# Devices whose AdamW has a fused kernel that works on FSDP's DTensor parameters.
+_FUSED_DEVICES = {"cuda", "xpu", "npu"}
+
+
+def build_optimizer(model: nn.Module, *, cfg: OptimConfig, device_kind: str) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norm weights)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    impl = cfg.implementation
+    if impl is OptimImpl.auto:
+        impl = OptimImpl.fused if device_kind in _FUSED_DEVICES else OptimImpl.foreach
+    kwargs = {
+        OptimImpl.fused: {"fused": True},
+        OptimImpl.foreach: {"foreach": True},
+        OptimImpl.for_loop: {"foreach": False},
+    }[impl]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def lr_factor(step: int, *, cfg: ScheduleConfig, total_steps: int) -> float:
+    """Multiplier of the peak lr for the optimizer step with 0-based index `step`."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.decay is Decay.constant:
+        return 1.0
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.decay is Decay.linear:
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, *, cfg: ScheduleConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg=cfg, total_steps=total_steps)
+    )

@@ -1,0 +1,193 @@
+"""What the user sees: the run header, a progress bar, log lines and the final tables.
+
+Rendering only — every number arrives computed in a metrics event (see `fsdprun.metrics`). The
+launcher feeds events to a `Reporter` by following RUN_DIR/metrics.jsonl; a worker started by
+torchrun/srun feeds its own events on rank 0.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from fsdprun.metrics import read_events
+
+GIB = 1024**3
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+class Reporter:
+    """Turns metrics events into console output (call from one thread)."""
+
+    def __init__(self, console: Console | None = None, *, live: bool = True):
+        self.console = console or Console()
+        self.live = live and self.console.is_terminal
+        self.progress: Progress | None = None
+        self.task = None
+
+    def handle(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "start":
+            self.start(event)
+        elif kind == "step":
+            self.step(event)
+        elif kind == "summary":
+            self.summary(event)
+
+    def start(self, e: dict[str, Any]) -> None:
+        c = self.console
+        c.print(
+            f"[bold]fsdprun[/bold] {e['recipe']}: {fmt_count(e['num_params'])} params, "
+            f"world size {e['world_size']} ({e['nnodes']} node(s)), {e['device_name']}, "
+            f"backend {e['backend']}"
+        )
+        c.print(
+            f"  engine {e['engine']}, {len(e['fsdp_units'])} FSDP units, "
+            f"param {e['param_dtype']} / reduce {e['reduce_dtype']}, "
+            f"activation checkpointing: {e['activation_checkpointing']}, "
+            f"compile: {e['compile']}"
+        )
+        c.print(
+            f"  batch {e['global_batch_size']} seqs x {e['seq_len']} tokens = "
+            f"{fmt_count(e['tokens_per_step'])} tokens/step (micro {e['micro_batch_size']} x "
+            f"{e['world_size']} ranks x {e['grad_accum_steps']} accumulation), "
+            f"{e['steps']} steps"
+        )
+        c.print(
+            f"  parameter shard per rank: {fmt_bytes(e['param_shard_bytes'])} of "
+            f"{fmt_bytes(e['param_bytes'])}; run dir {e['run_dir']}"
+        )
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[progress.description]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TimeRemainingColumn(),
+                console=c,
+                transient=True,
+            )
+            self.task = self.progress.add_task("train", total=e["steps"], loss="-", tps="-")
+            self.progress.start()
+
+    def step(self, e: dict[str, Any]) -> None:
+        line = (
+            f"step {e['step']} | loss {e['loss']:.4f} | lr {e['lr']:.2e} | "
+            f"gnorm {e['grad_norm']:.3f} | {e['tokens_per_s']:,.0f} tok/s | "
+            f"{e['step_time_s'] * 1e3:.0f} ms"
+        )
+        self.console.print(line)
+        if self.progress is not None:
+            self.progress.update(
+                self.task, completed=e["step"], loss=f"{e['loss']:.4f}",
+                tps=f"{e['tokens_per_s']:,.0f}",
+            )  # fmt: skip
+
+    def summary(self, e: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        t = e["throughput"]
+        table = Table(title="Throughput", title_justify="left")
+        for col in ("metric", "value"):
+            table.add_column(col, justify="right" if col == "value" else "left")
+        mfu = f"{t['mfu'] * 100:.1f}%" if t["mfu"] is not None else f"n/a ({e['mfu_note']})"
+        rows = [
+            ("tokens/s (total)", f"{t['tokens_per_s']:,.0f}"),
+            ("tokens/s per device", f"{t['tokens_per_s_per_device']:,.0f}"),
+            ("step time p50", f"{t['step_time_p50_s'] * 1e3:.1f} ms"),
+            ("step time p90", f"{t['step_time_p90_s'] * 1e3:.1f} ms"),
+            ("TFLOP/s per device", f"{t['tflops_per_device']:.3f}"),
+            ("MFU", mfu),
+            (
+                "steps measured",
+                f"{t['steps_measured']} (first {e['timing_warmup_steps']} left out)",
+            ),
+            ("FLOPs/token (estimate)", fmt_count(e["flops_per_token"])),
+        ]
+        for row in rows:
+            table.add_row(*row)
+        self.console.print(table)
+
+        mem = Table(title="Memory per rank", title_justify="left")
+        ranks = e["ranks"]
+        gpu = "peak_allocated_bytes" in ranks[0]
+        cols = ["rank", "peak allocated", "peak reserved"] if gpu else ["rank", "peak RSS"]
+        cols += ["params", "grads", "optimizer", "model state"]
+        for col in cols:
+            mem.add_column(col, justify="right")
+        for r in ranks:
+            ms = r["model_state_bytes"]
+            peaks = (
+                [fmt_bytes(r["peak_allocated_bytes"]), fmt_bytes(r["peak_reserved_bytes"])]
+                if gpu
+                else [fmt_bytes(r["peak_rss_bytes"])]
+            )
+            mem.add_row(
+                str(r["rank"]), *peaks, fmt_bytes(ms["params"]), fmt_bytes(ms["grads"]),
+                fmt_bytes(ms["optimizer"]), fmt_bytes(ms["total"]),
+            )  # fmt: skip
+        self.console.print(mem)
+        if not gpu:
+            self.console.print(
+                "  peak RSS is the whole worker process (torch runtime included); model state is "
+                "what the rank holds after an optimizer step."
+            )
+        self.console.print(
+            f"final loss {e['final_loss']:.4f}; metrics in {e['metrics_file']}; "
+            f"wall time {e['wall_time_s']:.1f} s"
+        )
+
+
+class MetricsFollower:
+    """Follows a metrics file from another thread and hands new events to a Reporter."""
+
+    def __init__(self, path: Path, reporter: Reporter, *, poll_s: float = 0.1):
+        self.path, self.reporter, self.poll_s = path, reporter, poll_s
+        self.seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MetricsFollower:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()  # whatever arrived after the last poll
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        events = read_events(self.path)
+        for event in events[self.seen :]:
+            self.reporter.handle(event)
+        self.seen = len(events)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            time.sleep(self.poll_s)
