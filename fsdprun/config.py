@@ -600,8 +600,6 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
             f"launch.node_rank ({cfg.launch.node_rank}) must be < launch.nnodes "
             f"({cfg.launch.nnodes})"
         )
-    if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint:
-        errors.append("launch.nnodes > 1 needs launch.rdzv_endpoint (HOST:PORT of node 0)")
     if cfg.launch.rdzv_endpoint and not re.fullmatch(r"[^:\s]+:\d+", cfg.launch.rdzv_endpoint):
         errors.append(f"launch.rdzv_endpoint '{cfg.launch.rdzv_endpoint}' must look like HOST:PORT")
     if cfg.output.peak_tflops is not None and cfg.output.peak_tflops <= 0:
@@ -645,3 +643,19 @@ def explain(resolved: ResolvedRecipe) -> str:
             text = text[1:-1]  # drop the braces of the flow mapping
             lines.append(f"  {text:<44} # {resolved.provenance[f'{section}.{key}']}")
     return "\n".join(lines) + "\n"
+
+
+def recipe_reference() -> str:
+    """The recipe reference as a Markdown table (every key, its default, what it does); the
+    README embeds it and a test keeps the two equal."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    defaults = config_to_dict(RecipeConfig())
+    for key, f in schema_fields().items():
+        section, leaf = key.split(".")
+        default = defaults[section][leaf]
+        text = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+        choices = ""
+        if isinstance(f.default, enum.Enum):
+            choices = " One of: " + ", ".join(f"`{m.value}`" for m in type(f.default)) + "."
+        rows.append(f"| `{key}` | `{text}` | {f.metadata['help']}{choices} |")
+    return "\n".join(rows) + "\n"

@@ -95,7 +95,10 @@ def build_launch_plan(cfg: RecipeConfig, run_dir: Path, *, device_kind: str) -> 
 
 def describe_failure(err: ChildFailedError) -> WorkerFailed:
     rank, failure = err.get_first_failure()
-    message = (failure.message or f"exit code {failure.exitcode}").strip().splitlines()[0]
+    message = failure.message
+    if isinstance(message, dict):  # what @record wrote: {"message": ..., "extraInfo": ...}
+        message = message.get("message", "")
+    message = (message or f"exit code {failure.exitcode}").strip().splitlines()[0]
     log = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
     where = f"; log: {log}" if log is not None and log.exists() else ""
     user_error = message.startswith("UserError: ")
@@ -112,6 +115,12 @@ def launch_training(resolved: ResolvedRecipe, run_dir: Path) -> dict | None:
         WorkerFailed: a worker failed.
     """
     cfg = resolved.config
+    if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint:
+        # Checked here rather than in the recipe: multi-node recipes ship without an endpoint.
+        raise UserError(
+            f"launch.nnodes is {cfg.launch.nnodes}: pass --rdzv-endpoint HOST:PORT (node 0's "
+            "address) and --node-rank on every node"
+        )
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
     prepare_run_dir(run_dir, resolved)
@@ -120,7 +129,8 @@ def launch_training(resolved: ResolvedRecipe, run_dir: Path) -> dict | None:
     if not os.environ.get("FSDPRUN_DEBUG"):
         # The agent logs every phase at INFO and failures as multi-line reports; fsdprun prints
         # its own one-line summary and points at the per-rank logs instead.
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     reporter = Reporter()
     try:
         with MetricsFollower(run_dir / cfg.output.metrics_file, reporter):

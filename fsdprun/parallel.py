@@ -94,6 +94,10 @@ def plan_units(model: nn.Module, *, cfg: FsdpConfig) -> list[str]:
     shared = _shared_params(model)
     modules = dict(model.named_modules())
 
+    def wrappable(path: str) -> bool:
+        # FSDP hooks run around forward: containers without one (ModuleDict) cannot be units.
+        return type(modules[path]).forward is not nn.Module.forward and not splits_tied(path)
+
     def splits_tied(path: str) -> bool:
         for p in modules[path].parameters():
             owners = shared.get(id(p))
@@ -113,10 +117,8 @@ def plan_units(model: nn.Module, *, cfg: FsdpConfig) -> list[str]:
             )
         chosen = [
             path for path, m in modules.items()
-            if path and type(m).__name__ in cfg.wrap_classes and not splits_tied(path)
+            if path and type(m).__name__ in cfg.wrap_classes and wrappable(path)
         ]  # fmt: skip
-        # An outer chosen module already takes its inner ones' parameters only if they are not
-        # units themselves; nested units are fine for FSDP2.
         return chosen
     # size: post-order, counting only parameters not yet taken by a unit below.
     taken: set[int] = set()
@@ -128,7 +130,7 @@ def plan_units(model: nn.Module, *, cfg: FsdpConfig) -> list[str]:
         if not path:
             return
         free = [p for p in module.parameters() if id(p) not in taken]
-        if sum(p.numel() for p in free) >= cfg.min_num_params and not splits_tied(path):
+        if sum(p.numel() for p in free) >= cfg.min_num_params and wrappable(path):
             chosen.append(path)
             taken.update(id(p) for p in free)
 

@@ -12,6 +12,7 @@ import gc
 import hashlib
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,12 @@ class Ranks:
 @record
 def elastic_entry(run_dir: str, recipe_name: str) -> None:
     """Entry point of a worker spawned by the elastic agent: the recipe is RUN_DIR/recipe.yaml."""
-    run(Path(run_dir), render=False, recipe_name=recipe_name)
+    try:
+        run(Path(run_dir), render=False, recipe_name=recipe_name)
+    except BaseException:
+        # The agent keeps only the message; the traceback goes to this rank's stderr.log.
+        traceback.print_exc()
+        raise
 
 
 def run(
@@ -117,7 +123,10 @@ def _injected_failure(rank: int) -> int | None:
 
 def _check_same_recipe(cfg: RecipeConfig) -> None:
     """Every rank must train the same recipe (nodes each read their own RUN_DIR/recipe.yaml)."""
-    digest = hashlib.sha256(repr(config_to_dict(cfg)).encode()).hexdigest()[:16]
+    data = config_to_dict(cfg)
+    # These differ between nodes by design.
+    del data["launch"]["node_rank"], data["output"]["run_dir"]
+    digest = hashlib.sha256(repr(data).encode()).hexdigest()[:16]
     digests: list[str] = [""] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
     if len(set(digests)) > 1:

@@ -1,0 +1,89 @@
+"""Shared test helpers: run the real `fsdprun` command as a subprocess and read its metrics.
+
+Distributed tests are real: gloo process groups on CPU, real FSDP2, several ranks per test
+machine. `fsdprun_runs` caches training runs for the session so several tests can check one run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdprun.metrics import read_events
+
+FSDPRUN = str(Path(sys.executable).parent / "fsdprun")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fsdprun_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", COLUMNS="200", **extra)
+    return env
+
+
+def run_fsdprun(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300):
+    return subprocess.run(
+        [FSDPRUN, *args], cwd=cwd, env=env or fsdprun_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess, run_dir: Path):
+        self.proc, self.run_dir = proc, run_dir
+        metrics = run_dir / "metrics.jsonl"
+        self.events = read_events(metrics) if metrics.exists() else []
+
+    @property
+    def steps(self) -> list[dict]:
+        return [e for e in self.events if e["event"] == "step"]
+
+    @property
+    def losses(self) -> list[float]:
+        return [e["loss"] for e in self.steps]
+
+    @property
+    def start(self) -> dict:
+        return next(e for e in self.events if e["event"] == "start")
+
+    @property
+    def summary(self) -> dict:
+        return next(e for e in self.events if e["event"] == "summary")
+
+    def check(self) -> Run:
+        assert self.proc.returncode == 0, self.proc.stdout[-3000:] + self.proc.stderr[-3000:]
+        return self
+
+
+class Runs:
+    """Training runs of the debug recipe, cached by their arguments for the whole session."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.cache: dict[tuple, Run] = {}
+
+    def train(self, *overrides: str, nproc: int = 2, recipe: str = "debug") -> Run:
+        key = (recipe, nproc, *overrides)
+        if key not in self.cache:
+            run_dir = self.root / f"run{len(self.cache)}"
+            proc = run_fsdprun(
+                "train", recipe, *overrides, "--nproc-per-node", str(nproc),
+                "--run-dir", str(run_dir), cwd=self.root,
+            )  # fmt: skip
+            self.cache[key] = Run(proc, run_dir)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def fsdprun_runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("runs"))

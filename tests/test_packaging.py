@@ -1,0 +1,63 @@
+"""The README stays true (recipe reference, the two commands) and a non-editable install ships
+the built-in recipes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from fsdprun.config import builtin_recipes, recipe_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_recipe_reference_is_current():
+    block = README.split("<!-- recipe-reference:start -->\n")[1].split("<!-- recipe-reference")[0]
+    assert block == recipe_reference(), "regenerate the README table from recipe_reference()"
+
+
+def test_ci_runs_the_readme_test_command():
+    commands = re.findall(r"```bash\n(bash scripts/setup.sh && [^\n]+)\n```", README)
+    assert commands == [
+        "bash scripts/setup.sh && .venv/bin/fsdprun train debug",
+        "bash scripts/setup.sh && .venv/bin/python -m pytest -q",
+    ]
+    assert commands[1] in (ROOT / ".ci/run").read_text()
+
+
+def test_every_builtin_recipe_is_in_the_readme():
+    for name in builtin_recipes():
+        assert f"| `{name}` |" in README
+
+
+def test_wheel_ships_recipes_and_they_load_from_a_plain_install(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp_path / "dist")],
+        check=True, capture_output=True, cwd=tmp_path,
+    )  # fmt: skip
+    wheel = next((tmp_path / "dist").glob("fsdprun-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for recipe in builtin_recipes():
+        assert f"fsdprun/recipes/{recipe}.yaml" in names
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+         str(wheel)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    code = (
+        f"import fsdprun.config as c; assert c.__file__.startswith({str(site)!r}), c.__file__; "
+        "print(sorted(c.builtin_recipes())); c.load_recipe('llama-8b')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(sorted(builtin_recipes()))

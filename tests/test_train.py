@@ -1,0 +1,157 @@
+"""Training end to end through the real `fsdprun train` command: CPU, gloo, 1-2 ranks.
+
+Losses must not depend on the world size, the accumulation split, or the FSDP knobs (fp32):
+the same global step sees the same samples and the same initial weights everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from conftest import Run, free_port, fsdprun_env, run_fsdprun
+
+# 6 steps of the debug recipe, logging every step; global batch 8.
+BASE = ("train.steps=6", "output.log_every=1")
+
+
+def assert_same_losses(a: Run, b: Run, tol: float = 1e-5) -> None:
+    assert len(a.losses) == len(b.losses) == 6
+    for step, (x, y) in enumerate(zip(a.losses, b.losses, strict=True), start=1):
+        assert x == pytest.approx(y, abs=tol, rel=tol), f"step {step}: {x} vs {y}"
+
+
+@pytest.fixture(scope="module")
+def world2_micro1(fsdprun_runs) -> Run:
+    # world 2 x micro 1 -> 4 accumulation steps
+    return fsdprun_runs.train(*BASE, "train.micro_batch_size=1", nproc=2).check()
+
+
+def test_debug_recipe_end_to_end(world2_micro1: Run):
+    out = world2_micro1.proc.stdout
+    for text in ("Throughput", "Memory per rank", "tokens/s (total)", "MFU", "peak RSS",
+                 "model state", "step 6 | loss"):  # fmt: skip
+        assert text in out, text
+    assert world2_micro1.proc.stderr.strip() == ""
+    assert [e["step"] for e in world2_micro1.steps] == [1, 2, 3, 4, 5, 6]
+    step = world2_micro1.steps[0]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "memory"} <= step.keys()
+    summary = world2_micro1.summary
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert summary["throughput"]["tokens_per_s"] > 0
+    assert (world2_micro1.run_dir / "recipe.yaml").exists()
+    assert list((world2_micro1.run_dir / "logs").rglob("stdout.log"))
+
+
+def test_world_size_does_not_change_losses(world2_micro1: Run, fsdprun_runs):
+    world1 = fsdprun_runs.train(*BASE, "train.micro_batch_size=4", nproc=1).check()
+    assert_same_losses(world2_micro1, world1)
+    # The parameter shard of each of 2 ranks is half the model (up to uneven row splits).
+    total = world1.start["param_shard_bytes"]
+    assert total == world1.start["param_bytes"]
+    assert world2_micro1.start["param_shard_bytes"] == pytest.approx(total / 2, rel=0.01)
+    for r in world2_micro1.summary["ranks"]:
+        full = world1.summary["ranks"][0]["model_state_bytes"]
+        for part in ("params", "grads", "optimizer"):
+            assert r["model_state_bytes"][part] == pytest.approx(full[part] / 2, rel=0.01)
+
+
+def test_gradient_accumulation_matches_one_big_batch(world2_micro1: Run, fsdprun_runs):
+    micro4 = fsdprun_runs.train(*BASE, "train.micro_batch_size=4", nproc=2).check()
+    assert world2_micro1.start["grad_accum_steps"] == 4 and micro4.start["grad_accum_steps"] == 1
+    assert_same_losses(world2_micro1, micro4)
+
+
+def test_fsdp_knobs_keep_the_math(world2_micro1: Run, fsdprun_runs):
+    knobs = fsdprun_runs.train(
+        *BASE, "train.micro_batch_size=1", "activation_checkpointing.mode=full",
+        "fsdp.forward_prefetch=1", "fsdp.backward_prefetch=2", "fsdp.reshard_after_forward=false",
+        "fsdp.wrap=size", "fsdp.min_num_params=40000", nproc=2,
+    ).check()  # fmt: skip
+    assert knobs.start["activation_checkpointing"] == "full (2 blocks)"
+    # size policy, post-order: a feed-forward (37K params) is under 40K, a block (49K) is not;
+    # the embedding and output projection (16K each) stay in the root
+    assert knobs.start["fsdp_units"] == ["layers.0", "layers.1", "<root>"]
+    assert_same_losses(world2_micro1, knobs)
+
+
+def test_bf16_trains(fsdprun_runs):
+    run = fsdprun_runs.train(
+        "train.steps=12", "output.log_every=1", "precision.param_dtype=bf16", nproc=2
+    ).check()
+    assert run.start["param_dtype"] == "bf16"
+    assert run.losses[-1] < run.losses[0] - 0.3
+
+
+def test_fp16_with_grad_scaler_cpu_offload_and_tied_embeddings(fsdprun_runs):
+    run = fsdprun_runs.train(
+        "train.steps=8", "output.log_every=1", "precision.param_dtype=fp16",
+        "fsdp.cpu_offload=true", "model.tie_embeddings=true", nproc=2,
+    ).check()  # fmt: skip
+    assert run.losses[-1] < run.losses[0]
+    untied = run.start["num_params"] + 256 * 64  # the debug vocab x dim output projection
+    assert untied == fsdprun_runs.train(*BASE, "train.micro_batch_size=1").start["num_params"]
+
+
+def test_compile_per_block(fsdprun_runs):
+    run = fsdprun_runs.train(
+        "train.steps=2", "output.log_every=1", "compile.enabled=true", "train.micro_batch_size=8",
+        nproc=1,
+    ).check()  # fmt: skip
+    assert run.start["compile"] == "per block"
+    assert len(run.losses) == 2
+
+
+def test_failing_worker_names_rank_error_and_log(tmp_path):
+    proc = run_fsdprun(
+        "train", "debug", *BASE, "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+        env=fsdprun_env(FSDPRUN_FAIL_AT="1:2"),
+    )  # fmt: skip
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "rank 1 failed: RuntimeError: injected failure at step 2" in lines[0]
+    log = lines[0].split("log: ")[1].strip()
+    assert log.endswith("stderr.log") and "injected failure" in Path(log).read_text()
+    assert "Traceback" not in proc.stderr
+
+
+def test_existing_run_is_never_overwritten(world2_micro1: Run, tmp_path):
+    metrics = world2_micro1.run_dir / "metrics.jsonl"
+    before = hashlib.sha256(metrics.read_bytes()).hexdigest()
+    proc = run_fsdprun("train", "debug", "--run-dir", str(world2_micro1.run_dir), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "already holds a run" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert hashlib.sha256(metrics.read_bytes()).hexdigest() == before
+
+
+def test_two_nodes_over_c10d_rendezvous(world2_micro1: Run, tmp_path):
+    """Two `fsdprun train` processes on one machine, one worker each, train one job together."""
+    import subprocess
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = []
+    for node in (0, 1):
+        args = ["train", "debug", *BASE, "train.micro_batch_size=1", "--nnodes", "2",
+                "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-endpoint", endpoint,
+                "--run-dir", str(tmp_path / f"node{node}")]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [run_fsdprun.__globals__["FSDPRUN"], *args],
+                cwd=tmp_path,
+                env=fsdprun_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        )
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-2000:] + err[-2000:]
+    runs = [Run(None, tmp_path / f"node{n}") for n in (0, 1)]
+    with_metrics = [r for r in runs if r.events]
+    assert len(with_metrics) == 1  # only the node that got global rank 0 writes metrics
+    run = with_metrics[0]
+    assert run.start["world_size"] == 2 and run.start["nnodes"] == 2
+    assert_same_losses(world2_micro1, run)
