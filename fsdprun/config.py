@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -376,6 +377,10 @@ _INTERPOLATION = re.compile(r"\$\{([^}]*)\}")
 
 
 def _check_interpolation(key: str, value: Any, source: str) -> None:
+    if isinstance(value, list | dict):
+        for item in value.values() if isinstance(value, dict) else value:
+            _check_interpolation(key, item, source)
+        return
     if not isinstance(value, str):
         return
     for ref in _INTERPOLATION.findall(value):
@@ -388,15 +393,10 @@ def _check_interpolation(key: str, value: Any, source: str) -> None:
 
 def _resolve_path(ref: str, base: Path | None) -> tuple[str, str]:
     """A recipe reference → (identity, text). Files win over built-in names."""
-    candidates = []
-    if base is not None:
-        candidates.append(base / ref)
-    candidates.append(Path(ref))
-    for path in candidates:
-        if path.is_file():
-            return str(path.resolve()), path.read_text()
-        if path.exists():
-            raise UserError(f"{path}: not a file")
+    # A parent is looked up beside the recipe that extends it (never in the working directory).
+    path = base / ref if base is not None else Path(ref)
+    if path.is_file():
+        return str(path.resolve()), path.read_text()
     name = ref[:-5] if ref.endswith(".yaml") else ref
     text = _builtin_text(name) if "/" not in ref else None
     if text is not None:
@@ -456,13 +456,21 @@ def parse_overrides(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
         key = key.strip()
         if key not in fields:
             raise UserError(f"override '{item}': unknown key '{key}'{_closest(key, list(fields))}")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
+        value = _parse_value(raw, fields[key])
         _check_interpolation(key, value, CLI_SOURCE)
         values[key] = value
     return values, drops
+
+
+def _parse_value(raw: str, f: dataclasses.Field) -> Any:
+    """An override's text as YAML, except for string keys, which take the text verbatim (so a
+    run dir `2024-01-01` or an endpoint `host:30` are not read as a date or a number)."""
+    if f.type in ("str", "str | None"):
+        return None if f.type == "str | None" and raw in ("null", "~") else raw
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -531,7 +539,7 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
     m, t = cfg.model, cfg.train
 
     def positive(key: str, value: float) -> None:
-        if value <= 0:
+        if not (value > 0 and math.isfinite(value)):  # NaN fails every comparison
             errors.append(f"{key} must be > 0 (got {value})")
 
     for key in (
@@ -547,8 +555,9 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
                 "launch.max_restarts", "launch.node_rank", "fsdp.forward_prefetch",
                 "output.timing_warmup_steps", "train.seed"):  # fmt: skip
         section, leaf = key.split(".")
-        if getattr(getattr(cfg, section), leaf) < 0:
-            errors.append(f"{key} must be >= 0 (got {getattr(getattr(cfg, section), leaf)})")
+        value = getattr(getattr(cfg, section), leaf)
+        if not (value >= 0 and math.isfinite(value)):
+            errors.append(f"{key} must be >= 0 (got {value})")
     if errors:
         return errors
 
