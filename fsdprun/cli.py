@@ -136,6 +136,37 @@ def train(
     launch_training(resolved, target)
 
 
+@app.command()
+@guarded
+def resume(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory to continue.")],
+    overrides: Overrides = None,
+    step: Annotated[
+        int | None, typer.Option("--step", help="Resume from this step's checkpoint.")
+    ] = None,
+    nproc_per_node: NprocOpt = None,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_endpoint: EndpointOpt = None,
+) -> None:
+    """Continue a run from its newest complete checkpoint (any world size)."""
+    from fsdprun.launch import launch_training
+    from fsdprun.resume import plan_resume
+
+    extra = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    plan = plan_resume(run_dir, [*(overrides or []), *extra], step=step)
+    for bad in plan.skipped:
+        err_console.print(f"warning: skipping incomplete checkpoint {bad.path}: {bad.reason}")
+    for note in plan.notes:
+        err_console.print(f"note: {note}")
+    manifest = plan.checkpoint.manifest
+    print(
+        f"resuming {run_dir} from {plan.checkpoint.path.name} (step {plan.checkpoint.step}, "
+        f"saved on {manifest['world_size']} ranks) on {plan.resolved.config.world_size} ranks"
+    )
+    launch_training(plan.resolved, run_dir, resume_from=plan.checkpoint.path)
+
+
 @app.command("config")
 @guarded
 def config_cmd(

@@ -206,6 +206,25 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_steps: int = _f(0, "Save a checkpoint every this many steps; 0 = only the final one.")
+    save_final: bool = _f(True, "Save a checkpoint after the last step.")
+    keep_last: int = _f(
+        3, "Keep this many newest complete checkpoints, delete older ones; 0 = keep all."
+    )
+    async_save: bool = _f(
+        False,
+        "Write checkpoints in the background (DCP async save on a dedicated gloo group): training "
+        "is blocked only while state is copied; at most one save in flight.",
+    )
+    load_from: str | None = _f(
+        None,
+        "Initialize the model weights (only) from this checkpoint directory — fine-tuning; the "
+        "optimizer, schedule and data start fresh.",
+    )
+
+
+@dataclass
 class LaunchConfig:
     nproc_per_node: int = _f(1, "Worker processes per node (one per device on GPU).")
     nnodes: int = _f(1, "Number of nodes.")
@@ -254,6 +273,7 @@ class RecipeConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -276,6 +296,9 @@ def schema_fields() -> dict[str, dataclasses.Field]:
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(RecipeConfig))
+
+# Recipe spellings that cannot be Python field names.
+ALIASES = {"checkpoint.async": "checkpoint.async_save"}
 
 
 def _closest(key: str, candidates: list[str]) -> str:
@@ -364,6 +387,7 @@ def _flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
             raise UserError(f"{source}: '{section}' must be a mapping of keys, not {body!r}")
         for key, value in body.items():
             dotted = f"{section}.{key}"
+            dotted = ALIASES.get(dotted, dotted)
             if dotted not in fields:
                 raise UserError(f"{source}: unknown key '{dotted}'{_closest(dotted, list(fields))}")
             _check_interpolation(dotted, value, source)
@@ -441,7 +465,7 @@ def parse_overrides(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
     drops: list[str] = []
     for item in overrides:
         if item.startswith("~"):
-            key = item[1:]
+            key = ALIASES.get(item[1:], item[1:])
             if key not in fields:
                 raise UserError(
                     f"override '{item}': unknown key '{key}'{_closest(key, list(fields))}"
@@ -453,7 +477,7 @@ def parse_overrides(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
                 f"override '{item}' has no '='; write KEY=VALUE (or ~KEY to drop a key)"
             )
         key, raw = item.split("=", 1)
-        key = key.strip()
+        key = ALIASES.get(key.strip(), key.strip())
         if key not in fields:
             raise UserError(f"override '{item}': unknown key '{key}'{_closest(key, list(fields))}")
         value = _parse_value(raw, fields[key])
@@ -498,7 +522,11 @@ def _merge(layers: list[Layer]) -> RecipeConfig:
 
 
 def load_recipe(
-    recipe: str, overrides: list[str] | None = None, *, world_size: int | None = None
+    recipe: str,
+    overrides: list[str] | None = None,
+    *,
+    world_size: int | None = None,
+    check: bool = True,
 ) -> ResolvedRecipe:
     """Resolve a recipe reference plus overrides into a validated config.
 
@@ -506,6 +534,7 @@ def load_recipe(
         recipe: a YAML path or a built-in recipe name.
         overrides: `key=value` / `~key` strings, applied last.
         world_size: the real number of ranks when known (a worker); else launch.* decides.
+        check: run the cross-field checks (`validate`); the caller runs them itself if False.
 
     Raises:
         UserError: anything wrong with the recipe, one line.
@@ -522,7 +551,7 @@ def load_recipe(
     for layer in layers:
         for key in layer.values:
             provenance[key] = layer.source
-    errors = validate(config, world_size=world_size)
+    errors = validate(config, world_size=world_size) if check else []
     if errors:
         raise UserError("; ".join(errors))
     name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
@@ -553,6 +582,7 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         positive(key, getattr(getattr(cfg, section), leaf))
     for key in ("optim.weight_decay", "train.grad_clip", "schedule.warmup_steps",
                 "launch.max_restarts", "launch.node_rank", "fsdp.forward_prefetch",
+                "checkpoint.every_steps", "checkpoint.keep_last",
                 "output.timing_warmup_steps", "train.seed"):  # fmt: skip
         section, leaf = key.split(".")
         value = getattr(getattr(cfg, section), leaf)

@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from fsdprun.checkpoint import checkpoint_root
 from fsdprun.config import RecipeConfig, ResolvedRecipe
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.errors import UserError
@@ -45,16 +46,30 @@ def prepare_run_dir(run_dir: Path, resolved: ResolvedRecipe) -> None:
         UserError: the directory already holds a run, or cannot be written.
     """
     cfg = resolved.config
-    if (run_dir / cfg.output.metrics_file).exists() or (run_dir / "checkpoints").exists():
+    if checkpoint_root(run_dir).exists():
+        raise UserError(
+            f"{run_dir} already holds checkpoints; continue it with `fsdprun resume {run_dir}` "
+            "or choose another --run-dir"
+        )
+    if (run_dir / cfg.output.metrics_file).exists():
         raise UserError(
             f"{run_dir} already holds a run; choose another --run-dir (fsdprun never "
             "overwrites a run)"
         )
+    write_recipe(run_dir, resolved)
+
+
+def write_recipe(run_dir: Path, resolved: ResolvedRecipe) -> None:
+    """Write RUN_DIR/recipe.yaml; an earlier one (a resumed run's) is kept as recipe.N.yaml."""
+    target = run_dir / RECIPE_FILE
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (run_dir / RECIPE_FILE).write_text(
-            f"# resolved by fsdprun from '{resolved.name}'\n{resolved.to_yaml()}"
-        )
+        if target.exists():
+            n = 1
+            while (run_dir / f"recipe.{n}.yaml").exists():
+                n += 1
+            target.rename(run_dir / f"recipe.{n}.yaml")
+        target.write_text(f"# resolved by fsdprun from '{resolved.name}'\n{resolved.to_yaml()}")
     except OSError as e:
         raise UserError(f"cannot write the run directory {run_dir}: {e.strerror}") from e
 
@@ -107,8 +122,13 @@ def describe_failure(err: ChildFailedError) -> WorkerFailed:
     return WorkerFailed(f"rank {rank} failed: {message}{where}", user_error=False)
 
 
-def launch_training(resolved: ResolvedRecipe, run_dir: Path) -> dict | None:
+def launch_training(
+    resolved: ResolvedRecipe, run_dir: Path, *, resume_from: Path | None = None
+) -> dict | None:
     """Run the whole job on this node; returns rank 0's summary when it ran here.
+
+    A new run gets a fresh run directory; a resumed one (`resume_from`, a complete checkpoint)
+    appends to its run directory.
 
     Raises:
         UserError: a problem with the recipe or the machine (checked before any worker starts).
@@ -123,7 +143,10 @@ def launch_training(resolved: ResolvedRecipe, run_dir: Path) -> dict | None:
         )
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
-    prepare_run_dir(run_dir, resolved)
+    if resume_from is None:
+        prepare_run_dir(run_dir, resolved)
+    else:
+        write_recipe(run_dir, resolved)
     plan = build_launch_plan(cfg, run_dir, device_kind=kind)
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
     if not os.environ.get("FSDPRUN_DEBUG"):
@@ -134,7 +157,9 @@ def launch_training(resolved: ResolvedRecipe, run_dir: Path) -> dict | None:
     reporter = Reporter()
     try:
         with MetricsFollower(run_dir / cfg.output.metrics_file, reporter):
-            results = elastic_launch(plan.config, elastic_entry)(str(run_dir), resolved.name)
+            results = elastic_launch(plan.config, elastic_entry)(
+                str(run_dir), resolved.name, str(resume_from) if resume_from else None
+            )
     except ChildFailedError as err:
         raise describe_failure(err) from err
     return results.get(0)

@@ -171,6 +171,8 @@ class MetricsFollower:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> MetricsFollower:
+        # A resumed run appends to its metrics file: show only what this session adds.
+        self.seen = len(read_events(self.path)) if self.path.exists() else 0
         self._thread.start()
         return self
 

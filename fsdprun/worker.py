@@ -8,6 +8,7 @@ RUN_DIR/metrics.jsonl.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import os
@@ -25,6 +26,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from fsdprun import __version__
+from fsdprun.checkpoint import (
+    Checkpointer,
+    SaveRecord,
+    build_state,
+    load_checkpoint,
+    load_model_weights,
+    new_checkpoint_group,
+)
 from fsdprun.config import Dtype, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.data import BatchLayout, build_dataset, load_batch
 from fsdprun.device import Device, build_worker_device, resolve_device_kind
@@ -57,10 +66,11 @@ class Ranks:
 
 
 @record
-def elastic_entry(run_dir: str, recipe_name: str) -> None:
+def elastic_entry(run_dir: str, recipe_name: str, resume_from: str | None = None) -> None:
     """Entry point of a worker spawned by the elastic agent: the recipe is RUN_DIR/recipe.yaml."""
     try:
-        run(Path(run_dir), render=False, recipe_name=recipe_name)
+        resume = Path(resume_from) if resume_from else None
+        run(Path(run_dir), render=False, recipe_name=recipe_name, resume_from=resume)
     except BaseException:
         # The agent keeps only the message; the traceback goes to this rank's stderr.log.
         traceback.print_exc()
@@ -73,6 +83,7 @@ def run(
     render: bool,
     recipe_name: str | None = None,
     cfg: RecipeConfig | None = None,
+    resume_from: Path | None = None,
 ) -> dict[str, Any] | None:
     """Train one rank. Returns the summary event on rank 0 (None elsewhere).
 
@@ -82,6 +93,7 @@ def run(
         recipe_name: shown in the header.
         cfg: the resolved recipe when this process resolved it itself (external launcher);
             otherwise it is read from RUN_DIR/recipe.yaml.
+        resume_from: a complete checkpoint to continue from.
     """
     ranks = Ranks.from_env()
     if cfg is None:
@@ -96,7 +108,10 @@ def run(
     )
     try:
         _check_same_recipe(cfg)
-        return _train(cfg, run_dir, ranks, device, render=render, recipe_name=recipe_name)
+        return _train(
+            cfg, run_dir, ranks, device, render=render, recipe_name=recipe_name,
+            resume_from=resume_from,
+        )  # fmt: skip
     finally:
         # Free FSDP state (which holds the device mesh) before the process group goes: destroying
         # the group under live DTensors aborts the process at exit now and then.
@@ -144,6 +159,7 @@ def _train(
     *,
     render: bool,
     recipe_name: str | None,
+    resume_from: Path | None,
 ) -> dict[str, Any] | None:
     wall_start = time.perf_counter()
     is_rank0 = ranks.rank == 0
@@ -213,14 +229,39 @@ def _train(
         steps=cfg.train.steps,
     )  # fmt: skip
 
+    checkpointer = Checkpointer(
+        run_dir=run_dir, cfg=cfg.checkpoint, rank=ranks.rank, world_size=ranks.world_size,
+        recipe=config_to_dict(cfg),
+        process_group=new_checkpoint_group(cfg.checkpoint.async_save),
+    )  # fmt: skip
+    start_step = 0
+    if resume_from is not None:
+        resumed = load_checkpoint(resume_from, model, optimizer, rank=ranks.rank)
+        scheduler.load_state_dict(resumed["scheduler"])
+        if scaler is not None and resumed.get("grad_scaler"):
+            scaler.load_state_dict(resumed["grad_scaler"])
+        start_step = resumed["step"]
+        # The data position is a global sample index: the same samples come next at any world
+        # size because the global batch is kept.
+        assert resumed["data_position"] == start_step * cfg.train.global_batch_size, resumed
+        emit("resume", step=start_step, checkpoint=str(resume_from),
+             saved_world_size=resumed["world_size"], world_size=ranks.world_size)  # fmt: skip
+    elif cfg.checkpoint.load_from:
+        load_model_weights(Path(cfg.checkpoint.load_from), model)
+        emit("load_weights", checkpoint=cfg.checkpoint.load_from)
+
+    def saved(record: SaveRecord | None) -> None:
+        if record is not None:
+            emit("checkpoint", **dataclasses.asdict(record))
+
     device.reset_peak_memory()
     step_times: list[float] = []
     model_state: dict[str, int] | None = None
-    last_logged = 0
+    last_logged = start_step
     window_start = time.perf_counter()
     loss_value = float("nan")
     fail_at = _injected_failure(ranks.rank)
-    for step in range(cfg.train.steps):
+    for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
         if fail_at == step + 1:
             raise RuntimeError(f"injected failure at step {step + 1} (FSDPRUN_FAIL_AT)")
@@ -257,6 +298,21 @@ def _train(
         step_times.append(time.perf_counter() - t0)
 
         done = step + 1
+        saved(checkpointer.poll())
+        if checkpointer.should_save(done, cfg.train.steps):
+            train_state = {
+                "step": done,
+                "tokens_seen": done * tokens_per_step,
+                "data_position": done * cfg.train.global_batch_size,
+                "global_batch_size": cfg.train.global_batch_size,
+                "world_size": ranks.world_size,
+                "scheduler": scheduler.state_dict(),
+                "grad_scaler": scaler.state_dict() if scaler is not None else None,
+            }
+            state = build_state(model, optimizer, train_state, ranks.rank)
+            record = checkpointer.save(done, state, train_state)
+            if not record.async_save:
+                saved(checkpointer.records[-1])
         if done % cfg.output.log_every == 0 or done == cfg.train.steps:
             # The only collective outside FSDP's: every rank reaches it at the same steps.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
@@ -276,6 +332,7 @@ def _train(
             )
             last_logged, window_start = done, time.perf_counter()
 
+    saved(checkpointer.wait())  # the run's end waits for a save in flight
     ranks_info: list[dict[str, Any]] = [{}] * ranks.world_size
     mine = {"rank": ranks.rank, "model_state_bytes": model_state, **device.peak_memory()}
     dist.all_gather_object(ranks_info, mine)
@@ -301,8 +358,10 @@ def _train(
             "ranks": ranks_info,
             "metrics_file": str(run_dir / cfg.output.metrics_file),
             "wall_time_s": time.perf_counter() - wall_start,
+            "start_step": start_step,
+            "checkpoints": [dataclasses.asdict(r) for r in checkpointer.records],
         }
         emit("summary", **summary)
         metrics.close()
-    del model, optimizer, scheduler
+    del model, optimizer, scheduler, checkpointer
     return summary

@@ -1,0 +1,365 @@
+"""Checkpoints: sharded DCP saves (sync or async), completeness, keep-last, and loading.
+
+Layout: RUN_DIR/checkpoints/step-00000008/ holds DCP's shard files (`__<rank>_0.distcp`), DCP's
+`.metadata`, and `manifest.json`, which rank 0 writes last, once every rank's shards and the
+metadata are on disk. A checkpoint counts only when it is complete: `.metadata` and the manifest
+present, every file the metadata refers to present and long enough. Incomplete folders are never
+loaded, never counted toward keep-last and never deleted.
+
+What a checkpoint holds (all through DCP, every rank writes its own shards; nothing is gathered):
+- `model.*`, `optim.*`: `torch.distributed.checkpoint.state_dict.get_state_dict` — sharded
+  DTensors, so a different world size reshards on load;
+- `train_state`: a uint8 tensor holding JSON (step, tokens seen, data position as a global sample
+  index, LR scheduler and grad-scaler state) — data, not pickled objects;
+- `rng.rank<R>`: each rank's torch RNG state.
+The functions here that only read (`check_checkpoint`, `list_checkpoints`) need no process group.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from fsdprun import __version__
+from fsdprun.config import CheckpointConfig
+from fsdprun.errors import UserError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_DIR_PREFIX = "step-"
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoint_root(run_dir) / f"{_DIR_PREFIX}{step:08d}"
+
+
+# --------------------------------------------------------------------------------------------
+# Completeness (no process group, no tensor data)
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    path: Path
+    step: int | None
+    complete: bool
+    reason: str = ""  # why it is not complete
+    manifest: dict[str, Any] | None = None
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    return json.loads((path / MANIFEST).read_text())
+
+
+def check_checkpoint(path: Path) -> CheckpointStatus:
+    """Whether `path` is a complete checkpoint, from metadata and file sizes alone."""
+    step = _step_of(path)
+    if not (path / ".metadata").is_file():
+        return CheckpointStatus(path, step, False, "no .metadata (the save did not finish)")
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated or garbled pickle raises anything
+        return CheckpointStatus(path, step, False, f".metadata unreadable ({type(e).__name__})")
+    if not (path / MANIFEST).is_file():
+        return CheckpointStatus(
+            path, step, False, "no manifest.json (it is written last, after every rank finished)"
+        )
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError) as e:
+        return CheckpointStatus(path, step, False, f"manifest.json unreadable ({e})")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        return CheckpointStatus(
+            path, step, False,
+            f"written by a newer fsdprun ({manifest.get('fsdprun_version')}, format "
+            f"{manifest.get('format_version')}); upgrade fsdprun to read it",
+            manifest,
+        )  # fmt: skip
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return CheckpointStatus(path, step, False, f"shard file {name} is missing", manifest)
+        size = file.stat().st_size
+        if size < end:
+            return CheckpointStatus(
+                path, step, False, f"shard file {name} is truncated ({size} of {end} bytes)",
+                manifest,
+            )  # fmt: skip
+    return CheckpointStatus(path, manifest.get("step", step), True, "", manifest)
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if name.startswith(_DIR_PREFIX) and name[len(_DIR_PREFIX) :].isdigit():
+        return int(name[len(_DIR_PREFIX) :])
+    return None
+
+
+def list_checkpoints(run_dir: Path) -> list[CheckpointStatus]:
+    """Every step-* folder of a run, oldest first, with its status."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    folders = [p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None]
+    return [check_checkpoint(p) for p in sorted(folders, key=_step_of)]
+
+
+def find_resume_checkpoint(run_dir: Path, step: int | None = None) -> tuple[CheckpointStatus, list]:
+    """The newest complete checkpoint (or that of `step`), and the incomplete ones skipped.
+
+    Raises:
+        UserError: no usable checkpoint.
+    """
+    statuses = list_checkpoints(run_dir)
+    bad = [s for s in statuses if not s.complete]
+    if step is not None:
+        match = [s for s in statuses if s.step == step]
+        if not match:
+            steps = ", ".join(str(s.step) for s in statuses if s.complete) or "none"
+            raise UserError(f"{run_dir}: no checkpoint of step {step} (complete ones: {steps})")
+        if not match[0].complete:
+            raise UserError(
+                f"{match[0].path} is incomplete: {match[0].reason}; pick another --step"
+            )
+        return match[0], bad
+    good = [s for s in statuses if s.complete]
+    if not good:
+        if bad:
+            raise UserError(
+                f"{run_dir}: no complete checkpoint ({len(bad)} incomplete: "
+                f"{bad[-1].path.name}: {bad[-1].reason})"
+            )
+        raise UserError(
+            f"{run_dir}: no checkpoints to resume from (looked in {checkpoint_root(run_dir)})"
+        )
+    return good[-1], bad
+
+
+# --------------------------------------------------------------------------------------------
+# State <-> DCP
+
+
+def json_tensor(data: dict[str, Any]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(data).encode()), dtype=torch.uint8)
+
+
+def tensor_json(t: torch.Tensor) -> dict[str, Any]:
+    return json.loads(bytes(t.tolist()).decode())
+
+
+def build_state(model, optimizer, train_state: dict[str, Any], rank: int) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        "train_state": json_tensor(train_state),
+        "rng": {f"rank{rank}": torch.get_rng_state()},
+    }
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (empty before the first step) so a checkpoint can be
+    loaded into them: one step with zero gradients at lr 0 leaves the parameters unchanged."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+
+
+def load_checkpoint(path: Path, model, optimizer, *, rank: int) -> dict[str, Any]:
+    """Load model, optimizer and this rank's RNG state in place (resharding as needed); returns
+    the train state."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    init_optimizer_state(optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    train_meta = metadata.state_dict_metadata["train_state"]
+    state: dict[str, Any] = {
+        "model": model_sd,
+        "optim": optim_sd,
+        "train_state": torch.empty(train_meta.size, dtype=torch.uint8),
+    }
+    # A rank that did not exist at save time (a larger world) has no RNG state to restore; the
+    # training step uses no randomness, so it keeps the seeded one.
+    has_rng = f"rng.rank{rank}" in metadata.state_dict_metadata
+    if has_rng:
+        state["rng"] = {f"rank{rank}": torch.empty_like(torch.get_rng_state())}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    if has_rng:
+        torch.set_rng_state(state["rng"][f"rank{rank}"])
+    return tensor_json(state["train_state"])
+
+
+def load_model_weights(path: Path, model) -> None:
+    """Only the model's weights, from any complete fsdprun checkpoint (fine-tuning)."""
+    status = check_checkpoint(path)
+    if not status.complete:
+        raise UserError(
+            f"checkpoint.load_from: {path} is not a complete checkpoint: {status.reason}"
+        )
+    model_sd = get_model_state_dict(model)
+    dcp.load({"model": model_sd}, checkpoint_id=str(path))
+    set_model_state_dict(model, model_sd)
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+
+
+@dataclass
+class SaveRecord:
+    step: int
+    path: str
+    blocked_s: float
+    total_s: float = 0.0
+    bytes: int = 0
+    async_save: bool = False
+
+
+@dataclass
+class _Pending:
+    record: SaveRecord
+    future: Future | None
+    started: float
+
+
+@dataclass
+class Checkpointer:
+    """Saves checkpoints of one run; every rank holds one and calls it at the same steps."""
+
+    run_dir: Path
+    cfg: CheckpointConfig
+    rank: int
+    world_size: int
+    recipe: dict[str, Any]
+    process_group: Any = None  # the dedicated group of async saves
+    records: list[SaveRecord] = field(default_factory=list)
+    _pending: _Pending | None = None
+
+    def should_save(self, step: int, total_steps: int) -> bool:
+        every = self.cfg.every_steps
+        return bool((every and step % every == 0) or (self.cfg.save_final and step == total_steps))
+
+    def save(self, step: int, state: dict[str, Any], train_state: dict[str, Any]) -> SaveRecord:
+        """Start (async) or do (sync) a save of `state` as step `step`."""
+        self.wait()  # at most one save in flight
+        path = step_dir(self.run_dir, step)
+        if path.exists():  # every rank sees the same (shared) run directory
+            if self.rank == 0:
+                _move_aside(path)
+            dist.barrier()  # nobody creates the new folder before the old one is moved
+        started = time.perf_counter()
+        record = SaveRecord(step, str(path), 0.0, async_save=self.cfg.async_save)
+        if self.cfg.async_save:
+            result = dcp.async_save(
+                state, checkpoint_id=str(path), process_group=self.process_group
+            )
+            # Newer torch may return a response object holding the upload future.
+            future = getattr(result, "upload_completion", result)
+            record.blocked_s = time.perf_counter() - started
+            self._pending = _Pending(record, future, started)
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+            record.blocked_s = time.perf_counter() - started
+            self._pending = _Pending(record, None, started)
+            self._finish(train_state)
+        self._train_state = train_state
+        return record
+
+    def poll(self) -> SaveRecord | None:
+        """Finish an async save whose writes are done (call at step boundaries)."""
+        pending = self._pending
+        if pending is not None and pending.future is not None and pending.future.done():
+            return self._finish(self._train_state)
+        return None
+
+    def wait(self) -> SaveRecord | None:
+        """Block until the save in flight, if any, is on disk and finalized."""
+        if self._pending is None:
+            return None
+        return self._finish(self._train_state)
+
+    def _finish(self, train_state: dict[str, Any]) -> SaveRecord:
+        pending, self._pending = self._pending, None
+        if pending.future is not None:
+            pending.future.result()  # re-raises a failed write
+        record = pending.record
+        record.total_s = time.perf_counter() - pending.started
+        path = Path(record.path)
+        # DCP's coordinator (rank 0) writes .metadata only after gathering every rank's write
+        # results, so once rank 0's save has returned, all shards are on disk.
+        if self.rank == 0:
+            files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+            record.bytes = sum(files.values())
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "fsdprun_version": __version__,
+                "torch_version": torch.__version__,
+                "step": record.step,
+                "world_size": self.world_size,
+                "mesh": {"shape": [self.world_size], "dim_names": ["dp"]},
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "save_time_s": record.total_s,
+                "blocked_s": record.blocked_s,
+                "async_save": record.async_save,
+                "files": files,
+                "train_state": train_state,
+                "recipe": self.recipe,
+            }
+            tmp = path / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(manifest, indent=1))
+            tmp.rename(path / MANIFEST)  # atomic: a manifest is either whole or absent
+            self._apply_keep_last()
+        self.records.append(record)
+        return record
+
+    def _apply_keep_last(self) -> None:
+        if self.cfg.keep_last <= 0:
+            return
+        complete = [s for s in list_checkpoints(self.run_dir) if s.complete]
+        for old in complete[: -self.cfg.keep_last]:
+            shutil.rmtree(old.path)
+
+
+def _move_aside(path: Path) -> None:
+    """A folder already at the save path (an earlier attempt's) is kept under another name."""
+    if not path.exists():
+        return
+    n = 1
+    while path.with_name(f"{path.name}.old{n}").exists():
+        n += 1
+    path.rename(path.with_name(f"{path.name}.old{n}"))
+
+
+def new_checkpoint_group(enabled: bool):
+    """A gloo group for async saves, so their collectives never interleave with training's."""
+    return dist.new_group(backend="gloo") if enabled else None

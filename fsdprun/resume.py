@@ -1,0 +1,86 @@
+"""`fsdprun resume RUN_DIR`: continue a run from its newest complete checkpoint.
+
+The run's saved recipe plus the overrides decide the new session; what may change is limited to
+what cannot change the run's trajectory beyond its length (train.steps) or how it is executed
+(world size, checkpointing, logging, FSDP knobs, compile). The global batch is kept: on a new
+world size the micro batch shrinks if it must, so the same samples come next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint
+from fsdprun.config import ResolvedRecipe, config_to_dict, load_recipe, validate
+from fsdprun.errors import UserError
+from fsdprun.worker import RECIPE_FILE
+
+# Keys (or prefixes) a resumed run may change.
+RESUMABLE = (
+    "train.steps", "train.micro_batch_size", "checkpoint.", "launch.", "output.", "compile.",
+    "activation_checkpointing.", "fsdp.",
+)  # fmt: skip
+
+
+@dataclass
+class ResumePlan:
+    resolved: ResolvedRecipe
+    checkpoint: CheckpointStatus
+    skipped: list[CheckpointStatus]
+    notes: list[str]
+
+
+def _flat(d: dict) -> dict[str, object]:
+    return {f"{s}.{k}": v for s, body in d.items() for k, v in body.items()}
+
+
+def plan_resume(run_dir: Path, overrides: list[str], *, step: int | None = None) -> ResumePlan:
+    """Resolve the resumed run's recipe and checkpoint.
+
+    Raises:
+        UserError: not a run directory, no usable checkpoint, or a change that cannot continue.
+    """
+    recipe = run_dir / RECIPE_FILE
+    if not recipe.is_file():
+        raise UserError(f"{run_dir}: not an fsdprun run directory (no {RECIPE_FILE})")
+    checkpoint, skipped = find_resume_checkpoint(run_dir, step)
+    resolved = load_recipe(str(recipe), overrides, check=False)
+    resolved.name = run_dir.name
+    cfg = resolved.config
+    cfg.output.run_dir = str(run_dir)
+    notes = []
+    world, gbs, micro = cfg.world_size, cfg.train.global_batch_size, cfg.train.micro_batch_size
+    micro_given = any(o.startswith("train.micro_batch_size=") for o in overrides)
+    if gbs % (micro * world) and not micro_given:
+        if gbs % world:
+            raise UserError(
+                f"the global batch ({gbs} sequences) cannot be split over {world} ranks; resume "
+                f"on a world size that divides {gbs}"
+            )
+        per_rank = gbs // world
+        new_micro = max(m for m in range(1, micro + 1) if per_rank % m == 0)
+        notes.append(
+            f"train.micro_batch_size {micro} -> {new_micro} to keep the global batch {gbs} on "
+            f"{world} ranks ({per_rank // new_micro} accumulation steps)"
+        )
+        cfg.train.micro_batch_size = new_micro
+    errors = validate(cfg)
+    if errors:
+        raise UserError("; ".join(errors))
+
+    saved = _flat(checkpoint.manifest["recipe"])
+    for key, value in _flat(config_to_dict(cfg)).items():
+        if key.startswith(RESUMABLE) or key not in saved or saved[key] == value:
+            continue
+        raise UserError(
+            f"resume cannot change {key} ({saved[key]!r} -> {value!r}): the checkpoint holds a "
+            "different run; start a new run with checkpoint.load_from="
+            f"{checkpoint.path} to start from its weights"
+        )
+    if checkpoint.step >= cfg.train.steps:
+        raise UserError(
+            f"{checkpoint.path.name} is already at step {checkpoint.step} of train.steps="
+            f"{cfg.train.steps}; pass train.steps=N (N > {checkpoint.step}) to train further"
+        )
+    return ResumePlan(resolved, checkpoint, skipped, notes)
