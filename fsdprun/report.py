@@ -54,6 +54,19 @@ class Reporter:
             self.step(event)
         elif kind == "summary":
             self.summary(event)
+        elif kind == "checkpoint":
+            self.console.print(
+                f"checkpoint step {event['step']}: {fmt_bytes(event['bytes'])} in "
+                f"{event['total_s']:.2f} s (training blocked {event['blocked_s']:.2f} s) -> "
+                f"{event['path']}"
+            )
+        elif kind == "resume":
+            self.console.print(
+                f"resumed from {event['checkpoint']} at step {event['step']} (saved on "
+                f"{event['saved_world_size']} ranks, now {event['world_size']})"
+            )
+        elif kind == "load_weights":
+            self.console.print(f"model weights loaded from {event['checkpoint']}")
 
     def start(self, e: dict[str, Any]) -> None:
         c = self.console
@@ -150,6 +163,17 @@ class Reporter:
                 fmt_bytes(ms["optimizer"]), fmt_bytes(ms["total"]),
             )  # fmt: skip
         self.console.print(mem)
+        if e.get("checkpoints"):
+            ck = Table(title="Checkpoints", title_justify="left")
+            for col in ("step", "mode", "size", "blocked", "total", "write rate"):
+                ck.add_column(col, justify="right")
+            for c in e["checkpoints"]:
+                rate = c["bytes"] / c["total_s"] / 1e9 if c["total_s"] > 0 else 0.0
+                ck.add_row(
+                    str(c["step"]), "async" if c["async_save"] else "sync", fmt_bytes(c["bytes"]),
+                    f"{c['blocked_s']:.3f} s", f"{c['total_s']:.3f} s", f"{rate:.2f} GB/s",
+                )  # fmt: skip
+            self.console.print(ck)
         if not gpu:
             self.console.print(
                 "  peak RSS is the whole worker process (torch runtime included); model state is "

@@ -1,0 +1,206 @@
+"""Checkpoints through the real commands (CPU, gloo, fp32): exact continuation after a crash, at
+the same and at a different world size; async equals sync; incomplete folders are skipped."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Run, fsdprun_env, run_fsdprun
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from fsdprun.checkpoint import find_resume_checkpoint, list_checkpoints, step_dir
+
+# 8 steps, a checkpoint every 4, global batch 8 with micro batch 1.
+BASE = ("train.steps=8", "checkpoint.every_steps=4", "output.log_every=1",
+        "train.micro_batch_size=1")  # fmt: skip
+
+
+def model_tensors(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    return torch.load(out, weights_only=True)["model"]
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    # A resumed run appends to metrics.jsonl: later records of a step win.
+    return {e["step"]: e["loss"] for e in Run(None, run_dir).steps}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Run:
+    root = tmp_path_factory.mktemp("straight")
+    proc = run_fsdprun("train", "debug", *BASE, "--run-dir", str(root / "run"), cwd=root)
+    return Run(proc, root / "run").check()
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory) -> Path:
+    """A run killed at the start of step 5 (rank 0 raises), with the step-4 checkpoint."""
+    root = tmp_path_factory.mktemp("crashed")
+    proc = run_fsdprun(
+        "train", "debug", *BASE, "--run-dir", str(root / "run"), cwd=root,
+        env=fsdprun_env(FSDPRUN_FAIL_AT="0:5"),
+    )  # fmt: skip
+    assert proc.returncode == 1 and "injected failure at step 5" in proc.stderr
+    assert [s.step for s in list_checkpoints(root / "run")] == [4]
+    return root / "run"
+
+
+def resume_copy(crashed: Path, tmp_path: Path, *args: str) -> tuple:
+    run_dir = tmp_path / "run"
+    shutil.copytree(crashed, run_dir)
+    proc = run_fsdprun("resume", str(run_dir), *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc, run_dir
+
+
+def test_resume_continues_exactly(straight: Run, crashed: Path, tmp_path):
+    proc, run_dir = resume_copy(crashed, tmp_path)
+    assert "resuming" in proc.stdout and "from step-00000004" in proc.stdout
+    want, got = losses_by_step(straight.run_dir), losses_by_step(run_dir)
+    for step in range(1, 9):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), step
+    final = model_tensors(step_dir(run_dir, 8), tmp_path)
+    ref = model_tensors(step_dir(straight.run_dir, 8), tmp_path)
+    assert final.keys() == ref.keys()
+    for key in ref:
+        torch.testing.assert_close(final[key], ref[key], rtol=0, atol=1e-6, msg=key)
+    # The old recipe is kept beside the new one, and the resume is in the metrics.
+    assert (run_dir / "recipe.1.yaml").exists()
+    assert any(e["event"] == "resume" and e["step"] == 4 for e in Run(None, run_dir).events)
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_resume_on_another_world_size(straight: Run, crashed: Path, tmp_path, nproc):
+    proc, run_dir = resume_copy(crashed, tmp_path, "--nproc-per-node", str(nproc))
+    assert f"on {nproc} ranks" in proc.stdout
+    want, got = losses_by_step(straight.run_dir), losses_by_step(run_dir)
+    # Another world size sums in another order: equal up to fp32 rounding.
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    final = model_tensors(step_dir(run_dir, 8), tmp_path)
+    ref = model_tensors(step_dir(straight.run_dir, 8), tmp_path)
+    for key in ref:
+        torch.testing.assert_close(final[key], ref[key], rtol=1e-4, atol=1e-5, msg=key)
+    manifest = list_checkpoints(run_dir)[-1].manifest
+    assert manifest["world_size"] == nproc and manifest["train_state"]["data_position"] == 64
+
+
+def test_async_save_writes_what_sync_save_writes(straight: Run, tmp_path):
+    proc = run_fsdprun("train", "debug", *BASE, "checkpoint.async=true", "--run-dir",
+                       str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
+    run = Run(proc, tmp_path / "run").check()
+    saves = [e for e in run.events if e["event"] == "checkpoint"]
+    assert [s["step"] for s in saves] == [4, 8] and all(s["async_save"] for s in saves)
+    assert all(s["blocked_s"] <= s["total_s"] for s in saves)
+    assert "Checkpoints" in proc.stdout and "async" in proc.stdout
+    for step in (4, 8):
+        # Training went on while step 4 was written: equal contents prove it was staged first.
+        got = torch.load(
+            _to_torch(step_dir(run.run_dir, step), tmp_path / "a.pt"), weights_only=True
+        )
+        want = torch.load(_to_torch(step_dir(straight.run_dir, step), tmp_path / "s.pt"),
+                          weights_only=True)  # fmt: skip
+        assert _flat(got).keys() == _flat(want).keys()
+        for key, value in _flat(want).items():
+            if isinstance(value, torch.Tensor) and not key.startswith(("train_state", "rng")):
+                assert torch.equal(_flat(got)[key], value), key
+
+
+def _to_torch(ckpt: Path, out: Path) -> Path:
+    dcp_to_torch_save(str(ckpt), str(out))
+    return out
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_keep_last_and_incomplete_checkpoints(straight: Run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight.run_dir, run_dir)
+    assert [s.step for s in list_checkpoints(run_dir) if s.complete] == [4, 8]
+    ck8 = step_dir(run_dir, 8)
+    shard = next(ck8.glob("__1_*.distcp"))
+    cases = {
+        "no .metadata": lambda: (ck8 / ".metadata").unlink(),
+        "is missing": lambda: shard.unlink(),
+        "is truncated": lambda: shard.write_bytes(shard.read_bytes()[:100]),
+        "no manifest.json": lambda: (ck8 / "manifest.json").unlink(),
+    }
+    for reason, damage in cases.items():
+        shutil.rmtree(ck8)
+        shutil.copytree(step_dir(straight.run_dir, 8), ck8)
+        damage()
+        chosen, skipped = find_resume_checkpoint(run_dir)
+        assert chosen.step == 4, reason
+        assert [s.step for s in skipped] == [8] and reason in skipped[0].reason
+    # Resume through the command: it reports the skipped folder and continues from step 4.
+    proc = run_fsdprun("resume", str(run_dir), "output.log_every=4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "skipping incomplete checkpoint" in proc.stderr and "step-00000008" in proc.stderr
+    # The damaged folder was moved aside, not overwritten; keep_last=1 would delete only complete.
+    assert list(ck8.parent.glob("step-00000008.old*"))
+    assert step_dir(run_dir, 8).exists() and list_checkpoints(run_dir)[-1].complete
+
+
+def test_train_into_a_run_with_checkpoints_points_to_resume(straight: Run, tmp_path):
+    proc = run_fsdprun("train", "debug", "--run-dir", str(straight.run_dir), cwd=tmp_path)
+    assert proc.returncode == 2 and f"fsdprun resume {straight.run_dir}" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["model.dim=128"], "resume cannot change model.dim (64 -> 128)"),
+        (["optim.lr=1.0"], "resume cannot change optim.lr"),
+        (["--step", "3"], "no checkpoint of step 3 (complete ones: 4, 8)"),
+        ([], "already at step 8 of train.steps=8; pass train.steps=N"),
+        (["--nproc-per-node", "3"], "global batch (8 sequences) cannot be split over 3 ranks"),
+    ],
+)
+def test_resume_refusals(straight: Run, tmp_path, args, message):
+    before = sorted(p.name for p in straight.run_dir.rglob("*"))
+    proc = run_fsdprun("resume", str(straight.run_dir), *args, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in straight.run_dir.rglob("*")) == before
+
+
+def test_resume_without_checkpoints(straight: Run, tmp_path):
+    proc = run_fsdprun("resume", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2 and "not an fsdprun run directory (no recipe.yaml)" in proc.stderr
+    (tmp_path / "run").mkdir()
+    shutil.copy(straight.run_dir / "recipe.yaml", tmp_path / "run")
+    proc = run_fsdprun("resume", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 2 and "no checkpoints to resume from" in proc.stderr
+    shutil.copytree(step_dir(straight.run_dir, 4), step_dir(tmp_path / "run", 4))
+    (step_dir(tmp_path / "run", 4) / ".metadata").unlink()
+    proc = run_fsdprun("resume", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "no complete checkpoint (1 incomplete: step-00000004: no .metadata" in proc.stderr
+
+
+def test_load_from_initializes_the_model_only(straight: Run, tmp_path):
+    source = step_dir(straight.run_dir, 4)
+    # A negligible learning rate leaves the loaded weights as they are (to fp32 rounding).
+    proc = run_fsdprun(
+        "train", "debug", "train.steps=1", "optim.lr=1e-30", "schedule.warmup_steps=0",
+        f"checkpoint.load_from={source}", "--run-dir", str(tmp_path / "ft"), cwd=tmp_path,
+    )  # fmt: skip
+    run = Run(proc, tmp_path / "ft").check()
+    assert any(e["event"] == "load_weights" for e in run.events)
+    assert run.steps[-1]["step"] == 1  # a fresh schedule and data position
+    got = model_tensors(step_dir(run.run_dir, 1), tmp_path)
+    want = model_tensors(source, tmp_path)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=key)
