@@ -12,6 +12,7 @@ failing worker exits 1 with the rank, the error and its log file.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from pathlib import Path
@@ -191,6 +192,99 @@ def recipes() -> None:
     width = max(map(len, entries), default=0)
     for name, desc in entries.items():
         print(f"{name:<{width}}  {desc}")
+
+
+@app.command("inspect-checkpoint")
+@guarded
+def inspect_checkpoint(
+    path: Annotated[
+        Path,
+        typer.Argument(
+            help="A checkpoint folder (RUN_DIR/checkpoints/step-N), a run directory "
+            "or its checkpoints/ folder.",
+            show_default=False,
+        ),
+    ],
+    json_: Annotated[
+        bool, typer.Option("--json", help="Print one JSON document instead of tables.")
+    ] = False,
+    tensors: Annotated[
+        str | None,
+        typer.Option(
+            "--tensors",
+            help="List only tensors whose key matches this glob, e.g. 'model.layers.0.*'.",
+        ),
+    ] = None,
+    diff: Annotated[
+        Path | None,
+        typer.Option(
+            "--diff",
+            help="Another checkpoint: show tensors added, removed, or changed in shape or dtype.",
+        ),
+    ] = None,
+) -> None:
+    """Show what a checkpoint holds and whether it is complete, from its metadata alone.
+
+    Exit 0: complete (every checkpoint of a run directory); 1: incomplete or corrupt; 2: not a
+    checkpoint.
+    """
+    from fsdprun.inspect_ckpt import inspect_path, problem, render
+
+    doc = inspect_path(path, tensors=tensors, diff=diff)
+    reason = problem(doc)
+    if json_:
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+    elif doc["kind"] == "run" or doc["complete"]:
+        render(doc, Console(highlight=False))
+    if reason:
+        raise _fail(reason, 1)
+
+
+@app.command()
+@guarded
+def export(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A complete checkpoint folder (RUN_DIR/checkpoints/step-N).")
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", help="Output folder; must be new or empty (never overwritten).")
+    ],
+    format_: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="safetensors (streamed, low memory) or torch "
+            "(pytorch_model.bin via torch.save; one output shard in memory).",
+        ),
+    ] = "safetensors",
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype", help="Convert floating tensors to bf16 or fp32 [default: as saved]."
+        ),
+    ] = None,
+    max_shard_size: Annotated[
+        str,
+        typer.Option(
+            "--max-shard-size",
+            help="Split into files of at most this size (5GB, "
+            "500MB, 2GiB) with a HuggingFace-style index.",
+        ),
+    ] = "5GB",
+) -> None:
+    """Write a checkpoint's model weights as full tensors: no model, GPU or process group."""
+    from fsdprun.export import export_checkpoint
+    from fsdprun.report import fmt_bytes, fmt_count
+
+    result = export_checkpoint(
+        checkpoint, out, fmt=format_, dtype=dtype, max_shard_size=max_shard_size
+    )
+    for key in result.skipped:
+        err_console.print(f"warning: {key} is not a tensor; not exported")
+    print(
+        f"exported {result.num_tensors} tensors ({fmt_count(result.num_params)} params, "
+        f"{fmt_bytes(result.total_bytes)}) from {checkpoint} to {out}: {', '.join(result.files)}"
+    )
 
 
 def main() -> None:

@@ -63,7 +63,8 @@ class Reporter:
         elif kind == "resume":
             self.console.print(
                 f"resumed from {event['checkpoint']} at step {event['step']} (saved on "
-                f"{event['saved_world_size']} ranks, now {event['world_size']})"
+                f"{event['saved_world_size']} ranks, now {event['world_size']}; loaded in "
+                f"{event['load_s']:.2f} s)"
             )
         elif kind == "load_weights":
             self.console.print(f"model weights loaded from {event['checkpoint']}")

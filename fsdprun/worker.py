@@ -236,7 +236,10 @@ def _train(
     )  # fmt: skip
     start_step = 0
     if resume_from is not None:
+        load_start = time.perf_counter()
         resumed = load_checkpoint(resume_from, model, optimizer, rank=ranks.rank)
+        device.synchronize()
+        load_s = time.perf_counter() - load_start
         scheduler.load_state_dict(resumed["scheduler"])
         if scaler is not None and resumed.get("grad_scaler"):
             scaler.load_state_dict(resumed["grad_scaler"])
@@ -244,7 +247,7 @@ def _train(
         # The data position is a global sample index: the same samples come next at any world
         # size because the global batch is kept.
         assert resumed["data_position"] == start_step * cfg.train.global_batch_size, resumed
-        emit("resume", step=start_step, checkpoint=str(resume_from),
+        emit("resume", step=start_step, checkpoint=str(resume_from), load_s=load_s,
              saved_world_size=resumed["world_size"], world_size=ranks.world_size)  # fmt: skip
     elif cfg.checkpoint.load_from:
         load_model_weights(Path(cfg.checkpoint.load_from), model)

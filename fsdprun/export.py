@@ -1,0 +1,271 @@
+"""Export a checkpoint's model weights as consolidated full tensors (safetensors or torch).
+
+    fsdprun export runs/x/checkpoints/step-00001000 --out runs/x/export
+    fsdprun export CKPT --out OUT --dtype bf16 --max-shard-size 2GB --format torch
+
+No model is built and no process group or GPU is needed. safetensors files are streamed: the
+header (names, dtypes, shapes, byte offsets) is computed from DCP's metadata up front, then DCP
+reads a few tensors at a time — resharding the chunks of every rank's file into the full tensor —
+and their bytes are appended, so peak memory is about one load group (at least the largest
+tensor), not the model. `torch` output goes through torch.save, which needs a whole output shard
+in memory. Names are the model's own (`model.` stripped), e.g. `layers.0.attention.wq.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from fsdprun import __version__
+from fsdprun.checkpoint import check_checkpoint
+from fsdprun.errors import UserError
+from fsdprun.inspect_ckpt import require_checkpoint_dir
+
+MODEL_PREFIX = "model."
+FORMATS = ("safetensors", "torch")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Tensors DCP loads per call: bigger groups mean fewer calls, more memory (a tensor larger than
+# this is loaded alone).
+LOAD_GROUP_BYTES = 64 * 1024**2
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One exported tensor: where it comes from and what it becomes."""
+
+    key: str  # the checkpoint key, model.*
+    name: str  # the exported name
+    shape: tuple[int, ...]
+    saved_dtype: torch.dtype
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out: Path
+    files: list[str]
+    num_tensors: int
+    num_params: int
+    total_bytes: int  # tensor bytes, as in the index's total_size
+    skipped: list[str]  # model.* entries that are not tensors
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000 (decimal units as HuggingFace uses; KiB/MiB/GiB are binary).
+
+    Raises:
+        UserError: not a size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match and match.group(2).upper()
+    if not match or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise UserError(
+            f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB or 2GiB"
+        )
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def plan_tensors(
+    metadata: Metadata, *, dtype: torch.dtype | None
+) -> tuple[list[TensorPlan], list[str]]:
+    """The model tensors in checkpoint order (floating ones converted to `dtype` if given), and
+    the model.* keys that are not tensors (skipped)."""
+    plans, skipped = [], []
+    for key, md in metadata.state_dict_metadata.items():
+        if not key.startswith(MODEL_PREFIX):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            skipped.append(key)
+            continue
+        saved = md.properties.dtype
+        target = dtype if dtype is not None and saved.is_floating_point else saved
+        plans.append(TensorPlan(key, key[len(MODEL_PREFIX) :], tuple(md.size), saved, target))
+    return plans, skipped
+
+
+def split_shards(plans: list[TensorPlan], max_shard_bytes: int) -> list[list[TensorPlan]]:
+    """Consecutive tensors packed into shards of at most `max_shard_bytes` (a larger tensor gets
+    a shard of its own, as HuggingFace does)."""
+    shards: list[list[TensorPlan]] = [[]]
+    size = 0
+    for plan in plans:
+        if shards[-1] and size + plan.num_bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(plan)
+        size += plan.num_bytes
+    return shards
+
+
+def shard_file_names(fmt: str, num_shards: int) -> tuple[list[str], str | None]:
+    """File names of the shards and of the index (None for a single file): HF's convention."""
+    stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+    if num_shards == 1:
+        return [f"{stem}.{ext}"], None
+    names = [f"{stem}-{i:05d}-of-{num_shards:05d}.{ext}" for i in range(1, num_shards + 1)]
+    return names, f"{stem}.{ext}.index.json"
+
+
+def safetensors_header(plans: list[TensorPlan], metadata: dict[str, str]) -> bytes:
+    """The 8-byte little-endian length plus the JSON header, padded with spaces to 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for plan in plans:
+        header[plan.name] = {
+            "dtype": _SAFETENSORS_DTYPES[plan.dtype],
+            "shape": list(plan.shape),
+            "data_offsets": [offset, offset + plan.num_bytes],
+        }
+        offset += plan.num_bytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+class _CachedReader(FileSystemReader):
+    """Reads `.metadata` once: DCP re-reads it on every load call, and at scale it is large."""
+
+    _metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def iter_tensors(
+    reader: FileSystemReader, plans: list[TensorPlan], *, group_bytes: int = LOAD_GROUP_BYTES
+) -> Iterator[tuple[TensorPlan, torch.Tensor]]:
+    """Full tensors in `plans` order, loaded by DCP in groups of about `group_bytes`."""
+    start = 0
+    while start < len(plans):
+        end, size = start, 0
+        while end < len(plans) and (end == start or size + plans[end].num_bytes <= group_bytes):
+            size += plans[end].num_bytes
+            end += 1
+        group = plans[start:end]
+        state = {p.key: torch.empty(p.shape, dtype=p.saved_dtype) for p in group}
+        with warnings.catch_warnings():
+            # Loading in one process without a process group is the point here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        for p in group:
+            yield p, state.pop(p.key).to(p.dtype)  # pop: free each tensor once it is written
+        start = end
+
+
+def _write_safetensors(file, reader, plans: list[TensorPlan], metadata: dict[str, str]) -> None:
+    file.write(safetensors_header(plans, metadata))
+    for _, tensor in iter_tensors(reader, plans):
+        # Raw bytes in place (no copy): a byte view of the contiguous tensor, via numpy's buffer.
+        file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        del tensor  # not held while the next group loads
+
+
+def export_checkpoint(
+    path: Path,
+    out: Path,
+    *,
+    fmt: str = "safetensors",
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+) -> ExportResult:
+    """Write the model weights of checkpoint `path` as full tensors into the new folder `out`.
+
+    Args:
+        fmt: `safetensors` (streamed) or `torch` (torch.save per shard).
+        dtype: `bf16` or `fp32` to convert floating tensors; None keeps the saved dtypes.
+        max_shard_size: split the output into files of at most this size (e.g. "5GB").
+
+    Raises:
+        UserError: a bad option, an incomplete checkpoint, or an `out` that is not new or empty.
+    """
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    max_shard_bytes = parse_size(max_shard_size)
+    require_checkpoint_dir(path)
+    status = check_checkpoint(path)
+    if not status.complete:
+        raise UserError(f"{path} is not a complete checkpoint: {status.reason}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} already exists and is not an empty folder; nothing written")
+    if fmt == "safetensors" and sys.byteorder != "little":
+        raise UserError("safetensors export needs a little-endian machine")
+
+    reader = _CachedReader(str(path))
+    plans, skipped = plan_tensors(reader.read_metadata(), dtype=DTYPES.get(dtype))
+    if not plans:
+        raise UserError(f"{path}: no model.* tensors to export")
+    shards = split_shards(plans, max_shard_bytes)
+    names, index_name = shard_file_names(fmt, len(shards))
+    file_metadata = {
+        "format": "pt",  # what transformers expects of a PyTorch safetensors file
+        "fsdprun_version": __version__,
+        "source": path.name,
+        "step": str(status.step),
+    }
+
+    created_out = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        for name, shard in zip(names, shards, strict=True):
+            # Each file appears under its name only once complete.
+            partial = out / f"{name}.partial"
+            written.append(partial)
+            if fmt == "safetensors":
+                with partial.open("wb") as f:
+                    _write_safetensors(f, reader, shard, file_metadata)
+            else:
+                # torch.save needs the whole shard in memory at once.
+                torch.save({p.name: t for p, t in iter_tensors(reader, shard)}, partial)
+            written[-1] = partial.rename(out / name)
+        if index_name is not None:
+            weight_map = {p.name: n for n, shard in zip(names, shards, strict=True) for p in shard}
+            index = {
+                "metadata": {"total_size": sum(p.num_bytes for p in plans)},
+                "weight_map": weight_map,
+            }
+            written.append(out / index_name)
+            (out / index_name).write_text(json.dumps(index, indent=2) + "\n")
+    except BaseException:
+        for file in written:
+            file.unlink(missing_ok=True)
+        if created_out:
+            out.rmdir()
+        raise
+    return ExportResult(
+        out=out,
+        files=[*names, *([index_name] if index_name else [])],
+        num_tensors=len(plans),
+        num_params=sum(math.prod(p.shape) for p in plans),
+        total_bytes=sum(p.num_bytes for p in plans),
+        skipped=skipped,
+    )
