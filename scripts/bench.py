@@ -1,0 +1,292 @@
+"""Benchmark fsdprun against a plain, hand-written FSDP2 loop doing the same work.
+
+Runs the recipe twice per repeat, interleaved to even out drift: once exactly as a user would
+(`fsdprun train RECIPE ... --run-dir TMP`, reading the summary from TMP/metrics.jsonl), once as
+the plain loop of `scripts/plain_fsdp2.py` (same model, data, batch layout, precision, compile
+and activation checkpointing; started here with torch's `elastic_launch`). Prints each side's
+best tokens/s and its peak memory (max over ranks) with the ratios fsdprun/plain; exits 0
+whatever the ratio.
+
+    python scripts/bench.py                              # recipe `debug`
+    python scripts/bench.py debug --steps 30 --repeats 3 --out bench.json
+    python scripts/bench.py my.yaml model.dim=512 --nproc-per-node 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from plain_fsdp2 import PlainSpec, worker
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from fsdprun.config import CheckpointMode, CompileMode, OptimImpl, RecipeConfig, load_recipe
+from fsdprun.device import resolve_device_kind
+from fsdprun.errors import UserError
+from fsdprun.metrics import read_events
+from fsdprun.models import build_model_args
+
+console = Console(highlight=False)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", nargs="?", default="debug", help="recipe name or YAML path")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE recipe overrides")
+    parser.add_argument("--nproc-per-node", type=int, help="ranks (default: the recipe's)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (train.steps)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each side (best kept)")
+    parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    # Intermixed: options may come between the recipe and its overrides.
+    return parser.parse_intermixed_args(argv)
+
+
+def build_overrides(args: argparse.Namespace) -> list[str]:
+    """The user's overrides plus the flags, as overrides: the same list goes to both sides."""
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.nproc_per_node is not None:
+        overrides.append(f"launch.nproc_per_node={args.nproc_per_node}")
+    return overrides
+
+
+def build_plain_spec(cfg: RecipeConfig, device_kind: str) -> PlainSpec:
+    impl = cfg.optim.implementation
+    if impl is OptimImpl.auto:
+        impl = OptimImpl.fused if device_kind == "cuda" else OptimImpl.foreach
+    return PlainSpec(
+        model_args=build_model_args(cfg.model),
+        device_kind=device_kind,
+        param_dtype=cfg.precision.param_dtype.value,
+        reduce_dtype=cfg.precision.reduce_dtype.value,
+        reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        ac_mode=cfg.activation_checkpointing.mode.value,
+        ac_every_n=cfg.activation_checkpointing.every_n,
+        compile=cfg.compile.enabled,
+        compile_per_block=cfg.compile.per_block,
+        compile_fullgraph=cfg.compile.fullgraph,
+        compile_mode=None if cfg.compile.mode is CompileMode.default else cfg.compile.mode.value,
+        optim_impl=impl.value,
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.betas[0], cfg.optim.betas[1]),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+        warmup_steps=cfg.schedule.warmup_steps,
+        decay=cfg.schedule.decay.value,
+        min_lr_ratio=cfg.schedule.min_lr_ratio,
+        steps=cfg.train.steps,
+        global_batch_size=cfg.train.global_batch_size,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seq_len=cfg.train.seq_len,
+        grad_clip=cfg.train.grad_clip,
+        seed=cfg.train.seed,
+        noise=cfg.data.noise,
+        timing_warmup_steps=cfg.output.timing_warmup_steps,
+    )
+
+
+def unmatched_settings(cfg: RecipeConfig) -> list[str]:
+    """Recipe settings the plain loop does not reproduce (it wraps per block, no prefetch)."""
+    fsdp = cfg.fsdp
+    notes = []
+    if fsdp.wrap.value != "block":
+        notes.append(f"fsdp.wrap={fsdp.wrap.value}")
+    if fsdp.forward_prefetch or fsdp.backward_prefetch != 1:
+        notes.append("explicit fsdp prefetch")
+    if fsdp.cpu_offload:
+        notes.append("fsdp.cpu_offload")
+    return notes
+
+
+def busy_cores(interval_s: float = 0.5) -> float | None:
+    """Cores' worth of CPU time used by anything over `interval_s` (Linux /proc/stat; else None)."""
+
+    def sample() -> tuple[int, int]:
+        # First line: cpu user nice system idle iowait irq softirq steal ... (clock ticks).
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+        return sum(ticks), ticks[3] + ticks[4]
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError):
+        return None
+    if total1 == total0:
+        return None
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / (total1 - total0))
+
+
+def run_fsdprun(recipe: str, overrides: list[str], run_dir: Path, device_kind: str) -> dict:
+    """`fsdprun train` as a subprocess, as a user runs it; returns the figures of its summary."""
+    exe = Path(sys.executable).parent / "fsdprun"
+    if not exe.exists():
+        raise UserError(f"no fsdprun console script beside {sys.executable}; pip install -e .")
+    cmd = [str(exe), "train", recipe, *overrides, "--run-dir", str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    summary = read_events(run_dir / "metrics.jsonl")[-1]
+    assert summary["event"] == "summary", summary["event"]
+    key = "peak_allocated_bytes" if device_kind == "cuda" else "peak_rss_bytes"
+    return {
+        "tokens_per_s": summary["throughput"]["tokens_per_s"],
+        "peak_memory_bytes": max(r[key] for r in summary["ranks"]),
+        "final_loss": summary["final_loss"],
+        "steps_measured": summary["throughput"]["steps_measured"],
+        "step_times_s": summary["step_times_s"],
+    }
+
+
+def run_plain(spec: PlainSpec, nproc: int, log_dir: Path) -> dict:
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id="bench-plain",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        start_method="spawn",
+        monitor_interval=0.1,  # as fsdprun's launcher: the agent polls its workers this often
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
+    )
+    return elastic_launch(config, worker)(spec)[0]
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def report(results: dict) -> None:
+    best = results["best"]
+    table = Table(title=f"fsdprun vs plain FSDP2 — {results['recipe']}")
+    table.add_column("")
+    table.add_column("fsdprun", justify="right")
+    table.add_column("plain", justify="right")
+    table.add_column("fsdprun/plain", justify="right")
+    f, p = best["fsdprun"], best["plain"]
+    table.add_row(
+        "tokens/s (best)",
+        f"{f['tokens_per_s']:,.0f}",
+        f"{p['tokens_per_s']:,.0f}",
+        f"{results['tokens_per_s_ratio']:.2f}",
+    )
+    table.add_row(
+        "tokens/s (each run)",
+        " ".join(f"{r['tokens_per_s']:,.0f}" for r in results["runs"]["fsdprun"]),
+        " ".join(f"{r['tokens_per_s']:,.0f}" for r in results["runs"]["plain"]),
+        "",
+    )
+    table.add_row(
+        f"peak {results['memory_kind']} (max rank)",
+        _size(f["peak_memory_bytes"]),
+        _size(p["peak_memory_bytes"]),
+        f"{results['memory_ratio']:.2f}",
+    )
+    table.add_row("final loss", f"{f['final_loss']:.4f}", f"{p['final_loss']:.4f}", "")
+    console.print(table)
+    console.print(f"fsdprun/plain tokens/s = {results['tokens_per_s_ratio']:.2f}")
+    console.print(f"fsdprun/plain peak memory = {results['memory_ratio']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = build_overrides(args)
+    try:
+        resolved = load_recipe(args.recipe, overrides)
+        cfg = resolved.config
+        kind = resolve_device_kind(cfg.launch.device.value)
+        if cfg.launch.nnodes != 1:
+            raise UserError(
+                f"bench runs on one node; the recipe has launch.nnodes={cfg.launch.nnodes}"
+            )
+        if args.repeats < 1:
+            raise UserError(f"--repeats must be at least 1, not {args.repeats}")
+    except UserError as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    nproc = cfg.launch.nproc_per_node
+    spec = build_plain_spec(cfg, kind)
+    if cfg.activation_checkpointing.mode is CheckpointMode.none and not cfg.compile.enabled:
+        mode = "eager"
+    else:
+        mode = f"AC {cfg.activation_checkpointing.mode.value}, compile {cfg.compile.enabled}"
+    console.print(
+        f"{resolved.name}: {nproc} x {kind}, {cfg.train.steps} steps "
+        f"(first {cfg.output.timing_warmup_steps} not timed), {cfg.precision.param_dtype.value}, "
+        f"{mode}, {args.repeats} runs each"
+    )
+    for note in unmatched_settings(cfg):
+        console.print(f"[yellow]note:[/yellow] the plain loop ignores {note}")
+    # As fsdprun's launcher does (the elastic agent sets no OMP_NUM_THREADS): CPU ranks split
+    # the cores, GPU ranks get one thread. Set here, the fsdprun subprocess inherits it too.
+    threads = max(1, (os.cpu_count() or 1) // nproc) if kind == "cpu" else 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    busy = busy_cores() if kind == "cpu" else None
+    if busy is not None and busy > 0.25:
+        # CPU ranks share the cores with everything else: other work shows up as noise.
+        console.print(
+            f"[yellow]note:[/yellow] {busy:.1f} of {os.cpu_count()} cores were busy before "
+            "starting; other processes will make the figures noisy"
+        )
+
+    runs: dict[str, list[dict]] = {"fsdprun": [], "plain": []}
+    with tempfile.TemporaryDirectory(prefix="fsdprun-bench-") as tmp:
+        for i in range(args.repeats):
+            for side in ("fsdprun", "plain"):
+                start = time.perf_counter()
+                try:
+                    if side == "fsdprun":
+                        run_dir = Path(tmp) / f"fsdprun-{i}"
+                        result = run_fsdprun(args.recipe, overrides, run_dir, kind)
+                    else:
+                        result = run_plain(spec, nproc, Path(tmp) / f"plain-{i}")
+                except (UserError, ChildFailedError) as e:
+                    console.print(f"[red]error:[/red] {side} run {i + 1} failed: {e}")
+                    return 1
+                # End to end, start-up included (the plain side's launcher has torch imported).
+                result["wall_s"] = time.perf_counter() - start
+                runs[side].append(result)
+                console.print(
+                    f"  run {i + 1}/{args.repeats} {side:8} {result['tokens_per_s']:>10,.0f} "
+                    f"tokens/s  peak {_size(result['peak_memory_bytes'])}  "
+                    f"({result['wall_s']:.1f} s end to end)"
+                )
+
+    best = {side: max(rs, key=lambda r: r["tokens_per_s"]) for side, rs in runs.items()}
+    results = {
+        "recipe": resolved.name,
+        "overrides": overrides,
+        "device": kind,
+        "nproc_per_node": nproc,
+        "steps": cfg.train.steps,
+        "timing_warmup_steps": cfg.output.timing_warmup_steps,
+        "memory_kind": "allocated" if kind == "cuda" else "RSS",
+        "runs": runs,
+        "best": best,
+        "tokens_per_s_ratio": best["fsdprun"]["tokens_per_s"] / best["plain"]["tokens_per_s"],
+        "memory_ratio": best["fsdprun"]["peak_memory_bytes"] / best["plain"]["peak_memory_bytes"],
+    }
+    report(results)
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        console.print(f"results in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
