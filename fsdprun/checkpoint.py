@@ -17,8 +17,10 @@ The functions here that only read (`check_checkpoint`, `list_checkpoints`) need 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -108,6 +110,15 @@ def check_checkpoint(path: Path) -> CheckpointStatus:
                 path, step, False, f"shard file {name} is truncated ({size} of {end} bytes)",
                 manifest,
             )  # fmt: skip
+    for name, size in sorted(manifest.get("files", {}).items()):
+        file = path / name
+        if not file.is_file():
+            return CheckpointStatus(path, step, False, f"{name} is missing", manifest)
+        if file.stat().st_size != size:
+            return CheckpointStatus(
+                path, step, False,
+                f"{name} has {file.stat().st_size} bytes, the manifest says {size}", manifest,
+            )  # fmt: skip
     return CheckpointStatus(path, manifest.get("step", step), True, "", manifest)
 
 
@@ -172,12 +183,26 @@ def tensor_json(t: torch.Tensor) -> dict[str, Any]:
 
 def build_state(model, optimizer, train_state: dict[str, Any], rank: int) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    # Param groups (lr, betas, ...) would be pickled by DCP; keep them as JSON in the train state
+    # so the checkpoint holds tensors only (see NoPickleLoadPlanner).
+    train_state["optim_param_groups"] = optim_sd["param_groups"]
     return {
         "model": model_sd,
-        "optim": optim_sd,
+        "optim": {"state": optim_sd["state"]},
         "train_state": json_tensor(train_state),
         "rng": {f"rank{rank}": torch.get_rng_state()},
     }
+
+
+class NoPickleLoadPlanner(DefaultLoadPlanner):
+    """Loads tensors only: a checkpoint item stored as a pickled object is refused rather than
+    unpickled (DCP's default planner would run `torch.load(weights_only=False)` on it)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise UserError(
+            f"checkpoint item '{read_item.dest_index.fqn}' is a pickled object; fsdprun loads "
+            "tensors only and does not unpickle checkpoint data"
+        )
 
 
 @torch.no_grad()
@@ -204,7 +229,7 @@ def load_checkpoint(path: Path, model, optimizer, *, rank: int) -> dict[str, Any
     train_meta = metadata.state_dict_metadata["train_state"]
     state: dict[str, Any] = {
         "model": model_sd,
-        "optim": optim_sd,
+        "optim": {"state": optim_sd["state"]},
         "train_state": torch.empty(train_meta.size, dtype=torch.uint8),
     }
     # A rank that did not exist at save time (a larger world) has no RNG state to restore; the
@@ -212,11 +237,13 @@ def load_checkpoint(path: Path, model, optimizer, *, rank: int) -> dict[str, Any
     has_rng = f"rng.rank{rank}" in metadata.state_dict_metadata
     if has_rng:
         state["rng"] = {f"rank{rank}": torch.empty_like(torch.get_rng_state())}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), planner=NoPickleLoadPlanner())
+    train_state = tensor_json(state["train_state"])
+    optim_sd = {"state": state["optim"]["state"], "param_groups": train_state["optim_param_groups"]}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     if has_rng:
         torch.set_rng_state(state["rng"][f"rank{rank}"])
-    return tensor_json(state["train_state"])
+    return train_state
 
 
 def load_model_weights(path: Path, model) -> None:
@@ -227,7 +254,7 @@ def load_model_weights(path: Path, model) -> None:
             f"checkpoint.load_from: {path} is not a complete checkpoint: {status.reason}"
         )
     model_sd = get_model_state_dict(model)
-    dcp.load({"model": model_sd}, checkpoint_id=str(path))
+    dcp.load({"model": model_sd}, checkpoint_id=str(path), planner=NoPickleLoadPlanner())
     set_model_state_dict(model, model_sd)
 
 
@@ -250,11 +277,25 @@ class _Pending:
     record: SaveRecord
     future: Future | None
     started: float
+    train_state: dict[str, Any]
+    checksums: dict[str, str] | None = None
+    error: BaseException | None = None
+    done_event: threading.Event = field(default_factory=threading.Event)
+
+    def set_checksums(self, path: Path, rank: int, future: Future) -> None:
+        try:
+            if future.exception() is None:
+                self.checksums = _own_checksums(path, rank)
+        except BaseException as e:  # reported by _finish in the main thread
+            self.error = e
+        finally:
+            self.done_event.set()
 
 
 @dataclass
 class Checkpointer:
-    """Saves checkpoints of one run; every rank holds one and calls it at the same steps."""
+    """Saves checkpoints of one run. Every rank holds one and calls `save`, `finish_in_flight`
+    and `wait` at the same steps (they run collectives); `in_flight_done` is local."""
 
     run_dir: Path
     cfg: CheckpointConfig
@@ -279,6 +320,7 @@ class Checkpointer:
             dist.barrier()  # nobody creates the new folder before the old one is moved
         started = time.perf_counter()
         record = SaveRecord(step, str(path), 0.0, async_save=self.cfg.async_save)
+        pending = _Pending(record, None, started, train_state)
         if self.cfg.async_save:
             result = dcp.async_save(
                 state, checkpoint_id=str(path), process_group=self.process_group
@@ -286,39 +328,52 @@ class Checkpointer:
             # Newer torch may return a response object holding the upload future.
             future = getattr(result, "upload_completion", result)
             record.blocked_s = time.perf_counter() - started
-            self._pending = _Pending(record, future, started)
+            # Hash this rank's files in the writer thread, as soon as they are written.
+            future.add_done_callback(lambda f: pending.set_checksums(path, self.rank, f))
+            pending.future = future
+            self._pending = pending
         else:
             dcp.save(state, checkpoint_id=str(path))
             record.blocked_s = time.perf_counter() - started
-            self._pending = _Pending(record, None, started)
-            self._finish(train_state)
-        self._train_state = train_state
+            pending.checksums = _own_checksums(path, self.rank)
+            self._pending = pending
+            self._finish()
         return record
 
-    def poll(self) -> SaveRecord | None:
-        """Finish an async save whose writes are done (call at step boundaries)."""
-        pending = self._pending
-        if pending is not None and pending.future is not None and pending.future.done():
-            return self._finish(self._train_state)
-        return None
+    def in_flight_done(self) -> bool:
+        """Whether this rank has nothing in flight (feeds the per-step agreement)."""
+        p = self._pending
+        return p is None or p.future is None or p.checksums is not None or p.future.done()
+
+    def finish_in_flight(self) -> SaveRecord | None:
+        """Finalize an async save that every rank has finished writing."""
+        return self._finish() if self._pending is not None else None
 
     def wait(self) -> SaveRecord | None:
         """Block until the save in flight, if any, is on disk and finalized."""
-        if self._pending is None:
-            return None
-        return self._finish(self._train_state)
+        return self._finish() if self._pending is not None else None
 
-    def _finish(self, train_state: dict[str, Any]) -> SaveRecord:
+    def _finish(self) -> SaveRecord:
         pending, self._pending = self._pending, None
         if pending.future is not None:
             pending.future.result()  # re-raises a failed write
+            pending.done_event.wait()  # the hashing callback has run
+        if pending.error is not None:
+            raise pending.error
         record = pending.record
         record.total_s = time.perf_counter() - pending.started
         path = Path(record.path)
+        # Each rank hashed the files it wrote; rank 0 writes them all into the manifest.
+        gathered: list[dict[str, str]] = [{}] * self.world_size
+        dist.all_gather_object(gathered, pending.checksums)
         # DCP's coordinator (rank 0) writes .metadata only after gathering every rank's write
         # results, so once rank 0's save has returned, all shards are on disk.
         if self.rank == 0:
+            checksums = {k: v for part in gathered for k, v in part.items()}
             files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+            for name in files:
+                if name not in checksums:  # .metadata, and files of no rank's prefix
+                    checksums[name] = file_sha256(path / name)
             record.bytes = sum(files.values())
             manifest = {
                 "format_version": FORMAT_VERSION,
@@ -332,7 +387,8 @@ class Checkpointer:
                 "blocked_s": record.blocked_s,
                 "async_save": record.async_save,
                 "files": files,
-                "train_state": train_state,
+                "sha256": checksums,
+                "train_state": pending.train_state,
                 "recipe": self.recipe,
             }
             tmp = path / (MANIFEST + ".tmp")
@@ -348,6 +404,36 @@ class Checkpointer:
         complete = [s for s in list_checkpoints(self.run_dir) if s.complete]
         for old in complete[: -self.cfg.keep_last]:
             shutil.rmtree(old.path)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _own_checksums(path: Path, rank: int) -> dict[str, str]:
+    # DCP's FileSystemWriter names each rank's shard files __<rank>_<n>.distcp.
+    return {p.name: file_sha256(p) for p in sorted(path.glob(f"__{rank}_*")) if p.is_file()}
+
+
+def verify_checkpoint(path: Path) -> list[str]:
+    """Read every file of a checkpoint and compare it with the manifest's sha256; returns the
+    problems found (empty when every file matches)."""
+    manifest = read_manifest(path)
+    expected = manifest.get("sha256")
+    if not expected:
+        return ["the manifest has no checksums (saved by an older fsdprun)"]
+    problems = []
+    for name, digest in sorted(expected.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file_sha256(file) != digest:
+            problems.append(f"{name} does not match its checksum")
+    return problems
 
 
 def _move_aside(path: Path) -> None:

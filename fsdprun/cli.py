@@ -20,6 +20,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fsdprun import __version__
 from fsdprun.config import builtin_recipes, explain, load_recipe
@@ -48,7 +49,7 @@ EndpointOpt = Annotated[
 
 
 def _fail(message: str, code: int) -> typer.Exit:
-    err_console.print(f"[red]error:[/red] {message}", markup=True)
+    err_console.print(f"[red]error:[/red] {escape(message)}", markup=True)
     return typer.Exit(code)
 
 
@@ -57,7 +58,10 @@ def guarded(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from fsdprun.launch import WorkerFailed  # imports torch.distributed: only when needed
+        # These import torch.distributed: only when a command runs.
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        from fsdprun.launch import Stopped, WorkerFailed
 
         try:
             return fn(*args, **kwargs)
@@ -69,6 +73,11 @@ def guarded(fn):
             if os.environ.get("FSDPRUN_DEBUG"):
                 raise
             raise _fail(str(e), 2 if e.user_error else 1) from None
+        except Stopped as e:
+            err_console.print(str(e))
+            raise typer.Exit(e.exit_code) from None
+        except (SignalException, KeyboardInterrupt) as e:
+            raise _fail(f"aborted ({e})", 130) from None
 
     return wrapper
 

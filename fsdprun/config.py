@@ -75,6 +75,11 @@ class Decay(enum.Enum):
     constant = "constant"
 
 
+class NonFinite(enum.Enum):
+    abort = "abort"
+    skip = "skip"
+
+
 class DataSource(enum.Enum):
     synthetic = "synthetic"
 
@@ -193,6 +198,12 @@ class TrainConfig:
     seq_len: int = _f(256, "Tokens per sequence.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
     seed: int = _f(0, "Seed of the initial weights and the data order.")
+    nonfinite: NonFinite = _f(
+        NonFinite.abort,
+        "A non-finite loss or gradient norm on any rank: `abort` (saves nothing from that step) "
+        "or `skip` the step (weights, optimizer state and LR schedule untouched).",
+    )
+    max_skipped: int = _f(5, "With nonfinite=skip: abort after this many skipped steps in a row.")
 
 
 @dataclass
@@ -235,7 +246,16 @@ class LaunchConfig:
         "free port (single node).",
     )
     rdzv_timeout_s: int = _f(300, "Seconds to wait for all nodes to join the rendezvous.")
-    max_restarts: int = _f(0, "Times the elastic agent restarts the workers after a failure.")
+    max_restarts: int = _f(
+        0,
+        "Times the elastic agent restarts the workers after a failure; a restarted group resumes "
+        "from the newest complete checkpoint.",
+    )
+    timeout_s: int = _f(
+        600,
+        "Collective timeout: a rank that stops answering fails the run after this many seconds, "
+        "naming the step and the rank, instead of hanging.",
+    )
     device: DeviceKind = _f(
         DeviceKind.auto,
         "`auto` (cuda, then npu, then xpu, else cpu), `cuda` (nccl), `cpu` (gloo), `npu` "
@@ -576,13 +596,13 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         "model.max_seq_len", "model.rope_theta", "model.norm_eps", "optim.lr", "optim.eps",
         "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
         "launch.nproc_per_node", "launch.nnodes", "output.log_every", "fsdp.min_num_params",
-        "launch.rdzv_timeout_s",
+        "launch.rdzv_timeout_s", "launch.timeout_s",
     ):  # fmt: skip
         section, leaf = key.split(".")
         positive(key, getattr(getattr(cfg, section), leaf))
     for key in ("optim.weight_decay", "train.grad_clip", "schedule.warmup_steps",
                 "launch.max_restarts", "launch.node_rank", "fsdp.forward_prefetch",
-                "checkpoint.every_steps", "checkpoint.keep_last",
+                "checkpoint.every_steps", "checkpoint.keep_last", "train.max_skipped",
                 "output.timing_warmup_steps", "train.seed"):  # fmt: skip
         section, leaf = key.split(".")
         value = getattr(getattr(cfg, section), leaf)

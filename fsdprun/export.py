@@ -13,6 +13,7 @@ in memory. Names are the model's own (`model.` stripped), e.g. `layers.0.attenti
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import re
@@ -46,6 +47,7 @@ _SAFETENSORS_DTYPES = {
     torch.uint8: "U8", torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
@@ -147,6 +149,17 @@ def safetensors_header(plans: list[TensorPlan], metadata: dict[str, str]) -> byt
     return len(text).to_bytes(8, "little") + text
 
 
+def _return_freed_memory_promptly() -> None:
+    """Have glibc serve every allocation of 1 MiB or more with its own mmap, so a freed tensor
+    goes back to the OS at once. By default the threshold climbs (up to 32 MiB) as blocks are
+    freed, after which mid-sized tensors come from the heap and their freed pages stay resident:
+    measured here, identical exports then peaked anywhere between +0 and +140 MB. No-op where
+    there is no mallopt (not glibc)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+
+
 class _CachedReader(FileSystemReader):
     """Reads `.metadata` once: DCP re-reads it on every load call, and at scale it is large."""
 
@@ -232,6 +245,7 @@ def export_checkpoint(
         "step": str(status.step),
     }
 
+    _return_freed_memory_promptly()
     created_out = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []

@@ -9,13 +9,17 @@ a worker failure into one line naming the rank, the error and the log file.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -23,8 +27,51 @@ from fsdprun.checkpoint import checkpoint_root
 from fsdprun.config import RecipeConfig, ResolvedRecipe
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.errors import UserError
+from fsdprun.guard import STOP_FILE, request_stop
 from fsdprun.report import MetricsFollower, Reporter
 from fsdprun.worker import RECIPE_FILE, elastic_entry
+
+# torch >= 2.8 lets the launcher choose which signals its agent handles.
+_HAS_SIGNALS_FIELD = "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}
+
+
+class Stopped(Exception):
+    """The run stopped early on request (SIGTERM/SIGINT) after saving a checkpoint."""
+
+    def __init__(self, message: str, *, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _StopOnSignal:
+    """SIGINT/SIGTERM to the launcher: the first asks the workers to save a checkpoint at the
+    next step and stop (they agree on the step); the second aborts at once."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.signum: int | None = None
+
+    def __enter__(self) -> _StopOnSignal:
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            # The agent then kills the workers with SIGKILL: no grace period.
+            raise SignalException(f"second {name}: aborting", sigval=signal.SIGKILL)
+        self.signum = signum
+        request_stop(self.run_dir, name)
+        print(
+            f"{name}: saving a checkpoint at the end of this step, then stopping "
+            f"({name} again aborts at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class WorkerFailed(Exception):
@@ -92,6 +139,8 @@ def build_launch_plan(cfg: RecipeConfig, run_dir: Path, *, device_kind: str) -> 
     endpoint = launch.rdzv_endpoint or "127.0.0.1:0"
     cpus = os.cpu_count() or 1
     omp = max(1, cpus // launch.nproc_per_node) if device_kind == "cpu" else 1
+    # fsdprun handles SIGINT/SIGTERM itself (stop at a checkpoint); the agent keeps the others.
+    signals = {"signals_to_handle": "SIGHUP,SIGQUIT"} if _HAS_SIGNALS_FIELD else {}
     config = LaunchConfig(
         min_nodes=launch.nnodes,
         max_nodes=launch.nnodes,
@@ -104,6 +153,7 @@ def build_launch_plan(cfg: RecipeConfig, run_dir: Path, *, device_kind: str) -> 
         start_method="spawn",
         monitor_interval=0.1,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
+        **signals,
     )
     return LaunchPlan(config=config, omp_threads=omp)
 
@@ -149,17 +199,34 @@ def launch_training(
         write_recipe(run_dir, resolved)
     plan = build_launch_plan(cfg, run_dir, device_kind=kind)
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
+    if cfg.launch.max_restarts > 0:
+        # With the rendezvous store shared with the workers (torch's default), a restarted
+        # group reads the previous attempt's gloo addresses from it and fails to connect
+        # (measured with torch 2.13); workers hosting their own store per attempt do not.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if not os.environ.get("FSDPRUN_DEBUG"):
         # The agent logs every phase at INFO and failures as multi-line reports; fsdprun prints
         # its own one-line summary and points at the per-rank logs instead.
         for name in ("torch.distributed.elastic", "torch.multiprocessing"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop asked of an earlier session
     reporter = Reporter()
     try:
-        with MetricsFollower(run_dir / cfg.output.metrics_file, reporter):
+        with (
+            _StopOnSignal(run_dir) as stop,
+            MetricsFollower(run_dir / cfg.output.metrics_file, reporter),
+        ):
             results = elastic_launch(plan.config, elastic_entry)(
                 str(run_dir), resolved.name, str(resume_from) if resume_from else None
             )
     except ChildFailedError as err:
         raise describe_failure(err) from err
-    return results.get(0)
+    summary = results.get(0)
+    stopped = (summary or {}).get("stopped")
+    if stopped:
+        raise Stopped(
+            f"stopped at step {stopped['step']} ({stopped['reason']}); checkpoint "
+            f"{stopped['checkpoint']}; continue with: fsdprun resume {run_dir}",
+            exit_code=128 + (stop.signum or signal.SIGTERM),
+        )
+    return summary

@@ -66,6 +66,19 @@ class Reporter:
                 f"{event['saved_world_size']} ranks, now {event['world_size']}; loaded in "
                 f"{event['load_s']:.2f} s)"
             )
+        elif kind == "restart":
+            where = event["checkpoint"] or "the beginning (no checkpoint yet)"
+            self.console.print(f"workers restarted (attempt {event['attempt']}): from {where}")
+        elif kind == "skip":
+            self.console.print(
+                f"step {event['step']}: non-finite loss or gradients, step skipped "
+                f"({event['skipped_in_row']} in a row)"
+            )
+        elif kind == "stopped":
+            self.console.print(
+                f"stopping at step {event['step']} ({event['reason']}): checkpoint "
+                f"{event['checkpoint']}"
+            )
         elif kind == "load_weights":
             self.console.print(f"model weights loaded from {event['checkpoint']}")
 
@@ -210,6 +223,8 @@ class MetricsFollower:
         if not self.path.exists():
             return
         events = read_events(self.path)
+        if len(events) < self.seen:  # rewritten after an elastic restart (steps replayed)
+            self.seen = len(events)
         for event in events[self.seen :]:
             self.reporter.handle(event)
         self.seen = len(events)

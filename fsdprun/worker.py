@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
+import json
 import os
+import shutil
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +33,26 @@ from fsdprun.checkpoint import (
     Checkpointer,
     SaveRecord,
     build_state,
+    find_resume_checkpoint,
     load_checkpoint,
     load_model_weights,
     new_checkpoint_group,
+    read_manifest,
+    step_dir,
 )
-from fsdprun.config import Dtype, RecipeConfig, config_to_dict, load_recipe
+from fsdprun.config import Dtype, NonFinite, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.data import BatchLayout, build_dataset, load_batch
 from fsdprun.device import Device, build_worker_device, resolve_device_kind
-from fsdprun.metrics import MetricsLog, peak_flops, throughput
+from fsdprun.errors import UserError
+from fsdprun.guard import (
+    Heartbeat,
+    StopSignals,
+    agree,
+    collective_failure,
+    injected_step,
+    restart_count,
+)
+from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
 from fsdprun.models import Transformer, build_model_args
 from fsdprun.models.llama import flops_per_token, num_params
 from fsdprun.optim import build_lr_scheduler, build_optimizer
@@ -66,11 +81,11 @@ class Ranks:
 
 
 @record
-def elastic_entry(run_dir: str, recipe_name: str, resume_from: str | None = None) -> None:
+def elastic_entry(run_dir: str, recipe_name: str, resume_from: str | None = None) -> dict | None:
     """Entry point of a worker spawned by the elastic agent: the recipe is RUN_DIR/recipe.yaml."""
     try:
         resume = Path(resume_from) if resume_from else None
-        run(Path(run_dir), render=False, recipe_name=recipe_name, resume_from=resume)
+        return run(Path(run_dir), render=False, recipe_name=recipe_name, resume_from=resume)
     except BaseException:
         # The agent keeps only the message; the traceback goes to this rank's stderr.log.
         traceback.print_exc()
@@ -105,6 +120,7 @@ def run(
     dist.init_process_group(
         backend=device.backend,
         device_id=device.torch_device if kind != "cpu" else None,
+        timeout=timedelta(seconds=cfg.launch.timeout_s),
     )
     try:
         _check_same_recipe(cfg)
@@ -126,16 +142,6 @@ def _set_threads(cfg: RecipeConfig) -> None:
         torch.set_num_threads(int(threads))
 
 
-def _injected_failure(rank: int) -> int | None:
-    """Fault injection for tests and drills: FSDPRUN_FAIL_AT=RANK:STEP makes that rank raise at
-    the start of that (1-based) step."""
-    spec = os.environ.get("FSDPRUN_FAIL_AT")
-    if not spec:
-        return None
-    fail_rank, fail_step = (int(x) for x in spec.split(":"))
-    return fail_step if fail_rank == rank else None
-
-
 def _check_same_recipe(cfg: RecipeConfig) -> None:
     """Every rank must train the same recipe (nodes each read their own RUN_DIR/recipe.yaml)."""
     data = config_to_dict(cfg)
@@ -151,24 +157,12 @@ def _check_same_recipe(cfg: RecipeConfig) -> None:
         )
 
 
-def _train(
-    cfg: RecipeConfig,
-    run_dir: Path,
-    ranks: Ranks,
-    device: Device,
-    *,
-    render: bool,
-    recipe_name: str | None,
-    resume_from: Path | None,
-) -> dict[str, Any] | None:
-    wall_start = time.perf_counter()
-    is_rank0 = ranks.rank == 0
+def _build(cfg: RecipeConfig, ranks: Ranks, device: Device):
+    """The sharded, initialized model and its optimizer, schedule and (fp16) grad scaler."""
     torch.manual_seed(cfg.train.seed)
     mesh = init_device_mesh(device.kind, (ranks.world_size,))
-    args = build_model_args(cfg.model)
-
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(build_model_args(cfg.model))
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     units = apply_fsdp(
@@ -184,14 +178,48 @@ def _train(
     scheduler = build_lr_scheduler(optimizer, cfg=cfg.schedule, total_steps=cfg.train.steps)
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
     scaler = ShardedGradScaler() if cfg.precision.param_dtype is Dtype.fp16 else None
+    return model, units, num_ac, optimizer, scheduler, scaler
 
+
+def _restart_checkpoint(run_dir: Path, resume_from: Path | None) -> Path | None:
+    """After an elastic restart, continue from the newest complete checkpoint, if any."""
+    if restart_count() == 0:
+        return resume_from
+    try:
+        return find_resume_checkpoint(run_dir)[0].path
+    except UserError:
+        return resume_from  # nothing saved yet: start over as this attempt began
+
+
+def _train(
+    cfg: RecipeConfig,
+    run_dir: Path,
+    ranks: Ranks,
+    device: Device,
+    *,
+    render: bool,
+    recipe_name: str | None,
+    resume_from: Path | None,
+) -> dict[str, Any] | None:
+    wall_start = time.perf_counter()
+    is_rank0 = ranks.rank == 0
+    stop_signals = StopSignals(run_dir)
+    heartbeat = Heartbeat(run_dir, ranks.rank)
+    model, units, num_ac, optimizer, scheduler, scaler = _build(cfg, ranks, device)
+    args = model.args
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, ranks.world_size)
     data = build_dataset(
         cfg.data, vocab_size=args.vocab_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed
     )
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     fpt = flops_per_token(args, cfg.train.seq_len)
-    metrics = MetricsLog(run_dir / cfg.output.metrics_file) if is_rank0 else None
+    resume_from = _restart_checkpoint(run_dir, resume_from)
+    metrics = None
+    if is_rank0:
+        metrics_path = run_dir / cfg.output.metrics_file
+        if restart_count() > 0:
+            _drop_steps_after(metrics_path, _checkpoint_step(resume_from))
+        metrics = MetricsLog(metrics_path)
     reporter = Reporter() if (render and is_rank0) else None
 
     def emit(event: str, **fields: Any) -> None:
@@ -200,7 +228,6 @@ def _train(
             if reporter is not None:
                 reporter.handle(record_)
 
-    shard_bytes = model_state_bytes(model, None)["params"]
     emit(
         "start",
         recipe=recipe_name or run_dir.name,
@@ -220,13 +247,14 @@ def _train(
             "per block" if cfg.compile.per_block else "whole model"),
         num_params=num_params(args),
         param_bytes=num_params(args) * 4,
-        param_shard_bytes=shard_bytes,
+        param_shard_bytes=model_state_bytes(model, None)["params"],
         global_batch_size=cfg.train.global_batch_size,
         micro_batch_size=cfg.train.micro_batch_size,
         grad_accum_steps=layout.grad_accum_steps,
         seq_len=cfg.train.seq_len,
         tokens_per_step=tokens_per_step,
         steps=cfg.train.steps,
+        attempt=restart_count(),
     )  # fmt: skip
 
     checkpointer = Checkpointer(
@@ -234,7 +262,7 @@ def _train(
         recipe=config_to_dict(cfg),
         process_group=new_checkpoint_group(cfg.checkpoint.async_save),
     )  # fmt: skip
-    start_step = 0
+    start_step, skipped_total = 0, 0
     if resume_from is not None:
         load_start = time.perf_counter()
         resumed = load_checkpoint(resume_from, model, optimizer, rank=ranks.rank)
@@ -243,12 +271,15 @@ def _train(
         scheduler.load_state_dict(resumed["scheduler"])
         if scaler is not None and resumed.get("grad_scaler"):
             scaler.load_state_dict(resumed["grad_scaler"])
-        start_step = resumed["step"]
+        start_step, skipped_total = resumed["step"], resumed.get("skipped_steps", 0)
         # The data position is a global sample index: the same samples come next at any world
         # size because the global batch is kept.
         assert resumed["data_position"] == start_step * cfg.train.global_batch_size, resumed
-        emit("resume", step=start_step, checkpoint=str(resume_from), load_s=load_s,
+        emit("restart" if restart_count() else "resume", step=start_step,
+             checkpoint=str(resume_from), load_s=load_s, attempt=restart_count(),
              saved_world_size=resumed["world_size"], world_size=ranks.world_size)  # fmt: skip
+    elif restart_count() > 0:
+        emit("restart", step=0, checkpoint=None, attempt=restart_count())
     elif cfg.checkpoint.load_from:
         load_model_weights(Path(cfg.checkpoint.load_from), model)
         emit("load_weights", checkpoint=cfg.checkpoint.load_from)
@@ -257,67 +288,105 @@ def _train(
         if record is not None:
             emit("checkpoint", **dataclasses.asdict(record))
 
+    def save(step: int) -> None:
+        train_state = {
+            "step": step,
+            "tokens_seen": step * tokens_per_step,
+            "data_position": step * cfg.train.global_batch_size,
+            "global_batch_size": cfg.train.global_batch_size,
+            "world_size": ranks.world_size,
+            "skipped_steps": skipped_total,
+            "scheduler": scheduler.state_dict(),
+            "grad_scaler": scaler.state_dict() if scaler is not None else None,
+        }
+        state = build_state(model, optimizer, train_state, ranks.rank)
+        record = checkpointer.save(step, state, train_state)
+        if not record.async_save:
+            saved(record)
+
     device.reset_peak_memory()
     step_times: list[float] = []
     model_state: dict[str, int] | None = None
-    last_logged = start_step
+    last_logged, skipped_in_row = start_step, 0
     window_start = time.perf_counter()
     loss_value = float("nan")
-    fail_at = _injected_failure(ranks.rank)
+    stopped: dict[str, Any] | None = None
+    fail_at = injected_step("FSDPRUN_FAIL_AT", ranks.rank)
+    hang_at = injected_step("FSDPRUN_HANG_AT", ranks.rank)
+    nonfinite_at = injected_step("FSDPRUN_NONFINITE_AT", ranks.rank)
     for step in range(start_step, cfg.train.steps):
+        done = step + 1
         t0 = time.perf_counter()
-        if fail_at == step + 1:
-            raise RuntimeError(f"injected failure at step {step + 1} (FSDPRUN_FAIL_AT)")
-        loss_sum = torch.zeros((), device=device.torch_device, dtype=torch.float32)
-        for micro in range(layout.grad_accum_steps):
-            last_micro = micro == layout.grad_accum_steps - 1
-            # Reduce-scatter gradients only once per optimizer step.
-            model.set_requires_gradient_sync(last_micro)
-            inputs, targets = load_batch(
-                data, layout.indices(step, micro, ranks.rank), device.torch_device
-            )
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            # Each micro-batch holds the same number of tokens, so averaging micro-losses over
-            # accumulation steps (here) and ranks (FSDP's reduce-scatter) is the global mean.
-            scaled = loss / layout.grad_accum_steps
-            (scaler.scale(scaled) if scaler else scaled).backward()
-            loss_sum += loss.detach()
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        heartbeat.beat(done)
+        if done in fail_at:
+            raise RuntimeError(f"injected failure at step {done} (FSDPRUN_FAIL_AT)")
+        while done in hang_at and not stop_signals.requested:
+            time.sleep(0.1)  # stops answering: the other ranks' collectives time out
+        try:
+            loss_sum, grad_norm = _forward_backward(
+                model, optimizer, scaler, data, layout, step, ranks.rank, device, cfg,
+                poison=done in nonfinite_at,
+            )  # fmt: skip
+            # Non-finite loss (or gradients, where no grad scaler handles them) on any rank.
+            finite = loss_sum.isfinite()
+            if scaler is None:
+                norm_local = grad_norm.to_local() if hasattr(grad_norm, "to_local") else grad_norm
+                finite = finite & norm_local.isfinite()
+            agreed = agree(
+                stop=stop_signals.requested is not None, finite=finite,
+                save_done=checkpointer.in_flight_done(), device=device.torch_device,
+            )  # fmt: skip
+        except (RuntimeError, dist.DistBackendError) as e:
+            kind = collective_failure(e)
+            if kind == "timeout":
+                raise RuntimeError(
+                    f"a collective timed out at step {done} (launch.timeout_s="
+                    f"{cfg.launch.timeout_s}); {heartbeat.laggards(ranks.world_size)}"
+                ) from e
+            if kind == "peer":
+                raise RuntimeError(
+                    f"lost the connection to another rank at step {done} (it exited; its own "
+                    f"log says why)"
+                ) from e
+            raise
         lr = scheduler.get_last_lr()[0]
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
+        if agreed.nonfinite:
+            optimizer.zero_grad(set_to_none=True)
+            skipped_in_row += 1
+            skipped_total += 1
+            if cfg.train.nonfinite is NonFinite.abort or skipped_in_row > cfg.train.max_skipped:
+                why = (
+                    "train.nonfinite is abort"
+                    if cfg.train.nonfinite is NonFinite.abort
+                    else f"more than train.max_skipped={cfg.train.max_skipped} in a row"
+                )
+                last = checkpointer.records[-1].path if checkpointer.records else "none"
+                raise RuntimeError(
+                    f"non-finite loss or gradients at step {done} ({why}); nothing from this "
+                    f"step was saved; last checkpoint: {last}"
+                )  # fmt: skip
+            emit("skip", step=done, skipped_in_row=skipped_in_row, skipped_total=skipped_total)
         else:
-            optimizer.step()
-        scheduler.step()
-        if model_state is None:
-            model_state = model_state_bytes(model, optimizer)
-        optimizer.zero_grad(set_to_none=True)
+            skipped_in_row = 0
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            scheduler.step()
+            if model_state is None:
+                model_state = model_state_bytes(model, optimizer)
+            optimizer.zero_grad(set_to_none=True)
         device.synchronize()  # a CPU-GPU sync: step times measure the device, not the queue
         step_times.append(time.perf_counter() - t0)
 
-        done = step + 1
-        saved(checkpointer.poll())
-        if checkpointer.should_save(done, cfg.train.steps):
-            train_state = {
-                "step": done,
-                "tokens_seen": done * tokens_per_step,
-                "data_position": done * cfg.train.global_batch_size,
-                "global_batch_size": cfg.train.global_batch_size,
-                "world_size": ranks.world_size,
-                "scheduler": scheduler.state_dict(),
-                "grad_scaler": scaler.state_dict() if scaler is not None else None,
-            }
-            state = build_state(model, optimizer, train_state, ranks.rank)
-            record = checkpointer.save(done, state, train_state)
-            if not record.async_save:
-                saved(checkpointer.records[-1])
-        if done % cfg.output.log_every == 0 or done == cfg.train.steps:
-            # The only collective outside FSDP's: every rank reaches it at the same steps.
+        if agreed.saves_done:
+            saved(checkpointer.finish_in_flight())
+        if agreed.stop or checkpointer.should_save(done, cfg.train.steps):
+            save(done)
+        if done % cfg.output.log_every == 0 or done == cfg.train.steps or agreed.stop:
+            # The only collective outside FSDP's and the agreement: every rank reaches it at the
+            # same steps.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
             loss_value = loss_sum.item() / (layout.grad_accum_steps * ranks.world_size)
             norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -331,9 +400,19 @@ def _train(
                 tokens_per_s=tokens_per_step * (done - last_logged) / window_s,
                 step_time_s=step_times[-1],
                 tokens_seen=done * tokens_per_step,
+                skipped=agreed.nonfinite,
                 memory=device.peak_memory(),
             )
             last_logged, window_start = done, time.perf_counter()
+        if agreed.stop:
+            saved(checkpointer.wait())
+            stopped = {
+                "step": done,
+                "checkpoint": str(step_dir(run_dir, done)),
+                "reason": stop_signals.requested or "another rank was asked to stop",
+            }
+            emit("stopped", **stopped)
+            break
 
     saved(checkpointer.wait())  # the run's end waits for a save in flight
     ranks_info: list[dict[str, Any]] = [{}] * ranks.world_size
@@ -362,9 +441,56 @@ def _train(
             "metrics_file": str(run_dir / cfg.output.metrics_file),
             "wall_time_s": time.perf_counter() - wall_start,
             "start_step": start_step,
+            "skipped_steps": skipped_total,
+            "stopped": stopped,
             "checkpoints": [dataclasses.asdict(r) for r in checkpointer.records],
         }
         emit("summary", **summary)
         metrics.close()
-    del model, optimizer, scheduler, checkpointer
     return summary
+
+
+def _forward_backward(model, optimizer, scaler, data, layout, step, rank, device, cfg, *, poison):
+    """Forward and backward over the micro-batches of one step, then unscale and clip.
+
+    Returns:
+        (sum of this rank's micro-batch losses, the global gradient norm before clipping).
+    """
+    loss_sum = torch.zeros((), device=device.torch_device, dtype=torch.float32)
+    for micro in range(layout.grad_accum_steps):
+        last_micro = micro == layout.grad_accum_steps - 1
+        # Reduce-scatter gradients only once per optimizer step.
+        model.set_requires_gradient_sync(last_micro)
+        inputs, targets = load_batch(data, layout.indices(step, micro, rank), device.torch_device)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if poison:
+            loss = loss * float("inf")
+        # Each micro-batch holds the same number of tokens, so averaging micro-losses over
+        # accumulation steps (here) and ranks (FSDP's reduce-scatter) is the global mean.
+        scaled = loss / layout.grad_accum_steps
+        (scaler.scale(scaled) if scaler else scaled).backward()
+        loss_sum += loss.detach()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+    return loss_sum, torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def _checkpoint_step(path: Path | None) -> int:
+    return read_manifest(path)["step"] if path is not None else 0
+
+
+def _drop_steps_after(metrics_path: Path, step: int) -> None:
+    """After a restart from `step`, records of later steps are replayed: keep each step once.
+    The file as it was is kept as metrics.attempt-N.jsonl."""
+    if not metrics_path.exists():
+        return
+    attempt = restart_count()
+    backup = metrics_path.with_name(f"{metrics_path.stem}.attempt-{attempt - 1}.jsonl")
+    shutil.copyfile(metrics_path, backup)
+    keep = [e for e in read_events(metrics_path)
+            if e["event"] not in ("step", "checkpoint", "skip") or e["step"] <= step]  # fmt: skip
+    tmp = metrics_path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(e) + "\n" for e in keep))
+    tmp.replace(metrics_path)
