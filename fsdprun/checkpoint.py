@@ -122,6 +122,16 @@ def check_checkpoint(path: Path) -> CheckpointStatus:
     return CheckpointStatus(path, manifest.get("step", step), True, "", manifest)
 
 
+def _verified(status: CheckpointStatus) -> CheckpointStatus:
+    if not status.complete:
+        return status
+    problems = verify_checkpoint(status.path)
+    if not problems:
+        return status
+    reason = f"checksum verification failed: {'; '.join(problems)}"
+    return CheckpointStatus(status.path, status.step, False, reason, status.manifest)
+
+
 def _step_of(path: Path) -> int | None:
     name = path.name
     if name.startswith(_DIR_PREFIX) and name[len(_DIR_PREFIX) :].isdigit():
@@ -138,13 +148,21 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointStatus]:
     return [check_checkpoint(p) for p in sorted(folders, key=_step_of)]
 
 
-def find_resume_checkpoint(run_dir: Path, step: int | None = None) -> tuple[CheckpointStatus, list]:
+def find_resume_checkpoint(
+    run_dir: Path, step: int | None = None, *, verify: bool = False
+) -> tuple[CheckpointStatus, list]:
     """The newest complete checkpoint (or that of `step`), and the incomplete ones skipped.
+
+    Args:
+        verify: also read every file and compare checksums (slow: reads the whole checkpoint);
+            a mismatch makes a checkpoint incomplete.
 
     Raises:
         UserError: no usable checkpoint.
     """
     statuses = list_checkpoints(run_dir)
+    if verify:
+        statuses = [_verified(s) for s in statuses]
     bad = [s for s in statuses if not s.complete]
     if step is not None:
         match = [s for s in statuses if s.step == step]
@@ -314,10 +332,11 @@ class Checkpointer:
         """Start (async) or do (sync) a save of `state` as step `step`."""
         self.wait()  # at most one save in flight
         path = step_dir(self.run_dir, step)
-        if path.exists():  # every rank sees the same (shared) run directory
-            if self.rank == 0:
-                _move_aside(path)
-            dist.barrier()  # nobody creates the new folder before the old one is moved
+        # Only rank 0 looks (another rank's DCP writer may already be creating the folder when a
+        # rank checks), and nobody starts writing before an old folder is moved aside.
+        if self.rank == 0 and path.exists():
+            _move_aside(path)
+        dist.barrier()
         started = time.perf_counter()
         record = SaveRecord(step, str(path), 0.0, async_save=self.cfg.async_save)
         pending = _Pending(record, None, started, train_state)

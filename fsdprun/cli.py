@@ -26,6 +26,8 @@ from fsdprun import __version__
 from fsdprun.config import builtin_recipes, explain, load_recipe
 from fsdprun.errors import UserError
 
+CPP_LOG_MARK = "_FSDPRUN_QUIET_CPP_LOG"
+
 app = typer.Typer(
     help="Train LLMs with PyTorch FSDP from layered YAML recipes.",
     no_args_is_help=True,
@@ -154,6 +156,14 @@ def resume(
     step: Annotated[
         int | None, typer.Option("--step", help="Resume from this step's checkpoint.")
     ] = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Check every file's sha256 against the manifest before loading (reads the "
+            "whole checkpoint); a mismatch falls back to the previous complete checkpoint.",
+        ),
+    ] = False,
     nproc_per_node: NprocOpt = None,
     nnodes: NnodesOpt = None,
     node_rank: NodeRankOpt = None,
@@ -164,7 +174,7 @@ def resume(
     from fsdprun.resume import plan_resume
 
     extra = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
-    plan = plan_resume(run_dir, [*(overrides or []), *extra], step=step)
+    plan = plan_resume(run_dir, [*(overrides or []), *extra], step=step, verify=verify)
     for bad in plan.skipped:
         err_console.print(f"warning: skipping incomplete checkpoint {bad.path}: {bad.reason}")
     for note in plan.notes:
@@ -297,4 +307,10 @@ def export(
 
 
 def main() -> None:
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ and not os.environ.get("FSDPRUN_DEBUG"):
+        # Keep torch's C++ logging (e.g. every failed rendezvous connect, with a stack) out of
+        # this console: fsdprun reports failures in one line. torch reads this when it loads, so
+        # it is set before the first import; workers get the user's setting back (launch.py).
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+        os.environ[CPP_LOG_MARK] = "1"
     app()

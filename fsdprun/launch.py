@@ -21,6 +21,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdprun.checkpoint import checkpoint_root
@@ -131,7 +132,12 @@ class LaunchPlan:
 
 def build_launch_plan(cfg: RecipeConfig, run_dir: Path, *, device_kind: str) -> LaunchPlan:
     launch = cfg.launch
-    rdzv_configs: dict = {"join_timeout": launch.rdzv_timeout_s}
+    # read_timeout bounds the wait for the rendezvous store itself (an endpoint that never
+    # answers), join_timeout the wait for the other nodes.
+    rdzv_configs: dict = {
+        "join_timeout": launch.rdzv_timeout_s,
+        "read_timeout": launch.rdzv_timeout_s,
+    }
     if launch.nnodes > 1:
         # Node 0 hosts the rendezvous store; the others only connect to it.
         rdzv_configs["is_host"] = launch.node_rank == 0
@@ -210,6 +216,8 @@ def launch_training(
         for name in ("torch.distributed.elastic", "torch.multiprocessing"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop asked of an earlier session
+    if os.environ.pop("_FSDPRUN_QUIET_CPP_LOG", None):
+        del os.environ["TORCH_CPP_LOG_LEVEL"]  # workers log as torch does by default
     reporter = Reporter()
     try:
         with (
@@ -221,6 +229,13 @@ def launch_training(
             )
     except ChildFailedError as err:
         raise describe_failure(err) from err
+    except RendezvousError as err:
+        cause = err.__cause__ or err
+        raise UserError(
+            f"rendezvous at {plan.config.rdzv_endpoint} failed within launch.rdzv_timeout_s="
+            f"{cfg.launch.rdzv_timeout_s}: {str(cause).splitlines()[0]}; check that node 0 runs "
+            "with --node-rank 0, that its port is free there and reachable from every node"
+        ) from err
     summary = results.get(0)
     stopped = (summary or {}).get("stopped")
     if stopped:

@@ -35,7 +35,9 @@ def _flat(d: dict) -> dict[str, object]:
     return {f"{s}.{k}": v for s, body in d.items() for k, v in body.items()}
 
 
-def plan_resume(run_dir: Path, overrides: list[str], *, step: int | None = None) -> ResumePlan:
+def plan_resume(
+    run_dir: Path, overrides: list[str], *, step: int | None = None, verify: bool = False
+) -> ResumePlan:
     """Resolve the resumed run's recipe and checkpoint.
 
     Raises:
@@ -44,7 +46,7 @@ def plan_resume(run_dir: Path, overrides: list[str], *, step: int | None = None)
     recipe = run_dir / RECIPE_FILE
     if not recipe.is_file():
         raise UserError(f"{run_dir}: not an fsdprun run directory (no {RECIPE_FILE})")
-    checkpoint, skipped = find_resume_checkpoint(run_dir, step)
+    checkpoint, skipped = find_resume_checkpoint(run_dir, step, verify=verify)
     resolved = load_recipe(str(recipe), overrides, check=False)
     resolved.name = run_dir.name
     cfg = resolved.config

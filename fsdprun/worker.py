@@ -124,15 +124,21 @@ def run(
     )
     try:
         _check_same_recipe(cfg)
-        return _train(
+        summary = _train(
             cfg, run_dir, ranks, device, render=render, recipe_name=recipe_name,
             resume_from=resume_from,
         )  # fmt: skip
-    finally:
-        # Free FSDP state (which holds the device mesh) before the process group goes: destroying
-        # the group under live DTensors aborts the process at exit now and then.
+    except BaseException as e:
+        # On failure the process group is not destroyed: peers may be gone or stuck, and a
+        # destroy would wait for them. The frames' locals (the model) are released regardless.
+        traceback.clear_frames(e.__traceback__)
         gc.collect()
-        dist.destroy_process_group()
+        raise
+    # Free FSDP state (which holds the device mesh) before the process group goes: destroying
+    # the group under live DTensors aborts the process at exit now and then.
+    gc.collect()
+    dist.destroy_process_group()
+    return summary
 
 
 def _set_threads(cfg: RecipeConfig) -> None:
@@ -317,11 +323,11 @@ def _train(
     for step in range(start_step, cfg.train.steps):
         done = step + 1
         t0 = time.perf_counter()
+        while done in hang_at and not stop_signals.requested:
+            time.sleep(0.1)  # stops answering: the other ranks' collectives time out
         heartbeat.beat(done)
         if done in fail_at:
             raise RuntimeError(f"injected failure at step {done} (FSDPRUN_FAIL_AT)")
-        while done in hang_at and not stop_signals.requested:
-            time.sleep(0.1)  # stops answering: the other ranks' collectives time out
         try:
             loss_sum, grad_norm = _forward_backward(
                 model, optimizer, scaler, data, layout, step, ranks.rank, device, cfg,

@@ -1,0 +1,187 @@
+"""Faults through the real commands (CPU, gloo, 2 ranks, fp32): a crashed worker restarted by
+the elastic agent, SIGTERM/SIGINT to the launcher, non-finite losses, a rank that hangs, and a
+corrupted checkpoint caught by its checksums."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FSDPRUN, Run, fsdprun_env, run_fsdprun
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from fsdprun.checkpoint import list_checkpoints, step_dir, verify_checkpoint
+
+BASE = ("train.steps=9", "checkpoint.every_steps=3", "output.log_every=1")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Run:
+    root = tmp_path_factory.mktemp("straight")
+    proc = run_fsdprun("train", "debug", *BASE, "--run-dir", str(root / "run"), cwd=root)
+    return Run(proc, root / "run").check()
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in Run(None, run_dir).steps}
+
+
+def test_crashed_worker_is_restarted_and_resumes(straight: Run, tmp_path):
+    proc = run_fsdprun(
+        "train", "debug", *BASE, "launch.max_restarts=1", "--run-dir", str(tmp_path / "run"),
+        cwd=tmp_path, env=fsdprun_env(FSDPRUN_FAIL_AT="1:7"),
+    )  # fmt: skip
+    run = Run(proc, tmp_path / "run").check()
+    assert [e["step"] for e in run.steps] == list(range(1, 10))  # each step once
+    restarts = [e for e in run.events if e["event"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["step"] == 6 and restarts[0]["attempt"] == 1
+    want = losses(straight.run_dir)
+    for step, loss in losses(run.run_dir).items():
+        assert loss == pytest.approx(want[step], abs=1e-6), step
+    assert "workers restarted (attempt 1)" in proc.stdout
+
+
+def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [FSDPRUN, "train", "debug", *args, "--run-dir", str(tmp_path / "run")], cwd=tmp_path,
+        env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the run did not reach the step")
+
+
+def test_sigterm_saves_an_agreed_checkpoint_and_resume_continues(tmp_path):
+    straight = run_fsdprun("train", "debug", "train.steps=40", "output.log_every=1",
+                           "--run-dir", str(tmp_path / "ref"), cwd=tmp_path)  # fmt: skip
+    Run(straight, tmp_path / "ref").check()
+    proc = _start(tmp_path, "train.steps=40", "output.log_every=1")
+    _wait_for_step(tmp_path / "run", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    lines = [line for line in err.strip().splitlines() if not line.startswith("SIGTERM:")]
+    assert (
+        len(lines) == 1 and lines[0].startswith("stopped at step") and "fsdprun resume" in lines[0]
+    )
+    stop_step = int(lines[0].split()[3])
+    assert 2 <= stop_step < 40
+    status = list_checkpoints(tmp_path / "run")[-1]
+    assert status.complete and status.step == stop_step
+    proc = run_fsdprun("resume", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    want, got = losses(tmp_path / "ref"), losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 41))
+    for step in range(1, 41):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), step
+
+
+def test_second_sigint_aborts_at_once(tmp_path):
+    proc = _start(tmp_path, "train.steps=100000", "output.log_every=1")
+    _wait_for_step(tmp_path / "run", 1, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    start = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "aborted" in err
+    assert time.time() - start < 30
+
+
+def test_nonfinite_abort_saves_nothing_poisoned(tmp_path):
+    proc = run_fsdprun(
+        "train", "debug", "train.steps=6", "checkpoint.every_steps=1", "--run-dir",
+        str(tmp_path / "run"), cwd=tmp_path, env=fsdprun_env(FSDPRUN_NONFINITE_AT="0:3"),
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "non-finite loss or gradients at step 3 (train.nonfinite is abort)" in proc.stderr
+    assert "rank 0" in proc.stderr or "rank 1" in proc.stderr  # every rank agreed and stopped
+    assert [s.step for s in list_checkpoints(tmp_path / "run")] == [1, 2]
+
+
+def _tensors(ckpt: Path, out: Path) -> dict:
+    dcp_to_torch_save(str(ckpt), str(out))
+    return torch.load(out, weights_only=True)
+
+
+def test_nonfinite_skip_leaves_the_state_untouched(tmp_path):
+    proc = run_fsdprun(
+        "train", "debug", "train.steps=5", "checkpoint.every_steps=1", "checkpoint.keep_last=0",
+        "output.log_every=1",
+        "train.nonfinite=skip", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+        env=fsdprun_env(FSDPRUN_NONFINITE_AT="1:3"),
+    )  # fmt: skip
+    run = Run(proc, tmp_path / "run").check()
+    skips = [e for e in run.events if e["event"] == "skip"]
+    assert [s["step"] for s in skips] == [3] and run.summary["skipped_steps"] == 1
+    assert [e["skipped"] for e in run.steps] == [False, False, True, False, False]
+    after2 = _tensors(step_dir(run.run_dir, 2), tmp_path / "2.pt")
+    after3 = _tensors(step_dir(run.run_dir, 3), tmp_path / "3.pt")
+    for part in ("model", "optim"):
+        flat2, flat3 = _flat(after2[part]), _flat(after3[part])
+        assert flat2.keys() == flat3.keys()
+        for key in flat2:
+            assert torch.equal(flat2[key], flat3[key]), key
+    sched = [list_checkpoints(run.run_dir)[i].manifest["train_state"]["scheduler"] for i in (1, 2)]
+    assert sched[0]["last_epoch"] == sched[1]["last_epoch"] == 2
+    assert run.steps[3]["loss"] < run.steps[0]["loss"]  # training went on
+    # Too many in a row aborts.
+    proc = run_fsdprun(
+        "train", "debug", "train.steps=6", "train.nonfinite=skip", "train.max_skipped=1",
+        "--run-dir", str(tmp_path / "run2"), cwd=tmp_path,
+        env=fsdprun_env(FSDPRUN_NONFINITE_AT="0:2,0:3"),
+    )  # fmt: skip
+    assert proc.returncode == 1 and "at step 3 (more than train.max_skipped=1" in proc.stderr
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_a_rank_that_stops_answering_is_named(tmp_path):
+    start = time.time()
+    proc = run_fsdprun(
+        "train", "debug", "train.steps=6", "launch.timeout_s=5", "--run-dir",
+        str(tmp_path / "run"), cwd=tmp_path, env=fsdprun_env(FSDPRUN_HANG_AT="1:3"),
+    )  # fmt: skip
+    assert proc.returncode == 1
+    line = proc.stderr.strip()
+    assert "\n" not in line and "rank 0 failed" in line
+    assert "a collective timed out at step 3 (launch.timeout_s=5)" in line
+    assert "stopped answering: rank 1 (last step 2)" in line
+    assert time.time() - start < 90
+
+
+def test_checksums_catch_a_flipped_byte_and_resume_falls_back(straight: Run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight.run_dir, run_dir)
+    ck9 = step_dir(run_dir, 9)
+    assert verify_checkpoint(ck9) == []
+    shard = next(ck9.glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only a checksum can tell
+    shard.write_bytes(bytes(data))
+    assert verify_checkpoint(ck9) == [f"{shard.name} does not match its checksum"]
+    proc = run_fsdprun("resume", str(run_dir), "train.steps=10", "--verify", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "skipping incomplete checkpoint" in proc.stderr and "step-00000009" in proc.stderr
+    assert "checksum verification failed" in proc.stderr
+    assert "from step-00000006" in proc.stdout
