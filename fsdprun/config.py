@@ -377,6 +377,12 @@ def _builtin_text(name: str) -> str | None:
 def _read_yaml(text: str, source: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as e:
+        mark = e.problem_mark
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UserError(
+            f"{source}:{where}: YAML tag not allowed ({e.problem}); a recipe is plain data"
+        ) from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
