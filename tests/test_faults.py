@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdprun.checkpoint import list_checkpoints, step_dir, verify_checkpoint
 
-BASE = ("train.steps=9", "checkpoint.every_steps=3", "output.log_every=1")
+# Long enough for the signal tests to interrupt it mid-way.
+BASE = ("train.steps=40", "checkpoint.every_steps=3", "output.log_every=1")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_crashed_worker_is_restarted_and_resumes(straight: Run, tmp_path):
         cwd=tmp_path, env=fsdprun_env(FSDPRUN_FAIL_AT="1:7"),
     )  # fmt: skip
     run = Run(proc, tmp_path / "run").check()
-    assert [e["step"] for e in run.steps] == list(range(1, 10))  # each step once
+    assert [e["step"] for e in run.steps] == list(range(1, 41))  # each step once
     restarts = [e for e in run.events if e["event"] == "restart"]
     assert len(restarts) == 1 and restarts[0]["step"] == 6 and restarts[0]["attempt"] == 1
     want = losses(straight.run_dir)
@@ -61,11 +62,8 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
     raise AssertionError("the run did not reach the step")
 
 
-def test_sigterm_saves_an_agreed_checkpoint_and_resume_continues(tmp_path):
-    straight = run_fsdprun("train", "debug", "train.steps=40", "output.log_every=1",
-                           "--run-dir", str(tmp_path / "ref"), cwd=tmp_path)  # fmt: skip
-    Run(straight, tmp_path / "ref").check()
-    proc = _start(tmp_path, "train.steps=40", "output.log_every=1")
+def test_sigterm_saves_an_agreed_checkpoint_and_resume_continues(straight: Run, tmp_path):
+    proc = _start(tmp_path, *BASE)
     _wait_for_step(tmp_path / "run", 2, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -77,10 +75,10 @@ def test_sigterm_saves_an_agreed_checkpoint_and_resume_continues(tmp_path):
     stop_step = int(lines[0].split()[3])
     assert 2 <= stop_step < 40
     status = list_checkpoints(tmp_path / "run")[-1]
-    assert status.complete and status.step == stop_step
+    assert status.complete and status.step == stop_step and status.manifest["step"] == stop_step
     proc = run_fsdprun("resume", str(tmp_path / "run"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    want, got = losses(tmp_path / "ref"), losses(tmp_path / "run")
+    want, got = losses(straight.run_dir), losses(tmp_path / "run")
     assert sorted(got) == list(range(1, 41))
     for step in range(1, 41):
         assert got[step] == pytest.approx(want[step], abs=1e-6), step
@@ -173,15 +171,15 @@ def test_checksums_catch_a_flipped_byte_and_resume_falls_back(straight: Run, tmp
 
     run_dir = tmp_path / "run"
     shutil.copytree(straight.run_dir, run_dir)
-    ck9 = step_dir(run_dir, 9)
-    assert verify_checkpoint(ck9) == []
-    shard = next(ck9.glob("__0_*.distcp"))
+    ck40 = step_dir(run_dir, 40)
+    assert verify_checkpoint(ck40) == []
+    shard = next(ck40.glob("__0_*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only a checksum can tell
     shard.write_bytes(bytes(data))
-    assert verify_checkpoint(ck9) == [f"{shard.name} does not match its checksum"]
-    proc = run_fsdprun("resume", str(run_dir), "train.steps=10", "--verify", cwd=tmp_path)
+    assert verify_checkpoint(ck40) == [f"{shard.name} does not match its checksum"]
+    proc = run_fsdprun("resume", str(run_dir), "train.steps=41", "--verify", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "skipping incomplete checkpoint" in proc.stderr and "step-00000009" in proc.stderr
+    assert "skipping incomplete checkpoint" in proc.stderr and "step-00000040" in proc.stderr
     assert "checksum verification failed" in proc.stderr
-    assert "from step-00000006" in proc.stdout
+    assert "from step-00000039" in proc.stdout

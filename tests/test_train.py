@@ -122,7 +122,9 @@ def test_existing_run_is_never_overwritten(world2_micro1: Run, tmp_path):
     before = hashlib.sha256(metrics.read_bytes()).hexdigest()
     proc = run_fsdprun("train", "debug", "--run-dir", str(world2_micro1.run_dir), cwd=tmp_path)
     assert proc.returncode == 2
-    assert "already holds a run" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    # The run saved a final checkpoint, so the refusal points to `fsdprun resume`.
+    assert "already holds checkpoints; continue it with `fsdprun resume" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
     assert hashlib.sha256(metrics.read_bytes()).hexdigest() == before
 
 
