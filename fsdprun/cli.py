@@ -279,7 +279,7 @@ def export(
     dtype: Annotated[
         str | None,
         typer.Option(
-            "--dtype", help="Convert floating tensors to bf16 or fp32 [default: as saved]."
+            "--dtype", help="Convert floating tensors to bf16 or fp32 (default: keep as saved)."
         ),
     ] = None,
     max_shard_size: Annotated[
