@@ -241,6 +241,14 @@ def inspect_checkpoint(
             help="Another checkpoint: show tensors added, removed, or changed in shape or dtype.",
         ),
     ] = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Also read every file and compare it with the manifest's sha256 (exit 1 on a "
+            "mismatch).",
+        ),
+    ] = False,
 ) -> None:
     """Show what a checkpoint holds and whether it is complete, from its metadata alone.
 
@@ -249,7 +257,7 @@ def inspect_checkpoint(
     """
     from fsdprun.inspect_ckpt import inspect_path, problem, render
 
-    doc = inspect_path(path, tensors=tensors, diff=diff)
+    doc = inspect_path(path, tensors=tensors, diff=diff, verify=verify)
     reason = problem(doc)
     if json_:
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")

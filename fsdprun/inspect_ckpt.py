@@ -28,6 +28,7 @@ from fsdprun.checkpoint import (
     check_checkpoint,
     checkpoint_root,
     list_checkpoints,
+    verify_checkpoint,
 )
 from fsdprun.errors import UserError
 from fsdprun.report import fmt_bytes, fmt_count
@@ -81,7 +82,7 @@ def require_checkpoint_dir(path: Path, *, what: str = "") -> None:
 
 
 def inspect_path(
-    path: Path, *, tensors: str | None = None, diff: Path | None = None
+    path: Path, *, tensors: str | None = None, diff: Path | None = None, verify: bool = False
 ) -> dict[str, Any]:
     """Describe a checkpoint folder, or every checkpoint of a run directory.
 
@@ -89,6 +90,8 @@ def inspect_path(
         path: a checkpoint folder, a run directory, or a run's checkpoints/ folder.
         tensors: fnmatch pattern on the flattened key; only matching tensors are listed/diffed.
         diff: another checkpoint folder to compare tensors (names, shapes, dtypes) with.
+        verify: read every file of each complete checkpoint and compare it with the sha256 in
+            its manifest; problems go to "verify_problems".
 
     Returns:
         {"kind": "checkpoint", "complete": ..., ...} or {"kind": "run", "checkpoints": [...]}.
@@ -100,9 +103,16 @@ def inspect_path(
     if run_dir is not None:
         if diff is not None:
             raise UserError(f"--diff compares two checkpoint folders; {path} is a run directory")
-        return describe_run(run_dir)
+        doc = describe_run(run_dir)
+        if verify:
+            for c in doc["checkpoints"]:
+                if c["complete"]:
+                    c["verify_problems"] = verify_checkpoint(Path(c["path"]))
+        return doc
     require_checkpoint_dir(path)
     doc = describe_checkpoint(path, tensors=tensors)
+    if verify and doc["complete"]:
+        doc["verify_problems"] = verify_checkpoint(path)
     if diff is not None and doc["complete"]:
         require_checkpoint_dir(diff, what="--diff")
         doc["diff"] = diff_checkpoints(path, diff, tensors=tensors)
@@ -112,14 +122,16 @@ def inspect_path(
 def problem(doc: dict[str, Any]) -> str | None:
     """Why the document's checkpoint(s) are not all complete, or None."""
     if doc["kind"] == "run":
-        bad = [c for c in doc["checkpoints"] if not c["complete"]]
+        bad = [c for c in doc["checkpoints"] if not c["complete"] or c.get("verify_problems")]
         if not bad:
             return None
         return f"{len(bad)} of {len(doc['checkpoints'])} checkpoints incomplete: " + "; ".join(
-            f"{c['name']}: {c['reason']}" for c in bad
+            f"{c['name']}: {c['reason'] or '; '.join(c['verify_problems'])}" for c in bad
         )
     if not doc["complete"]:
         return f"{doc['path']} is incomplete: {doc['reason']}"
+    if doc.get("verify_problems"):
+        return f"{doc['path']} is corrupt: {'; '.join(doc['verify_problems'])}"
     other = doc.get("diff")
     if other is not None and not other["complete"]:
         return f"{other['other']} is incomplete: {other['reason']}"

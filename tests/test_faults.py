@@ -178,6 +178,11 @@ def test_checksums_catch_a_flipped_byte_and_resume_falls_back(straight: Run, tmp
     data[len(data) // 2] ^= 0xFF  # same size: only a checksum can tell
     shard.write_bytes(bytes(data))
     assert verify_checkpoint(ck40) == [f"{shard.name} does not match its checksum"]
+    proc = run_fsdprun("inspect-checkpoint", str(ck40), cwd=tmp_path)
+    assert proc.returncode == 0  # sizes alone cannot tell
+    proc = run_fsdprun("inspect-checkpoint", str(ck40), "--verify", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert f"is corrupt: {shard.name} does not match its checksum" in proc.stderr
     proc = run_fsdprun("resume", str(run_dir), "train.steps=41", "--verify", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "skipping incomplete checkpoint" in proc.stderr and "step-00000040" in proc.stderr
