@@ -114,7 +114,7 @@ def run(
     if cfg is None:
         # Validate against the real world size, which is what the workers actually got.
         cfg = load_recipe(str(run_dir / RECIPE_FILE), world_size=ranks.world_size).config
-    _set_threads(cfg)
+    _set_threads()
     kind = resolve_device_kind(cfg.launch.device.value)
     device = build_worker_device(kind, ranks.local_rank)
     dist.init_process_group(
@@ -141,7 +141,7 @@ def run(
     return summary
 
 
-def _set_threads(cfg: RecipeConfig) -> None:
+def _set_threads() -> None:
     # The elastic agent does not set OMP_NUM_THREADS as torchrun does; the launcher exports it.
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:

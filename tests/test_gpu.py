@@ -1,0 +1,51 @@
+"""GPU checks (marked `gpu`, skipped without CUDA). scripts/gpu_check.sh runs them on a lent GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Run, run_fsdprun
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_bf16_compiled_training_on_one_gpu_reports_mfu_and_gpu_memory(tmp_path):
+    proc = run_fsdprun(
+        "train", "debug", "launch.device=cuda", "--nproc-per-node", "1",
+        "precision.param_dtype=bf16", "compile.enabled=true", "model.dim=256",
+        "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_dim=688",
+        "model.vocab_size=1024", "train.steps=20", "output.log_every=5",
+        "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=900,
+    )  # fmt: skip
+    run = Run(proc, tmp_path / "run").check()
+    assert run.start["backend"] == "nccl" and "NVIDIA" in run.start["device_name"]
+    assert run.losses[-1] < run.losses[0]
+    rank0 = run.summary["ranks"][0]
+    assert (
+        rank0["peak_allocated_bytes"] > 0
+        and rank0["peak_reserved_bytes"] >= rank0["peak_allocated_bytes"]
+    )
+    if any(k in run.start["device_name"] for k in ("H100", "H200", "A100")):
+        assert run.summary["throughput"]["mfu"] is not None
+
+
+def test_checkpoint_resume_on_gpu(tmp_path):
+    args = ["launch.device=cuda", "--nproc-per-node", "1", "precision.param_dtype=fp32",
+            "train.steps=6", "checkpoint.every_steps=3", "output.log_every=1",
+            "checkpoint.async=true"]  # fmt: skip
+    ref = Run(run_fsdprun("train", "debug", *args, "--run-dir", str(tmp_path / "ref"),
+                          cwd=tmp_path), tmp_path / "ref").check()  # fmt: skip
+    env_fail = {"FSDPRUN_FAIL_AT": "0:4"}
+    from conftest import fsdprun_env
+
+    proc = run_fsdprun("train", "debug", *args, "--run-dir", str(tmp_path / "run"),
+                       cwd=tmp_path, env=fsdprun_env(**env_fail))  # fmt: skip
+    assert proc.returncode == 1
+    proc = run_fsdprun("resume", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    got = {e["step"]: e["loss"] for e in Run(proc, tmp_path / "run").steps}
+    for e in ref.steps:
+        assert got[e["step"]] == pytest.approx(e["loss"], abs=1e-5)
