@@ -78,9 +78,9 @@ def test_resume_on_another_world_size(straight: Run, crashed: Path, tmp_path, np
     proc, run_dir = resume_copy(crashed, tmp_path, "--nproc-per-node", str(nproc))
     assert f"on {nproc} ranks" in proc.stdout
     want, got = losses_by_step(straight.run_dir), losses_by_step(run_dir)
-    # Another world size sums in another order: equal up to fp32 rounding.
+    # Another world size sums in another order: equal up to fp32 rounding (measured <= 5e-7).
     for step in range(5, 9):
-        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+        assert got[step] == pytest.approx(want[step], abs=1e-6), step
     final = model_tensors(step_dir(run_dir, 8), tmp_path)
     ref = model_tensors(step_dir(straight.run_dir, 8), tmp_path)
     for key in ref:
