@@ -314,6 +314,44 @@ def export(
     )
 
 
+@app.command("prepare-data")
+@guarded
+def prepare_data_cmd(
+    inputs: Annotated[
+        list[Path], typer.Argument(help=".txt or .jsonl files to tokenize.", show_default=False)
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", help="Output folder; must be new or empty (never overwritten).")
+    ],
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            "--tokenizer",
+            help="`byte` (built in, 257 tokens) or the path of a HuggingFace tokenizer.json "
+            "(needs the tokenizers package).",
+        ),
+    ] = "byte",
+    val_fraction: Annotated[
+        float,
+        typer.Option("--val-fraction", help="Write the last fraction of the tokens to val.bin."),
+    ] = 0.0,
+    text_field: Annotated[
+        str, typer.Option("--text-field", help=".jsonl: the field holding the text.")
+    ] = "text",
+) -> None:
+    """Tokenize text into token files (train.bin, val.bin) and data.json for data.source=tokens."""
+    from fsdprun.data.text import prepare_data
+
+    desc = prepare_data(
+        inputs, out, tokenizer=tokenizer, val_fraction=val_fraction, text_field=text_field
+    )
+    files = ", ".join(f"{name} ({f['num_tokens']:,} tokens)" for name, f in desc["files"].items())
+    print(
+        f"wrote {desc['num_tokens']:,} {desc['dtype']} tokens (tokenizer {desc['tokenizer']}, "
+        f"vocabulary {desc['vocab_size']:,}) to {out}: {files}, data.json"
+    )
+
+
 def main() -> None:
     if "TORCH_CPP_LOG_LEVEL" not in os.environ and not os.environ.get("FSDPRUN_DEBUG"):
         # Keep torch's C++ logging (e.g. every failed rendezvous connect, with a stack) out of

@@ -82,6 +82,14 @@ class NonFinite(enum.Enum):
 
 class DataSource(enum.Enum):
     synthetic = "synthetic"
+    tokens = "tokens"
+    text = "text"
+
+
+class TokenDtype(enum.Enum):
+    auto = "auto"
+    uint16 = "uint16"
+    uint32 = "uint32"
 
 
 class DeviceKind(enum.Enum):
@@ -211,9 +219,50 @@ class DataConfig:
     source: DataSource = _f(
         DataSource.synthetic,
         "`synthetic`: sample i is a function of (train.seed, i) only; a noisy permutation "
-        "chain the model can learn, so the loss falls.",
+        "chain the model can learn, so the loss falls. `tokens`: pre-tokenized files "
+        "(data.paths). `text`: .txt/.jsonl files tokenized at start by data.tokenizer. Token "
+        "and text samples are windows of train.seq_len + 1 tokens in an order set by train.seed.",
     )
     noise: float = _f(0.1, "Synthetic data: probability that a token is random.")
+    paths: list[str] = _f(
+        [],
+        "Training files. tokens: `.bin` (flat uint16/uint32 array, the nanoGPT layout) or "
+        "`.npy` (1-D uint16/uint32); text: `.txt` (one document per file) or `.jsonl`. "
+        "Relative paths are relative to the recipe file that sets them (the working directory "
+        "for command-line overrides).",
+    )
+    val_paths: list[str] = _f(
+        [], "Validation files, of the same kind as data.paths (or use data.val_fraction)."
+    )
+    val_fraction: float = _f(
+        0.0,
+        "Hold out this fraction of the training windows (the last ones) for validation; 0 = "
+        "none. Not together with data.val_paths.",
+    )
+    token_dtype: TokenDtype = _f(
+        TokenDtype.auto,
+        "Element type of `.bin` token files: `auto` = what the data.json beside the file says "
+        "(written by `fsdprun prepare-data`), else uint16 (nanoGPT).",
+    )
+    text_field: str = _f("text", "`.jsonl` text files: the field holding each document's text.")
+    tokenizer: str = _f(
+        "byte",
+        "Tokenizer of `text` data: `byte` (built in: 256 byte values + end-of-text = 257 "
+        "tokens) or the path of a HuggingFace tokenizer.json (needs `pip install tokenizers`).",
+    )
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = _f(
+        0,
+        "Compute the validation loss every this many steps and after the last step; 0 = off. "
+        "Synthetic data validates on samples training never reads; token and text data need "
+        "data.val_paths or data.val_fraction.",
+    )
+    batches: int = _f(
+        4, "Global batches (of train.global_batch_size sequences) per validation pass."
+    )
 
 
 @dataclass
@@ -293,6 +342,7 @@ class RecipeConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -457,6 +507,39 @@ def _resolve_path(ref: str, base: Path | None) -> tuple[str, str]:
     )
 
 
+# Keys holding file paths: a relative path means relative to the recipe file that set it, so a
+# recipe and its data can move together (and built-in recipes find the data shipped beside them).
+PATH_KEYS = ("data.paths", "data.val_paths", "data.tokenizer")
+
+
+def _resolve_paths(values: dict[str, Any], base: Path) -> None:
+    """Make the relative paths among `values` absolute against `base`, in place."""
+
+    def resolve(key: str, item: Any) -> Any:
+        if not isinstance(item, str) or not item or "${" in item:
+            return item
+        if key == "data.tokenizer" and item == "byte":
+            return item
+        return str((base / Path(item).expanduser()).resolve())
+
+    for key in PATH_KEYS:
+        if key not in values:
+            continue
+        value = values[key]
+        if key != "data.tokenizer" and isinstance(value, str):
+            value = [value]  # one file needs no list brackets
+        if isinstance(value, list):
+            values[key] = [resolve(key, item) for item in value]
+        else:
+            values[key] = resolve(key, value)
+
+
+def _recipe_dir(identity: str) -> Path:
+    if identity.startswith("builtin:"):
+        return Path(str(resources.files("fsdprun.recipes")))
+    return Path(identity).parent
+
+
 def _load_layers(ref: str, base: Path | None, stack: tuple[str, ...]) -> list[Layer]:
     identity, text = _resolve_path(ref, base)
     source = identity if not identity.startswith("builtin:") else identity
@@ -480,7 +563,9 @@ def _load_layers(ref: str, base: Path | None, stack: tuple[str, ...]) -> list[La
             if "neither a file nor a built-in" in str(e):
                 raise UserError(f"{source}: extends {e}") from e
             raise
-    layers.append(Layer(source, _flatten(data, source)))
+    values = _flatten(data, source)
+    _resolve_paths(values, _recipe_dir(identity))
+    layers.append(Layer(source, values))
     return layers
 
 
@@ -571,6 +656,7 @@ def load_recipe(
         for layer in layers:
             layer.values.pop(key, None)
     if values:
+        _resolve_paths(values, Path.cwd())
         layers.append(Layer(CLI_SOURCE, values))
     config = _merge(layers)
     provenance = {key: DEFAULT_SOURCE for key in schema_fields()}
@@ -602,14 +688,14 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         "model.max_seq_len", "model.rope_theta", "model.norm_eps", "optim.lr", "optim.eps",
         "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
         "launch.nproc_per_node", "launch.nnodes", "output.log_every", "fsdp.min_num_params",
-        "launch.rdzv_timeout_s", "launch.timeout_s",
+        "launch.rdzv_timeout_s", "launch.timeout_s", "eval.batches",
     ):  # fmt: skip
         section, leaf = key.split(".")
         positive(key, getattr(getattr(cfg, section), leaf))
     for key in ("optim.weight_decay", "train.grad_clip", "schedule.warmup_steps",
                 "launch.max_restarts", "launch.node_rank", "fsdp.forward_prefetch",
                 "checkpoint.every_steps", "checkpoint.keep_last", "train.max_skipped",
-                "output.timing_warmup_steps", "train.seed"):  # fmt: skip
+                "output.timing_warmup_steps", "train.seed", "eval.every_steps"):  # fmt: skip
         section, leaf = key.split(".")
         value = getattr(getattr(cfg, section), leaf)
         if not (value >= 0 and math.isfinite(value)):
@@ -660,6 +746,7 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         errors.append(f"activation_checkpointing.every_n must be >= 1 (got {ac.every_n})")
     if not 0 <= cfg.data.noise <= 1:
         errors.append(f"data.noise must be in [0, 1] (got {cfg.data.noise})")
+    errors += _data_errors(cfg)
     if cfg.launch.node_rank >= cfg.launch.nnodes:
         errors.append(
             f"launch.node_rank ({cfg.launch.node_rank}) must be < launch.nnodes "
@@ -670,6 +757,37 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
     if cfg.output.peak_tflops is not None and cfg.output.peak_tflops <= 0:
         errors.append(f"output.peak_tflops must be > 0 (got {cfg.output.peak_tflops})")
     return errors
+
+
+def _data_errors(cfg: RecipeConfig) -> list[str]:
+    d = cfg.data
+    errors = []
+    if not 0 <= d.val_fraction < 1:
+        errors.append(f"data.val_fraction must be in [0, 1) (got {d.val_fraction})")
+    if d.source is DataSource.synthetic:
+        if d.paths or d.val_paths:
+            errors.append(
+                "data.paths/data.val_paths are set but data.source is synthetic; set data.source "
+                "to tokens or text"
+            )
+        return errors
+    if not d.paths:
+        errors.append(f"data.source is {d.source.value} but data.paths is empty; list the files")
+    if d.val_paths and d.val_fraction:
+        errors.append("set data.val_paths or data.val_fraction, not both")
+    if cfg.eval.every_steps and not (d.val_paths or d.val_fraction):
+        errors.append(
+            f"eval.every_steps is {cfg.eval.every_steps} but there is no validation data; set "
+            "data.val_paths or data.val_fraction (or eval.every_steps=0)"
+        )
+    if errors:
+        return errors
+    # The files themselves: headers and sizes only (milliseconds). Imported here because the
+    # data package imports this module (and torch), which `fsdprun config` of a synthetic
+    # recipe need not load.
+    from fsdprun.data.preflight import check_data
+
+    return check_data(cfg)
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdprun.checkpoint import checkpoint_root
 from fsdprun.config import RecipeConfig, ResolvedRecipe
+from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.guard import STOP_FILE, request_stop
@@ -197,6 +198,10 @@ def launch_training(
             f"launch.nnodes is {cfg.launch.nnodes}: pass --rdzv-endpoint HOST:PORT (node 0's "
             "address) and --node-rank on every node"
         )
+    # Data files: headers and sizes only (recipe validation ran it too; files may have changed).
+    data_problems = check_data(cfg)
+    if data_problems:
+        raise UserError("; ".join(data_problems))
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
     if resume_from is None:

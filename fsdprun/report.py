@@ -79,6 +79,11 @@ class Reporter:
                 f"stopping at step {event['step']} ({event['reason']}): checkpoint "
                 f"{event['checkpoint']}"
             )
+        elif kind == "eval":
+            self.console.print(
+                f"eval step {event['step']} | val loss {event['val_loss']:.4f} | "
+                f"{event['num_samples']} samples in {event['eval_time_s']:.2f} s"
+            )
         elif kind == "load_weights":
             self.console.print(f"model weights loaded from {event['checkpoint']}")
 
@@ -105,6 +110,9 @@ class Reporter:
             f"  parameter shard per rank: {fmt_bytes(e['param_shard_bytes'])} of "
             f"{fmt_bytes(e['param_bytes'])}; run dir {e['run_dir']}"
         )
+        if e.get("data"):
+            val = f"; validation: {e['val_data']}" if e.get("val_data") else ""
+            c.print(f"  data: {e['data']}{val}")
         if self.live:
             self.progress = Progress(
                 TextColumn("[progress.description]{task.description}"),
@@ -193,8 +201,10 @@ class Reporter:
                 "  peak RSS is the whole worker process (torch runtime included); model state is "
                 "what the rank holds after an optimizer step."
             )
+        val = e.get("final_val_loss")
+        val_text = f"; final val loss {val:.4f}" if val is not None else ""
         self.console.print(
-            f"final loss {e['final_loss']:.4f}; metrics in {e['metrics_file']}; "
+            f"final loss {e['final_loss']:.4f}{val_text}; metrics in {e['metrics_file']}; "
             f"wall time {e['wall_time_s']:.1f} s"
         )
 

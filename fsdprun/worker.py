@@ -41,7 +41,7 @@ from fsdprun.checkpoint import (
     step_dir,
 )
 from fsdprun.config import Dtype, NonFinite, RecipeConfig, config_to_dict, load_recipe
-from fsdprun.data import BatchLayout, build_dataset, load_batch
+from fsdprun.data import BatchLayout, Dataset, build_datasets, load_batch
 from fsdprun.device import Device, build_worker_device, resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.guard import (
@@ -214,9 +214,11 @@ def _train(
     model, units, num_ac, optimizer, scheduler, scaler = _build(cfg, ranks, device)
     args = model.args
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, ranks.world_size)
-    data = build_dataset(
-        cfg.data, vocab_size=args.vocab_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed
-    )
+    eval_every = cfg.eval.every_steps
+    data, val_data = build_datasets(
+        cfg.data, vocab_size=args.vocab_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed,
+        with_val=eval_every > 0,
+    )  # fmt: skip
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     fpt = flops_per_token(args, cfg.train.seq_len)
     resume_from = _restart_checkpoint(run_dir, resume_from)
@@ -261,6 +263,8 @@ def _train(
         tokens_per_step=tokens_per_step,
         steps=cfg.train.steps,
         attempt=restart_count(),
+        data=data.description,
+        val_data=val_data.description if val_data is not None else None,
     )  # fmt: skip
 
     checkpointer = Checkpointer(
@@ -316,6 +320,7 @@ def _train(
     last_logged, skipped_in_row = start_step, 0
     window_start = time.perf_counter()
     loss_value = float("nan")
+    val_loss: float | None = None
     stopped: dict[str, Any] | None = None
     fail_at = injected_step("FSDPRUN_FAIL_AT", ranks.rank)
     hang_at = injected_step("FSDPRUN_HANG_AT", ranks.rank)
@@ -410,6 +415,12 @@ def _train(
                 memory=device.peak_memory(),
             )
             last_logged, window_start = done, time.perf_counter()
+        if eval_every and (done % eval_every == 0 or done == cfg.train.steps):
+            eval_start = time.perf_counter()
+            val_loss = _evaluate(model, val_data, layout, cfg.eval.batches, ranks.rank, device)
+            emit("eval", step=done, val_loss=val_loss, eval_time_s=time.perf_counter() - eval_start,
+                 num_samples=cfg.eval.batches * cfg.train.global_batch_size)  # fmt: skip
+            window_start += time.perf_counter() - eval_start  # not in the next tokens/s
         if agreed.stop:
             saved(checkpointer.wait())
             stopped = {
@@ -430,6 +441,7 @@ def _train(
         summary = {
             "steps": cfg.train.steps,
             "final_loss": loss_value,
+            "final_val_loss": val_loss,
             "throughput": throughput(
                 step_times,
                 warmup_steps=min(cfg.output.timing_warmup_steps, max(0, len(step_times) - 1)),
@@ -483,6 +495,27 @@ def _forward_backward(model, optimizer, scaler, data, layout, step, rank, device
     return loss_sum, torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
+def _evaluate(
+    model, data: Dataset, layout: BatchLayout, num_batches: int, rank: int, device: Device
+) -> float:
+    """Mean loss over the first `num_batches` global batches of the validation data.
+
+    Every rank runs its share of each batch: the same number of forwards everywhere, so FSDP's
+    all-gathers line up, then one all-reduce of the loss sum.
+    """
+    loss_sum = torch.zeros((), device=device.torch_device, dtype=torch.float32)
+    # No dropout in the model, so train mode is eval mode; no_grad keeps activations unsaved.
+    with torch.no_grad():
+        for batch in range(num_batches):
+            for micro in range(layout.grad_accum_steps):
+                indices = layout.indices(batch, micro, rank)
+                inputs, targets = load_batch(data, indices, device.torch_device)
+                logits = model(inputs)
+                loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+    return loss_sum.item() / (num_batches * layout.grad_accum_steps * layout.world_size)
+
+
 def _checkpoint_step(path: Path | None) -> int:
     return read_manifest(path)["step"] if path is not None else 0
 
@@ -495,8 +528,8 @@ def _drop_steps_after(metrics_path: Path, step: int) -> None:
     attempt = restart_count()
     backup = metrics_path.with_name(f"{metrics_path.stem}.attempt-{attempt - 1}.jsonl")
     shutil.copyfile(metrics_path, backup)
-    keep = [e for e in read_events(metrics_path)
-            if e["event"] not in ("step", "checkpoint", "skip") or e["step"] <= step]  # fmt: skip
+    replayed = ("step", "checkpoint", "skip", "eval")
+    keep = [e for e in read_events(metrics_path) if e["event"] not in replayed or e["step"] <= step]
     tmp = metrics_path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(e) + "\n" for e in keep))
     tmp.replace(metrics_path)

@@ -1,6 +1,6 @@
 """Regenerate the recipe reference table in README.md from the schema (fsdprun.config).
 
-    .venv/bin/python scripts/update_readme.py
+.venv/bin/python scripts/update_readme.py
 """
 
 from pathlib import Path

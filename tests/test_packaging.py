@@ -45,6 +45,8 @@ def test_wheel_ships_recipes_and_they_load_from_a_plain_install(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for recipe in builtin_recipes():
         assert f"fsdprun/recipes/{recipe}.yaml" in names
+    for data in ("tiny.txt", "tiny/train.bin", "tiny/val.bin", "tiny/data.json"):
+        assert f"fsdprun/recipes/data/{data}" in names
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
@@ -53,7 +55,10 @@ def test_wheel_ships_recipes_and_they_load_from_a_plain_install(tmp_path):
     )  # fmt: skip
     code = (
         f"import fsdprun.config as c; assert c.__file__.startswith({str(site)!r}), c.__file__; "
-        "print(sorted(c.builtin_recipes())); c.load_recipe('llama-8b')"
+        "print(sorted(c.builtin_recipes())); c.load_recipe('llama-8b'); "
+        # Their data paths resolve inside the installed package (and the files pass the checks).
+        "p = c.load_recipe('tokens-demo').config.data.paths[0]; "
+        f"assert p.startswith({str(site)!r}), p"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run(

@@ -1,0 +1,127 @@
+"""Training data. Sample i of a dataset is a function of (seed, i) only, and a global step reads
+a fixed range of sample indices, so a step sees the same samples at any world size and the data
+position is a single global sample index (what a checkpoint stores).
+
+Global step g reads samples [g*B, (g+1)*B) for global batch B; within it, micro-step m of rank r
+reads the `micro_batch_size` samples starting at g*B + (m*world_size + r)*micro_batch_size.
+
+Sources (`data.source`): `synthetic` (no files), `tokens` (pre-tokenized .bin/.npy files, see
+`files`), `text` (.txt/.jsonl tokenized at start, see `text`); token and text data become
+shuffled windows (`windows`). Validation data is built the same way from data.val_paths, or
+from the last data.val_fraction of the training windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from fsdprun.config import DataConfig, DataSource
+from fsdprun.data.files import inspect_token_file
+from fsdprun.data.synthetic import VAL_FIRST_INDEX, SyntheticData
+from fsdprun.data.text import build_tokenizer, tokenize_to_array
+from fsdprun.data.windows import ShuffledWindows, TokenWindows, num_val_windows
+from fsdprun.errors import UserError
+
+__all__ = ["BatchLayout", "Dataset", "SyntheticData", "build_dataset", "build_datasets"]
+
+
+class Dataset(Protocol):
+    description: str
+
+    @property
+    def num_samples(self) -> int | None:
+        """Samples in one epoch (later indices wrap to a reshuffled epoch); None = endless."""
+
+    def sample(self, index: int) -> torch.Tensor:
+        """Sample `index`: seq_len + 1 token ids (inputs [:-1], targets [1:]), int64, CPU."""
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a global batch splits over ranks and micro-steps."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+    def indices(self, step: int, micro_step: int, rank: int) -> range:
+        """Sample indices of (0-based) global `step`, `micro_step`, `rank`."""
+        offset = (micro_step * self.world_size + rank) * self.micro_batch_size
+        start = step * self.global_batch_size + offset
+        return range(start, start + self.micro_batch_size)
+
+
+def build_datasets(
+    cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int, with_val: bool = False
+) -> tuple[Dataset, Dataset | None]:
+    """The training dataset and, when `with_val`, the validation dataset.
+
+    Raises:
+        UserError: data the preflight could not judge without reading it (too little text
+            after tokenizing).
+    """
+    if cfg.source is DataSource.synthetic:
+        common = dict(vocab_size=vocab_size, seq_len=seq_len, seed=seed, noise=cfg.noise)
+        val = SyntheticData(**common, first_index=VAL_FIRST_INDEX) if with_val else None
+        return SyntheticData(**common), val
+
+    def stream(paths: list[str], key: str) -> TokenWindows:
+        if cfg.source is DataSource.tokens:
+            files = [
+                inspect_token_file(Path(p), token_dtype=cfg.token_dtype.value, key=key)
+                for p in paths
+            ]
+            return TokenWindows([f.open() for f in files], seq_len=seq_len, names=paths)
+        # Every rank tokenizes the text itself (deterministic); for a large corpus, run
+        # `fsdprun prepare-data` once and train on the token files instead.
+        tokens = tokenize_to_array(
+            [Path(p) for p in paths], build_tokenizer(cfg.tokenizer), cfg.text_field
+        )
+        windows = TokenWindows([tokens], seq_len=seq_len, names=[", ".join(paths)])
+        if windows.num_windows == 0:
+            raise UserError(
+                f"{key}: {len(tokens)} tokens in all, fewer than one sequence "
+                f"(train.seq_len + 1 = {seq_len + 1})"
+            )
+        return windows
+
+    def dataset(windows: TokenWindows, ids: range, name: str, num_files: int) -> ShuffledWindows:
+        kind = "tokens" if cfg.source is DataSource.tokens else f"text ({cfg.tokenizer} tokenizer)"
+        return ShuffledWindows(
+            windows, ids, seed=seed, stream=name, vocab_size=vocab_size,
+            description=f"{kind}: {num_files} file(s), {len(ids):,} windows of {seq_len + 1} "
+            "tokens",
+        )  # fmt: skip
+
+    train_windows = stream(cfg.paths, "data.paths")
+    n = train_windows.num_windows
+    num_val = num_val_windows(n, cfg.val_fraction)
+    train = dataset(train_windows, range(n - num_val), "train", len(cfg.paths))
+    if not with_val:
+        return train, None
+    if cfg.val_paths:
+        val_windows = stream(cfg.val_paths, "data.val_paths")
+        val_ids = range(val_windows.num_windows)
+        return train, dataset(val_windows, val_ids, "val", len(cfg.val_paths))
+    return train, dataset(train_windows, range(n - num_val, n), "val", len(cfg.paths))
+
+
+def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) -> Dataset:
+    """The training dataset."""
+    return build_datasets(cfg, vocab_size=vocab_size, seq_len=seq_len, seed=seed)[0]
+
+
+def load_batch(
+    data: Dataset, indices: range, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.stack([data.sample(i) for i in indices])
+    tokens = tokens.to(device, non_blocking=True)
+    return tokens[:, :-1], tokens[:, 1:]

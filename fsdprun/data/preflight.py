@@ -1,0 +1,90 @@
+"""Checks of data files before any worker starts: existence, kind, dtype, length, vocabulary.
+
+Reads headers, sizes and descriptions only (milliseconds at any corpus size); what only the
+tokens themselves can tell (a raw .bin token id beyond the vocabulary, the token count of text
+that is not byte-tokenized .txt) is checked by the workers as they read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdprun.config import DataSource, RecipeConfig
+from fsdprun.data.files import inspect_token_file
+from fsdprun.data.text import ByteTokenizer, build_tokenizer, check_text_file
+from fsdprun.data.windows import num_val_windows
+from fsdprun.errors import UserError
+
+
+def check_data(cfg: RecipeConfig) -> list[str]:
+    """Problems with the recipe's data files, one message each (empty when fine)."""
+    d = cfg.data
+    window = cfg.train.seq_len + 1
+    try:
+        if d.source is DataSource.tokens:
+            return _check_tokens(cfg, window)
+        if d.source is DataSource.text:
+            return _check_text(cfg, window)
+    except UserError as e:
+        return [str(e)]
+    return []
+
+
+def _check_tokens(cfg: RecipeConfig, window: int) -> list[str]:
+    d, errors = cfg.data, []
+    num_windows = 0
+    for key, paths in (("data.paths", d.paths), ("data.val_paths", d.val_paths)):
+        for p in paths:
+            tf = inspect_token_file(Path(p), token_dtype=d.token_dtype.value, key=key)
+            if tf.num_tokens < window:
+                errors.append(
+                    f"{key}: {tf.path} has {tf.num_tokens} tokens, fewer than one sequence "
+                    f"(train.seq_len + 1 = {window})"
+                )
+            elif key == "data.paths":
+                num_windows += (tf.num_tokens - 1) // cfg.train.seq_len
+            if tf.vocab_size is not None and tf.vocab_size > cfg.model.vocab_size:
+                errors.append(
+                    f"{key}: {tf.path} was tokenized with a {tf.vocab_size}-token vocabulary "
+                    f"(tokenizer {tf.tokenizer}) but model.vocab_size is {cfg.model.vocab_size}; "
+                    f"set model.vocab_size >= {tf.vocab_size}"
+                )
+    if not errors and d.val_fraction:
+        errors += _check_split(num_windows, d.val_fraction)
+    return errors
+
+
+def _check_text(cfg: RecipeConfig, window: int) -> list[str]:
+    d, errors = cfg.data, []
+    for key, paths in (("data.paths", d.paths), ("data.val_paths", d.val_paths)):
+        for p in paths:
+            check_text_file(Path(p), key=key)
+    tok = build_tokenizer(d.tokenizer)
+    if tok.vocab_size > cfg.model.vocab_size:
+        errors.append(
+            f"data.tokenizer {tok.name} has {tok.vocab_size} tokens but model.vocab_size is "
+            f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size}"
+        )
+    # Byte-tokenized .txt: one token per byte plus end-of-text per file, known from sizes.
+    for key, paths in (("data.paths", d.paths), ("data.val_paths", d.val_paths)):
+        if paths and isinstance(tok, ByteTokenizer) and all(p.endswith(".txt") for p in paths):
+            num_tokens = sum(Path(p).stat().st_size + 1 for p in paths)
+            if num_tokens < window:
+                errors.append(
+                    f"{key}: {num_tokens} tokens in all, fewer than one sequence "
+                    f"(train.seq_len + 1 = {window})"
+                )
+            elif key == "data.paths" and d.val_fraction:
+                errors += _check_split((num_tokens - 1) // (window - 1), d.val_fraction)
+    return errors
+
+
+def _check_split(num_windows: int, val_fraction: float) -> list[str]:
+    num_val = num_val_windows(num_windows, val_fraction)
+    if num_val < 1 or num_val >= num_windows:
+        return [
+            f"data.val_fraction={val_fraction} of {num_windows} windows leaves "
+            f"{num_val} for validation and {num_windows - num_val} for training; both need at "
+            "least one (change the fraction, or use data.val_paths)"
+        ]
+    return []

@@ -1,0 +1,281 @@
+"""Token and text data: prepare-data, the sample order, checks before launch, validation loss,
+and exact continuation on token files (real runs: CPU, gloo, the shipped demo recipes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import Run, fsdprun_env, run_fsdprun
+from typer.testing import CliRunner
+
+from fsdprun.checkpoint import list_checkpoints
+from fsdprun.cli import app
+from fsdprun.config import load_recipe
+from fsdprun.data import BatchLayout, build_datasets
+from fsdprun.data.files import token_dtype_for
+from fsdprun.data.text import build_tokenizer
+from fsdprun.data.windows import ShuffledWindows, TokenWindows
+from fsdprun.errors import UserError
+from fsdprun.launch import launch_training
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+EOS = 256
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def one_line_error(result, message: str) -> None:
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.output
+
+
+def read_tokens(path: Path, dtype: str) -> list[int]:
+    return np.fromfile(path, dtype=dtype).tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# prepare-data
+
+
+def test_prepare_data_txt_and_jsonl(tmp_path):
+    (tmp_path / "a.txt").write_bytes("héllo\r\n".encode())
+    (tmp_path / "b.jsonl").write_text('{"body": "ab", "id": 1}\n\n{"body": "c"}\n')
+    out = tmp_path / "out"
+    result = invoke("prepare-data", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
+                    "--out", str(out), "--text-field", "body")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    want = [*"héllo\r\n".encode(), EOS, 97, 98, EOS, 99, EOS]
+    assert read_tokens(out / "train.bin", "uint16") == want
+    desc = json.loads((out / "data.json").read_text())
+    assert desc["dtype"] == "uint16" and desc["vocab_size"] == 257 and desc["tokenizer"] == "byte"
+    assert desc["num_tokens"] == len(want) and desc["files"] == {"train.bin": {"num_tokens": 14}}
+    assert "wrote 14 uint16 tokens" in result.stdout
+
+    # A validation fraction: the tail of the same stream.
+    (tmp_path / "long.txt").write_text("x" * 99)
+    result = invoke("prepare-data", str(tmp_path / "long.txt"), "--out", str(tmp_path / "v"),
+                    "--val-fraction", "0.2")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    train, val = read_tokens(tmp_path / "v/train.bin", "uint16"), read_tokens(
+        tmp_path / "v/val.bin", "uint16")  # fmt: skip
+    assert len(train) == 80 and val == [120] * 19 + [EOS]
+    assert json.loads((tmp_path / "v/data.json").read_text())["files"]["val.bin"] == {
+        "num_tokens": 20}  # fmt: skip
+
+    # Mistakes: one line, exit 2.
+    one_line_error(invoke("prepare-data", str(tmp_path / "b.jsonl"), "--out",
+                          str(tmp_path / "w")), "line 1: no text field 'text'")  # fmt: skip
+    one_line_error(invoke("prepare-data", str(tmp_path / "a.txt"), "--out", str(out)),
+                   "is not an empty folder")  # fmt: skip
+    one_line_error(invoke("prepare-data", str(tmp_path / "nope.txt"), "--out",
+                          str(tmp_path / "w")), "does not exist")  # fmt: skip
+
+
+def test_shipped_token_files_are_what_prepare_data_writes(tmp_path, monkeypatch):
+    monkeypatch.chdir(RECIPES)
+    result = invoke("prepare-data", "data/tiny.txt", "--out", str(tmp_path / "tiny"),
+                    "--val-fraction", "0.1")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    for name in ("train.bin", "val.bin", "data.json"):
+        assert (tmp_path / "tiny" / name).read_bytes() == (
+            RECIPES / "data/tiny" / name
+        ).read_bytes()
+
+
+def test_token_dtype_follows_the_vocabulary():
+    assert token_dtype_for(257) == token_dtype_for(65536) == "uint16"
+    assert token_dtype_for(65537) == "uint32"
+
+
+def test_huggingface_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, "hello": 70_000, "world": 5}
+    vocab.update({f"w{i}": i for i in range(6, 70_000)})
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("hello world\nw7 nonsense")
+    out = tmp_path / "out"
+    result = invoke("prepare-data", str(tmp_path / "a.txt"), "--out", str(out), "--tokenizer",
+                    str(tmp_path / "tokenizer.json"))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    desc = json.loads((out / "data.json").read_text())
+    assert desc["dtype"] == "uint32" and desc["vocab_size"] == 70_001 and desc["eos_id"] == 0
+    assert read_tokens(out / "train.bin", "uint32") == [70_000, 5, 7, 1, 0]
+    # Training on them with a smaller model vocabulary is refused before launch.
+    one_line_error(
+        invoke("config", "tokens-demo", f"data.paths=[{out}/train.bin]", "~data.val_paths",
+               "eval.every_steps=0"),
+        "was tokenized with a 70001-token vocabulary",
+    )  # fmt: skip
+
+
+def test_tokenizer_path_without_the_tokenizers_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
+    with pytest.raises(UserError, match=r"needs the `tokenizers` package: pip install"):
+        build_tokenizer(str(tmp_path / "tokenizer.json"))
+
+
+# --------------------------------------------------------------------------------------------
+# The sample order
+
+
+def windows_dataset(seed: int, n_tokens: int = 101, seq_len: int = 4) -> ShuffledWindows:
+    arrays = [np.arange(n_tokens, dtype=np.uint16), np.arange(1000, 1000 + 9, dtype=np.uint16)]
+    windows = TokenWindows(arrays, seq_len=seq_len, names=["a", "b"])
+    return ShuffledWindows(windows, range(windows.num_windows), seed=seed, stream="train",
+                           vocab_size=2000, description="")  # fmt: skip
+
+
+def test_sample_order_is_set_by_the_seed_alone():
+    data = windows_dataset(seed=3)
+    n = data.num_samples
+    assert n == 25 + 2  # (101 - 1) // 4 windows, then (9 - 1) // 4: none spans the two files
+    epoch0 = [data.sample(i) for i in range(n)]
+    # Every window once per epoch; consecutive windows share one token; no mixed files.
+    starts = sorted(int(s[0]) for s in epoch0)
+    assert starts == [*range(0, 100, 4), 1000, 1004]
+    assert all(len(s) == 5 and int(s[-1]) - int(s[0]) == 4 for s in epoch0)
+    # Epoch 1: the same windows, another order.
+    epoch1 = [data.sample(i) for i in range(n, 2 * n)]
+    assert sorted(int(s[0]) for s in epoch1) == starts
+    assert [int(s[0]) for s in epoch1] != [int(s[0]) for s in epoch0]
+    # The same seed in a fresh object (another process, a resume) gives the same samples, read
+    # in any order; another seed another order.
+    again = windows_dataset(seed=3)
+    for i in (40, 3, 26, 27, 0):
+        assert torch.equal(again.sample(i), (epoch0 + epoch1)[i])
+    other = windows_dataset(seed=4)
+    assert [int(other.sample(i)[0]) for i in range(n)] != [int(s[0]) for s in epoch0]
+
+
+def test_a_step_reads_the_same_windows_at_any_world_size():
+    data = windows_dataset(seed=0)
+    per_world = {}
+    for world, micro in ((1, 8), (2, 1), (4, 2), (8, 1)):
+        layout = BatchLayout(global_batch_size=8, micro_batch_size=micro, world_size=world)
+        for step in (0, 3, 7):  # step 3 crosses into the second epoch (27 windows)
+            got = [data.sample(i) for r in range(world) for m in range(layout.grad_accum_steps)
+                   for i in layout.indices(step, m, r)]  # fmt: skip
+            per_world.setdefault(step, []).append(sorted(tuple(t.tolist()) for t in got))
+    for step, lists in per_world.items():
+        assert all(x == lists[0] for x in lists), step
+
+
+def test_validation_split_is_disjoint_and_fixed(tmp_path):
+    cfg = load_recipe("tokens-demo", ["~data.val_paths", "data.val_fraction=0.25"]).config
+    kwargs = dict(vocab_size=257, seq_len=cfg.train.seq_len, seed=0)
+    train, val = build_datasets(cfg.data, **kwargs, with_val=True)
+    train_only, none = build_datasets(cfg.data, **kwargs, with_val=False)
+    assert none is None and train.num_samples == train_only.num_samples
+    assert train.num_samples + val.num_samples == (4500 - 1) // 64
+    assert set(val.ids).isdisjoint(train.ids)
+    assert torch.equal(train.sample(5), train_only.sample(5))
+
+
+def test_data_paths_are_relative_to_the_recipe_that_sets_them(tmp_path, monkeypatch):
+    sub = tmp_path / "sub"
+    (sub / "d").mkdir(parents=True)
+    shutil.copy(RECIPES / "data/tiny/train.bin", sub / "d/t.bin")
+    (sub / "my.yaml").write_text("extends: tokens-demo\ndata:\n  paths: d/t.bin\n")
+    cfg = load_recipe(str(sub / "my.yaml")).config
+    assert cfg.data.paths == [str(sub / "d/t.bin")]
+    assert cfg.data.val_paths == [str(RECIPES / "data/tiny/val.bin")]  # set by tokens-demo
+    monkeypatch.chdir(sub)
+    cfg = load_recipe("tokens-demo", ["data.val_paths=[d/t.bin]"]).config
+    assert cfg.data.val_paths == [str(sub / "d/t.bin")]
+
+
+# --------------------------------------------------------------------------------------------
+# Mistakes: one line, exit 2, before anything starts
+
+
+def test_bad_data_is_refused_before_launch(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "f.npy", np.zeros(1000, dtype=np.float32))
+    np.arange(11, dtype=np.uint16).tofile(tmp_path / "short.bin")
+    cases = [
+        (["data.paths=[nope.bin]"], f"data.paths: {tmp_path}/nope.bin does not exist"),
+        (["data.paths=[f.npy]"], "holds a float32 array of shape (1000,); token files must be"),
+        (["data.val_paths=[short.bin]"], "has 11 tokens, fewer than one sequence (train.seq_len"),
+        (["model.vocab_size=256"], "tokenized with a 257-token vocabulary (tokenizer byte) but "
+                                   "model.vocab_size is 256"),
+        (["data.token_dtype=uint32"], "data.token_dtype is uint32 but"),
+        (["~data.val_paths"], "eval.every_steps is 10 but there is no validation data"),
+        (["data.paths=[short.bin]", "data.token_dtype=uint32"], "not a whole number of uint32"),
+    ]  # fmt: skip
+    for overrides, message in cases:
+        result = invoke("train", "tokens-demo", *overrides, "--run-dir", "run")
+        one_line_error(result, message)
+    one_line_error(invoke("config", "text-demo", "model.vocab_size=200"),
+                   "data.tokenizer byte has 257 tokens but model.vocab_size is 200")  # fmt: skip
+    one_line_error(invoke("config", "text-demo", "train.seq_len=64", "data.paths=[f.npy]"),
+                   "is not a text file (.txt or .jsonl)")  # fmt: skip
+    assert not (tmp_path / "run").exists()
+    # The launcher checks again: a file gone since the recipe was resolved.
+    shutil.copy(RECIPES / "data/tiny/train.bin", tmp_path / "t.bin")
+    resolved = load_recipe("tokens-demo", ["data.paths=[t.bin]"])
+    (tmp_path / "t.bin").unlink()
+    with pytest.raises(UserError, match="t.bin does not exist"):
+        launch_training(resolved, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Real runs
+
+# 8 steps, a checkpoint every 4, validation every 4 (and after the last step).
+BASE = ("train.steps=8", "checkpoint.every_steps=4", "output.log_every=1",
+        "train.micro_batch_size=1", "eval.every_steps=4")  # fmt: skip
+
+
+def by_step(run_dir: Path, event: str, field: str) -> dict[int, float]:
+    # A resumed run appends to metrics.jsonl: later records of a step win.
+    return {e["step"]: e[field] for e in Run(None, run_dir).events if e["event"] == event}
+
+
+def test_token_data_resumes_exactly_at_another_world_size(tmp_path):
+    straight = run_fsdprun("train", "tokens-demo", *BASE, "--run-dir", str(tmp_path / "a"),
+                           cwd=tmp_path)  # fmt: skip
+    Run(straight, tmp_path / "a").check()
+    assert "eval step 4 | val loss" in straight.stdout and "final val loss" in straight.stdout
+    crashed = run_fsdprun(
+        "train", "tokens-demo", *BASE, "--run-dir", str(tmp_path / "b"), cwd=tmp_path,
+        env=fsdprun_env(FSDPRUN_FAIL_AT="0:5"),
+    )  # fmt: skip
+    assert crashed.returncode == 1 and "injected failure at step 5" in crashed.stderr
+    resumed = run_fsdprun("resume", str(tmp_path / "b"), "--nproc-per-node", "1", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    want, got = by_step(tmp_path / "a", "step", "loss"), by_step(tmp_path / "b", "step", "loss")
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    want_val = by_step(tmp_path / "a", "eval", "val_loss")
+    got_val = by_step(tmp_path / "b", "eval", "val_loss")
+    assert sorted(want_val) == sorted(got_val) == [4, 8]
+    assert all(math.isfinite(v) for v in got_val.values())
+    assert got_val[8] == pytest.approx(want_val[8], abs=1e-5)
+    manifest = list_checkpoints(tmp_path / "b")[-1].manifest
+    assert manifest["world_size"] == 1 and manifest["train_state"]["data_position"] == 64
+    summary = Run(None, tmp_path / "b").summary
+    assert summary["final_val_loss"] == pytest.approx(want_val[8], abs=1e-5)
+
+
+def test_text_demo_runs_as_shipped(tmp_path):
+    proc = run_fsdprun("train", "text-demo", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    run = Run(proc, tmp_path / "run").check()
+    assert "data: text (byte tokenizer): 1 file(s), 70 windows of 65 tokens" in proc.stdout
+    val = by_step(run.run_dir, "eval", "val_loss")
+    assert sorted(val) == [10, 20, 30, 40] and val[40] < val[10] < math.log(257)
+    assert run.losses[-1] < run.losses[0]
