@@ -3,6 +3,7 @@
     fsdprun train debug                      # the built-in demo recipe on 2 CPU ranks
     fsdprun train my.yaml optim.lr=1e-3 --nproc-per-node 8
     fsdprun config debug --explain           # resolved recipe and where each value came from
+    fsdprun plan llama-70b --world-size 64   # FSDP units and memory per rank, no GPU needed
     fsdprun recipes                          # the built-in recipes
 
 Mistakes a user can fix print one line and exit 2 (FSDPRUN_DEBUG=1 shows the traceback); a
@@ -280,8 +281,9 @@ def export(
         str,
         typer.Option(
             "--format",
-            help="safetensors (streamed, low memory) or torch "
-            "(pytorch_model.bin via torch.save; one output shard in memory).",
+            help="safetensors (streamed, low memory), torch "
+            "(pytorch_model.bin via torch.save; one output shard in memory) or hf (a "
+            "HuggingFace model folder: config.json plus HF-named safetensors, streamed).",
         ),
     ] = "safetensors",
     dtype: Annotated[
@@ -350,6 +352,46 @@ def prepare_data_cmd(
         f"wrote {desc['num_tokens']:,} {desc['dtype']} tokens (tokenizer {desc['tokenizer']}, "
         f"vocabulary {desc['vocab_size']:,}) to {out}: {files}, data.json"
     )
+
+
+@app.command()
+@guarded
+def plan(
+    recipe: Recipe,
+    overrides: Overrides = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size",
+            help="Ranks in all (default: the recipe's launch.nproc_per_node x launch.nnodes); the "
+            "recipe's nproc_per_node is kept when it divides, else one node.",
+        ),
+    ] = None,
+    nnodes: NnodesOpt = None,
+    device_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--device-memory",
+            help="Memory of one device (80GB, 141GB, 24GiB) for fits / does not fit "
+            "(default: launch.device_memory_gb).",
+        ),
+    ] = None,
+    json_: Annotated[
+        bool, typer.Option("--json", help="Print one JSON document instead of tables.")
+    ] = False,
+) -> None:
+    """Plan FSDP units and per-rank memory (full, grad_op, hybrid, ddp); allocates no model."""
+    from fsdprun.plan import parse_memory, plan_recipe
+    from fsdprun.report import render_plan
+
+    memory = parse_memory(device_memory) if device_memory else None
+    result = plan_recipe(
+        recipe, overrides or [], world_size=world_size, nnodes=nnodes, device_memory_bytes=memory
+    ).to_dict()
+    if json_:
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+    else:
+        render_plan(result, Console(highlight=False))
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import importlib.util
 import math
 import re
 from dataclasses import dataclass, field
@@ -92,6 +93,11 @@ class TokenDtype(enum.Enum):
     uint32 = "uint32"
 
 
+class ModelInit(enum.Enum):
+    pretrained = "pretrained"
+    random = "random"
+
+
 class DeviceKind(enum.Enum):
     auto = "auto"
     cuda = "cuda"
@@ -115,6 +121,17 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "RoPE base frequency.")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
     tie_embeddings: bool = _f(False, "Share the token embedding with the output projection.")
+    hf_path: str | None = _f(
+        None,
+        "A local HuggingFace model folder (config.json + safetensors; needs `pip install "
+        "fsdprun[hf]`): the architecture comes from its config.json and the model.* "
+        "architecture keys above are ignored. Relative to the recipe file that sets it.",
+    )
+    init: ModelInit = _f(
+        ModelInit.pretrained,
+        "With model.hf_path: `pretrained` loads the folder's weights (each rank reads only its "
+        "shard), `random` initializes them.",
+    )
 
 
 @dataclass
@@ -309,6 +326,11 @@ class LaunchConfig:
         DeviceKind.auto,
         "`auto` (cuda, then npu, then xpu, else cpu), `cuda` (nccl), `cpu` (gloo), `npu` "
         "(hccl; needs torch_npu), `xpu` (xccl).",
+    )
+    device_memory_gb: float | None = _f(
+        None,
+        "Memory of one device in GB (10^9 bytes), for `fsdprun plan`'s fits / does not fit; "
+        "null = unknown (or give --device-memory).",
     )
 
 
@@ -509,7 +531,7 @@ def _resolve_path(ref: str, base: Path | None) -> tuple[str, str]:
 
 # Keys holding file paths: a relative path means relative to the recipe file that set it, so a
 # recipe and its data can move together (and built-in recipes find the data shipped beside them).
-PATH_KEYS = ("data.paths", "data.val_paths", "data.tokenizer")
+PATH_KEYS = ("data.paths", "data.val_paths", "data.tokenizer", "model.hf_path")
 
 
 def _resolve_paths(values: dict[str, Any], base: Path) -> None:
@@ -526,7 +548,7 @@ def _resolve_paths(values: dict[str, Any], base: Path) -> None:
         if key not in values:
             continue
         value = values[key]
-        if key != "data.tokenizer" and isinstance(value, str):
+        if key in ("data.paths", "data.val_paths") and isinstance(value, str):
             value = [value]  # one file needs no list brackets
         if isinstance(value, list):
             values[key] = [resolve(key, item) for item in value]
@@ -714,7 +736,13 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         )
     if m.family != "llama":
         errors.append(f"model.family: '{m.family}' is not known; the built-in family is 'llama'")
-    if t.seq_len > m.max_seq_len:
+    if m.hf_path is not None:
+        if not (Path(m.hf_path) / "config.json").is_file():
+            errors.append(f"model.hf_path: {m.hf_path} has no config.json (a HuggingFace folder?)")
+        # find_spec only looks the package up: the check stays fast without importing it.
+        if importlib.util.find_spec("transformers") is None:
+            errors.append("model.hf_path needs transformers: pip install 'fsdprun[hf]'")
+    elif t.seq_len > m.max_seq_len:
         errors.append(
             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
             "raise model.max_seq_len or shorten train.seq_len"
@@ -754,6 +782,8 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         )
     if cfg.launch.rdzv_endpoint and not re.fullmatch(r"[^:\s]+:\d+", cfg.launch.rdzv_endpoint):
         errors.append(f"launch.rdzv_endpoint '{cfg.launch.rdzv_endpoint}' must look like HOST:PORT")
+    if cfg.launch.device_memory_gb is not None and not cfg.launch.device_memory_gb > 0:
+        errors.append(f"launch.device_memory_gb must be > 0 (got {cfg.launch.device_memory_gb})")
     if cfg.output.peak_tflops is not None and cfg.output.peak_tflops <= 0:
         errors.append(f"output.peak_tflops must be > 0 (got {cfg.output.peak_tflops})")
     return errors

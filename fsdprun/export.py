@@ -9,14 +9,21 @@ reads a few tensors at a time — resharding the chunks of every rank's file int
 and their bytes are appended, so peak memory is about one load group (at least the largest
 tensor), not the model. `torch` output goes through torch.save, which needs a whole output shard
 in memory. Names are the model's own (`model.` stripped), e.g. `layers.0.attention.wq.weight`.
+
+`--format hf` writes a folder `transformers.AutoModelForCausalLM.from_pretrained` loads: for a
+run of a HuggingFace model (model.hf_path) its original config and tokenizer files plus the
+trained weights under their HF names; for a built-in Llama run a LlamaConfig and the weights
+renamed to HF Llama's names (the RoPE conventions agree: no permutation of q/k is needed).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import math
 import re
+import shutil
 import sys
 import warnings
 from collections.abc import Iterator
@@ -30,13 +37,30 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdprun import __version__
-from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint
+from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manifest
 from fsdprun.errors import UserError
 from fsdprun.inspect_ckpt import require_checkpoint_dir
 
 MODEL_PREFIX = "model."
-FORMATS = ("safetensors", "torch")
+FORMATS = ("safetensors", "torch", "hf")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+HF_PREFIX = "hf."  # the attribute holding a HuggingFace model in fsdprun's wrapper
+# fsdprun Llama names → HuggingFace Llama names (within a block, then outside the blocks).
+_HF_BLOCK_NAMES = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+_HF_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Weight files of a HuggingFace folder: replaced by the trained weights, not copied.
+_HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5", ".msgpack")
+_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Tensors DCP loads per call: bigger groups mean fewer calls, more memory (a tensor larger than
 # this is loaded alone).
 LOAD_GROUP_BYTES = 64 * 1024**2
@@ -109,6 +133,77 @@ def plan_tensors(
         target = dtype if dtype is not None and saved.is_floating_point else saved
         plans.append(TensorPlan(key, key[len(MODEL_PREFIX) :], tuple(md.size), saved, target))
     return plans, skipped
+
+
+def hf_llama_name(name: str) -> str:
+    """An fsdprun Llama tensor name → its HuggingFace Llama name.
+
+    Raises:
+        UserError: a name that is not part of the Llama architecture.
+    """
+    if name in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[name]
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    if match and match.group(2) in _HF_BLOCK_NAMES:
+        return f"model.layers.{match.group(1)}.{_HF_BLOCK_NAMES[match.group(2)]}.weight"
+    raise UserError(f"{name}: not a Llama tensor; cannot name it for HuggingFace")
+
+
+def hf_llama_config(model: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """A LlamaConfig (as config.json data) for the recipe's `model:` section."""
+    n_kv = model["n_kv_heads"] if model["n_kv_heads"] is not None else model["n_heads"]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": model["dim"],
+        "intermediate_size": model["ffn_dim"],
+        "num_hidden_layers": model["n_layers"],
+        "num_attention_heads": model["n_heads"],
+        "num_key_value_heads": n_kv,
+        "head_dim": model["dim"] // model["n_heads"],
+        "vocab_size": model["vocab_size"],
+        "max_position_embeddings": model["max_seq_len"],
+        "hidden_act": "silu",
+        "rms_norm_eps": model["norm_eps"],
+        # Both spellings: transformers 4.x reads rope_theta, 5.x rope_parameters.
+        "rope_theta": model["rope_theta"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
+        "tie_word_embeddings": model["tie_embeddings"],
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": _HF_DTYPE_NAMES.get(dtype, "float32"),
+    }
+
+
+def _hf_plans(plans: list[TensorPlan], model: dict[str, Any]) -> list[TensorPlan]:
+    """`plans` under their HuggingFace names."""
+    hf_path = model.get("hf_path")
+    if hf_path:
+        # Checked before anything is written: the config and tokenizer come from there.
+        if not (Path(hf_path) / "config.json").is_file():
+            raise UserError(
+                f"the run's model.hf_path {hf_path} has no config.json any more; the HF export "
+                "copies its config and tokenizer files from there"
+            )
+        # The wrapped model's own names, e.g. model.layers.0.self_attn.q_proj.weight.
+        return [dataclasses.replace(p, name=p.name.removeprefix(HF_PREFIX)) for p in plans]
+    return [dataclasses.replace(p, name=hf_llama_name(p.name)) for p in plans]
+
+
+def _write_hf_files(out: Path, model: dict[str, Any], plans: list[TensorPlan]) -> list[str]:
+    """config.json (and, for a HuggingFace run, its tokenizer and other files); their names."""
+    hf_path = model.get("hf_path")
+    if not hf_path:
+        dtype = plans[0].dtype if plans else torch.float32
+        (out / "config.json").write_text(json.dumps(hf_llama_config(model, dtype), indent=2))
+        return ["config.json"]
+    source = Path(hf_path)
+    copied = []
+    for file in sorted(source.iterdir()):
+        if file.is_file() and not file.name.endswith(_HF_WEIGHT_SUFFIXES):
+            shutil.copyfile(file, out / file.name)
+            copied.append(file.name)
+    return copied
 
 
 def split_shards(plans: list[TensorPlan], max_shard_bytes: int) -> list[list[TensorPlan]]:
@@ -232,15 +327,18 @@ def export_checkpoint(
         raise UserError(f"{path} is not a complete checkpoint: {status.reason}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not an empty folder; nothing written")
-    if fmt == "safetensors" and sys.byteorder != "little":
+    if fmt != "torch" and sys.byteorder != "little":
         raise UserError("safetensors export needs a little-endian machine")
 
     reader = _CachedReader(str(path))
     plans, skipped = plan_tensors(reader.read_metadata(), dtype=DTYPES.get(dtype))
     if not plans:
         raise UserError(f"{path}: no model.* tensors to export")
+    model_cfg = read_manifest(path)["recipe"]["model"] if fmt == "hf" else {}
+    if fmt == "hf":
+        plans = _hf_plans(plans, model_cfg)
     shards = split_shards(plans, max_shard_bytes)
-    names, index_name = shard_file_names(fmt, len(shards))
+    names, index_name = shard_file_names("torch" if fmt == "torch" else "safetensors", len(shards))
     file_metadata = {
         "format": "pt",  # what transformers expects of a PyTorch safetensors file
         "fsdprun_version": __version__,
@@ -257,7 +355,7 @@ def export_checkpoint(
             # Each file appears under its name only once complete.
             partial = out / f"{name}.partial"
             written.append(partial)
-            if fmt == "safetensors":
+            if fmt != "torch":
                 with partial.open("wb") as f:
                     _write_safetensors(f, reader, shard, file_metadata)
             else:
@@ -272,6 +370,10 @@ def export_checkpoint(
             }
             written.append(out / index_name)
             (out / index_name).write_text(json.dumps(index, indent=2) + "\n")
+        if fmt == "hf":
+            extra = _write_hf_files(out, model_cfg, plans)
+            written += [out / name for name in extra]
+            names = [*names, *extra]
     except BaseException:
         for file in written:
             file.unlink(missing_ok=True)

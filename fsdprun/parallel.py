@@ -33,7 +33,7 @@ TORCH_DTYPES = {Dtype.bf16: torch.bfloat16, Dtype.fp16: torch.float16, Dtype.fp3
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    return list(model.layers.values())
+    return [model.get_submodule(path) for path in model.block_paths()]
 
 
 def apply_activation_checkpointing(model: nn.Module, *, cfg: ActivationCheckpointingConfig) -> int:
@@ -106,7 +106,7 @@ def plan_units(model: nn.Module, *, cfg: FsdpConfig) -> list[str]:
         return False
 
     if cfg.wrap is WrapPolicy.block:
-        return [f"layers.{name}" for name in model.layers]
+        return model.block_paths()
     if cfg.wrap is WrapPolicy.classes:
         known = sorted({type(m).__name__ for m in modules.values()})
         unknown = [c for c in cfg.wrap_classes if c not in known]

@@ -243,3 +243,94 @@ class MetricsFollower:
         while not self._stop.is_set():
             self.poll()
             time.sleep(self.poll_s)
+
+
+def _prefetch_text(value: list[str] | str) -> str:
+    if isinstance(value, str):
+        return value
+    return str(len(value)) if value else "-"
+
+
+def render_plan(plan: dict[str, Any], console: Console) -> None:
+    """Print a memory plan (`fsdprun.plan.MemoryPlan.to_dict()`): units, then memory per rank."""
+    c = console
+    c.print(
+        f"[bold]fsdprun plan[/bold] {plan['recipe']}: {fmt_count(plan['num_params'])} params, "
+        f"world size {plan['world_size']} ({plan['nnodes']} node(s) x "
+        f"{plan['nproc_per_node']}), param dtype {plan['param_dtype']}"
+    )
+    units = Table(
+        title=f"FSDP units (root last; gathered in {plan['param_dtype']}, shard fp32 on rank 0)",
+        title_justify="left",
+    )
+    for col in ("unit", "params", "gathered", "shard", "reshard", "fwd pf", "bwd pf"):
+        # Unit paths are never wrapped: the number columns give way first.
+        units.add_column(col, justify="left" if col == "unit" else "right", no_wrap=col == "unit")
+    # Identical consecutive units (the blocks) share one row: a 70B plan stays readable.
+    rows: list[tuple[list[str], tuple]] = []
+    for u in plan["units"]:
+        key = (
+            u["num_params"], u["reshard_after_forward"], _prefetch_text(u["forward_prefetch"]),
+            _prefetch_text(u["backward_prefetch"]), u["path"] == "",
+        )  # fmt: skip
+        if rows and rows[-1][1] == key:
+            rows[-1][0].append(u["path"])
+        else:
+            rows.append(([u["path"]], key))
+    by_path = {u["path"]: u for u in plan["units"]}
+    for paths, _ in rows:
+        u = by_path[paths[0]]
+        name = paths[0] or "(root)"
+        if len(paths) > 1:
+            (head, _, first), (last_head, _, last) = (
+                paths[0].rpartition("."),
+                paths[-1].rpartition("."),
+            )
+            span = f"{head}.{first}..{last}" if head == last_head else f"{paths[0]} .. {paths[-1]}"
+            name = f"{span} (x{len(paths)})"
+        units.add_row(
+            name, fmt_count(u["num_params"]), fmt_bytes(u["unsharded_bytes"]),
+            fmt_bytes(u["shard_bytes"]), "yes" if u["reshard_after_forward"] else "no",
+            _prefetch_text(u["forward_prefetch"]), _prefetch_text(u["backward_prefetch"]),
+        )  # fmt: skip
+    c.print(units)
+
+    strategies = plan["strategies"]
+    mem = Table(title="Memory per rank (rank 0)", title_justify="left")
+    mem.add_column("component")
+    for name in strategies:
+        mark = " (recipe)" if name == plan["recipe_strategy"] else ""
+        mem.add_column(f"{name}{mark}", justify="right")
+    components = (
+        ("shard group", "shard_group"), ("parameters", "params"), ("gradients", "grads"),
+        ("optimizer state", "optimizer"), ("gathered buffers *", "gathered_buffers"),
+        ("activations *", "activations"), ("total", "total"),
+    )  # fmt: skip
+    for label, key in components:
+        fmt = str if key == "shard_group" else fmt_bytes
+        mem.add_row(label, *(fmt(s[key]) for s in strategies.values()))
+    if plan["device_memory_bytes"] is not None:
+        mem.add_row("fits", *("yes" if s["fits"] else "no" for s in strategies.values()))
+    c.print(mem)
+    c.print(f"  * estimates. gathered buffers: {plan['buffer_formula']}.")
+    c.print(f"  activations, one micro-batch: {plan['activation_formula']}.")
+    for note in plan["notes"]:
+        c.print(f"  {note}.")
+    ours = strategies[plan["recipe_strategy"]]
+    has = plan["device_memory_bytes"]
+    needs = f"{fmt_bytes(ours['total'])} ({ours['total'] / 1e9:.1f} GB)"
+    if has is None:
+        c.print(
+            f"needs {needs} per rank ({plan['recipe_strategy']}); device memory "
+            "unknown: give --device-memory (e.g. 80GB) or launch.device_memory_gb"
+        )
+    elif ours["fits"]:
+        c.print(
+            f"[green]fits[/green]: {plan['recipe_strategy']} needs {needs} per rank, has "
+            f"{fmt_bytes(has)} ({has / 1e9:.1f} GB)"
+        )
+    else:
+        c.print(
+            f"[red]does not fit[/red]: {plan['recipe_strategy']} needs {needs} per rank, has "
+            f"{fmt_bytes(has)} ({has / 1e9:.1f} GB)"
+        )

@@ -40,7 +40,7 @@ from fsdprun.checkpoint import (
     read_manifest,
     step_dir,
 )
-from fsdprun.config import Dtype, NonFinite, RecipeConfig, config_to_dict, load_recipe
+from fsdprun.config import Dtype, ModelInit, NonFinite, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.data import BatchLayout, Dataset, build_datasets, load_batch
 from fsdprun.device import Device, build_worker_device, resolve_device_kind
 from fsdprun.errors import UserError
@@ -53,7 +53,7 @@ from fsdprun.guard import (
     restart_count,
 )
 from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
-from fsdprun.models import Transformer, build_model_args
+from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
 from fsdprun.optim import build_lr_scheduler, build_optimizer
 from fsdprun.parallel import (
@@ -168,7 +168,7 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device):
     torch.manual_seed(cfg.train.seed)
     mesh = init_device_mesh(device.kind, (ranks.world_size,))
     with torch.device("meta"):
-        model = Transformer(build_model_args(cfg.model))
+        model = build_model(cfg.model)
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     units = apply_fsdp(
@@ -179,7 +179,13 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device):
         reduce_dtype=cfg.precision.reduce_dtype,
         pin_memory=device.kind != "cpu",
     )
-    init_weights(model, seed=cfg.train.seed, device=device.torch_device)
+    if cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained:
+        # Imported here: it needs safetensors, which comes with the optional hf extra.
+        from fsdprun.hf import load_hf_weights
+
+        load_hf_weights(model, Path(cfg.model.hf_path), device=device.torch_device)
+    else:
+        init_weights(model, seed=cfg.train.seed, device=device.torch_device)
     optimizer = build_optimizer(model, cfg=cfg.optim, device_kind=device.kind)
     scheduler = build_lr_scheduler(optimizer, cfg=cfg.schedule, total_steps=cfg.train.steps)
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.

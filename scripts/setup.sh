@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv and install fsdprun with its dev tools. Idempotent and quick when
-# nothing changed. Without an NVIDIA driver the CPU build of torch 2.13.0 is pinned; with one,
-# pip keeps a torch already in the venv or picks a CUDA build in the supported range.
+# Create (or reuse) .venv and install fsdprun with its dev tools and the hf extra (transformers,
+# for the HuggingFace-model tests; ~15 s more). Idempotent and quick when nothing changed.
+# Without an NVIDIA driver the CPU build of torch 2.13.0 is pinned; with one, pip keeps a torch
+# already in the venv or picks a CUDA build in the supported range.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -12,6 +13,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   constraints=()
   command -v nvidia-smi >/dev/null 2>&1 || constraints=(-c scripts/constraints-cpu.txt)
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "${constraints[@]}" -e ".[dev]"
+  .venv/bin/python -m pip install -q "${constraints[@]}" -e ".[dev,hf]"
   echo "$want" > "$stamp"
 fi

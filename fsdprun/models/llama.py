@@ -131,6 +131,10 @@ class Transformer(nn.Module):
             h = layer(h, self.rope)
         return self.output(self.norm(h))
 
+    def block_paths(self) -> list[str]:
+        """Module paths of the transformer blocks (FSDP units under the `block` policy)."""
+        return [f"layers.{name}" for name in self.layers]
+
     def init_buffers(self, device: torch.device) -> None:
         """Recompute non-persistent buffers after `to_empty` (they hold garbage then)."""
         self.rope = rope_table(self.args, device=device)

@@ -1,0 +1,139 @@
+"""A HuggingFace causal LM (built by transformers from a local folder's config.json) behind the
+interface the rest of fsdprun expects of a model: `forward(tokens) -> logits`, `args`,
+`block_paths()`, `init_std(name)`, `init_buffers(device)`.
+
+Architecture only: the pretrained weights are loaded shard-wise by `fsdprun.hf` after FSDP has
+sharded the model. Build it on the meta device:
+
+    with torch.device("meta"):
+        model = HFCausalLM.from_folder("path/to/hf-model")
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fsdprun.errors import UserError
+from fsdprun.models.llama import ModelArgs
+
+# Parameter names in this module are the HuggingFace names under this attribute.
+HF_PREFIX = "hf."
+
+
+def import_transformers():
+    """The transformers package, or a one-line error saying how to install it."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise UserError(
+            "model.hf_path needs transformers: pip install 'fsdprun[hf]' (or transformers>=4.40)"
+        ) from e
+    return transformers
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """The folder's config.json as a dict (no transformers needed)."""
+    file = Path(path) / "config.json"
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"model.hf_path: cannot read {file}: {e}") from e
+
+
+def args_from_hf_config(config) -> ModelArgs:
+    """The Llama-shaped summary of a HuggingFace config that parameter counts, FLOPs and the
+    synthetic data (vocab_size) use."""
+    dim = config.hidden_size
+    n_heads = config.num_attention_heads
+    return ModelArgs(
+        dim=dim,
+        n_layers=config.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+        ffn_dim=getattr(config, "intermediate_size", None) or 4 * dim,
+        vocab_size=config.vocab_size,
+        max_seq_len=getattr(config, "max_position_embeddings", 2048),
+        norm_eps=getattr(config, "rms_norm_eps", 1e-5),
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+class HFCausalLM(nn.Module):
+    """Wraps an `AutoModelForCausalLM` so that calling it maps tokens to logits."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+        self.args = args_from_hf_config(hf_model.config)
+        # transformers names the classes that must not be split across devices: the decoder
+        # layers, which are exactly the blocks FSDP should wrap.
+        self.block_classes = tuple(getattr(hf_model, "_no_split_modules", None) or ())
+        if not self.block_paths():
+            raise UserError(
+                f"model.hf_path: cannot find the decoder layers of {type(hf_model).__name__} "
+                f"(_no_split_modules = {list(self.block_classes)})"
+            )
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> HFCausalLM:
+        """Build the architecture of the folder's config.json (weights are not read).
+
+        transformers allocates on the current default device: call this under
+        `torch.device("meta")` to allocate nothing.
+        """
+        transformers = import_transformers()
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        try:
+            hf_model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="sdpa"
+            )
+        except ValueError as e:
+            raise UserError(f"model.hf_path: {path}: {e}") from e
+        return cls(hf_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+    def block_paths(self) -> list[str]:
+        """Module paths of the decoder layers, in forward order."""
+        return [
+            path for path, m in self.named_modules()
+            if path and type(m).__name__ in self.block_classes
+        ]  # fmt: skip
+
+    def init_std(self, name: str) -> float | None:
+        """`model.init=random`: normal(0, initializer_range) for matrices, ones for norm
+        weights (1-D weights), zeros for biases (std 0)."""
+        if name.endswith(".bias"):
+            return 0.0
+        param = self.get_parameter(name)
+        if param.ndim == 1:
+            return None
+        return getattr(self.hf.config, "initializer_range", 0.02)
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device) -> None:
+        """Recompute the non-persistent buffers (rotary frequencies) after `to_empty`.
+
+        They hold garbage then, and a checkpoint does not store them. A buffer-only module built
+        from the config (as rotary embeddings are) is rebuilt on `device` and its buffers copied.
+        """
+        for path, module in self.named_modules():
+            own = dict(module.named_buffers(recurse=False))
+            if not own:
+                continue
+            if next(module.parameters(recurse=False), None) is not None or not hasattr(
+                module, "config"
+            ):
+                raise UserError(
+                    f"model.hf_path: cannot initialize the buffers of {path} "
+                    f"({type(module).__name__}): {', '.join(own)}"
+                )
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            for name, buf in own.items():
+                buf.copy_(getattr(fresh, name))

@@ -1,0 +1,319 @@
+"""Memory plan of a recipe before any GPU is rented: FSDP units and per-rank memory by component.
+
+    fsdprun plan llama-70b --world-size 64 --device-memory 80GB
+
+The model is built on the meta device (no memory), the FSDP units come from `plan_units` exactly as
+`apply_fsdp` wraps them, and each parameter's per-rank shard is computed from its real shape:
+FSDP2 shards dim 0 and pads it to a multiple of the shard group, so rank 0 holds ceil(dim0 / N)
+rows (the shape `model_state_bytes` measures in a run). An 8B or 70B recipe plans in about a
+second. A fake process group is not needed: the shard shapes follow from the shapes alone.
+
+Model state follows the ZeRO paper's mixed-precision Adam accounting, as fsdprun keeps it:
+fp32 master parameters (4 B), fp32 gradients (4 B), two fp32 Adam moments (8 B) = 16 B/param,
+plus AdamW's 4-byte step counter per tensor. Strategies divide it differently:
+
+- full    FSDP2 full sharding (ZeRO-3): parameters, gradients, optimizer state / N.
+- grad_op reshard_after_forward=false (ZeRO-2): gradients and optimizer state / N; parameters
+          stay whole from forward to backward, counted whole.
+- hybrid  full sharding inside a node of nproc_per_node ranks, replicated across nodes.
+- ddp     nothing sharded.
+
+Gathered buffers and activations are estimates; `ACTIVATION_FORMULA` says how they are computed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from fsdprun.config import CheckpointMode, Dtype, RecipeConfig, load_recipe
+from fsdprun.errors import UserError
+from fsdprun.models import Transformer, build_model_args
+from fsdprun.parallel import plan_units
+
+DTYPE_BYTES = {Dtype.bf16: 2, Dtype.fp16: 2, Dtype.fp32: 4}
+MASTER_BYTES = 4  # sharded parameters and their gradients are fp32 whatever param_dtype is
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+ADAM_STEP_BYTES = 4  # AdamW's per-tensor `step`, a 0-d fp32 tensor
+
+ACTIVATION_FORMULA = (
+    "per block and token: 8*dim (the fp32 input of each RMSNorm) + c*(6*dim + 4*ffn_dim + "
+    "2*kv_dim), c = bytes of param_dtype (each norm's value before and after its weight, q after "
+    "RoPE, the attention output; k and v after RoPE; w1, w3, silu and product outputs), as "
+    "counted with saved_tensors_hooks on a Llama block (within 1%). A checkpointed block keeps "
+    "only its input, seq*micro*dim*c, and one block is recomputed at a time; plus the logits, "
+    "seq*micro*vocab*(c + 8) (their fp32 copy and log-softmax in the loss)"
+)
+BUFFER_FORMULA = (
+    "unsharded params in param_dtype: the root unit (FSDP2 keeps the root gathered from forward "
+    "to backward) + the largest other unit x (1 + prefetch depth)"
+)
+_SIZE_UNITS = {"GB": 10**9, "TB": 10**12, "MB": 10**6, "GIB": 2**30, "TIB": 2**40, "MIB": 2**20}
+
+
+def parse_memory(text: str) -> int:
+    """'80GB' -> 80_000_000_000 (GB/TB/MB decimal, GiB/TiB/MiB binary; a bare number is GB).
+
+    Raises:
+        UserError: not a positive size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match and (match.group(2).upper() or "GB")
+    if not match or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise UserError(f"--device-memory {text!r}: expected a size such as 80GB, 141GB or 24GiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    """One FSDP unit as `apply_fsdp` would make it ("" = the root, last)."""
+
+    path: str
+    num_params: int
+    unsharded_bytes: int  # gathered, in param_dtype
+    shard_bytes: int  # fp32 master shard on rank 0
+    reshard_after_forward: bool
+    forward_prefetch: list[str]
+    backward_prefetch: list[str] | str  # explicit unit paths, or "implicit"
+
+
+@dataclass
+class StrategyMemory:
+    """Bytes on rank 0 under one sharding strategy."""
+
+    shard_group: int
+    params: int
+    grads: int
+    optimizer: int
+    gathered_buffers: int
+    activations: int
+    total: int = 0
+    fits: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.total = (
+            self.params + self.grads + self.optimizer + self.gathered_buffers + self.activations
+        )
+
+
+@dataclass
+class MemoryPlan:
+    recipe: str
+    world_size: int
+    nnodes: int
+    nproc_per_node: int
+    num_params: int
+    param_dtype: str
+    recipe_strategy: str
+    device_memory_bytes: int | None
+    units: list[PlannedUnit]
+    strategies: dict[str, StrategyMemory]
+    activation_formula: str = ACTIVATION_FORMULA
+    buffer_formula: str = BUFFER_FORMULA
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rank0_elems(shape: torch.Size, shards: int) -> int:
+    # FSDP2 Shard(0) pads dim 0 to a multiple of `shards`: rank 0 gets ceil(dim0 / shards) rows.
+    if not shape:
+        return 1
+    rows = min(shape[0], math.ceil(shape[0] / shards))
+    return rows * math.prod(shape[1:])
+
+
+def _model_state(params: list[nn.Parameter], shards: int, *, params_whole: bool) -> dict[str, int]:
+    sharded = sum(_rank0_elems(p.shape, shards) for p in params)
+    whole = sum(p.numel() for p in params)
+    return {
+        "params": MASTER_BYTES * (whole if params_whole else sharded),
+        "grads": MASTER_BYTES * sharded,
+        "optimizer": ADAM_STATE_BYTES * sharded + ADAM_STEP_BYTES * len(params),
+    }
+
+
+def block_activation_bytes(cfg: RecipeConfig) -> int:
+    """Bytes one transformer block saves for backward for one micro-batch, not checkpointed
+    (see ACTIVATION_FORMULA)."""
+    m, t = cfg.model, cfg.train
+    c = DTYPE_BYTES[cfg.precision.param_dtype]
+    kv_dim = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
+    return (
+        t.seq_len * t.micro_batch_size * (8 * m.dim + c * (6 * m.dim + 4 * m.ffn_dim + 2 * kv_dim))
+    )
+
+
+def activation_bytes(cfg: RecipeConfig) -> int:
+    """Activations one rank keeps for backward for one micro-batch (estimate; see
+    ACTIVATION_FORMULA)."""
+    m, t = cfg.model, cfg.train
+    c = DTYPE_BYTES[cfg.precision.param_dtype]
+    tokens = t.seq_len * t.micro_batch_size
+    block = block_activation_bytes(cfg)
+    ac = cfg.activation_checkpointing
+    checkpointed = {
+        CheckpointMode.none: 0,
+        CheckpointMode.full: m.n_layers,
+        CheckpointMode.every_n: len(range(0, m.n_layers, max(ac.every_n, 1))),
+    }[ac.mode]
+    kept = checkpointed * tokens * m.dim * c + (m.n_layers - checkpointed) * block
+    recompute = block if checkpointed else 0  # one block's activations while it is recomputed
+    logits = tokens * m.vocab_size * (c + 8)
+    return kept + recompute + logits
+
+
+def plan_memory(
+    cfg: RecipeConfig, *, recipe: str = "", device_memory_bytes: int | None = None
+) -> MemoryPlan:
+    """Plan units and per-rank memory of `cfg` at its launch.* world size, on the meta device.
+
+    Args:
+        cfg: a validated recipe (launch.nproc_per_node x launch.nnodes = the world size).
+        recipe: its name, for the report.
+        device_memory_bytes: memory of one device; None = launch.device_memory_gb, or unknown.
+
+    Returns:
+        The plan; `strategies[s].fits` is None when the device memory is unknown.
+    """
+    if getattr(cfg.model, "hf_path", None) is not None:
+        raise UserError(
+            "fsdprun plan does not read model.hf_path models yet; plan the model.* shape"
+        )
+    world, per_node = cfg.world_size, cfg.launch.nproc_per_node
+    with torch.device("meta"):
+        model = Transformer(build_model_args(cfg.model))
+    params = list(model.parameters())  # tied weights appear once, as in the optimizer
+    pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
+    fsdp = cfg.fsdp
+
+    # Mirror apply_fsdp: units take the parameters not yet taken, in forward order, then the root.
+    paths = plan_units(model, cfg=fsdp)
+    modules = dict(model.named_modules())
+    taken: set[int] = set()
+    groups: list[tuple[str, list[nn.Parameter]]] = []
+    for path in paths:
+        own = [p for p in modules[path].parameters() if id(p) not in taken]
+        taken.update(id(p) for p in own)
+        groups.append((path, own))
+    groups.append(("", [p for p in params if id(p) not in taken]))
+
+    units = []
+    for i, (path, own) in enumerate(groups):
+        is_root = path == ""
+        # The last block is not resharded (backward needs it at once); FSDP2 never reshards the
+        # root after forward.
+        reshard = fsdp.reshard_after_forward and i < len(paths) - 1 and not is_root
+        if is_root:
+            fwd, bwd = [], []
+        else:
+            fwd = paths[i + 1 : i + 1 + fsdp.forward_prefetch]
+            bwd = (
+                list(reversed(paths[max(0, i - fsdp.backward_prefetch) : i]))
+                if fsdp.backward_prefetch > 1
+                else "implicit"
+            )
+        numel = sum(p.numel() for p in own)
+        units.append(
+            PlannedUnit(
+                path=path,
+                num_params=numel,
+                unsharded_bytes=numel * pbytes,
+                shard_bytes=MASTER_BYTES * sum(_rank0_elems(p.shape, world) for p in own),
+                reshard_after_forward=reshard,
+                forward_prefetch=fwd,
+                backward_prefetch=bwd,
+            )
+        )
+
+    root = units[-1].unsharded_bytes
+    largest = max((u.unsharded_bytes for u in units[:-1]), default=0)
+    depth = max(fsdp.forward_prefetch, fsdp.backward_prefetch)
+    sharded_buffers = root + largest * (1 + depth)
+    acts = activation_bytes(cfg)
+    strategies = {
+        "full": StrategyMemory(
+            world, **_model_state(params, world, params_whole=False),
+            gathered_buffers=sharded_buffers, activations=acts,
+        ),
+        # Parameters are counted whole (ZeRO-2): the gathered copies are those parameters.
+        "grad_op": StrategyMemory(
+            world, **_model_state(params, world, params_whole=True),
+            gathered_buffers=0, activations=acts,
+        ),
+        "hybrid": StrategyMemory(
+            per_node, **_model_state(params, per_node, params_whole=False),
+            gathered_buffers=sharded_buffers, activations=acts,
+        ),
+        "ddp": StrategyMemory(
+            1, **_model_state(params, 1, params_whole=False), gathered_buffers=0,
+            activations=acts,
+        ),
+    }  # fmt: skip
+    if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
+        device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
+    if device_memory_bytes is not None:
+        for s in strategies.values():
+            s.fits = s.total <= device_memory_bytes
+    notes = [
+        "model state: fp32 params 4 B + fp32 grads 4 B + Adam moments 8 B per param "
+        "(+ 4 B step per tensor), from each parameter's rank-0 shard of ceil(dim0 / N) rows",
+        f"prefetch depth {depth} (max of fsdp.forward_prefetch and fsdp.backward_prefetch)",
+        "not counted: allocator fragmentation and cache, communication buffers, the CUDA "
+        "context, unsharded gradients before their reduce-scatter",
+    ]
+    return MemoryPlan(
+        recipe=recipe,
+        world_size=world,
+        nnodes=cfg.launch.nnodes,
+        nproc_per_node=per_node,
+        num_params=sum(p.numel() for p in params),
+        param_dtype=cfg.precision.param_dtype.value,
+        recipe_strategy="full" if fsdp.reshard_after_forward else "grad_op",
+        device_memory_bytes=device_memory_bytes,
+        units=units,
+        strategies=strategies,
+        notes=notes,
+    )
+
+
+def plan_recipe(
+    recipe: str,
+    overrides: list[str],
+    *,
+    world_size: int | None = None,
+    nnodes: int | None = None,
+    device_memory_bytes: int | None = None,
+) -> MemoryPlan:
+    """Resolve `recipe` at the asked world size and plan it.
+
+    `world_size` keeps the recipe's nproc_per_node when it divides (more or fewer nodes), else
+    puts all ranks on one node; with `nnodes` too, nproc_per_node = world_size / nnodes.
+
+    Raises:
+        UserError: an invalid recipe, or a world size the node count does not divide.
+    """
+    launch: list[str] = []
+    if world_size is not None:
+        if world_size < 1:
+            raise UserError(f"--world-size must be >= 1 (got {world_size})")
+        if nnodes is None:
+            per_node = load_recipe(recipe, overrides, check=False).config.launch.nproc_per_node
+            nnodes = world_size // per_node if world_size % per_node == 0 else 1
+        if nnodes < 1 or world_size % nnodes:
+            raise UserError(
+                f"--world-size {world_size} is not divisible by --nnodes {nnodes}; ranks are "
+                "spread evenly over the nodes"
+            )
+        launch = [f"launch.nproc_per_node={world_size // nnodes}", f"launch.nnodes={nnodes}"]
+    elif nnodes is not None:
+        launch = [f"launch.nnodes={nnodes}"]
+    resolved = load_recipe(recipe, [*overrides, *launch])
+    return plan_memory(
+        resolved.config, recipe=resolved.name, device_memory_bytes=device_memory_bytes
+    )

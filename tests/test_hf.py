@@ -1,0 +1,187 @@
+"""HuggingFace models (`model.hf_path`) and `fsdprun export --format hf`.
+
+A tiny random Llama saved by transformers' `save_pretrained` is trained by the real `fsdprun`
+command at world 2 (fp32): its first loss must equal transformers' own single-process forward on
+the same batch, and a few steps must lower it. Exports in HF format must load with
+`AutoModelForCausalLM.from_pretrained` and hold exactly the trained weights (HF-sourced run) or
+give fsdprun's logits (built-in Llama run). Run with `pytest tests/test_hf.py` (~40 s).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import fsdprun_env, run_fsdprun
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from fsdprun.config import load_recipe
+from fsdprun.data import build_datasets, load_batch
+from fsdprun.errors import UserError
+from fsdprun.export import export_checkpoint, hf_llama_name
+from fsdprun.hf import chunk_rows
+from fsdprun.metrics import read_events
+from fsdprun.models import Transformer, build_model_args
+
+transformers = pytest.importorskip("transformers")
+
+ENV = fsdprun_env(HF_HUB_OFFLINE="1")  # model loading must never reach the network
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (hidden 64, 2 layers, GQA, vocab 256) plus stand-in tokenizer files."""
+    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    (path / "tokenizer.json").write_text('{"stand-in": true}')
+    (path / "tokenizer_config.json").write_text("{}")
+    return path
+
+
+def _train(root: Path, name: str, *overrides: str) -> tuple[Path, list[dict]]:
+    run_dir = root / name
+    proc = run_fsdprun(
+        "train", "debug", "train.steps=4", "output.log_every=1", *overrides,
+        "--run-dir", str(run_dir), cwd=root, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir, read_events(run_dir / "metrics.jsonl")
+
+
+def _export(ckpt: Path, out: Path, fmt: str) -> None:
+    # In-process (the command itself is covered by test_inspect_export): a subprocess costs ~3 s.
+    export_checkpoint(ckpt, out, fmt=fmt)
+
+
+def _load_hf(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, local_files_only=True
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_run(hf_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """fsdprun fine-tunes the HF model at world 2, fp32 (the debug recipe), 4 steps."""
+    return _train(tmp_path_factory.mktemp("hf_run"), "run", f"model.hf_path={hf_dir}")
+
+
+def test_first_loss_matches_transformers_and_training_lowers_it(hf_dir, hf_run):
+    _, events = hf_run
+    start = next(e for e in events if e["event"] == "start")
+    assert start["fsdp_units"] == ["hf.model.layers.0", "hf.model.layers.1", "<root>"]
+    losses = [e["loss"] for e in events if e["event"] == "step"]
+    # The 8 samples of global step 0, exactly as the workers load them.
+    cfg = load_recipe("debug", [f"model.hf_path={hf_dir}"]).config
+    data, _ = build_datasets(cfg.data, vocab_size=256, seq_len=cfg.train.seq_len, seed=0)
+    inputs, targets = load_batch(data, range(cfg.train.global_batch_size), torch.device("cpu"))
+    with torch.no_grad():
+        logits = _load_hf(hf_dir)(input_ids=inputs).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert abs(losses[0] - expected) < TOL, (losses[0], expected)
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_hf_export_of_hf_run(hf_dir, hf_run, tmp_path):
+    run_dir, _ = hf_run
+    ckpt = run_dir / "checkpoints" / "step-00000004"
+    out = tmp_path / "export"
+    _export(ckpt, out, "hf")
+    # The original config and tokenizer files, the trained weights (not the original ones).
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # fmt: skip
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (hf_dir / name).read_bytes()
+    dcp_to_torch_save(ckpt, tmp_path / "full.pt")
+    trained = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    loaded = _load_hf(out).state_dict()
+    assert sorted(loaded) == sorted(k.removeprefix("hf.") for k in trained)
+    for key, value in trained.items():
+        torch.testing.assert_close(loaded[key.removeprefix("hf.")], value, rtol=0, atol=0)
+    original = load_file(hf_dir / "model.safetensors")
+    assert not torch.equal(original["model.norm.weight"], loaded["model.norm.weight"])
+
+
+def test_random_init_of_hf_model(hf_dir, hf_run, tmp_path):
+    _, events = _train(tmp_path, "run", f"model.hf_path={hf_dir}", "model.init=random",
+                       "train.steps=1", "schedule.warmup_steps=0")  # fmt: skip
+    first = [e["loss"] for e in events if e["event"] == "step"][0]
+    pretrained = [e["loss"] for e in hf_run[1] if e["event"] == "step"][0]
+    assert torch.isfinite(torch.tensor(first)) and abs(first - pretrained) > 1e-4
+
+
+def test_hf_export_of_builtin_llama_gives_the_same_logits(tmp_path):
+    run_dir, _ = _train(tmp_path, "run", "train.steps=2")
+    ckpt = run_dir / "checkpoints" / "step-00000002"
+    _export(ckpt, tmp_path / "hf", "hf")
+    _export(ckpt, tmp_path / "plain", "safetensors")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
+    model = Transformer(build_model_args(load_recipe("debug").config.model))
+    model.load_state_dict(load_file(tmp_path / "plain" / "model.safetensors"))
+    hf_model = _load_hf(tmp_path / "hf")
+    assert sum(p.numel() for p in hf_model.parameters()) == sum(
+        p.numel() for p in model.parameters()
+    )
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(tokens) - hf_model(input_ids=tokens).logits).abs().max().item()
+    assert diff < TOL, diff
+
+
+def test_hf_names_and_errors(tmp_path, monkeypatch):
+    assert hf_llama_name("layers.3.feed_forward.w2.weight") == "model.layers.3.mlp.down_proj.weight"
+    assert hf_llama_name("output.weight") == "lm_head.weight"
+    with pytest.raises(UserError, match="not a Llama tensor"):
+        hf_llama_name("layers.0.extra.weight")
+    with pytest.raises(UserError, match="has no config.json"):
+        load_recipe("debug", [f"model.hf_path={tmp_path}"])
+    (tmp_path / "config.json").write_text("{}")
+    cfg = load_recipe("debug", [f"model.hf_path={tmp_path}"]).config
+    from fsdprun.models import build_model
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(UserError, match=r"pip install 'fsdprun\[hf\]'"):
+        build_model(cfg.model)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"needs transformers: pip install 'fsdprun\[hf\]'"):
+        load_recipe("debug", [f"model.hf_path={tmp_path}"])
+
+
+@pytest.mark.parametrize("rows,world_size", [(8, 2), (7, 2), (5, 4), (2, 3), (64, 3)])
+def test_chunk_rows_follow_torch_chunk(rows, world_size):
+    full = torch.arange(rows)
+    chunks = list(torch.chunk(full, world_size)) + [full[:0]] * world_size
+    for rank in range(world_size):
+        start, stop = chunk_rows(rows, rank, world_size)
+        assert torch.equal(full[start:stop], chunks[rank])
+
+
+def test_shipped_hf_finetune_recipe_starts_pretrained_and_improves(tmp_path):
+    proc = run_fsdprun("train", "hf-finetune-demo", "train.steps=10", "eval.every_steps=5",
+                       "output.log_every=1", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+                       env=fsdprun_env(HF_HUB_OFFLINE="1"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = read_events(tmp_path / "run" / "metrics.jsonl")
+    losses = [e["loss"] for e in events if e["event"] == "step"]
+    evals = [e["val_loss"] for e in events if e["event"] == "eval"]
+    # Pre-trained weights: far below a random model's ln(257) = 5.55 from the first step.
+    assert losses[0] < 3.2
+    assert evals[-1] < evals[0]

@@ -1,0 +1,144 @@
+"""`fsdprun plan`: the memory plan against what runs measure, against FSDP2's own sharding on a fake
+process group, and the ZeRO figures of the 70B recipe (meta device, seconds)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from typer.testing import CliRunner
+
+from fsdprun.cli import app
+from fsdprun.config import load_recipe
+from fsdprun.models import Transformer, build_model_args
+from fsdprun.models.llama import TransformerBlock, rope_table
+from fsdprun.parallel import apply_fsdp, model_state_bytes
+from fsdprun.plan import block_activation_bytes, plan_memory, plan_recipe
+
+runner = CliRunner()
+P_70B = 70_553_706_496
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nproc"),
+    # The runs test_train.py makes (free when it ran first); the model state does not depend on
+    # the number of steps or the micro-batch.
+    [(("train.micro_batch_size=4",), 1), (("train.micro_batch_size=1",), 2)],
+)
+def test_full_sharding_matches_measured_model_state(fsdprun_runs, overrides, nproc):
+    run = fsdprun_runs.train("train.steps=6", "output.log_every=1", *overrides, nproc=nproc)
+    measured = run.check().summary["ranks"][0]["model_state_bytes"]
+    full = plan_recipe("debug", list(overrides), world_size=nproc).strategies["full"]
+    for key in ("params", "grads", "optimizer"):
+        assert getattr(full, key) == pytest.approx(measured[key], rel=0.05), key
+    # Not just close: the shard shapes and the AdamW step counters are counted exactly.
+    assert (full.params, full.grads, full.optimizer) == tuple(
+        measured[k] for k in ("params", "grads", "optimizer")
+    )
+
+
+def test_plan_matches_fully_shard_on_a_fake_group():
+    # Dims that 3 ranks do not divide, size-based units, explicit prefetch: rank 0's real local
+    # shards (FSDP2 on a meta model, fake process group of 3) and the units apply_fsdp reports.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    overrides = [
+        "fsdp.wrap=size", "fsdp.min_num_params=20000", "fsdp.forward_prefetch=1",
+        "fsdp.backward_prefetch=2", "model.vocab_size=250", "train.global_batch_size=6",
+        "launch.nproc_per_node=3",
+    ]  # fmt: skip
+    cfg = load_recipe("debug", overrides).config
+    plan = plan_memory(cfg)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        mesh = dist.device_mesh.init_device_mesh("cpu", (3,))
+        with torch.device("meta"):
+            model = Transformer(build_model_args(cfg.model))
+        units = apply_fsdp(
+            model, mesh=mesh, cfg=cfg.fsdp, param_dtype=cfg.precision.param_dtype,
+            reduce_dtype=cfg.precision.reduce_dtype, pin_memory=False,
+        )  # fmt: skip
+        measured = model_state_bytes(model, None)["params"]
+        del model, mesh
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+    assert [(u.path, u.num_params, u.reshard_after_forward) for u in units] == [
+        (u.path, u.num_params, u.reshard_after_forward) for u in plan.units
+    ]
+    assert plan.strategies["full"].params == measured
+    first, second = plan.units[0], plan.units[1]
+    assert first.forward_prefetch == [second.path] and second.backward_prefetch == [first.path]
+
+
+def test_block_activation_formula_matches_saved_tensors():
+    cfg = load_recipe(
+        "debug", ["precision.param_dtype=bf16", "train.micro_batch_size=2", "train.seq_len=48"]
+    ).config
+    args = build_model_args(cfg.model)
+    block = TransformerBlock(args).to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and t.numel() >= 2 * 48:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randn(2, 48, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, rope_table(args))
+    assert sum(saved.values()) == pytest.approx(block_activation_bytes(cfg), rel=0.02)
+
+
+def test_70b_at_64_ranks_gives_the_zero_numbers_fast():
+    start = time.perf_counter()
+    result = runner.invoke(app, ["plan", "llama-70b", "--world-size", "64", "--json"])
+    elapsed = time.perf_counter() - start
+    assert result.exit_code == 0, result.output
+    assert elapsed < 10
+    doc = json.loads(result.output)
+    assert doc["num_params"] == P_70B and (doc["nnodes"], doc["nproc_per_node"]) == (8, 8)
+    s = doc["strategies"]
+
+    def model_state(name: str) -> int:
+        return s[name]["params"] + s[name]["grads"] + s[name]["optimizer"]
+
+    assert model_state("full") == pytest.approx(16 * P_70B / 64, rel=0.005)
+    assert model_state("ddp") == pytest.approx(16 * P_70B, rel=1e-6)
+    assert model_state("hybrid") == pytest.approx(16 * P_70B / 8, rel=0.005)
+    assert model_state("grad_op") == pytest.approx(4 * P_70B + 12 * P_70B / 64, rel=0.005)
+    assert s["ddp"]["params"] == 4 * P_70B and s["ddp"]["optimizer"] > 8 * P_70B
+    for name in s:
+        assert s[name]["total"] == sum(
+            s[name][k] for k in ("params", "grads", "optimizer", "gathered_buffers", "activations")
+        )
+    # 80 blocks then the root, the last block not resharded.
+    assert len(doc["units"]) == 81 and doc["units"][-1]["path"] == ""
+    assert [u["reshard_after_forward"] for u in doc["units"][-3:]] == [True, False, False]
+
+
+def test_70b_at_8_ranks_does_not_fit_80gb():
+    result = runner.invoke(
+        app, ["plan", "llama-70b", "--world-size", "8", "--device-memory", "80GB"],
+        env={"COLUMNS": "120"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "does not fit: full needs" in out and "has 74.51 GiB (80.0 GB)" in out
+    assert "layers.0..78 (x79)" in out and "estimate" in out
+
+
+def test_fits_from_the_recipe_key_and_bad_input():
+    result = runner.invoke(app, ["plan", "debug", "launch.device_memory_gb=1", "--json"])
+    doc = json.loads(result.output)
+    assert doc["device_memory_bytes"] == 10**9 and doc["strategies"]["full"]["fits"] is True
+    bad = runner.invoke(app, ["plan", "debug", "--device-memory", "lots"])
+    assert bad.exit_code == 2 and "--device-memory 'lots'" in bad.output
+    uneven = runner.invoke(app, ["plan", "debug", "--world-size", "4", "--nnodes", "3"])
+    assert uneven.exit_code == 2 and "not divisible by --nnodes 3" in uneven.output
