@@ -357,6 +357,7 @@ class Checkpointer:
             pending.checksums = _own_checksums(path, self.rank)
             self._pending = pending
             self._finish()
+            record.blocked_s = record.total_s  # hashing and the manifest block training too
         return record
 
     def in_flight_done(self) -> bool:

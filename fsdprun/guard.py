@@ -58,19 +58,34 @@ class Agreement:
     saves_done: bool
 
 
-def agree(*, stop: bool, finite: torch.Tensor, save_done: bool, device: torch.device) -> Agreement:
-    """One all-reduce (MAX) of this rank's flags: stop if any rank must, non-finite if any rank
-    saw it, an async save finished only when it has on every rank."""
-    flags = torch.stack(
-        [
-            torch.tensor(float(stop), device=device),
-            (~finite).float().to(device),
-            torch.tensor(0.0 if save_done else 1.0, device=device),
-        ]
-    )
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    stop_, nonfinite, not_done = flags.tolist()  # a host sync, once per step
-    return Agreement(stop_ > 0, nonfinite > 0, not_done == 0)
+class StepAgreement:
+    """The per-step decisions every rank must take together.
+
+    Stop requests and "my async save is done" travel in one small all-reduce (MAX) started at
+    the beginning of a step and awaited at its end, so it overlaps the step's compute. Whether
+    the step's loss or gradients are non-finite needs no extra collective: the clipped global
+    gradient norm is already reduced over all ranks, and a non-finite loss on any rank makes it
+    non-finite everywhere. With fp16 the grad scaler handles non-finite gradients itself, so only
+    the loss counts, and that takes one more (blocking) all-reduce.
+    """
+
+    def __init__(self, *, stop: bool, save_done: bool, device: torch.device):
+        self.flags = torch.tensor([float(stop), 0.0 if save_done else 1.0], device=device)
+        self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
+
+    def finish(
+        self, *, grad_norm: torch.Tensor, loss_sum: torch.Tensor, loss_only: bool
+    ) -> Agreement:
+        self.work.wait()
+        stop, not_done = self.flags.tolist()  # a host sync, once per step
+        if loss_only:
+            bad = (~loss_sum.isfinite()).float().reshape(1)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            nonfinite = bad.item() > 0
+        else:
+            norm = grad_norm.to_local() if hasattr(grad_norm, "to_local") else grad_norm
+            nonfinite = not bool(norm.isfinite())
+        return Agreement(stop > 0, nonfinite, not_done == 0)
 
 
 class Heartbeat:

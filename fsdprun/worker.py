@@ -46,8 +46,8 @@ from fsdprun.device import Device, build_worker_device, resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.guard import (
     Heartbeat,
+    StepAgreement,
     StopSignals,
-    agree,
     collective_failure,
     injected_step,
     restart_count,
@@ -340,19 +340,18 @@ def _train(
         if done in fail_at:
             raise RuntimeError(f"injected failure at step {done} (FSDPRUN_FAIL_AT)")
         try:
+            agreement = StepAgreement(
+                stop=stop_signals.requested is not None,
+                save_done=checkpointer.in_flight_done(),
+                device=device.torch_device,
+            )
             loss_sum, grad_norm = _forward_backward(
                 model, optimizer, scaler, data, layout, step, ranks.rank, device, cfg,
                 poison=done in nonfinite_at,
             )  # fmt: skip
-            # Non-finite loss (or gradients, where no grad scaler handles them) on any rank.
-            finite = loss_sum.isfinite()
-            if scaler is None:
-                norm_local = grad_norm.to_local() if hasattr(grad_norm, "to_local") else grad_norm
-                finite = finite & norm_local.isfinite()
-            agreed = agree(
-                stop=stop_signals.requested is not None, finite=finite,
-                save_done=checkpointer.in_flight_done(), device=device.torch_device,
-            )  # fmt: skip
+            agreed = agreement.finish(
+                grad_norm=grad_norm, loss_sum=loss_sum, loss_only=scaler is not None
+            )
         except (RuntimeError, dist.DistBackendError) as e:
             kind = collective_failure(e)
             if kind == "timeout":
