@@ -84,6 +84,26 @@ class Runs:
         return self.cache[key]
 
 
+def consolidate(ckpt: Path, out: Path) -> dict:
+    """A DCP checkpoint as one nested dict of full tensors (DCP's own consolidation)."""
+    from torch import load
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt), str(out))
+    return load(out, weights_only=True)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested dicts → {"a.b.c": leaf}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 @pytest.fixture(scope="session")
 def fsdprun_runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("runs"))

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Run, fsdprun_env, run_fsdprun
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from conftest import Run, consolidate, flatten, fsdprun_env, run_fsdprun
 
 from fsdprun.checkpoint import find_resume_checkpoint, list_checkpoints, step_dir
 
@@ -19,9 +18,7 @@ BASE = ("train.steps=8", "checkpoint.every_steps=4", "output.log_every=1",
 
 
 def model_tensors(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
-    dcp_to_torch_save(str(ckpt), str(out))
-    return torch.load(out, weights_only=True)["model"]
+    return consolidate(ckpt, tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt")["model"]
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:
@@ -99,30 +96,12 @@ def test_async_save_writes_what_sync_save_writes(straight: Run, tmp_path):
     assert "Checkpoints" in proc.stdout and "async" in proc.stdout
     for step in (4, 8):
         # Training went on while step 4 was written: equal contents prove it was staged first.
-        got = torch.load(
-            _to_torch(step_dir(run.run_dir, step), tmp_path / "a.pt"), weights_only=True
-        )
-        want = torch.load(_to_torch(step_dir(straight.run_dir, step), tmp_path / "s.pt"),
-                          weights_only=True)  # fmt: skip
-        assert _flat(got).keys() == _flat(want).keys()
-        for key, value in _flat(want).items():
+        got = consolidate(step_dir(run.run_dir, step), tmp_path / "a.pt")
+        want = consolidate(step_dir(straight.run_dir, step), tmp_path / "s.pt")  # fmt: skip
+        assert flatten(got).keys() == flatten(want).keys()
+        for key, value in flatten(want).items():
             if isinstance(value, torch.Tensor) and not key.startswith(("train_state", "rng")):
-                assert torch.equal(_flat(got)[key], value), key
-
-
-def _to_torch(ckpt: Path, out: Path) -> Path:
-    dcp_to_torch_save(str(ckpt), str(out))
-    return out
-
-
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+                assert torch.equal(flatten(got)[key], value), key
 
 
 def test_keep_last_and_incomplete_checkpoints(straight: Run, tmp_path):

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FSDPRUN, Run, fsdprun_env, run_fsdprun
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from conftest import FSDPRUN, Run, consolidate, flatten, fsdprun_env, run_fsdprun
 
 from fsdprun.checkpoint import list_checkpoints, step_dir, verify_checkpoint
 
@@ -107,11 +106,6 @@ def test_nonfinite_abort_saves_nothing_poisoned(tmp_path):
     assert [s.step for s in list_checkpoints(tmp_path / "run")] == [1, 2]
 
 
-def _tensors(ckpt: Path, out: Path) -> dict:
-    dcp_to_torch_save(str(ckpt), str(out))
-    return torch.load(out, weights_only=True)
-
-
 def test_nonfinite_skip_leaves_the_state_untouched(tmp_path):
     proc = run_fsdprun(
         "train", "debug", "train.steps=5", "checkpoint.every_steps=1", "checkpoint.keep_last=0",
@@ -123,10 +117,10 @@ def test_nonfinite_skip_leaves_the_state_untouched(tmp_path):
     skips = [e for e in run.events if e["event"] == "skip"]
     assert [s["step"] for s in skips] == [3] and run.summary["skipped_steps"] == 1
     assert [e["skipped"] for e in run.steps] == [False, False, True, False, False]
-    after2 = _tensors(step_dir(run.run_dir, 2), tmp_path / "2.pt")
-    after3 = _tensors(step_dir(run.run_dir, 3), tmp_path / "3.pt")
+    after2 = consolidate(step_dir(run.run_dir, 2), tmp_path / "2.pt")
+    after3 = consolidate(step_dir(run.run_dir, 3), tmp_path / "3.pt")
     for part in ("model", "optim"):
-        flat2, flat3 = _flat(after2[part]), _flat(after3[part])
+        flat2, flat3 = flatten(after2[part]), flatten(after3[part])
         assert flat2.keys() == flat3.keys()
         for key in flat2:
             assert torch.equal(flat2[key], flat3[key]), key
@@ -140,16 +134,6 @@ def test_nonfinite_skip_leaves_the_state_untouched(tmp_path):
         env=fsdprun_env(FSDPRUN_NONFINITE_AT="0:2,0:3"),
     )  # fmt: skip
     assert proc.returncode == 1 and "at step 3 (more than train.max_skipped=1" in proc.stderr
-
-
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def test_a_rank_that_stops_answering_is_named(tmp_path):
