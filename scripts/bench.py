@@ -147,6 +147,8 @@ def run_fsdprun(recipe: str, overrides: list[str], run_dir: Path, device_kind: s
         "final_loss": summary["final_loss"],
         "steps_measured": summary["throughput"]["steps_measured"],
         "step_times_s": summary["step_times_s"],
+        "throughput": summary["throughput"],  # TFLOP/s and MFU where the device has a peak
+        "ranks": summary["ranks"],
     }
 
 

@@ -1,16 +1,98 @@
 #!/usr/bin/env bash
-# On a lent GPU machine: set up, run the `gpu` tests and the benchmarks, write results to $OUT.
+# On a GPU machine: run the `gpu` tests, the llama-1b benchmark (fsdprun vs the plain FSDP2 loop)
+# and the plan-vs-measured memory check; write everything under $OUT.
 #   OUT=/some/dir bash scripts/gpu_check.sh
-# Uses the machine's CUDA torch if the venv has one (setup.sh pins the CPU wheel only where there
-# is no nvidia-smi). Results: $OUT/gpu_tests.txt, $OUT/bench_1b.json/.txt, $OUT/env.txt.
+#
+# Python: $PYTHON if set, else .venv (made by scripts/setup.sh) if it holds a CUDA torch, else the
+# machine's python3. On a machine without a package registry, put the wheels fsdprun needs beyond
+# the machine's own packages in .whl/ (e.g. `pip download --no-deps -d .whl omegaconf==2.4.0`);
+# they and fsdprun are then installed offline into that python.
+# Each step has its own time limit and the script goes on past a failed step. Results:
+#   $OUT/summary.txt   the figures, one block per step (also printed at the end)
+#   $OUT/results.tgz   logs, bench JSON, metrics.jsonl of each run, plan JSON
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
-bash scripts/setup.sh
-{ nvidia-smi; .venv/bin/python -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"; } > "$OUT/env.txt" 2>&1
-.venv/bin/python -m pytest -q -m gpu tests/test_gpu.py > "$OUT/gpu_tests.txt" 2>&1
-# llama-1b on one GPU: batch 8 x 2048, bf16, compile; fsdprun vs the plain FSDP2 loop.
-.venv/bin/python scripts/bench.py llama-1b --steps 30 --repeats 1 --out "$OUT/bench_1b.json" \
-  > "$OUT/bench_1b.txt" 2>&1
-tail -5 "$OUT/gpu_tests.txt" "$OUT/bench_1b.txt"
+WORK=$(mktemp -d /tmp/fsdprun-gpu.XXXXXX)
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+export PYTHONUNBUFFERED=1
+RECIPE=${GPU_CHECK_RECIPE:-llama-1b}  # another recipe only to try the script itself
+
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+elif [ -x .venv/bin/python ] && .venv/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  PY=.venv/bin/python
+else
+  PY=$(command -v python3)
+fi
+if ! "$PY" -c "import fsdprun.cli, omegaconf" 2>/dev/null || [ ! -x "$(dirname "$PY")/fsdprun" ]; then
+  if [ -d .whl ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation .whl/*.whl -e . \
+      > "$WORK/install.txt" 2>&1 || { cat "$WORK/install.txt"; exit 1; }
+  else
+    "$PY" -m pip install -q -e ".[dev]" > "$WORK/install.txt" 2>&1 || { cat "$WORK/install.txt"; exit 1; }
+  fi
+fi
+BIN=$(dirname "$PY")
+
+step() {  # step NAME LIMIT_S CMD...: run, log to $WORK/NAME.txt, note the outcome in the summary
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.txt" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$SUMMARY"
+  return $rc
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  "$PY" -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"
+  date -u; } > "$WORK/env.txt" 2>&1
+cat "$WORK/env.txt" >> "$SUMMARY"
+
+# llama-1b on one GPU (batch 8 x 2048, bf16, per-block compile): fsdprun vs the plain loop.
+step bench_1b 330 "$PY" scripts/bench.py "$RECIPE" --steps 30 --repeats 1 --out "$WORK/bench_1b.json"
+tail -14 "$WORK/bench_1b.txt" >> "$SUMMARY"
+"$PY" - "$WORK/bench_1b.json" >> "$SUMMARY" 2>&1 <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+f = r["best"]["fsdprun"]
+t = f["throughput"]
+print(f"fsdprun/plain tokens/s {r['tokens_per_s_ratio']:.3f}  memory {r['memory_ratio']:.3f}  "
+      f"MFU {t['mfu']}  TFLOP/s/device {t['tflops_per_device']:.1f}  "
+      f"peak allocated {f['ranks'][0]['peak_allocated_bytes']}")
+EOF
+
+# Plan vs measured: llama-1b eager (no compile) for a few steps, then `fsdprun plan --json`.
+step eager_1b 90 "$BIN/fsdprun" train "$RECIPE" compile.enabled=false train.steps=6 \
+  output.log_every=1 --run-dir "$WORK/eager_1b"
+step plan_1b 30 "$BIN/fsdprun" plan "$RECIPE" --json
+cp "$WORK/plan_1b.txt" "$WORK/plan_1b.json"
+"$PY" - "$WORK" >> "$SUMMARY" 2>&1 <<'EOF'
+import json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+plan = json.loads((work / "plan_1b.json").read_text())["strategies"]["full"]
+rows = [("eager", work / "eager_1b" / "metrics.jsonl")]
+bench = json.loads((work / "bench_1b.json").read_text()) if (work / "bench_1b.json").exists() else None
+for name, path in rows:
+    if path.exists():
+        summary = [json.loads(line) for line in path.read_text().splitlines()][-1]
+        rank = summary["ranks"][0]
+        peak = rank["peak_allocated_bytes"]
+        print(f"plan vs measured ({name}): plan total {plan['total']} measured peak {peak} "
+              f"error {(plan['total'] - peak) / peak:+.3f}; model state measured "
+              f"{sum(rank['model_state_bytes'].values())} plan {plan['params'] + plan['grads'] + plan['optimizer']}")
+if bench:
+    peak = bench["best"]["fsdprun"]["ranks"][0]["peak_allocated_bytes"]
+    print(f"plan vs measured (compiled): plan total {plan['total']} measured peak {peak} "
+          f"error {(plan['total'] - peak) / peak:+.3f}")
+print("plan components:", {k: plan[k] for k in ("params", "grads", "optimizer", "gathered_buffers", "activations")})
+EOF
+
+step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/test_gpu.py
+tail -3 "$WORK/gpu_tests.txt" >> "$SUMMARY"
+
+tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
+cat "$SUMMARY"
