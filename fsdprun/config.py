@@ -48,6 +48,21 @@ class WrapPolicy(enum.Enum):
     block = "block"
     size = "size"
     classes = "classes"
+    none = "none"
+
+
+class Engine(enum.Enum):
+    fsdp2 = "fsdp2"
+    fsdp1 = "fsdp1"
+    ddp = "ddp"
+
+
+class Sharding(enum.Enum):
+    full = "full"
+    grad_op = "grad_op"
+    hybrid = "hybrid"
+    hybrid_zero2 = "hybrid_zero2"
+    none = "none"
 
 
 class CheckpointMode(enum.Enum):
@@ -144,26 +159,60 @@ class PrecisionConfig:
 
 @dataclass
 class FsdpConfig:
-    reshard_after_forward: bool = _f(
-        True,
-        "Free gathered parameters after forward (ZeRO-3); false keeps them until backward "
-        "(ZeRO-2 style: more memory, one all-gather less per step).",
+    engine: Engine = _f(
+        Engine.fsdp2,
+        "Data-parallel engine: `fsdp2` (fully_shard, per-parameter sharding), `fsdp1` "
+        "(FullyShardedDataParallel with the knobs below as FSDP1 spells them) or `ddp` "
+        "(DistributedDataParallel with autocast: the unsharded baseline).",
+    )
+    sharding: Sharding = _f(
+        Sharding.full,
+        "What is sharded: `full` (ZeRO-3: parameters, gradients, optimizer state), `grad_op` "
+        "(ZeRO-2: parameters stay gathered from forward to backward), `hybrid` (full inside "
+        "groups of shard_group_size ranks, replicated across them), `hybrid_zero2` (grad_op "
+        "inside groups), `none` (replicated, DDP-like). fsdp2: a 1-D or 2-D mesh plus "
+        "reshard_after_forward; fsdp1: ShardingStrategy; ddp: ignored.",
+    )
+    shard_group_size: int | None = _f(
+        None,
+        "Ranks per shard group for hybrid/hybrid_zero2 (must divide the world size); "
+        "null = launch.nproc_per_node (shard inside a node, replicate across nodes).",
+    )
+    reshard_after_forward: bool | None = _f(
+        None,
+        "fsdp2 only: override what fsdp.sharding implies (true = free gathered parameters "
+        "after forward, ZeRO-3; false = keep them until backward, ZeRO-2); null = from "
+        "fsdp.sharding.",
     )
     wrap: WrapPolicy = _f(
         WrapPolicy.block,
         "FSDP units: `block` = each transformer block then the root; `size` = modules with at "
         "least min_num_params not yet wrapped, then the root; `classes` = modules whose class "
-        "name is in wrap_classes, then the root.",
+        "name is in wrap_classes, then the root; `none` = the root only. fsdp1 uses its own "
+        "auto_wrap_policy for each.",
     )
     min_num_params: int = _f(1_000_000, "Threshold of the `size` wrap policy.")
     wrap_classes: list[str] = _f([], "Class names for the `classes` wrap policy.")
     forward_prefetch: int = _f(
-        0, "All-gather this many next blocks ahead in forward (explicit prefetch); 0 = none."
+        0,
+        "All-gather this many next units ahead in forward; 0 = none. fsdp2: explicit "
+        "prefetch of that depth; fsdp1: forward_prefetch=True (one unit) when > 0.",
     )
-    backward_prefetch: int = _f(
-        1,
-        "Blocks all-gathered ahead in backward; 1 = FSDP2's own implicit prefetch, more sets "
-        "explicit prefetch; 0 is not possible with FSDP2 and is rejected.",
+    backward_prefetch: str = _f(
+        "pre",
+        "Backward prefetch: `pre` (gather the next unit before this one's gradients: FSDP1 "
+        "BACKWARD_PRE, FSDP2's implicit prefetch), `post` (FSDP1 BACKWARD_POST), `none`, or a "
+        "depth N >= 1 (fsdp2: explicit prefetch of N units; fsdp1: BACKWARD_PRE).",
+    )
+    limit_all_gathers: bool = _f(
+        True,
+        "fsdp1: rate-limit all-gathers in flight (FSDP1's limit_all_gathers). fsdp2 needs no "
+        "limiter (no effect, said in the header).",
+    )
+    use_orig_params: bool = _f(
+        True,
+        "fsdp1: expose the original parameters (needed by compile and per-parameter weight "
+        "decay); false = flat parameters. fsdp2 always keeps per-parameter tensors.",
     )
     cpu_offload: bool = _f(
         False, "Keep sharded parameters, gradients and optimizer state in host memory."
@@ -763,10 +812,7 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         errors.append(
             f"schedule.warmup_steps ({cfg.schedule.warmup_steps}) exceeds train.steps ({t.steps})"
         )
-    if cfg.fsdp.backward_prefetch < 1:
-        errors.append(
-            "fsdp.backward_prefetch must be >= 1 (1 = FSDP2's implicit prefetch of the next block)"
-        )
+    errors += _fsdp_errors(cfg, ws)
     if cfg.fsdp.wrap is WrapPolicy.classes and not cfg.fsdp.wrap_classes:
         errors.append("fsdp.wrap is 'classes' but fsdp.wrap_classes is empty; list class names")
     ac = cfg.activation_checkpointing
@@ -786,6 +832,81 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         errors.append(f"launch.device_memory_gb must be > 0 (got {cfg.launch.device_memory_gb})")
     if cfg.output.peak_tflops is not None and cfg.output.peak_tflops <= 0:
         errors.append(f"output.peak_tflops must be > 0 (got {cfg.output.peak_tflops})")
+    return errors
+
+
+BACKWARD_PREFETCH_MODES = ("pre", "post", "none")
+
+
+def backward_prefetch_depth(fsdp: FsdpConfig) -> int:
+    """fsdp.backward_prefetch as a depth: pre/post = 1 unit, none = 0, N = N (validated)."""
+    value = str(fsdp.backward_prefetch)
+    if value in BACKWARD_PREFETCH_MODES:
+        return 0 if value == "none" else 1
+    return int(value)
+
+
+def effective_sharding(fsdp: FsdpConfig) -> Sharding:
+    """fsdp.sharding with fsdp2's reshard_after_forward override applied."""
+    s, raf = fsdp.sharding, fsdp.reshard_after_forward
+    if raf is None or fsdp.engine is not Engine.fsdp2:
+        return s
+    if raf is False:
+        return {Sharding.full: Sharding.grad_op, Sharding.hybrid: Sharding.hybrid_zero2}.get(s, s)
+    return {Sharding.grad_op: Sharding.full, Sharding.hybrid_zero2: Sharding.hybrid}.get(s, s)
+
+
+def shard_group_size(cfg: RecipeConfig, world_size: int | None = None) -> int:
+    """Ranks that share one copy of the model state under the effective sharding."""
+    ws = world_size if world_size is not None else cfg.world_size
+    sharding = effective_sharding(cfg.fsdp)
+    if cfg.fsdp.engine is Engine.ddp or sharding is Sharding.none:
+        return 1
+    if sharding in (Sharding.hybrid, Sharding.hybrid_zero2):
+        return cfg.fsdp.shard_group_size or min(cfg.launch.nproc_per_node, ws)
+    return ws
+
+
+def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
+    f = cfg.fsdp
+    errors = []
+    value = str(f.backward_prefetch)
+    if value not in BACKWARD_PREFETCH_MODES and not (value.isdigit() and int(value) >= 1):
+        errors.append(
+            f"fsdp.backward_prefetch: '{value}' is not valid; use pre, post, none or a depth >= 1"
+        )
+    if f.engine is not Engine.fsdp2 and f.reshard_after_forward is not None:
+        errors.append(
+            f"fsdp.reshard_after_forward is an fsdp2 knob; with fsdp.engine={f.engine.value} set "
+            "fsdp.sharding (full = reshard, grad_op = keep) instead"
+        )
+    if f.shard_group_size is not None:
+        if f.shard_group_size < 1 or ws % f.shard_group_size:
+            errors.append(
+                f"fsdp.shard_group_size ({f.shard_group_size}) must divide the world size ({ws})"
+            )
+    elif f.sharding in (Sharding.hybrid, Sharding.hybrid_zero2) and ws % min(
+        cfg.launch.nproc_per_node, ws
+    ):
+        errors.append(
+            f"fsdp.sharding={f.sharding.value}: launch.nproc_per_node "
+            f"({cfg.launch.nproc_per_node}) must divide the world size ({ws}); set "
+            "fsdp.shard_group_size"
+        )
+    if f.engine is Engine.ddp and f.cpu_offload:
+        errors.append("fsdp.cpu_offload needs a sharding engine; use fsdp.engine=fsdp1 or fsdp2")
+    if f.engine is Engine.fsdp1 and not f.use_orig_params:
+        if cfg.compile.enabled:
+            errors.append("fsdp.use_orig_params=false does not work with compile.enabled=true")
+        if cfg.optim.weight_decay > 0:
+            errors.append(
+                "fsdp.use_orig_params=false: flat parameters mix decayed and non-decayed "
+                "tensors; set optim.weight_decay=0 or keep use_orig_params=true"
+            )
+    if f.engine is not Engine.fsdp2 and cfg.model.hf_path is not None:
+        errors.append(
+            f"model.hf_path models train with fsdp.engine=fsdp2 only (got {f.engine.value})"
+        )
     return errors
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -13,11 +14,22 @@ from fsdprun.config import Decay, OptimConfig, OptimImpl, ScheduleConfig
 _FUSED_DEVICES = {"cuda", "xpu", "npu"}
 
 
-def build_optimizer(model: nn.Module, *, cfg: OptimConfig, device_kind: str) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norm weights)."""
+def build_optimizer(
+    model: nn.Module,
+    *,
+    cfg: OptimConfig,
+    device_kind: str,
+    is_matrix: Callable[[str, nn.Parameter], bool] | None = None,
+) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norm weights).
+
+    `is_matrix(name, param)` says which parameters are matrices where the wrapped parameters no
+    longer show their shape (FSDP1 flattens them); default: param.ndim >= 2.
+    """
     decay, no_decay = [], []
-    for p in model.parameters():
-        (decay if p.ndim >= 2 else no_decay).append(p)
+    for name, p in model.named_parameters():
+        matrix = is_matrix(name, p) if is_matrix is not None else p.ndim >= 2
+        (decay if matrix else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

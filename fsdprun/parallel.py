@@ -25,7 +25,10 @@ from fsdprun.config import (
     CompileMode,
     Dtype,
     FsdpConfig,
+    Sharding,
     WrapPolicy,
+    backward_prefetch_depth,
+    effective_sharding,
 )
 from fsdprun.errors import UserError
 
@@ -105,6 +108,8 @@ def plan_units(model: nn.Module, *, cfg: FsdpConfig) -> list[str]:
                 return True
         return False
 
+    if cfg.wrap is WrapPolicy.none:
+        return []
     if cfg.wrap is WrapPolicy.block:
         return model.block_paths()
     if cfg.wrap is WrapPolicy.classes:
@@ -161,6 +166,8 @@ def apply_fsdp(
     if cfg.cpu_offload:
         # pin_memory needs an accelerator; on a CPU-only host it must be off.
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    reshard_after_forward = effective_sharding(cfg) in (Sharding.full, Sharding.hybrid)
+    backward_depth = backward_prefetch_depth(cfg)
     paths = plan_units(model, cfg=cfg)
     modules = dict(model.named_modules())
     units: list[FsdpUnit] = []
@@ -168,21 +175,21 @@ def apply_fsdp(
     for i, path in enumerate(paths):
         # The last unit's parameters are needed again as soon as backward starts: resharding
         # them after forward would only buy an immediate second all-gather.
-        reshard = cfg.reshard_after_forward and i < len(paths) - 1
+        reshard = reshard_after_forward and i < len(paths) - 1
         module = modules[path]
         before = sum(p.numel() for p in module.parameters() if not isinstance(p, DTensor))
         fully_shard(module, reshard_after_forward=reshard, **common)
         wrapped.append(module)
         units.append(FsdpUnit(path, before, reshard))
     root_params = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
-    fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **common)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
     units.append(FsdpUnit("", root_params, False))
 
     for i, module in enumerate(wrapped):
         if cfg.forward_prefetch > 0 and i + 1 < len(wrapped):
             module.set_modules_to_forward_prefetch(wrapped[i + 1 : i + 1 + cfg.forward_prefetch])
-        if cfg.backward_prefetch > 1 and i > 0:
-            ahead = wrapped[max(0, i - cfg.backward_prefetch) : i]
+        if backward_depth > 1 and i > 0:
+            ahead = wrapped[max(0, i - backward_depth) : i]
             module.set_modules_to_backward_prefetch(list(reversed(ahead)))
     return units
 
@@ -192,25 +199,32 @@ def _param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
+def init_value(
+    model: nn.Module, name: str, param: torch.Tensor, *, seed: int, device: torch.device
+) -> torch.Tensor:
+    """The full initial value of parameter `name` (shape and dtype of `param`): ones for norm
+    weights, else normal(0, model.init_std(name)) from a generator seeded by (seed, name)."""
+    std = model.init_std(name)
+    gen_device = param.device if param.device.type != "meta" else device
+    if std is None:
+        return torch.ones(param.shape, dtype=param.dtype, device=gen_device)
+    gen = torch.Generator(device=gen_device).manual_seed(_param_seed(seed, name))
+    full = torch.empty(param.shape, dtype=param.dtype, device=gen_device)
+    return full.normal_(0.0, std, generator=gen)
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, *, seed: int, device: torch.device) -> None:
     """Materialize a meta model on `device` and initialize it the same way at any world size.
 
-    Each parameter's full value is drawn from a generator seeded by (seed, parameter name) and
-    every rank keeps its own shard of it (`distribute_tensor` with src_data_rank=None slices
-    locally, no communication). Random init directly on DTensors is not an option: on a CPU mesh
-    it gives every shard the same values. Costs one full-size temporary per parameter.
+    Each parameter's full value comes from `init_value` and every rank keeps its own shard of it
+    (`distribute_tensor` with src_data_rank=None slices locally, no communication). Random init
+    directly on DTensors is not an option: on a CPU mesh it gives every shard the same values.
+    Costs one full-size temporary per parameter.
     """
     model.to_empty(device=device)
     for name, param in model.named_parameters():
-        std = model.init_std(name)
-        gen_device = param.device if param.device.type != "meta" else device
-        if std is None:
-            full = torch.ones(param.shape, dtype=param.dtype, device=gen_device)
-        else:
-            gen = torch.Generator(device=gen_device).manual_seed(_param_seed(seed, name))
-            full = torch.empty(param.shape, dtype=param.dtype, device=gen_device)
-            full.normal_(0.0, std, generator=gen)
+        full = init_value(model, name, param, seed=seed, device=device)
         if isinstance(param, DTensor):
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(local.to_local())

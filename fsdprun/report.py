@@ -94,8 +94,9 @@ class Reporter:
             f"world size {e['world_size']} ({e['nnodes']} node(s)), {e['device_name']}, "
             f"backend {e['backend']}"
         )
+        units = f"{len(e['fsdp_units'])} FSDP units" if e["fsdp_units"] else "no FSDP units"
         c.print(
-            f"  engine {e['engine']}, {len(e['fsdp_units'])} FSDP units, "
+            f"  engine {e['engine']}, {units}, "
             f"param {e['param_dtype']} / reduce {e['reduce_dtype']}, "
             f"activation checkpointing: {e['activation_checkpointing']}, "
             f"compile: {e['compile']}"
@@ -110,6 +111,11 @@ class Reporter:
             f"  parameter shard per rank: {fmt_bytes(e['param_shard_bytes'])} of "
             f"{fmt_bytes(e['param_bytes'])}; run dir {e['run_dir']}"
         )
+        knobs = e.get("engine_knobs") or []
+        if knobs:
+            c.print(f"  {e['engine']} knobs:")
+            for k in knobs:
+                c.print(f"    {k['key']}={k['value']} [dim]->[/dim] {k['applied']}", soft_wrap=True)
         if e.get("data"):
             val = f"; validation: {e['val_data']}" if e.get("val_data") else ""
             c.print(f"  data: {e['data']}{val}")

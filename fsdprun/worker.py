@@ -24,9 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from fsdprun import __version__
 from fsdprun.checkpoint import (
@@ -43,6 +41,7 @@ from fsdprun.checkpoint import (
 from fsdprun.config import Dtype, ModelInit, NonFinite, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.data import BatchLayout, Dataset, build_datasets, load_batch
 from fsdprun.device import Device, build_worker_device, resolve_device_kind
+from fsdprun.engine import build_engine
 from fsdprun.errors import UserError
 from fsdprun.guard import (
     Heartbeat,
@@ -56,13 +55,7 @@ from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
 from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
 from fsdprun.optim import build_lr_scheduler, build_optimizer
-from fsdprun.parallel import (
-    apply_activation_checkpointing,
-    apply_compile,
-    apply_fsdp,
-    init_weights,
-    model_state_bytes,
-)
+from fsdprun.parallel import apply_activation_checkpointing, apply_compile, model_state_bytes
 from fsdprun.report import Reporter
 
 RECIPE_FILE = "recipe.yaml"
@@ -164,33 +157,30 @@ def _check_same_recipe(cfg: RecipeConfig) -> None:
 
 
 def _build(cfg: RecipeConfig, ranks: Ranks, device: Device):
-    """The sharded, initialized model and its optimizer, schedule and (fp16) grad scaler."""
+    """The wrapped, initialized model (an `Engine`), its optimizer, schedule and (fp16) grad
+    scaler."""
     torch.manual_seed(cfg.train.seed)
-    mesh = init_device_mesh(device.kind, (ranks.world_size,))
     with torch.device("meta"):
         model = build_model(cfg.model)
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
-    units = apply_fsdp(
-        model,
-        mesh=mesh,
-        cfg=cfg.fsdp,
-        param_dtype=cfg.precision.param_dtype,
-        reduce_dtype=cfg.precision.reduce_dtype,
-        pin_memory=device.kind != "cpu",
-    )
-    if cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained:
+    pretrained = cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained
+    engine = build_engine(
+        model, cfg, device=device.torch_device, device_kind=device.kind,
+        world_size=ranks.world_size, initialize=not pretrained,
+    )  # fmt: skip
+    if pretrained:
         # Imported here: it needs safetensors, which comes with the optional hf extra.
         from fsdprun.hf import load_hf_weights
 
         load_hf_weights(model, Path(cfg.model.hf_path), device=device.torch_device)
-    else:
-        init_weights(model, seed=cfg.train.seed, device=device.torch_device)
-    optimizer = build_optimizer(model, cfg=cfg.optim, device_kind=device.kind)
+    optimizer = build_optimizer(
+        engine.model, cfg=cfg.optim, device_kind=device.kind, is_matrix=engine.is_matrix
+    )
     scheduler = build_lr_scheduler(optimizer, cfg=cfg.schedule, total_steps=cfg.train.steps)
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
-    scaler = ShardedGradScaler() if cfg.precision.param_dtype is Dtype.fp16 else None
-    return model, units, num_ac, optimizer, scheduler, scaler
+    scaler = engine.grad_scaler() if cfg.precision.param_dtype is Dtype.fp16 else None
+    return engine, num_ac, optimizer, scheduler, scaler
 
 
 def _restart_checkpoint(run_dir: Path, resume_from: Path | None) -> Path | None:
@@ -217,8 +207,9 @@ def _train(
     is_rank0 = ranks.rank == 0
     stop_signals = StopSignals(run_dir)
     heartbeat = Heartbeat(run_dir, ranks.rank)
-    model, units, num_ac, optimizer, scheduler, scaler = _build(cfg, ranks, device)
-    args = model.args
+    engine, num_ac, optimizer, scheduler, scaler = _build(cfg, ranks, device)
+    model, units = engine.model, engine.units
+    args = engine.inner.args
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, ranks.world_size)
     eval_every = cfg.eval.every_steps
     data, val_data = build_datasets(
@@ -252,7 +243,8 @@ def _train(
         nnodes=cfg.launch.nnodes,
         device_name=device.name(),
         backend=device.backend,
-        engine="fsdp2",
+        engine=engine.kind.value,
+        engine_knobs=[dataclasses.asdict(k) for k in engine.knobs],
         fsdp_units=[u.path or "<root>" for u in units],
         param_dtype=cfg.precision.param_dtype.value,
         reduce_dtype=cfg.precision.reduce_dtype.value,
@@ -346,7 +338,7 @@ def _train(
                 device=device.torch_device,
             )
             loss_sum, grad_norm = _forward_backward(
-                model, optimizer, scaler, data, layout, step, ranks.rank, device, cfg,
+                engine, optimizer, scaler, data, layout, step, ranks.rank, device, cfg,
                 poison=done in nonfinite_at,
             )  # fmt: skip
             agreed = agreement.finish(
@@ -422,7 +414,7 @@ def _train(
             last_logged, window_start = done, time.perf_counter()
         if eval_every and (done % eval_every == 0 or done == cfg.train.steps):
             eval_start = time.perf_counter()
-            val_loss = _evaluate(model, val_data, layout, cfg.eval.batches, ranks.rank, device)
+            val_loss = _evaluate(engine, val_data, layout, cfg.eval.batches, ranks.rank, device)
             emit("eval", step=done, val_loss=val_loss, eval_time_s=time.perf_counter() - eval_start,
                  num_samples=cfg.eval.batches * cfg.train.global_batch_size)  # fmt: skip
             window_start += time.perf_counter() - eval_start  # not in the next tokens/s
@@ -473,7 +465,7 @@ def _train(
     return summary
 
 
-def _forward_backward(model, optimizer, scaler, data, layout, step, rank, device, cfg, *, poison):
+def _forward_backward(engine, optimizer, scaler, data, layout, step, rank, device, cfg, *, poison):
     """Forward and backward over the micro-batches of one step, then unscale and clip.
 
     Returns:
@@ -481,27 +473,29 @@ def _forward_backward(model, optimizer, scaler, data, layout, step, rank, device
     """
     loss_sum = torch.zeros((), device=device.torch_device, dtype=torch.float32)
     for micro in range(layout.grad_accum_steps):
-        last_micro = micro == layout.grad_accum_steps - 1
-        # Reduce-scatter gradients only once per optimizer step.
-        model.set_requires_gradient_sync(last_micro)
-        inputs, targets = load_batch(data, layout.indices(step, micro, rank), device.torch_device)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        if poison:
-            loss = loss * float("inf")
-        # Each micro-batch holds the same number of tokens, so averaging micro-losses over
-        # accumulation steps (here) and ranks (FSDP's reduce-scatter) is the global mean.
-        scaled = loss / layout.grad_accum_steps
-        (scaler.scale(scaled) if scaler else scaled).backward()
+        # Reduce gradients only once per optimizer step.
+        with engine.micro_step(sync=micro == layout.grad_accum_steps - 1):
+            inputs, targets = load_batch(
+                data, layout.indices(step, micro, rank), device.torch_device
+            )
+            with engine.autocast():
+                loss = cross_entropy(engine.model(inputs), targets)
+            if poison:
+                loss = loss * float("inf")
+            # Each micro-batch holds the same number of tokens, so averaging micro-losses over
+            # accumulation steps (here) and ranks (the engine's gradient reduction) is the
+            # global mean.
+            scaled = loss / layout.grad_accum_steps
+            (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
     if scaler is not None:
         scaler.unscale_(optimizer)
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-    return loss_sum, torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return loss_sum, engine.clip_grad_norm(max_norm)
 
 
 def _evaluate(
-    model, data: Dataset, layout: BatchLayout, num_batches: int, rank: int, device: Device
+    engine, data: Dataset, layout: BatchLayout, num_batches: int, rank: int, device: Device
 ) -> float:
     """Mean loss over the first `num_batches` global batches of the validation data.
 
@@ -515,10 +509,15 @@ def _evaluate(
             for micro in range(layout.grad_accum_steps):
                 indices = layout.indices(batch, micro, rank)
                 inputs, targets = load_batch(data, indices, device.torch_device)
-                logits = model(inputs)
-                loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                with engine.autocast():
+                    loss_sum += cross_entropy(engine.model(inputs), targets)
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return loss_sum.item() / (num_batches * layout.grad_accum_steps * layout.world_size)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _checkpoint_step(path: Path | None) -> int:
