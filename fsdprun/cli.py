@@ -394,6 +394,75 @@ def plan(
         render_plan(result, Console(highlight=False))
 
 
+@app.command("compare")
+@guarded
+def compare_cmd(
+    recipe: Recipe,
+    overrides: Overrides = None,
+    configs: Annotated[
+        str,
+        typer.Option(
+            "--configs",
+            help="Comma-separated engine[:sharding] list, e.g. ddp,fsdp1,fsdp2:grad_op "
+            "(engines ddp, fsdp1, fsdp2; shardings full, grad_op, hybrid, hybrid_zero2, none). "
+            "Ratios are relative to the first.",
+        ),
+    ] = "ddp,fsdp1,fsdp2",
+    steps: Annotated[int | None, typer.Option("--steps", help="train.steps for every run.")] = None,
+    nproc_per_node: NprocOpt = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--run-dir",
+            help="Holds one run directory per configuration "
+            "(default runs/compare-<recipe>-<time>).",
+        ),
+    ] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    markdown_: Annotated[
+        bool, typer.Option("--markdown", help="Print the table as Markdown.")
+    ] = False,
+) -> None:
+    """Run a recipe under several engines/shardings (same seed and data) and compare them side
+    by side: tokens/s, step time, peak memory, model state per rank, final loss."""
+    from fsdprun.compare import cells, compare, markdown, parse_configs
+    from fsdprun.launch import default_run_dir
+
+    chosen = parse_configs(configs)
+    extra = [f"train.steps={steps}"] if steps is not None else []
+    extra += _launch_overrides(nproc_per_node, None, None, None)
+    all_overrides = [*(overrides or []), *extra]
+    name = load_recipe(recipe, all_overrides).name
+    target = run_dir or Path(str(default_run_dir(f"compare-{name}")))
+    quiet = json_ or markdown_
+
+    def progress(result) -> None:
+        if not quiet:
+            state = "ok" if result.ok else f"failed: {result.error}"
+            err_console.print(f"  {result.label}: {state} ({result.wall_s:.1f} s)")
+
+    if not quiet:
+        err_console.print(f"comparing {len(chosen)} configurations of {name}; runs in {target}")
+    report = compare(recipe, all_overrides, chosen, target, on_result=progress)
+    if json_:
+        sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    elif markdown_:
+        sys.stdout.write(markdown(report))
+    else:
+        from rich.table import Table
+
+        header, rows = cells(report)
+        table = Table(title=f"fsdprun compare {name} (world size {report['world_size']}, "
+                      f"{report['steps']} steps)")  # fmt: skip
+        for i, col in enumerate(header):
+            table.add_column(col, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        Console(highlight=False).print(table)
+    if any(not r["ok"] for r in report["results"]):
+        raise typer.Exit(1)
+
+
 def main() -> None:
     if "TORCH_CPP_LOG_LEVEL" not in os.environ and not os.environ.get("FSDPRUN_DEBUG"):
         # Keep torch's C++ logging (e.g. every failed rendezvous connect, with a stack) out of

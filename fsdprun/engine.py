@@ -19,10 +19,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -225,6 +226,11 @@ def clean_name(name: str) -> str:
     return name[len(_DDP_PREFIX) :] if name.startswith(_DDP_PREFIX) else name
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 @dataclass
 class Engine:
     """A wrapped model and the few things the training loop does differently per engine."""
@@ -237,6 +243,9 @@ class Engine:
     matrix_names: frozenset[str]  # parameters with ndim >= 2 before wrapping (weight decay)
     autocast_dtype: torch.dtype | None = None
     device_type: str = "cpu"
+    # The loss; compiled with the model (compile.enabled), so the fp32 upcast, log-softmax and
+    # their backward fuse instead of writing fp32 copies of the logits.
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
 
     @contextlib.contextmanager
     def micro_step(self, sync: bool) -> Iterator[None]:
@@ -296,6 +305,22 @@ def build_engine(
         initialize: draw the seeded initial weights (fsdp2 may skip it: pretrained weights are
             loaded into its shards afterwards; fsdp1 and ddp always initialize).
     """
+    engine = _build(model, cfg, device=device, device_kind=device_kind, world_size=world_size,
+                    initialize=initialize)  # fmt: skip
+    if cfg.compile.enabled:
+        engine.loss = torch.compile(cross_entropy)
+    return engine
+
+
+def _build(
+    model: nn.Module,
+    cfg: RecipeConfig,
+    *,
+    device: torch.device,
+    device_kind: str,
+    world_size: int,
+    initialize: bool,
+) -> Engine:
     kind = cfg.fsdp.engine
     knobs = translate(cfg, world_size)
     matrix_names = frozenset(n for n, p in model.named_parameters() if p.ndim >= 2)

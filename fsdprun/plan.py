@@ -12,11 +12,15 @@ Model state follows the ZeRO paper's mixed-precision Adam accounting, as fsdprun
 fp32 master parameters (4 B), fp32 gradients (4 B), two fp32 Adam moments (8 B) = 16 B/param,
 plus AdamW's 4-byte step counter per tensor. Strategies divide it differently:
 
-- full    FSDP2 full sharding (ZeRO-3): parameters, gradients, optimizer state / N.
-- grad_op reshard_after_forward=false (ZeRO-2): gradients and optimizer state / N; parameters
-          stay whole from forward to backward, counted whole.
-- hybrid  full sharding inside a node of nproc_per_node ranks, replicated across nodes.
-- ddp     nothing sharded.
+- full    full sharding (ZeRO-3): parameters, gradients, optimizer state / N.
+- grad_op (ZeRO-2): gradients and optimizer state / N; the fp32 parameter shards / N too, but
+          every unit's gathered copy (param_dtype) stays from forward to backward: the whole
+          model in param_dtype is counted under gathered buffers.
+- hybrid  full sharding inside groups of fsdp.shard_group_size ranks (default: one node),
+          replicated across groups.
+- ddp     nothing sharded (DistributedDataParallel; also what `sharding: none` holds).
+The same accounting holds for fsdp1 and fsdp2 (FSDP1's flat-parameter padding moves a rank's
+share by at most a few elements per unit).
 
 Gathered buffers and activations are estimates; `ACTIVATION_FORMULA` says how they are computed.
 """
@@ -30,7 +34,18 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from fsdprun.config import CheckpointMode, Dtype, RecipeConfig, load_recipe
+from fsdprun.config import (
+    CheckpointMode,
+    Dtype,
+    Engine,
+    RecipeConfig,
+    Sharding,
+    backward_prefetch_depth,
+    effective_sharding,
+    load_recipe,
+    shard_group_size,
+)
+from fsdprun.engine import translate
 from fsdprun.errors import UserError
 from fsdprun.models import Transformer, build_model_args
 from fsdprun.parallel import plan_units
@@ -112,6 +127,8 @@ class MemoryPlan:
     device_memory_bytes: int | None
     units: list[PlannedUnit]
     strategies: dict[str, StrategyMemory]
+    engine: str = "fsdp2"
+    knobs: list[dict] = field(default_factory=list)
     activation_formula: str = ACTIVATION_FORMULA
     buffer_formula: str = BUFFER_FORMULA
     notes: list[str] = field(default_factory=list)
@@ -128,11 +145,24 @@ def _rank0_elems(shape: torch.Size, shards: int) -> int:
     return rows * math.prod(shape[1:])
 
 
-def _model_state(params: list[nn.Parameter], shards: int, *, params_whole: bool) -> dict[str, int]:
+def _unit_groups(model: nn.Module, paths: list[str]) -> list[tuple[str, list[nn.Parameter]]]:
+    """Each unit's own parameters, as apply_fsdp takes them: not yet taken, forward order, root
+    last."""
+    modules = dict(model.named_modules())
+    taken: set[int] = set()
+    groups = []
+    for path in paths:
+        own = [p for p in modules[path].parameters() if id(p) not in taken]
+        taken.update(id(p) for p in own)
+        groups.append((path, own))
+    groups.append(("", [p for p in model.parameters() if id(p) not in taken]))
+    return groups
+
+
+def _model_state(params: list[nn.Parameter], shards: int) -> dict[str, int]:
     sharded = sum(_rank0_elems(p.shape, shards) for p in params)
-    whole = sum(p.numel() for p in params)
     return {
-        "params": MASTER_BYTES * (whole if params_whole else sharded),
+        "params": MASTER_BYTES * sharded,
         "grads": MASTER_BYTES * sharded,
         "optimizer": ADAM_STATE_BYTES * sharded + ADAM_STEP_BYTES * len(params),
     }
@@ -194,28 +224,29 @@ def plan_memory(
 
     # Mirror apply_fsdp: units take the parameters not yet taken, in forward order, then the root.
     paths = plan_units(model, cfg=fsdp)
-    modules = dict(model.named_modules())
-    taken: set[int] = set()
-    groups: list[tuple[str, list[nn.Parameter]]] = []
-    for path in paths:
-        own = [p for p in modules[path].parameters() if id(p) not in taken]
-        taken.update(id(p) for p in own)
-        groups.append((path, own))
-    groups.append(("", [p for p in params if id(p) not in taken]))
+    groups = _unit_groups(model, paths)
 
+    sharding = effective_sharding(fsdp)
+    reshard_units = sharding in (Sharding.full, Sharding.hybrid) and fsdp.engine is not Engine.ddp
+    depth_bwd = backward_prefetch_depth(fsdp)
+    group = shard_group_size(cfg)
     units = []
+    if fsdp.engine is Engine.ddp:
+        groups = []  # DDP has no units: one bucketed all-reduce over the whole model
     for i, (path, own) in enumerate(groups):
         is_root = path == ""
         # The last block is not resharded (backward needs it at once); FSDP2 never reshards the
         # root after forward.
-        reshard = fsdp.reshard_after_forward and i < len(paths) - 1 and not is_root
+        # (FSDP1 reshards every unit but the root.)
+        last_kept = i == len(paths) - 1 and fsdp.engine is Engine.fsdp2
+        reshard = reshard_units and not last_kept and not is_root
         if is_root:
             fwd, bwd = [], []
         else:
             fwd = paths[i + 1 : i + 1 + fsdp.forward_prefetch]
             bwd = (
-                list(reversed(paths[max(0, i - fsdp.backward_prefetch) : i]))
-                if fsdp.backward_prefetch > 1
+                list(reversed(paths[max(0, i - depth_bwd) : i]))
+                if depth_bwd > 1 and fsdp.engine is Engine.fsdp2
                 else "implicit"
             )
         numel = sum(p.numel() for p in own)
@@ -224,37 +255,40 @@ def plan_memory(
                 path=path,
                 num_params=numel,
                 unsharded_bytes=numel * pbytes,
-                shard_bytes=MASTER_BYTES * sum(_rank0_elems(p.shape, world) for p in own),
+                shard_bytes=MASTER_BYTES * sum(_rank0_elems(p.shape, group) for p in own),
                 reshard_after_forward=reshard,
                 forward_prefetch=fwd,
                 backward_prefetch=bwd,
             )
         )
 
-    root = units[-1].unsharded_bytes
-    largest = max((u.unsharded_bytes for u in units[:-1]), default=0)
-    depth = max(fsdp.forward_prefetch, fsdp.backward_prefetch)
+    all_units = _unit_groups(model, paths)
+    root = sum(p.numel() for p in all_units[-1][1]) * pbytes
+    largest = max((sum(p.numel() for p in own) * pbytes for _, own in all_units[:-1]), default=0)
+    depth = max(fsdp.forward_prefetch, depth_bwd)
     sharded_buffers = root + largest * (1 + depth)
+    whole = sum(p.numel() for p in params) * pbytes  # every unit gathered at once
     acts = activation_bytes(cfg)
+    hybrid_group = fsdp.shard_group_size or min(per_node, world)
+
+    def memory(shards: int, gathered: int) -> StrategyMemory:
+        return StrategyMemory(shards, **_model_state(params, shards), gathered_buffers=gathered,
+                              activations=acts)  # fmt: skip
+
     strategies = {
-        "full": StrategyMemory(
-            world, **_model_state(params, world, params_whole=False),
-            gathered_buffers=sharded_buffers, activations=acts,
-        ),
-        # Parameters are counted whole (ZeRO-2): the gathered copies are those parameters.
-        "grad_op": StrategyMemory(
-            world, **_model_state(params, world, params_whole=True),
-            gathered_buffers=0, activations=acts,
-        ),
-        "hybrid": StrategyMemory(
-            per_node, **_model_state(params, per_node, params_whole=False),
-            gathered_buffers=sharded_buffers, activations=acts,
-        ),
-        "ddp": StrategyMemory(
-            1, **_model_state(params, 1, params_whole=False), gathered_buffers=0,
-            activations=acts,
-        ),
-    }  # fmt: skip
+        "ddp": memory(1, 0),
+        "full": memory(world, sharded_buffers),
+        # ZeRO-2: the gathered parameters stay from forward to backward, all units at once.
+        "grad_op": memory(world, whole),
+        "hybrid": memory(hybrid_group, sharded_buffers),
+    }
+    recipe_strategy = "ddp" if fsdp.engine is Engine.ddp else sharding.value
+    if recipe_strategy == "hybrid_zero2":
+        strategies["hybrid_zero2"] = memory(group, whole)
+    elif recipe_strategy == "none":
+        strategies["none"] = memory(1, whole)  # FSDP's compute copy of the replicated params
+    elif recipe_strategy == "hybrid" and group != hybrid_group:
+        strategies["hybrid"] = memory(group, sharded_buffers)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
     if device_memory_bytes is not None:
@@ -274,7 +308,9 @@ def plan_memory(
         nproc_per_node=per_node,
         num_params=sum(p.numel() for p in params),
         param_dtype=cfg.precision.param_dtype.value,
-        recipe_strategy="full" if fsdp.reshard_after_forward else "grad_op",
+        recipe_strategy=recipe_strategy,
+        engine=fsdp.engine.value,
+        knobs=[asdict(k) for k in translate(cfg)],
         device_memory_bytes=device_memory_bytes,
         units=units,
         strategies=strategies,

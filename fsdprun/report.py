@@ -300,6 +300,9 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
             _prefetch_text(u["forward_prefetch"]), _prefetch_text(u["backward_prefetch"]),
         )  # fmt: skip
     c.print(units)
+    c.print(f"{plan['engine']} knobs:")
+    for k in plan.get("knobs", []):
+        c.print(f"  {k['key']}={k['value']} [dim]->[/dim] {k['applied']}", soft_wrap=True)
 
     strategies = plan["strategies"]
     mem = Table(title="Memory per rank (rank 0)", title_justify="left")

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdprun import __version__
@@ -479,7 +478,7 @@ def _forward_backward(engine, optimizer, scaler, data, layout, step, rank, devic
                 data, layout.indices(step, micro, rank), device.torch_device
             )
             with engine.autocast():
-                loss = cross_entropy(engine.model(inputs), targets)
+                loss = engine.loss(engine.model(inputs), targets)
             if poison:
                 loss = loss * float("inf")
             # Each micro-batch holds the same number of tokens, so averaging micro-losses over
@@ -510,14 +509,9 @@ def _evaluate(
                 indices = layout.indices(batch, micro, rank)
                 inputs, targets = load_batch(data, indices, device.torch_device)
                 with engine.autocast():
-                    loss_sum += cross_entropy(engine.model(inputs), targets)
+                    loss_sum += engine.loss(engine.model(inputs), targets)
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return loss_sum.item() / (num_batches * layout.grad_accum_steps * layout.world_size)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _checkpoint_step(path: Path | None) -> int:

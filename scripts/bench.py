@@ -31,7 +31,17 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from fsdprun.config import CheckpointMode, CompileMode, OptimImpl, RecipeConfig, load_recipe
+from fsdprun.config import (
+    CheckpointMode,
+    CompileMode,
+    Engine,
+    OptimImpl,
+    RecipeConfig,
+    Sharding,
+    backward_prefetch_depth,
+    effective_sharding,
+    load_recipe,
+)
 from fsdprun.device import resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.metrics import read_events
@@ -71,7 +81,7 @@ def build_plain_spec(cfg: RecipeConfig, device_kind: str) -> PlainSpec:
         device_kind=device_kind,
         param_dtype=cfg.precision.param_dtype.value,
         reduce_dtype=cfg.precision.reduce_dtype.value,
-        reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        reshard_after_forward=effective_sharding(cfg.fsdp) is Sharding.full,
         ac_mode=cfg.activation_checkpointing.mode.value,
         ac_every_n=cfg.activation_checkpointing.every_n,
         compile=cfg.compile.enabled,
@@ -103,8 +113,12 @@ def unmatched_settings(cfg: RecipeConfig) -> list[str]:
     notes = []
     if fsdp.wrap.value != "block":
         notes.append(f"fsdp.wrap={fsdp.wrap.value}")
-    if fsdp.forward_prefetch or fsdp.backward_prefetch != 1:
+    if fsdp.forward_prefetch or backward_prefetch_depth(fsdp) > 1:
         notes.append("explicit fsdp prefetch")
+    if fsdp.engine is not Engine.fsdp2:
+        notes.append(f"fsdp.engine={fsdp.engine.value} (the plain loop is FSDP2)")
+    if effective_sharding(fsdp) not in (Sharding.full, Sharding.grad_op):
+        notes.append(f"fsdp.sharding={fsdp.sharding.value} (the plain loop uses a 1-D mesh)")
     if fsdp.cpu_offload:
         notes.append("fsdp.cpu_offload")
     return notes

@@ -64,32 +64,16 @@ print(f"fsdprun/plain tokens/s {r['tokens_per_s_ratio']:.3f}  memory {r['memory_
       f"peak allocated {f['ranks'][0]['peak_allocated_bytes']}")
 EOF
 
-# Plan vs measured: llama-1b eager (no compile) for a few steps, then `fsdprun plan --json`.
-step eager_1b 90 "$BIN/fsdprun" train "$RECIPE" compile.enabled=false train.steps=6 \
-  output.log_every=1 --run-dir "$WORK/eager_1b"
+# The engines on one GPU (eager: no compile time): fsdp2, fsdp1, ddp side by side, then plan vs
+# measured peak for each (plan strategy `full` for the FSDP engines, `ddp` for ddp).
+step compare_1b 200 "$BIN/fsdprun" compare "$RECIPE" --configs fsdp2,fsdp1,ddp --steps 12 \
+  schedule.warmup_steps=2 compile.enabled=false output.timing_warmup_steps=3 \
+  --run-dir "$WORK/compare_1b" --json
+cp "$WORK/compare_1b.txt" "$WORK/compare_1b.json"
 step plan_1b 30 "$BIN/fsdprun" plan "$RECIPE" --json
 cp "$WORK/plan_1b.txt" "$WORK/plan_1b.json"
-"$PY" - "$WORK" >> "$SUMMARY" 2>&1 <<'EOF'
-import json, sys
-from pathlib import Path
-work = Path(sys.argv[1])
-plan = json.loads((work / "plan_1b.json").read_text())["strategies"]["full"]
-rows = [("eager", work / "eager_1b" / "metrics.jsonl")]
-bench = json.loads((work / "bench_1b.json").read_text()) if (work / "bench_1b.json").exists() else None
-for name, path in rows:
-    if path.exists():
-        summary = [json.loads(line) for line in path.read_text().splitlines()][-1]
-        rank = summary["ranks"][0]
-        peak = rank["peak_allocated_bytes"]
-        print(f"plan vs measured ({name}): plan total {plan['total']} measured peak {peak} "
-              f"error {(plan['total'] - peak) / peak:+.3f}; model state measured "
-              f"{sum(rank['model_state_bytes'].values())} plan {plan['params'] + plan['grads'] + plan['optimizer']}")
-if bench:
-    peak = bench["best"]["fsdprun"]["ranks"][0]["peak_allocated_bytes"]
-    print(f"plan vs measured (compiled): plan total {plan['total']} measured peak {peak} "
-          f"error {(plan['total'] - peak) / peak:+.3f}")
-print("plan components:", {k: plan[k] for k in ("params", "grads", "optimizer", "gathered_buffers", "activations")})
-EOF
+"$PY" scripts/plan_vs_measured.py "$WORK/compare_1b" --bench "$WORK/bench_1b.json" --recipe "$RECIPE" >> "$SUMMARY" 2>&1
+"$PY" -c "import json,sys; from fsdprun.compare import markdown; t=open(sys.argv[1]).read(); print(markdown(json.loads(t[t.index(chr(123)):])))" "$WORK/compare_1b.json" >> "$SUMMARY" 2>&1
 
 step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/test_gpu.py
 tail -3 "$WORK/gpu_tests.txt" >> "$SUMMARY"

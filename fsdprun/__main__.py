@@ -1,0 +1,5 @@
+"""`python -m fsdprun ...` = the `fsdprun` command."""
+
+from fsdprun.cli import main
+
+main()

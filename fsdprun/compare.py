@@ -1,0 +1,224 @@
+"""`fsdprun compare`: the same recipe (same seed, same data) under several engines and sharding
+strategies, one after another, in one side-by-side table.
+
+    fsdprun compare debug --configs ddp,fsdp1,fsdp2,fsdp2:grad_op --steps 10
+
+Each configuration is an ordinary `fsdprun train` run in its own process and run directory
+(COMPARE_DIR/<label>/), so one configuration's memory cannot leak into the next one's figures
+and one that fails (out of memory, a bad knob) shows its error in its column while the others
+still run. Figures come from each run's metrics.jsonl summary.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdprun.config import Engine, Sharding, load_recipe
+from fsdprun.errors import UserError
+from fsdprun.metrics import read_events
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    label: str  # as given: "ddp", "fsdp2:grad_op"
+    overrides: tuple[str, ...]
+
+
+def parse_configs(text: str) -> list[CompareConfig]:
+    """'ddp,fsdp1,fsdp2:grad_op' -> configurations (engine[:sharding], comma-separated).
+
+    Raises:
+        UserError: an unknown engine or sharding, a sharding given to ddp, or a repeat.
+    """
+    engines = [e.value for e in Engine]
+    shardings = [s.value for s in Sharding]
+    configs: list[CompareConfig] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        engine, _, sharding = item.partition(":")
+        if engine not in engines:
+            raise UserError(
+                f"--configs: '{item}': unknown engine '{engine}'; use {', '.join(engines)} "
+                "(optionally engine:sharding)"
+            )
+        overrides = [f"fsdp.engine={engine}"]
+        if sharding:
+            if engine == Engine.ddp.value:
+                raise UserError(f"--configs: '{item}': ddp has no sharding strategies")
+            if sharding not in shardings:
+                raise UserError(
+                    f"--configs: '{item}': unknown sharding '{sharding}'; use "
+                    f"{', '.join(shardings)}"
+                )
+            overrides.append(f"fsdp.sharding={sharding}")
+        if any(c.label == item for c in configs):
+            raise UserError(f"--configs: '{item}' is listed twice")
+        configs.append(CompareConfig(item, tuple(overrides)))
+    if not configs:
+        raise UserError("--configs is empty; e.g. --configs ddp,fsdp1,fsdp2")
+    return configs
+
+
+@dataclass
+class CompareResult:
+    label: str
+    overrides: list[str]
+    run_dir: str
+    ok: bool
+    error: str | None = None
+    wall_s: float = 0.0
+    tokens_per_s: float | None = None
+    step_time_p50_s: float | None = None
+    peak_memory_bytes: int | None = None  # max over ranks
+    memory_kind: str | None = None  # "allocated" (GPU) or "RSS" (CPU)
+    model_state_bytes: int | None = None  # max over ranks
+    final_loss: float | None = None
+    mfu: float | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+def _error_line(text: str) -> str:
+    """The one line `fsdprun train` printed to say why it failed."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if line.lower().startswith("error:"):
+            return line[len("error:") :].strip()
+    return lines[-1] if lines else "failed without output"
+
+
+def _fsdprun_command() -> list[str]:
+    return [sys.executable, "-m", "fsdprun"]
+
+
+def run_config(
+    recipe: str, overrides: list[str], config: CompareConfig, run_dir: Path
+) -> CompareResult:
+    """One `fsdprun train` run of `config`; its figures, or its error."""
+    all_overrides = [*overrides, *config.overrides]
+    cmd = [*_fsdprun_command(), "train", recipe, *all_overrides, "--run-dir", str(run_dir)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    wall = time.perf_counter() - start
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "compare.log").write_text(proc.stdout + proc.stderr)
+    result = CompareResult(config.label, all_overrides, str(run_dir), ok=False, wall_s=wall)
+    metrics = run_dir / "metrics.jsonl"
+    events = read_events(metrics) if metrics.exists() else []
+    summary = events[-1] if events and events[-1]["event"] == "summary" else None
+    if proc.returncode != 0 or summary is None:
+        result.error = _error_line(proc.stderr or proc.stdout)
+        return result
+    ranks = summary["ranks"]
+    gpu = "peak_allocated_bytes" in ranks[0]
+    key = "peak_allocated_bytes" if gpu else "peak_rss_bytes"
+    t = summary["throughput"]
+    result.ok = True
+    result.tokens_per_s = t["tokens_per_s"]
+    result.step_time_p50_s = t["step_time_p50_s"]
+    result.mfu = t["mfu"]
+    result.peak_memory_bytes = max(r[key] for r in ranks)
+    result.memory_kind = "allocated" if gpu else "RSS"
+    result.model_state_bytes = max(r["model_state_bytes"]["total"] for r in ranks)
+    result.final_loss = summary["final_loss"]
+    result.losses = [e["loss"] for e in events if e["event"] == "step"]
+    return result
+
+
+def compare(
+    recipe: str,
+    overrides: list[str],
+    configs: list[CompareConfig],
+    out_dir: Path,
+    *,
+    on_result=None,
+) -> dict[str, Any]:
+    """Validate every configuration, then run them one after another.
+
+    Raises:
+        UserError: a configuration that does not make a valid recipe (nothing has run yet).
+    """
+    resolved = None
+    for config in configs:
+        try:
+            resolved = load_recipe(recipe, [*overrides, *config.overrides])
+        except UserError as e:
+            raise UserError(f"--configs {config.label}: {e}") from None
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserError(f"--run-dir {out_dir} is not empty; give a new directory")
+    results = []
+    for config in configs:
+        label = config.label.replace(":", "-")
+        result = run_config(recipe, overrides, config, out_dir / label)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    cfg = resolved.config
+    return {
+        "recipe": resolved.name,
+        "overrides": overrides,
+        "world_size": cfg.world_size,
+        "steps": cfg.train.steps,
+        "timing_warmup_steps": cfg.output.timing_warmup_steps,
+        "run_dir": str(out_dir),
+        "results": [asdict(r) for r in results],
+    }
+
+
+ROWS = (
+    ("tokens/s", "tokens_per_s", "count"),
+    ("step time p50", "step_time_p50_s", "seconds"),
+    ("peak memory / rank", "peak_memory_bytes", "bytes"),
+    ("model state / rank", "model_state_bytes", "bytes"),
+    ("final loss", "final_loss", "loss"),
+)
+
+
+def cells(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the side-by-side table: each value with its ratio to the first
+    configuration (the first one that ran)."""
+    from fsdprun.report import fmt_bytes
+
+    results = report["results"]
+    base = next((r for r in results if r["ok"]), None)
+
+    def fmt(kind: str, value: float) -> str:
+        if kind == "count":
+            return f"{value:,.0f}"
+        if kind == "seconds":
+            return f"{value * 1000:.1f} ms" if value < 10 else f"{value:.2f} s"
+        if kind == "bytes":
+            return fmt_bytes(int(value))
+        return f"{value:.4f}"
+
+    header = ["", *(r["label"] for r in results)]
+    rows = []
+    for name, key, kind in ROWS:
+        if key == "peak_memory_bytes" and base is not None:
+            name = f"peak {base['memory_kind']} / rank"
+        row = [name]
+        for r in results:
+            if not r["ok"]:
+                row.append("-")
+                continue
+            text = fmt(kind, r[key])
+            if kind != "loss" and r is not base and base[key]:
+                text += f" ({r[key] / base[key]:.2f}x)"
+            row.append(text)
+        rows.append(row)
+    if any(not r["ok"] for r in results):
+        rows.append(["error", *("" if r["ok"] else r["error"] for r in results)])
+    return header, rows
+
+
+def markdown(report: dict[str, Any]) -> str:
+    header, rows = cells(report)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

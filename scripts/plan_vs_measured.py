@@ -1,0 +1,89 @@
+"""How far `fsdprun plan` is from what runs measure.
+
+For every run directory under DIR (e.g. the output of `fsdprun compare ... --run-dir DIR`, or a
+single run), plan the run's own recipe (RUN_DIR/recipe.yaml, at its world size) and put the
+plan's model state per rank next to the model state the run measured (its memory table), and,
+on a GPU, the plan's total next to the measured peak allocated. Prints a Markdown table.
+
+    python scripts/plan_vs_measured.py runs/compare-debug-20261129-230000
+    python scripts/plan_vs_measured.py DIR --bench bench.json   # also a bench.py result (GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fsdprun.config import load_recipe
+from fsdprun.metrics import read_events
+from fsdprun.plan import plan_memory
+
+
+def _err(plan: int, measured: int) -> str:
+    return f"{(plan - measured) / measured:+.1%}"
+
+
+def row(label: str, recipe: Path, summary: dict) -> list[str]:
+    cfg = load_recipe(str(recipe)).config
+    plan = plan_memory(cfg)
+    s = plan.strategies[plan.recipe_strategy]
+    state_plan = s.params + s.grads + s.optimizer
+    rank0 = summary["ranks"][0]
+    state = rank0["model_state_bytes"]["total"]
+    peak = rank0.get("peak_allocated_bytes")
+    return [
+        label, plan.recipe_strategy, str(cfg.world_size), f"{state_plan:,}", f"{state:,}",
+        _err(state_plan, state),
+        f"{s.total:,}" if peak else "-", f"{peak:,}" if peak else "-",
+        _err(s.total, peak) if peak else "- (CPU: RSS holds the runtime)",
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, help="a run directory or a directory of them")
+    parser.add_argument(
+        "--bench", type=Path, help="a scripts/bench.py --out JSON (its fsdprun side)"
+    )
+    parser.add_argument("--recipe", default="llama-1b", help="the recipe the bench ran")
+    args = parser.parse_args(argv)
+    rows = []
+    runs = [args.dir] if (args.dir / "metrics.jsonl").exists() else sorted(args.dir.iterdir())
+    for run in runs:
+        metrics = run / "metrics.jsonl"
+        if not metrics.exists():
+            continue
+        events = read_events(metrics)
+        if not events or events[-1]["event"] != "summary":
+            rows.append([run.name, "-", "-", "-", "-", "run failed", "-", "-", "-"])
+            continue
+        rows.append(row(run.name, run / "recipe.yaml", events[-1]))
+    bench_ranks = None
+    if args.bench is not None and args.bench.exists():
+        bench_ranks = json.loads(args.bench.read_text())["best"]["fsdprun"].get("ranks")
+    if bench_ranks and "peak_allocated_bytes" in bench_ranks[0]:
+        bench = json.loads(args.bench.read_text())
+        cfg = load_recipe(args.recipe, bench["overrides"]).config
+        plan = plan_memory(cfg)
+        s = plan.strategies[plan.recipe_strategy]
+        rank0 = bench["best"]["fsdprun"]["ranks"][0]
+        state, peak = rank0["model_state_bytes"]["total"], rank0["peak_allocated_bytes"]
+        state_plan = s.params + s.grads + s.optimizer
+        rows.append([
+            f"bench {args.recipe} (compiled)", plan.recipe_strategy, str(cfg.world_size),
+            f"{state_plan:,}", f"{state:,}", _err(state_plan, state), f"{s.total:,}", f"{peak:,}",
+            _err(s.total, peak),
+        ])  # fmt: skip
+    header = ["run", "strategy", "ranks", "model state plan", "measured", "error",
+              "plan total", "peak allocated", "error"]  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
