@@ -139,23 +139,26 @@ def compare(
     *,
     on_result=None,
 ) -> dict[str, Any]:
-    """Validate every configuration, then run them one after another.
+    """Run the configurations one after another; one that does not make a valid recipe is
+    reported in its column without running.
 
     Raises:
-        UserError: a configuration that does not make a valid recipe (nothing has run yet).
+        UserError: the recipe and shared overrides are invalid on their own (nothing ran), or
+            `out_dir` already holds runs.
     """
-    resolved = None
-    for config in configs:
-        try:
-            resolved = load_recipe(recipe, [*overrides, *config.overrides])
-        except UserError as e:
-            raise UserError(f"--configs {config.label}: {e}") from None
+    resolved = load_recipe(recipe, overrides)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"--run-dir {out_dir} is not empty; give a new directory")
     results = []
     for config in configs:
-        label = config.label.replace(":", "-")
-        result = run_config(recipe, overrides, config, out_dir / label)
+        run_dir = out_dir / config.label.replace(":", "-")
+        try:
+            load_recipe(recipe, [*overrides, *config.overrides])
+        except UserError as e:
+            result = CompareResult(config.label, [*overrides, *config.overrides], str(run_dir),
+                                   ok=False, error=str(e))  # fmt: skip
+        else:
+            result = run_config(recipe, overrides, config, run_dir)
         results.append(result)
         if on_result is not None:
             on_result(result)

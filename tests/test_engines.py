@@ -1,0 +1,185 @@
+"""Engines (fsdp2, fsdp1, ddp) and sharding strategies: same losses, model state in the expected
+order and as planned, the knob translation, and `fsdprun compare` (real runs, gloo, 2-4 ranks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import fsdprun_env, run_fsdprun
+
+from fsdprun.compare import markdown, parse_configs
+from fsdprun.config import load_recipe
+from fsdprun.engine import translate
+from fsdprun.errors import UserError
+from fsdprun.plan import plan_memory
+
+FP32 = ["precision.param_dtype=fp32", "precision.reduce_dtype=fp32"]
+CONFIGS = "ddp,fsdp1,fsdp1:hybrid,fsdp2,fsdp2:grad_op,fsdp2:hybrid"
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """The debug recipe at 4 ranks (hybrid: 2 x 2) under six configurations, 5 steps each."""
+    tmp = tmp_path_factory.mktemp("compare")
+    proc = run_fsdprun(
+        "compare", "debug", "--configs", CONFIGS, "--steps", "5", "--nproc-per-node", "4",
+        *FP32, "fsdp.shard_group_size=2", "output.log_every=1", "checkpoint.every_steps=0",
+        "--run-dir", str(tmp / "cmp"), "--json", cwd=tmp, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    return report, {r["label"]: r for r in report["results"]}
+
+
+def test_every_engine_and_strategy_gives_the_same_losses(compared):
+    _, results = compared
+    ref = results["fsdp2"]["losses"]
+    assert len(ref) == 5
+    for label, r in results.items():
+        assert r["ok"], (label, r["error"])
+        assert r["losses"] == pytest.approx(ref, abs=1e-5), label
+
+
+def test_model_state_per_rank_orders_as_sharding_promises(compared):
+    _, results = compared
+    state = {label: r["model_state_bytes"] for label, r in results.items()}
+    # ddp holds everything; hybrid shards over 2 of the 4 ranks; full over all 4.
+    assert state["ddp"] > state["fsdp2:hybrid"] > state["fsdp2"]
+    assert state["fsdp2:grad_op"] >= state["fsdp2"]
+    assert state["fsdp2"] == pytest.approx(state["ddp"] / 4, rel=0.02)
+    assert state["fsdp2:hybrid"] == pytest.approx(state["ddp"] / 2, rel=0.02)
+    assert state["fsdp1"] == pytest.approx(state["fsdp2"], rel=0.02)
+    assert state["fsdp1:hybrid"] == pytest.approx(state["fsdp2:hybrid"], rel=0.02)
+
+
+def test_plan_matches_measured_model_state_for_every_engine(compared):
+    report, results = compared
+    for label, r in results.items():
+        cfg = load_recipe(f"{r['run_dir']}/recipe.yaml").config
+        plan = plan_memory(cfg)
+        s = plan.strategies[plan.recipe_strategy]
+        planned = s.params + s.grads + s.optimizer
+        assert planned == pytest.approx(r["model_state_bytes"], rel=0.05), label
+
+
+def test_run_header_prints_the_knob_translation(compared):
+    report, results = compared
+    log = "".join(
+        (Path(results[label]["run_dir"]) / "compare.log").read_text()
+        for label in ("fsdp1", "fsdp2")
+    )
+    assert "fsdp.backward_prefetch=pre -> backward_prefetch=BackwardPrefetch.BACKWARD_PRE" in log
+    assert "fsdp.limit_all_gathers=true -> no effect: FSDP2" in log
+    table = markdown(report)
+    assert table.splitlines()[0] == "|  | " + " | ".join(CONFIGS.split(",")) + " |"
+    assert "(4.00x)" not in table.splitlines()[4]  # model state is relative to ddp: below 1x
+    assert "(0.25x)" in table.splitlines()[5] or "(0.25x)" in table
+
+
+def test_a_configuration_that_fails_shows_its_error_and_the_others_still_run(tmp_path):
+    # cpu_offload is valid for fsdp2 but not for ddp: ddp's column holds the reason.
+    proc = run_fsdprun(
+        "compare", "debug", "--configs", "ddp,fsdp2", "--steps", "2", "fsdp.cpu_offload=true",
+        "output.log_every=1", "--run-dir", str(tmp_path / "cmp"), "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    by_label = {r["label"]: r for r in json.loads(proc.stdout)["results"]}
+    assert not by_label["ddp"]["ok"] and "cpu_offload" in by_label["ddp"]["error"]
+    assert by_label["fsdp2"]["ok"] and len(by_label["fsdp2"]["losses"]) == 2
+    # The table form says it in the ddp column.
+    proc = run_fsdprun(
+        "compare", "debug", "--configs", "ddp,fsdp2", "--steps", "2", "fsdp.cpu_offload=true",
+        "--run-dir", str(tmp_path / "cmp2"), "--markdown", cwd=tmp_path,
+    )  # fmt: skip
+    error_row = proc.stdout.splitlines()[-1]
+    assert error_row.startswith("| error |") and "cpu_offload" in error_row
+
+
+def test_compare_refuses_bad_configs_before_running_anything(tmp_path):
+    proc = run_fsdprun("compare", "debug", "--configs", "fsdp3", cwd=tmp_path,
+                       env=fsdprun_env())  # fmt: skip
+    assert proc.returncode == 2 and "unknown engine 'fsdp3'" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("fsdp2:zero3", "unknown sharding 'zero3'"),
+        ("ddp:full", "ddp has no sharding strategies"),
+        ("fsdp2,fsdp2", "listed twice"),
+        (",", "--configs is empty"),
+    ],
+)
+def test_parse_configs_errors(text, message):
+    with pytest.raises(UserError, match=message):
+        parse_configs(text)
+
+
+def test_parse_configs_overrides():
+    configs = parse_configs("ddp, fsdp1:hybrid_zero2")
+    assert [(c.label, c.overrides) for c in configs] == [
+        ("ddp", ("fsdp.engine=ddp",)),
+        ("fsdp1:hybrid_zero2", ("fsdp.engine=fsdp1", "fsdp.sharding=hybrid_zero2")),
+    ]
+
+
+def _knobs(*overrides: str, world: int = 2) -> dict[str, str]:
+    cfg = load_recipe("debug", [*overrides, f"launch.nproc_per_node={world}"]).config
+    return {k.key: k.applied for k in translate(cfg)}
+
+
+def test_translation_fsdp1_spells_the_article_knobs():
+    k = _knobs("fsdp.engine=fsdp1", "fsdp.sharding=hybrid", "fsdp.shard_group_size=2",
+               "fsdp.backward_prefetch=post", "fsdp.forward_prefetch=1", "fsdp.wrap=size",
+               "fsdp.min_num_params=5000", "precision.param_dtype=bf16", world=4)  # fmt: skip
+    assert k["fsdp.sharding"] == (
+        "sharding_strategy=ShardingStrategy.HYBRID_SHARD on a (2 x 2) replicate x shard mesh"
+    )
+    assert k["fsdp.backward_prefetch"] == "backward_prefetch=BackwardPrefetch.BACKWARD_POST"
+    assert k["fsdp.forward_prefetch"] == "forward_prefetch=True (one unit ahead)"
+    assert k["fsdp.wrap"] == "auto_wrap_policy=size_based_auto_wrap_policy(min_num_params=5000)"
+    assert k["precision.param_dtype"].startswith("MixedPrecision(param_dtype=torch.bfloat16")
+
+
+def test_translation_fsdp2_says_what_it_cannot_do():
+    k = _knobs("fsdp.backward_prefetch=none", "fsdp.sharding=grad_op")
+    assert "cannot turn backward prefetch off" in k["fsdp.backward_prefetch"]
+    assert k["fsdp.sharding"] == "1-D mesh of 2 ranks, reshard_after_forward=False"
+    assert k["fsdp.limit_all_gathers"].startswith("no effect")
+    k = _knobs("fsdp.sharding=hybrid", "fsdp.shard_group_size=2", "fsdp.backward_prefetch=3",
+               world=4)  # fmt: skip
+    assert k["fsdp.sharding"] == "2-D mesh (2 replicate x 2 shard), reshard_after_forward=True"
+    assert k["fsdp.backward_prefetch"] == "set_modules_to_backward_prefetch: 3 units ahead"
+    # reshard_after_forward (issue 2's key) still works and overrides the sharding.
+    k = _knobs("fsdp.reshard_after_forward=false")
+    assert k["fsdp.sharding"].endswith("reshard_after_forward=False")
+
+
+def test_translation_ddp():
+    k = _knobs("fsdp.engine=ddp", "precision.param_dtype=bf16", "precision.reduce_dtype=bf16")
+    assert k["precision.param_dtype"] == (
+        "parameters stay fp32; compute under torch.autocast(torch.bfloat16)"
+    )
+    assert k["precision.reduce_dtype"].startswith("comm hook bf16_compress_hook")
+    assert k["fsdp.wrap"].startswith("no effect")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["fsdp.backward_prefetch=later"], "fsdp.backward_prefetch: 'later' is not valid"),
+        (["fsdp.engine=fsdp1", "fsdp.reshard_after_forward=false"],
+         "fsdp.reshard_after_forward is an fsdp2 knob"),
+        (["fsdp.sharding=hybrid", "fsdp.shard_group_size=3"],
+         "fsdp.shard_group_size (3) must divide the world size (2)"),
+        (["fsdp.engine=ddp", "fsdp.cpu_offload=true"], "fsdp.cpu_offload needs a sharding engine"),
+        (["fsdp.engine=fsdp1", "fsdp.use_orig_params=false"], "optim.weight_decay=0"),
+    ],
+)  # fmt: skip
+def test_engine_key_errors(overrides, message):
+    with pytest.raises(UserError) as e:
+        load_recipe("debug", overrides)
+    assert message in str(e.value)
