@@ -9,7 +9,8 @@
 # they and fsdprun are then installed offline into that python.
 # Each step has its own time limit and the script goes on past a failed step. Results:
 #   $OUT/summary.txt   the figures, one block per step (also printed at the end)
-#   $OUT/results.tgz   logs, bench JSON, metrics.jsonl of each run, plan JSON
+#   $OUT/*.json        bench, compare and plan results
+#   $OUT/results.tgz   logs and each run's metrics.jsonl (no checkpoints)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
@@ -68,6 +69,7 @@ EOF
 # measured peak for each (plan strategy `full` for the FSDP engines, `ddp` for ddp).
 step compare_1b 200 "$BIN/fsdprun" compare "$RECIPE" --configs fsdp2,fsdp1,ddp --steps 12 \
   schedule.warmup_steps=2 compile.enabled=false output.timing_warmup_steps=3 \
+  checkpoint.save_final=false \
   --run-dir "$WORK/compare_1b" --json
 cp "$WORK/compare_1b.txt" "$WORK/compare_1b.json"
 step plan_1b 30 "$BIN/fsdprun" plan "$RECIPE" --json
@@ -78,5 +80,7 @@ cp "$WORK/plan_1b.txt" "$WORK/plan_1b.json"
 step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/test_gpu.py
 tail -3 "$WORK/gpu_tests.txt" >> "$SUMMARY"
 
-tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
+# Small files only: run directories may hold multi-GB checkpoints.
+cp "$WORK"/*.json "$OUT"/ 2>/dev/null
+tar czf "$OUT/results.tgz" --exclude=checkpoints -C "$WORK" . 2>/dev/null
 cat "$SUMMARY"

@@ -25,7 +25,7 @@ def compared(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compare")
     proc = run_fsdprun(
         "compare", "debug", "--configs", CONFIGS, "--steps", "5", "--nproc-per-node", "4",
-        *FP32, "fsdp.shard_group_size=2", "output.log_every=1", "checkpoint.every_steps=0",
+        *FP32, "fsdp.shard_group_size=2", "output.log_every=1", "checkpoint.save_final=false",
         "--run-dir", str(tmp / "cmp"), "--json", cwd=tmp, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -176,7 +176,8 @@ def test_translation_ddp():
         (["fsdp.sharding=hybrid", "fsdp.shard_group_size=3"],
          "fsdp.shard_group_size (3) must divide the world size (2)"),
         (["fsdp.engine=ddp", "fsdp.cpu_offload=true"], "fsdp.cpu_offload needs a sharding engine"),
-        (["fsdp.engine=fsdp1", "fsdp.use_orig_params=false"], "optim.weight_decay=0"),
+        (["fsdp.engine=fsdp1", "fsdp.use_orig_params=false", "optim.weight_decay=0.1"],
+         "optim.weight_decay=0"),
     ],
 )  # fmt: skip
 def test_engine_key_errors(overrides, message):
