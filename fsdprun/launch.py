@@ -157,12 +157,32 @@ def build_launch_plan(cfg: RecipeConfig, run_dir: Path, *, device_kind: str) -> 
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
         max_restarts=launch.max_restarts,
-        start_method="spawn",
+        start_method=start_method(device_kind),
         monitor_interval=0.1,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
         **signals,
     )
     return LaunchPlan(config=config, omp_threads=omp)
+
+
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def start_method(device_kind: str) -> str:
+    """How the agent starts workers: `fork` on CPU (the workers inherit the imported torch:
+    about 5 s less per launch on a 2-core machine), `spawn` on accelerators (a forked child cannot
+    use a CUDA context, and device queries in this process may have made one).
+    FSDPRUN_START_METHOD overrides it.
+
+    Raises:
+        UserError: FSDPRUN_START_METHOD is not spawn, fork or forkserver.
+    """
+    chosen = os.environ.get("FSDPRUN_START_METHOD")
+    if chosen is None:
+        return "fork" if device_kind == "cpu" else "spawn"
+    if chosen not in START_METHODS:
+        raise UserError(f"FSDPRUN_START_METHOD={chosen!r}: use one of {', '.join(START_METHODS)}")
+    return chosen
 
 
 def describe_failure(err: ChildFailedError) -> WorkerFailed:
