@@ -207,7 +207,7 @@ def _train(
     stop_signals = StopSignals(run_dir)
     heartbeat = Heartbeat(run_dir, ranks.rank)
     engine, num_ac, optimizer, scheduler, scaler = _build(cfg, ranks, device)
-    model, units = engine.model, engine.units
+    model = engine.model
     args = engine.inner.args
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, ranks.world_size)
     eval_every = cfg.eval.every_steps
@@ -232,64 +232,17 @@ def _train(
             if reporter is not None:
                 reporter.handle(record_)
 
-    emit(
-        "start",
-        recipe=recipe_name or run_dir.name,
-        fsdprun_version=__version__,
-        torch_version=torch.__version__,
-        run_dir=str(run_dir),
-        world_size=ranks.world_size,
-        nnodes=cfg.launch.nnodes,
-        device_name=device.name(),
-        backend=device.backend,
-        engine=engine.kind.value,
-        engine_knobs=[dataclasses.asdict(k) for k in engine.knobs],
-        fsdp_units=[u.path or "<root>" for u in units],
-        param_dtype=cfg.precision.param_dtype.value,
-        reduce_dtype=cfg.precision.reduce_dtype.value,
-        activation_checkpointing=f"{cfg.activation_checkpointing.mode.value} ({num_ac} blocks)",
-        compile="off" if not cfg.compile.enabled else (
-            "per block" if cfg.compile.per_block else "whole model"),
-        num_params=num_params(args),
-        param_bytes=num_params(args) * 4,
-        param_shard_bytes=model_state_bytes(model, None)["params"],
-        global_batch_size=cfg.train.global_batch_size,
-        micro_batch_size=cfg.train.micro_batch_size,
-        grad_accum_steps=layout.grad_accum_steps,
-        seq_len=cfg.train.seq_len,
-        tokens_per_step=tokens_per_step,
-        steps=cfg.train.steps,
-        attempt=restart_count(),
-        data=data.description,
-        val_data=val_data.description if val_data is not None else None,
-    )  # fmt: skip
+    emit("start", **_start_fields(cfg, run_dir, ranks, device, engine, num_ac, layout, data,
+                                  val_data, recipe_name))  # fmt: skip
 
     checkpointer = Checkpointer(
         run_dir=run_dir, cfg=cfg.checkpoint, rank=ranks.rank, world_size=ranks.world_size,
         recipe=config_to_dict(cfg),
         process_group=new_checkpoint_group(cfg.checkpoint.async_save),
     )  # fmt: skip
-    start_step, skipped_total = 0, 0
-    if resume_from is not None:
-        load_start = time.perf_counter()
-        resumed = load_checkpoint(resume_from, model, optimizer, rank=ranks.rank)
-        device.synchronize()
-        load_s = time.perf_counter() - load_start
-        scheduler.load_state_dict(resumed["scheduler"])
-        if scaler is not None and resumed.get("grad_scaler"):
-            scaler.load_state_dict(resumed["grad_scaler"])
-        start_step, skipped_total = resumed["step"], resumed.get("skipped_steps", 0)
-        # The data position is a global sample index: the same samples come next at any world
-        # size because the global batch is kept.
-        assert resumed["data_position"] == start_step * cfg.train.global_batch_size, resumed
-        emit("restart" if restart_count() else "resume", step=start_step,
-             checkpoint=str(resume_from), load_s=load_s, attempt=restart_count(),
-             saved_world_size=resumed["world_size"], world_size=ranks.world_size)  # fmt: skip
-    elif restart_count() > 0:
-        emit("restart", step=0, checkpoint=None, attempt=restart_count())
-    elif cfg.checkpoint.load_from:
-        load_model_weights(Path(cfg.checkpoint.load_from), model)
-        emit("load_weights", checkpoint=cfg.checkpoint.load_from)
+    start_step, skipped_total = _restore(
+        cfg, resume_from, model, optimizer, scheduler, scaler, ranks, device, emit
+    )
 
     def saved(record: SaveRecord | None) -> None:
         if record is not None:
@@ -431,37 +384,126 @@ def _train(
     ranks_info: list[dict[str, Any]] = [{}] * ranks.world_size
     mine = {"rank": ranks.rank, "model_state_bytes": model_state, **device.peak_memory()}
     dist.all_gather_object(ranks_info, mine)
-    peak, note = peak_flops(device.name(), cfg.precision.param_dtype.value, cfg.output.peak_tflops)
     summary = None
     if is_rank0:
-        summary = {
-            "steps": cfg.train.steps,
-            "final_loss": loss_value,
-            "final_val_loss": val_loss,
-            "throughput": throughput(
-                step_times,
-                warmup_steps=min(cfg.output.timing_warmup_steps, max(0, len(step_times) - 1)),
-                tokens_per_step=tokens_per_step,
-                world_size=ranks.world_size,
-                flops_per_token=fpt,
-                peak_flops_per_device=peak,
-            ),
-            "timing_warmup_steps": cfg.output.timing_warmup_steps,
-            "step_times_s": step_times,
-            "flops_per_token": fpt,
-            "peak_flops_per_device": peak,
-            "mfu_note": note,
-            "ranks": ranks_info,
-            "metrics_file": str(run_dir / cfg.output.metrics_file),
-            "wall_time_s": time.perf_counter() - wall_start,
-            "start_step": start_step,
-            "skipped_steps": skipped_total,
-            "stopped": stopped,
-            "checkpoints": [dataclasses.asdict(r) for r in checkpointer.records],
-        }
+        summary = _summary(
+            cfg, run_dir, ranks, device, step_times=step_times, tokens_per_step=tokens_per_step,
+            fpt=fpt, ranks_info=ranks_info, loss_value=loss_value, val_loss=val_loss,
+            start_step=start_step, skipped_total=skipped_total, stopped=stopped,
+            checkpointer=checkpointer, wall_start=wall_start,
+        )  # fmt: skip
         emit("summary", **summary)
         metrics.close()
     return summary
+
+
+def _start_fields(
+    cfg: RecipeConfig, run_dir: Path, ranks: Ranks, device: Device, engine, num_ac: int,
+    layout: BatchLayout, data: Dataset, val_data: Dataset | None, recipe_name: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The `start` event: what the header shows and metrics.jsonl keeps about the run."""
+    args = engine.inner.args
+    compile_ = cfg.compile
+    return {
+        "recipe": recipe_name or run_dir.name,
+        "fsdprun_version": __version__,
+        "torch_version": torch.__version__,
+        "run_dir": str(run_dir),
+        "world_size": ranks.world_size,
+        "nnodes": cfg.launch.nnodes,
+        "device_name": device.name(),
+        "backend": device.backend,
+        "engine": engine.kind.value,
+        "engine_knobs": [dataclasses.asdict(k) for k in engine.knobs],
+        "fsdp_units": [u.path or "<root>" for u in engine.units],
+        "param_dtype": cfg.precision.param_dtype.value,
+        "reduce_dtype": cfg.precision.reduce_dtype.value,
+        "activation_checkpointing": (
+            f"{cfg.activation_checkpointing.mode.value} ({num_ac} blocks)"
+        ),
+        "compile": "off" if not compile_.enabled else (
+            "per block" if compile_.per_block else "whole model"),
+        "num_params": num_params(args),
+        "param_bytes": num_params(args) * 4,
+        "param_shard_bytes": model_state_bytes(engine.model, None)["params"],
+        "global_batch_size": cfg.train.global_batch_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_accum_steps": layout.grad_accum_steps,
+        "seq_len": cfg.train.seq_len,
+        "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
+        "steps": cfg.train.steps,
+        "attempt": restart_count(),
+        "data": data.description,
+        "val_data": val_data.description if val_data is not None else None,
+    }  # fmt: skip
+
+
+def _restore(
+    cfg: RecipeConfig, resume_from: Path | None, model, optimizer, scheduler, scaler,
+    ranks: Ranks, device: Device, emit,
+) -> tuple[int, int]:  # fmt: skip
+    """Load a checkpoint to resume from (or `checkpoint.load_from` weights) and say so.
+
+    Returns:
+        (the step to start from, non-finite steps skipped so far).
+    """
+    if resume_from is not None:
+        load_start = time.perf_counter()
+        resumed = load_checkpoint(resume_from, model, optimizer, rank=ranks.rank)
+        device.synchronize()
+        load_s = time.perf_counter() - load_start
+        scheduler.load_state_dict(resumed["scheduler"])
+        if scaler is not None and resumed.get("grad_scaler"):
+            scaler.load_state_dict(resumed["grad_scaler"])
+        start_step = resumed["step"]
+        # The data position is a global sample index: the same samples come next at any world
+        # size because the global batch is kept.
+        assert resumed["data_position"] == start_step * cfg.train.global_batch_size, resumed
+        emit("restart" if restart_count() else "resume", step=start_step,
+             checkpoint=str(resume_from), load_s=load_s, attempt=restart_count(),
+             saved_world_size=resumed["world_size"], world_size=ranks.world_size)  # fmt: skip
+        return start_step, resumed.get("skipped_steps", 0)
+    if restart_count() > 0:
+        emit("restart", step=0, checkpoint=None, attempt=restart_count())
+    elif cfg.checkpoint.load_from:
+        load_model_weights(Path(cfg.checkpoint.load_from), model)
+        emit("load_weights", checkpoint=cfg.checkpoint.load_from)
+    return 0, 0
+
+
+def _summary(
+    cfg: RecipeConfig, run_dir: Path, ranks: Ranks, device: Device, *, step_times: list[float],
+    tokens_per_step: int, fpt: int, ranks_info: list[dict[str, Any]], loss_value: float,
+    val_loss: float | None, start_step: int, skipped_total: int, stopped: dict[str, Any] | None,
+    checkpointer: Checkpointer, wall_start: float,
+) -> dict[str, Any]:  # fmt: skip
+    """The `summary` event: throughput (warm-up steps excluded), per-rank memory, checkpoints."""
+    peak, note = peak_flops(device.name(), cfg.precision.param_dtype.value, cfg.output.peak_tflops)
+    return {
+        "steps": cfg.train.steps,
+        "final_loss": loss_value,
+        "final_val_loss": val_loss,
+        "throughput": throughput(
+            step_times,
+            warmup_steps=min(cfg.output.timing_warmup_steps, max(0, len(step_times) - 1)),
+            tokens_per_step=tokens_per_step,
+            world_size=ranks.world_size,
+            flops_per_token=fpt,
+            peak_flops_per_device=peak,
+        ),
+        "timing_warmup_steps": cfg.output.timing_warmup_steps,
+        "step_times_s": step_times,
+        "flops_per_token": fpt,
+        "peak_flops_per_device": peak,
+        "mfu_note": note,
+        "ranks": ranks_info,
+        "metrics_file": str(run_dir / cfg.output.metrics_file),
+        "wall_time_s": time.perf_counter() - wall_start,
+        "start_step": start_step,
+        "skipped_steps": skipped_total,
+        "stopped": stopped,
+        "checkpoints": [dataclasses.asdict(r) for r in checkpointer.records],
+    }
 
 
 def _forward_backward(engine, optimizer, scaler, data, layout, step, rank, device, cfg, *, poison):
