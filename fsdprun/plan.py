@@ -242,6 +242,11 @@ def plan_memory(
         reshard = reshard_units and not last_kept and not is_root
         if is_root:
             fwd, bwd = [], []
+        elif fsdp.engine is Engine.fsdp1:
+            # FSDP1 prefetches at most one unit each way; its backward mode is named.
+            fwd = paths[i + 1 : i + 2] if fsdp.forward_prefetch > 0 else []
+            mode = str(fsdp.backward_prefetch)
+            bwd = {"post": "BACKWARD_POST", "none": "none"}.get(mode, "BACKWARD_PRE")
         else:
             fwd = paths[i + 1 : i + 1 + fsdp.forward_prefetch]
             bwd = (

@@ -22,7 +22,7 @@ from fsdprun.plan import plan_memory
 
 
 def _err(plan: int, measured: int) -> str:
-    return f"{(plan - measured) / measured:+.1%}"
+    return f"{(plan - measured) / measured:+.2%}"
 
 
 def row(label: str, recipe: Path, summary: dict) -> list[str]:

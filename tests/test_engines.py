@@ -85,16 +85,15 @@ def test_a_configuration_that_fails_shows_its_error_and_the_others_still_run(tmp
         "output.log_every=1", "--run-dir", str(tmp_path / "cmp"), "--json", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
-    by_label = {r["label"]: r for r in json.loads(proc.stdout)["results"]}
+    report = json.loads(proc.stdout)
+    by_label = {r["label"]: r for r in report["results"]}
     assert not by_label["ddp"]["ok"] and "cpu_offload" in by_label["ddp"]["error"]
     assert by_label["fsdp2"]["ok"] and len(by_label["fsdp2"]["losses"]) == 2
-    # The table form says it in the ddp column.
-    proc = run_fsdprun(
-        "compare", "debug", "--configs", "ddp,fsdp2", "--steps", "2", "fsdp.cpu_offload=true",
-        "--run-dir", str(tmp_path / "cmp2"), "--markdown", cwd=tmp_path,
-    )  # fmt: skip
-    error_row = proc.stdout.splitlines()[-1]
-    assert error_row.startswith("| error |") and "cpu_offload" in error_row
+    # The table says it in the ddp column, under the figures of the run that worked.
+    error_row = markdown(report).splitlines()[-1]
+    assert error_row.startswith("| error | fsdp.cpu_offload needs a sharding engine") and (
+        error_row.endswith("|  |")
+    )
 
 
 def test_compare_refuses_bad_configs_before_running_anything(tmp_path):
@@ -184,3 +183,19 @@ def test_engine_key_errors(overrides, message):
     with pytest.raises(UserError) as e:
         load_recipe("debug", overrides)
     assert message in str(e.value)
+
+
+def test_plan_units_follow_the_engine():
+    def units(*overrides: str) -> list[tuple[bool, object, object]]:
+        plan = plan_memory(load_recipe("debug", list(overrides)).config)
+        return [(u.reshard_after_forward, u.forward_prefetch, u.backward_prefetch)
+                for u in plan.units]  # fmt: skip
+
+    # fsdp2 keeps the last block gathered for backward; FSDP1 reshards every unit but the root.
+    assert units() == [(True, [], "implicit"), (False, [], "implicit"), (False, [], [])]
+    assert units("fsdp.engine=fsdp1", "fsdp.forward_prefetch=2", "fsdp.backward_prefetch=post") == [
+        (True, ["layers.1"], "BACKWARD_POST"), (True, [], "BACKWARD_POST"), (False, [], []),
+    ]  # fmt: skip
+    ddp = plan_memory(load_recipe("debug", ["fsdp.engine=ddp"]).config)
+    assert ddp.units == [] and ddp.recipe_strategy == "ddp"
+    assert ddp.knobs[0]["applied"].startswith("DistributedDataParallel")
