@@ -56,12 +56,15 @@ ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 ADAM_STEP_BYTES = 4  # AdamW's per-tensor `step`, a 0-d fp32 tensor
 
 ACTIVATION_FORMULA = (
-    "per block and token: 8*dim (the fp32 input of each RMSNorm) + c*(6*dim + 4*ffn_dim + "
+    "per block and token, eager: 8*dim (the fp32 input of each RMSNorm) + c*(6*dim + 4*ffn_dim + "
     "2*kv_dim), c = bytes of param_dtype (each norm's value before and after its weight, q after "
-    "RoPE, the attention output; k and v after RoPE; w1, w3, silu and product outputs), as "
-    "counted with saved_tensors_hooks on a Llama block (within 1%). A checkpointed block keeps "
-    "only its input, seq*micro*dim*c, and one block is recomputed at a time; plus the logits, "
-    "seq*micro*vocab*(c + 8) (their fp32 copy and log-softmax in the loss)"
+    "RoPE, the attention output; k and v after RoPE; w1, w3, silu and product outputs); "
+    "compiled (compile.enabled): c*(6*dim + 2*kv_dim + 3*ffn_dim) + 4*(n_heads + 2) (AOTAutograd "
+    "recomputes the norms and keeps the fp32 statistics only); both counted with "
+    "saved_tensors_hooks on a Llama block (within 2%). A checkpointed block keeps only its input, "
+    "seq*micro*dim*c, and one block is recomputed at a time; plus the logits, "
+    "seq*micro*vocab*(c + 8) eager (their fp32 copy and log-softmax in the loss) or "
+    "seq*micro*(vocab*c + 8) with the loss compiled"
 )
 BUFFER_FORMULA = (
     "unsharded params in param_dtype: the root unit (FSDP2 keeps the root gathered from forward "
@@ -174,9 +177,11 @@ def block_activation_bytes(cfg: RecipeConfig) -> int:
     m, t = cfg.model, cfg.train
     c = DTYPE_BYTES[cfg.precision.param_dtype]
     kv_dim = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
-    return (
-        t.seq_len * t.micro_batch_size * (8 * m.dim + c * (6 * m.dim + 4 * m.ffn_dim + 2 * kv_dim))
-    )
+    if cfg.compile.enabled:
+        per_token = c * (6 * m.dim + 2 * kv_dim + 3 * m.ffn_dim) + 4 * (m.n_heads + 2)
+    else:
+        per_token = 8 * m.dim + c * (6 * m.dim + 4 * m.ffn_dim + 2 * kv_dim)
+    return t.seq_len * t.micro_batch_size * per_token
 
 
 def activation_bytes(cfg: RecipeConfig) -> int:
@@ -194,7 +199,10 @@ def activation_bytes(cfg: RecipeConfig) -> int:
     }[ac.mode]
     kept = checkpointed * tokens * m.dim * c + (m.n_layers - checkpointed) * block
     recompute = block if checkpointed else 0  # one block's activations while it is recomputed
-    logits = tokens * m.vocab_size * (c + 8)
+    if cfg.compile.enabled:  # the compiled loss keeps the logits and two fp32 values per token
+        logits = tokens * (m.vocab_size * c + 8)
+    else:
+        logits = tokens * m.vocab_size * (c + 8)
     return kept + recompute + logits
 
 
@@ -275,13 +283,15 @@ def plan_memory(
     whole = sum(p.numel() for p in params) * pbytes  # every unit gathered at once
     acts = activation_bytes(cfg)
     hybrid_group = fsdp.shard_group_size or min(per_node, world)
+    autocast_copies = 0 if cfg.precision.param_dtype is Dtype.fp32 else whole
 
     def memory(shards: int, gathered: int) -> StrategyMemory:
         return StrategyMemory(shards, **_model_state(params, shards), gathered_buffers=gathered,
                               activations=acts)  # fmt: skip
 
     strategies = {
-        "ddp": memory(1, 0),
+        # Autocast keeps a param_dtype copy of every weight for backward (DDP's only "buffer").
+        "ddp": memory(1, autocast_copies),
         "full": memory(world, sharded_buffers),
         # ZeRO-2: the gathered parameters stay from forward to backward, all units at once.
         "grad_op": memory(world, whole),
@@ -305,6 +315,8 @@ def plan_memory(
         f"prefetch depth {depth} (max of fsdp.forward_prefetch and fsdp.backward_prefetch)",
         "not counted: allocator fragmentation and cache, communication buffers, the CUDA "
         "context, unsharded gradients before their reduce-scatter",
+        "ddp: gathered buffers are autocast's param_dtype copies of the weights; its fp32 norm "
+        "activations are not modelled (the ddp total is the least certain)",
     ]
     return MemoryPlan(
         recipe=recipe,

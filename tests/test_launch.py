@@ -115,3 +115,17 @@ def test_runs_as_a_worker_under_torchrun(tmp_path):
     run = Run(proc, tmp_path / "run")
     assert run.start["world_size"] == 2 and len(run.losses) == 3
     assert "Throughput" in proc.stdout and (tmp_path / "run" / "recipe.yaml").exists()
+
+
+def test_workers_fork_on_cpu_and_spawn_on_accelerators(monkeypatch):
+    from fsdprun.errors import UserError
+    from fsdprun.launch import start_method
+
+    monkeypatch.delenv("FSDPRUN_START_METHOD", raising=False)
+    assert start_method("cpu") == "fork"
+    assert start_method("cuda") == start_method("npu") == "spawn"
+    monkeypatch.setenv("FSDPRUN_START_METHOD", "spawn")
+    assert start_method("cpu") == "spawn"
+    monkeypatch.setenv("FSDPRUN_START_METHOD", "threads")
+    with pytest.raises(UserError, match="FSDPRUN_START_METHOD='threads'"):
+        start_method("cpu")

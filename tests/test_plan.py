@@ -75,12 +75,15 @@ def test_plan_matches_fully_shard_on_a_fake_group():
     assert first.forward_prefetch == [second.path] and second.backward_prefetch == [first.path]
 
 
-def test_block_activation_formula_matches_saved_tensors():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_block_activation_formula_matches_saved_tensors(compiled):
     cfg = load_recipe(
-        "debug", ["precision.param_dtype=bf16", "train.micro_batch_size=2", "train.seq_len=48"]
-    ).config
+        "debug", ["precision.param_dtype=bf16", "train.micro_batch_size=2", "train.seq_len=48",
+                  f"compile.enabled={str(compiled).lower()}"],
+    ).config  # fmt: skip
     args = build_model_args(cfg.model)
     block = TransformerBlock(args).to(torch.bfloat16)
+    forward = torch.compile(block.forward) if compiled else block.forward
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     saved: dict[int, int] = {}
 
@@ -90,9 +93,14 @@ def test_block_activation_formula_matches_saved_tensors():
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    x = torch.randn(2, 48, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    def run() -> None:
+        x = torch.randn(2, 48, args.dim, dtype=torch.bfloat16, requires_grad=True)
+        forward(x, rope_table(args))
+
+    run()  # compile outside the hooks
+    saved.clear()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, rope_table(args))
+        run()
     assert sum(saved.values()) == pytest.approx(block_activation_bytes(cfg), rel=0.02)
 
 
