@@ -155,6 +155,11 @@ class PrecisionConfig:
         Dtype.bf16, "Dtype of gathered parameters for compute (sharded master weights stay fp32)."
     )
     reduce_dtype: Dtype = _f(Dtype.fp32, "Dtype of the gradient reduce-scatter.")
+    buffer_dtype: Dtype | None = _f(
+        None,
+        "fsdp1: MixedPrecision's buffer_dtype (cast module buffers, here the RoPE table); null = "
+        "keep their dtype. fsdp2 and ddp do not cast buffers (no effect, said in the header).",
+    )
 
 
 @dataclass

@@ -107,6 +107,8 @@ def translate(cfg: RecipeConfig, world_size: int | None = None) -> list[Knob]:
                 Dtype.bf16: "bf16_compress_hook (all-reduce in bf16)",
                 Dtype.fp16: "fp16_compress_hook (all-reduce in fp16)"}[p.reduce_dtype]  # fmt: skip
         add("precision.reduce_dtype", p.reduce_dtype, f"comm hook {hook}")
+        if p.buffer_dtype is not None:
+            add("precision.buffer_dtype", p.buffer_dtype, "no effect: DDP does not cast buffers")
         for key in ("wrap", "forward_prefetch", "backward_prefetch", "limit_all_gathers",
                     "use_orig_params", "reshard_after_forward"):  # fmt: skip
             add(f"fsdp.{key}", getattr(f, key), "no effect: DDP has no units to gather")
@@ -127,12 +129,16 @@ def translate(cfg: RecipeConfig, world_size: int | None = None) -> list[Knob]:
                 WrapPolicy.classes: f"ModuleWrapPolicy({{{', '.join(f.wrap_classes)}}})",
                 WrapPolicy.none: "none (one unit: the root)"}[f.wrap]  # fmt: skip
         add("fsdp.wrap", f.wrap, f"auto_wrap_policy={wrap}")
-        if p.param_dtype is Dtype.fp32 and p.reduce_dtype is Dtype.fp32:
+        if _fsdp1_mixed_precision_off(cfg):
             mp = "mixed_precision=None (fp32)"
         else:
+            buffers = (
+                _dtype_name(p.buffer_dtype) if p.buffer_dtype is not None
+                else "None (the RoPE table stays fp32)"
+            )  # fmt: skip
             mp = (
                 f"MixedPrecision(param_dtype={_dtype_name(p.param_dtype)}, reduce_dtype="
-                f"{_dtype_name(p.reduce_dtype)}, buffer_dtype=None (the RoPE table stays fp32))"
+                f"{_dtype_name(p.reduce_dtype)}, buffer_dtype={buffers})"
             )
         add("precision.param_dtype", p.param_dtype, mp)
         bp = {"pre": "BackwardPrefetch.BACKWARD_PRE", "post": "BackwardPrefetch.BACKWARD_POST",
@@ -188,6 +194,12 @@ def translate(cfg: RecipeConfig, world_size: int | None = None) -> list[Knob]:
     param = "None" if p.param_dtype is Dtype.fp32 else _dtype_name(p.param_dtype)
     mp = f"MixedPrecisionPolicy(param_dtype={param}, reduce_dtype={_dtype_name(p.reduce_dtype)})"
     add("precision.param_dtype", p.param_dtype, mp)
+    if p.buffer_dtype is not None:
+        add(
+            "precision.buffer_dtype",
+            p.buffer_dtype,
+            "no effect: FSDP2 does not cast buffers (the RoPE table is cast where it is used)",
+        )
     if bwd == "post":
         applied = (
             "FSDP2 has no post-gradient prefetch: its implicit prefetch of the next unit (as pre)"
@@ -218,6 +230,11 @@ def translate(cfg: RecipeConfig, world_size: int | None = None) -> list[Knob]:
     )
     add("fsdp.cpu_offload", f.cpu_offload, "CPUOffloadPolicy" if f.cpu_offload else "off")
     return knobs
+
+
+def _fsdp1_mixed_precision_off(cfg: RecipeConfig) -> bool:
+    p = cfg.precision
+    return p.param_dtype is Dtype.fp32 and p.reduce_dtype is Dtype.fp32 and p.buffer_dtype is None
 
 
 def clean_name(name: str) -> str:
@@ -417,9 +434,11 @@ def _build_fsdp1(
         paths = plan_units(model, cfg=f)
         policy = ModuleWrapPolicy({type(modules[path]) for path in paths})
     mp = None
-    if not (p.param_dtype is Dtype.fp32 and p.reduce_dtype is Dtype.fp32):
-        mp = MixedPrecision(param_dtype=TORCH_DTYPES[p.param_dtype],
-                            reduce_dtype=TORCH_DTYPES[p.reduce_dtype])  # fmt: skip
+    if not _fsdp1_mixed_precision_off(cfg):
+        mp = MixedPrecision(
+            param_dtype=TORCH_DTYPES[p.param_dtype], reduce_dtype=TORCH_DTYPES[p.reduce_dtype],
+            buffer_dtype=TORCH_DTYPES[p.buffer_dtype] if p.buffer_dtype is not None else None,
+        )  # fmt: skip
     modes = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST,
              "none": None}  # fmt: skip
     prefetch = modes.get(str(f.backward_prefetch), BackwardPrefetch.BACKWARD_PRE)

@@ -141,6 +141,13 @@ def test_translation_fsdp1_spells_the_article_knobs():
     assert k["fsdp.forward_prefetch"] == "forward_prefetch=True (one unit ahead)"
     assert k["fsdp.wrap"] == "auto_wrap_policy=size_based_auto_wrap_policy(min_num_params=5000)"
     assert k["precision.param_dtype"].startswith("MixedPrecision(param_dtype=torch.bfloat16")
+    assert k["precision.param_dtype"].endswith("buffer_dtype=None (the RoPE table stays fp32))")
+    k = _knobs("fsdp.engine=fsdp1", "precision.param_dtype=fp32", "precision.buffer_dtype=bf16")
+    assert k["precision.param_dtype"] == (
+        "MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, "
+        "buffer_dtype=torch.bfloat16)"
+    )
+    assert _knobs("precision.buffer_dtype=bf16")["precision.buffer_dtype"].startswith("no effect")
 
 
 def test_translation_fsdp2_says_what_it_cannot_do():
