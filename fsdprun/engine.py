@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -39,6 +40,7 @@ from fsdprun.config import (
 from fsdprun.config import (
     Engine as EngineKind,
 )
+from fsdprun.errors import UserError
 from fsdprun.parallel import (
     TORCH_DTYPES,
     FsdpUnit,
@@ -104,7 +106,7 @@ def translate(cfg: RecipeConfig, world_size: int | None = None) -> list[Knob]:
             f"parameters stay fp32; compute under {autocast}",
         )
         hook = {Dtype.fp32: "none (gradients all-reduced in fp32)",
-                Dtype.bf16: "bf16_compress_hook (all-reduce in bf16)",
+                Dtype.bf16: "bf16_compress_hook (all-reduce in bf16; NCCL/XCCL only)",
                 Dtype.fp16: "fp16_compress_hook (all-reduce in fp16)"}[p.reduce_dtype]  # fmt: skip
         add("precision.reduce_dtype", p.reduce_dtype, f"comm hook {hook}")
         if p.buffer_dtype is not None:
@@ -369,6 +371,12 @@ def _build_ddp(model: nn.Module, cfg: RecipeConfig, *, device: torch.device, **c
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy
     )
     reduce = cfg.precision.reduce_dtype
+    if reduce is Dtype.bf16 and dist.get_backend() not in ("nccl", "xccl"):
+        # torch's bf16 hook checks for NCCL/XCCL itself and fails with a TypeError.
+        raise UserError(
+            f"precision.reduce_dtype=bf16 with fsdp.engine=ddp needs NCCL or XCCL (this run uses "
+            f"{dist.get_backend()}); use reduce_dtype fp16 or fp32"
+        )
     if reduce is not Dtype.fp32:
         hook = (
             default_hooks.bf16_compress_hook

@@ -4,6 +4,7 @@ order and as planned, the knob translation, and `fsdprun compare` (real runs, gl
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from fsdprun.compare import markdown, parse_configs
 from fsdprun.config import load_recipe
 from fsdprun.engine import translate
 from fsdprun.errors import UserError
+from fsdprun.metrics import read_events
 from fsdprun.plan import plan_memory
 
 FP32 = ["precision.param_dtype=fp32", "precision.reduce_dtype=fp32"]
@@ -206,3 +208,31 @@ def test_plan_units_follow_the_engine():
     ddp = plan_memory(load_recipe("debug", ["fsdp.engine=ddp"]).config)
     assert ddp.units == [] and ddp.recipe_strategy == "ddp"
     assert ddp.knobs[0]["applied"].startswith("DistributedDataParallel")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["fsdp.engine=ddp", "precision.param_dtype=bf16", "precision.reduce_dtype=fp16"],
+        ["fsdp.engine=fsdp1", "precision.param_dtype=fp16", "precision.buffer_dtype=fp16"],
+    ],
+    ids=["ddp-autocast-bf16-fp16-compress-hook", "fsdp1-fp16-grad-scaler"],
+)
+def test_low_precision_trains_under_each_engine(tmp_path, overrides):
+    proc = run_fsdprun(
+        "train", "debug", *overrides, "train.steps=8", "output.log_every=1",
+        "checkpoint.save_final=false", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [e["loss"] for e in read_events(tmp_path / "run" / "metrics.jsonl") if
+              e["event"] == "step"]  # fmt: skip
+    assert len(losses) == 8 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+
+
+def test_ddp_bf16_reduction_on_gloo_is_a_user_error(tmp_path):
+    proc = run_fsdprun(
+        "train", "debug", "fsdp.engine=ddp", "precision.reduce_dtype=bf16", "train.steps=2",
+        "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "precision.reduce_dtype=bf16 with fsdp.engine=ddp needs NCCL or XCCL" in proc.stderr
