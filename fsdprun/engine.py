@@ -62,110 +62,118 @@ class Knob:
     value: str
     applied: str
 
-    def line(self) -> str:
-        return f"{self.key}={self.value} -> {self.applied}"
+
+_DTYPE_NAMES = {
+    Dtype.bf16: "torch.bfloat16",
+    Dtype.fp16: "torch.float16",
+    Dtype.fp32: "torch.float32",
+}
 
 
 def _dtype_name(d: Dtype) -> str:
-    return {Dtype.bf16: "torch.bfloat16", Dtype.fp16: "torch.float16", Dtype.fp32: "torch.float32"}[
-        d
-    ]
+    return _DTYPE_NAMES[d]
+
+
+class _Knobs(list):
+    def add(self, key: str, value: object, applied: str) -> None:
+        if isinstance(value, bool):
+            text = str(value).lower()
+        else:
+            text = value.value if hasattr(value, "value") else str(value)
+        self.append(Knob(key, text, applied))
 
 
 def translate(cfg: RecipeConfig, world_size: int | None = None) -> list[Knob]:
     """What the recipe's engine does with each `fsdp.*` and precision key (no model needed)."""
-    f, p = cfg.fsdp, cfg.precision
     ws = world_size if world_size is not None else cfg.world_size
-    sharding = effective_sharding(f)
-    group = shard_group_size(cfg, ws)
-    bwd = str(f.backward_prefetch)
-    depth = backward_prefetch_depth(f)
-    knobs: list[Knob] = []
+    knobs = _Knobs()
+    build = {EngineKind.ddp: _ddp_knobs, EngineKind.fsdp1: _fsdp1_knobs,
+             EngineKind.fsdp2: _fsdp2_knobs}[cfg.fsdp.engine]  # fmt: skip
+    build(cfg, ws, knobs.add)
+    return list(knobs)
 
-    def add(key: str, value: object, applied: str) -> None:
-        text = (
-            value.value
-            if hasattr(value, "value")
-            else str(value).lower()
-            if isinstance(value, bool)
-            else str(value)
-        )
-        knobs.append(Knob(key, text, applied))
 
-    if f.engine is EngineKind.ddp:
-        add("fsdp.engine", "ddp", "DistributedDataParallel: every rank holds the whole model state")
-        add("fsdp.sharding", f.sharding, "ignored: DDP replicates everything")
-        autocast = (
-            "off (fp32)"
-            if p.param_dtype is Dtype.fp32
-            else f"torch.autocast({_dtype_name(p.param_dtype)})"
-        )
-        add(
-            "precision.param_dtype",
-            p.param_dtype,
-            f"parameters stay fp32; compute under {autocast}",
-        )
-        hook = {Dtype.fp32: "none (gradients all-reduced in fp32)",
-                Dtype.bf16: "bf16_compress_hook (all-reduce in bf16; NCCL/XCCL only)",
-                Dtype.fp16: "fp16_compress_hook (all-reduce in fp16)"}[p.reduce_dtype]  # fmt: skip
-        add("precision.reduce_dtype", p.reduce_dtype, f"comm hook {hook}")
-        if p.buffer_dtype is not None:
-            add("precision.buffer_dtype", p.buffer_dtype, "no effect: DDP does not cast buffers")
-        for key in ("wrap", "forward_prefetch", "backward_prefetch", "limit_all_gathers",
-                    "use_orig_params", "reshard_after_forward"):  # fmt: skip
-            add(f"fsdp.{key}", getattr(f, key), "no effect: DDP has no units to gather")
-        return knobs
+def _ddp_knobs(cfg: RecipeConfig, ws: int, add) -> None:
+    f, p = cfg.fsdp, cfg.precision
+    add("fsdp.engine", "ddp", "DistributedDataParallel: every rank holds the whole model state")
+    add("fsdp.sharding", f.sharding, "ignored: DDP replicates everything")
+    autocast = (
+        "off (fp32)"
+        if p.param_dtype is Dtype.fp32
+        else f"torch.autocast({_dtype_name(p.param_dtype)})"
+    )
+    add(
+        "precision.param_dtype",
+        p.param_dtype,
+        f"parameters stay fp32; compute under {autocast}",
+    )
+    hook = {Dtype.fp32: "none (gradients all-reduced in fp32)",
+            Dtype.bf16: "bf16_compress_hook (all-reduce in bf16; NCCL/XCCL only)",
+            Dtype.fp16: "fp16_compress_hook (all-reduce in fp16)"}[p.reduce_dtype]  # fmt: skip
+    add("precision.reduce_dtype", p.reduce_dtype, f"comm hook {hook}")
+    if p.buffer_dtype is not None:
+        add("precision.buffer_dtype", p.buffer_dtype, "no effect: DDP does not cast buffers")
+    for key in ("wrap", "forward_prefetch", "backward_prefetch", "limit_all_gathers",
+                "use_orig_params", "reshard_after_forward"):  # fmt: skip
+        add(f"fsdp.{key}", getattr(f, key), "no effect: DDP has no units to gather")
 
-    if f.engine is EngineKind.fsdp1:
-        strategy = {Sharding.full: "FULL_SHARD", Sharding.grad_op: "SHARD_GRAD_OP",
-                    Sharding.hybrid: "HYBRID_SHARD", Sharding.hybrid_zero2: "_HYBRID_SHARD_ZERO2",
-                    Sharding.none: "NO_SHARD"}[sharding]  # fmt: skip
-        mesh = f" on a ({ws // group} x {group}) replicate x shard mesh" if sharding in (
-            Sharding.hybrid, Sharding.hybrid_zero2) else ""  # fmt: skip
-        add("fsdp.engine", "fsdp1", "FullyShardedDataParallel (flat parameters per unit)")
-        add("fsdp.sharding", f.sharding, f"sharding_strategy=ShardingStrategy.{strategy}{mesh}")
-        if f.shard_group_size is not None or sharding in (Sharding.hybrid, Sharding.hybrid_zero2):
-            add("fsdp.shard_group_size", f.shard_group_size, f"{group} ranks per shard group")
-        wrap = {WrapPolicy.block: "ModuleWrapPolicy({transformer block class})",
-                WrapPolicy.size: f"size_based_auto_wrap_policy(min_num_params={f.min_num_params})",
-                WrapPolicy.classes: f"ModuleWrapPolicy({{{', '.join(f.wrap_classes)}}})",
-                WrapPolicy.none: "none (one unit: the root)"}[f.wrap]  # fmt: skip
-        add("fsdp.wrap", f.wrap, f"auto_wrap_policy={wrap}")
-        if _fsdp1_mixed_precision_off(cfg):
-            mp = "mixed_precision=None (fp32)"
-        else:
-            buffers = (
-                _dtype_name(p.buffer_dtype) if p.buffer_dtype is not None
-                else "None (the RoPE table stays fp32)"
-            )  # fmt: skip
-            mp = (
-                f"MixedPrecision(param_dtype={_dtype_name(p.param_dtype)}, reduce_dtype="
-                f"{_dtype_name(p.reduce_dtype)}, buffer_dtype={buffers})"
-            )
-        add("precision.param_dtype", p.param_dtype, mp)
-        bp = {"pre": "BackwardPrefetch.BACKWARD_PRE", "post": "BackwardPrefetch.BACKWARD_POST",
-              "none": "None"}.get(
-            bwd, f"BackwardPrefetch.BACKWARD_PRE (FSDP1 prefetches one unit, not {depth})"
+
+def _fsdp1_knobs(cfg: RecipeConfig, ws: int, add) -> None:
+    f, p = cfg.fsdp, cfg.precision
+    sharding, group = effective_sharding(f), shard_group_size(cfg, ws)
+    bwd, depth = str(f.backward_prefetch), backward_prefetch_depth(f)
+    strategy = {Sharding.full: "FULL_SHARD", Sharding.grad_op: "SHARD_GRAD_OP",
+                Sharding.hybrid: "HYBRID_SHARD", Sharding.hybrid_zero2: "_HYBRID_SHARD_ZERO2",
+                Sharding.none: "NO_SHARD"}[sharding]  # fmt: skip
+    mesh = f" on a ({ws // group} x {group}) replicate x shard mesh" if sharding in (
+        Sharding.hybrid, Sharding.hybrid_zero2) else ""  # fmt: skip
+    add("fsdp.engine", "fsdp1", "FullyShardedDataParallel (flat parameters per unit)")
+    add("fsdp.sharding", f.sharding, f"sharding_strategy=ShardingStrategy.{strategy}{mesh}")
+    if f.shard_group_size is not None or sharding in (Sharding.hybrid, Sharding.hybrid_zero2):
+        add("fsdp.shard_group_size", f.shard_group_size, f"{group} ranks per shard group")
+    wrap = {WrapPolicy.block: "ModuleWrapPolicy({transformer block class})",
+            WrapPolicy.size: f"size_based_auto_wrap_policy(min_num_params={f.min_num_params})",
+            WrapPolicy.classes: f"ModuleWrapPolicy({{{', '.join(f.wrap_classes)}}})",
+            WrapPolicy.none: "none (one unit: the root)"}[f.wrap]  # fmt: skip
+    add("fsdp.wrap", f.wrap, f"auto_wrap_policy={wrap}")
+    if _fsdp1_mixed_precision_off(cfg):
+        mp = "mixed_precision=None (fp32)"
+    else:
+        buffers = (
+            _dtype_name(p.buffer_dtype) if p.buffer_dtype is not None
+            else "None (the RoPE table stays fp32)"
         )  # fmt: skip
-        add("fsdp.backward_prefetch", bwd, f"backward_prefetch={bp}")
-        fwd = "True (one unit ahead)" if f.forward_prefetch > 0 else "False"
-        if f.forward_prefetch > 1:
-            fwd += f"; FSDP1 cannot prefetch {f.forward_prefetch} units"
-        add("fsdp.forward_prefetch", f.forward_prefetch, f"forward_prefetch={fwd}")
-        add(
-            "fsdp.limit_all_gathers",
-            f.limit_all_gathers,
-            f"limit_all_gathers={f.limit_all_gathers}",
+        mp = (
+            f"MixedPrecision(param_dtype={_dtype_name(p.param_dtype)}, reduce_dtype="
+            f"{_dtype_name(p.reduce_dtype)}, buffer_dtype={buffers})"
         )
-        add("fsdp.use_orig_params", f.use_orig_params, f"use_orig_params={f.use_orig_params}")
-        add(
-            "fsdp.cpu_offload",
-            f.cpu_offload,
-            "cpu_offload=CPUOffload(offload_params=True)" if f.cpu_offload else "cpu_offload=None",
-        )
-        return knobs
+    add("precision.param_dtype", p.param_dtype, mp)
+    bp = {"pre": "BackwardPrefetch.BACKWARD_PRE", "post": "BackwardPrefetch.BACKWARD_POST",
+          "none": "None"}.get(
+        bwd, f"BackwardPrefetch.BACKWARD_PRE (FSDP1 prefetches one unit, not {depth})"
+    )  # fmt: skip
+    add("fsdp.backward_prefetch", bwd, f"backward_prefetch={bp}")
+    fwd = "True (one unit ahead)" if f.forward_prefetch > 0 else "False"
+    if f.forward_prefetch > 1:
+        fwd += f"; FSDP1 cannot prefetch {f.forward_prefetch} units"
+    add("fsdp.forward_prefetch", f.forward_prefetch, f"forward_prefetch={fwd}")
+    add(
+        "fsdp.limit_all_gathers",
+        f.limit_all_gathers,
+        f"limit_all_gathers={f.limit_all_gathers}",
+    )
+    add("fsdp.use_orig_params", f.use_orig_params, f"use_orig_params={f.use_orig_params}")
+    add(
+        "fsdp.cpu_offload",
+        f.cpu_offload,
+        "cpu_offload=CPUOffload(offload_params=True)" if f.cpu_offload else "cpu_offload=None",
+    )
 
-    # fsdp2
+
+def _fsdp2_knobs(cfg: RecipeConfig, ws: int, add) -> None:
+    f, p = cfg.fsdp, cfg.precision
+    sharding, group = effective_sharding(f), shard_group_size(cfg, ws)
+    bwd, depth = str(f.backward_prefetch), backward_prefetch_depth(f)
     reshard = sharding in (Sharding.full, Sharding.hybrid)
     if sharding in (Sharding.hybrid, Sharding.hybrid_zero2, Sharding.none):
         mesh = f"2-D mesh ({ws // group} replicate x {group} shard)"
@@ -231,7 +239,6 @@ def translate(cfg: RecipeConfig, world_size: int | None = None) -> list[Knob]:
         "no effect: FSDP2 always keeps the original parameters",
     )
     add("fsdp.cpu_offload", f.cpu_offload, "CPUOffloadPolicy" if f.cpu_offload else "off")
-    return knobs
 
 
 def _fsdp1_mixed_precision_off(cfg: RecipeConfig) -> bool:
