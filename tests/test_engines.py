@@ -18,12 +18,16 @@ from fsdprun.metrics import read_events
 from fsdprun.plan import plan_memory
 
 FP32 = ["precision.param_dtype=fp32", "precision.reduce_dtype=fp32"]
-CONFIGS = "ddp,fsdp1,fsdp1:hybrid,fsdp2,fsdp2:grad_op,fsdp2:hybrid"
+# Every engine, and every sharding strategy under at least one of them.
+CONFIGS = (
+    "ddp,fsdp1,fsdp1:grad_op,fsdp1:hybrid,fsdp1:none,fsdp2,fsdp2:grad_op,fsdp2:hybrid,"
+    "fsdp2:hybrid_zero2"
+)
 
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    """The debug recipe at 4 ranks (hybrid: 2 x 2) under six configurations, 5 steps each."""
+    """The debug recipe at 4 ranks (hybrid: 2 x 2) under nine configurations, 5 steps each."""
     tmp = tmp_path_factory.mktemp("compare")
     proc = run_fsdprun(
         "compare", "debug", "--configs", CONFIGS, "--steps", "5", "--nproc-per-node", "4",
@@ -54,6 +58,10 @@ def test_model_state_per_rank_orders_as_sharding_promises(compared):
     assert state["fsdp2:hybrid"] == pytest.approx(state["ddp"] / 2, rel=0.02)
     assert state["fsdp1"] == pytest.approx(state["fsdp2"], rel=0.02)
     assert state["fsdp1:hybrid"] == pytest.approx(state["fsdp2:hybrid"], rel=0.02)
+    # Between steps ZeRO-2 variants hold what their ZeRO-3 siblings hold; none holds it all.
+    assert state["fsdp1:grad_op"] == pytest.approx(state["fsdp1"], rel=0.02)
+    assert state["fsdp2:hybrid_zero2"] == state["fsdp2:hybrid"]
+    assert state["fsdp1:none"] == pytest.approx(state["ddp"], rel=0.02)
 
 
 def test_plan_matches_measured_model_state_for_every_engine(compared):
