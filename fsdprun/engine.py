@@ -307,8 +307,10 @@ class Engine:
 
 
 def _mesh(cfg: RecipeConfig, device_kind: str, world_size: int) -> DeviceMesh:
+    """1-D over all ranks for full/grad_op; replicate x shard for the hybrid modes and none, even
+    where one of the two dims is 1 (FSDP1's hybrid strategies require a 2-D mesh)."""
     group = shard_group_size(cfg, world_size)
-    if group == world_size:
+    if effective_sharding(cfg.fsdp) in (Sharding.full, Sharding.grad_op):
         return init_device_mesh(device_kind, (world_size,))
     return init_device_mesh(
         device_kind, (world_size // group, group), mesh_dim_names=("replicate", "shard")

@@ -223,8 +223,10 @@ def test_plan_units_follow_the_engine():
     [
         ["fsdp.engine=ddp", "precision.param_dtype=bf16", "precision.reduce_dtype=fp16"],
         ["fsdp.engine=fsdp1", "precision.param_dtype=fp16", "precision.buffer_dtype=fp16"],
+        # Hybrid with the default group (one node = every rank): a (1 x 2) mesh.
+        ["fsdp.engine=fsdp1", "fsdp.sharding=hybrid", "precision.param_dtype=bf16"],
     ],
-    ids=["ddp-autocast-bf16-fp16-compress-hook", "fsdp1-fp16-grad-scaler"],
+    ids=["ddp-autocast-bf16-fp16-compress-hook", "fsdp1-fp16-grad-scaler", "fsdp1-hybrid-1-node"],
 )
 def test_low_precision_trains_under_each_engine(tmp_path, overrides):
     proc = run_fsdprun(
