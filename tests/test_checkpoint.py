@@ -70,6 +70,17 @@ def test_resume_continues_exactly(straight: Run, crashed: Path, tmp_path):
     assert any(e["event"] == "resume" and e["step"] == 4 for e in Run(None, run_dir).events)
 
 
+@pytest.mark.parametrize("engine", ["fsdp1", "ddp"])
+def test_a_fsdp2_checkpoint_resumes_under_another_engine(straight: Run, crashed: Path, tmp_path,
+                                                         engine):  # fmt: skip
+    # The checkpoint keys are the unwrapped model's (DCP state_dict), whatever the engine.
+    proc, run_dir = resume_copy(crashed, tmp_path, f"fsdp.engine={engine}")
+    assert f"fsdp.engine={engine} ->" in proc.stdout
+    want, got = losses_by_step(straight.run_dir), losses_by_step(run_dir)
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), (engine, step)
+
+
 @pytest.mark.parametrize("nproc", [1, 4])
 def test_resume_on_another_world_size(straight: Run, crashed: Path, tmp_path, nproc):
     proc, run_dir = resume_copy(crashed, tmp_path, "--nproc-per-node", str(nproc))
