@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -273,15 +273,13 @@ class Engine:
     # their backward fuse instead of writing fp32 copies of the logits.
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
 
-    @contextlib.contextmanager
-    def micro_step(self, sync: bool) -> Iterator[None]:
-        """Forward and backward of one micro-batch; gradients are reduced only when `sync`."""
-        with contextlib.ExitStack() as stack:
-            if self.kind is EngineKind.fsdp2:
-                self.model.set_requires_gradient_sync(sync)
-            elif not sync:
-                stack.enter_context(self.model.no_sync())
-            yield
+    def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Around forward and backward of one micro-batch: gradients are reduced only when
+        `sync`."""
+        if self.kind is EngineKind.fsdp2:
+            self.model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if sync else self.model.no_sync()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -333,27 +331,12 @@ def build_engine(
         initialize: draw the seeded initial weights (fsdp2 may skip it: pretrained weights are
             loaded into its shards afterwards; fsdp1 and ddp always initialize).
     """
-    engine = _build(model, cfg, device=device, device_kind=device_kind, world_size=world_size,
-                    initialize=initialize)  # fmt: skip
-    if cfg.compile.enabled:
-        engine.loss = torch.compile(cross_entropy)
-    return engine
-
-
-def _build(
-    model: nn.Module,
-    cfg: RecipeConfig,
-    *,
-    device: torch.device,
-    device_kind: str,
-    world_size: int,
-    initialize: bool,
-) -> Engine:
     kind = cfg.fsdp.engine
     knobs = translate(cfg, world_size)
     matrix_names = frozenset(n for n, p in model.named_parameters() if p.ndim >= 2)
+    loss = torch.compile(cross_entropy) if cfg.compile.enabled else cross_entropy
     common = {"kind": kind, "inner": model, "knobs": knobs, "matrix_names": matrix_names,
-              "device_type": device.type}  # fmt: skip
+              "device_type": device.type, "loss": loss}  # fmt: skip
     if kind is EngineKind.fsdp2:
         units = apply_fsdp(
             model, mesh=_mesh(cfg, device_kind, world_size), cfg=cfg.fsdp,
@@ -373,12 +356,6 @@ def _build_ddp(model: nn.Module, cfg: RecipeConfig, *, device: torch.device, **c
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    init_weights(model, seed=cfg.train.seed, device=device)
-    ddp = DistributedDataParallel(
-        model,
-        device_ids=[device] if device.type == "cuda" else None,
-        gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy
-    )
     reduce = cfg.precision.reduce_dtype
     if reduce is Dtype.bf16 and dist.get_backend() not in ("nccl", "xccl"):
         # torch's bf16 hook checks for NCCL/XCCL itself and fails with a TypeError.
@@ -386,6 +363,12 @@ def _build_ddp(model: nn.Module, cfg: RecipeConfig, *, device: torch.device, **c
             f"precision.reduce_dtype=bf16 with fsdp.engine=ddp needs NCCL or XCCL (this run uses "
             f"{dist.get_backend()}); use reduce_dtype fp16 or fp32"
         )
+    init_weights(model, seed=cfg.train.seed, device=device)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy
+    )
     if reduce is not Dtype.fp32:
         hook = (
             default_hooks.bf16_compress_hook
@@ -408,11 +391,8 @@ def _own_params(model: nn.Module, unit_paths: list[str]) -> dict[str, int]:
         for p in modules[path].parameters():
             owner[id(p)] = path
     counts = dict.fromkeys(["", *unit_paths], 0)
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            counts[owner[id(p)]] += p.numel()
+    for p in model.parameters():  # shared (tied) parameters come once
+        counts[owner[id(p)]] += p.numel()
     return counts
 
 

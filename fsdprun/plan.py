@@ -235,17 +235,15 @@ def plan_memory(
     groups = _unit_groups(model, paths)
 
     sharding = effective_sharding(fsdp)
-    reshard_units = sharding in (Sharding.full, Sharding.hybrid) and fsdp.engine is not Engine.ddp
+    reshard_units = sharding in (Sharding.full, Sharding.hybrid)
     depth_bwd = backward_prefetch_depth(fsdp)
     group = shard_group_size(cfg)
     units = []
-    if fsdp.engine is Engine.ddp:
-        groups = []  # DDP has no units: one bucketed all-reduce over the whole model
-    for i, (path, own) in enumerate(groups):
+    # DDP has no units: one bucketed all-reduce over the whole model.
+    for i, (path, own) in enumerate([] if fsdp.engine is Engine.ddp else groups):
         is_root = path == ""
-        # The last block is not resharded (backward needs it at once); FSDP2 never reshards the
-        # root after forward.
-        # (FSDP1 reshards every unit but the root.)
+        # FSDP2 keeps the last block gathered (backward needs it at once); FSDP1 reshards every
+        # unit; neither reshards the root after forward.
         last_kept = i == len(paths) - 1 and fsdp.engine is Engine.fsdp2
         reshard = reshard_units and not last_kept and not is_root
         if is_root:
@@ -275,9 +273,8 @@ def plan_memory(
             )
         )
 
-    all_units = _unit_groups(model, paths)
-    root = sum(p.numel() for p in all_units[-1][1]) * pbytes
-    largest = max((sum(p.numel() for p in own) * pbytes for _, own in all_units[:-1]), default=0)
+    root = sum(p.numel() for p in groups[-1][1]) * pbytes
+    largest = max((sum(p.numel() for p in own) * pbytes for _, own in groups[:-1]), default=0)
     depth = max(fsdp.forward_prefetch, depth_bwd)
     sharded_buffers = root + largest * (1 + depth)
     whole = sum(p.numel() for p in params) * pbytes  # every unit gathered at once

@@ -56,6 +56,20 @@ def read_description(folder: Path) -> dict[str, Any] | None:
     return desc
 
 
+def check_input_file(path: Path, *, key: str, suffixes: tuple[str, ...], wrong_kind: str) -> None:
+    """`path` (named by recipe key `key`) exists, is a file and has one of `suffixes`.
+
+    Raises:
+        UserError: one line naming the key and the path; `wrong_kind` says what else to do.
+    """
+    if not path.exists():
+        raise UserError(f"{key}: {path} does not exist")
+    if not path.is_file():
+        raise UserError(f"{key}: {path} is not a file")
+    if path.suffix not in suffixes:
+        raise UserError(f"{key}: {path} {wrong_kind}")
+
+
 def inspect_token_file(path: Path, *, token_dtype: str, key: str) -> TokenFile:
     """What a token file holds (header, size and description only).
 
@@ -67,15 +81,11 @@ def inspect_token_file(path: Path, *, token_dtype: str, key: str) -> TokenFile:
     Raises:
         UserError: missing, of an unknown kind, of a wrong dtype or size.
     """
-    if not path.exists():
-        raise UserError(f"{key}: {path} does not exist")
-    if not path.is_file():
-        raise UserError(f"{key}: {path} is not a file")
-    if path.suffix not in TOKEN_SUFFIXES:
-        raise UserError(
-            f"{key}: {path} is not a token file (.bin or .npy); text files need "
-            "data.source=text, or turn them into token files with `fsdprun prepare-data`"
-        )
+    check_input_file(
+        path, key=key, suffixes=TOKEN_SUFFIXES,
+        wrong_kind="is not a token file (.bin or .npy); text files need data.source=text, or "
+        "turn them into token files with `fsdprun prepare-data`",
+    )  # fmt: skip
     desc = read_description(path.parent)
     listed = desc["files"].get(path.name) if desc else None
     vocab = desc.get("vocab_size") if listed is not None else None

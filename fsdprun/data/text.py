@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from fsdprun.data.files import DESCRIPTION, token_dtype_for
+from fsdprun.data.files import DESCRIPTION, check_input_file, token_dtype_for
 from fsdprun.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -75,15 +75,10 @@ def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
 
 
 def check_text_file(path: Path, *, key: str) -> None:
-    if not path.exists():
-        raise UserError(f"{key}: {path} does not exist")
-    if not path.is_file():
-        raise UserError(f"{key}: {path} is not a file")
-    if path.suffix not in TEXT_SUFFIXES:
-        raise UserError(
-            f"{key}: {path} is not a text file (.txt or .jsonl); token files need "
-            "data.source=tokens"
-        )
+    check_input_file(
+        path, key=key, suffixes=TEXT_SUFFIXES,
+        wrong_kind="is not a text file (.txt or .jsonl); token files need data.source=tokens",
+    )  # fmt: skip
 
 
 def iter_documents(path: Path, text_field: str) -> Iterator[list[str]]:
