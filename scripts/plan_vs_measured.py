@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from fsdprun.config import load_recipe
+from fsdprun.config import RecipeConfig, load_recipe
 from fsdprun.metrics import read_events
 from fsdprun.plan import plan_memory
 
@@ -25,12 +25,11 @@ def _err(plan: int, measured: int) -> str:
     return f"{(plan - measured) / measured:+.2%}"
 
 
-def row(label: str, recipe: Path, summary: dict) -> list[str]:
-    cfg = load_recipe(str(recipe)).config
+def row(label: str, cfg: RecipeConfig, rank0: dict) -> list[str]:
+    """Plan `cfg` and set it beside rank 0's measured memory (a summary's `ranks[0]`)."""
     plan = plan_memory(cfg)
     s = plan.strategies[plan.recipe_strategy]
     state_plan = s.params + s.grads + s.optimizer
-    rank0 = summary["ranks"][0]
     state = rank0["model_state_bytes"]["total"]
     peak = rank0.get("peak_allocated_bytes")
     return [
@@ -59,23 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         if not events or events[-1]["event"] != "summary":
             rows.append([run.name, "-", "-", "-", "-", "run failed", "-", "-", "-"])
             continue
-        rows.append(row(run.name, run / "recipe.yaml", events[-1]))
-    bench_ranks = None
+        cfg = load_recipe(str(run / "recipe.yaml")).config
+        rows.append(row(run.name, cfg, events[-1]["ranks"][0]))
     if args.bench is not None and args.bench.exists():
-        bench_ranks = json.loads(args.bench.read_text())["best"]["fsdprun"].get("ranks")
-    if bench_ranks and "peak_allocated_bytes" in bench_ranks[0]:
         bench = json.loads(args.bench.read_text())
         cfg = load_recipe(args.recipe, bench["overrides"]).config
-        plan = plan_memory(cfg)
-        s = plan.strategies[plan.recipe_strategy]
-        rank0 = bench["best"]["fsdprun"]["ranks"][0]
-        state, peak = rank0["model_state_bytes"]["total"], rank0["peak_allocated_bytes"]
-        state_plan = s.params + s.grads + s.optimizer
-        rows.append([
-            f"bench {args.recipe} (compiled)", plan.recipe_strategy, str(cfg.world_size),
-            f"{state_plan:,}", f"{state:,}", _err(state_plan, state), f"{s.total:,}", f"{peak:,}",
-            _err(s.total, peak),
-        ])  # fmt: skip
+        rows.append(row(f"bench {args.recipe}", cfg, bench["best"]["fsdprun"]["ranks"][0]))
     header = ["run", "strategy", "ranks", "model state plan", "measured", "error",
               "plan total", "peak allocated", "error"]  # fmt: skip
     print("| " + " | ".join(header) + " |")
