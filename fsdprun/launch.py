@@ -131,7 +131,11 @@ class LaunchPlan:
     omp_threads: int
 
 
-def build_launch_plan(cfg: RecipeConfig, run_dir: Path, *, device_kind: str) -> LaunchPlan:
+def build_launch_plan(
+    cfg: RecipeConfig, run_dir: Path, *, device_kind: str, method: str | None = None
+) -> LaunchPlan:
+    """The elastic agent's configuration; `method` = how workers start (default:
+    `start_method(device_kind)`)."""
     launch = cfg.launch
     # read_timeout bounds the wait for the rendezvous store itself (an endpoint that never
     # answers), join_timeout the wait for the other nodes.
@@ -157,7 +161,7 @@ def build_launch_plan(cfg: RecipeConfig, run_dir: Path, *, device_kind: str) -> 
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
         max_restarts=launch.max_restarts,
-        start_method=start_method(device_kind),
+        start_method=method or start_method(device_kind),
         monitor_interval=0.1,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
         **signals,
@@ -224,11 +228,12 @@ def launch_training(
         raise UserError("; ".join(data_problems))
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
+    method = start_method(kind)  # a bad FSDPRUN_START_METHOD is refused before RUN_DIR exists
     if resume_from is None:
         prepare_run_dir(run_dir, resolved)
     else:
         write_recipe(run_dir, resolved)
-    plan = build_launch_plan(cfg, run_dir, device_kind=kind)
+    plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method)
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
     if cfg.launch.max_restarts > 0:
         # With the rendezvous store shared with the workers (torch's default), a restarted

@@ -129,3 +129,10 @@ def test_workers_fork_on_cpu_and_spawn_on_accelerators(monkeypatch):
     monkeypatch.setenv("FSDPRUN_START_METHOD", "threads")
     with pytest.raises(UserError, match="FSDPRUN_START_METHOD='threads'"):
         start_method("cpu")
+
+
+def test_a_bad_start_method_is_refused_before_the_run_dir_exists(tmp_path):
+    proc = run_fsdprun("train", "debug", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+                       env=fsdprun_env(FSDPRUN_START_METHOD="threads"))  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "FSDPRUN_START_METHOD='threads'" in proc.stderr and not (tmp_path / "run").exists()
