@@ -122,6 +122,58 @@ def test_huggingface_tokenizer(tmp_path):
     )  # fmt: skip
 
 
+# Llama 3's pre-tokenizer split (also Mistral's Tekken); Qwen 2 differs in `\p{N}`.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+
+
+def trained_tokenizer(kind: str, text: str):
+    """A small BPE tokenizer trained on `text`, with the pre-tokenizer of a model family:
+    `gpt2` (byte-level, GPT-2's regex), `llama3` (Llama 3's split regex, then bytes),
+    `metaspace-first`/`-always` (SentencePiece's ▁, split at each), `metaspace-unsplit` (▁ but
+    one word per text: no place to cut it)."""
+    tk = pytest.importorskip("tokenizers")
+    pre = tk.pre_tokenizers
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = {
+        "gpt2": lambda: pre.ByteLevel(add_prefix_space=False),
+        "llama3": lambda: pre.Sequence([pre.Split(tk.Regex(LLAMA3_SPLIT), "isolated"),
+                                        pre.ByteLevel(add_prefix_space=False, use_regex=False)]),
+        "metaspace-first": lambda: pre.Metaspace(prepend_scheme="first"),
+        "metaspace-always": lambda: pre.Metaspace(prepend_scheme="always"),
+        "metaspace-unsplit": lambda: pre.Metaspace(prepend_scheme="first", split=False),
+    }[kind]()  # fmt: skip
+    alphabet = pre.ByteLevel.alphabet() if kind in ("gpt2", "llama3") else []
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet,
+        show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator([text], trainer)
+    return tok
+
+
+@pytest.mark.parametrize("setting", ["truncation", "padding"])
+def test_tokenizer_json_truncation_and_padding_do_not_change_the_data(tmp_path, setting):
+    corpus = (RECIPES / "data/tiny.txt").read_text()
+    tok = trained_tokenizer("llama3", corpus)
+    docs = [d for d in corpus.split("\n\n") if d][:6]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    eos = tok.token_to_id("<|endoftext|>")
+    want = [i for d in docs for i in (*tok.encode(d, add_special_tokens=False).ids, eos)]
+    assert len(want) > 6 * 64  # documents longer than the truncation below
+    # Settings for batches of model inputs, saved in the file: they must not cut or pad data.
+    if setting == "truncation":
+        tok.enable_truncation(max_length=16)
+    else:
+        tok.enable_padding(pad_id=eos, pad_to_multiple_of=64)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = tmp_path / "out"
+    result = invoke("prepare-data", str(tmp_path / "docs.jsonl"), "--out", str(out),
+                    "--tokenizer", str(tmp_path / "tokenizer.json"))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert read_tokens(out / "train.bin", "uint16") == want
+
+
 def test_tokenizer_path_without_the_tokenizers_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
     with pytest.raises(UserError, match=r"needs the `tokenizers` package: pip install"):

@@ -59,6 +59,10 @@ class HFTokenizer:
         except Exception as e:  # the library raises plain Exceptions for malformed files
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"tokenizer {path} cannot be read: {first}") from e
+        # Truncation and padding shape batches of model inputs; saved in a tokenizer.json they
+        # would cut every document (or every piece of a .txt) short, or pad it with pad ids.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.name = str(path)
         # The ids the model must embed: one past the largest (a vocabulary may have gaps).
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
