@@ -19,8 +19,9 @@ from fsdprun.checkpoint import list_checkpoints
 from fsdprun.cli import app
 from fsdprun.config import load_recipe
 from fsdprun.data import BatchLayout, build_datasets
+from fsdprun.data import text as text_data
 from fsdprun.data.files import token_dtype_for
-from fsdprun.data.text import build_tokenizer
+from fsdprun.data.text import build_tokenizer, iter_documents, tokenize_to_array
 from fsdprun.data.windows import ShuffledWindows, TokenWindows
 from fsdprun.errors import UserError
 from fsdprun.launch import launch_training
@@ -172,6 +173,30 @@ def test_tokenizer_json_truncation_and_padding_do_not_change_the_data(tmp_path, 
                     "--tokenizer", str(tmp_path / "tokenizer.json"))  # fmt: skip
     assert result.exit_code == 0, result.output
     assert read_tokens(out / "train.bin", "uint16") == want
+
+
+@pytest.mark.parametrize(
+    "kind", ["gpt2", "llama3", "metaspace-first", "metaspace-always", "metaspace-unsplit"]
+)
+def test_a_long_txt_file_gets_the_tokens_of_the_whole_text(tmp_path, monkeypatch, kind):
+    # The shipped corpus with what pieces must not be cut in: CRLF, blank lines, trailing
+    # spaces, indentation, runs of spaces. The tokenizer learns merges of them.
+    base = (RECIPES / "data/tiny.txt").read_text()
+    variants = (("\n", "\r\n"), ("\n", "\n\n"), ("\n", "  \n"), ("\n", "\n    "), (". ", ".  "))
+    text = base + "".join(base.replace(a, b) for a, b in variants)
+    tok = trained_tokenizer(kind, text)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "long.txt"
+    path.write_bytes(text.encode())
+    monkeypatch.setattr(text_data, "TXT_CHUNK_CHARS", 512)  # pieces of ~512 characters
+    hf = build_tokenizer(str(tmp_path / "tokenizer.json"))
+    want = [*tok.encode(text, add_special_tokens=False).ids, tok.token_to_id("<|endoftext|>")]
+    assert tokenize_to_array([path], hf, "text").tolist() == want
+    # The file was read in pieces where a cut cannot change the tokens (none: read whole).
+    (pieces,) = iter_documents(path, "text", cuts=hf.cuts)
+    pieces = list(pieces)
+    assert "".join(pieces) == text
+    assert len(pieces) == 1 if kind == "metaspace-unsplit" else len(pieces) > 10
 
 
 def test_tokenizer_path_without_the_tokenizers_package(tmp_path, monkeypatch):

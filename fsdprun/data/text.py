@@ -5,17 +5,18 @@
 
 Documents are tokenized one after another, each followed by the tokenizer's end-of-text token,
 into one stream. The byte tokenizer is built in (no download); a HuggingFace `tokenizer.json`
-is read through the optional `tokenizers` package.
+is read through the optional `tokenizers` package. The tokens are those of `encode` on each
+whole document: a large .txt file is read in pieces only where cutting it cannot change them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -25,8 +26,15 @@ from fsdprun.errors import UserError
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # End-of-text tokens of common HuggingFace tokenizers, tried in this order.
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
-# .txt files are read in pieces of whole lines of about this many characters.
+# .txt files are read this many characters at a time, and tokenized in pieces cut where the
+# tokenizer allows (`Cuts`): pieces of about this size, or the whole file.
 TXT_CHUNK_CHARS = 1 << 20
+
+
+# Where a text may be cut into pieces that, tokenized one after another, give exactly the tokens
+# of the whole: "anywhere"; "newline": just after a "\n" with a non-space character on each side;
+# "space": just before a " "; None: nowhere (the text is tokenized whole).
+Cuts = Literal["anywhere", "newline", "space"] | None
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class ByteTokenizer:
     name: str = "byte"
     vocab_size: int = 257
     eos_id: int | None = 256
+    cuts: Cuts = "anywhere"
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
@@ -63,6 +72,7 @@ class HFTokenizer:
         # would cut every document (or every piece of a .txt) short, or pad it with pad ids.
         self._tok.no_truncation()
         self._tok.no_padding()
+        self.cuts = _cuts_of(json.loads(self._tok.to_str()))
         self.name = str(path)
         # The ids the model must embed: one past the largest (a vocabulary may have gaps).
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
@@ -71,6 +81,66 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+
+# Pre-tokenizer regexes (Split, or ByteLevel's built-in GPT-2 one) after which "newline" cuts are
+# exact: no alternative matches a "\n" followed by a non-space character, there is no
+# look-behind, and the one look-ahead, `\s+(?!\S)`, gives a lone "\n" (a non-space character
+# before it) the same piece at the end of a text as before a non-space character.
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)  # Llama 3, Mistral's Tekken; Qwen 2 splits digits one by one:
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Normalizers that change each character (or combining sequence) alone, so a cut before a
+# character that does not combine backwards changes nothing; the first ones also never turn a
+# character into a space or back (which the regexes above depend on).
+SPACE_KEEPING_NORMALIZERS = {"NFC", "NFD", "Lowercase"}
+LOCAL_NORMALIZERS = SPACE_KEEPING_NORMALIZERS | {"NFKC", "NFKD", "StripAccents", "BertNormalizer"}
+# Pre-tokenizers that split each piece an earlier one made on its own, whatever its position.
+PER_PIECE_PRE_TOKENIZERS = {
+    "ByteLevel", "CharDelimiterSplit", "Digits", "Punctuation", "Split", "Whitespace",
+    "WhitespaceSplit",
+}  # fmt: skip
+
+
+def _flat(node: dict | None, key: str) -> list[dict]:
+    if node is None:
+        return []
+    if node["type"] == "Sequence":
+        return [leaf for child in node[key] for leaf in _flat(child, key)]
+    return [node]
+
+
+def _cuts_of(spec: dict[str, Any]) -> Cuts:
+    """Where a text may be cut for the tokenizer `spec` (a tokenizer.json): the normalizer and
+    the first pre-tokenizer decide; models (BPE, WordPiece, Unigram, WordLevel) never merge
+    across the pieces of the pre-tokenizer. Anything not known to be exact gives None."""
+    for added in spec.get("added_tokens") or []:
+        # An added token found in the text can strip the whitespace next to it, or hold it.
+        if added.get("lstrip") or added.get("rstrip") or any(c.isspace() for c in added["content"]):
+            return None
+    normalizers = {n["type"] for n in _flat(spec.get("normalizer"), "normalizers")}
+    first, *rest = _flat(spec.get("pre_tokenizer"), "pretokenizers") or [None]
+    if first is None or any(p["type"] not in PER_PIECE_PRE_TOKENIZERS for p in rest):
+        return None
+    kind = first["type"]
+    if kind == "Metaspace" and first.get("split", True) and normalizers <= LOCAL_NORMALIZERS:
+        # Every " " (as "▁") starts a word, and a piece that starts with one gets no extra "▁"
+        # from prepend_scheme: cut before a space.
+        return "space"
+    if kind in ("Whitespace", "WhitespaceSplit", "BertPreTokenizer"):
+        return "newline" if normalizers <= LOCAL_NORMALIZERS else None
+    if kind == "ByteLevel":  # GPT-2's regex; a prefix space would start each piece with one
+        known = first.get("use_regex", True) and not first.get("add_prefix_space")
+    elif kind == "Split":
+        pattern = (first.get("pattern") or {}).get("Regex")
+        known = pattern in (GPT2_SPLIT, LLAMA3_SPLIT, QWEN2_SPLIT) and not first.get("invert")
+        known = known and first.get("behavior") == "Isolated"
+    else:
+        return None
+    return "newline" if known and normalizers <= SPACE_KEEPING_NORMALIZERS else None
 
 
 def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
@@ -85,9 +155,10 @@ def check_text_file(path: Path, *, key: str) -> None:
     )  # fmt: skip
 
 
-def iter_documents(path: Path, text_field: str) -> Iterator[list[str]]:
+def iter_documents(path: Path, text_field: str, *, cuts: Cuts) -> Iterator[Iterable[str]]:
     """The documents of a file, each as pieces of text (a .txt file is one document, read in
-    pieces of whole lines so a large file is never held at once; a .jsonl line is one)."""
+    pieces cut where `cuts` allows, so a large file is held at once only where nowhere is; a
+    .jsonl line is one)."""
     if path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for n, line in enumerate(f, start=1):
@@ -105,18 +176,43 @@ def iter_documents(path: Path, text_field: str) -> Iterator[list[str]]:
                     )
                 yield [record[text_field]]
         return
-    yield _txt_pieces(path)
+    yield _txt_pieces(path, cuts)
 
 
-def _txt_pieces(path: Path) -> Iterator[str]:
+def _last_cut(text: str, cuts: Cuts) -> int:
+    """The last place in `text` where it may be cut (0: none)."""
+    if cuts == "anywhere":
+        return len(text)
+    if cuts == "space":
+        return max(text.rfind(" "), 0)
+    i = len(text) - 1
+    while (i := text.rfind("\n", 1, i)) > 0:
+        if not text[i - 1].isspace() and not text[i + 1].isspace():
+            return i + 1
+    return 0
+
+
+def _txt_pieces(path: Path, cuts: Cuts) -> Iterator[str]:
     # newline="": the text verbatim (a byte-tokenized .txt has exactly its size in tokens).
     with path.open(encoding="utf-8", newline="") as f:
-        while True:
-            piece = f.read(TXT_CHUNK_CHARS)
-            if not piece:
-                return
-            piece += f.readline()  # end on a line boundary: tokenizers split there anyway
-            yield piece
+        if cuts is None:
+            yield f.read()
+            return
+        held: list[str] = []  # read, not given out yet: no place to cut it was found
+        tail = ""  # the last characters of `held`: a cut near the next chunk's start needs them
+        while chunk := f.read(TXT_CHUNK_CHARS):
+            window = tail + chunk
+            cut = _last_cut(window, cuts)
+            if cut:
+                text = "".join(held) + chunk
+                cut += len(text) - len(window)
+                yield text[:cut]
+                held, tail = [text[cut:]], text[cut:][-2:]
+            else:
+                held.append(chunk)
+                tail = window[-2:]
+        if rest := "".join(held):
+            yield rest
 
 
 def tokenize_files(
@@ -130,7 +226,7 @@ def tokenize_files(
     )
     for path in paths:
         try:
-            for pieces in iter_documents(path, text_field):
+            for pieces in iter_documents(path, text_field, cuts=tokenizer.cuts):
                 for piece in pieces:
                     yield tokenizer.encode(piece)
                 yield eos
