@@ -310,6 +310,56 @@ def test_bad_data_is_refused_before_launch(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+def test_text_split_and_length_are_checked_before_launch_for_every_tokenizer(tmp_path):
+    # Four short documents (.jsonl): a few windows of 65 tokens, 0.1 of them is no validation.
+    texts = [f"Note {i}: " + "calm sea. " * 6 for i in range(4)]
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    n = (sum(len(t.encode()) + 1 for t in texts) - 1) // 64  # byte tokens, end-of-text each
+    assert round(n * 0.1) == 0
+    split_error = (f"data.val_fraction=0.1 of {n} windows leaves 0 for validation and {n} for "
+                   "training")  # fmt: skip
+    proc = run_fsdprun("train", "text-demo", f"data.paths=[{docs}]", "--run-dir",
+                       str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {split_error}; both need at least one (change the fraction, or use data.val_paths)"
+    ]
+    assert not (tmp_path / "run").exists()
+    one_line_error(invoke("config", "text-demo", f"data.paths=[{docs}]"), split_error)
+    # A tokenizer.json: its token count, not the file size, decides.
+    tok = trained_tokenizer("llama3", (RECIPES / "data/tiny.txt").read_text())
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = "The keeper wrote the time in the book, then the wind. " * 2
+    (tmp_path / "a.txt").write_text(text)
+    num_tokens = len(tok.encode(text).ids) + 1
+    assert num_tokens < 33 < len(text)
+    one_line_error(
+        invoke("config", "text-demo", f"data.paths=[{tmp_path}/a.txt]", "model.vocab_size=600",
+               f"data.tokenizer={tmp_path}/tokenizer.json", "train.seq_len=32"),
+        f"data.paths: {num_tokens} tokens in all, fewer than one sequence (train.seq_len + 1 = 33)",
+    )  # fmt: skip
+
+
+def test_prepare_data_refuses_a_split_that_leaves_nothing_and_writes_nothing(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")  # 5 bytes + end-of-text: 6 tokens
+    for fraction, message in (
+        ("0.95", "--val-fraction 0.95 of 6 tokens leaves 6 for validation and 0 for training"),
+        ("0.05", "--val-fraction 0.05 of 6 tokens leaves 0 for validation and 6 for training"),
+    ):
+        result = invoke("prepare-data", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"),
+                        "--val-fraction", fraction)  # fmt: skip
+        one_line_error(result, message)
+        assert not (tmp_path / "out").exists()
+    # A bad document after some were written: nothing is left behind, an empty OUT stays.
+    (tmp_path / "b.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    (tmp_path / "empty").mkdir()
+    result = invoke("prepare-data", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--out",
+                    str(tmp_path / "empty"))  # fmt: skip
+    one_line_error(result, "b.jsonl line 2: not JSON")
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
 # --------------------------------------------------------------------------------------------
 # Real runs
 

@@ -1,17 +1,20 @@
 """Checks of data files before any worker starts: existence, kind, dtype, length, vocabulary.
 
-Reads headers, sizes and descriptions only (milliseconds at any corpus size); what only the
-tokens themselves can tell (a raw .bin token id beyond the vocabulary, the token count of text
-that is not byte-tokenized .txt) is checked by the workers as they read.
+Reads headers, sizes and descriptions only (milliseconds at any corpus size), except text data
+that is not byte-tokenized .txt: its length and validation split depend on its token count,
+so it is tokenized here too (once per process and version of the files; the workers tokenize it
+at start anyway). A raw .bin token id beyond the vocabulary is reported by the worker that
+reads it.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from fsdprun.config import DataSource, RecipeConfig
 from fsdprun.data.files import inspect_token_file
-from fsdprun.data.text import ByteTokenizer, build_tokenizer, check_text_file
+from fsdprun.data.text import build_tokenizer, check_text_file, tokenize_files
 from fsdprun.data.windows import num_val_windows
 from fsdprun.errors import UserError
 
@@ -65,10 +68,9 @@ def _check_text(cfg: RecipeConfig, window: int) -> list[str]:
             f"data.tokenizer {tok.name} has {tok.vocab_size} tokens but model.vocab_size is "
             f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size}"
         )
-    # Byte-tokenized .txt: one token per byte plus end-of-text per file, known from sizes.
     for key, paths in (("data.paths", d.paths), ("data.val_paths", d.val_paths)):
-        if paths and isinstance(tok, ByteTokenizer) and all(p.endswith(".txt") for p in paths):
-            num_tokens = sum(Path(p).stat().st_size + 1 for p in paths)
+        if paths:
+            num_tokens = _num_text_tokens(paths, d.tokenizer, d.text_field)
             if num_tokens < window:
                 errors.append(
                     f"{key}: {num_tokens} tokens in all, fewer than one sequence "
@@ -77,6 +79,27 @@ def _check_text(cfg: RecipeConfig, window: int) -> list[str]:
             elif key == "data.paths" and d.val_fraction:
                 errors += _check_split((num_tokens - 1) // (window - 1), d.val_fraction)
     return errors
+
+
+def _num_text_tokens(paths: list[str], tokenizer: str, text_field: str) -> int:
+    if tokenizer == "byte" and all(p.endswith(".txt") for p in paths):
+        # One token per byte plus end-of-text per file: known from the sizes.
+        return sum(Path(p).stat().st_size + 1 for p in paths)
+    files = tuple((p, *_stamp(p)) for p in paths)
+    return _count_tokens(files, (tokenizer, tokenizer != "byte" and _stamp(tokenizer)), text_field)
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = Path(path).stat()
+    return st.st_size, st.st_mtime_ns
+
+
+# Keyed by the files' sizes and modification times: `fsdprun train` checks the data when it
+# reads the recipe and again just before launch, and tokenizing twice would double the wait.
+@functools.lru_cache(maxsize=4)
+def _count_tokens(files: tuple, tokenizer: tuple, text_field: str) -> int:
+    tok = build_tokenizer(tokenizer[0])
+    return sum(len(ids) for ids in tokenize_files([Path(f[0]) for f in files], tok, text_field))
 
 
 def _check_split(num_windows: int, val_fraction: float) -> list[str]:

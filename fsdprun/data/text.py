@@ -256,7 +256,8 @@ def prepare_data(
         The description written to OUT/data.json.
 
     Raises:
-        UserError: a missing or unreadable input, a non-empty OUT, a bad fraction.
+        UserError: a missing or unreadable input, a non-empty OUT, a fraction that leaves no
+            training or no validation tokens (then nothing is written).
     """
     if not 0 <= val_fraction < 1:
         raise UserError(f"--val-fraction must be in [0, 1) (got {val_fraction})")
@@ -268,18 +269,31 @@ def prepare_data(
         raise UserError(f"--out {out} exists and is not an empty folder (nothing is overwritten)")
     tok = build_tokenizer(tokenizer)
     dtype = token_dtype_for(tok.vocab_size)
+    new_dirs = [d for d in (out, *out.parents) if not d.exists()]
     out.mkdir(parents=True, exist_ok=True)
     train = out / "train.bin"
     total = 0
-    with train.open("wb") as f:
-        for ids in tokenize_files(inputs, tok, text_field):
-            f.write(ids.astype(dtype).tobytes())
-            total += len(ids)
-    if total == 0:
-        train.unlink()
-        raise UserError("the inputs hold no text")
+    try:
+        with train.open("wb") as f:
+            for ids in tokenize_files(inputs, tok, text_field):
+                f.write(ids.astype(dtype).tobytes())
+                total += len(ids)
+        if total == 0:
+            raise UserError("the inputs hold no text")
+        num_val = round(total * val_fraction)
+        if val_fraction and not 0 < num_val < total:
+            raise UserError(
+                f"--val-fraction {val_fraction} of {total} tokens leaves {num_val} for "
+                f"validation and {total - num_val} for training; both need at least one "
+                "(change the fraction, or add text)"
+            )
+    except BaseException:
+        # A refusal, a bad document, Ctrl-C: nothing is left behind (OUT was new or empty).
+        train.unlink(missing_ok=True)
+        for d in new_dirs:
+            d.rmdir()
+        raise
     files = {"train.bin": {"num_tokens": total}}
-    num_val = round(total * val_fraction)
     if num_val:
         # The tail of the stream becomes val.bin; train.bin is then cut short.
         itemsize = np.dtype(dtype).itemsize
