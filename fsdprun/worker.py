@@ -163,16 +163,16 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device):
         model = build_model(cfg.model)
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
-    pretrained = cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained
+    weights = None
+    if cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained:
+        # Imported here: it needs safetensors, which comes with the optional hf extra.
+        from fsdprun.hf import HFWeights
+
+        weights = HFWeights(Path(cfg.model.hf_path), model)
     engine = build_engine(
         model, cfg, device=device.torch_device, device_kind=device.kind,
-        world_size=ranks.world_size, initialize=not pretrained,
+        world_size=ranks.world_size, weights=weights,
     )  # fmt: skip
-    if pretrained:
-        # Imported here: it needs safetensors, which comes with the optional hf extra.
-        from fsdprun.hf import load_hf_weights
-
-        load_hf_weights(model, Path(cfg.model.hf_path), device=device.torch_device)
     optimizer = build_optimizer(
         engine.model, cfg=cfg.optim, device_kind=device.kind, is_matrix=engine.is_matrix
     )
