@@ -544,7 +544,8 @@ def _evaluate(
     all-gathers line up, then one all-reduce of the loss sum.
     """
     loss_sum = torch.zeros((), device=device.torch_device, dtype=torch.float32)
-    # No dropout in the model, so train mode is eval mode; no_grad keeps activations unsaved.
+    # Eval mode: no dropout (HuggingFace configs may set it); no_grad keeps activations unsaved.
+    engine.model.eval()
     with torch.no_grad():
         for batch in range(num_batches):
             for micro in range(layout.grad_accum_steps):
@@ -552,6 +553,7 @@ def _evaluate(
                 inputs, targets = load_batch(data, indices, device.torch_device)
                 with engine.autocast():
                     loss_sum += engine.loss(engine.model(inputs), targets)
+    engine.model.train()
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return loss_sum.item() / (num_batches * layout.grad_accum_steps * layout.world_size)
 
