@@ -87,8 +87,16 @@ class HFWeights:
     """
 
     def __init__(self, path: Path, model: nn.Module):
+        self.path = path
         self._files = weight_files(path)
         self._handles: dict[Path, Any] = {}
+        # The first name of each parameter: a tied folder stores a shared tensor under that one
+        # only, and `load` ties the other names to it again.
+        first: dict[int, str] = {}
+        self._canonical = {
+            name: first.setdefault(id(param), name)
+            for name, param in model.named_parameters(remove_duplicate=False)
+        }
         wanted = {name: name.removeprefix(HF_PREFIX) for name, _ in model.named_parameters()}
         missing = [hf for hf in wanted.values() if hf not in self._files]
         if missing:
@@ -104,14 +112,27 @@ class HFWeights:
                 )
 
     def _slice(self, name: str):
-        hf_name = name.removeprefix(HF_PREFIX)
+        hf_name = self._canonical[name].removeprefix(HF_PREFIX)
         file = self._files[hf_name]
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt")
         return self._handles[file].get_slice(hf_name)
 
     def full(self, name: str) -> torch.Tensor:
-        """The whole tensor of parameter `name`, in the file's dtype."""
+        """The whole tensor of parameter `name`, in the file's dtype: for FSDP1, which asks for
+        each module's parameters as it materializes the module.
+
+        Raises:
+            UserError: `name` is tied to another parameter; FSDP1 materializes each module's
+                own copy, which would train them untied.
+        """
+        first = self._canonical[name]
+        if first != name:
+            raise UserError(
+                f"model.hf_path: {self.path} ties {name.removeprefix(HF_PREFIX)} to "
+                f"{first.removeprefix(HF_PREFIX)}, which fsdp.engine=fsdp1 would train untied; "
+                "use fsdp.engine=fsdp2 or ddp"
+            )
         return self._slice(name)[:]
 
     @torch.no_grad()
@@ -119,6 +140,13 @@ class HFWeights:
         """Materialize the meta `model` (FSDP2-sharded, or not wrapped yet) on `device` and fill
         each parameter, or each rank's shard of it, from the files."""
         model.to_empty(device=device)
+        # to_empty gives each module holding a tied parameter a copy of its own (not under
+        # FSDP2, which manages the one parameter): tie them again, as the folder has them.
+        for name, first in self._canonical.items():
+            path, _, attr = name.rpartition(".")
+            module, tied = model.get_submodule(path), model.get_parameter(first)
+            if getattr(module, attr) is not tied:
+                setattr(module, attr, tied)
         for name, param in model.named_parameters():
             start, stop = shard_rows(param)
             local = param.to_local() if isinstance(param, DTensor) else param

@@ -25,9 +25,10 @@ from fsdprun.config import load_recipe
 from fsdprun.data import build_datasets, load_batch
 from fsdprun.errors import UserError
 from fsdprun.export import data_eos_id, export_checkpoint, hf_llama_name
-from fsdprun.hf import chunk_rows
+from fsdprun.hf import HFWeights, chunk_rows
 from fsdprun.metrics import read_events
 from fsdprun.models import Transformer, build_model_args
+from fsdprun.models.hf import HFCausalLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -307,3 +308,22 @@ def test_data_eos_id_of_each_source(tmp_path):
     assert data_eos_id({"source": "tokens", "paths": [str(tmp_path / "t.bin")]}) is None
     with pytest.raises(UserError, match=r"the run's data.tokenizer .*does not exist"):
         data_eos_id({"source": "text", "tokenizer": str(tmp_path / "gone.json")})
+
+
+def test_tied_hf_weights_stay_tied(tmp_path):
+    # ddp loads the folder into the unwrapped model, whose to_empty unties shared parameters;
+    # fsdp1 would materialize the tied copy apart, so it refuses in one line.
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = HFCausalLM.from_folder(tmp_path)
+    weights = HFWeights(tmp_path, model)
+    weights.load(model, device=torch.device("cpu"))
+    embedding = load_file(tmp_path / "model.safetensors")["model.embed_tokens.weight"]
+    assert model.hf.lm_head.weight is model.hf.model.embed_tokens.weight
+    assert torch.equal(model.hf.lm_head.weight, embedding)
+    with pytest.raises(UserError, match=r"ties lm_head.weight to .*fsdp.engine=fsdp2 or ddp"):
+        weights.full("hf.lm_head.weight")
