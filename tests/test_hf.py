@@ -4,7 +4,11 @@ A tiny random Llama saved by transformers' `save_pretrained` is trained by the r
 command at world 2 (fp32): its first loss must equal transformers' own single-process forward on
 the same batch, and a few steps must lower it. Exports in HF format must load with
 `AutoModelForCausalLM.from_pretrained` and hold exactly the trained weights (HF-sourced run) or
-give fsdprun's logits (built-in Llama run). Run with `pytest tests/test_hf.py` (~40 s).
+give fsdprun's logits (built-in Llama run), and name the run's end-of-text token. The shipped
+folder (hf-finetune-demo) trains with the same losses under fsdp2 full/hybrid/none, fsdp1 and ddp
+and from a config.json saying bfloat16 (fp32 weights and AdamW state), and its validation loss
+with attention dropout is transformers' eval-mode forward. Run with `pytest tests/test_hf.py`
+(about 2 minutes of CPU: 11 short training runs).
 """
 
 from __future__ import annotations
