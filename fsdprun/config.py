@@ -908,10 +908,6 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
                 "fsdp.use_orig_params=false: flat parameters mix decayed and non-decayed "
                 "tensors; set optim.weight_decay=0 or keep use_orig_params=true"
             )
-    if f.engine is not Engine.fsdp2 and cfg.model.hf_path is not None:
-        errors.append(
-            f"model.hf_path models train with fsdp.engine=fsdp2 only (got {f.engine.value})"
-        )
     return errors
 
 

@@ -10,8 +10,8 @@ is computed, autocast (DDP only), and which grad scaler fp16 needs. Checkpoints 
 so a run saved under one engine resumes under another.
 
 Initialization is the same for all three: every parameter's full value comes from
-`parallel.init_value` (seeded by recipe seed and parameter name), so the engines start from
-identical weights at any world size.
+`parallel.init_value` (seeded by recipe seed and parameter name), or from a HuggingFace folder's
+files (`fsdprun.hf.HFWeights`), so the engines start from identical weights at any world size.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,9 @@ from fsdprun.parallel import (
     init_weights,
     plan_units,
 )
+
+if TYPE_CHECKING:
+    from fsdprun.hf import HFWeights  # needs safetensors, which comes with the optional hf extra
 
 _FSDP1_PREFIX = "_fsdp_wrapped_module."
 _DDP_PREFIX = "module."
@@ -322,14 +326,15 @@ def build_engine(
     device: torch.device,
     device_kind: str,
     world_size: int,
-    initialize: bool = True,
+    weights: HFWeights | None = None,
 ) -> Engine:
     """Wrap a meta-device model (checkpointing and compile already applied) with the recipe's
     engine and materialize it on `device`.
 
     Args:
-        initialize: draw the seeded initial weights (fsdp2 may skip it: pretrained weights are
-            loaded into its shards afterwards; fsdp1 and ddp always initialize).
+        weights: pretrained weights (`model.hf_path`) instead of the seeded initial ones: read
+            shard-wise into fsdp2's shards, whole into ddp's model before wrapping, and unit by
+            unit as FSDP1 materializes each unit before flattening it.
     """
     kind = cfg.fsdp.engine
     knobs = translate(cfg, world_size)
@@ -343,16 +348,21 @@ def build_engine(
             param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,
             pin_memory=device_kind != "cpu",
         )  # fmt: skip
-        if initialize:
+        if weights is not None:
+            weights.load(model, device=device)
+        else:
             init_weights(model, seed=cfg.train.seed, device=device)
         return Engine(model=model, units=units, **common)
     if kind is EngineKind.ddp:
-        return _build_ddp(model, cfg, device=device, **common)
+        return _build_ddp(model, cfg, device=device, weights=weights, **common)
     return _build_fsdp1(model, cfg, device=device, device_kind=device_kind,
-                        world_size=world_size, **common)  # fmt: skip
+                        world_size=world_size, weights=weights, **common)  # fmt: skip
 
 
-def _build_ddp(model: nn.Module, cfg: RecipeConfig, *, device: torch.device, **common) -> Engine:
+def _build_ddp(
+    model: nn.Module, cfg: RecipeConfig, *, device: torch.device, weights: HFWeights | None,
+    **common,
+) -> Engine:  # fmt: skip
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
@@ -363,7 +373,10 @@ def _build_ddp(model: nn.Module, cfg: RecipeConfig, *, device: torch.device, **c
             f"precision.reduce_dtype=bf16 with fsdp.engine=ddp needs NCCL or XCCL (this run uses "
             f"{dist.get_backend()}); use reduce_dtype fp16 or fp32"
         )
-    init_weights(model, seed=cfg.train.seed, device=device)
+    if weights is not None:
+        weights.load(model, device=device)
+    else:
+        init_weights(model, seed=cfg.train.seed, device=device)
     ddp = DistributedDataParallel(
         model,
         device_ids=[device] if device.type == "cuda" else None,
@@ -403,6 +416,7 @@ def _build_fsdp1(
     device: torch.device,
     device_kind: str,
     world_size: int,
+    weights: HFWeights | None,
     **common,
 ) -> Engine:
     from torch.distributed.fsdp import (
@@ -454,7 +468,10 @@ def _build_fsdp1(
         module.to_empty(device=device, recurse=False)
         for name, param in module.named_parameters(recurse=False):
             full_name = f"{prefix}.{name}" if prefix else name
-            param.copy_(init_value(model, full_name, param, seed=seed, device=device))
+            if weights is not None:
+                param.copy_(weights.full(full_name))
+            else:
+                param.copy_(init_value(model, full_name, param, seed=seed, device=device))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # FSDP1's deprecation notice

@@ -14,6 +14,8 @@ in memory. Names are the model's own (`model.` stripped), e.g. `layers.0.attenti
 run of a HuggingFace model (model.hf_path) its original config and tokenizer files plus the
 trained weights under their HF names; for a built-in Llama run a LlamaConfig and the weights
 renamed to HF Llama's names (the RoPE conventions agree: no permutation of q/k is needed).
+Both get the run's end-of-text id as `eos_token_id` and `bos_token_id` (where an HF folder's
+config.json does not already say them), so `generate()` stops where the training data did.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from fsdprun import __version__
 from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manifest
+from fsdprun.data.files import read_description
 from fsdprun.errors import UserError
 from fsdprun.inspect_ckpt import require_checkpoint_dir
 
@@ -190,12 +193,52 @@ def _hf_plans(plans: list[TensorPlan], model: dict[str, Any]) -> list[TensorPlan
     return [dataclasses.replace(p, name=hf_llama_name(p.name)) for p in plans]
 
 
-def _write_hf_files(out: Path, model: dict[str, Any], plans: list[TensorPlan]) -> list[str]:
+def data_eos_id(data: dict[str, Any]) -> int | None:
+    """The end-of-text id of a run's data (its recipe's `data:` section): the one that ended each
+    document of its token stream; None for synthetic data and token files without a data.json.
+
+    Raises:
+        UserError: the run's tokenizer.json cannot be read any more.
+    """
+    if data.get("source") == "text":
+        from fsdprun.data.text import build_tokenizer
+
+        try:
+            return build_tokenizer(data["tokenizer"]).eos_id
+        except UserError as e:
+            raise UserError(f"the run's data.tokenizer (for its end-of-text id): {e}") from e
+    if data.get("source") == "tokens" and data.get("paths"):
+        description = read_description(Path(data["paths"][0]).parent)
+        return description.get("eos_id") if description else None
+    return None
+
+
+def _hf_token_ids(recipe: dict[str, Any]) -> dict[str, int | None]:
+    """The config.json keys to write for the special tokens: bos_token_id and eos_token_id, both
+    the data's end-of-text id (in fsdprun's stream it ends each document, so it also precedes
+    each one: a generation from nothing starts where a document does). Written as null when the
+    data has none: left out, transformers would take Llama's defaults, 1 and 2, which are
+    ordinary tokens here. A HuggingFace run keeps what its folder's config.json says."""
+    wanted = ("bos_token_id", "eos_token_id")
+    hf_path = recipe["model"].get("hf_path")
+    if hf_path:
+        source = json.loads((Path(hf_path) / "config.json").read_text())
+        wanted = tuple(key for key in wanted if key not in source)
+    if not wanted:
+        return {}
+    eos = data_eos_id(recipe.get("data", {}))
+    return dict.fromkeys(wanted, eos)
+
+
+def _write_hf_files(
+    out: Path, model: dict[str, Any], plans: list[TensorPlan], token_ids: dict[str, int | None]
+) -> list[str]:
     """config.json (and, for a HuggingFace run, its tokenizer and other files); their names."""
     hf_path = model.get("hf_path")
     if not hf_path:
         dtype = plans[0].dtype if plans else torch.float32
-        (out / "config.json").write_text(json.dumps(hf_llama_config(model, dtype), indent=2))
+        config = {**hf_llama_config(model, dtype), **token_ids}
+        (out / "config.json").write_text(json.dumps(config, indent=2))
         return ["config.json"]
     source = Path(hf_path)
     copied = []
@@ -203,6 +246,9 @@ def _write_hf_files(out: Path, model: dict[str, Any], plans: list[TensorPlan]) -
         if file.is_file() and not file.name.endswith(_HF_WEIGHT_SUFFIXES):
             shutil.copyfile(file, out / file.name)
             copied.append(file.name)
+    if token_ids:
+        config = json.loads((source / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, **token_ids}, indent=2) + "\n")
     return copied
 
 
@@ -334,9 +380,12 @@ def export_checkpoint(
     plans, skipped = plan_tensors(reader.read_metadata(), dtype=DTYPES.get(dtype))
     if not plans:
         raise UserError(f"{path}: no model.* tensors to export")
-    model_cfg = read_manifest(path)["recipe"]["model"] if fmt == "hf" else {}
+    recipe = read_manifest(path)["recipe"] if fmt == "hf" else {"model": {}}
+    model_cfg = recipe["model"]
+    token_ids: dict[str, int | None] = {}
     if fmt == "hf":
         plans = _hf_plans(plans, model_cfg)
+        token_ids = _hf_token_ids(recipe)
     shards = split_shards(plans, max_shard_bytes)
     names, index_name = shard_file_names("torch" if fmt == "torch" else "safetensors", len(shards))
     file_metadata = {
@@ -371,7 +420,7 @@ def export_checkpoint(
             written.append(out / index_name)
             (out / index_name).write_text(json.dumps(index, indent=2) + "\n")
         if fmt == "hf":
-            extra = _write_hf_files(out, model_cfg, plans)
+            extra = _write_hf_files(out, model_cfg, plans, token_ids)
             written += [out / name for name in extra]
             names = [*names, *extra]
     except BaseException:

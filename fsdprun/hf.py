@@ -1,16 +1,19 @@
 """Loading a HuggingFace folder's pretrained weights into an FSDP-sharded model, shard-wise.
 
 Each rank reads only the rows of each tensor it holds: FSDP2 shards every parameter on dim 0
-with `torch.chunk` semantics, and `safetensors.safe_open(...).get_slice(name)[start:stop]` reads
-just those rows from the memory-mapped file. No rank ever holds the whole model, and no
-collective is needed (every rank opens the same files). One code path for every torch version
-in range: DCP's HuggingFace storage reader exists only in newer ones.
+with `torch.chunk` semantics (on a 2-D replicate x shard mesh, along the shard dim only), and
+`safetensors.safe_open(...).get_slice(name)[start:stop]` reads just those rows from the
+memory-mapped file. No rank ever holds the whole model, and no collective is needed (every rank
+opens the same files). One code path for every torch version in range: DCP's HuggingFace storage
+reader exists only in newer ones. DDP's plain parameters are read whole; FSDP1 reads each unit's
+full tensors while it materializes the unit (`HFWeights.full`), before flattening and sharding.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -53,44 +56,101 @@ def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def shard_rows(param: torch.Tensor) -> tuple[int, int]:
-    """The rows [start, stop) of the full parameter that this rank's shard holds."""
+    """The rows [start, stop) of the full parameter that this rank's shard holds.
+
+    Mesh dims are applied in order, as DTensor does: a replicated dim keeps the rows, a dim-0
+    shard chunks the rows left by the dims before it (FSDP2's placements: `(Shard(0),)` on a 1-D
+    mesh, `(Replicate(), Shard(0))` on hybrid and `none`'s replicate x shard mesh).
+    """
+    start, stop = 0, param.shape[0]
     if not isinstance(param, DTensor):
-        return 0, param.shape[0]
+        return start, stop
     mesh = param.device_mesh
-    assert mesh.ndim == 1 and param.placements == (Shard(0),), param.placements
-    return chunk_rows(param.shape[0], mesh.get_local_rank(), mesh.size())
+    for dim, placement in enumerate(param.placements):
+        if placement.is_replicate():
+            continue
+        # FSDP2 shards dim 0 only (_StridedShard, Partial: other parallelisms, not built here).
+        assert type(placement) is Shard and placement.dim == 0, param.placements
+        first, last = chunk_rows(stop - start, mesh.get_local_rank(dim), mesh.size(dim))
+        start, stop = start + first, start + last
+    assert stop - start == param.to_local().shape[0], (start, stop, param.placements)
+    return start, stop
 
 
-@torch.no_grad()
-def load_hf_weights(model: nn.Module, path: Path, *, device: torch.device) -> None:
-    """Materialize the meta, FSDP-sharded `model` (an `HFCausalLM`) on `device` and fill each
-    parameter shard from the folder's safetensors files.
+class HFWeights:
+    """The safetensors weights of a HuggingFace folder for an `HFCausalLM`, by its parameter
+    names (the HF names under `hf.`). Built on the meta model before any engine wraps it, so a
+    missing or misshapen tensor is reported before anything is allocated.
 
     Raises:
-        UserError: a parameter missing from the files or of another shape.
+        UserError: no safetensors files, a parameter missing from them or of another shape.
     """
-    files = weight_files(path)
-    model.to_empty(device=device)
-    wanted = {name: name.removeprefix(HF_PREFIX) for name, _ in model.named_parameters()}
-    missing = [hf for hf in wanted.values() if hf not in files]
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        shown = ", ".join(missing[:5]) + more
-        raise UserError(f"model.hf_path: {path} lacks the weights {shown}")
-    handles = {}
-    for name, param in model.named_parameters():
-        file = files[wanted[name]]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        sliced = handles[file].get_slice(wanted[name])
-        if tuple(sliced.get_shape()) != tuple(param.shape):
+
+    def __init__(self, path: Path, model: nn.Module):
+        self.path = path
+        self._files = weight_files(path)
+        self._handles: dict[Path, Any] = {}
+        # The first name of each parameter: a tied folder stores a shared tensor under that one
+        # only, and `load` ties the other names to it again.
+        first: dict[int, str] = {}
+        self._canonical = {
+            name: first.setdefault(id(param), name)
+            for name, param in model.named_parameters(remove_duplicate=False)
+        }
+        wanted = {name: name.removeprefix(HF_PREFIX) for name, _ in model.named_parameters()}
+        missing = [hf for hf in wanted.values() if hf not in self._files]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            shown = ", ".join(missing[:5]) + more
+            raise UserError(f"model.hf_path: {path} lacks the weights {shown}")
+        for name, param in model.named_parameters():
+            shape = tuple(self._slice(name).get_shape())
+            if shape != tuple(param.shape):
+                raise UserError(
+                    f"model.hf_path: {wanted[name]} has shape {shape} in "
+                    f"{self._files[wanted[name]].name}, the model expects {tuple(param.shape)}"
+                )
+
+    def _slice(self, name: str):
+        hf_name = self._canonical[name].removeprefix(HF_PREFIX)
+        file = self._files[hf_name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file].get_slice(hf_name)
+
+    def full(self, name: str) -> torch.Tensor:
+        """The whole tensor of parameter `name`, in the file's dtype: for FSDP1, which asks for
+        each module's parameters as it materializes the module.
+
+        Raises:
+            UserError: `name` is tied to another parameter; FSDP1 materializes each module's
+                own copy, which would train them untied.
+        """
+        first = self._canonical[name]
+        if first != name:
             raise UserError(
-                f"model.hf_path: {wanted[name]} has shape {tuple(sliced.get_shape())} in "
-                f"{file.name}, the model expects {tuple(param.shape)}"
+                f"model.hf_path: {self.path} ties {name.removeprefix(HF_PREFIX)} to "
+                f"{first.removeprefix(HF_PREFIX)}, which fsdp.engine=fsdp1 would train untied; "
+                "use fsdp.engine=fsdp2 or ddp"
             )
-        start, stop = shard_rows(param)
-        local = param.to_local() if isinstance(param, DTensor) else param
-        if stop > start:
-            # Only these rows are read from disk; the copy converts the dtype (bf16 files).
-            local.copy_(sliced[start:stop])
-    model.init_buffers(device)
+        return self._slice(name)[:]
+
+    @torch.no_grad()
+    def load(self, model: nn.Module, *, device: torch.device) -> None:
+        """Materialize the meta `model` (FSDP2-sharded, or not wrapped yet) on `device` and fill
+        each parameter, or each rank's shard of it, from the files."""
+        model.to_empty(device=device)
+        # to_empty gives each module holding a tied parameter a copy of its own (not under
+        # FSDP2, which manages the one parameter): tie them again, as the folder has them.
+        for name, first in self._canonical.items():
+            path, _, attr = name.rpartition(".")
+            module, tied = model.get_submodule(path), model.get_parameter(first)
+            if getattr(module, attr) is not tied:
+                setattr(module, attr, tied)
+        for name, param in model.named_parameters():
+            start, stop = shard_rows(param)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if stop > start:
+                # Only these rows are read from disk; the copy converts the dtype (bf16 files).
+                local.copy_(self._slice(name)[start:stop])
+        model.init_buffers(device)

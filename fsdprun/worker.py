@@ -163,16 +163,16 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device):
         model = build_model(cfg.model)
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
-    pretrained = cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained
+    weights = None
+    if cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained:
+        # Imported here: it needs safetensors, which comes with the optional hf extra.
+        from fsdprun.hf import HFWeights
+
+        weights = HFWeights(Path(cfg.model.hf_path), model)
     engine = build_engine(
         model, cfg, device=device.torch_device, device_kind=device.kind,
-        world_size=ranks.world_size, initialize=not pretrained,
+        world_size=ranks.world_size, weights=weights,
     )  # fmt: skip
-    if pretrained:
-        # Imported here: it needs safetensors, which comes with the optional hf extra.
-        from fsdprun.hf import load_hf_weights
-
-        load_hf_weights(model, Path(cfg.model.hf_path), device=device.torch_device)
     optimizer = build_optimizer(
         engine.model, cfg=cfg.optim, device_kind=device.kind, is_matrix=engine.is_matrix
     )
@@ -544,7 +544,8 @@ def _evaluate(
     all-gathers line up, then one all-reduce of the loss sum.
     """
     loss_sum = torch.zeros((), device=device.torch_device, dtype=torch.float32)
-    # No dropout in the model, so train mode is eval mode; no_grad keeps activations unsaved.
+    # Eval mode: no dropout (HuggingFace configs may set it); no_grad keeps activations unsaved.
+    engine.model.eval()
     with torch.no_grad():
         for batch in range(num_batches):
             for micro in range(layout.grad_accum_steps):
@@ -552,6 +553,7 @@ def _evaluate(
                 inputs, targets = load_batch(data, indices, device.torch_device)
                 with engine.autocast():
                     loss_sum += engine.loss(engine.model(inputs), targets)
+    engine.model.train()
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return loss_sum.item() / (num_batches * layout.grad_accum_steps * layout.world_size)
 

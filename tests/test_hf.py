@@ -4,34 +4,41 @@ A tiny random Llama saved by transformers' `save_pretrained` is trained by the r
 command at world 2 (fp32): its first loss must equal transformers' own single-process forward on
 the same batch, and a few steps must lower it. Exports in HF format must load with
 `AutoModelForCausalLM.from_pretrained` and hold exactly the trained weights (HF-sourced run) or
-give fsdprun's logits (built-in Llama run). Run with `pytest tests/test_hf.py` (~40 s).
+give fsdprun's logits (built-in Llama run), and name the run's end-of-text token. The shipped
+folder (hf-finetune-demo) trains with the same losses under fsdp2 full/hybrid/none, fsdp1 and ddp
+and from a config.json saying bfloat16 (fp32 weights and AdamW state), and its validation loss
+with attention dropout is transformers' eval-mode forward. Run with `pytest tests/test_hf.py`
+(about 2 minutes of CPU: 11 short training runs).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fsdprun_env, run_fsdprun
+from conftest import Runs, consolidate, flatten, fsdprun_env, run_fsdprun
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdprun.config import load_recipe
 from fsdprun.data import build_datasets, load_batch
 from fsdprun.errors import UserError
-from fsdprun.export import export_checkpoint, hf_llama_name
-from fsdprun.hf import chunk_rows
+from fsdprun.export import data_eos_id, export_checkpoint, hf_llama_name
+from fsdprun.hf import HFWeights, chunk_rows
 from fsdprun.metrics import read_events
 from fsdprun.models import Transformer, build_model_args
+from fsdprun.models.hf import HFCausalLM
 
 transformers = pytest.importorskip("transformers")
 
 ENV = fsdprun_env(HF_HUB_OFFLINE="1")  # model loading must never reach the network
 TOL = 1e-5
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "data"
 
 
 @pytest.fixture(autouse=True)
@@ -128,19 +135,23 @@ def test_random_init_of_hf_model(hf_dir, hf_run, tmp_path):
 
 
 def test_hf_export_of_builtin_llama_gives_the_same_logits(tmp_path):
-    run_dir, _ = _train(tmp_path, "run", "train.steps=2")
+    # Byte-tokenized text: the export must name its end-of-text token (256), not Llama's 1 and 2.
+    text = ["data.source=text", f"data.paths=[{RECIPES / 'tiny.txt'}]", "model.vocab_size=257"]
+    run_dir, _ = _train(tmp_path, "run", "train.steps=2", *text)
     ckpt = run_dir / "checkpoints" / "step-00000002"
     _export(ckpt, tmp_path / "hf", "hf")
     _export(ckpt, tmp_path / "plain", "safetensors")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
-    model = Transformer(build_model_args(load_recipe("debug").config.model))
+    model = Transformer(build_model_args(load_recipe("debug", text).config.model))
     model.load_state_dict(load_file(tmp_path / "plain" / "model.safetensors"))
     hf_model = _load_hf(tmp_path / "hf")
+    assert (hf_model.config.eos_token_id, hf_model.config.bos_token_id) == (256, 256)
+    assert hf_model.generation_config.eos_token_id == 256  # what generate() stops at
     assert sum(p.numel() for p in hf_model.parameters()) == sum(
         p.numel() for p in model.parameters()
     )
-    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (model(tokens) - hf_model(input_ids=tokens).logits).abs().max().item()
     assert diff < TOL, diff
@@ -185,3 +196,138 @@ def test_shipped_hf_finetune_recipe_starts_pretrained_and_improves(tmp_path):
     # Pre-trained weights: far below a random model's ln(257) = 5.55 from the first step.
     assert losses[0] < 3.2
     assert evals[-1] < evals[0]
+
+
+# --------------------------------------------------------------------------------------------
+# The shipped HF folder (recipes/data/tiny-llama-hf) under every engine and sharding, from a
+# config.json saying bfloat16, and with dropout. hf-finetune-demo trains it on the shipped text.
+
+DEMO = ("train.steps=2", "output.log_every=1", "eval.every_steps=0")
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def demo_reference(demo_runs) -> list[float]:
+    """fsdp2, full sharding, 2 ranks; its first loss is transformers' own forward of the folder."""
+    losses = demo_runs.train(*DEMO, recipe="hf-finetune-demo").check().losses
+    cfg = load_recipe("hf-finetune-demo").config
+    data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0)
+    inputs, targets = load_batch(data, range(cfg.train.global_batch_size), torch.device("cpu"))
+    with torch.no_grad():
+        logits = _load_hf(RECIPES / "tiny-llama-hf")(input_ids=inputs).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert abs(losses[0] - expected) < TOL, (losses[0], expected)
+    return losses
+
+
+def _hf_copy(dest: Path, *, drop: tuple[str, ...] = (), **config: object) -> Path:
+    """A copy of the shipped HF folder, its config.json without the keys `drop`, with `config`."""
+    shutil.copytree(RECIPES / "tiny-llama-hf", dest)
+    data = json.loads((dest / "config.json").read_text())
+    for key in drop:
+        del data[key]
+    (dest / "config.json").write_text(json.dumps({**data, **config}))
+    return dest
+
+
+@pytest.mark.parametrize(
+    "overrides,nproc",
+    [
+        (("fsdp.sharding=hybrid", "fsdp.shard_group_size=2"), 4),
+        (("fsdp.sharding=none",), 2),
+        (("fsdp.engine=fsdp1",), 2),
+        (("fsdp.engine=ddp",), 2),
+    ],
+    ids=["fsdp2-hybrid-2x2", "fsdp2-none", "fsdp1", "ddp"],
+)
+def test_pretrained_weights_load_under_every_engine_and_sharding(
+    demo_runs, demo_reference, overrides, nproc
+):
+    run = demo_runs.train(*DEMO, *overrides, nproc=nproc, recipe="hf-finetune-demo").check()
+    assert len(run.losses) == len(demo_reference)
+    for got, want in zip(run.losses, demo_reference, strict=True):
+        assert abs(got - want) < TOL, (run.losses, demo_reference)
+
+
+def test_bf16_folder_trains_fp32_master_weights(demo_runs, demo_reference, tmp_path):
+    # Most Llama releases say bfloat16: the weights and AdamW's state must still be fp32.
+    folder = _hf_copy(tmp_path / "bf16", torch_dtype="bfloat16")
+    run = demo_runs.train(*DEMO, f"model.hf_path={folder}", recipe="hf-finetune-demo").check()
+    for got, want in zip(run.losses, demo_reference, strict=True):
+        assert abs(got - want) < TOL, (run.losses, demo_reference)
+    state = flatten(consolidate(run.run_dir / "checkpoints" / "step-00000002", tmp_path / "a.pt"))
+    params = {k: v.dtype for k, v in state.items() if k.startswith("model.")}
+    moments = {k: v.dtype for k, v in state.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
+    assert len(params) == 21 and len(moments) == 2 * 21, sorted(state)
+    assert set(params.values()) == set(moments.values()) == {torch.float32}, (params, moments)
+
+
+@pytest.fixture(scope="module")
+def dropout_run(demo_runs, tmp_path_factory):
+    """One step of the shipped folder with attention dropout and no special tokens in its
+    config.json, evaluated and saved after the step."""
+    folder = _hf_copy(tmp_path_factory.mktemp("dropout") / "hf", attention_dropout=0.5,
+                      drop=("bos_token_id", "eos_token_id"))  # fmt: skip
+    run = demo_runs.train("train.steps=1", "eval.every_steps=1", f"model.hf_path={folder}",
+                          recipe="hf-finetune-demo").check()  # fmt: skip
+    out = tmp_path_factory.mktemp("dropout_export") / "hf"
+    _export(run.run_dir / "checkpoints" / "step-00000001", out, "hf")
+    return run, _load_hf(out)
+
+
+def test_eval_runs_in_eval_mode(dropout_run):
+    run, exported = dropout_run
+    (val_loss,) = [e["val_loss"] for e in run.events if e["event"] == "eval"]
+    assert exported.config.attention_dropout == 0.5
+    # transformers' eval-mode forward (no dropout) of the same weights on the same samples: the
+    # first eval.batches global batches of the validation windows.
+    cfg = load_recipe("hf-finetune-demo").config
+    _, val = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0,
+                            with_val=True)  # fmt: skip
+    samples = range(cfg.eval.batches * cfg.train.global_batch_size)
+    inputs, targets = load_batch(val, samples, torch.device("cpu"))
+    with torch.no_grad():
+        logits = exported(input_ids=inputs).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert abs(val_loss - expected) < TOL, (val_loss, expected)
+
+
+def test_hf_export_fills_in_the_runs_end_of_text(dropout_run):
+    # The folder's config.json names no special tokens: the export names the byte tokenizer's
+    # end-of-text (transformers would otherwise take Llama's 1 and 2, two byte values).
+    _, exported = dropout_run
+    assert (exported.config.eos_token_id, exported.config.bos_token_id) == (256, 256)
+    assert exported.generation_config.eos_token_id == 256
+
+
+def test_data_eos_id_of_each_source(tmp_path):
+    assert data_eos_id({"source": "synthetic"}) is None
+    assert data_eos_id({"source": "text", "tokenizer": "byte"}) == 256
+    assert data_eos_id({"source": "tokens", "paths": [str(RECIPES / "tiny" / "train.bin")]}) == 256
+    (tmp_path / "t.bin").write_bytes(b"\0" * 64)  # nanoGPT tokens without a data.json
+    assert data_eos_id({"source": "tokens", "paths": [str(tmp_path / "t.bin")]}) is None
+    with pytest.raises(UserError, match=r"the run's data.tokenizer .*does not exist"):
+        data_eos_id({"source": "text", "tokenizer": str(tmp_path / "gone.json")})
+
+
+def test_tied_hf_weights_stay_tied(tmp_path):
+    # ddp loads the folder into the unwrapped model, whose to_empty unties shared parameters;
+    # fsdp1 would materialize the tied copy apart, so it refuses in one line.
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = HFCausalLM.from_folder(tmp_path)
+    weights = HFWeights(tmp_path, model)
+    weights.load(model, device=torch.device("cpu"))
+    embedding = load_file(tmp_path / "model.safetensors")["model.embed_tokens.weight"]
+    assert model.hf.lm_head.weight is model.hf.model.embed_tokens.weight
+    assert torch.equal(model.hf.lm_head.weight, embedding)
+    with pytest.raises(UserError, match=r"ties lm_head.weight to .*fsdp.engine=fsdp2 or ddp"):
+        weights.full("hf.lm_head.weight")

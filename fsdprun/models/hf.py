@@ -86,10 +86,18 @@ class HFCausalLM(nn.Module):
         `torch.device("meta")` to allocate nothing.
         """
         transformers = import_transformers()
+        from packaging.version import Version  # a dependency of transformers
+
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        # fp32 whatever the folder's config.json says (most Llama releases say bfloat16, which
+        # from_config would follow): these are the sharded master weights and what AdamW's state
+        # is made like; compute in lower precision comes from precision.param_dtype's policy.
+        # transformers 4.56 renamed from_config's torch_dtype to dtype.
+        new_name = Version(transformers.__version__) >= Version("4.56")
+        fp32 = {"dtype" if new_name else "torch_dtype": torch.float32}
         try:
             hf_model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="sdpa"
+                config, attn_implementation="sdpa", **fp32
             )
         except ValueError as e:
             raise UserError(f"model.hf_path: {path}: {e}") from e
