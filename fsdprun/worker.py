@@ -381,6 +381,8 @@ def _train(
             break
 
     saved(checkpointer.wait())  # the run's end waits for a save in flight
+    if cfg.train.steps + 1 in fail_at:
+        raise RuntimeError("injected failure after the last step (FSDPRUN_FAIL_AT)")
     ranks_info: list[dict[str, Any]] = [{}] * ranks.world_size
     mine = {"rank": ranks.rank, "model_state_bytes": model_state, **device.peak_memory()}
     dist.all_gather_object(ranks_info, mine)
