@@ -483,7 +483,8 @@ def _summary(
     peak, note = peak_flops(device.name(), cfg.precision.param_dtype.value, cfg.output.peak_tflops)
     return {
         "steps": cfg.train.steps,
-        "final_loss": loss_value,
+        # None when this launch ran no step (a restart from the last step's checkpoint).
+        "final_loss": loss_value if step_times else None,
         "final_val_loss": val_loss,
         "throughput": throughput(
             step_times,

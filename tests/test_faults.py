@@ -45,6 +45,30 @@ def test_crashed_worker_is_restarted_and_resumes(straight: Run, tmp_path):
     assert "workers restarted (attempt 1)" in proc.stdout
 
 
+def _copy(run: Run, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run.run_dir, tmp_path / "run"))
+
+
+def test_a_restart_with_no_steps_left_reports_cleanly(straight: Run, tmp_path):
+    # The worker fails after the last step's checkpoint: the restart has nothing left to run.
+    run_dir = _copy(straight, tmp_path)
+    proc = run_fsdprun(
+        "resume", str(run_dir), "--step", "39", "launch.max_restarts=1", cwd=tmp_path,
+        env=fsdprun_env(FSDPRUN_FAIL_AT="0:41"),
+    )  # fmt: skip
+    run = Run(proc, run_dir).check()
+    assert "Traceback" not in proc.stderr
+    restart = next(e for e in run.events if e["event"] == "restart")
+    assert restart["step"] == 40
+    summary = run.events[-1]
+    assert summary["event"] == "summary" and summary["start_step"] == 40
+    assert summary["final_loss"] is None and summary["throughput"]["steps_measured"] == 0
+    assert all(r["model_state_bytes"] is None for r in summary["ranks"])
+    assert "no steps ran in this launch (it started at step 40 of 40)" in proc.stdout
+
+
 def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [FSDPRUN, "train", "debug", *args, "--run-dir", str(tmp_path / "run")], cwd=tmp_path,

@@ -102,6 +102,16 @@ def test_report_renders_the_numbers_it_is_given():
     assert "52.3%" in text and "40.00 GiB" in text and "42.00 GiB" in text
 
 
+def test_report_of_a_launch_whose_steps_were_all_skipped():
+    summary = _events()[2]
+    for r in summary["ranks"]:
+        r["model_state_bytes"] = None  # no optimizer step was taken
+    console = Console(record=True, width=160)
+    Reporter(console).handle(summary)
+    text = console.export_text()
+    assert "300.00 MiB" in text and text.count("n/a") >= 8  # 4 columns x 2 ranks
+
+
 def test_runs_as_a_worker_under_torchrun(tmp_path):
     torchrun = str(Path(sys.executable).parent / "torchrun")
     fsdprun = str(Path(sys.executable).parent / "fsdprun")
