@@ -248,11 +248,6 @@ def launch_training(
             _set_aside_abandoned(run_dir, resume_from)
     plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method)
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
-    if cfg.launch.max_restarts > 0:
-        # With the rendezvous store shared with the workers (torch's default), a restarted
-        # group reads the previous attempt's gloo addresses from it and fails to connect
-        # (measured with torch 2.13); workers hosting their own store per attempt do not.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if not os.environ.get("FSDPRUN_DEBUG"):
         # The agent logs every phase at INFO and failures as multi-line reports; fsdprun prints
         # its own one-line summary and points at the per-rank logs instead.

@@ -109,10 +109,14 @@ def run(
     _set_threads()
     kind = resolve_device_kind(cfg.launch.device.value)
     device = build_worker_device(kind, ranks.local_rank)
+    timeout = timedelta(seconds=cfg.launch.timeout_s)
     dist.init_process_group(
         backend=device.backend,
         device_id=device.torch_device if kind != "cpu" else None,
-        timeout=timedelta(seconds=cfg.launch.timeout_s),
+        timeout=timeout,
+        store=_agent_store(timeout),  # None: env:// (MASTER_ADDR/MASTER_PORT)
+        rank=ranks.rank,
+        world_size=ranks.world_size,
     )
     try:
         _check_same_recipe(cfg)
@@ -131,6 +135,23 @@ def run(
     gc.collect()
     dist.destroy_process_group()
     return summary
+
+
+def _agent_store(timeout: timedelta) -> dist.Store | None:
+    """The elastic agent's rendezvous store under a prefix of this attempt, when the agent
+    shares its store with the workers (torch's default, under torchrun and fsdprun's launcher).
+
+    torch's env:// rendezvous uses the shared store without a per-attempt prefix, so a restarted
+    group read the previous attempt's gloo addresses from it and failed to connect (measured
+    with torch 2.13); the prefix gives every attempt its own keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout,
+    )  # fmt: skip
+    return dist.PrefixStore(f"fsdprun/attempt-{restart_count()}", agent)
 
 
 def _set_threads() -> None:

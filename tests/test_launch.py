@@ -127,6 +127,73 @@ def test_runs_as_a_worker_under_torchrun(tmp_path):
     assert "Throughput" in proc.stdout and (tmp_path / "run" / "recipe.yaml").exists()
 
 
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def test_hybrid_shards_within_the_node_an_external_launcher_reports():
+    from fsdprun.config import shard_group_size
+    from fsdprun.direct import launch_overrides
+
+    # llama-1b says one device per node; torchrun (or srun) started the job as it is.
+    batch = ["fsdp.sharding=hybrid", "train.micro_batch_size=1", "train.global_batch_size=16"]
+    for world, local in ((8, 8), (16, 8), (8, 4)):
+        env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local), "RANK": str(world - 1)}
+        overrides = [*batch, *launch_overrides(env)]
+        cfg = load_recipe("llama-1b", overrides, world_size=world).config
+        assert shard_group_size(cfg, world) == local
+        launch = cfg.launch
+        assert (launch.nproc_per_node, launch.nnodes, launch.node_rank) == (
+            local, world // local, world // local - 1)  # fmt: skip
+    with pytest.raises(UserError, match="LOCAL_WORLD_SIZE=3 does not divide WORLD_SIZE=8"):
+        launch_overrides({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "3", "RANK": "0"})
+
+
+def test_torchrun_restarts_resume_and_hybrid_shards_over_the_real_node(fsdprun_runs, tmp_path):
+    # 4 ranks on one node; the debug recipe says 2 per node. Rank 1 fails at step 5 and
+    # torchrun restarts the group, which continues from step 4.
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "-m",
+         "fsdprun", "train", "debug", "train.steps=6", "output.log_every=1",
+         "checkpoint.every_steps=2", "fsdp.sharding=hybrid", "--run-dir", str(run_dir)],
+        cwd=tmp_path, env=fsdprun_env(FSDPRUN_FAIL_AT="1:5"), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = Run(proc, run_dir)
+    restart = next(e for e in run.events if e["event"] == "restart")
+    assert restart["step"] == 4 and restart["attempt"] == 1
+    assert [e["step"] for e in run.steps] == [1, 2, 3, 4, 5, 6]
+    plain = fsdprun_runs.train("train.steps=6", "output.log_every=1", "train.micro_batch_size=1")
+    for step, (got, want) in enumerate(zip(run.losses, plain.check().losses, strict=True), 1):
+        assert got == pytest.approx(want, abs=1e-5), step
+    sharding = next(k for k in run.start["engine_knobs"] if k["key"] == "fsdp.sharding")
+    assert "(1 replicate x 4 shard)" in sharding["applied"]
+    assert (run.start["world_size"], run.start["nnodes"]) == (4, 1)
+
+
+def test_a_restarted_torchrun_worker_continues_only_its_own_run_dir(tmp_path, monkeypatch):
+    import json
+
+    from fsdprun.checkpoint import checkpoint_root
+    from fsdprun.direct import AGENT_FILE, claim_run_dir
+
+    run_dir = tmp_path / "run"
+    resolved = load_recipe("debug")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    claim_run_dir(run_dir, resolved)  # the first attempt creates it ...
+    checkpoint_root(run_dir).mkdir()  # ... and saves
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    claim_run_dir(run_dir, resolved)  # the restart continues it
+    # A run directory another job (or fsdprun's own launcher) created is refused, restart or not.
+    (run_dir / AGENT_FILE).write_text(json.dumps({"agent": "elsewhere:1"}))
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        claim_run_dir(run_dir, resolved)
+    (run_dir / AGENT_FILE).unlink()
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        claim_run_dir(run_dir, resolved)
+
+
 def test_workers_fork_on_cpu_and_spawn_on_accelerators(monkeypatch):
     from fsdprun.errors import UserError
     from fsdprun.launch import start_method
