@@ -1,6 +1,7 @@
 """Running as one worker of a job someone else launched (torchrun, srun, a cluster scheduler).
 
-`fsdprun train` lands here when RANK, LOCAL_RANK and WORLD_SIZE are already set: every rank
+`fsdprun train` lands here when RANK, LOCAL_RANK and WORLD_SIZE are already set (torchrun), or
+mapped from SLURM's variables in a multi-task srun step (`fsdprun.slurm`): every rank
 resolves the same command line itself (there is no launcher process to do it once), rank 0
 writes RUN_DIR/recipe.yaml for the record and renders the report.
 
@@ -95,6 +96,12 @@ def launch_overrides(env: Mapping[str, str]) -> list[str]:
 
 
 def run_as_worker(recipe: str, overrides: list[str]) -> None:
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise UserError(
+            f"RANK, LOCAL_RANK and WORLD_SIZE are set (a worker of an external launcher) but "
+            f"{' and '.join(missing)} not: export the host and a free port of rank 0"
+        )
     world_size = int(os.environ["WORLD_SIZE"])
     overrides = [*overrides, *launch_overrides(os.environ)]
     resolved = load_recipe(recipe, overrides, world_size=world_size)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Run, fsdprun_env, run_fsdprun
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun
 from rich.console import Console
 
 from fsdprun.config import load_recipe
@@ -192,6 +192,80 @@ def test_a_restarted_torchrun_worker_continues_only_its_own_run_dir(tmp_path, mo
     (run_dir / AGENT_FILE).unlink()
     with pytest.raises(UserError, match="already holds checkpoints"):
         claim_run_dir(run_dir, resolved)
+
+
+# What srun exports to each task of `srun --nodes 1 --ntasks 2` (the variables fsdprun reads).
+SRUN_STEP = {
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "cn7",
+    "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURMD_NODENAME": "cn7",
+}  # fmt: skip
+
+
+def test_srun_variables_map_only_for_the_tasks_of_a_multi_task_step():
+    from fsdprun.slurm import first_host, srun_env
+
+    task1 = {**SRUN_STEP, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
+    env = srun_env(task1)
+    assert env == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": env["MASTER_PORT"]}  # fmt: skip
+    assert 20000 <= int(env["MASTER_PORT"]) < 30000
+    assert srun_env({**task1, "SLURM_STEP_ID": "1"})["MASTER_PORT"] != env["MASTER_PORT"]
+    assert srun_env({**task1, "MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"
+    # An sbatch script or salloc shell (no step), a one-task step, torchrun inside srun: no.
+    batch = {k: v for k, v in task1.items() if not k.startswith("SLURM_STEP")}
+    assert srun_env({**batch, "SLURM_PROCID": "0", "SLURM_NTASKS": "8"}) == {}
+    assert srun_env({**task1, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "8"}) == {}
+    assert srun_env({**task1, "RANK": "3"}) == {}
+    # Two nodes: rank 0 listens on the step's first node.
+    two = {**task1, "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+           "SLURM_STEP_NODELIST": "gpu[007-008]", "SLURMD_NODENAME": "gpu008"}  # fmt: skip
+    assert srun_env(two)["MASTER_ADDR"] == "gpu007" and srun_env(two)["LOCAL_WORLD_SIZE"] == "4"
+    with pytest.raises(UserError, match="task 0 runs on gpu008, not on the step's first node"):
+        srun_env({**two, "SLURM_PROCID": "0"})
+    with pytest.raises(UserError, match=r"SLURM_STEP_TASKS_PER_NODE='3,1'.*--ntasks-per-node"):
+        srun_env({**two, "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "3,1"})
+    with pytest.raises(UserError, match="export MASTER_ADDR"):
+        srun_env({**two, "SLURM_STEP_NODELIST": "gpu[a-b]"})
+    for nodelist, host in (("cn1", "cn1"), ("cn[1-4],gpu[2,5]", "cn1"),
+                           ("rack1-n[09-12]-ib[0-1]", "rack1-n09-ib0"), ("n[1-2", None)):
+        assert first_host(nodelist) == host, nodelist  # fmt: skip
+
+
+def test_srun_tasks_train_together_as_one_job(tmp_path):
+    run_dir = tmp_path / "run"
+    step = {**SRUN_STEP, "MASTER_PORT": str(free_port())}  # tests run side by side on one host
+    procs = [
+        subprocess.Popen(
+            [FSDPRUN, "train", "debug", "train.steps=3", "output.log_every=1", "--run-dir",
+             str(run_dir)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=fsdprun_env(**step, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    run = Run(procs[0], run_dir)
+    assert [e["event"] for e in run.events].count("start") == 1
+    assert run.start["world_size"] == 2 and [e["step"] for e in run.steps] == [1, 2, 3]
+    assert not (run_dir / "recipe.1.yaml").exists() and "Throughput" in outs[0][0]
+
+
+def test_external_launcher_mistakes_are_one_line(tmp_path):
+    env = fsdprun_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = run_fsdprun("train", "debug", "--run-dir", str(tmp_path / "run"), cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "MASTER_ADDR and MASTER_PORT not" in proc.stderr and not (tmp_path / "run").exists()
+    # resume starts its own launcher: one per srun task would be two jobs in one directory.
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    env = fsdprun_env(**SRUN_STEP, SLURM_PROCID="0", SLURM_LOCALID="0")
+    proc = run_fsdprun("resume", str(run_dir), cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "fsdprun resume starts its own launcher" in proc.stderr
+    assert list(run_dir.iterdir()) == []
 
 
 def test_workers_fork_on_cpu_and_spawn_on_accelerators(monkeypatch):
