@@ -227,22 +227,22 @@ def test_srun_variables_map_only_for_the_tasks_of_a_multi_task_step():
         srun_env({**two, "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "3,1"})
     with pytest.raises(UserError, match="export MASTER_ADDR"):
         srun_env({**two, "SLURM_STEP_NODELIST": "gpu[a-b]"})
-    for nodelist, host in (("cn1", "cn1"), ("cn[1-4],gpu[2,5]", "cn1"),
-                           ("rack1-n[09-12]-ib[0-1]", "rack1-n09-ib0"), ("n[1-2", None)):
-        assert first_host(nodelist) == host, nodelist  # fmt: skip
+    hosts = {"cn1": "cn1", "cn[1-4],gpu[2,5]": "cn1", "n[09-12]-ib[0-1]": "n09-ib0", "n[1-2": None}
+    for nodelist, host in hosts.items():
+        assert first_host(nodelist) == host, nodelist
 
 
 def test_srun_tasks_train_together_as_one_job(tmp_path):
     run_dir = tmp_path / "run"
     step = {**SRUN_STEP, "MASTER_PORT": str(free_port())}  # tests run side by side on one host
+    args = ["train", "debug", "train.steps=3", "output.log_every=1", "--run-dir", str(run_dir)]
     procs = [
         subprocess.Popen(
-            [FSDPRUN, "train", "debug", "train.steps=3", "output.log_every=1", "--run-dir",
-             str(run_dir)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [FSDPRUN, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=fsdprun_env(**step, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
-        )  # fmt: skip
+        )
         for r in (0, 1)
-    ]
+    ]  # fmt: skip
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     run = Run(procs[0], run_dir)
