@@ -456,14 +456,25 @@ def verify_checkpoint(path: Path) -> list[str]:
     return problems
 
 
-def _move_aside(path: Path) -> None:
+def _move_aside(path: Path) -> Path | None:
     """A folder already at the save path (an earlier attempt's) is kept under another name."""
     if not path.exists():
-        return
+        return None
     n = 1
     while path.with_name(f"{path.name}.old{n}").exists():
         n += 1
-    path.rename(path.with_name(f"{path.name}.old{n}"))
+    return path.rename(path.with_name(f"{path.name}.old{n}"))
+
+
+def set_aside_after(run_dir: Path, step: int) -> list[Path]:
+    """Move the checkpoint folders of steps after `step` aside (`*.oldN`, nothing is deleted).
+
+    A resume from `step` abandons the run's later checkpoints; left in place, an elastic
+    restart (or a later resume), which takes the newest complete checkpoint, would continue the
+    abandoned run instead of this one. Returns the folders' new paths.
+    """
+    later = [s.path for s in list_checkpoints(run_dir) if s.step is not None and s.step > step]
+    return [moved for path in later if (moved := _move_aside(path)) is not None]
 
 
 def new_checkpoint_group(enabled: bool):

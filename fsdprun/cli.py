@@ -136,6 +136,9 @@ def train(
     """Train a recipe: launch the workers, print throughput and memory tables."""
     extra = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint, run_dir)
     all_overrides = [*(overrides or []), *extra]
+    from fsdprun.slurm import srun_env
+
+    os.environ.update(srun_env(os.environ))  # a task of an srun step is a worker too
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
         from fsdprun.direct import run_as_worker
 
@@ -173,7 +176,15 @@ def resume(
     """Continue a run from its newest complete checkpoint (any world size)."""
     from fsdprun.launch import launch_training
     from fsdprun.resume import plan_resume
+    from fsdprun.slurm import srun_env
 
+    if "RANK" in os.environ or srun_env(os.environ):
+        # Every rank would start a launcher of its own on the same run directory.
+        raise UserError(
+            "fsdprun resume starts its own launcher: run it once per node, not under torchrun "
+            "or a multi-task srun step (under torchrun --max-restarts, restarts resume by "
+            "themselves)"
+        )
     extra = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     plan = plan_resume(run_dir, [*(overrides or []), *extra], step=step, verify=verify)
     for bad in plan.skipped:

@@ -139,8 +139,8 @@ def injected_step(variable: str, rank: int) -> set[int]:
     """Fault injection for tests and drills, on the first attempt only (not after a restart):
     VARIABLE=RANK:STEP[,RANK:STEP...] → the 1-based steps at which this rank misbehaves.
 
-    FSDPRUN_FAIL_AT raises, FSDPRUN_HANG_AT stops answering, FSDPRUN_NONFINITE_AT makes the
-    loss infinite.
+    FSDPRUN_FAIL_AT raises (at train.steps + 1: after the last step and its checkpoint),
+    FSDPRUN_HANG_AT stops answering, FSDPRUN_NONFINITE_AT makes the loss infinite.
     """
     spec = os.environ.get(variable)
     if not spec or restart_count() > 0:

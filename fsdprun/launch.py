@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from fsdprun.checkpoint import checkpoint_root
+from fsdprun.checkpoint import checkpoint_root, read_manifest, set_aside_after
 from fsdprun.config import RecipeConfig, ResolvedRecipe
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, resolve_device_kind
@@ -121,6 +121,17 @@ def write_recipe(run_dir: Path, resolved: ResolvedRecipe) -> None:
         target.write_text(f"# resolved by fsdprun from '{resolved.name}'\n{resolved.to_yaml()}")
     except OSError as e:
         raise UserError(f"cannot write the run directory {run_dir}: {e.strerror}") from e
+
+
+def _set_aside_abandoned(run_dir: Path, resume_from: Path) -> None:
+    step = read_manifest(resume_from)["step"]
+    moved = set_aside_after(run_dir, step)
+    if moved:
+        print(
+            f"note: set aside {len(moved)} checkpoint(s) after step {step}, which this resume "
+            f"abandons: {', '.join(p.name for p in moved)}",
+            file=sys.stderr,
+        )
 
 
 @dataclass(frozen=True)
@@ -233,13 +244,10 @@ def launch_training(
         prepare_run_dir(run_dir, resolved)
     else:
         write_recipe(run_dir, resolved)
+        if cfg.launch.node_rank == 0:  # one node does it (the run directory is shared)
+            _set_aside_abandoned(run_dir, resume_from)
     plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method)
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
-    if cfg.launch.max_restarts > 0:
-        # With the rendezvous store shared with the workers (torch's default), a restarted
-        # group reads the previous attempt's gloo addresses from it and fails to connect
-        # (measured with torch 2.13); workers hosting their own store per attempt do not.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if not os.environ.get("FSDPRUN_DEBUG"):
         # The agent logs every phase at INFO and failures as multi-line reports; fsdprun prints
         # its own one-line summary and points at the per-rank logs instead.

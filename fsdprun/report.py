@@ -151,6 +151,12 @@ class Reporter:
             self.progress.stop()
             self.progress = None
         t = e["throughput"]
+        if t["steps_measured"] == 0:
+            self.console.print(
+                f"no steps ran in this launch (it started at step {e['start_step']} of "
+                f"{e['steps']}); metrics in {e['metrics_file']}"
+            )
+            return
         table = Table(title="Throughput", title_justify="left")
         for col in ("metric", "value"):
             table.add_column(col, justify="right" if col == "value" else "left")
@@ -180,7 +186,8 @@ class Reporter:
         for col in cols:
             mem.add_column(col, justify="right")
         for r in ranks:
-            ms = r["model_state_bytes"]
+            # None when every step of this launch was skipped (no optimizer step was taken).
+            ms = r["model_state_bytes"] or dict.fromkeys(("params", "grads", "optimizer", "total"))
             peaks = (
                 [fmt_bytes(r["peak_allocated_bytes"]), fmt_bytes(r["peak_reserved_bytes"])]
                 if gpu

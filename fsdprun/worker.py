@@ -109,10 +109,14 @@ def run(
     _set_threads()
     kind = resolve_device_kind(cfg.launch.device.value)
     device = build_worker_device(kind, ranks.local_rank)
+    timeout = timedelta(seconds=cfg.launch.timeout_s)
     dist.init_process_group(
         backend=device.backend,
         device_id=device.torch_device if kind != "cpu" else None,
-        timeout=timedelta(seconds=cfg.launch.timeout_s),
+        timeout=timeout,
+        store=_agent_store(timeout),  # None: env:// (MASTER_ADDR/MASTER_PORT)
+        rank=ranks.rank,
+        world_size=ranks.world_size,
     )
     try:
         _check_same_recipe(cfg)
@@ -131,6 +135,23 @@ def run(
     gc.collect()
     dist.destroy_process_group()
     return summary
+
+
+def _agent_store(timeout: timedelta) -> dist.Store | None:
+    """The elastic agent's rendezvous store under a prefix of this attempt, when the agent
+    shares its store with the workers (torch's default, under torchrun and fsdprun's launcher).
+
+    torch's env:// rendezvous uses the shared store without a per-attempt prefix, so a restarted
+    group read the previous attempt's gloo addresses from it and failed to connect (measured
+    with torch 2.13); the prefix gives every attempt its own keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout,
+    )  # fmt: skip
+    return dist.PrefixStore(f"fsdprun/attempt-{restart_count()}", agent)
 
 
 def _set_threads() -> None:
@@ -381,6 +402,8 @@ def _train(
             break
 
     saved(checkpointer.wait())  # the run's end waits for a save in flight
+    if cfg.train.steps + 1 in fail_at:
+        raise RuntimeError("injected failure after the last step (FSDPRUN_FAIL_AT)")
     ranks_info: list[dict[str, Any]] = [{}] * ranks.world_size
     mine = {"rank": ranks.rank, "model_state_bytes": model_state, **device.peak_memory()}
     dist.all_gather_object(ranks_info, mine)
@@ -481,7 +504,8 @@ def _summary(
     peak, note = peak_flops(device.name(), cfg.precision.param_dtype.value, cfg.output.peak_tflops)
     return {
         "steps": cfg.train.steps,
-        "final_loss": loss_value,
+        # None when this launch ran no step (a restart from the last step's checkpoint).
+        "final_loss": loss_value if step_times else None,
         "final_val_loss": val_loss,
         "throughput": throughput(
             step_times,

@@ -45,6 +45,52 @@ def test_crashed_worker_is_restarted_and_resumes(straight: Run, tmp_path):
     assert "workers restarted (attempt 1)" in proc.stdout
 
 
+def _copy(run: Run, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run.run_dir, tmp_path / "run"))
+
+
+def test_a_restart_after_resume_step_continues_this_resume(straight: Run, tmp_path):
+    # straight kept 36, 39 and 40; the resume from 36 abandons the old 39 and 40.
+    run_dir = _copy(straight, tmp_path)
+    proc = run_fsdprun(
+        "resume", str(run_dir), "--step", "36", "launch.max_restarts=1", cwd=tmp_path,
+        env=fsdprun_env(FSDPRUN_FAIL_AT="1:40"),
+    )  # fmt: skip
+    run = Run(proc, run_dir).check()
+    events = run.events[[e["event"] for e in run.events].index("resume") :]
+    restart = next(e for e in events if e["event"] == "restart")
+    assert restart["step"] == 39 and restart["checkpoint"] == str(step_dir(run_dir, 39))
+    want = losses(straight.run_dir)
+    got = {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+    assert sorted(got) == [37, 38, 39, 40]
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step], abs=1e-6), step
+    # The abandoned continuation's checkpoints are set aside, not lost.
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "step-00000039.old1").is_dir() and (ckpts / "step-00000040.old1").is_dir()
+    assert "set aside 2 checkpoint(s) after step 36" in proc.stderr
+
+
+def test_a_restart_with_no_steps_left_reports_cleanly(straight: Run, tmp_path):
+    # The worker fails after the last step's checkpoint: the restart has nothing left to run.
+    run_dir = _copy(straight, tmp_path)
+    proc = run_fsdprun(
+        "resume", str(run_dir), "--step", "39", "launch.max_restarts=1", cwd=tmp_path,
+        env=fsdprun_env(FSDPRUN_FAIL_AT="0:41"),
+    )  # fmt: skip
+    run = Run(proc, run_dir).check()
+    assert "Traceback" not in proc.stderr
+    restart = next(e for e in run.events if e["event"] == "restart")
+    assert restart["step"] == 40
+    summary = run.events[-1]
+    assert summary["event"] == "summary" and summary["start_step"] == 40
+    assert summary["final_loss"] is None and summary["throughput"]["steps_measured"] == 0
+    assert all(r["model_state_bytes"] is None for r in summary["ranks"])
+    assert "no steps ran in this launch (it started at step 40 of 40)" in proc.stdout
+
+
 def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [FSDPRUN, "train", "debug", *args, "--run-dir", str(tmp_path / "run")], cwd=tmp_path,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Run, fsdprun_env, run_fsdprun
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun
 from rich.console import Console
 
 from fsdprun.config import load_recipe
@@ -102,6 +102,16 @@ def test_report_renders_the_numbers_it_is_given():
     assert "52.3%" in text and "40.00 GiB" in text and "42.00 GiB" in text
 
 
+def test_report_of_a_launch_whose_steps_were_all_skipped():
+    summary = _events()[2]
+    for r in summary["ranks"]:
+        r["model_state_bytes"] = None  # no optimizer step was taken
+    console = Console(record=True, width=160)
+    Reporter(console).handle(summary)
+    text = console.export_text()
+    assert "300.00 MiB" in text and text.count("n/a") >= 8  # 4 columns x 2 ranks
+
+
 def test_runs_as_a_worker_under_torchrun(tmp_path):
     torchrun = str(Path(sys.executable).parent / "torchrun")
     fsdprun = str(Path(sys.executable).parent / "fsdprun")
@@ -115,6 +125,147 @@ def test_runs_as_a_worker_under_torchrun(tmp_path):
     run = Run(proc, tmp_path / "run")
     assert run.start["world_size"] == 2 and len(run.losses) == 3
     assert "Throughput" in proc.stdout and (tmp_path / "run" / "recipe.yaml").exists()
+
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def test_hybrid_shards_within_the_node_an_external_launcher_reports():
+    from fsdprun.config import shard_group_size
+    from fsdprun.direct import launch_overrides
+
+    # llama-1b says one device per node; torchrun (or srun) started the job as it is.
+    batch = ["fsdp.sharding=hybrid", "train.micro_batch_size=1", "train.global_batch_size=16"]
+    for world, local in ((8, 8), (16, 8), (8, 4)):
+        env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local), "RANK": str(world - 1)}
+        overrides = [*batch, *launch_overrides(env)]
+        cfg = load_recipe("llama-1b", overrides, world_size=world).config
+        assert shard_group_size(cfg, world) == local
+        launch = cfg.launch
+        assert (launch.nproc_per_node, launch.nnodes, launch.node_rank) == (
+            local, world // local, world // local - 1)  # fmt: skip
+    with pytest.raises(UserError, match="LOCAL_WORLD_SIZE=3 does not divide WORLD_SIZE=8"):
+        launch_overrides({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "3", "RANK": "0"})
+
+
+def test_torchrun_restarts_resume_and_hybrid_shards_over_the_real_node(fsdprun_runs, tmp_path):
+    # 4 ranks on one node; the debug recipe says 2 per node. Rank 1 fails at step 5 and
+    # torchrun restarts the group, which continues from step 4.
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "-m",
+         "fsdprun", "train", "debug", "train.steps=6", "output.log_every=1",
+         "checkpoint.every_steps=2", "fsdp.sharding=hybrid", "--run-dir", str(run_dir)],
+        cwd=tmp_path, env=fsdprun_env(FSDPRUN_FAIL_AT="1:5"), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = Run(proc, run_dir)
+    restart = next(e for e in run.events if e["event"] == "restart")
+    assert restart["step"] == 4 and restart["attempt"] == 1
+    assert [e["step"] for e in run.steps] == [1, 2, 3, 4, 5, 6]
+    plain = fsdprun_runs.train("train.steps=6", "output.log_every=1", "train.micro_batch_size=1")
+    for step, (got, want) in enumerate(zip(run.losses, plain.check().losses, strict=True), 1):
+        assert got == pytest.approx(want, abs=1e-5), step
+    sharding = next(k for k in run.start["engine_knobs"] if k["key"] == "fsdp.sharding")
+    assert "(1 replicate x 4 shard)" in sharding["applied"]
+    assert (run.start["world_size"], run.start["nnodes"]) == (4, 1)
+
+
+def test_a_restarted_torchrun_worker_continues_only_its_own_run_dir(tmp_path, monkeypatch):
+    import json
+
+    from fsdprun.checkpoint import checkpoint_root
+    from fsdprun.direct import AGENT_FILE, claim_run_dir
+
+    run_dir = tmp_path / "run"
+    resolved = load_recipe("debug")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    claim_run_dir(run_dir, resolved)  # the first attempt creates it ...
+    checkpoint_root(run_dir).mkdir()  # ... and saves
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    claim_run_dir(run_dir, resolved)  # the restart continues it
+    # A run directory another job (or fsdprun's own launcher) created is refused, restart or not.
+    (run_dir / AGENT_FILE).write_text(json.dumps({"agent": "elsewhere:1"}))
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        claim_run_dir(run_dir, resolved)
+    (run_dir / AGENT_FILE).unlink()
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        claim_run_dir(run_dir, resolved)
+
+
+# What srun exports to each task of `srun --nodes 1 --ntasks 2` (the variables fsdprun reads).
+SRUN_STEP = {
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "cn7",
+    "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURMD_NODENAME": "cn7",
+}  # fmt: skip
+
+
+def test_srun_variables_map_only_for_the_tasks_of_a_multi_task_step():
+    from fsdprun.slurm import first_host, srun_env
+
+    task1 = {**SRUN_STEP, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
+    env = srun_env(task1)
+    assert env == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": env["MASTER_PORT"]}  # fmt: skip
+    assert 20000 <= int(env["MASTER_PORT"]) < 30000
+    assert srun_env({**task1, "SLURM_STEP_ID": "1"})["MASTER_PORT"] != env["MASTER_PORT"]
+    assert srun_env({**task1, "MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"
+    # An sbatch script or salloc shell (no step), a one-task step, torchrun inside srun: no.
+    batch = {k: v for k, v in task1.items() if not k.startswith("SLURM_STEP")}
+    assert srun_env({**batch, "SLURM_PROCID": "0", "SLURM_NTASKS": "8"}) == {}
+    assert srun_env({**task1, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "8"}) == {}
+    assert srun_env({**task1, "RANK": "3"}) == {}
+    # Two nodes: rank 0 listens on the step's first node.
+    two = {**task1, "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+           "SLURM_STEP_NODELIST": "gpu[007-008]", "SLURMD_NODENAME": "gpu008"}  # fmt: skip
+    assert srun_env(two)["MASTER_ADDR"] == "gpu007" and srun_env(two)["LOCAL_WORLD_SIZE"] == "4"
+    with pytest.raises(UserError, match="task 0 runs on gpu008, not on the step's first node"):
+        srun_env({**two, "SLURM_PROCID": "0"})
+    with pytest.raises(UserError, match=r"SLURM_STEP_TASKS_PER_NODE='3,1'.*--ntasks-per-node"):
+        srun_env({**two, "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "3,1"})
+    with pytest.raises(UserError, match="export MASTER_ADDR"):
+        srun_env({**two, "SLURM_STEP_NODELIST": "gpu[a-b]"})
+    hosts = {"cn1": "cn1", "cn[1-4],gpu[2,5]": "cn1", "n[09-12]-ib[0-1]": "n09-ib0", "n[1-2": None}
+    for nodelist, host in hosts.items():
+        assert first_host(nodelist) == host, nodelist
+
+
+def test_srun_tasks_train_together_as_one_job(tmp_path):
+    run_dir = tmp_path / "run"
+    step = {**SRUN_STEP, "MASTER_PORT": str(free_port())}  # tests run side by side on one host
+    args = ["train", "debug", "train.steps=3", "output.log_every=1", "--run-dir", str(run_dir)]
+    procs = [
+        subprocess.Popen(
+            [FSDPRUN, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=fsdprun_env(**step, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+        )
+        for r in (0, 1)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    run = Run(procs[0], run_dir)
+    assert [e["event"] for e in run.events].count("start") == 1
+    assert run.start["world_size"] == 2 and [e["step"] for e in run.steps] == [1, 2, 3]
+    assert not (run_dir / "recipe.1.yaml").exists() and "Throughput" in outs[0][0]
+
+
+def test_external_launcher_mistakes_are_one_line(tmp_path):
+    env = fsdprun_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = run_fsdprun("train", "debug", "--run-dir", str(tmp_path / "run"), cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "MASTER_ADDR and MASTER_PORT not" in proc.stderr and not (tmp_path / "run").exists()
+    # resume starts its own launcher: one per srun task would be two jobs in one directory.
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    env = fsdprun_env(**SRUN_STEP, SLURM_PROCID="0", SLURM_LOCALID="0")
+    proc = run_fsdprun("resume", str(run_dir), cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "fsdprun resume starts its own launcher" in proc.stderr
+    assert list(run_dir.iterdir()) == []
 
 
 def test_workers_fork_on_cpu_and_spawn_on_accelerators(monkeypatch):
