@@ -30,6 +30,7 @@ from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.guard import STOP_FILE, request_stop
+from fsdprun.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.report import MetricsFollower, Reporter
 from fsdprun.worker import RECIPE_FILE, elastic_entry
 
@@ -129,6 +130,7 @@ class LaunchPlan:
 
     config: LaunchConfig
     omp_threads: int
+    env: dict[str, str]  # set in this process before the launch (the workers inherit it)
 
 
 def build_launch_plan(
@@ -146,8 +148,10 @@ def build_launch_plan(
     if launch.nnodes > 1:
         # Node 0 hosts the rendezvous store; the others only connect to it.
         rdzv_configs["is_host"] = launch.node_rank == 0
-    # A single node binds rendezvous to loopback with a free port: nothing listens outside.
-    endpoint = launch.rdzv_endpoint or "127.0.0.1:0"
+    # A single node binds the rendezvous to loopback with a free port, and everything else of the
+    # run to loopback too (fsdprun.loopback): nothing listens outside.
+    endpoint = launch.rdzv_endpoint or f"{LOOPBACK_ADDR}:0"
+    local = launch.nnodes == 1 and endpoint_is_local(launch.rdzv_endpoint)
     cpus = os.cpu_count() or 1
     omp = max(1, cpus // launch.nproc_per_node) if device_kind == "cpu" else 1
     # fsdprun handles SIGINT/SIGTERM itself (stop at a checkpoint); the agent keeps the others.
@@ -157,8 +161,9 @@ def build_launch_plan(
         max_nodes=launch.nnodes,
         nproc_per_node=launch.nproc_per_node,
         run_id="fsdprun",
-        rdzv_backend="c10d",
+        rdzv_backend=RDZV_BACKEND if local else "c10d",
         rdzv_endpoint=endpoint,
+        local_addr=endpoint.rpartition(":")[0] if local else None,
         rdzv_configs=rdzv_configs,
         max_restarts=launch.max_restarts,
         start_method=method or start_method(device_kind),
@@ -166,7 +171,7 @@ def build_launch_plan(
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
         **signals,
     )
-    return LaunchPlan(config=config, omp_threads=omp)
+    return LaunchPlan(config=config, omp_threads=omp, env=single_node_env() if local else {})
 
 
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -235,6 +240,7 @@ def launch_training(
         write_recipe(run_dir, resolved)
     plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method)
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
+    os.environ.update(plan.env)
     if cfg.launch.max_restarts > 0:
         # With the rendezvous store shared with the workers (torch's default), a restarted
         # group reads the previous attempt's gloo addresses from it and fails to connect

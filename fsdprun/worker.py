@@ -50,6 +50,7 @@ from fsdprun.guard import (
     injected_step,
     restart_count,
 )
+from fsdprun.loopback import worker_store_args
 from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
 from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
@@ -109,10 +110,12 @@ def run(
     _set_threads()
     kind = resolve_device_kind(cfg.launch.device.value)
     device = build_worker_device(kind, ranks.local_rank)
+    timeout = timedelta(seconds=cfg.launch.timeout_s)
     dist.init_process_group(
         backend=device.backend,
         device_id=device.torch_device if kind != "cpu" else None,
-        timeout=timedelta(seconds=cfg.launch.timeout_s),
+        timeout=timeout,
+        **worker_store_args(timeout),  # a single-node run: rank 0's store on loopback only
     )
     try:
         _check_same_recipe(cfg)

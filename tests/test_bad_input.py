@@ -189,13 +189,14 @@ def _one_line_exit_2(proc) -> str:
     return lines[0]
 
 
-def test_rendezvous_port_already_in_use(tmp_path):
+@pytest.mark.parametrize("nnodes", [2, 1])  # 1: fsdprun's loopback rendezvous backend
+def test_rendezvous_port_already_in_use(nnodes, tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         proc = run_fsdprun(
-            "train", "debug", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "0",
+            "train", "debug", "--nnodes", str(nnodes), "--nproc-per-node", "1", "--node-rank", "0",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "launch.rdzv_timeout_s=5",
             "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=120,
         )  # fmt: skip
