@@ -52,6 +52,8 @@ EndpointOpt = Annotated[
 
 
 def _fail(message: str, code: int) -> typer.Exit:
+    # One line whatever the message quotes (a key or path given with a newline in it).
+    message = "\\n".join(message.splitlines())
     err_console.print(f"[red]error:[/red] {escape(message)}", markup=True)
     return typer.Exit(code)
 

@@ -394,7 +394,11 @@ class OutputConfig:
         None, "Run directory; null = runs/<recipe>-<YYYYmmdd-HHMMSS> under the working dir."
     )
     log_every: int = _f(10, "Log (and write metrics.jsonl) every this many steps.")
-    metrics_file: str = _f("metrics.jsonl", "File in the run directory for metrics events.")
+    metrics_file: str = _f(
+        "metrics.jsonl",
+        "File in the run directory for metrics events: a file name ending in .jsonl (no folder, "
+        "no `..`).",
+    )
     timing_warmup_steps: int = _f(
         2, "Steps left out of the step-time and throughput figures (compile, allocator warm-up)."
     )
@@ -500,9 +504,62 @@ def _builtin_text(name: str) -> str | None:
     return entry.read_text() if entry.is_file() else None
 
 
+# A recipe is a few screens of plain data: section, key, value, at most a list of values.
+MAX_YAML_DEPTH = 8
+
+
+class _NotPlainData(yaml.MarkedYAMLError):
+    """YAML that a recipe refuses although it parses: anchors, aliases, deep nesting."""
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without anchors and aliases (`&name`, `*name`) and with bounded
+    nesting. Nine levels of ten aliases each are 485 bytes of text that expand to 10^9 values
+    once merged; a recipe reuses values with `extends:` or `${key}` references instead. The
+    composer is recursive: the depth bound keeps a deep nest from exhausting the stack."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _NotPlainData(
+                problem="YAML anchors and aliases (&name, *name) are not allowed; a recipe is "
+                "plain data (reuse values with `extends:` or ${section.key} references)",
+                problem_mark=event.start_mark,
+            )
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _NotPlainData(
+                problem=f"nested deeper than {MAX_YAML_DEPTH} levels; a recipe value is a plain "
+                "value or a list of them",
+                problem_mark=event.start_mark,
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as Python data, the way recipes and overrides are read (see `RecipeLoader`).
+
+    Raises:
+        yaml.YAMLError: not YAML, a tag other than the standard ones, an anchor, an alias, too
+            deep.
+        ValueError: a value Python refuses to convert (an integer of more than 4300 digits).
+    """
+    return yaml.load(text, Loader=RecipeLoader)  # a SafeLoader: no object construction
+
+
 def _read_yaml(text: str, source: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except _NotPlainData as e:
+        mark = e.problem_mark
+        raise UserError(f"{source}: line {mark.line + 1}: {e.problem}") from e
+    except ValueError as e:
+        raise UserError(f"{source}: unreadable value ({str(e).split(':')[0]})") from e
     except yaml.constructor.ConstructorError as e:
         mark = e.problem_mark
         where = f" line {mark.line + 1}" if mark else ""
@@ -542,9 +599,23 @@ def _flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
             dotted = ALIASES.get(dotted, dotted)
             if dotted not in fields:
                 raise UserError(f"{source}: unknown key '{dotted}'{_closest(dotted, list(fields))}")
+            _check_plain(dotted, value, source)
             _check_interpolation(dotted, value, source)
             flat[dotted] = value
     return flat
+
+
+def _check_plain(key: str, value: Any, source: str) -> None:
+    """A recipe value is a plain value or a flat list of them: refusing a container inside a
+    container here keeps a deep nest away from OmegaConf, which recurses through it."""
+    if isinstance(value, list | dict):
+        items = value.values() if isinstance(value, dict) else value
+        inner = next((v for v in items if isinstance(v, list | dict)), None)
+        if inner is not None:
+            raise UserError(
+                f"{source}: {key}: a {type(inner).__name__} inside a {type(value).__name__} is "
+                "not a recipe value; give a plain value or a flat list"
+            )
 
 
 # Plain references such as ${train.seq_len} are allowed; resolver calls such as ${oc.env:X}
@@ -572,7 +643,18 @@ def _resolve_path(ref: str, base: Path | None) -> tuple[str, str]:
     # A parent is looked up beside the recipe that extends it (never in the working directory).
     path = base / ref if base is not None else Path(ref)
     if path.is_file():
-        return str(path.resolve()), path.read_text()
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise UserError(f"{path}: cannot read the recipe: {e.strerror}") from e
+        try:
+            return str(path.resolve()), data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise UserError(
+                f"{path}: line {line}: not UTF-8 text (byte 0x{data[e.start]:02x}); save the "
+                "recipe as UTF-8"
+            ) from e
     name = ref[:-5] if ref.endswith(".yaml") else ref
     text = _builtin_text(name) if "/" not in ref else None
     if text is not None:
@@ -667,19 +749,25 @@ def parse_overrides(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
         key = ALIASES.get(key.strip(), key.strip())
         if key not in fields:
             raise UserError(f"override '{item}': unknown key '{key}'{_closest(key, list(fields))}")
-        value = _parse_value(raw, fields[key])
+        value = _parse_value(key, raw, fields[key])
+        _check_plain(key, value, CLI_SOURCE)
         _check_interpolation(key, value, CLI_SOURCE)
         values[key] = value
     return values, drops
 
 
-def _parse_value(raw: str, f: dataclasses.Field) -> Any:
-    """An override's text as YAML, except for string keys, which take the text verbatim (so a
-    run dir `2024-01-01` or an endpoint `host:30` are not read as a date or a number)."""
+def _parse_value(key: str, raw: str, f: dataclasses.Field) -> Any:
+    """An override's text as YAML (read as recipes are: no anchors, aliases or deep nests),
+    except for string keys, which take the text verbatim (so a run dir `2024-01-01` or an
+    endpoint `host:30` are not read as a date or a number)."""
     if f.type in ("str", "str | None"):
         return None if f.type == "str | None" and raw in ("null", "~") else raw
     try:
-        return yaml.safe_load(raw) if raw.strip() else ""
+        return load_yaml(raw) if raw.strip() else ""
+    except _NotPlainData as e:
+        raise UserError(f"{CLI_SOURCE}: {key}: {e.problem}") from e
+    except ValueError as e:
+        raise UserError(f"{CLI_SOURCE}: {key}: unreadable value ({str(e).split(':')[0]})") from e
     except yaml.YAMLError:
         return raw
 
@@ -692,6 +780,42 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Longest value that ${...} references may build (PATH_MAX on Linux): a chain of values that
+# each repeat the previous one ten times would otherwise grow ten-fold per key.
+MAX_EXPANDED_CHARS = 4096
+
+
+def _check_expansion(merged: Any) -> None:
+    """Refuse a value whose references would expand beyond MAX_EXPANDED_CHARS, measured on the
+    unresolved values (nothing is expanded); reference cycles are left to OmegaConf."""
+    raw = OmegaConf.to_container(merged, resolve=False, enum_to_str=True)
+    sizes: dict[str, int] = {}
+
+    def size(value: Any, stack: tuple[str, ...]) -> int:
+        if isinstance(value, list):
+            return 2 + sum(size(v, stack) + 2 for v in value)
+        if not isinstance(value, str):
+            return len(str(value))
+        total = len(_INTERPOLATION.sub("", value))
+        for ref in _INTERPOLATION.findall(value):
+            if ref in stack or ref not in schema_fields():
+                continue
+            if ref not in sizes:
+                section, leaf = ref.split(".")
+                sizes[ref] = size(raw[section][leaf], (*stack, ref))
+            total += sizes[ref]
+        return total
+
+    for key in schema_fields():
+        section, leaf = key.split(".")
+        value = raw[section][leaf]
+        if "${" in str(value) and size(value, (key,)) > MAX_EXPANDED_CHARS:
+            raise UserError(
+                f"recipe: {key}: its ${{...}} references expand to more than "
+                f"{MAX_EXPANDED_CHARS} characters; reference shorter values"
+            )
+
+
 def _merge(layers: list[Layer]) -> RecipeConfig:
     merged = OmegaConf.structured(RecipeConfig)
     for layer in layers:
@@ -701,6 +825,7 @@ def _merge(layers: list[Layer]) -> RecipeConfig:
             key = getattr(e, "full_key", None) or "?"
             msg = str(e).splitlines()[0]
             raise UserError(f"{layer.source}: {key}: {msg}") from e
+    _check_expansion(merged)
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -776,6 +901,7 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         value = getattr(getattr(cfg, section), leaf)
         if not (value >= 0 and math.isfinite(value)):
             errors.append(f"{key} must be >= 0 (got {value})")
+    errors += _string_errors(cfg)
     if errors:
         return errors
 
@@ -837,6 +963,74 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         errors.append(f"launch.device_memory_gb must be > 0 (got {cfg.launch.device_memory_gb})")
     if cfg.output.peak_tflops is not None and cfg.output.peak_tflops <= 0:
         errors.append(f"output.peak_tflops must be > 0 (got {cfg.output.peak_tflops})")
+    return errors
+
+
+# Every string key (and list of strings) of the schema, with the kind of text it holds; a test
+# keeps this table complete. Kinds: `name` (non-empty), `class` (a Python class name),
+# `file`/`folder` (a path that must not be the other kind; existence is checked where the path
+# is used), `endpoint` (HOST:PORT, checked in validate), `run_file` (a .jsonl file name inside
+# the run directory: the only place fsdprun writes).
+STRING_KEYS: dict[str, tuple[str, str]] = {
+    "model.family": ("name", "a model family (llama)"),
+    "model.hf_path": ("folder", "a HuggingFace model folder, or null"),
+    "fsdp.backward_prefetch": ("name", "pre, post, none or a depth >= 1"),
+    "fsdp.wrap_classes": ("class", "module class names such as TransformerBlock"),
+    "data.paths": ("file", "token or text files"),
+    "data.val_paths": ("file", "token or text files"),
+    "data.text_field": ("name", "the .jsonl field holding the text"),
+    "data.tokenizer": ("file", "byte or a tokenizer.json file"),
+    "checkpoint.load_from": ("folder", "a checkpoint folder (RUN_DIR/checkpoints/step-N), or null"),
+    "launch.rdzv_endpoint": ("endpoint", "HOST:PORT, or empty for one node"),
+    "output.run_dir": ("folder", "a folder, or null for runs/<recipe>-<time>"),
+    "output.metrics_file": ("run_file", "a .jsonl file name in the run directory (metrics.jsonl)"),
+}
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _string_problem(kind: str, value: str, run_dir: str | None) -> str | None:
+    """What is wrong with one string of a STRING_KEYS kind, or None."""
+    if _CONTROL_CHARS.search(value):
+        return "contains a control character"
+    if kind == "endpoint":
+        port = value.rpartition(":")[2]
+        return "has a port above 65535" if port.isdigit() and int(port) > 65535 else None
+    if not value.strip():
+        return "is empty"
+    path = Path(value)
+    if kind == "class" and not value.isidentifier():
+        return "is not a class name"
+    if kind == "file" and value != "byte" and path.is_dir():
+        return "is a folder"
+    if kind == "folder" and path.exists() and not path.is_dir():
+        return "is not a folder"
+    if kind == "run_file":
+        if path.is_absolute():
+            return "is an absolute path"
+        if ".." in path.parts:
+            return "leaves the run directory"
+        if path.name != value or value == ".":
+            return "is not a plain file name"
+        if not value.endswith(".jsonl"):
+            return "does not end in .jsonl"
+        if run_dir is not None and (Path(run_dir) / value).is_dir():
+            return f"is a folder in {run_dir}"
+    return None
+
+
+def _string_errors(cfg: RecipeConfig) -> list[str]:
+    """The STRING_KEYS checks: empty, wrong kind, control characters, escapes from the run
+    directory. Values are quoted with repr, so every message stays one line."""
+    errors = []
+    for key, (kind, expected) in STRING_KEYS.items():
+        section, leaf = key.split(".")
+        value = getattr(getattr(cfg, section), leaf)
+        for item in value if isinstance(value, list) else [value]:
+            if item is None:
+                continue
+            problem = _string_problem(kind, str(item), cfg.output.run_dir)
+            if problem:
+                errors.append(f"{key}: {str(item)!r} {problem}; expected {expected}")
     return errors
 
 

@@ -30,6 +30,7 @@ from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.guard import STOP_FILE, request_stop
+from fsdprun.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.report import MetricsFollower, Reporter
 from fsdprun.worker import RECIPE_FILE, elastic_entry
 
@@ -140,6 +141,7 @@ class LaunchPlan:
 
     config: LaunchConfig
     omp_threads: int
+    env: dict[str, str]  # set in this process before the launch (the workers inherit it)
 
 
 def build_launch_plan(
@@ -157,8 +159,10 @@ def build_launch_plan(
     if launch.nnodes > 1:
         # Node 0 hosts the rendezvous store; the others only connect to it.
         rdzv_configs["is_host"] = launch.node_rank == 0
-    # A single node binds rendezvous to loopback with a free port: nothing listens outside.
-    endpoint = launch.rdzv_endpoint or "127.0.0.1:0"
+    # A single node binds the rendezvous to loopback with a free port, and everything else of the
+    # run to loopback too (fsdprun.loopback): nothing listens outside.
+    endpoint = launch.rdzv_endpoint or f"{LOOPBACK_ADDR}:0"
+    local = launch.nnodes == 1 and endpoint_is_local(launch.rdzv_endpoint)
     cpus = os.cpu_count() or 1
     omp = max(1, cpus // launch.nproc_per_node) if device_kind == "cpu" else 1
     # fsdprun handles SIGINT/SIGTERM itself (stop at a checkpoint); the agent keeps the others.
@@ -168,8 +172,9 @@ def build_launch_plan(
         max_nodes=launch.nnodes,
         nproc_per_node=launch.nproc_per_node,
         run_id="fsdprun",
-        rdzv_backend="c10d",
+        rdzv_backend=RDZV_BACKEND if local else "c10d",
         rdzv_endpoint=endpoint,
+        local_addr=endpoint.rpartition(":")[0] if local else None,
         rdzv_configs=rdzv_configs,
         max_restarts=launch.max_restarts,
         start_method=method or start_method(device_kind),
@@ -177,7 +182,7 @@ def build_launch_plan(
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
         **signals,
     )
-    return LaunchPlan(config=config, omp_threads=omp)
+    return LaunchPlan(config=config, omp_threads=omp, env=single_node_env() if local else {})
 
 
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -248,6 +253,7 @@ def launch_training(
             _set_aside_abandoned(run_dir, resume_from)
     plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method)
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
+    os.environ.update(plan.env)
     if not os.environ.get("FSDPRUN_DEBUG"):
         # The agent logs every phase at INFO and failures as multi-line reports; fsdprun prints
         # its own one-line summary and points at the per-rank logs instead.

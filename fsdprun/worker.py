@@ -50,6 +50,7 @@ from fsdprun.guard import (
     injected_step,
     restart_count,
 )
+from fsdprun.loopback import worker_store_args
 from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
 from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
@@ -114,9 +115,7 @@ def run(
         backend=device.backend,
         device_id=device.torch_device if kind != "cpu" else None,
         timeout=timeout,
-        store=_agent_store(timeout),  # None: env:// (MASTER_ADDR/MASTER_PORT)
-        rank=ranks.rank,
-        world_size=ranks.world_size,
+        **_store_args(ranks, timeout),
     )
     try:
         _check_same_recipe(cfg)
@@ -135,6 +134,16 @@ def run(
     gc.collect()
     dist.destroy_process_group()
     return summary
+
+
+def _store_args(ranks: Ranks, timeout: timedelta) -> dict:
+    """How the workers find each other: the agent's shared store under a per-attempt prefix
+    (torchrun, multi-node), rank 0's store bound to loopback (fsdprun's single-node launcher,
+    which does not share the agent's store: that one listens on every interface), else env://."""
+    agent = _agent_store(timeout)
+    if agent is not None:
+        return {"store": agent, "rank": ranks.rank, "world_size": ranks.world_size}
+    return worker_store_args(timeout)
 
 
 def _agent_store(timeout: timedelta) -> dist.Store | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
 import socket
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import fsdprun.device
 import fsdprun.launch
 from fsdprun.checkpoint import step_dir
 from fsdprun.cli import app
+from fsdprun.config import STRING_KEYS, schema_fields
 
 
 @pytest.fixture(scope="module")
@@ -187,13 +189,14 @@ def _one_line_exit_2(proc) -> str:
     return lines[0]
 
 
-def test_rendezvous_port_already_in_use(tmp_path):
+@pytest.mark.parametrize("nnodes", [2, 1])  # 1: fsdprun's loopback rendezvous backend
+def test_rendezvous_port_already_in_use(nnodes, tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         proc = run_fsdprun(
-            "train", "debug", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "0",
+            "train", "debug", "--nnodes", str(nnodes), "--nproc-per-node", "1", "--node-rank", "0",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "launch.rdzv_timeout_s=5",
             "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=120,
         )  # fmt: skip
@@ -227,3 +230,194 @@ def test_unknown_wrap_class_is_a_user_error_from_the_workers(tmp_path):
 def test_the_corpus_is_large_enough():
     assert len(CASES) + 4 >= 30
     assert torch  # the module imports torch before any case runs: timing stays per case
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile or broken recipe text: each refused in one line, exit 2, within a deadline (before the
+# fix an alias bomb ran until killed), nothing written.
+
+
+def _alias_bomb(levels: int) -> str:
+    """YAML flow list of `levels` anchors, each a list of ten aliases of the previous: 10^levels
+    strings once expanded, a few hundred bytes of text."""
+    parts = ["&a0 [x,x,x,x,x,x,x,x,x,x]"]
+    parts += [f"&a{i} [{','.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return f"[{','.join(parts)}]"
+
+
+def _chained_references(levels: int) -> str:
+    """String keys that each repeat the previous one's ${...} reference ten times."""
+    keys = ["model.family", "data.text_field", "data.tokenizer", "launch.rdzv_endpoint",
+            "output.metrics_file", "output.run_dir", "checkpoint.load_from"][:levels]  # fmt: skip
+    lines, previous = {}, None
+    for key in keys:
+        section, leaf = key.split(".")
+        value = "x" * 80 if previous is None else f"${{{previous}}}" * 10
+        lines.setdefault(section, []).append(f"  {leaf}: '{value}'")
+        previous = key
+    return "".join(f"{s}:\n" + "\n".join(body) + "\n" for s, body in lines.items())
+
+
+HOSTILE = [
+    ("alias-bomb-file",
+     lambda t: ["config", write(t / "a.yaml", f"fsdp:\n  wrap_classes: {_alias_bomb(9)}\n")],
+     "line 2: YAML anchors and aliases (&name, *name) are not allowed"),
+    ("alias-bomb-override", lambda t: ["config", "debug", f"fsdp.wrap_classes={_alias_bomb(6)}"],
+     "command line: fsdp.wrap_classes: YAML anchors and aliases"),
+    ("anchor-alone", lambda t: ["config", write(t / "a.yaml", "train: &t\n  steps: 3\n")],
+     "line 1: YAML anchors and aliases"),
+    ("reference-bomb", lambda t: ["config", write(t / "a.yaml", _chained_references(7))],
+     "references expand to more than 4096 characters"),
+    ("nested-lists-override",
+     lambda t: ["config", "debug", "fsdp.wrap_classes=" + "[" * 200 + "]" * 200],
+     "command line: fsdp.wrap_classes: nested deeper than 8 levels"),
+    ("nested-lists-file",
+     lambda t: ["config", write(t / "a.yaml", "train:\n  steps: " + "[" * 5000 + "]" * 5000)],
+     "line 2: nested deeper than 8 levels"),
+    ("list-in-a-list", lambda t: ["config", "debug", "optim.betas=[[0.9], 0.95]"],
+     "optim.betas: a list inside a list is not a recipe value"),
+    ("huge-integer-override", lambda t: ["config", "debug", "train.steps=" + "1" * 5000],
+     "command line: train.steps: unreadable value (Exceeds the limit (4300 digits)"),
+    ("huge-integer-file",
+     lambda t: ["config", write(t / "a.yaml", "train:\n  steps: " + "1" * 5000 + "\n")],
+     "a.yaml: unreadable value (Exceeds the limit (4300 digits)"),
+    ("latin-1-recipe", lambda t: [
+        "config", _write_bytes(t / "a.yaml", "train:\n  steps: 3  # café\n".encode("latin-1"))
+    ], "a.yaml: line 2: not UTF-8 text (byte 0xe9); save the recipe as UTF-8"),
+    ("latin-1-parent", lambda t: [
+        "config", write(t / "a.yaml", "extends: p.yaml\n"),
+        _write_bytes(t / "p.yaml", "# é\n".encode("latin-1")),
+    ][:2], "p.yaml: line 1: not UTF-8 text"),
+    ("newline-in-a-key", lambda t: ["config", "debug", "optim.l\nr=1"], "unknown key 'optim.l"),
+    # Before the fix: IsADirectoryError from rank 0 after the launch.
+    ("empty-metrics-file", lambda t: ["train", "debug", "output.metrics_file=", "--run-dir", "r"],
+     "output.metrics_file: '' is empty; expected a .jsonl file name in the run directory"),
+]  # fmt: skip
+
+
+def _write_bytes(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+class _Deadline:
+    """Raise TimeoutError in this (main) thread after `seconds`: a regression to an unbounded
+    expansion fails the test instead of hanging the suite."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __enter__(self) -> None:
+        def expire(signum, frame):
+            raise TimeoutError(f"still running after {self.seconds} s")
+
+        self.previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+
+    def __exit__(self, *exc: object) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self.previous)
+
+
+def _invoke_one_line(args: list[str], root: Path, monkeypatch) -> str:
+    """Run the CLI in-process under a deadline; the one error line, after checking that nothing
+    under `root` changed."""
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(fsdprun.launch, "elastic_launch", _must_not_launch)
+    before = snapshot(root)
+    with _Deadline(10):
+        result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit)  # no other exception escaped
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert snapshot(root) == before
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=[c[0] for c in HOSTILE])
+def test_hostile_recipe_text_is_refused_in_one_line(case, tmp_path: Path, monkeypatch):
+    _, make_args, phrase = case
+    line = _invoke_one_line(make_args(tmp_path), tmp_path, monkeypatch)
+    assert phrase in line, line
+
+
+def test_alias_bomb_through_the_real_command(tmp_path):
+    recipe = write(tmp_path / "bomb.yaml", f"fsdp:\n  wrap_classes: {_alias_bomb(9)}\n")
+    assert len(Path(recipe).read_bytes()) < 500
+    proc = run_fsdprun("train", recipe, "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+                       timeout=60)  # fmt: skip
+    assert "YAML anchors and aliases" in _one_line_exit_2(proc)
+    assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Every string and path key of the schema against the bad values of its kind.
+
+
+# label -> a bad value, a function of tmp_path (which holds folder/, file.txt, run/taken.jsonl/)
+BAD_VALUES = {
+    "control-char": lambda t: "a\x07b",
+    "empty": lambda t: "",
+    "port-too-large": lambda t: "localhost:70000",
+    "not-a-name": lambda t: "a b",
+    "folder": lambda t: str(t / "folder"),
+    "file": lambda t: str(t / "file.txt"),
+    "absolute": lambda t: str(t / "m.jsonl"),
+    "escapes": lambda t: "../m.jsonl",
+    "in-a-folder": lambda t: "sub/m.jsonl",
+    "dot": lambda t: ".",
+    "not-jsonl": lambda t: "recipe.yaml",
+    "a-folder-in-the-run-dir": lambda t: "taken.jsonl",
+}
+# kind (of STRING_KEYS) -> the labels above it must refuse
+BAD_BY_KIND = {
+    "name": ["control-char", "empty"],
+    "class": ["control-char", "empty", "not-a-name"],
+    "file": ["control-char", "empty", "folder"],
+    "folder": ["control-char", "empty", "file"],
+    "endpoint": ["control-char", "port-too-large"],
+    "run_file": ["control-char", "empty", "absolute", "escapes", "in-a-folder", "dot",
+                 "not-jsonl", "a-folder-in-the-run-dir"],
+}  # fmt: skip
+STRING_TABLE = [(k, label) for k, (kind, _) in STRING_KEYS.items() for label in BAD_BY_KIND[kind]]
+
+
+def test_every_string_key_of_the_schema_has_a_rule():
+    text_types = ("str", "str | None", "list[str]")
+    keys = {k for k, f in schema_fields().items() if f.type in text_types}
+    assert keys == set(STRING_KEYS)
+
+
+@pytest.mark.parametrize(("key", "label"), STRING_TABLE, ids=[f"{k}-{b}" for k, b in STRING_TABLE])
+def test_bad_string_values_are_refused_naming_the_key(key, label, tmp_path, monkeypatch):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "run" / "taken.jsonl").mkdir(parents=True)
+    value = BAD_VALUES[label](tmp_path)
+    is_list = schema_fields()[key].type.startswith("list")
+    override = f"{key}=[{json.dumps(value)}]" if is_list else f"{key}={value}"
+    args = ["config", "debug", override, "output.run_dir=" + str(tmp_path / "run")]
+    if key == "output.run_dir":
+        args.pop()
+    line = _invoke_one_line(args, tmp_path, monkeypatch)
+    # The value is quoted as given (relative paths as resolved), then what the key expects.
+    assert line.startswith(f"error: {key}: '"), line
+    assert line.endswith(f"; expected {STRING_KEYS[key][1]}"), line
+
+
+def test_nul_byte_in_a_recipe_path(tmp_path, monkeypatch):
+    recipe = write(tmp_path / "a.yaml", 'output:\n  run_dir: "runs/a\\0b"\n')
+    line = _invoke_one_line(["train", recipe], tmp_path, monkeypatch)
+    assert line == (
+        "error: output.run_dir: 'runs/a\\x00b' contains a control character; expected a folder, "
+        "or null for runs/<recipe>-<time>"
+    )
+
+
+def test_metrics_file_outside_the_run_directory_through_train(tmp_path):
+    proc = run_fsdprun("train", "debug", "output.metrics_file=../outside.jsonl", "train.steps=2",
+                       "--run-dir", str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
+    line = _one_line_exit_2(proc)
+    assert line.startswith("error: output.metrics_file: '../outside.jsonl' leaves the run direc")
+    assert list(tmp_path.iterdir()) == []

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from fsdprun.config import load_recipe
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.launch import build_launch_plan
+from fsdprun.loopback import RDZV_BACKEND
 from fsdprun.report import Reporter
 
 
@@ -21,15 +25,75 @@ def test_single_node_binds_loopback_and_multi_node_uses_the_given_endpoint(tmp_p
     cfg = load_recipe("debug").config
     plan = build_launch_plan(cfg, tmp_path, device_kind="cpu")
     assert plan.config.rdzv_endpoint == "127.0.0.1:0"
-    assert plan.config.rdzv_backend == "c10d" and plan.config.nproc_per_node == 2
+    assert plan.config.rdzv_backend == RDZV_BACKEND and plan.config.nproc_per_node == 2
+    assert plan.config.local_addr == "127.0.0.1"  # the workers' MASTER_ADDR
+    assert plan.env["GLOO_SOCKET_IFNAME"] == plan.env["NCCL_SOCKET_IFNAME"] == "lo"
+    assert plan.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert (plan.config.min_nodes, plan.config.max_nodes) == (1, 1)
     assert "is_host" not in plan.config.rdzv_configs
     over = ["launch.nnodes=2", "launch.node_rank=1", "launch.rdzv_endpoint=10.1.2.3:29400"]
     cfg = load_recipe("debug", over).config
     plan = build_launch_plan(cfg, tmp_path, device_kind="cpu")
     assert plan.config.rdzv_endpoint == "10.1.2.3:29400"
+    assert plan.config.rdzv_backend == "c10d" and plan.config.local_addr is None
+    assert plan.env == {}  # multi-node: torch's own choices (see the README)
     assert plan.config.rdzv_configs["is_host"] is False
     assert (plan.config.min_nodes, plan.config.max_nodes) == (2, 2)
+
+
+def _listening_sockets(root: int) -> set[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP socket owned by `root` or its descendants,
+    read from /proc (no `ss` needed)."""
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        try:  # the kernel's list of each thread's children: no walk over every process
+            for task in os.listdir(f"/proc/{pid}/task"):
+                todo += map(int, Path(f"/proc/{pid}/task/{task}/children").read_text().split())
+        except OSError:
+            continue  # the process went away
+    owner = {}
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    owner[link[8:-1]] = pid
+        except OSError:
+            continue  # the process or the fd went away
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in owner:  # 0A = LISTEN
+                continue
+            hex_addr, hex_port = cols[1].split(":")
+            raw = bytes.fromhex(hex_addr)  # 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add((owner[cols[9]], socket.inet_ntop(family, raw), int(hex_port, 16)))
+    return found
+
+
+def test_a_single_node_run_listens_on_loopback_only(tmp_path):
+    # Restarts on (before the fix, the one setting where rank 0 hosted the workers' store).
+    proc = subprocess.Popen(
+        [FSDPRUN, "train", "debug", "train.steps=4", "launch.max_restarts=1",
+         "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    seen: set[tuple[int, str, int]] = set()
+    while proc.poll() is None:
+        seen |= _listening_sockets(proc.pid)
+        time.sleep(0.05)
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert {addr for _, addr, _ in seen} <= {"127.0.0.1", "::1"}, seen
+    launcher = {port for pid, _, port in seen if pid == proc.pid}
+    workers = {port for pid, _, port in seen if pid != proc.pid} - launcher
+    assert launcher, "the rendezvous store was never seen"
+    assert len(workers) >= 3, seen  # rank 0's store and a gloo listener per rank
 
 
 def test_missing_devices_are_user_errors():
