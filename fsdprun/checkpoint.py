@@ -68,8 +68,89 @@ class CheckpointStatus:
     manifest: dict[str, Any] | None = None
 
 
+class ManifestError(ValueError):
+    """A manifest.json fsdprun cannot trust: not JSON, not the shape fsdprun writes, or from a
+    newer fsdprun. The message is the whole reason."""
+
+
+# What a manifest must hold, with JSON types: the fields fsdprun reads. Optional ones are checked
+# when present (older manifests lack sha256).
+_MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "format_version": int, "fsdprun_version": str, "step": int, "world_size": int,
+    "files": dict, "train_state": dict, "recipe": dict,
+}  # fmt: skip
+_MANIFEST_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "torch_version": str, "saved_at": str, "sha256": dict, "mesh": dict, "async_save": bool,
+    "save_time_s": (int, float), "blocked_s": (int, float),
+}  # fmt: skip
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer",
+               float: "a number", bool: "a boolean", type(None): "null"}  # fmt: skip
+
+
+def _json_name(value: Any) -> str:
+    return _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
+    # JSON true/false are Python bools, which are ints too: not an integer field's value.
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def manifest_problem(data: Any) -> str | None:
+    """Why `data` (a parsed manifest.json) is not a manifest fsdprun can trust, or None.
+
+    The one place a manifest's shape is checked: required fields and their types, then the
+    values fsdprun reads inside them (file sizes, checksums, recipe sections).
+    """
+    if not isinstance(data, dict):
+        return f"manifest.json is corrupt: the top level is {_json_name(data)}, not an object"
+    version = data.get("format_version")
+    if _is(version, int) and version > FORMAT_VERSION:
+        return (
+            f"written by a newer fsdprun ({data.get('fsdprun_version')}, format {version}); "
+            "upgrade fsdprun to read it"
+        )
+    for fields, required in ((_MANIFEST_FIELDS, True), (_MANIFEST_OPTIONAL, False)):
+        for name, kind in fields.items():
+            if name not in data:
+                if required:
+                    return f"manifest.json is corrupt: '{name}' is missing"
+                continue
+            if not _is(data[name], kind):
+                want = _JSON_NAMES[kind] if isinstance(kind, type) else "a number"
+                return f"manifest.json is corrupt: '{name}' is {_json_name(data[name])}, not {want}"
+    if data["step"] < 0 or data["world_size"] < 1:
+        return "manifest.json is corrupt: 'step' must be >= 0 and 'world_size' >= 1"
+    if not all(_is(v, int) and v >= 0 for v in data["files"].values()):
+        return "manifest.json is corrupt: 'files' values must be integer sizes in bytes"
+    if not all(isinstance(v, str) for v in data.get("sha256", {}).values()):
+        return "manifest.json is corrupt: 'sha256' values must be strings"
+    for section, body in data["recipe"].items():
+        if not isinstance(body, dict):
+            return (
+                f"manifest.json is corrupt: 'recipe.{section}' is {_json_name(body)}, not an object"
+            )
+    if "model" not in data["recipe"]:
+        return "manifest.json is corrupt: 'recipe.model' is missing"
+    return None
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
-    return json.loads((path / MANIFEST).read_text())
+    """The manifest of checkpoint folder `path`, checked by `manifest_problem`.
+
+    Raises:
+        OSError: it cannot be read.
+        ManifestError: it is not JSON or not a manifest fsdprun can trust.
+    """
+    raw = (path / MANIFEST).read_bytes()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise ManifestError(f"manifest.json is corrupt: not JSON ({e})") from None
+    problem = manifest_problem(data)
+    if problem:
+        raise ManifestError(problem)
+    return data
 
 
 def check_checkpoint(path: Path) -> CheckpointStatus:
@@ -87,14 +168,15 @@ def check_checkpoint(path: Path) -> CheckpointStatus:
         )
     try:
         manifest = read_manifest(path)
-    except (OSError, ValueError) as e:
+    except ManifestError as e:
+        return CheckpointStatus(path, step, False, str(e))
+    except OSError as e:
         return CheckpointStatus(path, step, False, f"manifest.json unreadable ({e})")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
+    if step is not None and manifest["step"] != step:
         return CheckpointStatus(
             path, step, False,
-            f"written by a newer fsdprun ({manifest.get('fsdprun_version')}, format "
-            f"{manifest.get('format_version')}); upgrade fsdprun to read it",
-            manifest,
+            f"manifest.json is corrupt: it says step {manifest['step']} but the folder is "
+            f"{path.name}",
         )  # fmt: skip
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
@@ -110,7 +192,7 @@ def check_checkpoint(path: Path) -> CheckpointStatus:
                 path, step, False, f"shard file {name} is truncated ({size} of {end} bytes)",
                 manifest,
             )  # fmt: skip
-    for name, size in sorted(manifest.get("files", {}).items()):
+    for name, size in sorted(manifest["files"].items()):
         file = path / name
         if not file.is_file():
             return CheckpointStatus(path, step, False, f"{name} is missing", manifest)
@@ -119,7 +201,7 @@ def check_checkpoint(path: Path) -> CheckpointStatus:
                 path, step, False,
                 f"{name} has {file.stat().st_size} bytes, the manifest says {size}", manifest,
             )  # fmt: skip
-    return CheckpointStatus(path, manifest.get("step", step), True, "", manifest)
+    return CheckpointStatus(path, manifest["step"], True, "", manifest)
 
 
 def _verified(status: CheckpointStatus) -> CheckpointStatus:
