@@ -1,8 +1,8 @@
-"""The error type for mistakes a user can fix (recipe, flags, files), and the words for a
-write the machine refused.
+"""The error types for problems a user can fix.
 
-The CLI prints a `UserError` as one line and exits 2; anything else is a bug or a runtime
-failure and keeps its traceback. Set FSDPRUN_DEBUG=1 to see the traceback of a UserError too.
+The CLI prints a `UserError` as one line and exits 2, a `StorageError` as one line and exits 1;
+anything else is a bug or a runtime failure and keeps its traceback. Set FSDPRUN_DEBUG=1 to see
+the traceback of these too.
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ import errno
 
 class UserError(Exception):
     """A problem in what the user asked for: the message names the key or path and the fix."""
+
+
+class StorageError(Exception):
+    """The machine refused a write (a full disk, a file-size limit, a read-only or unwritable
+    place): the message names the path and why; nothing partial was left behind."""
 
 
 def find_os_error(error: BaseException) -> OSError | None:

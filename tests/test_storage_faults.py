@@ -1,4 +1,4 @@
-"""Full disks and tampered checkpoints, through the real `fsdprun` command
+"""Full disks, unwritable places and tampered checkpoints, through the real `fsdprun` command
 (part of the fault corpus; CPU, gloo, 2 ranks).
 
 Each case asserts the exit code, one line on stderr (no traceback) and what is on disk before
@@ -173,6 +173,79 @@ def test_on_save_error_continue_trains_on_and_retries_async(kind, trained, tmp_p
         assert [e["step"] for e in events(run_dir, "step")] == [3, 4, 5, 6]
         assert sorted(p.name for p in checkpoint_root(run_dir).iterdir()) == ["step-00000002"]
         assert snapshot(step_dir(run_dir, 2)) == before
+
+
+# --------------------------------------------------------------------------------------------
+# export and prepare-data
+
+
+def export(ckpt: Path, out: Path, *, preexec=None):
+    return fsdprun("export", str(ckpt), "--out", str(out), cwd=ckpt.parent, preexec=preexec)
+
+
+def test_export_to_an_unwritable_or_full_place_leaves_nothing(trained, tmp_path):
+    ckpt = step_dir(trained, 4)
+    # Root ignores permissions: a regular file where a folder is expected gives a real OSError.
+    (tmp_path / "file").write_text("x")
+    line = one_line(export(ckpt, tmp_path / "file" / "out"), 1)
+    assert "cannot write" in line and str(tmp_path / "file" / "out") in line, line
+    assert (tmp_path / "file").read_text() == "x"
+    # The ~0.5 MiB model file is over a 256 KiB file-size limit.
+    out = tmp_path / "limited"
+    line = one_line(export(ckpt, out, preexec=file_limit(256 * 1024)), 1)
+    assert "file too large" in line and str(out) in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no out, no temporary
+    # An existing empty --out stays as it was.
+    out.mkdir()
+    one_line(export(ckpt, out, preexec=file_limit(256 * 1024)), 1)
+    assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "file", "limited"]  # fmt: skip
+
+
+def test_export_to_a_read_only_or_full_mount_leaves_nothing(trained, tmp_path):
+    ckpt = step_dir(trained, 4)
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
+        line = one_line(export(ckpt, ro / "out"), 1)
+        assert "read-only file system" in line and str(ro / "out") in line, line
+    with tmpfs(tmp_path / "full", "256k") as full:
+        line = one_line(export(ckpt, full / "out"), 1)
+        assert "no space left on device" in line, line
+        assert list(full.iterdir()) == []
+
+
+def _corpus(path: Path, lines: int, *, bad_at: int | None = None) -> Path:
+    with path.open("w") as f:
+        for i in range(lines):
+            f.write("not json\n" if i == bad_at else json.dumps({"text": f"doc {i} " * 40}) + "\n")
+    return path
+
+
+def test_prepare_data_that_fails_halfway_leaves_nothing_and_can_be_retried(tmp_path):
+    out = tmp_path / "data"
+    bad = _corpus(tmp_path / "bad.jsonl", 2000, bad_at=1500)
+    line = one_line(fsdprun("prepare-data", str(bad), "--out", str(out), cwd=tmp_path), 2)
+    assert f"{bad} line 1501: not JSON" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+    # A file-size limit under the ~0.6 MB of tokens: EFBIG halfway through train.bin.
+    good = _corpus(tmp_path / "good.jsonl", 2000)
+    proc = fsdprun("prepare-data", str(good), "--out", str(out), cwd=tmp_path,
+                   preexec=file_limit(256 * 1024))  # fmt: skip
+    line = one_line(proc, 1)
+    assert "file too large" in line and str(out) in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl"]
+    # The retry is not refused: the same --out works once the input and the limit are fixed.
+    proc = fsdprun("prepare-data", str(good), "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["data.json", "train.bin"]
+
+
+def test_prepare_data_on_a_full_disk_leaves_nothing(tmp_path):
+    good = _corpus(tmp_path / "good.jsonl", 2000)
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        proc = fsdprun("prepare-data", str(good), "--out", str(disk / "data"), cwd=tmp_path)
+        line = one_line(proc, 1)
+        assert "no space left on device" in line and str(disk / "data") in line, line
+        assert list(disk.iterdir()) == []
 
 
 # --------------------------------------------------------------------------------------------
