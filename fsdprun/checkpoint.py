@@ -13,15 +13,22 @@ What a checkpoint holds (all through DCP, every rank writes its own shards; noth
   index, LR scheduler and grad-scaler state) — data, not pickled objects;
 - `rng.rank<R>`: each rank's torch RNG state.
 The functions here that only read (`check_checkpoint`, `list_checkpoints`) need no process group.
+
+A save that fails on any rank (a full disk, a file-size limit, an unwritable folder) fails on
+every rank at the same point with the same one-line reason (`SaveFailed`): the ranks exchange
+their outcome after writing, rank 0 removes the partial folder, and earlier checkpoints are
+never touched.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -40,7 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdprun import __version__
 from fsdprun.config import CheckpointConfig
-from fsdprun.errors import UserError
+from fsdprun.errors import UserError, describe_os_error, find_os_error
+from fsdprun.report import fmt_bytes
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -68,8 +77,89 @@ class CheckpointStatus:
     manifest: dict[str, Any] | None = None
 
 
+class ManifestError(ValueError):
+    """A manifest.json fsdprun cannot trust: not JSON, not the shape fsdprun writes, or from a
+    newer fsdprun. The message is the whole reason."""
+
+
+# What a manifest must hold, with JSON types: the fields fsdprun reads. Optional ones are checked
+# when present (older manifests lack sha256).
+_MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "format_version": int, "fsdprun_version": str, "step": int, "world_size": int,
+    "files": dict, "train_state": dict, "recipe": dict,
+}  # fmt: skip
+_MANIFEST_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "torch_version": str, "saved_at": str, "sha256": dict, "mesh": dict, "async_save": bool,
+    "save_time_s": (int, float), "blocked_s": (int, float),
+}  # fmt: skip
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer",
+               float: "a number", bool: "a boolean", type(None): "null"}  # fmt: skip
+
+
+def _json_name(value: Any) -> str:
+    return _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
+    # JSON true/false are Python bools, which are ints too: not an integer field's value.
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def manifest_problem(data: Any) -> str | None:
+    """Why `data` (a parsed manifest.json) is not a manifest fsdprun can trust, or None.
+
+    The one place a manifest's shape is checked: required fields and their types, then the
+    values fsdprun reads inside them (file sizes, checksums, recipe sections).
+    """
+    if not isinstance(data, dict):
+        return f"manifest.json is corrupt: the top level is {_json_name(data)}, not an object"
+    version = data.get("format_version")
+    if _is(version, int) and version > FORMAT_VERSION:
+        return (
+            f"written by a newer fsdprun ({data.get('fsdprun_version')}, format {version}); "
+            "upgrade fsdprun to read it"
+        )
+    for fields, required in ((_MANIFEST_FIELDS, True), (_MANIFEST_OPTIONAL, False)):
+        for name, kind in fields.items():
+            if name not in data:
+                if required:
+                    return f"manifest.json is corrupt: '{name}' is missing"
+                continue
+            if not _is(data[name], kind):
+                want = _JSON_NAMES[kind] if isinstance(kind, type) else "a number"
+                return f"manifest.json is corrupt: '{name}' is {_json_name(data[name])}, not {want}"
+    if data["step"] < 0 or data["world_size"] < 1:
+        return "manifest.json is corrupt: 'step' must be >= 0 and 'world_size' >= 1"
+    if not all(_is(v, int) and v >= 0 for v in data["files"].values()):
+        return "manifest.json is corrupt: 'files' values must be integer sizes in bytes"
+    if not all(isinstance(v, str) for v in data.get("sha256", {}).values()):
+        return "manifest.json is corrupt: 'sha256' values must be strings"
+    for section, body in data["recipe"].items():
+        if not isinstance(body, dict):
+            return (
+                f"manifest.json is corrupt: 'recipe.{section}' is {_json_name(body)}, not an object"
+            )
+    if "model" not in data["recipe"]:
+        return "manifest.json is corrupt: 'recipe.model' is missing"
+    return None
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
-    return json.loads((path / MANIFEST).read_text())
+    """The manifest of checkpoint folder `path`, checked by `manifest_problem`.
+
+    Raises:
+        OSError: it cannot be read.
+        ManifestError: it is not JSON or not a manifest fsdprun can trust.
+    """
+    raw = (path / MANIFEST).read_bytes()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise ManifestError(f"manifest.json is corrupt: not JSON ({e})") from None
+    problem = manifest_problem(data)
+    if problem:
+        raise ManifestError(problem)
+    return data
 
 
 def check_checkpoint(path: Path) -> CheckpointStatus:
@@ -87,14 +177,15 @@ def check_checkpoint(path: Path) -> CheckpointStatus:
         )
     try:
         manifest = read_manifest(path)
-    except (OSError, ValueError) as e:
+    except ManifestError as e:
+        return CheckpointStatus(path, step, False, str(e))
+    except OSError as e:
         return CheckpointStatus(path, step, False, f"manifest.json unreadable ({e})")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
+    if step is not None and manifest["step"] != step:
         return CheckpointStatus(
             path, step, False,
-            f"written by a newer fsdprun ({manifest.get('fsdprun_version')}, format "
-            f"{manifest.get('format_version')}); upgrade fsdprun to read it",
-            manifest,
+            f"manifest.json is corrupt: it says step {manifest['step']} but the folder is "
+            f"{path.name}",
         )  # fmt: skip
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
@@ -110,7 +201,7 @@ def check_checkpoint(path: Path) -> CheckpointStatus:
                 path, step, False, f"shard file {name} is truncated ({size} of {end} bytes)",
                 manifest,
             )  # fmt: skip
-    for name, size in sorted(manifest.get("files", {}).items()):
+    for name, size in sorted(manifest["files"].items()):
         file = path / name
         if not file.is_file():
             return CheckpointStatus(path, step, False, f"{name} is missing", manifest)
@@ -119,7 +210,7 @@ def check_checkpoint(path: Path) -> CheckpointStatus:
                 path, step, False,
                 f"{name} has {file.stat().st_size} bytes, the manifest says {size}", manifest,
             )  # fmt: skip
-    return CheckpointStatus(path, manifest.get("step", step), True, "", manifest)
+    return CheckpointStatus(path, manifest["step"], True, "", manifest)
 
 
 def _verified(status: CheckpointStatus) -> CheckpointStatus:
@@ -290,6 +381,72 @@ class SaveRecord:
     async_save: bool = False
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint was not written. Raised on every rank at the same point with the same
+    message (which checkpoint, why, bytes needed and free, what is intact); the partial folder is
+    already gone."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
+def _os_error_of(error: BaseException) -> OSError | None:
+    """The OSError behind a failed write, also among the per-rank failures of DCP's
+    CheckpointException."""
+    if isinstance(error, CheckpointException):
+        found = (find_os_error(exc) for exc, _ in error.failures.values())
+        return next((e for e in found if e is not None), None)
+    return find_os_error(error)
+
+
+def _error_text(error: BaseException) -> str:
+    """One line saying why a save failed on this rank."""
+    os_error = _os_error_of(error)
+    if os_error is not None:
+        return describe_os_error(os_error)
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+class _FileWriter(FileSystemWriter):
+    """DCP's file writer, re-raising a failed write as the OSError underneath. torch.save's C++
+    stream turns the OSError of a full disk (ENOSPC) or of a file-size limit (EFBIG) into a
+    RuntimeError ("unexpected pos ..."), and DCP pickles exceptions from rank to rank, which drops
+    the cause; an OSError keeps its errno when pickled."""
+
+    def write_data(self, plan, planner):
+        try:
+            future = super().write_data(plan, planner)
+            future.wait()
+        except Exception as e:
+            raise _os_error_of(e) or e  # noqa: B904 (the cause would not survive pickling)
+        return future
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as e:
+            raise _os_error_of(e) or e  # noqa: B904
+
+
+def _state_bytes(state: dict[str, Any], world_size: int) -> int:
+    """About what a checkpoint of `state` takes on disk: the full (global) size of every tensor,
+    plus one RNG state per rank."""
+    total = 0
+    todo = [state]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, dict):
+            todo += value.values()
+        elif isinstance(value, torch.Tensor):
+            total += math.prod(value.shape) * value.dtype.itemsize
+    rng = sum(t.numel() * t.dtype.itemsize for t in state.get("rng", {}).values())
+    return total + rng * (world_size - 1)
+
+
 @dataclass
 class _Pending:
     record: SaveRecord
@@ -298,6 +455,7 @@ class _Pending:
     train_state: dict[str, Any]
     checksums: dict[str, str] | None = None
     error: BaseException | None = None
+    estimate: int = 0  # bytes the save needs, about (rank 0)
     done_event: threading.Event = field(default_factory=threading.Event)
 
     def set_checksums(self, path: Path, rank: int, future: Future) -> None:
@@ -313,7 +471,9 @@ class _Pending:
 @dataclass
 class Checkpointer:
     """Saves checkpoints of one run. Every rank holds one and calls `save`, `finish_in_flight`
-    and `wait` at the same steps (they run collectives); `in_flight_done` is local."""
+    and `wait` at the same steps (they run collectives); `in_flight_done` is local. A failed save
+    raises `SaveFailed` from `save` (sync) or from the call that finishes it (async), on every
+    rank."""
 
     run_dir: Path
     cfg: CheckpointConfig
@@ -321,29 +481,41 @@ class Checkpointer:
     world_size: int
     recipe: dict[str, Any]
     process_group: Any = None  # the dedicated group of async saves
+    warn: Callable[[str], None] | None = None  # rank 0: says when the next save may not fit
     records: list[SaveRecord] = field(default_factory=list)
     _pending: _Pending | None = None
+    _space_warned: bool = False
+    _resumed_bytes: int | None = None
 
     def should_save(self, step: int, total_steps: int) -> bool:
         every = self.cfg.every_steps
         return bool((every and step % every == 0) or (self.cfg.save_final and step == total_steps))
 
     def save(self, step: int, state: dict[str, Any], train_state: dict[str, Any]) -> SaveRecord:
-        """Start (async) or do (sync) a save of `state` as step `step`."""
+        """Start (async) or do (sync) a save of `state` as step `step`.
+
+        Raises:
+            SaveFailed: (sync) the save failed on some rank; the run can go on.
+        """
         self.wait()  # at most one save in flight
         path = step_dir(self.run_dir, step)
         # Only rank 0 looks (another rank's DCP writer may already be creating the folder when a
         # rank checks), and nobody starts writing before an old folder is moved aside.
-        if self.rank == 0 and path.exists():
-            _move_aside(path)
+        if self.rank == 0:
+            self._check_space(f"checkpoint {path.name}")
+            if path.exists():
+                _move_aside(path)
         dist.barrier()
         started = time.perf_counter()
         record = SaveRecord(step, str(path), 0.0, async_save=self.cfg.async_save)
-        pending = _Pending(record, None, started, train_state)
+        estimate = _state_bytes(state, self.world_size) if self.rank == 0 else 0
+        pending = _Pending(record, None, started, train_state, estimate=estimate)
+        writer = _FileWriter(str(path))
         if self.cfg.async_save:
             result = dcp.async_save(
-                state, checkpoint_id=str(path), process_group=self.process_group
-            )
+                state, checkpoint_id=str(path), storage_writer=writer,
+                process_group=self.process_group,
+            )  # fmt: skip
             # Newer torch may return a response object holding the upload future.
             future = getattr(result, "upload_completion", result)
             record.blocked_s = time.perf_counter() - started
@@ -352,9 +524,13 @@ class Checkpointer:
             pending.future = future
             self._pending = pending
         else:
-            dcp.save(state, checkpoint_id=str(path))
-            record.blocked_s = time.perf_counter() - started
-            pending.checksums = _own_checksums(path, self.rank)
+            try:
+                # DCP agrees on a write error itself: it raises on every rank.
+                dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
+                record.blocked_s = time.perf_counter() - started
+                pending.checksums = _own_checksums(path, self.rank)
+            except (Exception, CheckpointException) as e:  # CheckpointException is no Exception
+                pending.error = e
             self._pending = pending
             self._finish()
             record.blocked_s = record.total_s  # hashing and the manifest block training too
@@ -366,64 +542,156 @@ class Checkpointer:
         return p is None or p.future is None or p.checksums is not None or p.future.done()
 
     def finish_in_flight(self) -> SaveRecord | None:
-        """Finalize an async save that every rank has finished writing."""
+        """Finalize an async save that every rank has finished writing.
+
+        Raises:
+            SaveFailed: it failed on some rank.
+        """
         return self._finish() if self._pending is not None else None
 
     def wait(self) -> SaveRecord | None:
-        """Block until the save in flight, if any, is on disk and finalized."""
+        """Block until the save in flight, if any, is on disk and finalized.
+
+        Raises:
+            SaveFailed: it failed on some rank.
+        """
         return self._finish() if self._pending is not None else None
 
     def _finish(self) -> SaveRecord:
         pending, self._pending = self._pending, None
+        error = pending.error
         if pending.future is not None:
-            pending.future.result()  # re-raises a failed write
+            try:
+                pending.future.result()  # re-raises a failed write
+            except (Exception, CheckpointException) as e:
+                error = e
             pending.done_event.wait()  # the hashing callback has run
-        if pending.error is not None:
-            raise pending.error
+            error = error or pending.error
         record = pending.record
         record.total_s = time.perf_counter() - pending.started
         path = Path(record.path)
-        # Each rank hashed the files it wrote; rank 0 writes them all into the manifest.
-        gathered: list[dict[str, str]] = [{}] * self.world_size
-        dist.all_gather_object(gathered, pending.checksums)
-        # DCP's coordinator (rank 0) writes .metadata only after gathering every rank's write
-        # results, so once rank 0's save has returned, all shards are on disk.
+        # Each rank hashed the files it wrote and says whether its part failed; rank 0 writes
+        # the manifest, or gives up on the folder, and tells every rank which: a rank whose
+        # write failed never leaves the others waiting in a collective.
+        mine = {"checksums": pending.checksums or {},
+                "error": None if error is None else _error_text(error)}  # fmt: skip
+        gathered: list[dict[str, Any]] = [{}] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        outcome: list[str | None] = [None]
         if self.rank == 0:
-            checksums = {k: v for part in gathered for k, v in part.items()}
-            files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
-            for name in files:
-                if name not in checksums:  # .metadata, and files of no rank's prefix
-                    checksums[name] = file_sha256(path / name)
-            record.bytes = sum(files.values())
-            manifest = {
-                "format_version": FORMAT_VERSION,
-                "fsdprun_version": __version__,
-                "torch_version": torch.__version__,
-                "step": record.step,
-                "world_size": self.world_size,
-                "mesh": {"shape": [self.world_size], "dim_names": ["dp"]},
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "save_time_s": record.total_s,
-                "blocked_s": record.blocked_s,
-                "async_save": record.async_save,
-                "files": files,
-                "sha256": checksums,
-                "train_state": pending.train_state,
-                "recipe": self.recipe,
-            }
-            tmp = path / (MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(manifest, indent=1))
-            tmp.rename(path / MANIFEST)  # atomic: a manifest is either whole or absent
-            self._apply_keep_last()
+            failed = {rank: g["error"] for rank, g in enumerate(gathered) if g["error"]}
+            if not failed:
+                try:
+                    self._write_manifest(record, pending, gathered)
+                except Exception as e:  # the other ranks wait for the outcome below
+                    failed = {0: _error_text(e)}
+            if failed:
+                outcome[0] = self._give_up(path, failed, pending.estimate)
+            else:
+                self._apply_keep_last()
+                self._check_space("the next checkpoint")
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise SaveFailed(record.step, outcome[0])
         self.records.append(record)
         return record
+
+    def _write_manifest(self, record: SaveRecord, pending: _Pending, gathered: list) -> None:
+        # DCP's coordinator (rank 0) writes .metadata only after gathering every rank's write
+        # results, so once rank 0's save has returned, all shards are on disk.
+        path = Path(record.path)
+        checksums = {k: v for part in gathered for k, v in part["checksums"].items()}
+        files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+        for name in files:
+            if name not in checksums:  # .metadata, and files of no rank's prefix
+                checksums[name] = file_sha256(path / name)
+        record.bytes = sum(files.values())
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "fsdprun_version": __version__,
+            "torch_version": torch.__version__,
+            "step": record.step,
+            "world_size": self.world_size,
+            "mesh": {"shape": [self.world_size], "dim_names": ["dp"]},
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "save_time_s": record.total_s,
+            "blocked_s": record.blocked_s,
+            "async_save": record.async_save,
+            "files": files,
+            "sha256": checksums,
+            "train_state": pending.train_state,
+            "recipe": self.recipe,
+        }
+        tmp = path / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        tmp.rename(path / MANIFEST)  # atomic: a manifest is either whole or absent
+
+    def _give_up(self, path: Path, failed: dict[int, str], estimate: int) -> str:
+        """Rank 0, after a failed save: remove the partial folder (renamed first, so that what
+        a failed removal leaves is no step-* folder) and say what happened, in one line."""
+        aside = path.with_name(f"{path.name}.partial")
+        try:
+            if aside.exists():
+                shutil.rmtree(aside)
+            if path.exists():
+                path.rename(aside)
+                shutil.rmtree(aside)
+            cleanup = "the partial folder was removed"
+        except OSError as e:
+            left = aside if aside.exists() else path
+            cleanup = f"the partial folder {left.name} could not be removed ({e.strerror})"
+        root = checkpoint_root(self.run_dir)
+        # Free space now that the partial folder is gone: what the next attempt has.
+        free = shutil.disk_usage(root if root.is_dir() else self.run_dir).free
+        needed = self._last_size() or estimate
+        reasons = sorted(set(failed.values()))
+        earlier = [s for s in list_checkpoints(self.run_dir) if s.complete]
+        intact = (
+            f"the earlier checkpoint {earlier[-1].path.name} is intact (`fsdprun resume "
+            f"{self.run_dir}` continues from it)" if earlier else "there is no earlier checkpoint"
+        )  # fmt: skip
+        return (
+            f"checkpoint {path.name} was not saved: {'; '.join(reasons)} in {root} (it needs "
+            f"about {fmt_bytes(needed)}, {fmt_bytes(free)} free); {intact}; {cleanup}"
+        )
+
+    def _last_size(self) -> int:
+        """Bytes of the newest checkpoint of this run (this session's, or the one resumed)."""
+        if self.records:
+            return self.records[-1].bytes
+        if self._resumed_bytes is None:
+            complete = [s for s in list_checkpoints(self.run_dir) if s.complete]
+            self._resumed_bytes = sum(complete[-1].manifest["files"].values()) if complete else 0
+        return self._resumed_bytes
+
+    def _check_space(self, what: str) -> None:
+        """Rank 0: warn (once, until it fits again) when the free space is less than the last
+        checkpoint took: a new checkpoint is written in full before keep-last removes any."""
+        needed = self._last_size() if self.warn is not None else 0
+        if not needed:
+            return
+        root = checkpoint_root(self.run_dir)
+        where = root if root.is_dir() else self.run_dir
+        free = shutil.disk_usage(where).free
+        if free >= needed:
+            self._space_warned = False
+        elif not self._space_warned:
+            self._space_warned = True
+            self.warn(
+                f"{what} will probably not fit: the last one took {fmt_bytes(needed)}, "
+                f"{fmt_bytes(free)} is free in {where}"
+            )
 
     def _apply_keep_last(self) -> None:
         if self.cfg.keep_last <= 0:
             return
         complete = [s for s in list_checkpoints(self.run_dir) if s.complete]
         for old in complete[: -self.cfg.keep_last]:
-            shutil.rmtree(old.path)
+            try:
+                shutil.rmtree(old.path)
+            except OSError as e:  # the new checkpoint is complete: not a reason to fail
+                if self.warn is not None:
+                    self.warn(f"checkpoint.keep_last: could not remove {old.path}: {e}")
 
 
 def file_sha256(path: Path) -> str:

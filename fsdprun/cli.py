@@ -25,7 +25,7 @@ from rich.markup import escape
 
 from fsdprun import __version__
 from fsdprun.config import builtin_recipes, explain, load_recipe
-from fsdprun.errors import UserError
+from fsdprun.errors import StorageError, UserError
 
 CPP_LOG_MARK = "_FSDPRUN_QUIET_CPP_LOG"
 
@@ -59,7 +59,8 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 
 def guarded(fn):
-    """Turn UserError into one line + exit 2, and a failed worker into one line + exit 1."""
+    """Turn UserError into one line + exit 2, a StorageError (a write the machine refused) or a
+    failed worker into one line + exit 1."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -74,6 +75,10 @@ def guarded(fn):
             if os.environ.get("FSDPRUN_DEBUG"):
                 raise
             raise _fail(str(e), 2) from None
+        except StorageError as e:
+            if os.environ.get("FSDPRUN_DEBUG"):
+                raise
+            raise _fail(str(e), 1) from None
         except WorkerFailed as e:
             if os.environ.get("FSDPRUN_DEBUG"):
                 raise

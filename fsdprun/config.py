@@ -96,6 +96,11 @@ class NonFinite(enum.Enum):
     skip = "skip"
 
 
+class OnSaveError(enum.Enum):
+    stop = "stop"
+    continue_ = "continue"
+
+
 class DataSource(enum.Enum):
     synthetic = "synthetic"
     tokens = "tokens"
@@ -352,6 +357,13 @@ class CheckpointConfig:
         None,
         "Initialize the model weights (only) from this checkpoint directory — fine-tuning; the "
         "optimizer, schedule and data start fresh.",
+    )
+    on_save_error: OnSaveError = _f(
+        OnSaveError.stop,
+        "A save that fails (full disk, unwritable folder): `stop` the run (exit 1, one line: the "
+        "checkpoint, bytes needed and free, the earlier checkpoint kept) or `continue` training "
+        "and try again at the next save; a failed final save always fails the run. The partial "
+        "folder is removed either way.",
     )
 
 

@@ -1,9 +1,59 @@
-"""The error type for mistakes a user can fix (recipe, flags, files).
+"""The error types for problems a user can fix.
 
-The CLI prints a `UserError` as one line and exits 2; anything else is a bug or a runtime
-failure and keeps its traceback. Set FSDPRUN_DEBUG=1 to see the traceback of a UserError too.
+The CLI prints a `UserError` as one line and exits 2, a `StorageError` as one line and exits 1;
+anything else is a bug or a runtime failure and keeps its traceback. Set FSDPRUN_DEBUG=1 to see
+the traceback of these too.
 """
+
+from __future__ import annotations
+
+import errno
 
 
 class UserError(Exception):
     """A problem in what the user asked for: the message names the key or path and the fix."""
+
+
+class StorageError(Exception):
+    """The machine refused a write (a full disk, a file-size limit, a read-only or unwritable
+    place): the message names the path and why; nothing partial was left behind."""
+
+
+def find_os_error(error: BaseException) -> OSError | None:
+    """The OSError behind `error` (itself, or through its causes and contexts): torch.save's C++
+    stream, for one, reports the OSError of a failed write as a RuntimeError raised during it."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def describe_os_error(error: OSError) -> str:
+    """Why a write failed, in words: ENOSPC and EFBIG (a file-size limit, `ulimit -f`) name
+    their cause, which the raw messages hide behind "file too large" or a torch stream error."""
+    if error.errno == errno.ENOSPC:
+        return "no space left on device"
+    if error.errno == errno.EDQUOT:
+        return "disk quota exceeded"
+    if error.errno == errno.EFBIG:
+        import resource  # Unix only, like EFBIG from a limit
+
+        from fsdprun.report import fmt_bytes
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit == resource.RLIM_INFINITY:
+            return "file too large for the filesystem"
+        return f"file too large: over the file-size limit of {fmt_bytes(limit)} (ulimit -f)"
+    if error.errno == errno.EROFS:
+        return "read-only file system"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    text = error.strerror or str(error) or type(error).__name__
+    return text[0].lower() + text[1:]

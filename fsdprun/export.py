@@ -43,6 +43,7 @@ from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manif
 from fsdprun.data.files import read_description
 from fsdprun.errors import UserError
 from fsdprun.inspect_ckpt import require_checkpoint_dir
+from fsdprun.staging import staged_folder
 
 MODEL_PREFIX = "model."
 FORMATS = ("safetensors", "torch", "hf")
@@ -396,44 +397,28 @@ def export_checkpoint(
     }
 
     _return_freed_memory_promptly()
-    created_out = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    try:
+    total_bytes = sum(p.num_bytes for p in plans)
+    # Everything goes into a folder beside OUT that becomes OUT once complete: a failed export
+    # (a full disk, an unwritable place) leaves nothing under OUT's name.
+    with staged_folder(out, needed=total_bytes) as stage:
         for name, shard in zip(names, shards, strict=True):
-            # Each file appears under its name only once complete.
-            partial = out / f"{name}.partial"
-            written.append(partial)
             if fmt != "torch":
-                with partial.open("wb") as f:
+                with (stage / name).open("wb") as f:
                     _write_safetensors(f, reader, shard, file_metadata)
             else:
                 # torch.save needs the whole shard in memory at once.
-                torch.save({p.name: t for p, t in iter_tensors(reader, shard)}, partial)
-            written[-1] = partial.rename(out / name)
+                torch.save({p.name: t for p, t in iter_tensors(reader, shard)}, stage / name)
         if index_name is not None:
             weight_map = {p.name: n for n, shard in zip(names, shards, strict=True) for p in shard}
-            index = {
-                "metadata": {"total_size": sum(p.num_bytes for p in plans)},
-                "weight_map": weight_map,
-            }
-            written.append(out / index_name)
-            (out / index_name).write_text(json.dumps(index, indent=2) + "\n")
+            index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+            (stage / index_name).write_text(json.dumps(index, indent=2) + "\n")
         if fmt == "hf":
-            extra = _write_hf_files(out, model_cfg, plans, token_ids)
-            written += [out / name for name in extra]
-            names = [*names, *extra]
-    except BaseException:
-        for file in written:
-            file.unlink(missing_ok=True)
-        if created_out:
-            out.rmdir()
-        raise
+            names = [*names, *_write_hf_files(stage, model_cfg, plans, token_ids)]
     return ExportResult(
         out=out,
         files=[*names, *([index_name] if index_name else [])],
         num_tensors=len(plans),
         num_params=sum(math.prod(p.shape) for p in plans),
-        total_bytes=sum(p.num_bytes for p in plans),
+        total_bytes=total_bytes,
         skipped=skipped,
     )

@@ -8,6 +8,7 @@ collective the others skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -98,8 +99,11 @@ class Heartbeat:
 
     def beat(self, step: int) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "time": time.time()}))
-        tmp.replace(self.path)
+        # A full disk (an async save can fill it while training goes on) must not kill the rank:
+        # a heartbeat only helps name a rank after a timeout, and the next one may fit.
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps({"step": step, "time": time.time()}))
+            tmp.replace(self.path)
 
     def laggards(self, world_size: int) -> str:
         """Which ranks are behind the others, from their last heartbeat."""

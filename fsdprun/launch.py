@@ -216,6 +216,8 @@ def describe_failure(err: ChildFailedError) -> WorkerFailed:
     user_error = message.startswith("UserError: ")
     if user_error:
         return WorkerFailed(message.removeprefix("UserError: ") + where, user_error=True)
+    if message.startswith("SaveFailed: "):  # every rank failed the save together: no culprit
+        return WorkerFailed(message.removeprefix("SaveFailed: ") + where, user_error=False)
     return WorkerFailed(f"rank {rank} failed: {message}{where}", user_error=False)
 
 

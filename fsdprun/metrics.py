@@ -7,6 +7,7 @@ matmuls only). Peak figures are vendor datasheet numbers for dense (non-sparse) 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -91,20 +92,36 @@ def throughput(
 
 
 class MetricsLog:
-    """Appends one JSON object per line to the run's metrics file (rank 0 only writes)."""
+    """Appends one JSON object per line to the run's metrics file (rank 0 only writes).
+
+    A write that does not fit (a full disk: an async save can fill it while training goes on)
+    must not kill rank 0: what was not written stays in memory, in order, and goes out with the
+    next write that fits; the file only ever holds whole lines followed by a partial last one.
+    """
 
     def __init__(self, path: Path):
         self.path = path
-        self._file = path.open("a")
+        self._file = path.open("ab", buffering=0)  # unbuffered: every write's count is exact
+        self._unwritten = b""
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, **fields}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._unwritten += (json.dumps(record) + "\n").encode()
+        with contextlib.suppress(OSError):
+            self._flush()
         return record
 
+    def _flush(self) -> None:
+        while self._unwritten:
+            written = self._file.write(self._unwritten)
+            self._unwritten = self._unwritten[written:]
+
     def close(self) -> None:
-        self._file.close()
+        """Write what is left (raises OSError if it still does not fit) and close."""
+        try:
+            self._flush()
+        finally:
+            self._file.close()
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

@@ -86,6 +86,13 @@ class Reporter:
             )
         elif kind == "load_weights":
             self.console.print(f"model weights loaded from {event['checkpoint']}")
+        elif kind == "warning":
+            self.console.print(f"warning: {event['message']}")
+        elif kind == "save_error" and event["action"] == "continue":
+            # A save that stops the run is the command's error line instead.
+            self.console.print(
+                f"warning: {event['message']}; training goes on (checkpoint.on_save_error=continue)"
+            )
 
     def start(self, e: dict[str, Any]) -> None:
         c = self.console

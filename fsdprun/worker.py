@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fsdprun import __version__
 from fsdprun.checkpoint import (
     Checkpointer,
+    SaveFailed,
     SaveRecord,
     build_state,
     find_resume_checkpoint,
@@ -269,6 +270,7 @@ def _train(
         run_dir=run_dir, cfg=cfg.checkpoint, rank=ranks.rank, world_size=ranks.world_size,
         recipe=config_to_dict(cfg),
         process_group=new_checkpoint_group(cfg.checkpoint.async_save),
+        warn=lambda message: emit("warning", message=message),
     )  # fmt: skip
     start_step, skipped_total = _restore(
         cfg, resume_from, model, optimizer, scheduler, scaler, ranks, device, emit
@@ -277,6 +279,17 @@ def _train(
     def saved(record: SaveRecord | None) -> None:
         if record is not None:
             emit("checkpoint", **dataclasses.asdict(record))
+
+    def checkpoint_op(op, *, last: bool) -> None:
+        """Run a Checkpointer call; a failed save (every rank gets it together) stops the run, or
+        with on_save_error=continue training goes on, unless nothing follows to save again."""
+        try:
+            op()
+        except SaveFailed as e:
+            go_on = cfg.checkpoint.on_save_error.value == "continue" and not last
+            emit("save_error", step=e.step, message=str(e), action="continue" if go_on else "stop")
+            if not go_on:
+                raise
 
     def save(step: int) -> None:
         train_state = {
@@ -371,9 +384,12 @@ def _train(
         step_times.append(time.perf_counter() - t0)
 
         if agreed.saves_done:
-            saved(checkpointer.finish_in_flight())
+            checkpoint_op(lambda: saved(checkpointer.finish_in_flight()), last=False)
         if agreed.stop or checkpointer.should_save(done, cfg.train.steps):
-            save(done)
+            # An async save still in flight finishes (or fails) first: at most one at a time.
+            checkpoint_op(lambda: saved(checkpointer.wait()), last=False)
+            final = agreed.stop or done == cfg.train.steps
+            checkpoint_op(lambda: save(done), last=final)  # noqa: B023 (called at once)
         if done % cfg.output.log_every == 0 or done == cfg.train.steps or agreed.stop:
             # The only collective outside FSDP's and the agreement: every rank reaches it at the
             # same steps.
@@ -401,7 +417,7 @@ def _train(
                  num_samples=cfg.eval.batches * cfg.train.global_batch_size)  # fmt: skip
             window_start += time.perf_counter() - eval_start  # not in the next tokens/s
         if agreed.stop:
-            saved(checkpointer.wait())
+            checkpoint_op(lambda: saved(checkpointer.wait()), last=True)
             stopped = {
                 "step": done,
                 "checkpoint": str(step_dir(run_dir, done)),
@@ -410,7 +426,7 @@ def _train(
             emit("stopped", **stopped)
             break
 
-    saved(checkpointer.wait())  # the run's end waits for a save in flight
+    checkpoint_op(lambda: saved(checkpointer.wait()), last=True)  # the end waits for a save
     if cfg.train.steps + 1 in fail_at:
         raise RuntimeError("injected failure after the last step (FSDPRUN_FAIL_AT)")
     ranks_info: list[dict[str, Any]] = [{}] * ranks.world_size

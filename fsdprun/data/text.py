@@ -22,6 +22,7 @@ import numpy as np
 
 from fsdprun.data.files import DESCRIPTION, check_input_file, token_dtype_for
 from fsdprun.errors import UserError
+from fsdprun.staging import staged_folder
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # End-of-text tokens of common HuggingFace tokenizers, tried in this order.
@@ -269,17 +270,18 @@ def prepare_data(
         raise UserError(f"--out {out} exists and is not an empty folder (nothing is overwritten)")
     tok = build_tokenizer(tokenizer)
     dtype = token_dtype_for(tok.vocab_size)
-    new_dirs = [d for d in (out, *out.parents) if not d.exists()]
-    out.mkdir(parents=True, exist_ok=True)
-    train = out / "train.bin"
-    total = 0
-    try:
+    # Written into a folder beside OUT that becomes OUT at the end: a run that fails halfway (a
+    # bad input line, a full disk) leaves nothing, and the retry is not refused.
+    with staged_folder(out) as stage:
+        train = stage / "train.bin"
+        total = 0
         with train.open("wb") as f:
             for ids in tokenize_files(inputs, tok, text_field):
                 f.write(ids.astype(dtype).tobytes())
                 total += len(ids)
         if total == 0:
             raise UserError("the inputs hold no text")
+        files = {"train.bin": {"num_tokens": total}}
         num_val = round(total * val_fraction)
         if val_fraction and not 0 < num_val < total:
             raise UserError(
@@ -287,32 +289,28 @@ def prepare_data(
                 f"validation and {total - num_val} for training; both need at least one "
                 "(change the fraction, or add text)"
             )
-    except BaseException:
-        # A refusal, a bad document, Ctrl-C: nothing is left behind (OUT was new or empty).
-        train.unlink(missing_ok=True)
-        for d in new_dirs:
-            d.rmdir()
-        raise
-    files = {"train.bin": {"num_tokens": total}}
-    if num_val:
-        # The tail of the stream becomes val.bin; train.bin is then cut short.
-        itemsize = np.dtype(dtype).itemsize
-        tail = np.memmap(train, dtype=dtype, mode="r", offset=(total - num_val) * itemsize)
-        (out / "val.bin").write_bytes(tail.tobytes())
-        del tail
-        os.truncate(train, (total - num_val) * itemsize)
-        files = {"train.bin": {"num_tokens": total - num_val}, "val.bin": {"num_tokens": num_val}}
-    description = {
-        "format": "fsdprun-tokens",
-        "version": 1,
-        "dtype": dtype,
-        "vocab_size": tok.vocab_size,
-        "tokenizer": tok.name,
-        "eos_id": tok.eos_id,
-        "num_tokens": total,
-        "files": files,
-        "sources": [str(p) for p in inputs],
-        "text_field": text_field,
-    }
-    (out / DESCRIPTION).write_text(json.dumps(description, indent=1) + "\n")
+        if num_val:
+            # The tail of the stream becomes val.bin; train.bin is then cut short.
+            itemsize = np.dtype(dtype).itemsize
+            tail = np.memmap(train, dtype=dtype, mode="r", offset=(total - num_val) * itemsize)
+            (stage / "val.bin").write_bytes(tail.tobytes())
+            del tail
+            os.truncate(train, (total - num_val) * itemsize)
+            files = {
+                "train.bin": {"num_tokens": total - num_val},
+                "val.bin": {"num_tokens": num_val},
+            }
+        description = {
+            "format": "fsdprun-tokens",
+            "version": 1,
+            "dtype": dtype,
+            "vocab_size": tok.vocab_size,
+            "tokenizer": tok.name,
+            "eos_id": tok.eos_id,
+            "num_tokens": total,
+            "files": files,
+            "sources": [str(p) for p in inputs],
+            "text_field": text_field,
+        }
+        (stage / DESCRIPTION).write_text(json.dumps(description, indent=1) + "\n")
     return description

@@ -1,0 +1,324 @@
+"""Full disks, unwritable places and tampered checkpoints, through the real `fsdprun` command
+(part of the fault corpus; CPU, gloo, 2 ranks).
+
+Each case asserts the exit code, one line on stderr (no traceback) and what is on disk before
+and after. A full disk is a small tmpfs where this machine lets us mount one (root); every case
+also runs with a file-size limit (RLIMIT_FSIZE, writes fail with EFBIG), which needs no
+privilege, so CI covers the same code paths without mounting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import FSDPRUN, Run, fsdprun_env, run_fsdprun
+
+from fsdprun.checkpoint import check_checkpoint, checkpoint_root, step_dir
+
+# A debug-recipe checkpoint takes about 1.8 MiB in two ~0.9 MiB shard files: a 3 MiB disk holds
+# one checkpoint and the run's small files, not two; a 512 KiB file-size limit fails any shard.
+SMALL_DISK = "3m"
+FILE_LIMIT = 512 * 1024
+KINDS = ("tmpfs", "rlimit")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished run with complete checkpoints at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("trained")
+    proc = run_fsdprun("train", "debug", "train.steps=4", "checkpoint.every_steps=2",
+                       "output.log_every=1", "--run-dir", str(root / "run"), cwd=root)  # fmt: skip
+    return Run(proc, root / "run").check().run_dir
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
+    """A tmpfs of `size` at `path` (skips the test where mounting is not allowed)."""
+    path.mkdir()
+    options = f"size={size}" + (",ro" if read_only else "")
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+    except OSError as e:
+        pytest.skip(f"no mount command here ({e}); the RLIMIT_FSIZE variant covers this case")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}); the RLIMIT_FSIZE "
+                    "variant covers this case")  # fmt: skip
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def file_limit(limit: int) -> Callable[[], None]:
+    """A preexec_fn: writes beyond `limit` bytes fail with EFBIG (SIGXFSZ, which would kill the
+    process instead, is ignored; the setting is inherited by the workers)."""
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def fsdprun(*args: str, cwd: Path, preexec: Callable[[], None] | None = None):
+    return subprocess.run([FSDPRUN, *args], cwd=cwd, env=fsdprun_env(), capture_output=True,
+                          text=True, timeout=300, preexec_fn=preexec)  # fmt: skip
+
+
+def one_line(proc: subprocess.CompletedProcess, code: int) -> str:
+    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("error: "), lines[0]
+    return lines[0]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*")) if p.is_file()
+    }  # fmt: skip
+
+
+@contextlib.contextmanager
+def place(kind: str, tmp_path: Path) -> Iterator[tuple[Path, Callable[[], None] | None]]:
+    """A folder where big writes fail (a small tmpfs or a file-size limit) and the preexec_fn
+    that applies the limit."""
+    if kind == "tmpfs":
+        with tmpfs(tmp_path / "disk", SMALL_DISK) as where:
+            yield where, None
+    else:
+        yield tmp_path, file_limit(FILE_LIMIT)
+
+
+def copy_run_at_step_2(trained: Path, where: Path) -> Path:
+    run_dir = where / "run"
+    shutil.copytree(trained, run_dir, ignore=shutil.ignore_patterns("step-00000004"))
+    return run_dir
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    """This session's events of one kind (those after the last resume)."""
+    every = Run(None, run_dir).events
+    start = max(i for i, e in enumerate(every) if e["event"] in ("start", "resume"))
+    return [e for e in every[start:] if e["event"] == kind]
+
+
+def check_reason(line: str, kind: str) -> None:
+    if kind == "tmpfs":
+        assert "no space left on device" in line, line
+    else:
+        assert "file too large" in line and "file-size limit" in line, line
+
+
+# --------------------------------------------------------------------------------------------
+# A save that fails
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_save_that_runs_out_of_space_stops_in_one_line(kind, trained, tmp_path):
+    with place(kind, tmp_path) as (where, preexec):
+        run_dir = copy_run_at_step_2(trained, where)
+        kept = step_dir(run_dir, 2)
+        before = snapshot(kept)
+        proc = fsdprun("resume", str(run_dir), "train.steps=4", "output.log_every=1", cwd=where,
+                       preexec=preexec)  # fmt: skip
+        line = one_line(proc, 1)
+        assert "checkpoint step-00000004 was not saved" in line, line
+        check_reason(line, kind)
+        assert "needs about 1." in line and " MiB" in line and "free" in line, line
+        assert "the earlier checkpoint step-00000002 is intact" in line, line
+        # Nothing partial is left, and the earlier checkpoint is untouched and still complete.
+        assert sorted(p.name for p in checkpoint_root(run_dir).iterdir()) == [kept.name]
+        assert snapshot(kept) == before and check_checkpoint(kept).complete
+        assert [e["step"] for e in events(run_dir, "step")] == [3]  # then step 4's save failed
+        errors = events(run_dir, "save_error")
+        assert [(e["step"], e["action"]) for e in errors] == [(4, "stop")]
+        if kind == "tmpfs":
+            # Warned before the save: the last checkpoint's size is more than what is free.
+            warnings = [e["message"] for e in events(run_dir, "warning")]
+            assert any("step-00000004 will probably not fit" in w for w in warnings), warnings
+            assert "will probably not fit" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_on_save_error_continue_trains_on_and_retries_async(kind, trained, tmp_path):
+    with place(kind, tmp_path) as (where, preexec):
+        run_dir = copy_run_at_step_2(trained, where)
+        before = snapshot(step_dir(run_dir, 2))
+        proc = fsdprun(
+            "resume", str(run_dir), "train.steps=6", "checkpoint.every_steps=2",
+            "checkpoint.async_save=true", "checkpoint.on_save_error=continue",
+            "output.log_every=1", cwd=where, preexec=preexec,
+        )  # fmt: skip
+        # Step 4's save fails and training goes on; the final save (step 6) fails too, and a run
+        # whose last state is not saved fails.
+        line = one_line(proc, 1)
+        assert "checkpoint step-00000006 was not saved" in line, line
+        check_reason(line, kind)
+        errors = events(run_dir, "save_error")
+        assert [(e["step"], e["action"]) for e in errors] == [(4, "continue"), (6, "stop")]
+        assert "checkpoint step-00000004 was not saved" in proc.stdout
+        assert [e["step"] for e in events(run_dir, "step")] == [3, 4, 5, 6]
+        assert sorted(p.name for p in checkpoint_root(run_dir).iterdir()) == ["step-00000002"]
+        assert snapshot(step_dir(run_dir, 2)) == before
+
+
+# --------------------------------------------------------------------------------------------
+# export and prepare-data
+
+
+def export(ckpt: Path, out: Path, *, preexec=None):
+    return fsdprun("export", str(ckpt), "--out", str(out), cwd=ckpt.parent, preexec=preexec)
+
+
+def test_export_to_an_unwritable_or_full_place_leaves_nothing(trained, tmp_path):
+    ckpt = step_dir(trained, 4)
+    # Root ignores permissions: a regular file where a folder is expected gives a real OSError.
+    (tmp_path / "file").write_text("x")
+    line = one_line(export(ckpt, tmp_path / "file" / "out"), 1)
+    assert "cannot write" in line and str(tmp_path / "file" / "out") in line, line
+    assert (tmp_path / "file").read_text() == "x"
+    # The ~0.5 MiB model file is over a 256 KiB file-size limit.
+    out = tmp_path / "limited"
+    line = one_line(export(ckpt, out, preexec=file_limit(256 * 1024)), 1)
+    assert "file too large" in line and str(out) in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no out, no temporary
+    # An existing empty --out stays as it was.
+    out.mkdir()
+    one_line(export(ckpt, out, preexec=file_limit(256 * 1024)), 1)
+    assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "file", "limited"]  # fmt: skip
+
+
+def test_export_to_a_read_only_or_full_mount_leaves_nothing(trained, tmp_path):
+    ckpt = step_dir(trained, 4)
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
+        line = one_line(export(ckpt, ro / "out"), 1)
+        assert "read-only file system" in line and str(ro / "out") in line, line
+    with tmpfs(tmp_path / "full", "256k") as full:
+        line = one_line(export(ckpt, full / "out"), 1)
+        assert "no space left on device" in line, line
+        assert list(full.iterdir()) == []
+
+
+def _corpus(path: Path, lines: int, *, bad_at: int | None = None) -> Path:
+    with path.open("w") as f:
+        for i in range(lines):
+            f.write("not json\n" if i == bad_at else json.dumps({"text": f"doc {i} " * 40}) + "\n")
+    return path
+
+
+def test_prepare_data_that_fails_halfway_leaves_nothing_and_can_be_retried(tmp_path):
+    out = tmp_path / "data"
+    bad = _corpus(tmp_path / "bad.jsonl", 2000, bad_at=1500)
+    line = one_line(fsdprun("prepare-data", str(bad), "--out", str(out), cwd=tmp_path), 2)
+    assert f"{bad} line 1501: not JSON" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+    # A file-size limit under the ~0.6 MB of tokens: EFBIG halfway through train.bin.
+    good = _corpus(tmp_path / "good.jsonl", 2000)
+    proc = fsdprun("prepare-data", str(good), "--out", str(out), cwd=tmp_path,
+                   preexec=file_limit(256 * 1024))  # fmt: skip
+    line = one_line(proc, 1)
+    assert "file too large" in line and str(out) in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl"]
+    # The retry is not refused: the same --out works once the input and the limit are fixed.
+    proc = fsdprun("prepare-data", str(good), "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["data.json", "train.bin"]
+
+
+def test_prepare_data_on_a_full_disk_leaves_nothing(tmp_path):
+    good = _corpus(tmp_path / "good.jsonl", 2000)
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        proc = fsdprun("prepare-data", str(good), "--out", str(disk / "data"), cwd=tmp_path)
+        line = one_line(proc, 1)
+        assert "no space left on device" in line and str(disk / "data") in line, line
+        assert list(disk.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Tampered checkpoints
+
+
+def test_a_tampered_manifest_is_corrupt_and_resume_falls_back(trained, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    ck2, ck4 = step_dir(run_dir, 2), step_dir(run_dir, 4)
+    (ck4 / "manifest.json").write_text("[1, 2]\n")
+    line = one_line(run_fsdprun("inspect-checkpoint", str(ck4), cwd=tmp_path), 1)
+    assert "manifest.json is corrupt" in line and "the top level is a list" in line, line
+    line = one_line(run_fsdprun("inspect-checkpoint", str(run_dir), cwd=tmp_path), 1)
+    assert "1 of 2 checkpoints incomplete: step-00000004: manifest.json is corrupt" in line
+    line = one_line(run_fsdprun("export", str(ck4), "--out", str(tmp_path / "out"),
+                                cwd=tmp_path), 2)  # fmt: skip
+    assert "manifest.json is corrupt" in line and not (tmp_path / "out").exists()
+    before = snapshot(ck2)
+    proc = run_fsdprun("resume", str(run_dir), "train.steps=5", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping incomplete checkpoint" in proc.stderr and "manifest.json is corrupt" in (
+        proc.stderr)  # fmt: skip
+    assert "Traceback" not in proc.stderr and "from step-00000002" in proc.stdout
+    assert snapshot(ck2) == before and check_checkpoint(step_dir(run_dir, 5)).complete
+    # An empty object has none of the fields: corrupt, not complete.
+    (ck4 / "manifest.json").write_text("{}\n")
+    line = one_line(run_fsdprun("inspect-checkpoint", str(ck4), cwd=tmp_path), 1)
+    assert "manifest.json is corrupt" in line and "'format_version' is missing" in line, line
+
+
+@pytest.mark.parametrize(
+    ("change", "phrase"),
+    [
+        (lambda m: m.pop("recipe"), "'recipe' is missing"),
+        (lambda m: m.update(step="4"), "'step' is a string, not an integer"),
+        (lambda m: m.update(files=[1]), "'files' is a list, not an object"),
+        (lambda m: m["files"].update({"__0_0.distcp": "big"}), "'files' values must be"),
+        (lambda m: m.update(recipe={"model": 1}), "'recipe.model' is an integer, not an object"),
+        (lambda m: m.update(step=9), "says step 9 but the folder is step-00000004"),
+        (lambda m: m.update(sha256=None), "'sha256' is null, not an object"),
+    ],
+)
+def test_manifest_shape_is_validated_in_one_place(trained, tmp_path, change, phrase):
+    ck4 = tmp_path / "step-00000004"
+    shutil.copytree(step_dir(trained, 4), ck4)
+    manifest = json.loads((ck4 / "manifest.json").read_text())
+    change(manifest)
+    (ck4 / "manifest.json").write_text(json.dumps(manifest))
+    status = check_checkpoint(ck4)
+    assert not status.complete and "manifest.json is corrupt" in status.reason, status.reason
+    assert phrase in status.reason, status.reason
+    assert os.path.exists(ck4 / "manifest.json")
+
+
+def test_metrics_lines_that_do_not_fit_are_written_later_in_order(tmp_path):
+    from fsdprun.metrics import MetricsLog, read_events
+
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.write("start", n=0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        # Writes past 100 more bytes fail with EFBIG, as on a full disk: nothing is raised.
+        resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 100, hard))
+        for i in range(3):
+            log.write("step", step=i, pad="x" * 60)
+        assert len(read_events(path)) == 2  # whole lines only; the rest waits in memory
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    log.write("summary", n=1)
+    log.close()
+    assert [(e["event"], e.get("step")) for e in read_events(path)] == [
+        ("start", None), ("step", 0), ("step", 1), ("step", 2), ("summary", None)]  # fmt: skip
