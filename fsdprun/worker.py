@@ -42,6 +42,8 @@ from fsdprun.data import BatchLayout, Dataset, build_datasets, load_batch
 from fsdprun.device import Device, build_worker_device, resolve_device_kind
 from fsdprun.engine import build_engine
 from fsdprun.errors import UserError
+from fsdprun.float8 import apply_float8, check_float8, precompute_scales
+from fsdprun.float8 import describe as describe_float8
 from fsdprun.guard import (
     Heartbeat,
     StepAgreement,
@@ -50,6 +52,7 @@ from fsdprun.guard import (
     injected_step,
     restart_count,
 )
+from fsdprun.loss import describe_loss
 from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
 from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
@@ -161,6 +164,9 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device):
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = build_model(cfg.model)
+    # float8 converts Linears before checkpointing, compile and sharding wrap them (torchao).
+    check_float8(cfg.precision.float8.value, device.kind)
+    apply_float8(model, mode=cfg.precision.float8.value)
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     pretrained = cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained
@@ -333,6 +339,7 @@ def _train(
                 scaler.update()
             else:
                 optimizer.step()
+            precompute_scales(model, mode=cfg.precision.float8.value)
             scheduler.step()
             if model_state is None:
                 model_state = model_state_bytes(model, optimizer)
@@ -423,6 +430,8 @@ def _start_fields(
         ),
         "compile": "off" if not compile_.enabled else (
             "per block" if compile_.per_block else "whole model"),
+        "loss": describe_loss(cfg.train),
+        "float8": describe_float8(cfg.precision.float8.value, engine.inner),
         "num_params": num_params(args),
         "param_bytes": num_params(args) * 4,
         "param_shard_bytes": model_state_bytes(engine.model, None)["params"],
@@ -520,7 +529,7 @@ def _forward_backward(engine, optimizer, scaler, data, layout, step, rank, devic
                 data, layout.indices(step, micro, rank), device.torch_device
             )
             with engine.autocast():
-                loss = engine.loss(engine.model(inputs), targets)
+                loss = engine.forward_loss(inputs, targets)
             if poison:
                 loss = loss * float("inf")
             # Each micro-batch holds the same number of tokens, so averaging micro-losses over
@@ -551,7 +560,7 @@ def _evaluate(
                 indices = layout.indices(batch, micro, rank)
                 inputs, targets = load_batch(data, indices, device.torch_device)
                 with engine.autocast():
-                    loss_sum += engine.loss(engine.model(inputs), targets)
+                    loss_sum += engine.forward_loss(inputs, targets)
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return loss_sum.item() / (num_batches * layout.grad_accum_steps * layout.world_size)
 
