@@ -42,7 +42,7 @@ from fsdprun.data import BatchLayout, Dataset, build_datasets, load_batch
 from fsdprun.device import Device, build_worker_device, resolve_device_kind
 from fsdprun.engine import build_engine
 from fsdprun.errors import UserError
-from fsdprun.float8 import apply_float8, check_float8, precompute_scales
+from fsdprun.float8 import MFU_CONVENTION, apply_float8, check_float8, precompute_scales
 from fsdprun.float8 import describe as describe_float8
 from fsdprun.guard import (
     Heartbeat,
@@ -488,6 +488,8 @@ def _summary(
 ) -> dict[str, Any]:  # fmt: skip
     """The `summary` event: throughput (warm-up steps excluded), per-rank memory, checkpoints."""
     peak, note = peak_flops(device.name(), cfg.precision.param_dtype.value, cfg.output.peak_tflops)
+    if cfg.precision.float8.value != "off":
+        note = f"{note}; {MFU_CONVENTION}" if note else MFU_CONVENTION
     return {
         "steps": cfg.train.steps,
         "final_loss": loss_value,

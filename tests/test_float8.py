@@ -92,3 +92,28 @@ def test_float8_conversion_swaps_exactly_the_filtered_linears(mode):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     if mode == "tensorwise":
         assert modules[converted[0]].config.enable_fsdp_float8_all_gather
+
+
+def test_plan_gathers_converted_weights_in_one_byte_with_tensorwise():
+    from fsdprun.plan import plan_recipe
+
+    common = ["precision.param_dtype=bf16", "model.ffn_dim=200"]
+    bf16 = plan_recipe("debug", common)
+    rowwise = plan_recipe("debug", [*common, "precision.float8=rowwise"])
+    tensorwise = plan_recipe("debug", [*common, "precision.float8=tensorwise"])
+    with torch.device("meta"):
+        model = build_model(load_recipe("debug", common).config.model)
+    block = model.layers["0"]
+    converted = sum(block.get_submodule(n).weight.numel() for n in (
+        "attention.wq", "attention.wk", "attention.wv", "attention.wo"))  # fmt: skip
+    unit = {u.path: u for u in tensorwise.units}["layers.0"]
+    plain_unit = {u.path: u for u in bf16.units}["layers.0"]
+    assert plain_unit.unsharded_bytes == 2 * sum(p.numel() for p in block.parameters())
+    assert unit.unsharded_bytes == plain_unit.unsharded_bytes - converted  # 1 byte, not 2
+    assert [u.unsharded_bytes for u in rowwise.units] == [u.unsharded_bytes for u in bf16.units]
+    # the output projection stays bf16 in the root
+    assert tensorwise.units[-1].unsharded_bytes == bf16.units[-1].unsharded_bytes
+    s, b = tensorwise.strategies["full"], bf16.strategies["full"]
+    assert s.gathered_buffers < b.gathered_buffers
+    assert any("bf16-equivalent" in n for n in tensorwise.notes)
+    assert any("8 converted" in n and "output" in n for n in tensorwise.notes)

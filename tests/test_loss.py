@@ -144,3 +144,22 @@ def test_chunked_loss_refuses_an_hf_model_with_logit_soft_capping():
     model = HFCausalLM(transformers.Gemma2ForCausalLM(config))
     with pytest.raises(UserError, match="final_logit_softcapping.*train.loss=plain"):
         model.output_weight()
+
+
+def test_plan_counts_the_chunked_loss_instead_of_the_logits():
+    from fsdprun.config import load_recipe
+    from fsdprun.plan import loss_bytes, plan_recipe
+
+    big = ["model.vocab_size=32000", "precision.param_dtype=fp32", "train.micro_batch_size=8",
+           "launch.nproc_per_node=1"]  # fmt: skip
+    chunk = ["train.loss=chunked", "train.loss_chunk_size=32"]
+    plain = plan_recipe("debug", big)
+    chunked = plan_recipe("debug", [*big, *chunk])
+    cfg = load_recipe("debug", [*big, *chunk]).config
+    tokens = cfg.train.seq_len * cfg.train.micro_batch_size
+    logits = tokens * 32000 * 4
+    saved = (tokens + 32000) * cfg.model.dim * 4  # measured above (fp32)
+    assert saved <= loss_bytes(cfg) < logits
+    drop = plain.strategies["full"].activations - chunked.strategies["full"].activations
+    assert drop > logits / 2
+    assert any(n.startswith("loss: chunked (32 tokens") for n in chunked.notes)

@@ -12,10 +12,13 @@ import torch
 from conftest import Run
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from fsdprun.config import ActivationCheckpointingConfig, CheckpointMode
-from fsdprun.models.llama import ModelArgs, Transformer
-from fsdprun.parallel import apply_activation_checkpointing
+from fsdprun.config import ActivationCheckpointingConfig, CheckpointMode, load_recipe
+from fsdprun.models import build_model_args
+from fsdprun.models.llama import ModelArgs, Transformer, TransformerBlock, rope_table
+from fsdprun.parallel import apply_activation_checkpointing, selective_policy
+from fsdprun.plan import selective_block_bytes
 
 BASE = ("train.steps=6", "output.log_every=1", "train.micro_batch_size=1")  # as test_train
 
@@ -54,9 +57,12 @@ class _LiveStorages(TorchDispatchMode):
     autograd's saved tensors. Storages are what memory is made of, whoever holds them.
     """
 
-    def __init__(self):
+    def __init__(self, *existing: torch.Tensor):
         super().__init__()
         self.storages: dict[int, tuple[weakref.ref, int]] = {}
+        # Views of tensors made before (parameters, inputs) allocate nothing: not counted.
+        for t in existing:
+            self.storages[id(t.untyped_storage())] = (weakref.ref(t.untyped_storage()), 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -78,7 +84,7 @@ def _kept_after_forward(mode: CheckpointMode) -> int:
     model = Transformer(args)
     apply_activation_checkpointing(model, cfg=ActivationCheckpointingConfig(mode=mode))
     tokens = torch.randint(0, 64, (2, 64))
-    with _LiveStorages() as live:
+    with _LiveStorages(*model.parameters(), *model.buffers()) as live:
         out = model.forward_hidden(tokens).square().mean()
     kept = live.live_bytes()
     out.backward()  # and backward works after it
@@ -95,3 +101,22 @@ def test_selective_checkpointing_keeps_less_than_none_and_more_than_full():
     # Selective keeps every matmul output of both blocks (q, k, v, wo, w1, w3, w2), fp32.
     assert selective - full >= 2 * tokens * (2 * dim + 2 * kv_dim + 2 * ffn + dim) * 4
     assert full < selective < none, (full, selective, none)
+
+
+def test_plan_selective_block_bytes_match_what_selective_checkpointing_keeps():
+    cfg = load_recipe(
+        "debug", ["precision.param_dtype=bf16", "train.micro_batch_size=2", "train.seq_len=48",
+                  "activation_checkpointing.mode=selective"],
+    ).config  # fmt: skip
+    args = build_model_args(cfg.model)
+    block = TransformerBlock(args).to(torch.bfloat16)
+    x = torch.randn(2, 48, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    rope = rope_table(args)
+    with _LiveStorages(*block.parameters(), x, rope) as live:
+        out = checkpoint(
+            block, x, rope, use_reentrant=False,
+            context_fn=lambda: create_selective_checkpoint_contexts(selective_policy),
+        )  # fmt: skip
+    kept = live.live_bytes() - out.numel() * out.element_size()  # less the block's output
+    block_input = x.numel() * x.element_size()  # kept by the checkpoint, not made in it
+    assert kept + block_input == selective_block_bytes(cfg)
