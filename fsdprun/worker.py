@@ -39,6 +39,7 @@ from fsdprun.checkpoint import (
 )
 from fsdprun.config import Dtype, ModelInit, NonFinite, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.data import BatchLayout, Dataset, build_datasets, load_batch
+from fsdprun.data.prefetch import BatchLoader
 from fsdprun.device import Device, build_worker_device, resolve_device_kind
 from fsdprun.engine import build_engine
 from fsdprun.errors import UserError
@@ -281,6 +282,7 @@ def _train(
     fail_at = injected_step("FSDPRUN_FAIL_AT", ranks.rank)
     hang_at = injected_step("FSDPRUN_HANG_AT", ranks.rank)
     nonfinite_at = injected_step("FSDPRUN_NONFINITE_AT", ranks.rank)
+    batches = BatchLoader(data, layout, ranks.rank, device.torch_device, steps=cfg.train.steps)
     for step in range(start_step, cfg.train.steps):
         done = step + 1
         t0 = time.perf_counter()
@@ -296,7 +298,7 @@ def _train(
                 device=device.torch_device,
             )
             loss_sum, grad_norm = _forward_backward(
-                engine, optimizer, scaler, data, layout, step, ranks.rank, device, cfg,
+                engine, optimizer, scaler, batches, layout, step, ranks.rank, device, cfg,
                 poison=done in nonfinite_at,
             )  # fmt: skip
             agreed = agreement.finish(
@@ -387,6 +389,7 @@ def _train(
             emit("stopped", **stopped)
             break
 
+    batches.close()
     saved(checkpointer.wait())  # the run's end waits for a save in flight
     ranks_info: list[dict[str, Any]] = [{}] * ranks.world_size
     mine = {"rank": ranks.rank, "model_state_bytes": model_state, **device.peak_memory()}
@@ -517,7 +520,9 @@ def _summary(
     }
 
 
-def _forward_backward(engine, optimizer, scaler, data, layout, step, rank, device, cfg, *, poison):
+def _forward_backward(
+    engine, optimizer, scaler, batches, layout, step, rank, device, cfg, *, poison
+):
     """Forward and backward over the micro-batches of one step, then unscale and clip.
 
     Returns:
@@ -527,9 +532,7 @@ def _forward_backward(engine, optimizer, scaler, data, layout, step, rank, devic
     for micro in range(layout.grad_accum_steps):
         # Reduce gradients only once per optimizer step.
         with engine.micro_step(sync=micro == layout.grad_accum_steps - 1):
-            inputs, targets = load_batch(
-                data, layout.indices(step, micro, rank), device.torch_device
-            )
+            inputs, targets = batches.load(step, micro)  # and the next one starts loading
             with engine.autocast():
                 loss = engine.forward_loss(inputs, targets)
             if poison:
