@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                         console.print(f"[red]error:[/red] {side} run {i + 1} failed: {e}")
                         return 1
                     # A variant this machine refuses (float8 without float8 matmuls): say so.
-                    errors[side] = str(e).strip().splitlines()[-1]
+                    errors[side] = str(e).strip().splitlines()[-1].removeprefix("error: ")
                     console.print(f"[yellow]skipped:[/yellow] {side}: {errors[side]}")
                     continue
                 # End to end, start-up included (the plain side's launcher has torch imported).

@@ -51,7 +51,7 @@ fi
 
 if [ -n "${PYTHON:-}" ]; then
   PY=$PYTHON
-elif [ -x .venv/bin/python ] && .venv/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+elif [ -x .venv/bin/python ] && { [ "$TINY" = 1 ] || .venv/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; }; then
   PY=.venv/bin/python
 else
   PY=$(command -v python3)

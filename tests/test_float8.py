@@ -117,3 +117,16 @@ def test_plan_gathers_converted_weights_in_one_byte_with_tensorwise():
     assert s.gathered_buffers < b.gathered_buffers
     assert any("bf16-equivalent" in n for n in tensorwise.notes)
     assert any("8 converted" in n and "output" in n for n in tensorwise.notes)
+
+
+def test_float8_train_on_cpu_is_refused_before_launch(tmp_path):
+    from conftest import run_fsdprun
+
+    run_dir = tmp_path / "run"
+    proc = run_fsdprun(
+        "train", "debug", "precision.float8=tensorwise", "--run-dir", str(run_dir), cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    out = (proc.stdout + proc.stderr).strip()
+    assert "precision.float8=tensorwise needs a CUDA GPU" in out and "Traceback" not in out
+    assert not run_dir.exists()  # refused before the run directory is made

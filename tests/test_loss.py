@@ -163,3 +163,18 @@ def test_plan_counts_the_chunked_loss_instead_of_the_logits():
     drop = plain.strategies["full"].activations - chunked.strategies["full"].activations
     assert drop > logits / 2
     assert any(n.startswith("loss: chunked (32 tokens") for n in chunked.notes)
+
+
+def test_compiled_chunk_kernels_give_the_eager_loss_and_gradients():
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(50, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(80, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 80, (50,), generator=gen)
+    results = []
+    for compiled in (False, True):
+        loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=20, compiled=compiled)
+        loss.backward()
+        results.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
