@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -42,7 +41,7 @@ from fsdprun.config import (
     Engine as EngineKind,
 )
 from fsdprun.errors import UserError
-from fsdprun.loss import chunked_cross_entropy
+from fsdprun.loss import chunked_cross_entropy, cross_entropy
 from fsdprun.parallel import (
     TORCH_DTYPES,
     FsdpUnit,
@@ -252,11 +251,6 @@ def clean_name(name: str) -> str:
     """A wrapped model's parameter name as the unwrapped model spells it."""
     name = name.replace(_FSDP1_PREFIX, "")
     return name[len(_DDP_PREFIX) :] if name.startswith(_DDP_PREFIX) else name
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @dataclass

@@ -120,3 +120,12 @@ def test_plan_selective_block_bytes_match_what_selective_checkpointing_keeps():
     kept = live.live_bytes() - out.numel() * out.element_size()  # less the block's output
     block_input = x.numel() * x.element_size()  # kept by the checkpoint, not made in it
     assert kept + block_input == selective_block_bytes(cfg)
+
+
+def test_chunked_loss_through_ddp_and_fsdp1(plain: Run, fsdprun_runs):
+    # The head travels as a forward kwarg through DDP's and FSDP1's wrappers too.
+    for engine in ("ddp", "fsdp1"):
+        run = fsdprun_runs.train(
+            *BASE, f"fsdp.engine={engine}", "train.loss=chunked", "train.loss_chunk_size=50"
+        ).check()
+        assert_same_losses(plain, run, 1e-5)
