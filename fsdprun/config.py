@@ -69,6 +69,18 @@ class CheckpointMode(enum.Enum):
     none = "none"
     full = "full"
     every_n = "every_n"
+    selective = "selective"
+
+
+class LossKind(enum.Enum):
+    plain = "plain"
+    chunked = "chunked"
+
+
+class Float8(enum.Enum):
+    off = "off"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
 
 
 class CompileMode(enum.Enum):
@@ -165,6 +177,14 @@ class PrecisionConfig:
         "fsdp1: MixedPrecision's buffer_dtype (cast module buffers, here the RoPE table); null = "
         "keep their dtype. fsdp2 and ddp do not cast buffers (no effect, said in the header).",
     )
+    float8: Float8 = _f(
+        Float8.off,
+        "float8 training of the Linear layers through torchao (`pip install fsdprun[float8]`; "
+        "fsdp2 only; CUDA compute capability >= 8.9, refused elsewhere before launch): "
+        "`tensorwise` (one scale per tensor; float8 all-gather of the weights) or `rowwise` "
+        "(one scale per row). Skips the output projection and Linears whose dims are not "
+        "multiples of 16; weights, gradients and checkpoints stay in high precision.",
+    )
 
 
 @dataclass
@@ -233,7 +253,9 @@ class FsdpConfig:
 class ActivationCheckpointingConfig:
     mode: CheckpointMode = _f(
         CheckpointMode.none,
-        "Recompute block activations in backward: `none`, `full` (every block), `every_n`.",
+        "Recompute block activations in backward: `none`, `full` (every block), `every_n`, "
+        "`selective` (every block, op by op: matmul and attention outputs are kept, the cheap "
+        "elementwise ops recomputed).",
     )
     every_n: int = _f(2, "With mode `every_n`: checkpoint every n-th block.")
 
@@ -288,6 +310,14 @@ class TrainConfig:
         "or `skip` the step (weights, optimizer state and LR schedule untouched).",
     )
     max_skipped: int = _f(5, "With nonfinite=skip: abort after this many skipped steps in a row.")
+    loss: LossKind = _f(
+        LossKind.plain,
+        "`plain`: the model returns the logits and cross_entropy takes them (the fp32 logits of "
+        "a micro-batch live until backward); `chunked`: the output projection and the loss are "
+        "computed per chunk of loss_chunk_size tokens with their gradients, so the whole logits "
+        "never exist (recommended for large vocabularies).",
+    )
+    loss_chunk_size: int = _f(4096, "With loss=chunked: tokens per chunk.")
 
 
 @dataclass
@@ -958,6 +988,13 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
     errors += _fsdp_errors(cfg, ws)
     if cfg.fsdp.wrap is WrapPolicy.classes and not cfg.fsdp.wrap_classes:
         errors.append("fsdp.wrap is 'classes' but fsdp.wrap_classes is empty; list class names")
+    if t.loss_chunk_size < 1:
+        errors.append(f"train.loss_chunk_size must be >= 1 (got {t.loss_chunk_size})")
+    if cfg.precision.float8 is not Float8.off and cfg.fsdp.engine is not Engine.fsdp2:
+        errors.append(
+            f"precision.float8={cfg.precision.float8.value} needs fsdp.engine=fsdp2 (got "
+            f"{cfg.fsdp.engine.value}); or set precision.float8=off"
+        )
     ac = cfg.activation_checkpointing
     if ac.mode is CheckpointMode.every_n and ac.every_n < 1:
         errors.append(f"activation_checkpointing.every_n must be >= 1 (got {ac.every_n})")

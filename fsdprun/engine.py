@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdprun.config import (
     Dtype,
+    LossKind,
     RecipeConfig,
     Sharding,
     WrapPolicy,
@@ -42,6 +42,7 @@ from fsdprun.config import (
     Engine as EngineKind,
 )
 from fsdprun.errors import UserError
+from fsdprun.loss import chunked_cross_entropy, cross_entropy
 from fsdprun.parallel import (
     TORCH_DTYPES,
     FsdpUnit,
@@ -256,11 +257,6 @@ def clean_name(name: str) -> str:
     return name[len(_DDP_PREFIX) :] if name.startswith(_DDP_PREFIX) else name
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 @dataclass
 class Engine:
     """A wrapped model and the few things the training loop does differently per engine."""
@@ -276,6 +272,21 @@ class Engine:
     # The loss; compiled with the model (compile.enabled), so the fp32 upcast, log-softmax and
     # their backward fuse instead of writing fp32 copies of the logits.
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    # train.loss=chunked: tokens per chunk of the loss computed inside the model's forward.
+    loss_chunk_size: int | None = None
+    compiled: bool = False
+
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss of one micro-batch: `loss(model(inputs), targets)`, or (chunked) the
+        model applies the chunked loss to its hidden states inside its own forward, where FSDP
+        has gathered the output weight."""
+        if self.loss_chunk_size is None:
+            return self.loss(self.model(inputs), targets)
+        head = functools.partial(
+            chunked_cross_entropy, targets=targets, chunk_size=self.loss_chunk_size,
+            compiled=self.compiled,
+        )  # fmt: skip
+        return self.model(inputs, head=head)
 
     def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
         """Around forward and backward of one micro-batch: gradients are reduced only when
@@ -340,8 +351,10 @@ def build_engine(
     knobs = translate(cfg, world_size)
     matrix_names = frozenset(n for n, p in model.named_parameters() if p.ndim >= 2)
     loss = torch.compile(cross_entropy) if cfg.compile.enabled else cross_entropy
+    chunk = cfg.train.loss_chunk_size if cfg.train.loss is LossKind.chunked else None
     common = {"kind": kind, "inner": model, "knobs": knobs, "matrix_names": matrix_names,
-              "device_type": device.type, "loss": loss}  # fmt: skip
+              "device_type": device.type, "loss": loss, "loss_chunk_size": chunk,
+              "compiled": cfg.compile.enabled}  # fmt: skip
     if kind is EngineKind.fsdp2:
         units = apply_fsdp(
             model, mesh=_mesh(cfg, device_kind, world_size), cfg=cfg.fsdp,

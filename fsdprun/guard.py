@@ -78,15 +78,17 @@ class StepAgreement:
         self, *, grad_norm: torch.Tensor, loss_sum: torch.Tensor, loss_only: bool
     ) -> Agreement:
         self.work.wait()
-        stop, not_done = self.flags.tolist()  # a host sync, once per step
         if loss_only:
             bad = (~loss_sum.isfinite()).float().reshape(1)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            nonfinite = bad.item() > 0
         else:
             norm = grad_norm.to_local() if hasattr(grad_norm, "to_local") else grad_norm
-            nonfinite = not bool(norm.isfinite())
-        return Agreement(stop > 0, nonfinite, not_done == 0)
+            bad = (~norm.isfinite()).float().reshape(1)
+        # The step's one read of device values on a non-logging step (a CPU-GPU sync): whether to
+        # apply the optimizer step (non-finite) and whether to stop must be known on the host
+        # now, the same on every rank. Three flags, one small copy.
+        stop, not_done, nonfinite = torch.cat([self.flags, bad.to(self.flags.device)]).tolist()
+        return Agreement(stop > 0, nonfinite > 0, not_done == 0)
 
 
 class Heartbeat:

@@ -29,6 +29,7 @@ from fsdprun.config import RecipeConfig, ResolvedRecipe
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.errors import UserError
+from fsdprun.float8 import check_float8
 from fsdprun.guard import STOP_FILE, request_stop
 from fsdprun.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.report import MetricsFollower, Reporter
@@ -246,6 +247,7 @@ def launch_training(
         raise UserError("; ".join(data_problems))
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
+    check_float8(cfg.precision.float8.value, kind)  # float8 matmuls need CUDA capability >= 8.9
     method = start_method(kind)  # a bad FSDPRUN_START_METHOD is refused before RUN_DIR exists
     if resume_from is None:
         prepare_run_dir(run_dir, resolved)

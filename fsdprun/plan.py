@@ -38,6 +38,8 @@ from fsdprun.config import (
     CheckpointMode,
     Dtype,
     Engine,
+    Float8,
+    LossKind,
     RecipeConfig,
     Sharding,
     backward_prefetch_depth,
@@ -47,6 +49,9 @@ from fsdprun.config import (
 )
 from fsdprun.engine import translate
 from fsdprun.errors import UserError
+from fsdprun.float8 import MFU_CONVENTION, float8_linears
+from fsdprun.float8 import describe as describe_float8
+from fsdprun.loss import describe_loss
 from fsdprun.models import Transformer, build_model_args
 from fsdprun.parallel import plan_units
 
@@ -64,11 +69,17 @@ ACTIVATION_FORMULA = (
     "saved_tensors_hooks on a Llama block (within 2%). A checkpointed block keeps only its input, "
     "seq*micro*dim*c, and one block is recomputed at a time; plus the logits, "
     "seq*micro*vocab*(c + 8) eager (their fp32 copy and log-softmax in the loss) or "
-    "seq*micro*(vocab*c + 8) with the loss compiled"
+    "seq*micro*(vocab*c + 8) with the loss compiled. Selective checkpointing (every block) keeps "
+    "per token c*(5*dim + 2*kv_dim + 2*ffn_dim) + 4*n_heads (the block input, the matmul and "
+    "attention outputs, attention's fp32 logsumexp), plus one block recomputed at a time. "
+    "train.loss=chunked replaces the logits by seq*micro*dim*c + vocab*dim*(c + 4) (the "
+    "gradients of the hidden states and the output weight, its fp32 accumulator) + "
+    "chunk*vocab*(c + 12) (one chunk's logits, log-probabilities and their gradient)"
 )
 BUFFER_FORMULA = (
-    "unsharded params in param_dtype: the root unit (FSDP2 keeps the root gathered from forward "
-    "to backward) + the largest other unit x (1 + prefetch depth)"
+    "unsharded params in param_dtype (precision.float8=tensorwise: 1 byte for the weights of "
+    "converted Linears, gathered in float8): the root unit (FSDP2 keeps the root gathered from "
+    "forward to backward) + the largest other unit x (1 + prefetch depth)"
 )
 _SIZE_UNITS = {"GB": 10**9, "TB": 10**12, "MB": 10**6, "GIB": 2**30, "TIB": 2**40, "MIB": 2**20}
 
@@ -184,6 +195,30 @@ def block_activation_bytes(cfg: RecipeConfig) -> int:
     return t.seq_len * t.micro_batch_size * per_token
 
 
+def selective_block_bytes(cfg: RecipeConfig) -> int:
+    """Bytes one block keeps under selective checkpointing for one micro-batch (see
+    ACTIVATION_FORMULA)."""
+    m, t = cfg.model, cfg.train
+    c = DTYPE_BYTES[cfg.precision.param_dtype]
+    kv_dim = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
+    per_token = c * (5 * m.dim + 2 * kv_dim + 2 * m.ffn_dim) + 4 * m.n_heads
+    return t.seq_len * t.micro_batch_size * per_token
+
+
+def loss_bytes(cfg: RecipeConfig) -> int:
+    """Bytes the loss keeps for one micro-batch: the logits (plain) or the chunked loss's saved
+    gradients plus one chunk (see ACTIVATION_FORMULA)."""
+    m, t = cfg.model, cfg.train
+    c = DTYPE_BYTES[cfg.precision.param_dtype]
+    tokens = t.seq_len * t.micro_batch_size
+    if t.loss is LossKind.chunked:
+        chunk = min(t.loss_chunk_size, tokens)
+        return tokens * m.dim * c + m.vocab_size * m.dim * (c + 4) + chunk * m.vocab_size * (c + 12)
+    if cfg.compile.enabled:  # the compiled loss keeps the logits and two fp32 values per token
+        return tokens * (m.vocab_size * c + 8)
+    return tokens * m.vocab_size * (c + 8)
+
+
 def activation_bytes(cfg: RecipeConfig) -> int:
     """Activations one rank keeps for backward for one micro-batch (estimate; see
     ACTIVATION_FORMULA)."""
@@ -195,15 +230,15 @@ def activation_bytes(cfg: RecipeConfig) -> int:
     checkpointed = {
         CheckpointMode.none: 0,
         CheckpointMode.full: m.n_layers,
+        CheckpointMode.selective: m.n_layers,
         CheckpointMode.every_n: len(range(0, m.n_layers, max(ac.every_n, 1))),
     }[ac.mode]
-    kept = checkpointed * tokens * m.dim * c + (m.n_layers - checkpointed) * block
+    per_checkpointed = (
+        selective_block_bytes(cfg) if ac.mode is CheckpointMode.selective else tokens * m.dim * c
+    )
+    kept = checkpointed * per_checkpointed + (m.n_layers - checkpointed) * block
     recompute = block if checkpointed else 0  # one block's activations while it is recomputed
-    if cfg.compile.enabled:  # the compiled loss keeps the logits and two fp32 values per token
-        logits = tokens * (m.vocab_size * c + 8)
-    else:
-        logits = tokens * m.vocab_size * (c + 8)
-    return kept + recompute + logits
+    return kept + recompute + loss_bytes(cfg)
 
 
 def plan_memory(
@@ -233,6 +268,14 @@ def plan_memory(
     # Mirror apply_fsdp: units take the parameters not yet taken, in forward order, then the root.
     paths = plan_units(model, cfg=fsdp)
     groups = _unit_groups(model, paths)
+    float8 = cfg.precision.float8.value
+    f8_weights: set[int] = set()
+    if cfg.precision.float8 is Float8.tensorwise:  # float8 all-gather: 1 byte per weight element
+        modules = dict(model.named_modules())
+        f8_weights = {id(modules[path].weight) for path in float8_linears(model)[0]}
+
+    def gathered(own: list[nn.Parameter]) -> int:
+        return sum(p.numel() * (1 if id(p) in f8_weights else pbytes) for p in own)
 
     sharding = effective_sharding(fsdp)
     reshard_units = sharding in (Sharding.full, Sharding.hybrid)
@@ -265,7 +308,7 @@ def plan_memory(
             PlannedUnit(
                 path=path,
                 num_params=numel,
-                unsharded_bytes=numel * pbytes,
+                unsharded_bytes=gathered(own),
                 shard_bytes=MASTER_BYTES * sum(_rank0_elems(p.shape, group) for p in own),
                 reshard_after_forward=reshard,
                 forward_prefetch=fwd,
@@ -273,11 +316,11 @@ def plan_memory(
             )
         )
 
-    root = sum(p.numel() for p in groups[-1][1]) * pbytes
-    largest = max((sum(p.numel() for p in own) * pbytes for _, own in groups[:-1]), default=0)
+    root = gathered(groups[-1][1])
+    largest = max((gathered(own) for _, own in groups[:-1]), default=0)
     depth = max(fsdp.forward_prefetch, depth_bwd)
     sharded_buffers = root + largest * (1 + depth)
-    whole = sum(p.numel() for p in params) * pbytes  # every unit gathered at once
+    whole = gathered(params)  # every unit gathered at once
     acts = activation_bytes(cfg)
     hybrid_group = fsdp.shard_group_size or min(per_node, world)
     autocast_copies = 0 if cfg.precision.param_dtype is Dtype.fp32 else whole
@@ -315,6 +358,11 @@ def plan_memory(
         "ddp: gathered buffers are autocast's param_dtype copies of the weights; its fp32 norm "
         "activations are not modelled (the ddp total is the least certain)",
     ]
+    if cfg.train.loss is LossKind.chunked:
+        notes.append(f"loss: {describe_loss(cfg.train)}")
+    if float8 != "off":
+        notes.append(f"float8: {describe_float8(float8, model)}")
+        notes.append(MFU_CONVENTION)
     return MemoryPlan(
         recipe=recipe,
         world_size=world,

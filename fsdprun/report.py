@@ -108,6 +108,8 @@ class Reporter:
             f"activation checkpointing: {e['activation_checkpointing']}, "
             f"compile: {e['compile']}"
         )
+        if e.get("loss"):
+            c.print(f"  loss: {e['loss']}; float8: {e.get('float8', 'off')}", soft_wrap=True)
         c.print(
             f"  batch {e['global_batch_size']} seqs x {e['seq_len']} tokens = "
             f"{fmt_count(e['tokens_per_step'])} tokens/step (micro {e['micro_batch_size']} x "

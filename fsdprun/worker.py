@@ -40,9 +40,12 @@ from fsdprun.checkpoint import (
 )
 from fsdprun.config import Dtype, ModelInit, NonFinite, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.data import BatchLayout, Dataset, build_datasets, load_batch
+from fsdprun.data.prefetch import BatchLoader
 from fsdprun.device import Device, build_worker_device, resolve_device_kind
 from fsdprun.engine import build_engine
 from fsdprun.errors import UserError
+from fsdprun.float8 import MFU_CONVENTION, apply_float8, check_float8, precompute_scales
+from fsdprun.float8 import describe as describe_float8
 from fsdprun.guard import (
     Heartbeat,
     StepAgreement,
@@ -52,6 +55,7 @@ from fsdprun.guard import (
     restart_count,
 )
 from fsdprun.loopback import worker_store_args
+from fsdprun.loss import describe_loss
 from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
 from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
@@ -192,6 +196,9 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device):
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = build_model(cfg.model)
+    # float8 converts Linears before checkpointing, compile and sharding wrap them (torchao).
+    check_float8(cfg.precision.float8.value, device.kind)
+    apply_float8(model, mode=cfg.precision.float8.value)
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     weights = None
@@ -318,6 +325,7 @@ def _train(
     fail_at = injected_step("FSDPRUN_FAIL_AT", ranks.rank)
     hang_at = injected_step("FSDPRUN_HANG_AT", ranks.rank)
     nonfinite_at = injected_step("FSDPRUN_NONFINITE_AT", ranks.rank)
+    batches = BatchLoader(data, layout, ranks.rank, device.torch_device, steps=cfg.train.steps)
     for step in range(start_step, cfg.train.steps):
         done = step + 1
         t0 = time.perf_counter()
@@ -333,7 +341,7 @@ def _train(
                 device=device.torch_device,
             )
             loss_sum, grad_norm = _forward_backward(
-                engine, optimizer, scaler, data, layout, step, ranks.rank, device, cfg,
+                engine, optimizer, scaler, batches, layout, step, ranks.rank, device, cfg,
                 poison=done in nonfinite_at,
             )  # fmt: skip
             agreed = agreement.finish(
@@ -376,6 +384,7 @@ def _train(
                 scaler.update()
             else:
                 optimizer.step()
+            precompute_scales(model, mode=cfg.precision.float8.value)
             scheduler.step()
             if model_state is None:
                 model_state = model_state_bytes(model, optimizer)
@@ -426,6 +435,7 @@ def _train(
             emit("stopped", **stopped)
             break
 
+    batches.close()
     checkpoint_op(lambda: saved(checkpointer.wait()), last=True)  # the end waits for a save
     if cfg.train.steps + 1 in fail_at:
         raise RuntimeError("injected failure after the last step (FSDPRUN_FAIL_AT)")
@@ -471,6 +481,8 @@ def _start_fields(
         ),
         "compile": "off" if not compile_.enabled else (
             "per block" if compile_.per_block else "whole model"),
+        "loss": describe_loss(cfg.train),
+        "float8": describe_float8(cfg.precision.float8.value, engine.inner),
         "num_params": num_params(args),
         "param_bytes": num_params(args) * 4,
         "param_shard_bytes": model_state_bytes(engine.model, None)["params"],
@@ -527,6 +539,8 @@ def _summary(
 ) -> dict[str, Any]:  # fmt: skip
     """The `summary` event: throughput (warm-up steps excluded), per-rank memory, checkpoints."""
     peak, note = peak_flops(device.name(), cfg.precision.param_dtype.value, cfg.output.peak_tflops)
+    if cfg.precision.float8.value != "off":
+        note = f"{note}; {MFU_CONVENTION}" if note else MFU_CONVENTION
     return {
         "steps": cfg.train.steps,
         # None when this launch ran no step (a restart from the last step's checkpoint).
@@ -555,7 +569,9 @@ def _summary(
     }
 
 
-def _forward_backward(engine, optimizer, scaler, data, layout, step, rank, device, cfg, *, poison):
+def _forward_backward(
+    engine, optimizer, scaler, batches, layout, step, rank, device, cfg, *, poison
+):
     """Forward and backward over the micro-batches of one step, then unscale and clip.
 
     Returns:
@@ -565,11 +581,9 @@ def _forward_backward(engine, optimizer, scaler, data, layout, step, rank, devic
     for micro in range(layout.grad_accum_steps):
         # Reduce gradients only once per optimizer step.
         with engine.micro_step(sync=micro == layout.grad_accum_steps - 1):
-            inputs, targets = load_batch(
-                data, layout.indices(step, micro, rank), device.torch_device
-            )
+            inputs, targets = batches.load(step, micro)  # and the next one starts loading
             with engine.autocast():
-                loss = engine.loss(engine.model(inputs), targets)
+                loss = engine.forward_loss(inputs, targets)
             if poison:
                 loss = loss * float("inf")
             # Each micro-batch holds the same number of tokens, so averaging micro-losses over
@@ -601,7 +615,7 @@ def _evaluate(
                 indices = layout.indices(batch, micro, rank)
                 inputs, targets = load_batch(data, indices, device.torch_device)
                 with engine.autocast():
-                    loss_sum += engine.loss(engine.model(inputs), targets)
+                    loss_sum += engine.forward_loss(inputs, targets)
     engine.model.train()
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return loss_sum.item() / (num_batches * layout.grad_accum_steps * layout.world_size)

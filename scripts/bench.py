@@ -4,12 +4,19 @@ Runs the recipe twice per repeat, interleaved to even out drift: once exactly as
 (`fsdprun train RECIPE ... --run-dir TMP`, reading the summary from TMP/metrics.jsonl), once as
 the plain loop of `scripts/plain_fsdp2.py` (same model, data, batch layout, precision, compile
 and activation checkpointing; started here with torch's `elastic_launch`). Prints each side's
-best tokens/s and its peak memory (max over ranks) with the ratios fsdprun/plain; exits 0
-whatever the ratio.
+tokens/s and peak memory (max over ranks) as min/median/max over the repeats, with the ratios
+fsdprun/plain of the medians; exits 0 whatever the ratio.
+
+`--variant NAME=KEY=VALUE,KEY=VALUE` adds an fsdprun side with extra overrides the plain loop
+does not get (float8, the chunked loss, selective checkpointing: what each one buys against the
+same plain baseline); every variant runs in every repeat, interleaved with the plain loop. A
+variant the machine refuses (float8 on a CPU) is reported and skipped.
 
     python scripts/bench.py                              # recipe `debug`
     python scripts/bench.py debug --steps 30 --repeats 3 --out bench.json
     python scripts/bench.py my.yaml model.dim=512 --nproc-per-node 4
+    python scripts/bench.py llama-1b --variant float8=precision.float8=tensorwise \
+        --variant chunked=train.loss=chunked
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +43,8 @@ from fsdprun.config import (
     CheckpointMode,
     CompileMode,
     Engine,
+    Float8,
+    LossKind,
     OptimImpl,
     RecipeConfig,
     Sharding,
@@ -56,8 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE recipe overrides")
     parser.add_argument("--nproc-per-node", type=int, help="ranks (default: the recipe's)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (train.steps)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each side (best kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=OVERRIDES",
+        help="an extra fsdprun side: NAME=KEY=VALUE[,KEY=VALUE...] (fsdprun only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-base", action="store_true", help="run only the variants, not plain fsdprun"
+    )
     # Intermixed: options may come between the recipe and its overrides.
     return parser.parse_intermixed_args(argv)
 
@@ -70,6 +87,23 @@ def build_overrides(args: argparse.Namespace) -> list[str]:
     if args.nproc_per_node is not None:
         overrides.append(f"launch.nproc_per_node={args.nproc_per_node}")
     return overrides
+
+
+def parse_variants(args: argparse.Namespace) -> dict[str, list[str]]:
+    """fsdprun sides → their extra overrides ("fsdprun" = none, unless --no-base)."""
+    sides = {} if args.no_base else {"fsdprun": []}
+    for text in args.variant:
+        name, sep, overrides = text.partition("=")
+        if not sep or not name or name in sides or name == "plain":
+            raise UserError(f"--variant {text!r}: expected a new NAME=KEY=VALUE[,KEY=VALUE...]")
+        sides[name] = [o for o in overrides.split(",") if o]
+    if not sides:
+        raise UserError("--no-base without --variant: nothing to compare with the plain loop")
+    return sides
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def build_plain_spec(cfg: RecipeConfig, device_kind: str) -> PlainSpec:
@@ -121,6 +155,12 @@ def unmatched_settings(cfg: RecipeConfig) -> list[str]:
         notes.append(f"fsdp.sharding={fsdp.sharding.value} (the plain loop uses a 1-D mesh)")
     if fsdp.cpu_offload:
         notes.append("fsdp.cpu_offload")
+    if cfg.activation_checkpointing.mode is CheckpointMode.selective:
+        notes.append("activation_checkpointing.mode=selective (the plain loop checkpoints nothing)")
+    if cfg.train.loss is not LossKind.plain:
+        notes.append(f"train.loss={cfg.train.loss.value}")
+    if cfg.precision.float8 is not Float8.off:
+        notes.append(f"precision.float8={cfg.precision.float8.value}")
     return notes
 
 
@@ -187,35 +227,28 @@ def _size(n: int) -> str:
 
 
 def report(results: dict) -> None:
-    best = results["best"]
     table = Table(title=f"fsdprun vs plain FSDP2 — {results['recipe']}")
-    table.add_column("")
-    table.add_column("fsdprun", justify="right")
-    table.add_column("plain", justify="right")
-    table.add_column("fsdprun/plain", justify="right")
-    f, p = best["fsdprun"], best["plain"]
-    table.add_row(
-        "tokens/s (best)",
-        f"{f['tokens_per_s']:,.0f}",
-        f"{p['tokens_per_s']:,.0f}",
-        f"{results['tokens_per_s_ratio']:.2f}",
-    )
-    table.add_row(
-        "tokens/s (each run)",
-        " ".join(f"{r['tokens_per_s']:,.0f}" for r in results["runs"]["fsdprun"]),
-        " ".join(f"{r['tokens_per_s']:,.0f}" for r in results["runs"]["plain"]),
-        "",
-    )
-    table.add_row(
-        f"peak {results['memory_kind']} (max rank)",
-        _size(f["peak_memory_bytes"]),
-        _size(p["peak_memory_bytes"]),
-        f"{results['memory_ratio']:.2f}",
-    )
-    table.add_row("final loss", f"{f['final_loss']:.4f}", f"{p['final_loss']:.4f}", "")
+    memory = f"peak {results['memory_kind']} (max rank, median)"
+    for col in ("side", "tokens/s min / median / max", "/plain", memory, "/plain", "final loss"):
+        table.add_column(col, justify="left" if col == "side" else "right")
+    for side, st in results["stats"].items():
+        if "error" in st:
+            table.add_row(side, st["error"][:60], "", "", "", "")
+            continue
+        t, m = st["tokens_per_s"], st["peak_memory_bytes"]
+        ratio = results["ratios"].get(side, {})
+        table.add_row(
+            side,
+            f"{t['min']:,.0f} / {t['median']:,.0f} / {t['max']:,.0f}",
+            f"{ratio['tokens_per_s']:.3f}" if ratio else "",
+            _size(int(m["median"])),
+            f"{ratio['memory']:.3f}" if ratio else "",
+            f"{st['final_loss']:.4f}",
+        )
     console.print(table)
-    console.print(f"fsdprun/plain tokens/s = {results['tokens_per_s_ratio']:.2f}")
-    console.print(f"fsdprun/plain peak memory = {results['memory_ratio']:.2f}")
+    if "tokens_per_s_ratio" in results:
+        console.print(f"fsdprun/plain tokens/s = {results['tokens_per_s_ratio']:.2f}")
+        console.print(f"fsdprun/plain peak memory = {results['memory_ratio']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.repeats < 1:
             raise UserError(f"--repeats must be at least 1, not {args.repeats}")
+        variants = parse_variants(args)
     except UserError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
@@ -260,43 +294,86 @@ def main(argv: list[str] | None = None) -> int:
             "starting; other processes will make the figures noisy"
         )
 
-    runs: dict[str, list[dict]] = {"fsdprun": [], "plain": []}
+    sides = ["plain", *variants]
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    errors: dict[str, str] = {}
+    def summarize() -> dict:
+        """The results so far (written after every run: a time limit keeps what was done)."""
+        summary: dict[str, dict] = {}
+        for side, rs in runs.items():
+            if side in errors:
+                summary[side] = {"error": errors[side], "overrides": variants.get(side, [])}
+                continue
+            if not rs:
+                continue
+            summary[side] = {
+                "overrides": variants.get(side, []),
+                "tokens_per_s": stats([r["tokens_per_s"] for r in rs]),
+                "peak_memory_bytes": stats([r["peak_memory_bytes"] for r in rs]),
+                "final_loss": rs[-1]["final_loss"],
+            }
+        plain = summary["plain"]  # the plain loop runs first in every repeat
+        ratios = {
+            side: {
+                "tokens_per_s": st["tokens_per_s"]["median"] / plain["tokens_per_s"]["median"],
+                "memory": st["peak_memory_bytes"]["median"] / plain["peak_memory_bytes"]["median"],
+            }
+            for side, st in summary.items()
+            if side != "plain" and "error" not in st
+        }
+        best = {side: max(rs, key=lambda r: r["tokens_per_s"]) for side, rs in runs.items() if rs}
+        results = {
+            "recipe": resolved.name,
+            "overrides": overrides,
+            "device": kind,
+            "nproc_per_node": nproc,
+            "steps": cfg.train.steps,
+            "timing_warmup_steps": cfg.output.timing_warmup_steps,
+            "repeats": args.repeats,
+            "memory_kind": "allocated" if kind == "cuda" else "RSS",
+            "runs": runs,
+            "stats": summary,
+            "ratios": ratios,  # medians over the repeats, fsdprun side / plain
+            "best": best,
+        }
+        if "fsdprun" in ratios:
+            results["tokens_per_s_ratio"] = ratios["fsdprun"]["tokens_per_s"]
+            results["memory_ratio"] = ratios["fsdprun"]["memory"]
+        return results
+
     with tempfile.TemporaryDirectory(prefix="fsdprun-bench-") as tmp:
         for i in range(args.repeats):
-            for side in ("fsdprun", "plain"):
+            for side in sides:
+                if side in errors:
+                    continue
                 start = time.perf_counter()
                 try:
-                    if side == "fsdprun":
-                        run_dir = Path(tmp) / f"fsdprun-{i}"
-                        result = run_fsdprun(args.recipe, overrides, run_dir, kind)
-                    else:
+                    if side == "plain":
                         result = run_plain(spec, nproc, Path(tmp) / f"plain-{i}")
+                    else:
+                        run_dir = Path(tmp) / f"{side}-{i}"
+                        extra = overrides + variants[side]
+                        result = run_fsdprun(args.recipe, extra, run_dir, kind)
                 except (UserError, ChildFailedError) as e:
-                    console.print(f"[red]error:[/red] {side} run {i + 1} failed: {e}")
-                    return 1
+                    if side in ("plain", "fsdprun"):
+                        console.print(f"[red]error:[/red] {side} run {i + 1} failed: {e}")
+                        return 1
+                    # A variant this machine refuses (float8 without float8 matmuls): say so.
+                    errors[side] = str(e).strip().splitlines()[-1].removeprefix("error: ")
+                    console.print(f"[yellow]skipped:[/yellow] {side}: {errors[side]}")
+                    continue
                 # End to end, start-up included (the plain side's launcher has torch imported).
                 result["wall_s"] = time.perf_counter() - start
                 runs[side].append(result)
                 console.print(
-                    f"  run {i + 1}/{args.repeats} {side:8} {result['tokens_per_s']:>10,.0f} "
+                    f"  run {i + 1}/{args.repeats} {side:10} {result['tokens_per_s']:>10,.0f} "
                     f"tokens/s  peak {_size(result['peak_memory_bytes'])}  "
                     f"({result['wall_s']:.1f} s end to end)"
                 )
+                if args.out is not None and runs["plain"]:
+                    args.out.write_text(json.dumps(summarize(), indent=2) + "\n")
 
-    best = {side: max(rs, key=lambda r: r["tokens_per_s"]) for side, rs in runs.items()}
-    results = {
-        "recipe": resolved.name,
-        "overrides": overrides,
-        "device": kind,
-        "nproc_per_node": nproc,
-        "steps": cfg.train.steps,
-        "timing_warmup_steps": cfg.output.timing_warmup_steps,
-        "memory_kind": "allocated" if kind == "cuda" else "RSS",
-        "runs": runs,
-        "best": best,
-        "tokens_per_s_ratio": best["fsdprun"]["tokens_per_s"] / best["plain"]["tokens_per_s"],
-        "memory_ratio": best["fsdprun"]["peak_memory_bytes"] / best["plain"]["peak_memory_bytes"],
-    }
+    results = summarize()
     report(results)
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=2) + "\n")

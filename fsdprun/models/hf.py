@@ -1,5 +1,5 @@
 """A HuggingFace causal LM (built by transformers from a local folder's config.json) behind the
-interface the rest of fsdprun expects of a model: `forward(tokens) -> logits`, `args`,
+interface the rest of fsdprun expects of a model: `forward(tokens, head=None) -> logits`, `args`,
 `block_paths()`, `init_std(name)`, `init_buffers(device)`.
 
 Architecture only: the pretrained weights are loaded shard-wise by `fsdprun.hf` after FSDP has
@@ -12,6 +12,7 @@ sharded the model. Build it on the meta device:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -103,8 +104,40 @@ class HFCausalLM(nn.Module):
             raise UserError(f"model.hf_path: {path}: {e}") from e
         return cls(hf_model)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=tokens, use_cache=False).logits
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The logits; with `head`, `head(final hidden states, output weight)` (see
+        `Transformer.forward`)."""
+        if head is None:
+            return self.hf(input_ids=tokens, use_cache=False).logits
+        return head(self.forward_hidden(tokens), self.output_weight())
+
+    def forward_hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The decoder's last hidden states, the input of the output projection."""
+        return self.hf.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight, for a loss that applies it itself.
+
+        Raises:
+            UserError: the model does more than `hidden @ weight.T` to get its logits (a bias,
+                logit scaling or soft-capping), which such a loss would silently drop.
+        """
+        out = self.hf.get_output_embeddings()
+        extra = [
+            key for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+            if getattr(self.hf.config, key, None) not in (None, 1, 1.0)
+        ]  # fmt: skip
+        if not isinstance(out, nn.Linear) or out.bias is not None or extra:
+            raise UserError(
+                f"train.loss=chunked: {type(self.hf).__name__} computes its logits with more "
+                f"than a bias-free Linear ({', '.join(extra) or type(out).__name__}); use "
+                "train.loss=plain"
+            )
+        return out.weight
 
     def block_paths(self) -> list[str]:
         """Module paths of the decoder layers, in forward order."""

@@ -10,6 +10,7 @@ touches torch.distributed. Build it on the meta device and let the caller materi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -125,11 +126,25 @@ class Transformer(nn.Module):
         # Not persistent: derived from the config, so checkpoints hold only trained state.
         self.register_buffer("rope", rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The logits; with `head`, `head(final hidden states, output weight)` instead (a loss
+        that never builds the whole logits, `fsdprun.loss`). The head runs here, inside the root
+        module's forward, where FSDP has the output weight gathered."""
+        h = self.forward_hidden(tokens)
+        if head is not None:
+            return head(h, self.output.weight)
+        return self.output(h)
+
+    def forward_hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (after the last norm), the input of the output projection."""
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        return self.norm(h)
 
     def block_paths(self) -> list[str]:
         """Module paths of the transformer blocks (FSDP units under the `block` policy)."""

@@ -1,0 +1,131 @@
+"""Speed features that must not change the math: selective activation checkpointing and the
+chunked loss give the losses of a plain run (2 ranks, fp32, real FSDP2), and selective
+checkpointing keeps less than no checkpointing and more than full checkpointing."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from conftest import Run
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from fsdprun.config import ActivationCheckpointingConfig, CheckpointMode, load_recipe
+from fsdprun.models import build_model_args
+from fsdprun.models.llama import ModelArgs, Transformer, TransformerBlock, rope_table
+from fsdprun.parallel import apply_activation_checkpointing, selective_policy
+from fsdprun.plan import selective_block_bytes
+
+BASE = ("train.steps=6", "output.log_every=1", "train.micro_batch_size=1")  # as test_train
+
+
+def assert_same_losses(a: Run, b: Run, tol: float) -> None:
+    assert len(a.losses) == len(b.losses) == 6
+    for step, (x, y) in enumerate(zip(a.losses, b.losses, strict=True), start=1):
+        assert x == pytest.approx(y, abs=tol, rel=tol), f"step {step}: {x} vs {y}"
+
+
+@pytest.fixture(scope="module")
+def plain(fsdprun_runs) -> Run:
+    return fsdprun_runs.train(*BASE, nproc=2).check()
+
+
+def test_selective_checkpointing_keeps_the_losses(plain: Run, fsdprun_runs):
+    run = fsdprun_runs.train(*BASE, "activation_checkpointing.mode=selective", nproc=2).check()
+    assert run.start["activation_checkpointing"] == "selective (2 blocks)"
+    assert_same_losses(plain, run, 1e-6)
+
+
+def test_chunked_loss_keeps_the_losses(plain: Run, fsdprun_runs):
+    # 128 tokens per micro-batch in chunks of 50: two full chunks and a short one.
+    run = fsdprun_runs.train(*BASE, "train.loss=chunked", "train.loss_chunk_size=50").check()
+    assert run.start["loss"].startswith("chunked (50 tokens per chunk")
+    assert plain.start["loss"].startswith("plain")
+    assert "loss: chunked (50 tokens" in run.proc.stdout
+    assert_same_losses(plain, run, 1e-5)
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Bytes of the storages created by ops while active that are still alive when asked.
+
+    saved_tensors_hooks cannot count this: inside a checkpointed region the checkpoint's own
+    hooks replace any outer ones, and selective checkpointing keeps its saved outputs outside
+    autograd's saved tensors. Storages are what memory is made of, whoever holds them.
+    """
+
+    def __init__(self, *existing: torch.Tensor):
+        super().__init__()
+        self.storages: dict[int, tuple[weakref.ref, int]] = {}
+        # Views of tensors made before (parameters, inputs) allocate nothing: not counted.
+        for t in existing:
+            self.storages[id(t.untyped_storage())] = (weakref.ref(t.untyped_storage()), 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.storages.setdefault(id(storage), (weakref.ref(storage), storage.nbytes()))
+        return out
+
+    def live_bytes(self) -> int:
+        gc.collect()
+        return sum(n for ref, n in self.storages.values() if ref() is not None)
+
+
+def _kept_after_forward(mode: CheckpointMode) -> int:
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=64,
+                     max_seq_len=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(args)
+    apply_activation_checkpointing(model, cfg=ActivationCheckpointingConfig(mode=mode))
+    tokens = torch.randint(0, 64, (2, 64))
+    with _LiveStorages(*model.parameters(), *model.buffers()) as live:
+        out = model.forward_hidden(tokens).square().mean()
+    kept = live.live_bytes()
+    out.backward()  # and backward works after it
+    assert model.layers["0"].feed_forward.w1.weight.grad is not None
+    return kept
+
+
+def test_selective_checkpointing_keeps_less_than_none_and_more_than_full():
+    none, selective, full = (
+        _kept_after_forward(m)
+        for m in (CheckpointMode.none, CheckpointMode.selective, CheckpointMode.full)
+    )
+    tokens, dim, kv_dim, ffn = 2 * 64, 64, 32, 192
+    # Selective keeps every matmul output of both blocks (q, k, v, wo, w1, w3, w2), fp32.
+    assert selective - full >= 2 * tokens * (2 * dim + 2 * kv_dim + 2 * ffn + dim) * 4
+    assert full < selective < none, (full, selective, none)
+
+
+def test_plan_selective_block_bytes_match_what_selective_checkpointing_keeps():
+    cfg = load_recipe(
+        "debug", ["precision.param_dtype=bf16", "train.micro_batch_size=2", "train.seq_len=48",
+                  "activation_checkpointing.mode=selective"],
+    ).config  # fmt: skip
+    args = build_model_args(cfg.model)
+    block = TransformerBlock(args).to(torch.bfloat16)
+    x = torch.randn(2, 48, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    rope = rope_table(args)
+    with _LiveStorages(*block.parameters(), x, rope) as live:
+        out = checkpoint(
+            block, x, rope, use_reentrant=False,
+            context_fn=lambda: create_selective_checkpoint_contexts(selective_policy),
+        )  # fmt: skip
+    kept = live.live_bytes() - out.numel() * out.element_size()  # less the block's output
+    block_input = x.numel() * x.element_size()  # kept by the checkpoint, not made in it
+    assert kept + block_input == selective_block_bytes(cfg)
+
+
+def test_chunked_loss_through_ddp_and_fsdp1(plain: Run, fsdprun_runs):
+    # The head travels as a forward kwarg through DDP's and FSDP1's wrappers too.
+    for engine in ("ddp", "fsdp1"):
+        run = fsdprun_runs.train(
+            *BASE, f"fsdp.engine={engine}", "train.loss=chunked", "train.loss_chunk_size=50"
+        ).check()
+        assert_same_losses(plain, run, 1e-5)

@@ -1,0 +1,104 @@
+"""The data path prepares the next micro-batch while the current one trains, and the batches are
+exactly `load_batch`'s; the GPU test checks that non-logging steps never sync with the host."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fsdprun.config import load_recipe
+from fsdprun.data import BatchLayout, build_datasets, load_batch
+from fsdprun.data.prefetch import BatchLoader
+
+
+class _SlowData:
+    """A dataset that records from which thread, and in what order, samples are read."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, []
+        self.description, self.num_samples = inner.description, inner.num_samples
+
+    def sample(self, index: int) -> torch.Tensor:
+        self.reads.append((index, threading.current_thread().name))
+        return self.inner.sample(index)
+
+
+def test_next_batch_is_prepared_before_the_step_runs():
+    cfg = load_recipe("debug").config
+    data, _ = build_datasets(cfg.data, vocab_size=256, seq_len=32, seed=0)
+    slow = _SlowData(data)
+    layout = BatchLayout(global_batch_size=8, micro_batch_size=2, world_size=2)  # 2 micro-steps
+    loader = BatchLoader(slow, layout, rank=1, device=torch.device("cpu"), steps=3)
+    order = [(s, m) for s in range(3) for m in range(2)]
+    for i, (step, micro) in enumerate(order):
+        inputs, targets = loader.load(step, micro)
+        expected = load_batch(data, layout.indices(step, micro, 1), torch.device("cpu"))
+        assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
+        # Before this micro-batch's forward: the next one is already on its way (or done),
+        # read on the loader's thread.
+        if i + 1 < len(order):
+            assert list(loader.pending) == [order[i + 1]]
+            loader.pending[order[i + 1]].result(timeout=10)
+            following = set(layout.indices(*order[i + 1], 1))
+            threads = {name for index, name in slow.reads if index in following}
+            assert threads and all(name.startswith("fsdprun-batch") for name in threads)
+        else:
+            assert loader.pending == {}  # nothing past the last step
+    loader.close()
+
+
+def test_out_of_order_load_still_gives_the_right_batch():
+    cfg = load_recipe("debug").config
+    data, _ = build_datasets(cfg.data, vocab_size=256, seq_len=32, seed=0)
+    layout = BatchLayout(global_batch_size=4, micro_batch_size=2, world_size=2)
+    loader = BatchLoader(data, layout, rank=0, device=torch.device("cpu"), steps=10)
+    loader.load(0, 0)
+    inputs, _ = loader.load(5, 0)  # a resume jumps ahead: the guessed batch is not used
+    assert torch.equal(inputs, load_batch(data, layout.indices(5, 0, 0), torch.device("cpu"))[0])
+    loader.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_non_logging_steps_do_not_sync_with_the_host(tmp_path):
+    """One rank on CUDA: forward, backward, clip and the optimizer step of a step that logs
+    nothing run under torch.cuda.set_sync_debug_mode("error"). The step's one agreed read (stop
+    and non-finite flags, `StepAgreement.finish`) is left outside on purpose."""
+    import os
+
+    import torch.distributed as dist
+
+    from fsdprun.device import build_worker_device
+    from fsdprun.worker import Ranks, _build, _forward_backward
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")  # fmt: skip
+    cfg = load_recipe(
+        "debug", ["launch.device=cuda", "precision.param_dtype=bf16", "train.loss=chunked"]
+    ).config
+    device = build_worker_device("cuda", 0)
+    dist.init_process_group("nccl", device_id=device.torch_device)
+    try:
+        ranks = Ranks(0, 0, 1)
+        engine, _, optimizer, scheduler, scaler = _build(cfg, ranks, device)
+        layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, 1)
+        data, _ = build_datasets(cfg.data, vocab_size=cfg.model.vocab_size,
+                                 seq_len=cfg.train.seq_len, seed=0)  # fmt: skip
+        batches = BatchLoader(data, layout, 0, device.torch_device, steps=4)
+        for step in range(4):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")  # warm-up first
+            try:
+                _forward_backward(engine, optimizer, scaler, batches, layout, step, 0, device,
+                                  cfg, poison=False)  # fmt: skip
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        batches.close()
+        del engine, optimizer
+    finally:
+        dist.destroy_process_group()
