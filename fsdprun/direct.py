@@ -7,12 +7,14 @@ writes RUN_DIR/recipe.yaml for the record and renders the report.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 from fsdprun.config import load_recipe
 from fsdprun.errors import UserError
 from fsdprun.launch import prepare_run_dir
+from fsdprun.runlock import hold_run_dir
 from fsdprun.worker import run
 
 
@@ -35,6 +37,9 @@ def run_as_worker(recipe: str, overrides: list[str]) -> None:
     resolved = load_recipe(recipe, overrides, world_size=world_size)
     run_dir = direct_run_dir(resolved.name, resolved.config.output.run_dir)
     resolved.config.output.run_dir = str(run_dir)
-    if int(os.environ["RANK"]) == 0:
-        prepare_run_dir(run_dir, resolved)
-    run(run_dir, render=True, recipe_name=resolved.name, cfg=resolved.config)
+    rank0 = int(os.environ["RANK"]) == 0
+    # No launcher process here: rank 0 holds the run directory's lock for the whole run.
+    with hold_run_dir(run_dir) if rank0 else contextlib.nullcontext():
+        if rank0:
+            prepare_run_dir(run_dir, resolved)
+        run(run_dir, render=True, recipe_name=resolved.name, cfg=resolved.config)

@@ -31,6 +31,7 @@ from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.guard import STOP_FILE, request_stop
 from fsdprun.report import MetricsFollower, Reporter
+from fsdprun.runlock import hold_run_dir
 from fsdprun.worker import RECIPE_FILE, elastic_entry
 
 # torch >= 2.8 lets the launcher choose which signals its agent handles.
@@ -229,6 +230,15 @@ def launch_training(
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
     method = start_method(kind)  # a bad FSDPRUN_START_METHOD is refused before RUN_DIR exists
+    # One run per directory: locked before anything is written in it, for the whole run.
+    with hold_run_dir(run_dir, node_rank=cfg.launch.node_rank):
+        return _launch(resolved, run_dir, kind=kind, method=method, resume_from=resume_from)
+
+
+def _launch(
+    resolved: ResolvedRecipe, run_dir: Path, *, kind: str, method: str, resume_from: Path | None
+) -> dict | None:
+    cfg = resolved.config
     if resume_from is None:
         prepare_run_dir(run_dir, resolved)
     else:
