@@ -326,25 +326,26 @@ def die_with_launcher() -> None:
     torch's worker wrapper asks for SIGINT on parent death, which fsdprun would turn into a
     graceful stop whose end waits, forever, for the dead agent to collect the result. A worker
     nobody can collect or restart must not hold its memory and ports: SIGKILL instead (Linux
-    prctl). Elsewhere, a thread polls the launcher's pid. A launcher killed with SIGTERM/SIGINT
-    still stops the run at a checkpoint; only a launcher that dies without a word takes its
-    workers with it, unsaved, as a kill -9 of the workers themselves would.
+    prctl, when the launcher is the parent), else a thread that polls the launcher's pid. A
+    launcher stopped with SIGTERM/SIGINT still stops the run at a checkpoint; only a launcher
+    that dies without a word takes its workers with it, unsaved, as a kill -9 of the workers
+    themselves would.
     """
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
     if not launcher:
         return
     # Under fork and spawn the parent is the launcher (its elastic agent runs in-process); under
-    # forkserver it is the forkserver, which exits when the launcher does.
+    # forkserver it is the forkserver, which may outlive a killed launcher.
     parent = os.getppid()
     armed = False
-    if sys.platform.startswith("linux"):
+    if sys.platform.startswith("linux") and parent == launcher:
         libc = ctypes.CDLL(None, use_errno=True)
         armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    # A parent that died before the prctl would never fire it.
-    if os.getppid() != parent or (parent != launcher and not _alive(launcher)):
+    # A launcher that died before the prctl would never fire it.
+    if (armed and os.getppid() != launcher) or not _alive(launcher):
         os._exit(1)
     if not armed:
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+        threading.Thread(target=_watch_launcher, args=(launcher,), daemon=True).start()
 
 
 LAUNCHER_PID_ENV = "FSDPRUN_LAUNCHER_PID"
@@ -365,7 +366,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1.0)
+def _watch_launcher(pid: int) -> None:
+    while _alive(pid):
+        time.sleep(0.5)
     os._exit(1)
