@@ -3,9 +3,9 @@
 The process that starts a run takes it before it writes anything in the directory: fsdprun's
 launcher (held across elastic restarts; workers never take it), or rank 0 when fsdprun runs
 under torchrun/srun. The kernel drops the lock when that process exits in any way, kill -9
-included, so a lock is never stale. The file itself stays: it names its holder (host, pid, start
-time, command) for the one-line error a second command prints and for `fsdprun status`, and is
-emptied when the holder lets go cleanly.
+included, so a lock is never stale. The file names its holder (host, pid, start time, command)
+for the one-line error a second command prints and for `fsdprun status`; the holder removes it
+when it lets go, so it stays only after a holder that was killed (naming that last holder).
 
 Each node's launcher of a multi-node run locks its own file (`.lock` on node 0,
 `.lock.node-N` on node N), so nodes that share RUN_DIR do not refuse one another, while a
@@ -17,6 +17,7 @@ No torch here: `fsdprun status` imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -90,6 +91,9 @@ def is_locked(path: Path) -> bool:
 def hold_run_dir(run_dir: Path, *, node_rank: int = 0) -> Iterator[None]:
     """Hold RUN_DIR's lock for the duration (creating RUN_DIR if needed).
 
+    On the way out the lock file is removed, and RUN_DIR too if this call created it and it is
+    still empty: a command refused after taking the lock leaves nothing behind.
+
     Raises:
         UserError: another process holds it (the message names the holder), or RUN_DIR cannot
             be created.
@@ -99,13 +103,13 @@ def hold_run_dir(run_dir: Path, *, node_rank: int = 0) -> Iterator[None]:
         yield
         return
     path = lock_path(run_dir, node_rank)
+    created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd, locked = _open_locked(path)
     except OSError as e:
-        raise UserError(f"cannot create the run directory {run_dir}: {e.strerror}") from e
+        raise UserError(f"cannot write the run directory {run_dir}: {e.strerror}") from e
     try:
-        locked = _try_lock(fd, path)
         if locked:
             holder = Holder(socket.gethostname(), os.getpid(), time.time(), _command())
             os.ftruncate(fd, 0)
@@ -116,11 +120,35 @@ def hold_run_dir(run_dir: Path, *, node_rank: int = 0) -> Iterator[None]:
         finally:
             del _held[key]
             if locked:
-                os.ftruncate(fd, 0)  # released cleanly: nobody holds it now
+                # Removed while still held: whoever opened it meanwhile finds, once it has the
+                # lock, that the path no longer names its file, and opens the new one.
+                path.unlink(missing_ok=True)
                 # Explicit, so that copies of this fd in forked workers cannot keep it.
                 fcntl.flock(fd, fcntl.LOCK_UN)
+            if created:
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()  # only when empty
     finally:
         os.close(fd)
+
+
+def _open_locked(path: Path) -> tuple[int, bool]:
+    """Open and lock the lock file: (its fd, whether it is locked)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            locked = _try_lock(fd, path)
+            mine = os.fstat(fd)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if not locked or (now and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)):
+            return fd, locked
+        os.close(fd)  # its holder removed it as we locked it: take the new one
 
 
 def _try_lock(fd: int, path: Path) -> bool:

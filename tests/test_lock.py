@@ -15,7 +15,7 @@ from pathlib import Path
 
 from conftest import FSDPRUN, Run, fsdprun_env, run_fsdprun
 
-from fsdprun.runlock import hold_run_dir, is_locked, lock_path
+from fsdprun.runlock import hold_run_dir, lock_path
 
 
 def _popen(tmp_path: Path, *args: str) -> subprocess.Popen:
@@ -59,7 +59,7 @@ def test_one_run_per_directory_for_train_and_resume_and_status_tells(tmp_path):
         "step-00000004", "step-00000008"
     ]  # fmt: skip
     assert not list(run_dir.glob("recipe.*.yaml"))
-    assert not is_locked(lock_path(run_dir)) and lock_path(run_dir).read_text() == ""
+    assert not lock_path(run_dir).exists()  # removed by its holder on the way out
     status = run_fsdprun("status", "run", cwd=tmp_path)
     assert status.returncode == 0 and status.stdout.splitlines() == [
         "run: not running; the last session finished",
@@ -118,3 +118,22 @@ def test_compare_holds_its_directory(tmp_path):
         assert proc.returncode == 2 and len(errors) == 1, proc.stderr  # after its progress line
         assert f"cmp is in use by another fsdprun run: pid {os.getpid()} on " in proc.stderr
         assert [p.name for p in (tmp_path / "cmp").iterdir()] == [".lock"]
+
+
+def test_each_node_locks_its_own_file(tmp_path):
+    # Nodes of one multi-node run may share RUN_DIR: node 1 must not be refused by node 0's lock,
+    # while a second launch of node 0 is. (Another process: locks are per process.)
+    def take(node_rank: int) -> subprocess.CompletedProcess:
+        code = (
+            "from pathlib import Path; from fsdprun.runlock import hold_run_dir\n"
+            f"with hold_run_dir(Path({str(tmp_path)!r}), node_rank={node_rank}): print('held')"
+        )
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+    with hold_run_dir(tmp_path, node_rank=0):
+        assert take(1).stdout == "held\n"
+        refused = take(0)
+        assert refused.returncode == 1 and "UserError" in refused.stderr
+        assert f"is in use by another fsdprun run: pid {os.getpid()} on " in refused.stderr
+    assert take(0).stdout == "held\n"  # released on exit
+    assert not list(tmp_path.iterdir())  # each holder removed its file

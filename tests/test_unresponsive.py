@@ -19,12 +19,16 @@ from fsdprun.runlock import is_locked, lock_path
 
 
 def _gone(pid: int) -> bool:
-    """Exited (a zombie not yet reaped by whoever inherited it counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    """Exited: every thread dead (a zombie not yet reaped by whoever inherited it counts as
+    gone; its leader shows Z while its other threads still exit, holding its files)."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state not in ("Z", "X"):
+            return False
+    return True
 
 
 def _heartbeats(run_dir: Path) -> dict[int, dict]:
