@@ -164,8 +164,7 @@ class Heartbeat:
                 raise RuntimeError(message) from e
             if kind == "peer":
                 raise RuntimeError(
-                    f"lost the connection to another rank {where} (it exited; its own log says "
-                    "why)"
+                    f"lost the connection to another rank {where} (it exited; its own log says why)"
                 ) from e
             raise
         self.beat(*before)

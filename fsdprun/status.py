@@ -42,7 +42,7 @@ def run_status(run_dir: Path) -> dict[str, Any]:
         })  # fmt: skip
     events = _read_events(metrics)
     starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
-    session = events[starts[-1]:] if starts else events
+    session = events[starts[-1] :] if starts else events
     steps = [e for e in events if e.get("event") == "step"]
     checkpoints = [e for e in events if e.get("event") == "checkpoint"]
     running = any(lock["held"] for lock in lock_docs)

@@ -96,6 +96,7 @@ TIMEOUT_S = 4
         ("save", "in the checkpoint save at step 3", "(last step 3, in the checkpoint save, no"),
         ("eval", "in the evaluation at step 3", "(last step 3, in the evaluation, no heartbeat"),
     ],
+    ids=["step", "save", "eval"],
 )
 def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, phase, where, what):
     run_dir = tmp_path / "run"
