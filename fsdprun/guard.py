@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,8 +125,9 @@ class Heartbeat:
         self._write()
         threading.Thread(target=self._pulse, name="fsdprun-heartbeat", daemon=True).start()
 
-    def _write(self) -> None:
-        with self._lock:
+    def _write(self, **change: Any) -> None:
+        with self._lock:  # the main thread and the pulse thread share the file
+            self.state.update(change)
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps({**self.state, "time": time.time()}))
             tmp.replace(self.path)
@@ -140,8 +142,7 @@ class Heartbeat:
     def beat(self, step: int, phase: str = "step") -> None:
         """This rank is now at `phase` of `step` (1-based; 0 before the first step)."""
         if (self.state["step"], self.state["phase"]) != (step, phase):
-            self.state.update(step=step, phase=phase, seq=self.state["seq"] + 1)
-            self._write()
+            self._write(step=step, phase=phase, seq=self.state["seq"] + 1)
 
     @contextmanager
     def watch(self, step: int, phase: str) -> Iterator[None]:

@@ -121,3 +121,24 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, phase, where, what)
         assert _gone(frozen["pid"])
     finally:
         _kill([frozen["pid"]])
+
+
+def test_heartbeats_name_the_stale_and_the_behind_but_not_the_waiting(tmp_path):
+    from fsdprun.guard import Heartbeat
+
+    beat = Heartbeat(tmp_path, 0, world_size=4, timeout_s=10)
+    beat.beat(7, "save")
+    now = time.time()
+    others = {
+        1: {"step": 7, "phase": "save", "seq": 1, "time": now - 0.5},  # waiting with rank 0
+        2: {"step": 7, "phase": "save", "seq": 1, "time": now - 6},  # frozen: silent > 10/2 s
+        3: {"step": 6, "phase": "step", "seq": 0, "time": now},  # alive, one step behind
+    }
+    for rank, rec in others.items():
+        rec.update(pid=1000 + rank, host="elsewhere")  # another node: nothing is killed
+        (tmp_path / "heartbeat" / f"rank-{rank}.json").write_text(json.dumps(rec))
+    silent = beat.silent()
+    assert sorted(silent) == [2, 3]
+    text = beat.describe(silent)
+    assert text.startswith("stopped answering: rank 2 (last step 7, in the checkpoint save, no ")
+    assert "rank 3 (last step 6) on elsewhere, pid 1003; the others reached step 7" in text
