@@ -12,6 +12,7 @@ failing worker exits 1 with the rank, the error and its log file.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -181,9 +182,9 @@ def resume(
     rdzv_endpoint: EndpointOpt = None,
 ) -> None:
     """Continue a run from its newest complete checkpoint (any world size)."""
-    from fsdprun.launch import launch_training
-    from fsdprun.resume import plan_resume
+    from fsdprun.runlock import hold_run_dir
     from fsdprun.slurm import srun_env
+    from fsdprun.worker import RECIPE_FILE
 
     if "RANK" in os.environ or srun_env(os.environ):
         # Every rank would start a launcher of its own on the same run directory.
@@ -192,7 +193,24 @@ def resume(
             "or a multi-task srun step (under torchrun --max-restarts, restarts resume by "
             "themselves)"
         )
+
     extra = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    # Locked before choosing the checkpoint: a run still writing would make the choice stale.
+    # Only a run directory gets a lock file (plan_resume refuses anything else).
+    with (
+        hold_run_dir(run_dir, node_rank=node_rank or 0)
+        if (run_dir / RECIPE_FILE).is_file()
+        else contextlib.nullcontext()
+    ):
+        _resume(run_dir, overrides, extra, step=step, verify=verify)
+
+
+def _resume(
+    run_dir: Path, overrides: list[str] | None, extra: list[str], *, step: int | None, verify: bool
+) -> None:
+    from fsdprun.launch import launch_training
+    from fsdprun.resume import plan_resume
+
     plan = plan_resume(run_dir, [*(overrides or []), *extra], step=step, verify=verify)
     for bad in plan.skipped:
         err_console.print(f"warning: skipping incomplete checkpoint {bad.path}: {bad.reason}")
@@ -230,6 +248,27 @@ def recipes() -> None:
     width = max(map(len, entries), default=0)
     for name, desc in entries.items():
         print(f"{name:<{width}}  {desc}")
+
+
+@app.command()
+def status(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    json_: Annotated[
+        bool, typer.Option("--json", help="Print one JSON document instead of lines.")
+    ] = False,
+) -> None:
+    """Whether a run is running (who holds its lock: host, pid, since when) and its last logged
+    step, from the run directory's files alone."""
+    # Not `guarded`: that imports torch, and status must answer at once.
+    from fsdprun.status import render_status, run_status
+
+    try:
+        doc = run_status(run_dir)
+    except UserError as e:
+        if os.environ.get("FSDPRUN_DEBUG"):
+            raise
+        raise _fail(str(e), 2) from None
+    sys.stdout.write(json.dumps(doc, indent=1) + "\n" if json_ else render_status(doc))
 
 
 @app.command("inspect-checkpoint")

@@ -22,6 +22,7 @@ from typing import Any
 from fsdprun.config import Engine, Sharding, load_recipe
 from fsdprun.errors import UserError
 from fsdprun.metrics import read_events
+from fsdprun.runlock import LOCK_FILE, hold_run_dir
 
 
 @dataclass(frozen=True)
@@ -147,21 +148,24 @@ def compare(
             `out_dir` already holds runs.
     """
     resolved = load_recipe(recipe, overrides)
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and any(not p.name.startswith(LOCK_FILE) for p in out_dir.iterdir()):
         raise UserError(f"--run-dir {out_dir} is not empty; give a new directory")
     results = []
-    for config in configs:
-        run_dir = out_dir / config.label.replace(":", "-")
-        try:
-            load_recipe(recipe, [*overrides, *config.overrides])
-        except UserError as e:
-            result = CompareResult(config.label, [*overrides, *config.overrides], str(run_dir),
-                                   ok=False, error=str(e))  # fmt: skip
-        else:
-            result = run_config(recipe, overrides, config, run_dir)
-        results.append(result)
-        if on_result is not None:
-            on_result(result)
+    # Each configuration's run locks its own directory; this lock keeps a second compare out of
+    # the whole set.
+    with hold_run_dir(out_dir):
+        for config in configs:
+            run_dir = out_dir / config.label.replace(":", "-")
+            try:
+                load_recipe(recipe, [*overrides, *config.overrides])
+            except UserError as e:
+                result = CompareResult(config.label, [*overrides, *config.overrides],
+                                       str(run_dir), ok=False, error=str(e))  # fmt: skip
+            else:
+                result = run_config(recipe, overrides, config, run_dir)
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
     cfg = resolved.config
     return {
         "recipe": resolved.name,

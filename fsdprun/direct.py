@@ -12,6 +12,7 @@ first attempt created by the elastic agent that started it (AGENT_FILE), and ref
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -22,6 +23,7 @@ from fsdprun.config import ResolvedRecipe, load_recipe
 from fsdprun.errors import UserError
 from fsdprun.guard import restart_count
 from fsdprun.launch import prepare_run_dir
+from fsdprun.runlock import hold_run_dir
 from fsdprun.worker import run
 
 AGENT_FILE = "agent.json"
@@ -107,6 +109,9 @@ def run_as_worker(recipe: str, overrides: list[str]) -> None:
     resolved = load_recipe(recipe, overrides, world_size=world_size)
     run_dir = direct_run_dir(resolved.name, resolved.config.output.run_dir)
     resolved.config.output.run_dir = str(run_dir)
-    if int(os.environ["RANK"]) == 0:
-        claim_run_dir(run_dir, resolved)
-    run(run_dir, render=True, recipe_name=resolved.name, cfg=resolved.config)
+    rank0 = int(os.environ["RANK"]) == 0
+    # No launcher process here: rank 0 holds the run directory's lock for the whole run.
+    with hold_run_dir(run_dir) if rank0 else contextlib.nullcontext():
+        if rank0:
+            claim_run_dir(run_dir, resolved)
+        run(run_dir, render=True, recipe_name=resolved.name, cfg=resolved.config)

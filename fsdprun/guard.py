@@ -9,12 +9,19 @@ collective the others skipped.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
+import socket
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,37 +99,189 @@ class StepAgreement:
 
 
 class Heartbeat:
-    """Each rank records the step it is at, so a timeout can name the rank that fell behind."""
+    """Where each rank is, so a collective that times out can name the rank that stopped answering.
 
-    def __init__(self, run_dir: Path, rank: int):
+    Each rank keeps RUN_DIR/heartbeat/rank-R.json up to date: the step and phase it is in (a
+    step's compute and collectives, a checkpoint save, an evaluation), its host and pid, and a time
+    that a background thread refreshes every `interval_s`. Every rank makes the same sequence of
+    phase changes (control flow is agreed), so a rank whose count of changes is lower than the
+    others' has fallen behind; a rank whose time is stale is frozen (SIGSTOP, a debugger) or gone,
+    since a process blocked in a collective still refreshes it from its thread. Times are compared
+    across hosts: clocks must agree to within `stale_after_s` (NTP keeps them far closer).
+    """
+
+    def __init__(self, run_dir: Path, rank: int, *, world_size: int, timeout_s: float):
         self.dir = run_dir / HEARTBEAT_DIR
         self.dir.mkdir(exist_ok=True)
         self.path = self.dir / f"rank-{rank}.json"
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        # A live rank refreshes at least every interval_s; one silent for stale_after_s (half the
+        # collective timeout) has not run at all while the others waited for it.
+        self.interval_s = min(max(timeout_s / 10, 0.2), 10.0)
+        self.stale_after_s = max(2.5 * self.interval_s, timeout_s / 2)
+        self.state = {"step": 0, "phase": "start", "seq": 0, "pid": os.getpid(),
+                      "host": socket.gethostname()}  # fmt: skip
+        self._lock = threading.Lock()
+        if rank == 0:
+            clear_verdict(run_dir)  # an earlier attempt's
+        self._write()
+        threading.Thread(target=self._pulse, name="fsdprun-heartbeat", daemon=True).start()
 
-    def beat(self, step: int) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        # A full disk (an async save can fill it while training goes on) must not kill the rank:
-        # a heartbeat only helps name a rank after a timeout, and the next one may fit.
-        with contextlib.suppress(OSError):
-            tmp.write_text(json.dumps({"step": step, "time": time.time()}))
+    def _write(self, **change: Any) -> None:
+        with self._lock:  # the main thread and the pulse thread share the file
+            self.state.update(change)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**self.state, "time": time.time()}))
             tmp.replace(self.path)
 
-    def laggards(self, world_size: int) -> str:
-        """Which ranks are behind the others, from their last heartbeat."""
-        steps = {}
-        for rank in range(world_size):
+    def _pulse(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            # A full or vanished disk: the step's own writes will say so.
+            with contextlib.suppress(OSError):
+                self._write()
+
+    def beat(self, step: int, phase: str = "step") -> None:
+        """This rank is now at `phase` of `step` (1-based; 0 before the first step)."""
+        if (self.state["step"], self.state["phase"]) != (step, phase):
+            # A full disk (an async save can fill it while training goes on) must not kill the
+            # rank: the state is kept in memory and the pulse writes it once there is room.
+            with contextlib.suppress(OSError):
+                self._write(step=step, phase=phase, seq=self.state["seq"] + 1)
+
+    @contextmanager
+    def watch(self, step: int, phase: str) -> Iterator[None]:
+        """Run collectives as `phase` of `step`; a collective that times out or loses its peer
+        becomes one line naming where, and which rank stopped answering."""
+        before = self.state["step"], self.state["phase"]
+        self.beat(step, phase)
+        try:
+            yield
+        except BaseException as e:
+            kind = None if isinstance(e, KeyboardInterrupt | SystemExit) else collective_failure(e)
+            where = _where(step, phase)
+            if kind == "timeout":
+                silent = self.silent()
+                message = (
+                    f"a collective timed out {where} (launch.timeout_s={self.timeout_s}); "
+                    f"{self.describe(silent)}"
+                )
+                self._report(message, silent)
+                raise RuntimeError(message) from e
+            if kind == "peer":
+                raise RuntimeError(
+                    f"lost the connection to another rank {where} (it exited; its own log says why)"
+                ) from e
+            raise
+        self.beat(*before)
+
+    def read(self) -> dict[int, dict | None]:
+        """Every rank's last record (None where a rank has none)."""
+        records: dict[int, dict | None] = {}
+        for rank in range(self.world_size):
             try:
-                steps[rank] = json.loads((self.dir / f"rank-{rank}.json").read_text())["step"]
+                records[rank] = json.loads((self.dir / f"rank-{rank}.json").read_text())
             except (OSError, ValueError):
-                steps[rank] = None
-        known = [s for s in steps.values() if s is not None]
-        if not known:
+                records[rank] = None
+        return records
+
+    def silent(self) -> dict[int, dict | None]:
+        """The ranks that stopped answering, with their records (stale_s added): those behind
+        the others and those whose heartbeat went stale."""
+        records = self.read()
+        known = [rec for rec in records.values() if rec is not None]
+        top = max((rec["seq"] for rec in known), default=0)
+        now = time.time()
+        silent: dict[int, dict | None] = {}
+        for rank, rec in records.items():
+            if rec is None:
+                silent[rank] = None
+                continue
+            stale_s = now - rec["time"] if rank != self.rank else 0.0
+            if stale_s > self.stale_after_s or rec["seq"] < top:
+                silent[rank] = {**rec, "stale_s": stale_s if stale_s > self.stale_after_s else 0}
+        return silent
+
+    def describe(self, silent: dict[int, dict | None]) -> str:
+        """`silent` in words: each rank's last step and phase, how long it has been silent,
+        its pid and host."""
+        steps = [rec["step"] for rec in self.read().values() if rec is not None]
+        if not steps:
             return "no heartbeats"
-        top = max(known)
-        behind = [f"rank {r} (last step {s})" for r, s in steps.items() if s is None or s < top]
-        if not behind:
-            return f"every rank reported step {top}"
-        return f"stopped answering: {', '.join(behind)}; the others reached step {top}"
+        if not silent:
+            return f"every rank reported step {max(steps)}; none is silent"
+        parts = []
+        for rank, rec in silent.items():
+            if rec is None:
+                parts.append(f"rank {rank} (no heartbeat)")
+                continue
+            what = [f"last step {rec['step']}"]
+            if rec["phase"] in _PHASES:
+                what.append(_PHASES[rec["phase"]])
+            if rec["stale_s"]:
+                what.append(f"no heartbeat for {rec['stale_s']:.1f} s")
+            parts.append(f"rank {rank} ({', '.join(what)}) on {rec['host']}, pid {rec['pid']}")
+        behind = any(rec is None or rec["step"] < max(steps) for rec in silent.values())
+        others = f"; the others reached step {max(steps)}" if behind else ""
+        return f"stopped answering: {'; '.join(parts)}{others}"
+
+    def _report(self, message: str, silent: dict[int, dict | None]) -> None:
+        """Leave `message` for the launcher, then SIGKILL the frozen ranks of this node.
+
+        The run is failing. The agent would SIGTERM a frozen rank, and a frozen process dies only
+        of SIGKILL, 30 s later: killing it now ends the run that much sooner. The launcher then
+        sees that rank die of a signal, perhaps before this one exits, so it takes the line from
+        RUN_DIR/heartbeat/verdict.json rather than from whichever failure it saw first.
+        """
+        try:
+            log = os.readlink("/proc/self/fd/2")  # this rank's stderr.log under the agent
+        except OSError:
+            log = None
+        verdict = {"rank": self.rank, "message": message, "log": log}
+        tmp = self.dir / f"verdict.{self.rank}.tmp"
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps(verdict))
+            tmp.replace(self.dir / VERDICT_FILE)
+        for rec in silent.values():
+            if rec and rec["stale_s"] and rec["host"] == self.state["host"]:
+                _kill_sibling(rec["pid"])
+
+
+VERDICT_FILE = "verdict.json"
+
+
+def read_verdict(run_dir: Path) -> dict | None:
+    """What the rank that found others unresponsive reported (see `Heartbeat._report`)."""
+    try:
+        return json.loads((run_dir / HEARTBEAT_DIR / VERDICT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def clear_verdict(run_dir: Path) -> None:
+    (run_dir / HEARTBEAT_DIR / VERDICT_FILE).unlink(missing_ok=True)
+
+
+def _kill_sibling(pid: int) -> None:
+    """SIGKILL `pid` if it is another worker of this rank's agent (same parent; Linux only: a
+    host name can repeat across containers, a parent pid in the same namespace cannot)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getppid() and pid != os.getpid():
+            os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+# The phases a message names besides a step's own compute and collectives.
+_PHASES = {"start": "while starting", "save": "in the checkpoint save", "eval": "in the evaluation"}
+
+
+def _where(step: int, phase: str) -> str:
+    if phase == "start":
+        return "while starting" + (f" from step {step}" if step else "")
+    return f"{_PHASES[phase]} at step {step}" if phase in _PHASES else f"at step {step}"
 
 
 def collective_failure(error: BaseException) -> str | None:
@@ -141,19 +300,78 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def injected_step(variable: str, rank: int) -> set[int]:
+def injected_step(variable: str, rank: int, phase: str = "step") -> set[int]:
     """Fault injection for tests and drills, on the first attempt only (not after a restart):
-    VARIABLE=RANK:STEP[,RANK:STEP...] → the 1-based steps at which this rank misbehaves.
+    VARIABLE=RANK:STEP[:PHASE][,...] → the 1-based steps at which this rank misbehaves in
+    `phase` (step, save or eval; step when not given).
 
     FSDPRUN_FAIL_AT raises (at train.steps + 1: after the last step and its checkpoint),
-    FSDPRUN_HANG_AT stops answering, FSDPRUN_NONFINITE_AT makes the loss infinite.
+    FSDPRUN_HANG_AT stops answering (its heartbeat thread runs on), FSDPRUN_FREEZE_AT freezes the
+    whole process with SIGSTOP, FSDPRUN_NONFINITE_AT makes the loss infinite.
     """
     spec = os.environ.get(variable)
     if not spec or restart_count() > 0:
         return set()
     steps = set()
     for item in spec.split(","):
-        r, s = item.split(":")
-        if int(r) == rank:
+        r, s, *p = item.split(":")
+        if int(r) == rank and (p[0] if p else "step") == phase:
             steps.add(int(s))
     return steps
+
+
+def freeze() -> None:
+    """Stop this whole process, as `kill -STOP` would (FSDPRUN_FREEZE_AT)."""
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def die_with_launcher() -> None:
+    """Make this worker die when the launcher that started it dies (kill -9 included).
+
+    torch's worker wrapper asks for SIGINT on parent death, which fsdprun would turn into a
+    graceful stop whose end waits, forever, for the dead agent to collect the result. A worker
+    nobody can collect or restart must not hold its memory and ports: SIGKILL instead (Linux
+    prctl, when the launcher is the parent), else a thread that polls the launcher's pid. A
+    launcher stopped with SIGTERM/SIGINT still stops the run at a checkpoint; only a launcher
+    that dies without a word takes its workers with it, unsaved, as a kill -9 of the workers
+    themselves would.
+    """
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+    if not launcher:
+        return
+    # Under fork and spawn the parent is the launcher (its elastic agent runs in-process); under
+    # forkserver it is the forkserver, which may outlive a killed launcher.
+    parent = os.getppid()
+    armed = False
+    if sys.platform.startswith("linux") and parent == launcher:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    # A launcher that died before the prctl would never fire it.
+    if (armed and os.getppid() != launcher) or not _alive(launcher):
+        os._exit(1)
+    if not armed:
+        threading.Thread(target=_watch_launcher, args=(launcher,), daemon=True).start()
+
+
+LAUNCHER_PID_ENV = "FSDPRUN_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie waiting to be reaped does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError, IndexError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _watch_launcher(pid: int) -> None:
+    while _alive(pid):
+        time.sleep(0.5)
+    os._exit(1)

@@ -30,9 +30,16 @@ from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.float8 import check_float8
-from fsdprun.guard import STOP_FILE, request_stop
+from fsdprun.guard import (
+    LAUNCHER_PID_ENV,
+    STOP_FILE,
+    clear_verdict,
+    read_verdict,
+    request_stop,
+)
 from fsdprun.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.report import MetricsFollower, Reporter
+from fsdprun.runlock import hold_run_dir
 from fsdprun.worker import RECIPE_FILE, elastic_entry
 
 # torch >= 2.8 lets the launcher choose which signals its agent handles.
@@ -206,7 +213,15 @@ def start_method(device_kind: str) -> str:
     return chosen
 
 
-def describe_failure(err: ChildFailedError) -> WorkerFailed:
+def describe_failure(err: ChildFailedError, run_dir: Path) -> WorkerFailed:
+    verdict = read_verdict(run_dir)
+    if verdict is not None:
+        # A rank found others unresponsive: that is the cause, whichever rank the agent saw
+        # fail first (the frozen one it killed, or one that lost its connection).
+        log = verdict.get("log")
+        where = f"; log: {log}" if log and Path(log).exists() else ""
+        return WorkerFailed(f"rank {verdict['rank']} failed: {verdict['message']}{where}",
+                            user_error=False)  # fmt: skip
     rank, failure = err.get_first_failure()
     message = failure.message
     if isinstance(message, dict):  # what @record wrote: {"message": ..., "extraInfo": ...}
@@ -249,6 +264,15 @@ def launch_training(
     check_nproc(kind, cfg.launch.nproc_per_node)
     check_float8(cfg.precision.float8.value, kind)  # float8 matmuls need CUDA capability >= 8.9
     method = start_method(kind)  # a bad FSDPRUN_START_METHOD is refused before RUN_DIR exists
+    # One run per directory: locked before anything is written in it, for the whole run.
+    with hold_run_dir(run_dir, node_rank=cfg.launch.node_rank):
+        return _launch(resolved, run_dir, kind=kind, method=method, resume_from=resume_from)
+
+
+def _launch(
+    resolved: ResolvedRecipe, run_dir: Path, *, kind: str, method: str, resume_from: Path | None
+) -> dict | None:
+    cfg = resolved.config
     if resume_from is None:
         prepare_run_dir(run_dir, resolved)
     else:
@@ -264,8 +288,11 @@ def launch_training(
         for name in ("torch.distributed.elastic", "torch.multiprocessing"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop asked of an earlier session
+    clear_verdict(run_dir)  # an earlier session's
     if os.environ.pop("_FSDPRUN_QUIET_CPP_LOG", None):
         del os.environ["TORCH_CPP_LOG_LEVEL"]  # workers log as torch does by default
+    # Workers die with this process (see guard.die_with_launcher).
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     reporter = Reporter()
     try:
         with (
@@ -276,7 +303,7 @@ def launch_training(
                 str(run_dir), resolved.name, str(resume_from) if resume_from else None
             )
     except ChildFailedError as err:
-        raise describe_failure(err) from err
+        raise describe_failure(err, run_dir) from err
     except RendezvousError as err:
         cause = err.__cause__ or err
         raise UserError(

@@ -50,7 +50,8 @@ from fsdprun.guard import (
     Heartbeat,
     StepAgreement,
     StopSignals,
-    collective_failure,
+    die_with_launcher,
+    freeze,
     injected_step,
     restart_count,
 )
@@ -81,6 +82,7 @@ class Ranks:
 @record
 def elastic_entry(run_dir: str, recipe_name: str, resume_from: str | None = None) -> dict | None:
     """Entry point of a worker spawned by the elastic agent: the recipe is RUN_DIR/recipe.yaml."""
+    die_with_launcher()
     try:
         resume = Path(resume_from) if resume_from else None
         return run(Path(run_dir), render=False, recipe_name=recipe_name, resume_from=resume)
@@ -243,7 +245,9 @@ def _train(
     wall_start = time.perf_counter()
     is_rank0 = ranks.rank == 0
     stop_signals = StopSignals(run_dir)
-    heartbeat = Heartbeat(run_dir, ranks.rank)
+    heartbeat = Heartbeat(
+        run_dir, ranks.rank, world_size=ranks.world_size, timeout_s=cfg.launch.timeout_s
+    )
     engine, num_ac, optimizer, scheduler, scaler = _build(cfg, ranks, device)
     model = engine.model
     args = engine.inner.args
@@ -326,6 +330,10 @@ def _train(
     hang_at = injected_step("FSDPRUN_HANG_AT", ranks.rank)
     nonfinite_at = injected_step("FSDPRUN_NONFINITE_AT", ranks.rank)
     batches = BatchLoader(data, layout, ranks.rank, device.torch_device, steps=cfg.train.steps)
+    freeze_at = {
+        phase: injected_step("FSDPRUN_FREEZE_AT", ranks.rank, phase)
+        for phase in ("step", "save", "eval")
+    }
     for step in range(start_step, cfg.train.steps):
         done = step + 1
         t0 = time.perf_counter()
@@ -334,7 +342,9 @@ def _train(
         heartbeat.beat(done)
         if done in fail_at:
             raise RuntimeError(f"injected failure at step {done} (FSDPRUN_FAIL_AT)")
-        try:
+        with heartbeat.watch(done, "step"):
+            if done in freeze_at["step"]:
+                freeze()
             agreement = StepAgreement(
                 stop=stop_signals.requested is not None,
                 save_done=checkpointer.in_flight_done(),
@@ -347,19 +357,6 @@ def _train(
             agreed = agreement.finish(
                 grad_norm=grad_norm, loss_sum=loss_sum, loss_only=scaler is not None
             )
-        except (RuntimeError, dist.DistBackendError) as e:
-            kind = collective_failure(e)
-            if kind == "timeout":
-                raise RuntimeError(
-                    f"a collective timed out at step {done} (launch.timeout_s="
-                    f"{cfg.launch.timeout_s}); {heartbeat.laggards(ranks.world_size)}"
-                ) from e
-            if kind == "peer":
-                raise RuntimeError(
-                    f"lost the connection to another rank at step {done} (it exited; its own "
-                    f"log says why)"
-                ) from e
-            raise
         lr = scheduler.get_last_lr()[0]
         if agreed.nonfinite:
             optimizer.zero_grad(set_to_none=True)
@@ -395,14 +392,18 @@ def _train(
         if agreed.saves_done:
             checkpoint_op(lambda: saved(checkpointer.finish_in_flight()), last=False)
         if agreed.stop or checkpointer.should_save(done, cfg.train.steps):
-            # An async save still in flight finishes (or fails) first: at most one at a time.
-            checkpoint_op(lambda: saved(checkpointer.wait()), last=False)
-            final = agreed.stop or done == cfg.train.steps
-            checkpoint_op(lambda: save(done), last=final)  # noqa: B023 (called at once)
+            with heartbeat.watch(done, "save"):
+                if done in freeze_at["save"]:
+                    freeze()
+                # An async save still in flight finishes (or fails) first: at most one at a time.
+                checkpoint_op(lambda: saved(checkpointer.wait()), last=False)
+                final = agreed.stop or done == cfg.train.steps
+                checkpoint_op(lambda: save(done), last=final)  # noqa: B023 (called at once)
         if done % cfg.output.log_every == 0 or done == cfg.train.steps or agreed.stop:
             # The only collective outside FSDP's and the agreement: every rank reaches it at the
             # same steps.
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+            with heartbeat.watch(done, "step"):
+                dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
             loss_value = loss_sum.item() / (layout.grad_accum_steps * ranks.world_size)
             norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             window_s = time.perf_counter() - window_start
@@ -421,7 +422,11 @@ def _train(
             last_logged, window_start = done, time.perf_counter()
         if eval_every and (done % eval_every == 0 or done == cfg.train.steps):
             eval_start = time.perf_counter()
-            val_loss = _evaluate(engine, val_data, layout, cfg.eval.batches, ranks.rank, device)
+            with heartbeat.watch(done, "eval"):
+                if done in freeze_at["eval"]:
+                    freeze()
+                val_loss = _evaluate(engine, val_data, layout, cfg.eval.batches, ranks.rank,
+                                     device)  # fmt: skip
             emit("eval", step=done, val_loss=val_loss, eval_time_s=time.perf_counter() - eval_start,
                  num_samples=cfg.eval.batches * cfg.train.global_batch_size)  # fmt: skip
             window_start += time.perf_counter() - eval_start  # not in the next tokens/s
