@@ -48,6 +48,7 @@ from fsdprun.parallel import (
     init_value,
     init_weights,
     plan_units,
+    tied_names,
 )
 
 _FSDP1_PREFIX = "_fsdp_wrapped_module."
@@ -445,16 +446,24 @@ def _build_fsdp1(
 
     paths_of = {id(m): path for path, m in model.named_modules()}
     seed = cfg.train.seed
+    ties = tied_names(model)
+    materialized: dict[str, nn.Parameter] = {}
 
     @torch.no_grad()
     def param_init_fn(module: nn.Module) -> None:
         # FSDP1 calls this for each module still on meta, before flattening its unit: the same
-        # full values as fsdp2 and ddp, one unit in memory at a time.
+        # full values as fsdp2 and ddp, one unit in memory at a time. to_empty gives each module
+        # its own tensor: a tied weight is pointed back at the one materialized first.
         prefix = paths_of[id(module)]
         module.to_empty(device=device, recurse=False)
-        for name, param in module.named_parameters(recurse=False):
+        for name, param in list(module.named_parameters(recurse=False)):
             full_name = f"{prefix}.{name}" if prefix else name
-            param.copy_(init_value(model, full_name, param, seed=seed, device=device))
+            first = ties.get(full_name, full_name)
+            if first in materialized:
+                setattr(module, name, materialized[first])
+                continue
+            param.copy_(init_value(model, first, param, seed=seed, device=device))
+            materialized[first] = param
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # FSDP1's deprecation notice

@@ -246,3 +246,24 @@ def test_ddp_bf16_reduction_on_gloo_is_a_user_error(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "precision.reduce_dtype=bf16 with fsdp.engine=ddp needs NCCL or XCCL" in proc.stderr
+
+
+def test_tied_embeddings_train_the_same_model_under_every_engine(fsdprun_runs):
+    # Issue 10 item 4: ddp and fsdp1 materialize with to_empty, which unties the output projection
+    # from the embedding unless it is tied again: more parameters, other losses.
+    runs = {
+        engine: fsdprun_runs.train(
+            f"fsdp.engine={engine}", "model.tie_embeddings=true", "train.steps=5",
+            "output.log_every=1", "checkpoint.save_final=false",
+        ).check()
+        for engine in ("fsdp2", "fsdp1", "ddp")
+    }  # fmt: skip
+    num_params = runs["fsdp2"].start["num_params"]
+    assert num_params == 115_008  # the debug model with one 256 x 64 matrix for both
+    for engine, run in runs.items():
+        held = [r["model_state_bytes"]["params"] for r in run.summary["ranks"]]
+        # ddp holds the whole model on each rank; fsdp1 and fsdp2 shard it over the 2 ranks
+        # (its shapes are even: no padding).
+        trained = held[0] if engine == "ddp" else sum(held)
+        assert trained == 4 * num_params, engine
+        assert run.losses == pytest.approx(runs["fsdp2"].losses, abs=1e-5), engine
