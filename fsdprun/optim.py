@@ -30,9 +30,13 @@ def build_optimizer(
     for name, p in model.named_parameters():
         matrix = is_matrix(name, p) if is_matrix is not None else p.ndim >= 2
         (decay if matrix else no_decay).append(p)
+    # No empty group: DCP's optimizer state dict keys each group's settings by its parameters'
+    # names, so an empty group (FSDP1's flat parameters are all 1-D) comes back from a
+    # checkpoint without lr or betas.
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": wd}
+        for params, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        if params
     ]
     impl = cfg.implementation
     if impl is OptimImpl.auto:

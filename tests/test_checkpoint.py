@@ -194,3 +194,19 @@ def test_load_from_initializes_the_model_only(straight: Run, tmp_path):
     want = model_tensors(source, tmp_path)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=key)
+
+
+def test_fsdp1_flat_parameters_resume_exactly(tmp_path):
+    # Issue 10 item 5: with use_orig_params=false every flat parameter is 1-D, the decay group was
+    # empty, and DCP's load dropped its settings (KeyError: 'betas' at the first step).
+    flat = ("fsdp.engine=fsdp1", "fsdp.use_orig_params=false")
+    run_dir = tmp_path / "run"
+    straight = run_fsdprun("train", "debug", *BASE, *flat, "--run-dir", str(run_dir), cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    want = losses_by_step(run_dir)
+    proc = run_fsdprun("resume", str(run_dir), "--step", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = losses_by_step(run_dir)  # the resumed steps 5-8 replace the first session's
+    assert len(want) == 8 and len(Run(None, run_dir).steps) == 8 + 4
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), step
