@@ -70,3 +70,15 @@ def build_lr_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg=cfg, total_steps=total_steps)
     )
+
+
+def resume_lr_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+    """Continue the schedule at the optimizer step with 0-based index `step`: every group's lr
+    becomes this schedule's lr for that step.
+
+    The schedule is a function of the step alone, so a saved scheduler state adds nothing, and
+    it may not fit: it was built for the saved train.steps (a resume may train longer) and for
+    the saved run's param groups (FSDP1's flat parameters make one group, the others two).
+    """
+    scheduler.last_epoch = step - 1
+    scheduler.step()  # sets every group's lr for `step`

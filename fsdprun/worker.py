@@ -53,7 +53,7 @@ from fsdprun.guard import (
 from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
 from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
-from fsdprun.optim import build_lr_scheduler, build_optimizer
+from fsdprun.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
 from fsdprun.parallel import apply_activation_checkpointing, apply_compile, model_state_bytes
 from fsdprun.report import Reporter
 
@@ -452,10 +452,10 @@ def _restore(
         resumed = load_checkpoint(resume_from, model, optimizer, rank=ranks.rank)
         device.synchronize()
         load_s = time.perf_counter() - load_start
-        scheduler.load_state_dict(resumed["scheduler"])
+        start_step = resumed["step"]
+        resume_lr_scheduler(scheduler, start_step)  # this recipe's train.steps, not the saved
         if scaler is not None and resumed.get("grad_scaler"):
             scaler.load_state_dict(resumed["grad_scaler"])
-        start_step = resumed["step"]
         # The data position is a global sample index: the same samples come next at any world
         # size because the global batch is kept.
         assert resumed["data_position"] == start_step * cfg.train.global_batch_size, resumed

@@ -11,6 +11,8 @@ import torch
 from conftest import Run, consolidate, flatten, fsdprun_env, run_fsdprun
 
 from fsdprun.checkpoint import find_resume_checkpoint, list_checkpoints, step_dir
+from fsdprun.config import load_recipe
+from fsdprun.optim import lr_factor
 
 # 8 steps, a checkpoint every 4, global batch 8 with micro batch 1.
 BASE = ("train.steps=8", "checkpoint.every_steps=4", "output.log_every=1",
@@ -70,11 +72,14 @@ def test_resume_continues_exactly(straight: Run, crashed: Path, tmp_path):
     assert any(e["event"] == "resume" and e["step"] == 4 for e in Run(None, run_dir).events)
 
 
-@pytest.mark.parametrize("engine", ["fsdp1", "ddp"])
+@pytest.mark.parametrize("engine", ["fsdp1", "ddp", "fsdp1-flat"])
 def test_a_fsdp2_checkpoint_resumes_under_another_engine(straight: Run, crashed: Path, tmp_path,
                                                          engine):  # fmt: skip
-    # The checkpoint keys are the unwrapped model's (DCP state_dict), whatever the engine.
-    proc, run_dir = resume_copy(crashed, tmp_path, f"fsdp.engine={engine}")
+    # The checkpoint keys are the unwrapped model's (DCP state_dict), whatever the engine. FSDP1's
+    # flat parameters make one optimizer param group where fsdp2 saved two.
+    flat = ["fsdp.use_orig_params=false"] if engine == "fsdp1-flat" else []
+    engine = engine.removesuffix("-flat")
+    proc, run_dir = resume_copy(crashed, tmp_path, f"fsdp.engine={engine}", *flat)
     assert f"fsdp.engine={engine} ->" in proc.stdout
     want, got = losses_by_step(straight.run_dir), losses_by_step(run_dir)
     for step in range(5, 9):
@@ -141,6 +146,27 @@ def test_keep_last_and_incomplete_checkpoints(straight: Run, tmp_path):
     # The damaged folder was moved aside, not overwritten; keep_last=1 would delete only complete.
     assert list(ck8.parent.glob("step-00000008.old*"))
     assert step_dir(run_dir, 8).exists() and list_checkpoints(run_dir)[-1].complete
+
+
+def test_resume_with_more_steps_follows_the_longer_schedule(crashed: Path, tmp_path):
+    # The cosine decay spans train.steps: continuing an 8-step run to 16 stretches it, and the
+    # learning rate changes at the resumed step. Every resumed step takes the lr of the 16-step
+    # schedule (the first one too, not the saved 8-step lr), and resume says so beforehand.
+    proc, run_dir = resume_copy(crashed, tmp_path, "train.steps=16")
+    cfg = load_recipe(str(run_dir / "recipe.yaml")).config
+    assert cfg.train.steps == 16
+    lr = {e["step"]: e["lr"] for e in Run(None, run_dir).steps}
+    for step in range(1, 17):
+        total = 8 if step <= 4 else 16
+        want = cfg.optim.lr * lr_factor(step - 1, cfg=cfg.schedule, total_steps=total)
+        assert lr[step] == pytest.approx(want, rel=1e-9), step
+    old, new = lr_factor(4, cfg=cfg.schedule, total_steps=8), lr_factor(4, cfg=cfg.schedule,
+                                                                         total_steps=16)
+    note = (
+        f"note: train.steps 8 -> 16 stretches the cosine schedule: the learning rate of step 5 "
+        f"is {cfg.optim.lr * new:.3g} (it was {cfg.optim.lr * old:.3g})"
+    )
+    assert note in " ".join(proc.stderr.split()), proc.stderr
 
 
 def test_train_into_a_run_with_checkpoints_points_to_resume(straight: Run, tmp_path):
