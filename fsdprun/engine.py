@@ -20,7 +20,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -273,6 +273,9 @@ class Engine:
     # The loss; compiled with the model (compile.enabled), so the fp32 upcast, log-softmax and
     # their backward fuse instead of writing fp32 copies of the logits.
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    # Tied weights of the unwrapped model: name → the name it shares its tensor with (a checkpoint
+    # stores both; its manifest says which, so inspect and export count the tensor once).
+    tied: dict[str, str] = field(default_factory=dict)
 
     def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
         """Around forward and backward of one micro-batch: gradients are reduced only when
@@ -337,7 +340,7 @@ def build_engine(
     matrix_names = frozenset(n for n, p in model.named_parameters() if p.ndim >= 2)
     loss = torch.compile(cross_entropy) if cfg.compile.enabled else cross_entropy
     common = {"kind": kind, "inner": model, "knobs": knobs, "matrix_names": matrix_names,
-              "device_type": device.type, "loss": loss}  # fmt: skip
+              "device_type": device.type, "loss": loss, "tied": tied_names(model)}  # fmt: skip
     if kind is EngineKind.fsdp2:
         units = apply_fsdp(
             model, mesh=_mesh(cfg, device_kind, world_size), cfg=cfg.fsdp,

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from fsdprun import __version__
 from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manifest
 from fsdprun.errors import UserError
-from fsdprun.inspect_ckpt import require_checkpoint_dir
+from fsdprun.inspect_ckpt import require_checkpoint_dir, tied_params
 
 MODEL_PREFIX = "model."
 FORMATS = ("safetensors", "torch", "hf")
@@ -334,7 +334,9 @@ def export_checkpoint(
     plans, skipped = plan_tensors(reader.read_metadata(), dtype=DTYPES.get(dtype))
     if not plans:
         raise UserError(f"{path}: no model.* tensors to export")
-    model_cfg = read_manifest(path)["recipe"]["model"] if fmt == "hf" else {}
+    manifest = read_manifest(path)
+    tied = set(tied_params(manifest))
+    model_cfg = manifest["recipe"]["model"] if fmt == "hf" else {}
     if fmt == "hf":
         plans = _hf_plans(plans, model_cfg)
     shards = split_shards(plans, max_shard_bytes)
@@ -384,7 +386,7 @@ def export_checkpoint(
         out=out,
         files=[*names, *([index_name] if index_name else [])],
         num_tensors=len(plans),
-        num_params=sum(math.prod(p.shape) for p in plans),
+        num_params=sum(math.prod(p.shape) for p in plans if p.key not in tied),  # tied: once
         total_bytes=sum(p.num_bytes for p in plans),
         skipped=skipped,
     )

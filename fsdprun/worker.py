@@ -258,6 +258,7 @@ def _train(
             "skipped_steps": skipped_total,
             "scheduler": scheduler.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
+            "tied_params": engine.tied,
         }
         state = build_state(model, optimizer, train_state, ranks.rank)
         record = checkpointer.save(step, state, train_state)
