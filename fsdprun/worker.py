@@ -39,7 +39,12 @@ from fsdprun.checkpoint import (
 )
 from fsdprun.config import Dtype, ModelInit, NonFinite, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.data import BatchLayout, Dataset, build_datasets, load_batch
-from fsdprun.device import Device, build_worker_device, resolve_device_kind
+from fsdprun.device import (
+    Device,
+    build_worker_device,
+    process_group_backend,
+    resolve_device_kind,
+)
 from fsdprun.engine import build_engine
 from fsdprun.errors import UserError
 from fsdprun.guard import (
@@ -110,7 +115,7 @@ def run(
     kind = resolve_device_kind(cfg.launch.device.value)
     device = build_worker_device(kind, ranks.local_rank)
     dist.init_process_group(
-        backend=device.backend,
+        backend=process_group_backend(kind, cpu_offload=cfg.fsdp.cpu_offload),
         device_id=device.torch_device if kind != "cpu" else None,
         timeout=timedelta(seconds=cfg.launch.timeout_s),
     )
@@ -413,7 +418,7 @@ def _start_fields(
         "world_size": ranks.world_size,
         "nnodes": cfg.launch.nnodes,
         "device_name": device.name(),
-        "backend": device.backend,
+        "backend": dist.get_backend(),
         "engine": engine.kind.value,
         "engine_knobs": [dataclasses.asdict(k) for k in engine.knobs],
         "fsdp_units": [u.path or "<root>" for u in engine.units],
