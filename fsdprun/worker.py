@@ -340,7 +340,9 @@ def _train(
             else:
                 optimizer.step()
             scheduler.step()
-            if model_state is None:
+            # After the first step the optimizer took: an fp16 grad scaler skips overflowing
+            # steps inside scaler.step, before AdamW has any state.
+            if model_state is None and optimizer.state:
                 model_state = model_state_bytes(model, optimizer)
             optimizer.zero_grad(set_to_none=True)
         device.synchronize()  # a CPU-GPU sync: step times measure the device, not the queue
