@@ -351,7 +351,9 @@ def _train(
         if agreed.saves_done:
             saved(checkpointer.finish_in_flight())
         if agreed.stop or checkpointer.should_save(done, cfg.train.steps):
+            save_start = time.perf_counter()
             save(done)
+            window_start += time.perf_counter() - save_start  # not in tokens/s (as eval)
         if done % cfg.output.log_every == 0 or done == cfg.train.steps or agreed.stop:
             # The only collective outside FSDP's and the agreement: every rank reaches it at the
             # same steps.
