@@ -1143,6 +1143,14 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
         )
     if f.engine is Engine.ddp and f.cpu_offload:
         errors.append("fsdp.cpu_offload needs a sharding engine; use fsdp.engine=fsdp1 or fsdp2")
+    if f.engine is Engine.fsdp1 and f.cpu_offload and _runs_on_cpu(cfg.launch.device):
+        # FSDP1's CPUOffload pins host memory, which needs an accelerator; FSDP2's policy can
+        # leave it unpinned.
+        errors.append(
+            f"fsdp.cpu_offload=true with fsdp.engine=fsdp1 needs an accelerator (FSDP1 pins host "
+            f"memory), but this run is on CPU (launch.device={cfg.launch.device.value}); use "
+            "fsdp.engine=fsdp2 (its CPU offload works on CPU) or fsdp.cpu_offload=false"
+        )
     if f.engine is Engine.fsdp1 and not f.use_orig_params:
         if cfg.compile.enabled:
             errors.append("fsdp.use_orig_params=false does not work with compile.enabled=true")
@@ -1152,6 +1160,15 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
                 "tensors; set optim.weight_decay=0 or keep use_orig_params=true"
             )
     return errors
+
+
+def _runs_on_cpu(device: DeviceKind) -> bool:
+    """Whether launch.device means CPU ranks on this machine (`auto` without an accelerator)."""
+    if device is DeviceKind.auto:
+        from fsdprun.device import resolve_device_kind  # imports torch: only when needed
+
+        return resolve_device_kind(device.value) == "cpu"
+    return device is DeviceKind.cpu
 
 
 def _data_errors(cfg: RecipeConfig) -> list[str]:

@@ -73,6 +73,20 @@ def resolve_device_kind(requested: str) -> str:
     return requested
 
 
+def process_group_backend(kind: str, *, cpu_offload: bool) -> str:
+    """The backend string for `init_process_group` on `kind` devices.
+
+    With fsdp.cpu_offload on an accelerator the sharded gradients live in host memory, and
+    gradient clipping all-reduces their norm as a CPU tensor: an NCCL-only group fails there
+    ("No backend type associated with device type cpu"). Such runs get gloo for CPU tensors
+    beside the accelerator's backend for device tensors (what torchtitan does too).
+    """
+    backend = BACKENDS[kind]
+    if cpu_offload and kind != "cpu":
+        return f"cpu:gloo,{kind}:{backend}"
+    return backend
+
+
 def device_count(kind: str) -> int:
     if kind == "cpu":
         return 0

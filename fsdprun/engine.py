@@ -20,7 +20,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +50,7 @@ from fsdprun.parallel import (
     init_value,
     init_weights,
     plan_units,
+    tied_names,
 )
 
 if TYPE_CHECKING:
@@ -287,6 +288,9 @@ class Engine:
             compiled=self.compiled,
         )  # fmt: skip
         return self.model(inputs, head=head)
+    # Tied weights of the unwrapped model: name → the name it shares its tensor with (a checkpoint
+    # stores both; its manifest says which, so inspect and export count the tensor once).
+    tied: dict[str, str] = field(default_factory=dict)
 
     def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
         """Around forward and backward of one micro-batch: gradients are reduced only when
@@ -354,7 +358,7 @@ def build_engine(
     chunk = cfg.train.loss_chunk_size if cfg.train.loss is LossKind.chunked else None
     common = {"kind": kind, "inner": model, "knobs": knobs, "matrix_names": matrix_names,
               "device_type": device.type, "loss": loss, "loss_chunk_size": chunk,
-              "compiled": cfg.compile.enabled}  # fmt: skip
+              "compiled": cfg.compile.enabled, "tied": tied_names(model)}  # fmt: skip
     if kind is EngineKind.fsdp2:
         units = apply_fsdp(
             model, mesh=_mesh(cfg, device_kind, world_size), cfg=cfg.fsdp,
@@ -472,19 +476,27 @@ def _build_fsdp1(
 
     paths_of = {id(m): path for path, m in model.named_modules()}
     seed = cfg.train.seed
+    ties = tied_names(model)
+    materialized: dict[str, nn.Parameter] = {}
 
     @torch.no_grad()
     def param_init_fn(module: nn.Module) -> None:
         # FSDP1 calls this for each module still on meta, before flattening its unit: the same
-        # full values as fsdp2 and ddp, one unit in memory at a time.
+        # full values as fsdp2 and ddp, one unit in memory at a time. to_empty gives each module
+        # its own tensor: a tied weight is pointed back at the one materialized first.
         prefix = paths_of[id(module)]
         module.to_empty(device=device, recurse=False)
-        for name, param in module.named_parameters(recurse=False):
+        for name, param in list(module.named_parameters(recurse=False)):
             full_name = f"{prefix}.{name}" if prefix else name
+            first = ties.get(full_name, full_name)
+            if first in materialized:
+                setattr(module, name, materialized[first])
+                continue
             if weights is not None:
-                param.copy_(weights.full(full_name))
+                param.copy_(weights.full(first))
             else:
-                param.copy_(init_value(model, full_name, param, seed=seed, device=device))
+                param.copy_(init_value(model, first, param, seed=seed, device=device))
+            materialized[first] = param
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # FSDP1's deprecation notice

@@ -42,7 +42,7 @@ from fsdprun import __version__
 from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manifest
 from fsdprun.data.files import read_description
 from fsdprun.errors import UserError
-from fsdprun.inspect_ckpt import require_checkpoint_dir
+from fsdprun.inspect_ckpt import require_checkpoint_dir, tied_params
 from fsdprun.staging import staged_folder
 
 MODEL_PREFIX = "model."
@@ -381,7 +381,9 @@ def export_checkpoint(
     plans, skipped = plan_tensors(reader.read_metadata(), dtype=DTYPES.get(dtype))
     if not plans:
         raise UserError(f"{path}: no model.* tensors to export")
-    recipe = read_manifest(path)["recipe"] if fmt == "hf" else {"model": {}}
+    manifest = read_manifest(path)
+    tied = set(tied_params(manifest))
+    recipe = manifest["recipe"] if fmt == "hf" else {"model": {}}
     model_cfg = recipe["model"]
     token_ids: dict[str, int | None] = {}
     if fmt == "hf":
@@ -418,7 +420,7 @@ def export_checkpoint(
         out=out,
         files=[*names, *([index_name] if index_name else [])],
         num_tensors=len(plans),
-        num_params=sum(math.prod(p.shape) for p in plans),
+        num_params=sum(math.prod(p.shape) for p in plans if p.key not in tied),  # tied: once
         total_bytes=total_bytes,
         skipped=skipped,
     )

@@ -205,6 +205,20 @@ def _recipe_summary(recipe: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def tied_params(manifest: dict[str, Any]) -> dict[str, str]:
+    """Model keys whose tensor is another key's (tied weights, stored under both names) → that
+    key, both with the checkpoint's "model." prefix. Checkpoints record them in their train
+    state; older ones only say `model.tie_embeddings` in the recipe."""
+    train_state = manifest.get("train_state") or {}
+    if "tied_params" in train_state:
+        ties = train_state["tied_params"]
+    else:
+        model = manifest.get("recipe", {}).get("model", {})
+        tie = model.get("tie_embeddings") and not model.get("hf_path")
+        ties = {"output.weight": "tok_embeddings.weight"} if tie else {}
+    return {f"model.{name}": f"model.{first}" for name, first in ties.items()}
+
+
 def describe_checkpoint(path: Path, *, tensors: str | None = None) -> dict[str, Any]:
     """One checkpoint: status, manifest summary, bytes per group, and its tensors."""
     status = check_checkpoint(path)
@@ -227,17 +241,19 @@ def describe_checkpoint(path: Path, *, tensors: str | None = None) -> dict[str, 
                 "name": key, "shape": list(md.size), "dtype": _dtype_name(md),
                 "bytes": _tensor_bytes(md), "shards": len(md.chunks),
             })  # fmt: skip
+    tied = tied_params(manifest)
     num_params = sum(
         math.prod(md.size)
         for key, md in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata) and key not in tied
     )
     doc.update(
         fsdprun_version=manifest.get("fsdprun_version"),
         torch_version=manifest.get("torch_version"),
         train_state=manifest.get("train_state"),
         recipe=_recipe_summary(manifest.get("recipe", {})),
-        num_params=num_params,
+        num_params=num_params,  # a tied tensor once
+        tied=tied,
         groups=groups,
         tensor_filter=tensors,
         tensors=listed,
@@ -338,7 +354,8 @@ def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
         "model",
         f"{m.get('family')}: dim {m.get('dim')}, {m.get('n_layers')} layers, "
         f"{m.get('n_heads')} heads{kv}, ffn {m.get('ffn_dim')}, vocab {m.get('vocab_size')}; "
-        f"{fmt_count(doc['num_params'])} params",
+        f"{fmt_count(doc['num_params'])} params"
+        + "".join(f" ({k} tied to {v})" for k, v in doc.get("tied", {}).items()),
     )
     info.add_row(
         "training",

@@ -30,9 +30,13 @@ def build_optimizer(
     for name, p in model.named_parameters():
         matrix = is_matrix(name, p) if is_matrix is not None else p.ndim >= 2
         (decay if matrix else no_decay).append(p)
+    # No empty group: DCP's optimizer state dict keys each group's settings by its parameters'
+    # names, so an empty group (FSDP1's flat parameters are all 1-D) comes back from a
+    # checkpoint without lr or betas.
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": wd}
+        for params, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        if params
     ]
     impl = cfg.implementation
     if impl is OptimImpl.auto:
@@ -66,3 +70,15 @@ def build_lr_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg=cfg, total_steps=total_steps)
     )
+
+
+def resume_lr_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+    """Continue the schedule at the optimizer step with 0-based index `step`: every group's lr
+    becomes this schedule's lr for that step.
+
+    The schedule is a function of the step alone, so a saved scheduler state adds nothing, and
+    it may not fit: it was built for the saved train.steps (a resume may train longer) and for
+    the saved run's param groups (FSDP1's flat parameters make one group, the others two).
+    """
+    scheduler.last_epoch = step - 1
+    scheduler.step()  # sets every group's lr for `step`

@@ -253,6 +253,29 @@ def init_value(
     return full.normal_(0.0, std, generator=gen)
 
 
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Tied weights: each parameter name that aliases another → the name registered first
+    (the one `named_parameters()` yields, and the one that seeds its initial value)."""
+    first: dict[int, str] = {}
+    ties: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return ties
+
+
+def retie(model: nn.Module, ties: dict[str, str]) -> None:
+    """Point every tied name at its first name's parameter again. `to_empty` gives each module
+    its own new tensor, which silently unties shared weights (ddp, fsdp1); FSDP2 keeps them."""
+    for name, first in ties.items():
+        path, _, leaf = name.rpartition(".")
+        module, param = model.get_submodule(path), model.get_parameter(first)
+        if module._parameters[leaf] is not param:
+            setattr(module, leaf, param)
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, *, seed: int, device: torch.device) -> None:
     """Materialize a meta model on `device` and initialize it the same way at any world size.
@@ -262,7 +285,9 @@ def init_weights(model: nn.Module, *, seed: int, device: torch.device) -> None:
     directly on DTensors is not an option: on a CPU mesh it gives every shard the same values.
     Costs one full-size temporary per parameter.
     """
+    ties = tied_names(model)
     model.to_empty(device=device)
+    retie(model, ties)
     for name, param in model.named_parameters():
         full = init_value(model, name, param, seed=seed, device=device)
         if isinstance(param, DTensor):

@@ -19,8 +19,10 @@ plus AdamW's 4-byte step counter per tensor. Strategies divide it differently:
 - hybrid  full sharding inside groups of fsdp.shard_group_size ranks (default: one node),
           replicated across groups.
 - ddp     nothing sharded (DistributedDataParallel; also what `sharding: none` holds).
-The same accounting holds for fsdp1 and fsdp2 (FSDP1's flat-parameter padding moves a rank's
-share by at most a few elements per unit).
+FSDP1 shards each unit's flat parameter instead (`_fsdp1_rank0`): the unit's parameters
+concatenated (with use_orig_params, each aligned to 16 bytes of param_dtype) and padded to a
+multiple of the shard group; rank 0 holds the first 1/N of it, and the plan counts exactly what
+a run measures there.
 
 Gathered buffers and activations are estimates; `ACTIVATION_FORMULA` says how they are computed.
 """
@@ -173,12 +175,59 @@ def _unit_groups(model: nn.Module, paths: list[str]) -> list[tuple[str, list[nn.
     return groups
 
 
-def _model_state(params: list[nn.Parameter], shards: int) -> dict[str, int]:
-    sharded = sum(_rank0_elems(p.shape, shards) for p in params)
+def _fsdp1_unit_groups(model: nn.Module, paths: list[str]) -> list[tuple[str, list[nn.Parameter]]]:
+    """Each FSDP1 unit's own parameters in flat-parameter order, root last. FSDP1 wraps bottom
+    up: a nested unit owns its parameters, the root what no unit owns."""
+    modules = dict(model.named_modules())
+    owner: dict[int, str] = {}
+    for path in ["", *sorted(paths, key=len)]:  # deeper units claim their params last
+        for p in modules[path].parameters():
+            owner[id(p)] = path
+    return [
+        (path, [p for p in modules[path].parameters() if owner[id(p)] == path])
+        for path in [*paths, ""]
+    ]
+
+
+def _fsdp1_rank0(params: list[nn.Parameter], shards: int, align: int) -> tuple[int, int]:
+    """Elements and tensors of one FSDP1 unit that rank 0 holds and the optimizer steps.
+
+    The flat parameter is the unit's parameters end to end; with use_orig_params each starts at
+    a multiple of `align` elements (16 bytes of param_dtype; `align` 0 = flat parameters). Every
+    rank holds ceil(numel / N) of it (FSDP1 pads it to a multiple of N), rank 0 the first. With
+    flat parameters that whole slice is one tensor, padding included; with use_orig_params only
+    the parameters' parts in it count, and only parameters with a part there get optimizer state.
+    """
+    spans, total = [], 0
+    for p in params:
+        if align and total % align:
+            total += align - total % align
+        spans.append((total, total + p.numel()))
+        total += p.numel()
+    size = math.ceil(total / shards)
+    if not align:
+        return size, 1
+    held = [min(end, size) - start for start, end in spans if start < size]
+    return sum(held), sum(1 for n in held if n > 0)
+
+
+def _model_state(
+    params: list[nn.Parameter],
+    shards: int,
+    fsdp1_units: list[list[nn.Parameter]] | None = None,
+    align: int = 0,
+) -> dict[str, int]:
+    """Rank 0's fp32 parameters, gradients and Adam state: per parameter (FSDP2's dim-0
+    shards, or nothing sharded), or per FSDP1 flat parameter when `fsdp1_units` are given."""
+    if fsdp1_units is not None:
+        counts = [_fsdp1_rank0(unit, shards, align) for unit in fsdp1_units if unit]
+        sharded, tensors = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    else:
+        sharded, tensors = sum(_rank0_elems(p.shape, shards) for p in params), len(params)
     return {
         "params": MASTER_BYTES * sharded,
         "grads": MASTER_BYTES * sharded,
-        "optimizer": ADAM_STATE_BYTES * sharded + ADAM_STEP_BYTES * len(params),
+        "optimizer": ADAM_STATE_BYTES * sharded + ADAM_STEP_BYTES * tensors,
     }
 
 
@@ -265,9 +314,14 @@ def plan_memory(
     pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
     fsdp = cfg.fsdp
 
-    # Mirror apply_fsdp: units take the parameters not yet taken, in forward order, then the root.
+    # Mirror apply_fsdp: units take the parameters not yet taken, in forward order, then the root
+    # (FSDP1: a nested unit owns its parameters).
     paths = plan_units(model, cfg=fsdp)
-    groups = _unit_groups(model, paths)
+    fsdp1 = fsdp.engine is Engine.fsdp1
+    groups = _fsdp1_unit_groups(model, paths) if fsdp1 else _unit_groups(model, paths)
+    # FSDP1 aligns each parameter in the flat parameter to 16 bytes of param_dtype, with
+    # use_orig_params only.
+    align = 16 // pbytes if fsdp1 and fsdp.use_orig_params else 0
     float8 = cfg.precision.float8.value
     f8_weights: set[int] = set()
     if cfg.precision.float8 is Float8.tensorwise:  # float8 all-gather: 1 byte per weight element
@@ -309,7 +363,10 @@ def plan_memory(
                 path=path,
                 num_params=numel,
                 unsharded_bytes=gathered(own),
-                shard_bytes=MASTER_BYTES * sum(_rank0_elems(p.shape, group) for p in own),
+                shard_bytes=MASTER_BYTES * (
+                    _fsdp1_rank0(own, group, align)[0] if fsdp1 and own
+                    else sum(_rank0_elems(p.shape, group) for p in own)
+                ),  # fmt: skip
                 reshard_after_forward=reshard,
                 forward_prefetch=fwd,
                 backward_prefetch=bwd,
@@ -325,13 +382,15 @@ def plan_memory(
     hybrid_group = fsdp.shard_group_size or min(per_node, world)
     autocast_copies = 0 if cfg.precision.param_dtype is Dtype.fp32 else whole
 
-    def memory(shards: int, gathered: int) -> StrategyMemory:
-        return StrategyMemory(shards, **_model_state(params, shards), gathered_buffers=gathered,
-                              activations=acts)  # fmt: skip
+    fsdp1_units = [own for _, own in groups] if fsdp1 else None
+
+    def memory(shards: int, gathered: int, *, ddp: bool = False) -> StrategyMemory:
+        state = _model_state(params, shards, None if ddp else fsdp1_units, align)
+        return StrategyMemory(shards, **state, gathered_buffers=gathered, activations=acts)
 
     strategies = {
         # Autocast keeps a param_dtype copy of every weight for backward (DDP's only "buffer").
-        "ddp": memory(1, autocast_copies),
+        "ddp": memory(1, autocast_copies, ddp=True),
         "full": memory(world, sharded_buffers),
         # ZeRO-2: the gathered parameters stay from forward to backward, all units at once.
         "grad_op": memory(world, whole),
@@ -349,9 +408,14 @@ def plan_memory(
     if device_memory_bytes is not None:
         for s in strategies.values():
             s.fits = s.total <= device_memory_bytes
+    shard_rule = (
+        "each unit's flat parameter padded to a multiple of N, rank 0 holding the first 1/N"
+        + (" (parameters aligned to 16 bytes in it)" if align else "")
+        if fsdp1 else "each parameter's rank-0 shard of ceil(dim0 / N) rows"
+    )  # fmt: skip
     notes = [
         "model state: fp32 params 4 B + fp32 grads 4 B + Adam moments 8 B per param "
-        "(+ 4 B step per tensor), from each parameter's rank-0 shard of ceil(dim0 / N) rows",
+        f"(+ 4 B step per tensor), from {shard_rule}",
         f"prefetch depth {depth} (max of fsdp.forward_prefetch and fsdp.backward_prefetch)",
         "not counted: allocator fragmentation and cache, communication buffers, the CUDA "
         "context, unsharded gradients before their reduce-scatter",

@@ -14,6 +14,7 @@ from pathlib import Path
 from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint
 from fsdprun.config import ResolvedRecipe, config_to_dict, load_recipe, validate
 from fsdprun.errors import UserError
+from fsdprun.optim import lr_factor
 from fsdprun.worker import RECIPE_FILE
 
 # Keys (or prefixes) a resumed run may change.
@@ -84,5 +85,18 @@ def plan_resume(
         raise UserError(
             f"{checkpoint.path.name} is already at step {checkpoint.step} of train.steps="
             f"{cfg.train.steps}; pass train.steps=N (N > {checkpoint.step}) to train further"
+        )
+    saved_steps = saved.get("train.steps", cfg.train.steps)
+    before, after = (
+        cfg.optim.lr * lr_factor(checkpoint.step, cfg=cfg.schedule, total_steps=total)
+        for total in (saved_steps, cfg.train.steps)
+    )
+    if before != after:
+        # The decay spans train.steps: another length is another schedule from here on.
+        how = "stretches" if cfg.train.steps > saved_steps else "shortens"
+        notes.append(
+            f"train.steps {saved_steps} -> {cfg.train.steps} {how} the "
+            f"{cfg.schedule.decay.value} schedule: the learning rate of step "
+            f"{checkpoint.step + 1} is {after:.3g} (it was {before:.3g})"
         )
     return ResumePlan(resolved, checkpoint, skipped, notes)

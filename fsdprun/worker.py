@@ -41,7 +41,12 @@ from fsdprun.checkpoint import (
 from fsdprun.config import Dtype, ModelInit, NonFinite, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.data import BatchLayout, Dataset, build_datasets, load_batch
 from fsdprun.data.prefetch import BatchLoader
-from fsdprun.device import Device, build_worker_device, resolve_device_kind
+from fsdprun.device import (
+    Device,
+    build_worker_device,
+    process_group_backend,
+    resolve_device_kind,
+)
 from fsdprun.engine import build_engine
 from fsdprun.errors import UserError
 from fsdprun.float8 import MFU_CONVENTION, apply_float8, check_float8, precompute_scales
@@ -60,7 +65,7 @@ from fsdprun.loss import describe_loss
 from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
 from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
-from fsdprun.optim import build_lr_scheduler, build_optimizer
+from fsdprun.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
 from fsdprun.parallel import apply_activation_checkpointing, apply_compile, model_state_bytes
 from fsdprun.report import Reporter
 
@@ -119,7 +124,7 @@ def run(
     device = build_worker_device(kind, ranks.local_rank)
     timeout = timedelta(seconds=cfg.launch.timeout_s)
     dist.init_process_group(
-        backend=device.backend,
+        backend=process_group_backend(kind, cpu_offload=cfg.fsdp.cpu_offload),
         device_id=device.torch_device if kind != "cpu" else None,
         timeout=timeout,
         **_store_args(ranks, timeout),
@@ -312,6 +317,7 @@ def _train(
             "skipped_steps": skipped_total,
             "scheduler": scheduler.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
+            "tied_params": engine.tied,
         }
         state = build_state(model, optimizer, train_state, ranks.rank)
         record = checkpointer.save(step, state, train_state)
@@ -383,7 +389,9 @@ def _train(
                 optimizer.step()
             precompute_scales(model, mode=cfg.precision.float8.value)
             scheduler.step()
-            if model_state is None:
+            # After the first step the optimizer took: an fp16 grad scaler skips overflowing
+            # steps inside scaler.step, before AdamW has any state.
+            if model_state is None and optimizer.state:
                 model_state = model_state_bytes(model, optimizer)
             optimizer.zero_grad(set_to_none=True)
         device.synchronize()  # a CPU-GPU sync: step times measure the device, not the queue
@@ -392,6 +400,7 @@ def _train(
         if agreed.saves_done:
             checkpoint_op(lambda: saved(checkpointer.finish_in_flight()), last=False)
         if agreed.stop or checkpointer.should_save(done, cfg.train.steps):
+            save_start = time.perf_counter()
             with heartbeat.watch(done, "save"):
                 if done in freeze_at["save"]:
                     freeze()
@@ -399,6 +408,7 @@ def _train(
                 checkpoint_op(lambda: saved(checkpointer.wait()), last=False)
                 final = agreed.stop or done == cfg.train.steps
                 checkpoint_op(lambda: save(done), last=final)  # noqa: B023 (called at once)
+            window_start += time.perf_counter() - save_start  # not in tokens/s (as eval)
         if done % cfg.output.log_every == 0 or done == cfg.train.steps or agreed.stop:
             # The only collective outside FSDP's and the agreement: every rank reaches it at the
             # same steps.
@@ -475,7 +485,7 @@ def _start_fields(
         "world_size": ranks.world_size,
         "nnodes": cfg.launch.nnodes,
         "device_name": device.name(),
-        "backend": device.backend,
+        "backend": dist.get_backend(),
         "engine": engine.kind.value,
         "engine_knobs": [dataclasses.asdict(k) for k in engine.knobs],
         "fsdp_units": [u.path or "<root>" for u in engine.units],
@@ -517,10 +527,10 @@ def _restore(
         resumed = load_checkpoint(resume_from, model, optimizer, rank=ranks.rank)
         device.synchronize()
         load_s = time.perf_counter() - load_start
-        scheduler.load_state_dict(resumed["scheduler"])
+        start_step = resumed["step"]
+        resume_lr_scheduler(scheduler, start_step)  # this recipe's train.steps, not the saved
         if scaler is not None and resumed.get("grad_scaler"):
             scaler.load_state_dict(resumed["grad_scaler"])
-        start_step = resumed["step"]
         # The data position is a global sample index: the same samples come next at any world
         # size because the global batch is kept.
         assert resumed["data_position"] == start_step * cfg.train.global_batch_size, resumed

@@ -11,6 +11,8 @@ import torch
 from conftest import Run, consolidate, flatten, fsdprun_env, run_fsdprun
 
 from fsdprun.checkpoint import find_resume_checkpoint, list_checkpoints, step_dir
+from fsdprun.config import load_recipe
+from fsdprun.optim import lr_factor
 
 # 8 steps, a checkpoint every 4, global batch 8 with micro batch 1.
 BASE = ("train.steps=8", "checkpoint.every_steps=4", "output.log_every=1",
@@ -70,11 +72,14 @@ def test_resume_continues_exactly(straight: Run, crashed: Path, tmp_path):
     assert any(e["event"] == "resume" and e["step"] == 4 for e in Run(None, run_dir).events)
 
 
-@pytest.mark.parametrize("engine", ["fsdp1", "ddp"])
+@pytest.mark.parametrize("engine", ["fsdp1", "ddp", "fsdp1-flat"])
 def test_a_fsdp2_checkpoint_resumes_under_another_engine(straight: Run, crashed: Path, tmp_path,
                                                          engine):  # fmt: skip
-    # The checkpoint keys are the unwrapped model's (DCP state_dict), whatever the engine.
-    proc, run_dir = resume_copy(crashed, tmp_path, f"fsdp.engine={engine}")
+    # The checkpoint keys are the unwrapped model's (DCP state_dict), whatever the engine. FSDP1's
+    # flat parameters make one optimizer param group where fsdp2 saved two.
+    flat = ["fsdp.use_orig_params=false"] if engine == "fsdp1-flat" else []
+    engine = engine.removesuffix("-flat")
+    proc, run_dir = resume_copy(crashed, tmp_path, f"fsdp.engine={engine}", *flat)
     assert f"fsdp.engine={engine} ->" in proc.stdout
     want, got = losses_by_step(straight.run_dir), losses_by_step(run_dir)
     for step in range(5, 9):
@@ -143,6 +148,44 @@ def test_keep_last_and_incomplete_checkpoints(straight: Run, tmp_path):
     assert step_dir(run_dir, 8).exists() and list_checkpoints(run_dir)[-1].complete
 
 
+def test_resume_with_more_steps_follows_the_longer_schedule(crashed: Path, tmp_path):
+    # The cosine decay spans train.steps: continuing an 8-step run to 16 stretches it, and the
+    # learning rate changes at the resumed step. Every resumed step takes the lr of the 16-step
+    # schedule (the first one too, not the saved 8-step lr), and resume says so beforehand.
+    proc, run_dir = resume_copy(crashed, tmp_path, "train.steps=16")
+    cfg = load_recipe(str(run_dir / "recipe.yaml")).config
+    assert cfg.train.steps == 16
+    lr = {e["step"]: e["lr"] for e in Run(None, run_dir).steps}
+    for step in range(1, 17):
+        total = 8 if step <= 4 else 16
+        want = cfg.optim.lr * lr_factor(step - 1, cfg=cfg.schedule, total_steps=total)
+        assert lr[step] == pytest.approx(want, rel=1e-9), step
+    old, new = lr_factor(4, cfg=cfg.schedule, total_steps=8), lr_factor(4, cfg=cfg.schedule,
+                                                                         total_steps=16)
+    note = (
+        f"note: train.steps 8 -> 16 stretches the cosine schedule: the learning rate of step 5 "
+        f"is {cfg.optim.lr * new:.3g} (it was {cfg.optim.lr * old:.3g})"
+    )
+    assert note in " ".join(proc.stderr.split()), proc.stderr
+
+
+def test_step_tokens_per_s_leaves_out_synchronous_saves(tmp_path):
+    # A save every step: the step log's window (tokens_per_step / tokens_per_s) is the step itself
+    # plus the logging, not the save (as eval is left out too).
+    run_dir = tmp_path / "run"
+    proc = run_fsdprun(
+        "train", "debug", "train.steps=8", "checkpoint.every_steps=1", "output.log_every=1",
+        "checkpoint.async_save=false", "--run-dir", str(run_dir), cwd=tmp_path,
+    )  # fmt: skip
+    run = Run(proc, run_dir).check()
+    blocked = {e["step"]: e["blocked_s"] for e in run.events if e["event"] == "checkpoint"}
+    assert sorted(blocked) == list(range(1, 9))
+    tokens = run.start["tokens_per_step"]
+    outside_step = sum(tokens / e["tokens_per_s"] - e["step_time_s"] for e in run.steps)
+    # Measured: saves 0.05-1.4 s each, logging 15-50 ms per step.
+    assert outside_step < 0.5 * sum(blocked.values()), (outside_step, blocked)
+
+
 def test_train_into_a_run_with_checkpoints_points_to_resume(straight: Run, tmp_path):
     proc = run_fsdprun("train", "debug", "--run-dir", str(straight.run_dir), cwd=tmp_path)
     assert proc.returncode == 2 and f"fsdprun resume {straight.run_dir}" in proc.stderr
@@ -194,3 +237,19 @@ def test_load_from_initializes_the_model_only(straight: Run, tmp_path):
     want = model_tensors(source, tmp_path)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=key)
+
+
+def test_fsdp1_flat_parameters_resume_exactly(tmp_path):
+    # Issue 10 item 5: with use_orig_params=false every flat parameter is 1-D, the decay group was
+    # empty, and DCP's load dropped its settings (KeyError: 'betas' at the first step).
+    flat = ("fsdp.engine=fsdp1", "fsdp.use_orig_params=false")
+    run_dir = tmp_path / "run"
+    straight = run_fsdprun("train", "debug", *BASE, *flat, "--run-dir", str(run_dir), cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    want = losses_by_step(run_dir)
+    proc = run_fsdprun("resume", str(run_dir), "--step", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = losses_by_step(run_dir)  # the resumed steps 5-8 replace the first session's
+    assert len(want) == 8 and len(Run(None, run_dir).steps) == 8 + 4
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), step

@@ -12,6 +12,7 @@ from conftest import fsdprun_env, run_fsdprun
 
 from fsdprun.compare import markdown, parse_configs
 from fsdprun.config import load_recipe
+from fsdprun.device import resolve_device_kind
 from fsdprun.engine import translate
 from fsdprun.errors import UserError
 from fsdprun.metrics import read_events
@@ -246,3 +247,40 @@ def test_ddp_bf16_reduction_on_gloo_is_a_user_error(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "precision.reduce_dtype=bf16 with fsdp.engine=ddp needs NCCL or XCCL" in proc.stderr
+
+
+def test_tied_embeddings_train_the_same_model_under_every_engine(fsdprun_runs):
+    # Issue 10 item 4: ddp and fsdp1 materialize with to_empty, which unties the output projection
+    # from the embedding unless it is tied again: more parameters, other losses.
+    runs = {
+        engine: fsdprun_runs.train(
+            f"fsdp.engine={engine}", "model.tie_embeddings=true", "train.steps=5",
+            "output.log_every=1",
+        ).check()
+        for engine in ("fsdp2", "fsdp1", "ddp")
+    }  # fmt: skip
+    num_params = runs["fsdp2"].start["num_params"]
+    assert num_params == 115_008  # the debug model with one 256 x 64 matrix for both
+    for engine, run in runs.items():
+        held = [r["model_state_bytes"]["params"] for r in run.summary["ranks"]]
+        # ddp holds the whole model on each rank; fsdp1 and fsdp2 shard it over the 2 ranks
+        # (its shapes are even: no padding).
+        trained = held[0] if engine == "ddp" else sum(held)
+        assert trained == 4 * num_params, engine
+        assert run.losses == pytest.approx(runs["fsdp2"].losses, abs=1e-5), engine
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_fsdp1_cpu_offload_is_refused_on_cpu_before_launch(tmp_path, device):
+    # Issue 10 item 14: FSDP1's CPUOffload pins memory and crashed every rank on a CPU run.
+    if resolve_device_kind(device) != "cpu":
+        pytest.skip("launch.device=auto picks an accelerator on this machine")
+    args = ("debug", "fsdp.engine=fsdp1", "fsdp.cpu_offload=true", f"launch.device={device}")
+    for command in (["config"], ["train", "--run-dir", str(tmp_path / "run")]):
+        proc = run_fsdprun(command[0], *args, *command[1:], cwd=tmp_path)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "fsdp.cpu_offload=true with fsdp.engine=fsdp1 needs an accelerator" in lines[0]
+        assert f"this run is on CPU (launch.device={device}); use fsdp.engine=fsdp2" in lines[0]
+    assert not (tmp_path / "run").exists()

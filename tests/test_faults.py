@@ -4,8 +4,10 @@ corrupted checkpoint caught by its checksums."""
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -180,6 +182,38 @@ def test_nonfinite_skip_leaves_the_state_untouched(tmp_path):
         env=fsdprun_env(FSDPRUN_NONFINITE_AT="0:2,0:3"),
     )  # fmt: skip
     assert proc.returncode == 1 and "at step 3 (more than train.max_skipped=1" in proc.stderr
+
+
+# `fsdprun` with a grad scaler whose first step overflows, as fp16 steps often do at the default
+# scale on GPUs, and that then backs off far enough for the next steps. The launcher forks its
+# CPU workers: they inherit it.
+OVERFLOWING_SCALER = """
+import sys, torch
+import fsdprun.engine
+fsdprun.engine.Engine.grad_scaler = lambda self: torch.amp.GradScaler(
+    "cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
+from fsdprun.cli import main
+main()
+"""
+
+
+def test_model_state_is_measured_after_a_step_the_optimizer_took(tmp_path):
+    # The grad scaler skips an overflowing step inside scaler.step: the loss was finite, so the
+    # run went on, but the optimizer held no state yet. The memory table showed optimizer 0 B.
+    proc = subprocess.run(
+        [sys.executable, "-c", OVERFLOWING_SCALER, "train", "debug", "fsdp.engine=ddp",
+         "precision.param_dtype=fp16", "train.steps=3", "output.log_every=1",
+         "checkpoint.save_final=false", "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=fsdprun_env(FSDPRUN_START_METHOD="fork"), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    run = Run(proc, tmp_path / "run").check()
+    assert math.isnan(run.steps[0]["grad_norm"]) and math.isfinite(run.steps[1]["grad_norm"])
+    for rank in run.summary["ranks"]:
+        state = rank["model_state_bytes"]
+        # ddp: the whole model; AdamW's two fp32 moments plus a step counter per tensor (21).
+        assert state["params"] == 4 * run.start["num_params"]
+        assert state["optimizer"] == 2 * state["params"] + 4 * 21
 
 
 def test_a_rank_that_stops_answering_is_named(tmp_path):

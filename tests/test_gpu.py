@@ -50,3 +50,15 @@ def test_checkpoint_resume_on_gpu(tmp_path):
     got = {e["step"]: e["loss"] for e in Run(proc, tmp_path / "run").steps}
     for e in ref.steps:
         assert got[e["step"]] == pytest.approx(e["loss"], abs=1e-5)
+
+
+def test_fsdp2_cpu_offload_with_clipping_on_gpu(tmp_path):
+    # The clip all-reduces CPU gradients: the run's group must have gloo beside NCCL.
+    proc = run_fsdprun(
+        "train", "debug", "launch.device=cuda", "--nproc-per-node", "1", "fsdp.cpu_offload=true",
+        "train.grad_clip=1.0", "train.steps=4", "output.log_every=1",
+        "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=900,
+    )  # fmt: skip
+    run = Run(proc, tmp_path / "run").check()
+    assert run.start["backend"] == "cpu:gloo,cuda:nccl"
+    assert len(run.losses) == 4 and run.losses[-1] < run.losses[0]

@@ -322,3 +322,31 @@ def test_sizes_shards_and_header(ckpt):
     length = int.from_bytes(header[:8], "little")
     assert len(header) == 8 + length and length % 8 == 0
     assert json.loads(header[8:])["norm.weight"]["dtype"] == "F32"
+
+
+def test_tied_embeddings_are_counted_once(fsdprun_runs, tmp_path):
+    # The checkpoint stores the tied tensor under both names; training counts it once and so must
+    # inspect and export. Same run as tests/test_engines.py's tied test (cached per session).
+    run = fsdprun_runs.train(
+        "fsdp.engine=fsdp2", "model.tie_embeddings=true", "train.steps=5", "output.log_every=1"
+    ).check()
+    ckpt = run.run_dir / "checkpoints" / "step-00000005"
+    trained = run.start["num_params"]
+    assert trained == 115_008
+    tie = {"model.output.weight": "model.tok_embeddings.weight"}
+    doc = json.loads(invoke("inspect-checkpoint", ckpt, "--json").stdout)
+    assert doc["num_params"] == trained and doc["tied"] == tie
+    assert doc["groups"]["model"]["tensors"] == 21  # both names are still there
+    text = " ".join(invoke("inspect-checkpoint", ckpt).stdout.split())
+    assert "115.01K params (model.output.weight tied to model.tok_embeddings.weight)" in text
+    result = invoke("export", ckpt, "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "exported 21 tensors (115.01K params," in " ".join(result.stdout.split())
+    # A checkpoint whose manifest predates the record: the recipe's tie_embeddings says it.
+    old = tmp_path / "old"
+    shutil.copytree(ckpt, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["train_state"]["tied_params"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    doc = json.loads(invoke("inspect-checkpoint", old, "--json").stdout)
+    assert doc["num_params"] == trained and doc["tied"] == tie

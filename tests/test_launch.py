@@ -14,7 +14,7 @@ from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun
 from rich.console import Console
 
 from fsdprun.config import load_recipe
-from fsdprun.device import check_nproc, resolve_device_kind
+from fsdprun.device import BACKENDS, check_nproc, process_group_backend, resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.launch import build_launch_plan
 from fsdprun.loopback import RDZV_BACKEND
@@ -351,3 +351,17 @@ def test_a_bad_start_method_is_refused_before_the_run_dir_exists(tmp_path):
                        env=fsdprun_env(FSDPRUN_START_METHOD="threads"))  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "FSDPRUN_START_METHOD='threads'" in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_cpu_offload_on_an_accelerator_adds_gloo_for_cpu_tensors():
+    # Clipping all-reduces the norm of CPU gradients under fsdp.cpu_offload: an accelerator's
+    # backend alone (NCCL) has no CPU collectives.
+    for kind, backend in BACKENDS.items():
+        assert process_group_backend(kind, cpu_offload=False) == backend
+        offload = process_group_backend(kind, cpu_offload=True)
+        if kind == "cpu":
+            assert offload == "gloo"
+        else:
+            by_device = dict(part.split(":") for part in offload.split(","))
+            assert by_device == {"cpu": "gloo", kind: backend}
+    assert process_group_backend("cuda", cpu_offload=True) == "cpu:gloo,cuda:nccl"

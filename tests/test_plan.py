@@ -41,6 +41,33 @@ def test_full_sharding_matches_measured_model_state(fsdprun_runs, overrides, npr
     )
 
 
+# Shapes FSDP1 must pad: odd vocab and ffn, and dim 70 (parameters of 70 or 17,990 elements are
+# no multiple of the 4 or 8 elements use_orig_params aligns each parameter to).
+UNEVEN = ("model.dim=70", "model.n_heads=5", "model.n_kv_heads=1", "model.vocab_size=257",
+          "model.ffn_dim=190")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("precision.param_dtype=bf16",), ("fsdp.use_orig_params=false",)],
+    ids=["orig-params-bf16", "flat-params"],
+)
+def test_fsdp1_plan_is_exact_with_flat_parameter_padding(fsdprun_runs, overrides):
+    # Issue 10: planned per parameter as FSDP2 shards, fsdp1 was 0.7% off at world 4. FSDP1 shards
+    # each unit's flat parameter: the plan counts exactly what rank 0 holds.
+    run = fsdprun_runs.train(
+        "fsdp.engine=fsdp1", *UNEVEN, *overrides, "train.steps=2", "checkpoint.save_final=false",
+        nproc=4,
+    ).check()  # fmt: skip
+    measured = run.summary["ranks"][0]["model_state_bytes"]
+    plan = plan_memory(load_recipe(str(run.run_dir / "recipe.yaml")).config)
+    planned = plan.strategies[plan.recipe_strategy]
+    assert plan.world_size == 4 and plan.recipe_strategy == "full"
+    assert (planned.params, planned.grads, planned.optimizer) == tuple(
+        measured[k] for k in ("params", "grads", "optimizer")
+    )
+
+
 def test_plan_matches_fully_shard_on_a_fake_group():
     # Dims that 3 ranks do not divide, size-based units, explicit prefetch: rank 0's real local
     # shards (FSDP2 on a meta model, fake process group of 3) and the units apply_fsdp reports.
