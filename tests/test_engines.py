@@ -174,6 +174,27 @@ def test_translation_fsdp2_says_what_it_cannot_do():
     assert k["fsdp.sharding"].endswith("reshard_after_forward=False")
 
 
+def test_translation_says_how_accumulation_reduces():
+    key = "fsdp.accumulate_unsharded"
+    assert _knobs()[key] == "reduce-scatter into the gradient shards on every micro-step"
+    hybrid = _knobs("fsdp.sharding=hybrid", "fsdp.shard_group_size=2", world=4)[key]
+    assert hybrid.endswith("the replica all-reduce on the last one only (set_requires_all_reduce)")
+    assert _knobs("fsdp.sharding=none")[key] == hybrid
+    assert _knobs("fsdp.accumulate_unsharded=true")[key].startswith(
+        "set_requires_gradient_sync(False) on accumulation micro-steps: every rank keeps the "
+        "whole model's unsharded gradients"
+    )
+    fsdp1 = _knobs("fsdp.engine=fsdp1", "fsdp.sharding=hybrid", "fsdp.shard_group_size=2", world=4)
+    assert fsdp1[key].endswith("replica all-reduce too (FSDP1 cannot defer only the all-reduce)")
+    assert _knobs("fsdp.engine=fsdp1", "fsdp.accumulate_unsharded=true")[key].startswith(
+        "no_sync() on accumulation micro-steps: every rank keeps"
+    )
+    for whole in (["fsdp.engine=ddp"], ["fsdp.engine=fsdp1", "fsdp.sharding=none"]):
+        assert _knobs(*whole)[key] == (
+            "no_sync() on accumulation micro-steps (the gradients are whole anyway)"
+        )
+
+
 def test_translation_ddp():
     k = _knobs("fsdp.engine=ddp", "precision.param_dtype=bf16", "precision.reduce_dtype=bf16")
     assert k["precision.param_dtype"] == (
