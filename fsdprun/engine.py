@@ -356,7 +356,8 @@ class Engine:
             return torch.amp.GradScaler(self.device_type)
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler()
+        # Its device defaults to cuda, and it disables itself anywhere else (cpu, xpu, npu).
+        return ShardedGradScaler(self.device_type)
 
     def is_matrix(self, name: str, param: nn.Parameter) -> bool:
         return clean_name(name) in self.matrix_names

@@ -8,11 +8,13 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import fsdprun_env, run_fsdprun
 
 from fsdprun.compare import markdown, parse_configs
+from fsdprun.config import Engine as EngineKind
 from fsdprun.config import load_recipe
-from fsdprun.engine import translate
+from fsdprun.engine import Engine, translate
 from fsdprun.errors import UserError
 from fsdprun.metrics import read_events
 from fsdprun.plan import plan_memory
@@ -258,6 +260,17 @@ def test_low_precision_trains_under_each_engine(tmp_path, overrides):
     losses = [e["loss"] for e in read_events(tmp_path / "run" / "metrics.jsonl") if
               e["event"] == "step"]  # fmt: skip
     assert len(losses) == 8 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("kind", list(EngineKind))
+def test_fp16_loss_scaling_is_on_off_cuda(kind):
+    # Issue 10 item 9: ShardedGradScaler() defaults to cuda and disables itself on cpu/xpu/npu.
+    model = torch.nn.Linear(2, 2)
+    engine = Engine(kind=kind, model=model, inner=model, units=[], knobs=[],
+                    matrix_names=frozenset(), device_type="cpu")  # fmt: skip
+    scaler = engine.grad_scaler()
+    assert scaler.is_enabled()
+    assert scaler.scale(torch.ones(())).item() == 2.0**16
 
 
 def test_ddp_bf16_reduction_on_gloo_is_a_user_error(tmp_path):

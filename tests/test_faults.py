@@ -4,6 +4,7 @@ corrupted checkpoint caught by its checksums."""
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 import time
@@ -134,6 +135,24 @@ def test_nonfinite_skip_leaves_the_state_untouched(tmp_path):
         env=fsdprun_env(FSDPRUN_NONFINITE_AT="0:2,0:3"),
     )  # fmt: skip
     assert proc.returncode == 1 and "at step 3 (more than train.max_skipped=1" in proc.stderr
+
+
+def test_fp16_skip_backs_off_the_loss_scale_and_trains_on(tmp_path):
+    # Issue 10 items 3 and 9: the sharded grad scaler disabled itself off CUDA (no scaling at
+    # all), and a skipped step never called scaler.update(), so the next unscale_() crashed.
+    proc = run_fsdprun(
+        "train", "debug", "train.steps=5", "precision.param_dtype=fp16", "train.nonfinite=skip",
+        "checkpoint.every_steps=1", "checkpoint.keep_last=0", "output.log_every=1",
+        "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+        env=fsdprun_env(FSDPRUN_NONFINITE_AT="1:3"),
+    )  # fmt: skip
+    run = Run(proc, tmp_path / "run").check()
+    assert [e["skipped"] for e in run.steps] == [False, False, True, False, False]
+    assert all(math.isfinite(loss) for loss in run.losses[3:])
+    scalers = [c.manifest["train_state"]["grad_scaler"] for c in list_checkpoints(run.run_dir)]
+    scales = [s["scale"] for s in scalers]
+    assert scales[0] <= 2.0**16 and scales[2] == scales[1] * 0.5  # backed off at the skip
+    assert scales[4] >= scales[2] / 4  # and no more than the natural fp16 overflows since
 
 
 def test_a_rank_that_stops_answering_is_named(tmp_path):
