@@ -247,6 +247,17 @@ class FsdpConfig:
     cpu_offload: bool = _f(
         False, "Keep sharded parameters, gradients and optimizer state in host memory."
     )
+    accumulate_unsharded: bool = _f(
+        False,
+        "Gradient accumulation without communication: keep every parameter's whole unsharded "
+        "gradient on every rank until the last micro-step, then reduce once (fsdp2 "
+        "set_requires_gradient_sync(False), in reduce_dtype; fsdp1 no_sync, in param_dtype). "
+        "Saves the reduce-scatters of the other micro-steps at the cost of the whole model's "
+        "gradients per rank (`fsdprun plan` counts them). false = reduce-scatter into the "
+        "gradient shards on every micro-step (fsdp2 hybrid and none defer only the replica "
+        "all-reduce). ddp and fsdp1 `none` always accumulate locally: their gradients are "
+        "whole anyway.",
+    )
 
 
 @dataclass

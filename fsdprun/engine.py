@@ -4,10 +4,10 @@ and DDP (`DistributedDataParallel`, the unsharded baseline), behind one small in
 The recipe's `fsdp.*` keys state intent once; `translate` says what each engine does with every
 key (printed in the run header and by `fsdprun plan`, so nothing is dropped silently), and
 `build_engine` applies exactly that. What differs per engine at run time is small and lives on
-`Engine`: how gradient sync is skipped on accumulation micro-steps, how the global gradient norm
-is computed, autocast (DDP only), and which grad scaler fp16 needs. Checkpoints go through
-`torch.distributed.checkpoint.state_dict` for all three, whose keys are the unwrapped model's,
-so a run saved under one engine resumes under another.
+`Engine`: how gradients are reduced on accumulation micro-steps (`accumulation_mode`), how the
+global gradient norm is computed, autocast (DDP only), and which grad scaler fp16 needs.
+Checkpoints go through `torch.distributed.checkpoint.state_dict` for all three, whose keys are
+the unwrapped model's, so a run saved under one engine resumes under another.
 
 Initialization is the same for all three: every parameter's full value comes from
 `parallel.init_value` (seeded by recipe seed and parameter name), or from a HuggingFace folder's
@@ -59,6 +59,11 @@ if TYPE_CHECKING:
 _FSDP1_PREFIX = "_fsdp_wrapped_module."
 _DDP_PREFIX = "module."
 
+# How gradients are reduced on the micro-steps before the last one of a step (`accumulation_mode`).
+REDUCE = "reduce"  # reduce-scatter into the gradient shards every time
+DEFER_ALL_REDUCE = "defer_all_reduce"  # the same, but a 2-D mesh's replica all-reduce waits
+LOCAL = "local"  # no communication: whole unsharded gradients accumulate on every rank
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -99,6 +104,43 @@ def translate(cfg: RecipeConfig, world_size: int | None = None) -> list[Knob]:
     return list(knobs)
 
 
+def accumulation_mode(cfg: RecipeConfig) -> str:
+    """How the recipe's engine reduces gradients on accumulation micro-steps: REDUCE,
+    DEFER_ALL_REDUCE or LOCAL (see `Engine.micro_step`)."""
+    f = cfg.fsdp
+    sharding = effective_sharding(f)
+    if f.engine is EngineKind.ddp or f.accumulate_unsharded:
+        return LOCAL
+    if f.engine is EngineKind.fsdp1:
+        # FSDP1 cannot skip only HYBRID_SHARD's all-reduce: it syncs fully on every micro-step.
+        return LOCAL if sharding is Sharding.none else REDUCE
+    if sharding in (Sharding.hybrid, Sharding.hybrid_zero2, Sharding.none):  # 2-D meshes
+        return DEFER_ALL_REDUCE
+    return REDUCE
+
+
+def _accumulation_knob(cfg: RecipeConfig, add) -> None:
+    mode, kind = accumulation_mode(cfg), cfg.fsdp.engine
+    if mode == DEFER_ALL_REDUCE:
+        applied = (
+            "reduce-scatter into the gradient shards on every micro-step; the replica all-reduce "
+            "on the last one only (set_requires_all_reduce)"
+        )
+    elif mode == REDUCE:
+        applied = "reduce-scatter into the gradient shards on every micro-step"
+        if effective_sharding(cfg.fsdp) in (Sharding.hybrid, Sharding.hybrid_zero2):
+            applied += ", replica all-reduce too (FSDP1 cannot defer only the all-reduce)"
+    elif kind is EngineKind.ddp or effective_sharding(cfg.fsdp) is Sharding.none:
+        applied = "no_sync() on accumulation micro-steps (the gradients are whole anyway)"
+    else:
+        call = "set_requires_gradient_sync(False)" if kind is EngineKind.fsdp2 else "no_sync()"
+        applied = (
+            f"{call} on accumulation micro-steps: every rank keeps the whole model's unsharded "
+            "gradients until the last one"
+        )
+    add("fsdp.accumulate_unsharded", cfg.fsdp.accumulate_unsharded, applied)
+
+
 def _ddp_knobs(cfg: RecipeConfig, ws: int, add) -> None:
     f, p = cfg.fsdp, cfg.precision
     add("fsdp.engine", "ddp", "DistributedDataParallel: every rank holds the whole model state")
@@ -122,6 +164,7 @@ def _ddp_knobs(cfg: RecipeConfig, ws: int, add) -> None:
     for key in ("wrap", "forward_prefetch", "backward_prefetch", "limit_all_gathers",
                 "use_orig_params", "reshard_after_forward"):  # fmt: skip
         add(f"fsdp.{key}", getattr(f, key), "no effect: DDP has no units to gather")
+    _accumulation_knob(cfg, add)
 
 
 def _fsdp1_knobs(cfg: RecipeConfig, ws: int, add) -> None:
@@ -174,6 +217,7 @@ def _fsdp1_knobs(cfg: RecipeConfig, ws: int, add) -> None:
         f.cpu_offload,
         "cpu_offload=CPUOffload(offload_params=True)" if f.cpu_offload else "cpu_offload=None",
     )
+    _accumulation_knob(cfg, add)
 
 
 def _fsdp2_knobs(cfg: RecipeConfig, ws: int, add) -> None:
@@ -245,6 +289,7 @@ def _fsdp2_knobs(cfg: RecipeConfig, ws: int, add) -> None:
         "no effect: FSDP2 always keeps the original parameters",
     )
     add("fsdp.cpu_offload", f.cpu_offload, "CPUOffloadPolicy" if f.cpu_offload else "off")
+    _accumulation_knob(cfg, add)
 
 
 def _fsdp1_mixed_precision_off(cfg: RecipeConfig) -> bool:
@@ -270,6 +315,7 @@ class Engine:
     matrix_names: frozenset[str]  # parameters with ndim >= 2 before wrapping (weight decay)
     autocast_dtype: torch.dtype | None = None
     device_type: str = "cpu"
+    accumulation: str = LOCAL  # accumulation_mode of the recipe
     # The loss; compiled with the model (compile.enabled), so the fp32 upcast, log-softmax and
     # their backward fuse instead of writing fp32 copies of the logits.
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
@@ -293,10 +339,22 @@ class Engine:
     tied: dict[str, str] = field(default_factory=dict)
 
     def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
-        """Around forward and backward of one micro-batch: gradients are reduced only when
-        `sync`."""
+        """Around forward and backward of one micro-batch; `sync` on the last one of a step.
+
+        REDUCE: every micro-step reduce-scatters, and the gradient shards are the accumulator, so
+        a rank never holds more than its shard of the gradients. (With gradient sync off, FSDP
+        keeps every parameter's whole unsharded gradient until the last micro-step: at 8 ranks,
+        8 times the shard.) DEFER_ALL_REDUCE: the same, and the replica all-reduce of fsdp2's
+        2-D meshes waits for `sync` (FSDP2 keeps the partial sums, shard-sized). LOCAL: no
+        communication until `sync`.
+        """
+        if self.accumulation == REDUCE:
+            return contextlib.nullcontext()
         if self.kind is EngineKind.fsdp2:
-            self.model.set_requires_gradient_sync(sync)
+            if self.accumulation == DEFER_ALL_REDUCE:
+                self.model.set_requires_all_reduce(sync)
+            else:
+                self.model.set_requires_gradient_sync(sync)
             return contextlib.nullcontext()
         return contextlib.nullcontext() if sync else self.model.no_sync()
 
@@ -317,7 +375,8 @@ class Engine:
             return torch.amp.GradScaler(self.device_type)
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler()
+        # Its device defaults to cuda, and it disables itself anywhere else (cpu, xpu, npu).
+        return ShardedGradScaler(self.device_type)
 
     def is_matrix(self, name: str, param: nn.Parameter) -> bool:
         return clean_name(name) in self.matrix_names
@@ -358,7 +417,8 @@ def build_engine(
     chunk = cfg.train.loss_chunk_size if cfg.train.loss is LossKind.chunked else None
     common = {"kind": kind, "inner": model, "knobs": knobs, "matrix_names": matrix_names,
               "device_type": device.type, "loss": loss, "loss_chunk_size": chunk,
-              "compiled": cfg.compile.enabled, "tied": tied_names(model)}  # fmt: skip
+              "compiled": cfg.compile.enabled, "tied": tied_names(model),
+              "accumulation": accumulation_mode(cfg)}  # fmt: skip
     if kind is EngineKind.fsdp2:
         units = apply_fsdp(
             model, mesh=_mesh(cfg, device_kind, world_size), cfg=cfg.fsdp,

@@ -5,8 +5,11 @@
 The model is built on the meta device (no memory), the FSDP units come from `plan_units` exactly as
 `apply_fsdp` wraps them, and each parameter's per-rank shard is computed from its real shape:
 FSDP2 shards dim 0 and pads it to a multiple of the shard group, so rank 0 holds ceil(dim0 / N)
-rows (the shape `model_state_bytes` measures in a run). An 8B or 70B recipe plans in about a
-second. A fake process group is not needed: the shard shapes follow from the shapes alone.
+rows (the shape `model_state_bytes` measures in a run); FSDP1 flattens each unit into one flat
+parameter (aligned and padded as FSDP1 does) and rank 0 holds its first 1/N. An 8B or 70B recipe
+plans in about a second. A fake process group is not needed: the shard shapes follow from the
+shapes alone. tests/test_memory_contract.py holds the plan to what ranks measure at 8 and 64 ranks
+(fake process group) for every engine and sharding, within 5%.
 
 Model state follows the ZeRO paper's mixed-precision Adam accounting, as fsdprun keeps it:
 fp32 master parameters (4 B), fp32 gradients (4 B), two fp32 Adam moments (8 B) = 16 B/param,
@@ -19,10 +22,9 @@ plus AdamW's 4-byte step counter per tensor. Strategies divide it differently:
 - hybrid  full sharding inside groups of fsdp.shard_group_size ranks (default: one node),
           replicated across groups.
 - ddp     nothing sharded (DistributedDataParallel; also what `sharding: none` holds).
-FSDP1 shards each unit's flat parameter instead (`_fsdp1_rank0`): the unit's parameters
-concatenated (with use_orig_params, each aligned to 16 bytes of param_dtype) and padded to a
-multiple of the shard group; rank 0 holds the first 1/N of it, and the plan counts exactly what
-a run measures there.
+The same accounting holds for fsdp1 and fsdp2, each with its own padding. Gradient accumulation
+adds nothing by default (gradients are reduce-scattered into their shards on every micro-step);
+with fsdp.accumulate_unsharded every rank also holds the whole model's unsharded gradients.
 
 Gathered buffers and activations are estimates; `ACTIVATION_FORMULA` says how they are computed.
 """
@@ -49,12 +51,13 @@ from fsdprun.config import (
     load_recipe,
     shard_group_size,
 )
-from fsdprun.engine import translate
+from fsdprun.engine import LOCAL, accumulation_mode, translate
 from fsdprun.errors import UserError
 from fsdprun.float8 import MFU_CONVENTION, float8_linears
 from fsdprun.float8 import describe as describe_float8
 from fsdprun.loss import describe_loss
 from fsdprun.models import Transformer, build_model_args
+from fsdprun.models.llama import num_matmul_params
 from fsdprun.parallel import plan_units
 
 DTYPE_BYTES = {Dtype.bf16: 2, Dtype.fp16: 2, Dtype.fp32: 4}
@@ -79,9 +82,13 @@ ACTIVATION_FORMULA = (
     "chunk*vocab*(c + 12) (one chunk's logits, log-probabilities and their gradient)"
 )
 BUFFER_FORMULA = (
-    "unsharded params in param_dtype (precision.float8=tensorwise: 1 byte for the weights of "
-    "converted Linears, gathered in float8): the root unit (FSDP2 keeps the root gathered from "
-    "forward to backward) + the largest other unit x (1 + prefetch depth)"
+    "unsharded params in param_dtype, padded as the engine pads them. fsdp2: the peak over forward "
+    "and backward of its all-gather outputs and unsharded parameters, unit by unit (in forward a "
+    "unit's all-gather output is freed only after the next unit's copy-out: about root + 3 x the "
+    "largest unit when resharding, the whole model + 2 units when not); fsdp1: root + the "
+    "largest unit x (1 + prefetch, at most 1), or the whole model when not resharding; ddp: "
+    "autocast's param_dtype copies of the matmul weights. precision.float8=tensorwise: 1 byte "
+    "for the weights of converted Linears, gathered in float8"
 )
 _SIZE_UNITS = {"GB": 10**9, "TB": 10**12, "MB": 10**6, "GIB": 2**30, "TIB": 2**40, "MIB": 2**20}
 
@@ -122,13 +129,15 @@ class StrategyMemory:
     optimizer: int
     gathered_buffers: int
     activations: int
+    accumulation: int = 0  # unsharded gradients kept between micro-steps (accumulate_unsharded)
     total: int = 0
     fits: bool | None = None
 
     def __post_init__(self) -> None:
         self.total = (
-            self.params + self.grads + self.optimizer + self.gathered_buffers + self.activations
-        )
+            self.params + self.grads + self.accumulation + self.optimizer
+            + self.gathered_buffers + self.activations
+        )  # fmt: skip
 
 
 @dataclass
@@ -161,6 +170,105 @@ def _rank0_elems(shape: torch.Size, shards: int) -> int:
     return rows * math.prod(shape[1:])
 
 
+def _gathered_elems(shape: torch.Size, shards: int) -> int:
+    # FSDP2's all-gather output of one parameter: dim 0 padded to a multiple of `shards`.
+    if not shape:
+        return shards
+    return math.ceil(shape[0] / shards) * shards * math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Rank 0's share of a model under one engine and shard group, unit by unit (root last):
+    elements of its fp32 shard and of its gathered (unsharded, padded) copy; AdamW state bytes."""
+
+    shards: list[int]
+    gathered: list[int]
+    optimizer: int
+
+    @property
+    def params(self) -> int:
+        return MASTER_BYTES * sum(self.shards)
+
+
+def _per_param_layout(groups: list[tuple[str, list[nn.Parameter]]], shards: int) -> _Layout:
+    """FSDP2 (and DDP, shards=1): every parameter sharded on dim 0 on its own."""
+    unit_shards = [sum(_rank0_elems(p.shape, shards) for p in own) for _, own in groups]
+    count = sum(len(own) for _, own in groups)
+    return _Layout(
+        shards=unit_shards,
+        gathered=[sum(_gathered_elems(p.shape, shards) for p in own) for _, own in groups],
+        optimizer=ADAM_STATE_BYTES * sum(unit_shards) + ADAM_STEP_BYTES * count,
+    )
+
+
+def _flat_layout(
+    groups: list[tuple[str, list[nn.Parameter]]], shards: int, *, pad_to: int, align: int,
+    orig_params: bool,
+) -> _Layout:  # fmt: skip
+    """FSDP1: each unit one flat parameter. With use_orig_params every parameter starts at a
+    multiple of `align` elements (16 bytes of the compute dtype) and the whole is padded to a
+    multiple of `pad_to` (the ranks of the process group); rank 0 holds the first
+    ceil(numel / shards) elements. AdamW keeps state for the original parameters that overlap
+    that range (for their overlap), or for the flat parameter itself."""
+    optimizer = 0
+    unit_shards, gathered = [], []
+    for _, own in groups:
+        total, spans = 0, []
+        for p in own:
+            if orig_params and total % align:
+                total += align - total % align
+            spans.append((total, p.numel()))
+            total += p.numel()
+        if orig_params and total % pad_to:
+            total += pad_to - total % pad_to
+        shard = math.ceil(total / shards)
+        unit_shards.append(shard)
+        gathered.append(shard * shards)
+        if orig_params:
+            local = [max(0, min(start + n, shard) - start) for start, n in spans]
+            optimizer += sum(ADAM_STATE_BYTES * n + ADAM_STEP_BYTES for n in local if n)
+        elif own:
+            optimizer += ADAM_STATE_BYTES * shard + ADAM_STEP_BYTES
+    return _Layout(shards=unit_shards, gathered=gathered, optimizer=optimizer)
+
+
+def _fsdp2_gathered_peak(
+    units: list[int], kept: list[bool], root: int, root_kept: bool, *, forward: int, backward: int
+) -> int:
+    """Peak unsharded bytes on one rank under FSDP2, unit by unit (root first in forward).
+
+    A unit is all-gathered into one flat output, then copied out into its unsharded parameters
+    (the same size). In forward, FSDP2 frees a unit's flat output only after the next unit's
+    copy-out (to overlap that copy with the next all-gather); in backward, right after its own.
+    `kept` units are not resharded after forward. Prefetch: `forward` units ahead explicitly,
+    in backward `backward` units ahead (implicitly one).
+    """
+    peak = 2 * root  # the root's copy-out: its flat output and its parameters
+    held, prev_flat = root, root
+    for k, size in enumerate(units):
+        early = sum(units[k + 1 : k + forward]) if k else 0  # prefetched by earlier units
+        peak = max(peak, held + prev_flat + 2 * size + early)
+        if forward:  # after its copy-out, a unit prefetches the next `forward` units
+            peak = max(peak, held + 2 * size + sum(units[k + 1 : k + 1 + forward]))
+        held += size if kept[k] else 0
+        prev_flat = size
+    held = sum(size for size, keep in zip(units, kept, strict=True) if keep)
+    if not root_kept:
+        peak = max(peak, held + 2 * root)
+    held += root
+    depth = max(backward, 1)
+    for k in reversed(range(len(units))):
+        if not kept[k]:
+            early = sum(units[i] for i in range(max(0, k - depth + 1), k) if not kept[i])
+            peak = max(peak, held + 2 * units[k] + early)
+            held += units[k]
+        ahead = sum(units[i] for i in range(max(0, k - depth), k) if not kept[i])
+        peak = max(peak, held + ahead)
+        held -= units[k]
+    return peak
+
+
 def _unit_groups(model: nn.Module, paths: list[str]) -> list[tuple[str, list[nn.Parameter]]]:
     """Each unit's own parameters, as apply_fsdp takes them: not yet taken, forward order, root
     last."""
@@ -173,62 +281,6 @@ def _unit_groups(model: nn.Module, paths: list[str]) -> list[tuple[str, list[nn.
         groups.append((path, own))
     groups.append(("", [p for p in model.parameters() if id(p) not in taken]))
     return groups
-
-
-def _fsdp1_unit_groups(model: nn.Module, paths: list[str]) -> list[tuple[str, list[nn.Parameter]]]:
-    """Each FSDP1 unit's own parameters in flat-parameter order, root last. FSDP1 wraps bottom
-    up: a nested unit owns its parameters, the root what no unit owns."""
-    modules = dict(model.named_modules())
-    owner: dict[int, str] = {}
-    for path in ["", *sorted(paths, key=len)]:  # deeper units claim their params last
-        for p in modules[path].parameters():
-            owner[id(p)] = path
-    return [
-        (path, [p for p in modules[path].parameters() if owner[id(p)] == path])
-        for path in [*paths, ""]
-    ]
-
-
-def _fsdp1_rank0(params: list[nn.Parameter], shards: int, align: int) -> tuple[int, int]:
-    """Elements and tensors of one FSDP1 unit that rank 0 holds and the optimizer steps.
-
-    The flat parameter is the unit's parameters end to end; with use_orig_params each starts at
-    a multiple of `align` elements (16 bytes of param_dtype; `align` 0 = flat parameters). Every
-    rank holds ceil(numel / N) of it (FSDP1 pads it to a multiple of N), rank 0 the first. With
-    flat parameters that whole slice is one tensor, padding included; with use_orig_params only
-    the parameters' parts in it count, and only parameters with a part there get optimizer state.
-    """
-    spans, total = [], 0
-    for p in params:
-        if align and total % align:
-            total += align - total % align
-        spans.append((total, total + p.numel()))
-        total += p.numel()
-    size = math.ceil(total / shards)
-    if not align:
-        return size, 1
-    held = [min(end, size) - start for start, end in spans if start < size]
-    return sum(held), sum(1 for n in held if n > 0)
-
-
-def _model_state(
-    params: list[nn.Parameter],
-    shards: int,
-    fsdp1_units: list[list[nn.Parameter]] | None = None,
-    align: int = 0,
-) -> dict[str, int]:
-    """Rank 0's fp32 parameters, gradients and Adam state: per parameter (FSDP2's dim-0
-    shards, or nothing sharded), or per FSDP1 flat parameter when `fsdp1_units` are given."""
-    if fsdp1_units is not None:
-        counts = [_fsdp1_rank0(unit, shards, align) for unit in fsdp1_units if unit]
-        sharded, tensors = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    else:
-        sharded, tensors = sum(_rank0_elems(p.shape, shards) for p in params), len(params)
-    return {
-        "params": MASTER_BYTES * sharded,
-        "grads": MASTER_BYTES * sharded,
-        "optimizer": ADAM_STATE_BYTES * sharded + ADAM_STEP_BYTES * tensors,
-    }
 
 
 def block_activation_bytes(cfg: RecipeConfig) -> int:
@@ -314,27 +366,35 @@ def plan_memory(
     pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
     fsdp = cfg.fsdp
 
-    # Mirror apply_fsdp: units take the parameters not yet taken, in forward order, then the root
-    # (FSDP1: a nested unit owns its parameters).
+    # Mirror apply_fsdp: units take the parameters not yet taken, in forward order, then the root.
     paths = plan_units(model, cfg=fsdp)
-    fsdp1 = fsdp.engine is Engine.fsdp1
-    groups = _fsdp1_unit_groups(model, paths) if fsdp1 else _unit_groups(model, paths)
-    # FSDP1 aligns each parameter in the flat parameter to 16 bytes of param_dtype, with
-    # use_orig_params only.
-    align = 16 // pbytes if fsdp1 and fsdp.use_orig_params else 0
+    groups = _unit_groups(model, paths)
     float8 = cfg.precision.float8.value
-    f8_weights: set[int] = set()
-    if cfg.precision.float8 is Float8.tensorwise:  # float8 all-gather: 1 byte per weight element
+    # float8 all-gather (tensorwise): the weights of converted Linears travel as 1 byte each.
+    f8_ids: set[int] = set()
+    if cfg.precision.float8 is Float8.tensorwise:
         modules = dict(model.named_modules())
-        f8_weights = {id(modules[path].weight) for path in float8_linears(model)[0]}
+        f8_ids = {id(modules[path].weight) for path in float8_linears(model)[0]}
+    f8_saved = [sum(p.numel() for p in own if id(p) in f8_ids) * (pbytes - 1) for _, own in groups]
 
-    def gathered(own: list[nn.Parameter]) -> int:
-        return sum(p.numel() * (1 if id(p) in f8_weights else pbytes) for p in own)
+    def unit_bytes(lay: _Layout) -> list[int]:
+        """Each unit's gathered copy in bytes (param_dtype, float8 weights at 1 byte)."""
+        return [n * pbytes - saved for n, saved in zip(lay.gathered, f8_saved, strict=True)]
 
     sharding = effective_sharding(fsdp)
     reshard_units = sharding in (Sharding.full, Sharding.hybrid)
     depth_bwd = backward_prefetch_depth(fsdp)
     group = shard_group_size(cfg)
+    flat = fsdp.engine is Engine.fsdp1  # else per-parameter shards (fsdp2; ddp's other rows)
+
+    def layout(shards: int) -> _Layout:
+        if not flat:
+            return _per_param_layout(groups, shards)
+        # FSDP1 pads to its process group: the shard group, or every rank under NO_SHARD.
+        return _flat_layout(groups, shards, pad_to=shards if shards > 1 else world,
+                            align=16 // pbytes, orig_params=fsdp.use_orig_params)  # fmt: skip
+
+    recipe_layout = layout(group)
     units = []
     # DDP has no units: one bucketed all-reduce over the whole model.
     for i, (path, own) in enumerate([] if fsdp.engine is Engine.ddp else groups):
@@ -357,70 +417,100 @@ def plan_memory(
                 if depth_bwd > 1 and fsdp.engine is Engine.fsdp2
                 else "implicit"
             )
-        numel = sum(p.numel() for p in own)
         units.append(
             PlannedUnit(
                 path=path,
-                num_params=numel,
-                unsharded_bytes=gathered(own),
-                shard_bytes=MASTER_BYTES * (
-                    _fsdp1_rank0(own, group, align)[0] if fsdp1 and own
-                    else sum(_rank0_elems(p.shape, group) for p in own)
-                ),  # fmt: skip
+                num_params=sum(p.numel() for p in own),
+                unsharded_bytes=unit_bytes(recipe_layout)[i],
+                shard_bytes=MASTER_BYTES * recipe_layout.shards[i],
                 reshard_after_forward=reshard,
                 forward_prefetch=fwd,
                 backward_prefetch=bwd,
             )
         )
 
-    root = gathered(groups[-1][1])
-    largest = max((gathered(own) for _, own in groups[:-1]), default=0)
     depth = max(fsdp.forward_prefetch, depth_bwd)
-    sharded_buffers = root + largest * (1 + depth)
-    whole = gathered(params)  # every unit gathered at once
     acts = activation_bytes(cfg)
     hybrid_group = fsdp.shard_group_size or min(per_node, world)
-    autocast_copies = 0 if cfg.precision.param_dtype is Dtype.fp32 else whole
+    cast = cfg.precision.param_dtype is not Dtype.fp32
+    accum_steps = cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
+    keeps_unsharded_grads = accumulation_mode(cfg) == LOCAL and accum_steps > 1
 
-    fsdp1_units = [own for _, own in groups] if fsdp1 else None
+    def gathered(strategy: Sharding, lay: _Layout) -> int:
+        sizes = unit_bytes(lay)
+        blocks, root, whole = sizes[:-1], sizes[-1], sum(sizes)
+        reshard = strategy in (Sharding.full, Sharding.hybrid)
+        if strategy is Sharding.none:
+            # No all-gather. FSDP2 copies (casts) each unit's parameters once and keeps them;
+            # FSDP1's NO_SHARD computes on the flat parameter itself unless it casts it.
+            return whole if cast or not flat else 0
+        if flat:
+            # ZeRO-2 keeps every unit gathered from forward to backward; FSDP1 prefetches at
+            # most one unit.
+            return root + max(blocks, default=0) * (1 + min(depth, 1)) if reshard else whole
+        # FSDP2 keeps the last block gathered for backward; ZeRO-2 every unit and the root.
+        kept = [not reshard or i == len(blocks) - 1 for i in range(len(blocks))]
+        return _fsdp2_gathered_peak(
+            blocks, kept, root, not reshard, forward=fsdp.forward_prefetch, backward=depth_bwd
+        )
 
-    def memory(shards: int, gathered: int, *, ddp: bool = False) -> StrategyMemory:
-        state = _model_state(params, shards, None if ddp else fsdp1_units, align)
-        return StrategyMemory(shards, **state, gathered_buffers=gathered, activations=acts)
+    def memory(strategy: Sharding, shards: int) -> StrategyMemory:
+        lay = layout(shards)
+        accumulation = 0
+        if keeps_unsharded_grads and shards > 1:
+            # Every parameter's whole gradient until the last micro-step: FSDP2 keeps it in
+            # reduce_dtype, FSDP1 as the unit's padded flat gradient in param_dtype.
+            if flat:
+                accumulation = sum(lay.gathered) * pbytes
+            else:
+                reduce_bytes = DTYPE_BYTES[cfg.precision.reduce_dtype]
+                accumulation = sum(p.numel() for p in params) * reduce_bytes
+        return StrategyMemory(
+            shards, params=lay.params, grads=lay.params, optimizer=lay.optimizer,
+            gathered_buffers=gathered(strategy, lay), activations=acts, accumulation=accumulation,
+        )  # fmt: skip
 
+    replicated = _per_param_layout(groups, 1)
+    # Autocast keeps a param_dtype copy of every matmul weight for backward (DDP's only
+    # "buffer"); the embedding lookup and the norms run on the fp32 parameters.
+    autocast_copies = num_matmul_params(model.args) * pbytes if cast else 0
     strategies = {
-        # Autocast keeps a param_dtype copy of every weight for backward (DDP's only "buffer").
-        "ddp": memory(1, autocast_copies, ddp=True),
-        "full": memory(world, sharded_buffers),
-        # ZeRO-2: the gathered parameters stay from forward to backward, all units at once.
-        "grad_op": memory(world, whole),
-        "hybrid": memory(hybrid_group, sharded_buffers),
+        "ddp": StrategyMemory(
+            1,
+            params=replicated.params,
+            grads=replicated.params,
+            optimizer=replicated.optimizer,
+            gathered_buffers=autocast_copies,
+            activations=acts,
+        ),
+        "full": memory(Sharding.full, world),
+        "grad_op": memory(Sharding.grad_op, world),
+        "hybrid": memory(Sharding.hybrid, hybrid_group),
     }
     recipe_strategy = "ddp" if fsdp.engine is Engine.ddp else sharding.value
     if recipe_strategy == "hybrid_zero2":
-        strategies["hybrid_zero2"] = memory(group, whole)
+        strategies["hybrid_zero2"] = memory(Sharding.hybrid_zero2, group)
     elif recipe_strategy == "none":
-        strategies["none"] = memory(1, whole)  # FSDP's compute copy of the replicated params
+        strategies["none"] = memory(Sharding.none, 1)
     elif recipe_strategy == "hybrid" and group != hybrid_group:
-        strategies["hybrid"] = memory(group, sharded_buffers)
+        strategies["hybrid"] = memory(Sharding.hybrid, group)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
     if device_memory_bytes is not None:
         for s in strategies.values():
             s.fits = s.total <= device_memory_bytes
-    shard_rule = (
-        "each unit's flat parameter padded to a multiple of N, rank 0 holding the first 1/N"
-        + (" (parameters aligned to 16 bytes in it)" if align else "")
-        if fsdp1 else "each parameter's rank-0 shard of ceil(dim0 / N) rows"
-    )  # fmt: skip
     notes = [
         "model state: fp32 params 4 B + fp32 grads 4 B + Adam moments 8 B per param "
-        f"(+ 4 B step per tensor), from {shard_rule}",
+        "(+ 4 B step per tensor), from each parameter's rank-0 shard of ceil(dim0 / N) rows "
+        "(fsdp2) or the first 1/N of each unit's padded flat parameter (fsdp1)",
         f"prefetch depth {depth} (max of fsdp.forward_prefetch and fsdp.backward_prefetch)",
+        "gradient accumulation: gradients are reduce-scattered into their shards on every "
+        "micro-step; with fsdp.accumulate_unsharded every rank also keeps the whole model's "
+        "unsharded gradients until the last micro-step (the unsharded grads row)",
         "not counted: allocator fragmentation and cache, communication buffers, the CUDA "
         "context, unsharded gradients before their reduce-scatter",
-        "ddp: gathered buffers are autocast's param_dtype copies of the weights; its fp32 norm "
-        "activations are not modelled (the ddp total is the least certain)",
+        "ddp: gathered buffers are autocast's param_dtype copies of the matmul weights; its fp32 "
+        "norm activations are not modelled (the ddp total is the least certain)",
     ]
     if cfg.train.loss is LossKind.chunked:
         notes.append(f"loss: {describe_loss(cfg.train)}")

@@ -328,6 +328,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         mem.add_column(f"{name}{mark}", justify="right")
     components = (
         ("shard group", "shard_group"), ("parameters", "params"), ("gradients", "grads"),
+        ("unsharded grads", "accumulation"),
         ("optimizer state", "optimizer"), ("gathered buffers *", "gathered_buffers"),
         ("activations *", "activations"), ("total", "total"),
     )  # fmt: skip

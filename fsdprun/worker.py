@@ -366,6 +366,10 @@ def _train(
         lr = scheduler.get_last_lr()[0]
         if agreed.nonfinite:
             optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:
+                # unscale_ found the infs: back the scale off and reset the scaler's per-step
+                # state, or the next step's unscale_ refuses to run.
+                scaler.update()
             skipped_in_row += 1
             skipped_total += 1
             if cfg.train.nonfinite is NonFinite.abort or skipped_in_row > cfg.train.max_skipped:

@@ -8,12 +8,14 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import fsdprun_env, run_fsdprun
 
 from fsdprun.compare import markdown, parse_configs
+from fsdprun.config import Engine as EngineKind
 from fsdprun.config import load_recipe
 from fsdprun.device import resolve_device_kind
-from fsdprun.engine import translate
+from fsdprun.engine import Engine, translate
 from fsdprun.errors import UserError
 from fsdprun.metrics import read_events
 from fsdprun.plan import plan_memory
@@ -175,6 +177,27 @@ def test_translation_fsdp2_says_what_it_cannot_do():
     assert k["fsdp.sharding"].endswith("reshard_after_forward=False")
 
 
+def test_translation_says_how_accumulation_reduces():
+    key = "fsdp.accumulate_unsharded"
+    assert _knobs()[key] == "reduce-scatter into the gradient shards on every micro-step"
+    hybrid = _knobs("fsdp.sharding=hybrid", "fsdp.shard_group_size=2", world=4)[key]
+    assert hybrid.endswith("the replica all-reduce on the last one only (set_requires_all_reduce)")
+    assert _knobs("fsdp.sharding=none")[key] == hybrid
+    assert _knobs("fsdp.accumulate_unsharded=true")[key].startswith(
+        "set_requires_gradient_sync(False) on accumulation micro-steps: every rank keeps the "
+        "whole model's unsharded gradients"
+    )
+    fsdp1 = _knobs("fsdp.engine=fsdp1", "fsdp.sharding=hybrid", "fsdp.shard_group_size=2", world=4)
+    assert fsdp1[key].endswith("replica all-reduce too (FSDP1 cannot defer only the all-reduce)")
+    assert _knobs("fsdp.engine=fsdp1", "fsdp.accumulate_unsharded=true")[key].startswith(
+        "no_sync() on accumulation micro-steps: every rank keeps"
+    )
+    for whole in (["fsdp.engine=ddp"], ["fsdp.engine=fsdp1", "fsdp.sharding=none"]):
+        assert _knobs(*whole)[key] == (
+            "no_sync() on accumulation micro-steps (the gradients are whole anyway)"
+        )
+
+
 def test_translation_ddp():
     k = _knobs("fsdp.engine=ddp", "precision.param_dtype=bf16", "precision.reduce_dtype=bf16")
     assert k["precision.param_dtype"] == (
@@ -238,6 +261,17 @@ def test_low_precision_trains_under_each_engine(tmp_path, overrides):
     losses = [e["loss"] for e in read_events(tmp_path / "run" / "metrics.jsonl") if
               e["event"] == "step"]  # fmt: skip
     assert len(losses) == 8 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("kind", list(EngineKind))
+def test_fp16_loss_scaling_is_on_off_cuda(kind):
+    # Issue 10 item 9: ShardedGradScaler() defaults to cuda and disables itself on cpu/xpu/npu.
+    model = torch.nn.Linear(2, 2)
+    engine = Engine(kind=kind, model=model, inner=model, units=[], knobs=[],
+                    matrix_names=frozenset(), device_type="cpu")  # fmt: skip
+    scaler = engine.grad_scaler()
+    assert scaler.is_enabled()
+    assert scaler.scale(torch.ones(())).item() == 2.0**16
 
 
 def test_ddp_bf16_reduction_on_gloo_is_a_user_error(tmp_path):

@@ -216,6 +216,24 @@ def test_model_state_is_measured_after_a_step_the_optimizer_took(tmp_path):
         assert state["optimizer"] == 2 * state["params"] + 4 * 21
 
 
+def test_fp16_skip_backs_off_the_loss_scale_and_trains_on(tmp_path):
+    # Issue 10 items 3 and 9: the sharded grad scaler disabled itself off CUDA (no scaling at
+    # all), and a skipped step never called scaler.update(), so the next unscale_() crashed.
+    proc = run_fsdprun(
+        "train", "debug", "train.steps=5", "precision.param_dtype=fp16", "train.nonfinite=skip",
+        "checkpoint.every_steps=1", "checkpoint.keep_last=0", "output.log_every=1",
+        "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+        env=fsdprun_env(FSDPRUN_NONFINITE_AT="1:3"),
+    )  # fmt: skip
+    run = Run(proc, tmp_path / "run").check()
+    assert [e["skipped"] for e in run.steps] == [False, False, True, False, False]
+    assert all(math.isfinite(loss) for loss in run.losses[3:])
+    scalers = [c.manifest["train_state"]["grad_scaler"] for c in list_checkpoints(run.run_dir)]
+    scales = [s["scale"] for s in scalers]
+    assert scales[0] <= 2.0**16 and scales[2] == scales[1] * 0.5  # backed off at the skip
+    assert scales[4] >= scales[2] / 4  # and no more than the natural fp16 overflows since
+
+
 def test_a_rank_that_stops_answering_is_named(tmp_path):
     start = time.time()
     proc = run_fsdprun(

@@ -148,9 +148,10 @@ def test_70b_at_64_ranks_gives_the_zero_numbers_fast():
     assert model_state("ddp") == pytest.approx(16 * P_70B, rel=1e-6)
     assert model_state("hybrid") == pytest.approx(16 * P_70B / 8, rel=0.005)
     # ZeRO-2: state sharded, and the gathered bf16 copy of every unit held forward->backward
-    # (the paper's 2P + 14P/N; fsdprun's master copy is the sharded fp32 params: 2P + 16P/N).
+    # (the paper's 2P + 14P/N; fsdprun's master copy is the sharded fp32 params: 2P + 16P/N),
+    # plus FSDP2's all-gather outputs of two blocks in flight (2 x 1.7 GB).
     assert model_state("grad_op") == pytest.approx(16 * P_70B / 64, rel=0.005)
-    assert s["grad_op"]["gathered_buffers"] == 2 * P_70B
+    assert 2 * P_70B < s["grad_op"]["gathered_buffers"] < 2 * P_70B * 1.03
     assert s["ddp"]["params"] == 4 * P_70B and s["ddp"]["optimizer"] > 8 * P_70B
     for name in s:
         assert s[name]["total"] == sum(

@@ -63,6 +63,25 @@ def test_gradient_accumulation_matches_one_big_batch(world2_micro1: Run, fsdprun
     assert_same_losses(world2_micro1, micro4)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "nproc"),
+    [
+        (("fsdp.engine=fsdp1",), 2),
+        (("fsdp.sharding=hybrid", "fsdp.shard_group_size=2"), 4),
+        (("fsdp.accumulate_unsharded=true",), 2),
+    ],
+    ids=["fsdp1-reduce-scatter-every-micro-step", "fsdp2-hybrid-2x2-all-reduce-on-the-last",
+         "fsdp2-accumulate-unsharded"],
+)  # fmt: skip
+def test_accumulation_matches_one_big_batch_under_each_engine(fsdprun_runs, overrides, nproc):
+    # fp32: gradients reduce-scattered into their shards on every micro-step (the default) or
+    # kept whole until the last (the opt-in knob) give the losses of one big batch.
+    big_batch = fsdprun_runs.train(*BASE, "train.micro_batch_size=4", nproc=2).check()
+    run = fsdprun_runs.train(*BASE, "train.micro_batch_size=1", *overrides, nproc=nproc).check()
+    assert run.start["grad_accum_steps"] == 8 // nproc
+    assert_same_losses(run, big_batch)
+
+
 def test_fsdp_knobs_keep_the_math(world2_micro1: Run, fsdprun_runs):
     knobs = fsdprun_runs.train(
         *BASE, "train.micro_batch_size=1", "activation_checkpointing.mode=full",
