@@ -549,6 +549,8 @@ def _build_fsdp1(
         for name, param in list(module.named_parameters(recurse=False)):
             full_name = f"{prefix}.{name}" if prefix else name
             first = ties.get(full_name, full_name)
+            if weights is not None and first != full_name:
+                weights.full(full_name)  # a tied HF folder: refused in one line (untested here)
             if first in materialized:
                 setattr(module, name, materialized[first])
                 continue

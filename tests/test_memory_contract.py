@@ -92,6 +92,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
 
     from fsdprun.config import load_recipe
     from fsdprun.data import BatchLayout, build_datasets
+    from fsdprun.data.prefetch import BatchLoader
     from fsdprun.device import Device
     from fsdprun.engine import build_engine
     from fsdprun.models import build_model
@@ -194,8 +195,11 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
 
     # Before FSDP's own pre-forward: the second micro-step has not gathered anything yet.
     engine.model.register_forward_pre_hook(between_micro_steps, prepend=True)
+    batches = BatchLoader(data, layout, 0, device.torch_device, steps=1)  # as the worker
     with mode:
-        _forward_backward(engine, optimizer, None, data, layout, 0, 0, device, cfg, poison=False)
+        _forward_backward(
+            engine, optimizer, None, batches, layout, 0, 0, device, cfg, poison=False
+        )
         measured["grads"] = grads()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
