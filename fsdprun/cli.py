@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import json
 import os
 import sys
@@ -59,17 +60,24 @@ def _fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+_ELASTIC_API = "torch.distributed.elastic.multiprocessing.api"
+
+
+def _loaded(module: str, name: str) -> tuple[type, ...]:
+    """`module.name` if `module` is already imported, else nothing to catch: only a command that
+    imported the launcher (and torch) can raise its exceptions, and importing them just to catch
+    them would cost `fsdprun config` a second and a half of torch. (An except clause evaluates
+    its expression only when an exception reaches it.)"""
+    mod = sys.modules.get(module)
+    return (getattr(mod, name),) if mod is not None else ()
+
+
 def guarded(fn):
     """Turn UserError into one line + exit 2, a StorageError (a write the machine refused) or a
     failed worker into one line + exit 1."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        # These import torch.distributed: only when a command runs.
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
-        from fsdprun.launch import Stopped, WorkerFailed
-
         try:
             return fn(*args, **kwargs)
         except UserError as e:
@@ -80,14 +88,14 @@ def guarded(fn):
             if os.environ.get("FSDPRUN_DEBUG"):
                 raise
             raise _fail(str(e), 1) from None
-        except WorkerFailed as e:
+        except _loaded("fsdprun.launch", "WorkerFailed") as e:
             if os.environ.get("FSDPRUN_DEBUG"):
                 raise
             raise _fail(str(e), 2 if e.user_error else 1) from None
-        except Stopped as e:
+        except _loaded("fsdprun.launch", "Stopped") as e:
             err_console.print(str(e))
             raise typer.Exit(e.exit_code) from None
-        except (SignalException, KeyboardInterrupt) as e:
+        except (*_loaded(_ELASTIC_API, "SignalException"), KeyboardInterrupt) as e:
             raise _fail(f"aborted ({e})", 130) from None
 
     return wrapper
@@ -113,9 +121,12 @@ def _launch_overrides(
 
 def _version(value: bool) -> None:
     if value:
-        import torch
-
-        print(f"fsdprun {__version__} (torch {torch.__version__})")
+        # From the package metadata: importing torch for its version string takes seconds.
+        try:
+            torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            torch_version = "not installed"
+        print(f"fsdprun {__version__} (torch {torch_version})")
         raise typer.Exit()
 
 
@@ -251,6 +262,7 @@ def recipes() -> None:
 
 
 @app.command()
+@guarded
 def status(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
     json_: Annotated[
@@ -259,15 +271,9 @@ def status(
 ) -> None:
     """Whether a run is running (who holds its lock: host, pid, since when) and its last logged
     step, from the run directory's files alone."""
-    # Not `guarded`: that imports torch, and status must answer at once.
     from fsdprun.status import render_status, run_status
 
-    try:
-        doc = run_status(run_dir)
-    except UserError as e:
-        if os.environ.get("FSDPRUN_DEBUG"):
-            raise
-        raise _fail(str(e), 2) from None
+    doc = run_status(run_dir)
     sys.stdout.write(json.dumps(doc, indent=1) + "\n" if json_ else render_status(doc))
 
 
