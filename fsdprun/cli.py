@@ -31,11 +31,20 @@ from fsdprun.errors import StorageError, UserError
 
 CPP_LOG_MARK = "_FSDPRUN_QUIET_CPP_LOG"
 
+def _dashes(token: str) -> str:
+    return token.replace("_", "-")
+
+
 app = typer.Typer(
-    help="Train LLMs with PyTorch FSDP from layered YAML recipes.",
+    help="Train LLMs with PyTorch FSDP from layered YAML recipes.\n\nOptions also take "
+    "torchrun's spellings (--nproc_per_node, --node_rank, --rdzv_endpoint, --max_restarts).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # torchrun's spellings work too (--nproc_per_node for --nproc-per-node, ...), as in torchrun
+    # itself: a torchrun user's fingers should just work. Normalizing the option names keeps one
+    # name per option in the help, which stays readable at 80 columns.
+    context_settings={"token_normalize_func": _dashes},
 )
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -50,6 +59,22 @@ NnodesOpt = Annotated[int | None, typer.Option("--nnodes", help="Number of nodes
 NodeRankOpt = Annotated[int | None, typer.Option("--node-rank", help="This node's rank.")]
 EndpointOpt = Annotated[
     str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (node 0).")
+]
+MaxRestartsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-restarts",
+        help="Restart the workers this many times after a failure, resuming from the newest "
+        "complete checkpoint (launch.max_restarts).",
+    ),
+]
+StandaloneOpt = Annotated[
+    bool,
+    typer.Option(
+        "--standalone",
+        help="One node with a local rendezvous on a free port, whatever the recipe says "
+        "(launch.nnodes=1, no rdzv_endpoint), as torchrun --standalone.",
+    ),
 ]
 
 
@@ -107,13 +132,36 @@ def _launch_overrides(
     node_rank: int | None,
     rdzv_endpoint: str | None,
     run_dir: Path | None = None,
+    *,
+    max_restarts: int | None = None,
+    standalone: bool = False,
 ) -> list[str]:
-    """Launch flags as overrides applied after the recipe's own (flags win)."""
+    """Launch flags as overrides applied after the recipe's own (flags win).
+
+    Raises:
+        UserError: --standalone with flags for several nodes.
+    """
+    if standalone:
+        clash = [
+            flag for flag, given in (
+                (f"--nnodes {nnodes}", nnodes not in (None, 1)),
+                (f"--node-rank {node_rank}", node_rank not in (None, 0)),
+                (f"--rdzv-endpoint {rdzv_endpoint}", rdzv_endpoint is not None),
+            ) if given
+        ]  # fmt: skip
+        if clash:
+            raise UserError(
+                f"--standalone is one node with a local rendezvous and cannot go with "
+                f"{', '.join(clash)}: drop --standalone for a multi-node run, or drop "
+                f"{' and '.join(f.split()[0] for f in clash)}"
+            )
+        nnodes, node_rank, rdzv_endpoint = 1, 0, ""
     pairs = {
         "launch.nproc_per_node": nproc_per_node,
         "launch.nnodes": nnodes,
         "launch.node_rank": node_rank,
         "launch.rdzv_endpoint": rdzv_endpoint,
+        "launch.max_restarts": max_restarts,
         "output.run_dir": run_dir,
     }
     return [f"{k}={v}" for k, v in pairs.items() if v is not None]
@@ -148,12 +196,17 @@ def train(
     nnodes: NnodesOpt = None,
     node_rank: NodeRankOpt = None,
     rdzv_endpoint: EndpointOpt = None,
+    max_restarts: MaxRestartsOpt = None,
+    standalone: StandaloneOpt = False,
     run_dir: Annotated[
         Path | None, typer.Option("--run-dir", help="Run directory (default runs/<recipe>-<time>).")
     ] = None,
 ) -> None:
     """Train a recipe: launch the workers, print throughput and memory tables."""
-    extra = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint, run_dir)
+    extra = _launch_overrides(
+        nproc_per_node, nnodes, node_rank, rdzv_endpoint, run_dir,
+        max_restarts=max_restarts, standalone=standalone,
+    )  # fmt: skip
     all_overrides = [*(overrides or []), *extra]
     from fsdprun.slurm import srun_env
 
@@ -191,6 +244,8 @@ def resume(
     nnodes: NnodesOpt = None,
     node_rank: NodeRankOpt = None,
     rdzv_endpoint: EndpointOpt = None,
+    max_restarts: MaxRestartsOpt = None,
+    standalone: StandaloneOpt = False,
 ) -> None:
     """Continue a run from its newest complete checkpoint (any world size)."""
     from fsdprun.runlock import hold_run_dir
@@ -205,7 +260,10 @@ def resume(
             "themselves)"
         )
 
-    extra = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    extra = _launch_overrides(
+        nproc_per_node, nnodes, node_rank, rdzv_endpoint,
+        max_restarts=max_restarts, standalone=standalone,
+    )  # fmt: skip
     # Locked before choosing the checkpoint: a run still writing would make the choice stale.
     # Only a run directory gets a lock file (plan_resume refuses anything else).
     with (
