@@ -546,7 +546,7 @@ def compare_cmd(
 ) -> None:
     """Run a recipe under several engines/shardings (same seed and data) and compare them side
     by side: tokens/s, step time, peak memory, model state per rank, final loss."""
-    from fsdprun.compare import cells, compare, markdown, parse_configs
+    from fsdprun.compare import compare, markdown, parse_configs, render
     from fsdprun.launch import default_run_dir
 
     chosen = parse_configs(configs)
@@ -570,16 +570,7 @@ def compare_cmd(
     elif markdown_:
         sys.stdout.write(markdown(report))
     else:
-        from rich.table import Table
-
-        header, rows = cells(report)
-        table = Table(title=f"fsdprun compare {name} (world size {report['world_size']}, "
-                      f"{report['steps']} steps)")  # fmt: skip
-        for i, col in enumerate(header):
-            table.add_column(col, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        Console(highlight=False).print(table)
+        render(report, name, Console(highlight=False))
     if any(not r["ok"] for r in report["results"]):
         raise typer.Exit(1)
 
