@@ -50,6 +50,7 @@ def test_read_only_commands_never_import_torch(tmp_path):
     # (command, exit code)
     commands = [
         (["--help"], 0),
+        (["train", "--help"], 0),
         (["--version"], 0),
         (["recipes"], 0),
         (["config", "debug"], 0),
