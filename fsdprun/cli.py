@@ -31,6 +31,7 @@ from fsdprun.errors import StorageError, UserError
 
 CPP_LOG_MARK = "_FSDPRUN_QUIET_CPP_LOG"
 
+
 def _dashes(token: str) -> str:
     return token.replace("_", "-")
 

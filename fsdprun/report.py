@@ -50,19 +50,18 @@ class Cell:
     folds after its dots, a number keeps its unit, so the names take the squeeze whole.
     """
 
-    def __init__(self, pieces: list[str | Text], style: str = ""):
+    def __init__(self, pieces: list[str | Text]):
         self.pieces = [Text(p) if isinstance(p, str) else p for p in pieces if p]
-        self.style = style
 
     @classmethod
-    def whole(cls, text: str, style: str = "") -> Cell:
+    def whole(cls, text: str) -> Cell:
         """Never broken (a number with its unit, a shape)."""
-        return cls([text], style)
+        return cls([text])
 
     @classmethod
-    def parts(cls, text: str, after: str = ".", style: str = "") -> Cell:
+    def parts(cls, text: str, after: str = ".") -> Cell:
         """Broken after any character of `after` (a tensor key, a module path) or at a space."""
-        return cls(re.split(rf"(?<=[{re.escape(after)}])|(?= )", text), style)
+        return cls(re.split(rf"(?<=[{re.escape(after)}])|(?= )", text))
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         widest = max((cell_len(p.plain.strip()) for p in self.pieces), default=0)
@@ -78,7 +77,7 @@ class Cell:
             else:
                 lines[-1].append_text(piece)
         # A piece wider than the whole column (none is, unless the table cannot fit) folds.
-        text = Text("\n", style=self.style, overflow="fold").join(lines)
+        text = Text("\n").join(lines)
         text.overflow = "fold"
         yield text
 
