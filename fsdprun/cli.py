@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import json
 import os
 import sys
@@ -30,11 +31,21 @@ from fsdprun.errors import StorageError, UserError
 
 CPP_LOG_MARK = "_FSDPRUN_QUIET_CPP_LOG"
 
+
+def _dashes(token: str) -> str:
+    return token.replace("_", "-")
+
+
 app = typer.Typer(
-    help="Train LLMs with PyTorch FSDP from layered YAML recipes.",
+    help="Train LLMs with PyTorch FSDP from layered YAML recipes.\n\nOptions also take "
+    "torchrun's spellings (--nproc_per_node, --node_rank, --rdzv_endpoint, --max_restarts).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # torchrun's spellings work too (--nproc_per_node for --nproc-per-node, ...), as in torchrun
+    # itself: a torchrun user's fingers should just work. Normalizing the option names keeps one
+    # name per option in the help, which stays readable at 80 columns.
+    context_settings={"token_normalize_func": _dashes},
 )
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -50,6 +61,22 @@ NodeRankOpt = Annotated[int | None, typer.Option("--node-rank", help="This node'
 EndpointOpt = Annotated[
     str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (node 0).")
 ]
+MaxRestartsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-restarts",
+        help="Restart the workers this many times after a failure, resuming from the newest "
+        "complete checkpoint (launch.max_restarts).",
+    ),
+]
+StandaloneOpt = Annotated[
+    bool,
+    typer.Option(
+        "--standalone",
+        help="One node with a local rendezvous on a free port, whatever the recipe says "
+        "(launch.nnodes=1, no rdzv_endpoint), as torchrun --standalone.",
+    ),
+]
 
 
 def _fail(message: str, code: int) -> typer.Exit:
@@ -59,17 +86,24 @@ def _fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+_ELASTIC_API = "torch.distributed.elastic.multiprocessing.api"
+
+
+def _loaded(module: str, name: str) -> tuple[type, ...]:
+    """`module.name` if `module` is already imported, else nothing to catch: only a command that
+    imported the launcher (and torch) can raise its exceptions, and importing them just to catch
+    them would cost `fsdprun config` a second and a half of torch. (An except clause evaluates
+    its expression only when an exception reaches it.)"""
+    mod = sys.modules.get(module)
+    return (getattr(mod, name),) if mod is not None else ()
+
+
 def guarded(fn):
     """Turn UserError into one line + exit 2, a StorageError (a write the machine refused) or a
     failed worker into one line + exit 1."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        # These import torch.distributed: only when a command runs.
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
-        from fsdprun.launch import Stopped, WorkerFailed
-
         try:
             return fn(*args, **kwargs)
         except UserError as e:
@@ -80,14 +114,14 @@ def guarded(fn):
             if os.environ.get("FSDPRUN_DEBUG"):
                 raise
             raise _fail(str(e), 1) from None
-        except WorkerFailed as e:
+        except _loaded("fsdprun.launch", "WorkerFailed") as e:
             if os.environ.get("FSDPRUN_DEBUG"):
                 raise
             raise _fail(str(e), 2 if e.user_error else 1) from None
-        except Stopped as e:
+        except _loaded("fsdprun.launch", "Stopped") as e:
             err_console.print(str(e))
             raise typer.Exit(e.exit_code) from None
-        except (SignalException, KeyboardInterrupt) as e:
+        except (*_loaded(_ELASTIC_API, "SignalException"), KeyboardInterrupt) as e:
             raise _fail(f"aborted ({e})", 130) from None
 
     return wrapper
@@ -99,13 +133,36 @@ def _launch_overrides(
     node_rank: int | None,
     rdzv_endpoint: str | None,
     run_dir: Path | None = None,
+    *,
+    max_restarts: int | None = None,
+    standalone: bool = False,
 ) -> list[str]:
-    """Launch flags as overrides applied after the recipe's own (flags win)."""
+    """Launch flags as overrides applied after the recipe's own (flags win).
+
+    Raises:
+        UserError: --standalone with flags for several nodes.
+    """
+    if standalone:
+        clash = [
+            flag for flag, given in (
+                (f"--nnodes {nnodes}", nnodes not in (None, 1)),
+                (f"--node-rank {node_rank}", node_rank not in (None, 0)),
+                (f"--rdzv-endpoint {rdzv_endpoint}", rdzv_endpoint is not None),
+            ) if given
+        ]  # fmt: skip
+        if clash:
+            raise UserError(
+                f"--standalone is one node with a local rendezvous and cannot go with "
+                f"{', '.join(clash)}: drop --standalone for a multi-node run, or drop "
+                f"{' and '.join(f.split()[0] for f in clash)}"
+            )
+        nnodes, node_rank, rdzv_endpoint = 1, 0, ""
     pairs = {
         "launch.nproc_per_node": nproc_per_node,
         "launch.nnodes": nnodes,
         "launch.node_rank": node_rank,
         "launch.rdzv_endpoint": rdzv_endpoint,
+        "launch.max_restarts": max_restarts,
         "output.run_dir": run_dir,
     }
     return [f"{k}={v}" for k, v in pairs.items() if v is not None]
@@ -113,9 +170,12 @@ def _launch_overrides(
 
 def _version(value: bool) -> None:
     if value:
-        import torch
-
-        print(f"fsdprun {__version__} (torch {torch.__version__})")
+        # From the package metadata: importing torch for its version string takes seconds.
+        try:
+            torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            torch_version = "not installed"
+        print(f"fsdprun {__version__} (torch {torch_version})")
         raise typer.Exit()
 
 
@@ -137,12 +197,17 @@ def train(
     nnodes: NnodesOpt = None,
     node_rank: NodeRankOpt = None,
     rdzv_endpoint: EndpointOpt = None,
+    max_restarts: MaxRestartsOpt = None,
+    standalone: StandaloneOpt = False,
     run_dir: Annotated[
         Path | None, typer.Option("--run-dir", help="Run directory (default runs/<recipe>-<time>).")
     ] = None,
 ) -> None:
     """Train a recipe: launch the workers, print throughput and memory tables."""
-    extra = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint, run_dir)
+    extra = _launch_overrides(
+        nproc_per_node, nnodes, node_rank, rdzv_endpoint, run_dir,
+        max_restarts=max_restarts, standalone=standalone,
+    )  # fmt: skip
     all_overrides = [*(overrides or []), *extra]
     from fsdprun.slurm import srun_env
 
@@ -180,6 +245,8 @@ def resume(
     nnodes: NnodesOpt = None,
     node_rank: NodeRankOpt = None,
     rdzv_endpoint: EndpointOpt = None,
+    max_restarts: MaxRestartsOpt = None,
+    standalone: StandaloneOpt = False,
 ) -> None:
     """Continue a run from its newest complete checkpoint (any world size)."""
     from fsdprun.runlock import hold_run_dir
@@ -194,7 +261,10 @@ def resume(
             "themselves)"
         )
 
-    extra = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    extra = _launch_overrides(
+        nproc_per_node, nnodes, node_rank, rdzv_endpoint,
+        max_restarts=max_restarts, standalone=standalone,
+    )  # fmt: skip
     # Locked before choosing the checkpoint: a run still writing would make the choice stale.
     # Only a run directory gets a lock file (plan_resume refuses anything else).
     with (
@@ -251,6 +321,7 @@ def recipes() -> None:
 
 
 @app.command()
+@guarded
 def status(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
     json_: Annotated[
@@ -259,15 +330,9 @@ def status(
 ) -> None:
     """Whether a run is running (who holds its lock: host, pid, since when) and its last logged
     step, from the run directory's files alone."""
-    # Not `guarded`: that imports torch, and status must answer at once.
     from fsdprun.status import render_status, run_status
 
-    try:
-        doc = run_status(run_dir)
-    except UserError as e:
-        if os.environ.get("FSDPRUN_DEBUG"):
-            raise
-        raise _fail(str(e), 2) from None
+    doc = run_status(run_dir)
     sys.stdout.write(json.dumps(doc, indent=1) + "\n" if json_ else render_status(doc))
 
 
@@ -482,7 +547,7 @@ def compare_cmd(
 ) -> None:
     """Run a recipe under several engines/shardings (same seed and data) and compare them side
     by side: tokens/s, step time, peak memory, model state per rank, final loss."""
-    from fsdprun.compare import cells, compare, markdown, parse_configs
+    from fsdprun.compare import compare, markdown, parse_configs, render
     from fsdprun.launch import default_run_dir
 
     chosen = parse_configs(configs)
@@ -506,16 +571,7 @@ def compare_cmd(
     elif markdown_:
         sys.stdout.write(markdown(report))
     else:
-        from rich.table import Table
-
-        header, rows = cells(report)
-        table = Table(title=f"fsdprun compare {name} (world size {report['world_size']}, "
-                      f"{report['steps']} steps)")  # fmt: skip
-        for i, col in enumerate(header):
-            table.add_column(col, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        Console(highlight=False).print(table)
+        render(report, name, Console(highlight=False))
     if any(not r["ok"] for r in report["results"]):
         raise typer.Exit(1)
 

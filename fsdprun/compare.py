@@ -12,17 +12,21 @@ still run. Figures come from each run's metrics.jsonl summary.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import Engine, Sharding, load_recipe
 from fsdprun.errors import UserError
 from fsdprun.metrics import read_events
 from fsdprun.runlock import LOCK_FILE, hold_run_dir
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,27 @@ def cells(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     if any(not r["ok"] for r in results):
         rows.append(["error", *("" if r["ok"] else r["error"] for r in results)])
     return header, rows
+
+
+def render(report: dict[str, Any], name: str, console: Console) -> None:
+    """The side-by-side table. A configuration's label folds after its colon and a value keeps
+    its number whole (its ratio may go to the next line), so three configurations fit 80
+    columns."""
+    from rich.table import Table
+
+    from fsdprun.report import Cell
+
+    header, rows = cells(report)
+    table = Table(title=f"fsdprun compare {name} (world size {report['world_size']}, "
+                  f"{report['steps']} steps)")  # fmt: skip
+    for i, col in enumerate(header):
+        table.add_column(Cell.parts(col, after=":"), justify="left" if i == 0 else "right")
+    for row in rows:
+        if row[0] == "error":
+            table.add_row(*row)  # messages wrap at their spaces
+        else:
+            table.add_row(row[0], *(Cell(re.split(r"(?= \()", v)) for v in row[1:]))
+    console.print(table)
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import glob
 import importlib.util
 import math
 import re
@@ -1173,10 +1174,22 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     return errors
 
 
+# Device nodes that accelerator drivers create: NVIDIA, WSL2's GPU bridge, AMD ROCm, Intel and
+# other DRM GPUs, Ascend NPUs. Without any of them no torch build sees an accelerator.
+_ACCELERATOR_NODES = ("/dev/nvidia*", "/dev/dxg", "/dev/kfd", "/dev/dri/renderD*", "/dev/davinci*")
+
+
+def accelerator_device_nodes() -> list[str]:
+    """The accelerator device nodes of this machine (empty: CPU only, known without torch)."""
+    return sorted(p for pattern in _ACCELERATOR_NODES for p in glob.glob(pattern))
+
+
 def _runs_on_cpu(device: DeviceKind) -> bool:
     """Whether launch.device means CPU ranks on this machine (`auto` without an accelerator)."""
     if device is DeviceKind.auto:
-        from fsdprun.device import resolve_device_kind  # imports torch: only when needed
+        if not accelerator_device_nodes():
+            return True  # `fsdprun config` stays torch-free on CPU machines
+        from fsdprun.device import resolve_device_kind  # imports torch (~1.5 s): only here
 
         return resolve_device_kind(device.value) == "cpu"
     return device is DeviceKind.cpu

@@ -19,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -31,7 +32,7 @@ from fsdprun.checkpoint import (
     verify_checkpoint,
 )
 from fsdprun.errors import UserError
-from fsdprun.report import fmt_bytes, fmt_count
+from fsdprun.report import Cell, fmt_bytes, fmt_count
 
 GROUPS = (("model", "model."), ("optimizer", "optim."))  # every other key is in "other"
 GROUP_NAMES = (*(name for name, _ in GROUPS), "other")
@@ -328,8 +329,10 @@ def _render_run(doc: dict[str, Any], console: Console) -> None:
         table.add_column(name, justify=justify)  # fmt: skip
     for c in doc["checkpoints"]:
         status = "[green]complete[/]" if c["complete"] else f"[red]incomplete:[/] {c['reason']}"
+        # The time may go under the date (ISO's `T` as a space): 80 columns hold the table.
+        saved_at = (c["saved_at"] or "-").replace("T", " ", 1)
         table.add_row(
-            str(c["step"]), c["name"], status, c["saved_at"] or "-",
+            str(c["step"]), c["name"], status, saved_at,
             str(c["world_size"] or "-"), fmt_bytes(c["bytes_on_disk"]),
         )  # fmt: skip
     console.print(table)
@@ -344,7 +347,9 @@ def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
     info = Table.grid(padding=(0, 2))
     info.add_column(style="bold")
     info.add_column()
-    info.add_row("checkpoint", f"{doc['path']}  [green]complete[/]")
+    # A long path folds after a `/`.
+    path = Cell.parts(f"{doc['path']}", after="/")
+    info.add_row("checkpoint", Cell([*path.pieces, "  ", Text("complete", style="green")]))
     info.add_row(
         "saved",
         f"step {doc['step']} on {doc['world_size']} ranks at {doc['saved_at']} "
@@ -384,14 +389,15 @@ def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
     pattern = doc["tensor_filter"]
     title = f"Tensors matching {pattern!r}" if pattern else "Tensors"
     table = Table(title=f"{title} ({len(doc['tensors'])} of {total})", title_justify="left")
-    table.add_column("name", overflow="fold")
+    table.add_column("name")
     table.add_column("shape")
     table.add_column("dtype")
     table.add_column("bytes", justify="right")
     table.add_column("shards", justify="right")
     for t in doc["tensors"]:
-        table.add_row(t["name"], _shape(t["shape"]), t["dtype"], fmt_bytes(t["bytes"]),
-                      str(t["shards"]))  # fmt: skip
+        # Names fold after their dots, never mid-word; the other columns stay whole.
+        table.add_row(Cell.parts(t["name"]), Cell.whole(_shape(t["shape"])), t["dtype"],
+                      Cell.whole(fmt_bytes(t["bytes"])), str(t["shards"]))  # fmt: skip
     console.print(table)
 
 
@@ -403,16 +409,20 @@ def _render_diff(diff: dict[str, Any], console: Console) -> None:
         return
     table = Table(title=f"Differences with {diff['other']}", title_justify="left")
     table.add_column("change")
-    table.add_column("name", overflow="fold")
+    table.add_column("name")
     table.add_column("this checkpoint")
     table.add_column("other")
     for e in diff["removed"]:
-        table.add_row("[red]removed[/]", e["name"], f"{_shape(e['shape'])} {e['dtype']}", "-")
+        table.add_row(
+            "[red]removed[/]", Cell.parts(e["name"]), f"{_shape(e['shape'])} {e['dtype']}", "-"
+        )
     for e in diff["added"]:
-        table.add_row("[green]added[/]", e["name"], "-", f"{_shape(e['shape'])} {e['dtype']}")
+        table.add_row(
+            "[green]added[/]", Cell.parts(e["name"]), "-", f"{_shape(e['shape'])} {e['dtype']}"
+        )
     for e in diff["changed"]:
         table.add_row(
-            "[yellow]changed[/]", e["name"],
+            "[yellow]changed[/]", Cell.parts(e["name"]),
             f"{_shape(e['from']['shape'])} {e['from']['dtype']}",
             f"{_shape(e['to']['shape'])} {e['to']['dtype']}",
         )  # fmt: skip

@@ -7,14 +7,18 @@ torchrun/srun feeds its own events on rank 0.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from fsdprun.metrics import read_events
 
@@ -35,6 +39,47 @@ def fmt_count(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f}{unit}"
     return f"{n:.0f}"
+
+
+class Cell:
+    """Table text that wraps only between its pieces, never inside one.
+
+    Tables must stay readable in an 80-column terminal. Plain strings in a rich table wrap at
+    spaces and, when a column gets narrow, cut words anywhere (`feed_forward.w1.weigh` / `t`)
+    and headers to `gather…`. A `Cell` tells the table how narrow it may get: a dotted name
+    folds after its dots, a number keeps its unit, so the names take the squeeze whole.
+    """
+
+    def __init__(self, pieces: list[str | Text]):
+        self.pieces = [Text(p) if isinstance(p, str) else p for p in pieces if p]
+
+    @classmethod
+    def whole(cls, text: str) -> Cell:
+        """Never broken (a number with its unit, a shape)."""
+        return cls([text])
+
+    @classmethod
+    def parts(cls, text: str, after: str = ".") -> Cell:
+        """Broken after any character of `after` (a tensor key, a module path) or at a space."""
+        return cls(re.split(rf"(?<=[{re.escape(after)}])|(?= )", text))
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        widest = max((cell_len(p.plain.strip()) for p in self.pieces), default=0)
+        return Measurement(widest, sum(p.cell_len for p in self.pieces))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        lines = [Text()]
+        for piece in self.pieces:
+            if lines[-1] and lines[-1].cell_len + piece.cell_len > options.max_width:
+                piece = piece.copy()
+                piece.plain = piece.plain.lstrip()
+                lines.append(piece)
+            else:
+                lines[-1].append_text(piece)
+        # A piece wider than the whole column (none is, unless the table cannot fit) folds.
+        text = Text("\n").join(lines)
+        text.overflow = "fold"
+        yield text
 
 
 class Reporter:
@@ -202,10 +247,9 @@ class Reporter:
                 if gpu
                 else [fmt_bytes(r["peak_rss_bytes"])]
             )
-            mem.add_row(
-                str(r["rank"]), *peaks, fmt_bytes(ms["params"]), fmt_bytes(ms["grads"]),
-                fmt_bytes(ms["optimizer"]), fmt_bytes(ms["total"]),
-            )  # fmt: skip
+            values = [*peaks, *(fmt_bytes(ms[k]) for k in ("params", "grads", "optimizer"))]
+            values.append(fmt_bytes(ms["total"]))
+            mem.add_row(str(r["rank"]), *map(Cell.whole, values))
         self.console.print(mem)
         if e.get("checkpoints"):
             ck = Table(title="Checkpoints", title_justify="left")
@@ -214,8 +258,9 @@ class Reporter:
             for c in e["checkpoints"]:
                 rate = c["bytes"] / c["total_s"] / 1e9 if c["total_s"] > 0 else 0.0
                 ck.add_row(
-                    str(c["step"]), "async" if c["async_save"] else "sync", fmt_bytes(c["bytes"]),
-                    f"{c['blocked_s']:.3f} s", f"{c['total_s']:.3f} s", f"{rate:.2f} GB/s",
+                    str(c["step"]), "async" if c["async_save"] else "sync",
+                    *map(Cell.whole, (fmt_bytes(c["bytes"]), f"{c['blocked_s']:.3f} s",
+                                      f"{c['total_s']:.3f} s", f"{rate:.2f} GB/s")),
                 )  # fmt: skip
             self.console.print(ck)
         if not gpu:
@@ -286,8 +331,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         title_justify="left",
     )
     for col in ("unit", "params", "gathered", "shard", "reshard", "fwd pf", "bwd pf"):
-        # Unit paths are never wrapped: the number columns give way first.
-        units.add_column(col, justify="left" if col == "unit" else "right", no_wrap=col == "unit")
+        units.add_column(col, justify="left" if col == "unit" else "right")
     # Identical consecutive units (the blocks) share one row: a 70B plan stays readable.
     rows: list[tuple[list[str], tuple]] = []
     for u in plan["units"]:
@@ -310,10 +354,13 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
             )
             span = f"{head}.{first}..{last}" if head == last_head else f"{paths[0]} .. {paths[-1]}"
             name = f"{span} (x{len(paths)})"
+        # Unit paths fold after their dots; the numbers stay whole.
         units.add_row(
-            name, fmt_count(u["num_params"]), fmt_bytes(u["unsharded_bytes"]),
-            fmt_bytes(u["shard_bytes"]), "yes" if u["reshard_after_forward"] else "no",
-            _prefetch_text(u["forward_prefetch"]), _prefetch_text(u["backward_prefetch"]),
+            Cell.parts(name), *map(Cell.whole, (
+                fmt_count(u["num_params"]), fmt_bytes(u["unsharded_bytes"]),
+                fmt_bytes(u["shard_bytes"]), "yes" if u["reshard_after_forward"] else "no",
+                _prefetch_text(u["forward_prefetch"]), _prefetch_text(u["backward_prefetch"]),
+            )),
         )  # fmt: skip
     c.print(units)
     c.print(f"{plan['engine']} knobs:")
@@ -334,7 +381,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     )  # fmt: skip
     for label, key in components:
         fmt = str if key == "shard_group" else fmt_bytes
-        mem.add_row(label, *(fmt(s[key]) for s in strategies.values()))
+        mem.add_row(label, *(Cell.whole(fmt(s[key])) for s in strategies.values()))
     if plan["device_memory_bytes"] is not None:
         mem.add_row("fits", *("yes" if s["fits"] else "no" for s in strategies.values()))
     c.print(mem)

@@ -1,18 +1,33 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install fsdprun with its dev tools and the hf extra (transformers,
 # for the HuggingFace-model tests; ~15 s more). Idempotent and quick when nothing changed.
-# Without an NVIDIA driver the CPU build of torch 2.13.0 is pinned; with one, pip keeps a torch
-# already in the venv or picks a CUDA build in the supported range.
+#
+# Which torch: without an NVIDIA driver the version is pinned to 2.13.0
+# (scripts/constraints-cpu.txt); with one, pip keeps a torch already in the venv or picks one in
+# the supported range. The *build* comes from pip's index: on Linux, PyPI serves only CUDA builds
+# (torch plus ~15 nvidia-* wheels, several GB), even on a machine without a GPU. For the CPU
+# build, give PyTorch's CPU index; torch (and its dependencies) then come from there:
+#   FSDPRUN_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
+index=${FSDPRUN_TORCH_INDEX_URL:-}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 stamp=.venv/.fsdprun-setup
-want=$(cat pyproject.toml scripts/constraints-cpu.txt | sha256sum | cut -c1-16)
+want=$( (cat pyproject.toml scripts/constraints-cpu.txt scripts/setup.sh; echo "$index") |
+  sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   constraints=()
   command -v nvidia-smi >/dev/null 2>&1 || constraints=(-c scripts/constraints-cpu.txt)
   .venv/bin/python -m pip install -q --upgrade pip
+  if [ -n "$index" ]; then
+    # torch first, from that index alone; the install below keeps it (it satisfies the range).
+    torch_req=$(grep -o '"torch[<>=!~][^"]*"' pyproject.toml | head -1 | tr -d '"')
+    .venv/bin/python -m pip install -q "${constraints[@]}" --index-url "$index" "$torch_req"
+  else
+    echo "setup: torch comes from pip's configured index (set FSDPRUN_TORCH_INDEX_URL to choose" \
+      "one, e.g. https://download.pytorch.org/whl/cpu for the CPU build)" >&2
+  fi
   .venv/bin/python -m pip install -q "${constraints[@]}" -e ".[dev,hf]"
   echo "$want" > "$stamp"
 fi

@@ -107,3 +107,36 @@ def flatten(d: dict, prefix: str = "") -> dict:
 @pytest.fixture(scope="session")
 def fsdprun_runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("runs"))
+
+
+def read_tables(text: str, key: int = 0) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """The rich tables (default box) in rendered `text`, by title: header and rows, each cell's
+    wrapped lines joined back (directly after a `.` or `:`, else with one space), so a cell
+    broken mid-word reads back wrong. A body line starts a new row when its column `key` is not
+    empty (pick a column that never wraps)."""
+    lines = text.splitlines()
+    tables = {}
+    for i, line in enumerate(lines):
+        if not line.startswith("┏"):
+            continue
+        title = lines[i - 1].strip()
+        end_head = next(j for j in range(i, len(lines)) if lines[j].startswith("┡"))
+        end = next(j for j in range(end_head, len(lines)) if lines[j].startswith("└"))
+        head = [[c.strip() for c in ln.split("┃")[1:-1]] for ln in lines[i + 1 : end_head]]
+        body = [[c.strip() for c in ln.split("│")[1:-1]] for ln in lines[end_head + 1 : end]]
+        header = _join_rows(head, new_row=lambda cells: False)[0]
+        tables[title] = (header, _join_rows(body, new_row=lambda cells: bool(cells[key])))
+    return tables
+
+
+def _join_rows(lines: list[list[str]], new_row) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for cells in lines:
+        if not rows or new_row(cells):
+            rows.append(cells)
+            continue
+        for c, part in enumerate(cells):
+            if part:
+                prev = rows[-1][c]
+                rows[-1][c] = prev + part if not prev or prev[-1] in ".:" else f"{prev} {part}"
+    return rows

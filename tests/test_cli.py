@@ -182,6 +182,66 @@ def test_train_run_dir_is_taken_verbatim(launches, tmp_path, monkeypatch, name):
     assert resolved.config.output.run_dir == name
 
 
+# torchrun's spellings of the flags fsdprun shares with it, and the launch.* key each sets.
+TORCHRUN_FLAGS = [
+    ("--nproc_per_node", "--nproc-per-node", "1", "nproc_per_node", 1),
+    ("--nnodes", "--nnodes", "2", "nnodes", 2),
+    ("--node_rank", "--node-rank", "1", "node_rank", 1),
+    ("--rdzv_endpoint", "--rdzv-endpoint", "node0:29400", "rdzv_endpoint", "node0:29400"),
+    ("--max_restarts", "--max-restarts", "3", "max_restarts", 3),
+]
+
+
+def test_train_takes_torchrun_spellings_of_the_launch_flags(launches):
+    for spelling in (0, 1):
+        args = [arg for flag in TORCHRUN_FLAGS for arg in (flag[spelling], flag[2])]
+        result = runner.invoke(app, ["train", "debug", *args])
+        assert result.exit_code == 0, result.output
+    assert len(launches) == 2
+    underscored, dashed = (resolved.config.launch for resolved, _ in launches)
+    for *_, key, value in TORCHRUN_FLAGS:
+        assert getattr(underscored, key) == getattr(dashed, key) == value, key
+        assert launches[0][0].provenance[f"launch.{key}"] == CLI_SOURCE
+    # --opt=value, and the commands that take fewer launch flags
+    result = runner.invoke(app, ["config", "debug", "--nproc_per_node=1", "--explain"])
+    assert result.exit_code == 0, result.output
+    assert "nproc_per_node: 1" in result.stdout
+
+
+def test_resume_takes_max_restarts_and_standalone(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr("fsdprun.cli._resume", lambda *args, **kw: calls.append(args[2]))
+    args = ["resume", str(tmp_path), "--max_restarts", "2", "--standalone", "--nproc_per_node", "1"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert sorted(calls[0]) == [
+        "launch.max_restarts=2", "launch.nnodes=1", "launch.node_rank=0",
+        "launch.nproc_per_node=1", "launch.rdzv_endpoint=",
+    ]  # fmt: skip
+
+
+def test_standalone_is_one_node_whatever_the_recipe_says(launches):
+    multi_node = ["launch.nnodes=2", "launch.node_rank=1", "launch.rdzv_endpoint=node0:29400"]
+    result = runner.invoke(app, ["train", "debug", *multi_node, "--standalone"])
+    assert result.exit_code == 0, result.output
+    launch = launches[0][0].config.launch
+    assert (launch.nnodes, launch.node_rank, launch.rdzv_endpoint) == (1, 0, "")
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--nnodes", "2"], "--nnodes 2"),
+        (["--rdzv_endpoint", "node0:29400"], "--rdzv-endpoint node0:29400"),
+        (["--node-rank", "1", "--nnodes", "2"], "--nnodes 2, --node-rank 1"),
+    ],
+)
+def test_standalone_refuses_flags_for_several_nodes(launches, flags, named):
+    result = runner.invoke(app, ["train", "debug", "--standalone", *flags])
+    assert_one_line_error(result, "--standalone", f"cannot go with {named}:")
+    assert launches == []
+
+
 def test_train_invalid_recipe_does_not_launch(launches):
     result = runner.invoke(app, ["train", "debug", "train.steps=0"])
     assert_one_line_error(result, "train.steps must be > 0 (got 0)")

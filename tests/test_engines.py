@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fsdprun_env, run_fsdprun
+from conftest import fsdprun_env, read_tables, run_fsdprun
+from rich.console import Console
 
-from fsdprun.compare import markdown, parse_configs
+from fsdprun.compare import cells, markdown, parse_configs, render
 from fsdprun.config import Engine as EngineKind
 from fsdprun.config import load_recipe
 from fsdprun.device import resolve_device_kind
@@ -89,6 +90,18 @@ def test_run_header_prints_the_knob_translation(compared):
     assert table.splitlines()[0] == "|  | " + " | ".join(CONFIGS.split(",")) + " |"
     assert "(4.00x)" not in table.splitlines()[4]  # model state is relative to ddp: below 1x
     assert "(0.25x)" in table.splitlines()[5] or "(0.25x)" in table
+
+
+def test_compare_table_reads_whole_at_80_columns(compared):
+    report, _ = compared
+    chosen = ("ddp", "fsdp1:grad_op", "fsdp2:hybrid_zero2")  # the longest labels
+    three = {**report, "results": [r for r in report["results"] if r["label"] in chosen]}
+    console = Console(width=80, record=True)
+    render(three, "debug", console)
+    text = console.export_text()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
+    [(header, rows)] = read_tables(text, key=1).values()
+    assert (header, rows) == cells(three)
 
 
 def test_a_configuration_that_fails_shows_its_error_and_the_others_still_run(tmp_path):

@@ -3,12 +3,16 @@ the built-in recipes."""
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import os
 import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import pytest
 
 from fsdprun.config import builtin_recipes, recipe_reference
 
@@ -33,6 +37,46 @@ def test_ci_runs_the_readme_test_command():
 def test_every_builtin_recipe_is_in_the_readme():
     for name in builtin_recipes():
         assert f"| `{name}` |" in README
+
+
+def third_party_imports(package: Path) -> dict[str, set[str]]:
+    """Top-level modules imported anywhere in `package` (also inside functions) that are neither
+    the standard library nor the package itself, each with the files importing it."""
+    found: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != package.name:
+                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def normalize(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()  # PEP 503
+
+
+def test_every_third_party_import_is_a_declared_dependency():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [*project["dependencies"], *sum(project["optional-dependencies"].values(), [])]
+    declared = {normalize(re.match(r"[A-Za-z0-9._-]+", req).group(0)) for req in reqs}
+    # The import name's distribution where it is installed (yaml -> PyYAML), else the same name.
+    dists = importlib.metadata.packages_distributions()
+    imports = third_party_imports(ROOT / "fsdprun")
+    assert {"torch", "numpy", "yaml", "safetensors"} <= imports.keys()  # the scan sees them
+    undeclared = {
+        module: sorted(files)
+        for module, files in imports.items()
+        if not any(normalize(d) in declared for d in dists.get(module, [module]))
+    }
+    assert not undeclared, f"imported but not in pyproject.toml (core or an extra): {undeclared}"
 
 
 def test_wheel_ships_recipes_and_they_load_from_a_plain_install(tmp_path):

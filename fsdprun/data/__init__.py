@@ -9,15 +9,17 @@ Sources (`data.source`): `synthetic` (no files), `tokens` (pre-tokenized .bin/.n
 `files`), `text` (.txt/.jsonl tokenized at start, see `text`); token and text data become
 shuffled windows (`windows`). Validation data is built the same way from data.val_paths, or
 from the last data.val_fraction of the training windows.
+
+The modules of this package import torch inside the functions that use it: the data preflight
+(`preflight`, reached from `fsdprun config`) reads files with numpy alone, and a command that
+only checks a recipe must not wait seconds for torch to load.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from fsdprun.config import DataConfig, DataSource
 from fsdprun.data.files import inspect_token_file
@@ -25,6 +27,9 @@ from fsdprun.data.synthetic import VAL_FIRST_INDEX, SyntheticData
 from fsdprun.data.text import build_tokenizer, tokenize_to_array
 from fsdprun.data.windows import ShuffledWindows, TokenWindows, num_val_windows
 from fsdprun.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BatchLayout", "Dataset", "SyntheticData", "build_dataset", "build_datasets"]
 
@@ -122,6 +127,8 @@ def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) 
 def load_batch(
     data: Dataset, indices: range, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     tokens = torch.stack([data.sample(i) for i in indices])
     tokens = tokens.to(device, non_blocking=True)
     return tokens[:, :-1], tokens[:, 1:]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Validation samples of synthetic data: indices from here on, which training never reaches.
 VAL_FIRST_INDEX = 2**40
@@ -21,12 +24,16 @@ class SyntheticData:
     ):
         self.vocab_size, self.seq_len, self.seed, self.noise = vocab_size, seq_len, seed, noise
         self.first_index = first_index
+        import torch  # not at the top: the data preflight loads this package without torch
+
         gen = torch.Generator().manual_seed(seed)
         self.perm = torch.randperm(vocab_size, generator=gen)
         self.description = f"synthetic (noise {noise})"
 
     def sample(self, index: int) -> torch.Tensor:
         """Sample `index`: seq_len + 1 tokens (inputs are [:-1], targets [1:]), int64, CPU."""
+        import torch
+
         index += self.first_index
         gen = torch.Generator().manual_seed(self.seed * 2_654_435_761 + index + 1)
         start = int(torch.randint(self.vocab_size, (1,), generator=gen))

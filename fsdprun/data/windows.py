@@ -9,11 +9,14 @@ drawn from (seed, stream, e) alone — the same at any world size and after any 
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fsdprun.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TokenWindows:
@@ -68,12 +71,16 @@ class ShuffledWindows:
     def order(self, epoch: int) -> np.ndarray:
         """The permutation of window positions used in `epoch` (cached: one epoch at a time)."""
         if self._perm is None or self._perm[0] != epoch:
+            import torch  # not at the top: the data preflight imports this module without torch
+
             gen = torch.Generator().manual_seed(_epoch_seed(self.seed, self.stream, epoch))
             self._perm = (epoch, torch.randperm(self.num_samples, generator=gen).numpy())
         return self._perm[1]
 
     def sample(self, index: int) -> torch.Tensor:
         """Sample `index`: seq_len + 1 tokens, int64, CPU."""
+        import torch
+
         epoch, k = divmod(index, self.num_samples)
         tokens, name = self.windows.window(self.ids[int(self.order(epoch)[k])])
         out = torch.from_numpy(tokens.astype(np.int64))

@@ -1,0 +1,76 @@
+"""The commands that only read files answer at once: they never import torch.
+
+`import torch` alone takes ~1.6 s on a small machine, so `--help`, `--version`, `recipes`,
+`config` (with `--explain`, and with data files to check) and `status` must not load it, on
+success and on a user error. Each command runs in a fresh interpreter. Run with
+`pytest tests/test_cli_startup.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import fsdprun_env
+
+from fsdprun.config import accelerator_device_nodes
+
+# Runs every command in turn in one fresh interpreter through the Typer app (as the console
+# script does) and records, after each, its exit code and whether torch was loaded by then.
+PROBE = """
+import json, sys
+from typer.testing import CliRunner
+from fsdprun.cli import app
+out = []
+for args in json.loads(sys.argv[1]):
+    result = CliRunner().invoke(app, args)
+    out.append([args, result.exit_code, "torch" in sys.modules, result.output[-300:]])
+print(json.dumps(out))
+"""
+
+
+def run_probe(commands: list[list[str]], cwd) -> list:
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(commands)],
+        cwd=cwd, env=fsdprun_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_read_only_commands_never_import_torch(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    events = [
+        {"event": "start", "step": 0, "steps": 20, "world_size": 2},
+        {"event": "step", "step": 1, "loss": 5.5},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    # (command, exit code)
+    commands = [
+        (["--help"], 0),
+        (["train", "--help"], 0),
+        (["--version"], 0),
+        (["recipes"], 0),
+        (["config", "debug"], 0),
+        (["config", "debug", "--explain", "--nproc-per-node", "1"], 0),
+        # Data recipes: the preflight reads token file headers and sizes the text.
+        (["config", "tokens-demo"], 0),
+        (["config", "text-demo", "--explain"], 0),
+        (["status", str(run_dir)], 0),
+        (["status", str(run_dir), "--json"], 0),
+        # User errors answer at once too.
+        (["config", "debug", "optim.lrr=1"], 2),
+        (["config", "tokens-demo", "data.paths=[missing.bin]"], 2),
+        (["status", str(tmp_path / "nothing")], 2),
+    ]
+    if not accelerator_device_nodes():
+        # launch.device=auto resolved for this check (FSDP1 offload needs an accelerator):
+        # with no accelerator device node it is CPU without asking torch.
+        commands.append((["config", "llama-1b", "fsdp.engine=fsdp1", "fsdp.cpu_offload=true"], 2))
+    results = run_probe([args for args, _ in commands], tmp_path)
+    assert [code for _, code, _, _ in results] == [code for _, code in commands], results
+    loaded = [(args, tail) for args, _, torch_loaded, tail in results if torch_loaded]
+    # The first command listed is the one that imported it.
+    assert not loaded, loaded[0]
