@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdprun.errors import UserError
+from fsdprun.trackers import tracker_errors
 
 DEFAULT_SOURCE = "default"
 CLI_SOURCE = "command line"
@@ -460,6 +461,18 @@ class OutputConfig:
         "Peak dense TFLOP/s of one device for MFU; null = look the device up in the built-in "
         "table (MFU n/a when it is not there).",
     )
+    tensorboard: bool = _f(
+        False,
+        "Write the metrics to RUN_DIR/tensorboard/ for TensorBoard (rank 0; needs `pip install "
+        "fsdprun[tensorboard]`). A resumed run appends to it.",
+    )
+    wandb: dict[str, str] | None = _f(
+        None,
+        "Log the metrics to Weights & Biases: a mapping of `project` (fsdprun), `name` (the run "
+        "directory's name) and `mode` (`offline`: no network, RUN_DIR/wandb/, `wandb sync` "
+        "later; `online`; `disabled`); `{}` for the defaults, null = off (needs `pip install "
+        "fsdprun[wandb]`). A resumed run continues the same W&B run.",
+    )
 
 
 @dataclass
@@ -668,6 +681,13 @@ def _check_plain(key: str, value: Any, source: str) -> None:
             raise UserError(
                 f"{source}: {key}: a {type(inner).__name__} inside a {type(value).__name__} is "
                 "not a recipe value; give a plain value or a flat list"
+            )
+        # OmegaConf cannot merge a list into a mapping or back (a bare TypeError).
+        container = schema_fields()[key].type.partition("[")[0]
+        if container in ("list", "dict") and type(value).__name__ != container:
+            expected = "a list such as [a, b]" if container == "list" else "a mapping {k: v}"
+            raise UserError(
+                f"{source}: {key}: a {type(value).__name__} is not valid; give {expected}"
             )
 
 
@@ -1023,6 +1043,7 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         errors.append(f"launch.device_memory_gb must be > 0 (got {cfg.launch.device_memory_gb})")
     if cfg.output.peak_tflops is not None and cfg.output.peak_tflops <= 0:
         errors.append(f"output.peak_tflops must be > 0 (got {cfg.output.peak_tflops})")
+    errors += tracker_errors(tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb)
     return errors
 
 

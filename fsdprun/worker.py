@@ -68,6 +68,7 @@ from fsdprun.models.llama import flops_per_token, num_params
 from fsdprun.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
 from fsdprun.parallel import apply_activation_checkpointing, apply_compile, model_state_bytes
 from fsdprun.report import Reporter
+from fsdprun.trackers import close_on_failure, open_trackers
 
 RECIPE_FILE = "recipe.yaml"
 
@@ -138,6 +139,7 @@ def run(
     except BaseException as e:
         # On failure the process group is not destroyed: peers may be gone or stuck, and a
         # destroy would wait for them. The frames' locals (the model) are released regardless.
+        close_on_failure()
         traceback.clear_frames(e.__traceback__)
         gc.collect()
         raise
@@ -271,11 +273,16 @@ def _train(
         if restart_count() > 0:
             _drop_steps_after(metrics_path, _checkpoint_step(resume_from))
         metrics = MetricsLog(metrics_path)
+        trackers = open_trackers(
+            run_dir, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
+            resume_step=_checkpoint_step(resume_from), recipe=config_to_dict(cfg),
+        )  # fmt: skip
     reporter = Reporter() if (render and is_rank0) else None
 
     def emit(event: str, **fields: Any) -> None:
         if metrics is not None:
             record_ = metrics.write(event, **fields)
+            trackers.handle(record_)
             if reporter is not None:
                 reporter.handle(record_)
 
@@ -471,6 +478,7 @@ def _train(
         )  # fmt: skip
         emit("summary", **summary)
         metrics.close()
+        trackers.close()
     return summary
 
 
@@ -510,6 +518,11 @@ def _start_fields(
         "grad_accum_steps": layout.grad_accum_steps,
         "seq_len": cfg.train.seq_len,
         "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
+        # For the trackers' MFU of each logged step (the summary's is over the whole launch).
+        "flops_per_token": flops_per_token(args, cfg.train.seq_len),
+        "peak_flops_per_device": peak_flops(
+            device.name(), cfg.precision.param_dtype.value, cfg.output.peak_tflops
+        )[0],
         "steps": cfg.train.steps,
         "attempt": restart_count(),
         "data": data.description,
