@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv and install fsdprun with its dev tools and the hf extra (transformers,
-# for the HuggingFace-model tests; ~15 s more). Idempotent and quick when nothing changed.
+# Create (or reuse) .venv and install fsdprun with its dev tools and the extras its tests use: hf
+# (transformers, for the HuggingFace-model tests; ~15 s more), tensorboard, wandb and plot
+# (matplotlib; the three together ~10 s, no other torch). Idempotent and quick when nothing changed.
 # Without an NVIDIA driver the CPU build of torch 2.13.0 is pinned; with one, pip keeps a torch
 # already in the venv or picks a CUDA build in the supported range.
 set -euo pipefail
@@ -13,6 +14,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   constraints=()
   command -v nvidia-smi >/dev/null 2>&1 || constraints=(-c scripts/constraints-cpu.txt)
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "${constraints[@]}" -e ".[dev,hf]"
+  .venv/bin/python -m pip install -q "${constraints[@]}" -e ".[dev,hf,tensorboard,wandb,plot]"
   echo "$want" > "$stamp"
 fi
