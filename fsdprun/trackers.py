@@ -135,6 +135,7 @@ class WandbTracker:
                 resume="allow",
                 dir=str(run_dir),
                 config=recipe,
+                allow_val_change=True,  # a resume may change train.steps, launch.*, ...
                 # console off: rank 0's terminal output is fsdprun's report, not W&B's.
                 settings=wandb.Settings(silent=True, console="off"),
             )

@@ -81,7 +81,7 @@ def test_trackers_follow_an_elastic_restart_and_a_resume(tmp_path):
     # logs step 4 again.
     proc = run_fsdprun(
         "train", "debug", "train.steps=8", "checkpoint.every_steps=3", "eval.every_steps=4",
-        "data.val_fraction=0.1", "output.tensorboard=true",
+        "data.val_fraction=0.1", "output.tensorboard=true", "output.peak_tflops=0.001",
         "output.wandb={project: trackers-test, mode: offline}", *common,
         "--run-dir", str(run_dir), cwd=tmp_path, env=fsdprun_env(FSDPRUN_FAIL_AT="1:5"),
     )  # fmt: skip
@@ -102,6 +102,12 @@ def test_trackers_follow_an_elastic_restart_and_a_resume(tmp_path):
         assert [s.step for s in logged] == list(range(1, 11)), tag  # once each, in order
         for s in logged:
             assert s.value == pytest.approx(steps[s.step][key], rel=1e-6), (tag, s.step)
+    # MFU of each step: its tokens/s at the FLOPs per token and peak of the summary's MFU.
+    summary = run.summary["throughput"]
+    for s in tb.Scalars("perf/mfu"):
+        want = steps[s.step]["tokens_per_s"] * summary["mfu"] / summary["tokens_per_s"]
+        assert s.value == pytest.approx(want, rel=1e-6), s.step
+    assert len(tb.Scalars("perf/mfu")) == 10
     for s in tb.Scalars("memory/peak_rss_gib"):
         assert s.value == pytest.approx(steps[s.step]["memory"]["peak_rss_bytes"] / GIB, rel=1e-6)
     assert [(s.step, pytest.approx(s.value, rel=1e-6)) for s in tb.Scalars("val/loss")] == [
