@@ -41,7 +41,7 @@ WANDB_KEYS = ("project", "name", "mode")
 # Events shown as text (JSON of the event's fields) on the step they belong to.
 TEXT_EVENTS = (
     "start", "resume", "restart", "load_weights", "checkpoint", "skip", "save_error", "warning",
-    "stopped", "summary",
+    "stopped", "profile", "summary",
 )  # fmt: skip
 
 

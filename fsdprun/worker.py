@@ -67,6 +67,7 @@ from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
 from fsdprun.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
 from fsdprun.parallel import apply_activation_checkpointing, apply_compile, model_state_bytes
+from fsdprun.profiling import StepProfiler, profile_record
 from fsdprun.report import Reporter
 from fsdprun.trackers import close_on_failure, open_trackers
 
@@ -343,6 +344,8 @@ def _train(
     hang_at = injected_step("FSDPRUN_HANG_AT", ranks.rank)
     nonfinite_at = injected_step("FSDPRUN_NONFINITE_AT", ranks.rank)
     batches = BatchLoader(data, layout, ranks.rank, device.torch_device, steps=cfg.train.steps)
+    profiler = StepProfiler(cfg.profile, run_dir=run_dir, rank=ranks.rank,
+                            world_size=ranks.world_size, device_kind=device.kind)  # fmt: skip
     freeze_at = {
         phase: injected_step("FSDPRUN_FREEZE_AT", ranks.rank, phase)
         for phase in ("step", "save", "eval")
@@ -451,6 +454,7 @@ def _train(
             emit("eval", step=done, val_loss=val_loss, eval_time_s=time.perf_counter() - eval_start,
                  num_samples=cfg.eval.batches * cfg.train.global_batch_size)  # fmt: skip
             window_start += time.perf_counter() - eval_start  # not in the next tokens/s
+        profiler.step()
         if agreed.stop:
             checkpoint_op(lambda: saved(checkpointer.wait()), last=True)
             stopped = {
@@ -462,6 +466,7 @@ def _train(
             break
 
     batches.close()
+    profiler.stop()
     checkpoint_op(lambda: saved(checkpointer.wait()), last=True)  # the end waits for a save
     if cfg.train.steps + 1 in fail_at:
         raise RuntimeError("injected failure after the last step (FSDPRUN_FAIL_AT)")
@@ -476,6 +481,9 @@ def _train(
             start_step=start_step, skipped_total=skipped_total, stopped=stopped,
             checkpointer=checkpointer, wall_start=wall_start,
         )  # fmt: skip
+        if cfg.profile.enabled:  # every rank wrote its trace before the all_gather above
+            emit("profile", **profile_record(cfg.profile, run_dir=run_dir,
+                                             world_size=ranks.world_size, start_step=start_step))
         emit("summary", **summary)
         metrics.close()
         trackers.close()
