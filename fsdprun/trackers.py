@@ -140,9 +140,10 @@ class WandbTracker:
                 settings=wandb.Settings(silent=True, console="off"),
             )
         except Exception as e:  # W&B raises its own types (no login, no network in online mode)
+            why = (str(e).splitlines() or [type(e).__name__])[0]
             raise UserError(
-                f"output.wandb: W&B could not start the run ({str(e).splitlines()[0]}); run "
-                "`wandb login` for mode: online, or use mode: offline"
+                f"output.wandb: W&B could not start the run ({why}); run `wandb login` for "
+                "mode: online, or use mode: offline"
             ) from e
 
     def log(self, row: Row) -> None:
