@@ -148,3 +148,17 @@ def test_trackers_follow_an_elastic_restart_and_a_resume(tmp_path):
     )
     restarts = [json.loads(row["events/restart"]) for row in rows if "events/restart" in row]
     assert restarts == fields_of("restart")
+
+
+def test_wandb_online_without_a_login_is_one_line(tmp_path):
+    # No API key anywhere W&B looks (the environment, ~/.netrc, its settings under HOME).
+    env = {k: v for k, v in fsdprun_env(HOME=str(tmp_path)).items() if not k.startswith("WANDB_")}
+    proc = run_fsdprun(
+        "train", "debug", "train.steps=2", "output.wandb={mode: online}",
+        "--run-dir", str(tmp_path / "run"), cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: output.wandb: W&B could not start")
+    assert "use mode: offline" in lines[0]
