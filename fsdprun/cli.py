@@ -336,6 +336,37 @@ def status(
     sys.stdout.write(json.dumps(doc, indent=1) + "\n" if json_ else render_status(doc))
 
 
+@app.command()
+def plot(
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(help="One or more run directories.", metavar="RUN_DIR",
+                       show_default=False),  # fmt: skip
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="The PNG to write (default RUN_DIR/plot.png for one run, plot.png here for "
+            "several).",
+        ),
+    ] = None,
+) -> None:
+    """Draw runs' loss (by step and by tokens), learning rate, grad norm, tokens/s and peak
+    memory per rank into one PNG; several runs are overlaid with a legend."""
+    # Not `guarded`: that imports torch, and plot reads files alone.
+    from fsdprun.plot import plot_runs
+
+    target = out or (run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("plot.png"))
+    try:
+        plot_runs(run_dirs, target)
+    except UserError as e:
+        if os.environ.get("FSDPRUN_DEBUG"):
+            raise
+        raise _fail(str(e), 2) from None
+    print(f"wrote {target}")
+
+
 @app.command("inspect-checkpoint")
 @guarded
 def inspect_checkpoint(

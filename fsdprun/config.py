@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdprun.errors import UserError
+from fsdprun.trackers import tracker_errors
 
 DEFAULT_SOURCE = "default"
 CLI_SOURCE = "command line"
@@ -461,6 +462,38 @@ class OutputConfig:
         "Peak dense TFLOP/s of one device for MFU; null = look the device up in the built-in "
         "table (MFU n/a when it is not there).",
     )
+    tensorboard: bool = _f(
+        False,
+        "Write the metrics to RUN_DIR/tensorboard/ for TensorBoard (rank 0; needs `pip install "
+        "fsdprun[tensorboard]`). A resumed run appends to it.",
+    )
+    wandb: dict[str, str] | None = _f(
+        None,
+        "Log the metrics to Weights & Biases: a mapping of `project` (fsdprun), `name` (the run "
+        "directory's name) and `mode` (`offline`: no network, RUN_DIR/wandb/, `wandb sync` "
+        "later; `online`; `disabled`); `{}` for the defaults, null = off (needs `pip install "
+        "fsdprun[wandb]`). A resumed run continues the same W&B run.",
+    )
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = _f(
+        False,
+        "Run torch.profiler over `active` steps of this launch (after `wait` + `warmup` more) and "
+        "write one trace per profiled rank, RUN_DIR/profile/rank-N.pt.trace.json (Chrome/Perfetto "
+        "JSON; TensorBoard's profiler plugin opens the folder too).",
+    )
+    wait: int = _f(1, "Steps of this launch before the profiler starts warming up.")
+    warmup: int = _f(1, "Steps profiled and discarded (the profiler's own start-up cost).")
+    active: int = _f(2, "Steps recorded into the trace.")
+    ranks: list[int] = _f([0], "Ranks that profile, each writing its own trace; [] = every rank.")
+    memory_snapshot: bool = _f(
+        False,
+        "CUDA only: record the caching allocator's history from the profiler's start and dump "
+        "it with the trace, RUN_DIR/profile/memory-rank-N.pickle (open it in "
+        "pytorch.org/memory_viz).",
+    )
 
 
 @dataclass
@@ -480,6 +513,7 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     @property
     def world_size(self) -> int:
@@ -669,6 +703,13 @@ def _check_plain(key: str, value: Any, source: str) -> None:
             raise UserError(
                 f"{source}: {key}: a {type(inner).__name__} inside a {type(value).__name__} is "
                 "not a recipe value; give a plain value or a flat list"
+            )
+        # OmegaConf cannot merge a list into a mapping or back (a bare TypeError).
+        container = schema_fields()[key].type.partition("[")[0]
+        if container in ("list", "dict") and type(value).__name__ != container:
+            expected = "a list such as [a, b]" if container == "list" else "a mapping {k: v}"
+            raise UserError(
+                f"{source}: {key}: a {type(value).__name__} is not valid; give {expected}"
             )
 
 
@@ -1024,6 +1065,33 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         errors.append(f"launch.device_memory_gb must be > 0 (got {cfg.launch.device_memory_gb})")
     if cfg.output.peak_tflops is not None and cfg.output.peak_tflops <= 0:
         errors.append(f"output.peak_tflops must be > 0 (got {cfg.output.peak_tflops})")
+    errors += tracker_errors(tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb)
+    errors += _profile_errors(cfg.profile, cfg.launch.device, ws)
+    return errors
+
+
+def _profile_errors(p: ProfileConfig, device: DeviceKind, world_size: int) -> list[str]:
+    errors = [f"profile.{key} must be >= 0 (got {getattr(p, key)})"
+              for key in ("wait", "warmup") if getattr(p, key) < 0]  # fmt: skip
+    if p.active < 1:
+        errors.append(f"profile.active must be >= 1 (got {p.active})")
+    bad = [r for r in p.ranks if not 0 <= r < world_size]
+    if bad:
+        errors.append(f"profile.ranks {bad} are not ranks of this run (0..{world_size - 1})")
+    if p.memory_snapshot and not p.enabled:
+        errors.append("profile.memory_snapshot covers the profiled steps: set profile.enabled=true")
+    elif p.memory_snapshot:
+        kind = device.value
+        if device is DeviceKind.auto:
+            from fsdprun.device import resolve_device_kind  # imports torch: only when needed
+
+            kind = resolve_device_kind(kind)
+        if kind != "cuda":
+            errors.append(
+                "profile.memory_snapshot records the CUDA caching allocator: it is CUDA-only and "
+                f"this run is on {kind} (launch.device={device.value}); set "
+                "profile.memory_snapshot=false"
+            )
     return errors
 
 

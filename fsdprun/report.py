@@ -129,6 +129,19 @@ class Reporter:
                 f"eval step {event['step']} | val loss {event['val_loss']:.4f} | "
                 f"{event['num_samples']} samples in {event['eval_time_s']:.2f} s"
             )
+        elif kind == "profile":
+            where = ", ".join(event["traces"]) or f"none in {event['dir']}"
+            self.console.print(
+                f"profiler traces of steps {event['steps'][0]}-{event['steps'][1]}: {where} "
+                "(open in https://ui.perfetto.dev or TensorBoard's profiler plugin)"
+            )
+            if event["missing"]:
+                self.console.print(
+                    f"  no trace here from rank(s) {event['missing']}: on another node's disk, or "
+                    "the run ended before the profiled steps"
+                )
+            for path in event["memory_snapshots"]:
+                self.console.print(f"  memory snapshot: {path} (open in pytorch.org/memory_viz)")
         elif kind == "load_weights":
             self.console.print(f"model weights loaded from {event['checkpoint']}")
         elif kind == "warning":

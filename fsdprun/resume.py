@@ -20,7 +20,7 @@ from fsdprun.worker import RECIPE_FILE
 # Keys (or prefixes) a resumed run may change.
 RESUMABLE = (
     "train.steps", "train.micro_batch_size", "checkpoint.", "launch.", "output.", "compile.",
-    "activation_checkpointing.", "fsdp.",
+    "activation_checkpointing.", "fsdp.", "profile.",
 )  # fmt: skip
 
 

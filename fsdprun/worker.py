@@ -67,7 +67,9 @@ from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
 from fsdprun.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
 from fsdprun.parallel import apply_activation_checkpointing, apply_compile, model_state_bytes
+from fsdprun.profiling import StepProfiler, profile_record
 from fsdprun.report import Reporter
+from fsdprun.trackers import close_on_failure, open_trackers
 
 RECIPE_FILE = "recipe.yaml"
 
@@ -138,6 +140,7 @@ def run(
     except BaseException as e:
         # On failure the process group is not destroyed: peers may be gone or stuck, and a
         # destroy would wait for them. The frames' locals (the model) are released regardless.
+        close_on_failure()
         traceback.clear_frames(e.__traceback__)
         gc.collect()
         raise
@@ -271,11 +274,16 @@ def _train(
         if restart_count() > 0:
             _drop_steps_after(metrics_path, _checkpoint_step(resume_from))
         metrics = MetricsLog(metrics_path)
+        trackers = open_trackers(
+            run_dir, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
+            resume_step=_checkpoint_step(resume_from), recipe=config_to_dict(cfg),
+        )  # fmt: skip
     reporter = Reporter() if (render and is_rank0) else None
 
     def emit(event: str, **fields: Any) -> None:
         if metrics is not None:
             record_ = metrics.write(event, **fields)
+            trackers.handle(record_)
             if reporter is not None:
                 reporter.handle(record_)
 
@@ -336,6 +344,8 @@ def _train(
     hang_at = injected_step("FSDPRUN_HANG_AT", ranks.rank)
     nonfinite_at = injected_step("FSDPRUN_NONFINITE_AT", ranks.rank)
     batches = BatchLoader(data, layout, ranks.rank, device.torch_device, steps=cfg.train.steps)
+    profiler = StepProfiler(cfg.profile, run_dir=run_dir, rank=ranks.rank,
+                            world_size=ranks.world_size, device_kind=device.kind)  # fmt: skip
     freeze_at = {
         phase: injected_step("FSDPRUN_FREEZE_AT", ranks.rank, phase)
         for phase in ("step", "save", "eval")
@@ -444,6 +454,7 @@ def _train(
             emit("eval", step=done, val_loss=val_loss, eval_time_s=time.perf_counter() - eval_start,
                  num_samples=cfg.eval.batches * cfg.train.global_batch_size)  # fmt: skip
             window_start += time.perf_counter() - eval_start  # not in the next tokens/s
+        profiler.step()
         if agreed.stop:
             checkpoint_op(lambda: saved(checkpointer.wait()), last=True)
             stopped = {
@@ -455,6 +466,7 @@ def _train(
             break
 
     batches.close()
+    profiler.stop()
     checkpoint_op(lambda: saved(checkpointer.wait()), last=True)  # the end waits for a save
     if cfg.train.steps + 1 in fail_at:
         raise RuntimeError("injected failure after the last step (FSDPRUN_FAIL_AT)")
@@ -469,8 +481,12 @@ def _train(
             start_step=start_step, skipped_total=skipped_total, stopped=stopped,
             checkpointer=checkpointer, wall_start=wall_start,
         )  # fmt: skip
+        if cfg.profile.enabled:  # every rank wrote its trace before the all_gather above
+            emit("profile", **profile_record(cfg.profile, run_dir=run_dir,
+                                             world_size=ranks.world_size, start_step=start_step))
         emit("summary", **summary)
         metrics.close()
+        trackers.close()
     return summary
 
 
@@ -510,6 +526,11 @@ def _start_fields(
         "grad_accum_steps": layout.grad_accum_steps,
         "seq_len": cfg.train.seq_len,
         "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
+        # For the trackers' MFU of each logged step (the summary's is over the whole launch).
+        "flops_per_token": flops_per_token(args, cfg.train.seq_len),
+        "peak_flops_per_device": peak_flops(
+            device.name(), cfg.precision.param_dtype.value, cfg.output.peak_tflops
+        )[0],
         "steps": cfg.train.steps,
         "attempt": restart_count(),
         "data": data.description,

@@ -11,6 +11,7 @@ import json
 import shutil
 import signal
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -421,3 +422,15 @@ def test_metrics_file_outside_the_run_directory_through_train(tmp_path):
     line = _one_line_exit_2(proc)
     assert line.startswith("error: output.metrics_file: '../outside.jsonl' leaves the run direc")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "override"),
+    [("tensorboard", "output.tensorboard=true"), ("wandb", "output.wandb={}")],
+)
+def test_a_tracker_without_its_extra_names_the_pip_command(module, override, tmp_path, monkeypatch):
+    # None in sys.modules is how Python marks a module as not importable: find_spec sees it too.
+    monkeypatch.setitem(sys.modules, module, None)
+    line = _invoke_one_line(["train", "debug", override, "--run-dir", "run"], tmp_path, monkeypatch)
+    assert line == f"error: output.{module} needs {module}: pip install 'fsdprun[{module}]'"
+    assert not (tmp_path / "run").exists()

@@ -452,6 +452,19 @@ def test_override_with_wrong_type_names_the_command_line():
     assert "'abc'" in message
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "want"),
+    [("fsdp.wrap_classes", "{a: b}", "a list"), ("output.wandb", "[a, b]", "a mapping")],
+)
+def test_a_mapping_for_a_list_key_or_a_list_for_a_mapping_key(tmp_path, key, value, want):
+    # OmegaConf's merge raised a bare TypeError for these (a traceback, not one line).
+    message = one_line_error("debug", [f"{key}={value}"])
+    assert message.startswith(f"command line: {key}: ") and want in message, message
+    section, leaf = key.split(".")
+    recipe = write(tmp_path / "r.yaml", f"{section}:\n  {leaf}: {value}\n")
+    assert one_line_error(recipe).startswith(f"{source(recipe)}: {key}: ")
+
+
 # --------------------------------------------------------------------------------------------
 # Interpolations and YAML tags: a recipe is data
 

@@ -62,3 +62,22 @@ def test_fsdp2_cpu_offload_with_clipping_on_gpu(tmp_path):
     run = Run(proc, tmp_path / "run").check()
     assert run.start["backend"] == "cpu:gloo,cuda:nccl"
     assert len(run.losses) == 4 and run.losses[-1] < run.losses[0]
+
+
+def test_profile_with_memory_snapshot_on_gpu(tmp_path):
+    import json
+    import pickle
+
+    run_dir = tmp_path / "run"
+    proc = run_fsdprun(
+        "train", "debug", "launch.device=cuda", "--nproc-per-node", "1", "train.steps=5",
+        "profile.enabled=true", "profile.memory_snapshot=true", "--run-dir", str(run_dir),
+        cwd=tmp_path, timeout=900,
+    )  # fmt: skip
+    run = Run(proc, run_dir).check()
+    record = next(e for e in run.events if e["event"] == "profile")
+    assert record["memory_snapshots"] == [str(run_dir / "profile" / "memory-rank-0.pickle")]
+    snapshot = pickle.loads((run_dir / "profile" / "memory-rank-0.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"][0]  # allocations were recorded
+    trace = json.loads((run_dir / "profile" / "rank-0.pt.trace.json").read_text())
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # CUDA activity too

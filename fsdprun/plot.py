@@ -1,0 +1,151 @@
+"""`fsdprun plot RUN_DIR [RUN_DIR ...]`: a run's curves as one PNG, several runs overlaid.
+
+    fsdprun plot runs/debug-20261130-120000                 # -> RUN_DIR/plot.png
+    fsdprun plot runs/fsdp1 runs/fsdp2 --out engines.png    # one colour per run, with a legend
+
+Six panels from each run's metrics file alone (no torch): loss against step (train, and val
+where evaluated), loss against tokens seen, learning rate, grad norm, tokens/s, and the peak
+memory of each rank (the last summary's ranks; from the step events, rank 0 only, while a run
+has no summary). A step logged twice (a resume from an older checkpoint) counts with its latest
+record; dotted lines mark where a session resumed or restarted. matplotlib is an optional extra
+(`pip install 'fsdprun[plot]'`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdprun.errors import UserError
+from fsdprun.status import _metrics_file, _read_events
+
+GIB = 2**30
+FIGURE_SIZE_IN = (15.0, 8.0)
+DPI = 100  # the PNG is FIGURE_SIZE_IN x DPI pixels: 1500 x 800
+TITLES = (
+    "loss by step", "loss by tokens seen", "learning rate", "grad norm", "tokens/s",
+    "peak memory per rank",
+)  # fmt: skip
+# Memory figures in order of preference: what an accelerator allocated, else the CPU's RSS.
+MEMORY_KEYS = (
+    ("peak_allocated_bytes", "peak allocated"), ("peak_reserved_bytes", "peak reserved"),
+    ("peak_rss_bytes", "peak RSS"),
+)  # fmt: skip
+
+
+@dataclass
+class RunCurves:
+    """What the plot takes from one run's metrics file."""
+
+    label: str
+    steps: list[dict[str, Any]]  # step events, one per step, in step order
+    evals: list[dict[str, Any]]
+    sessions: list[int] = field(default_factory=list)  # steps where a resume/restart began
+    memory: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> memory figures
+
+
+def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
+    """The curves of the run in `run_dir`.
+
+    Raises:
+        UserError: not a run directory, or no step logged yet.
+    """
+    metrics = run_dir / _metrics_file(run_dir)
+    if not metrics.is_file():
+        raise UserError(f"{run_dir}: no metrics file ({metrics.name}); is it an fsdprun run dir?")
+    events = _read_events(metrics)
+    steps = {e["step"]: e for e in events if e.get("event") == "step"}
+    if not steps:
+        raise UserError(f"{metrics}: no step logged yet; nothing to plot")
+    evals = {e["step"]: e for e in events if e.get("event") == "eval"}
+    summaries = [e for e in events if e.get("event") == "summary"]
+    if summaries:
+        memory = {r["rank"]: r for r in summaries[-1].get("ranks", [])}
+    else:
+        memory = {0: {k: max(s["memory"].get(k, 0) for s in steps.values())
+                      for k in steps[max(steps)].get("memory", {})}}  # fmt: skip
+    return RunCurves(
+        label=label or run_dir.name,
+        steps=[steps[k] for k in sorted(steps)],
+        evals=[evals[k] for k in sorted(evals)],
+        sessions=[e["step"] for e in events if e.get("event") in ("resume", "restart")],
+        memory=memory,
+    )
+
+
+def build_figure(runs: list[RunCurves]):
+    """One matplotlib Figure with the six panels of TITLES, the runs overlaid."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise UserError("fsdprun plot needs matplotlib: pip install 'fsdprun[plot]'") from e
+
+    # A Figure made without pyplot: no GUI backend, no global state; savefig renders with Agg.
+    fig = Figure(figsize=FIGURE_SIZE_IN, dpi=DPI, layout="constrained")
+    axes = fig.subplots(2, 3).flatten()
+    by_step, by_tokens, lr, norm, speed, mem = axes
+    for ax, title in zip(axes, TITLES, strict=True):
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    for ax in (by_step, lr, norm, speed):
+        ax.set_xlabel("step")
+    by_tokens.set_xlabel("tokens seen")
+    by_step.set_ylabel("loss")
+    speed.set_ylabel("tokens/s (all ranks)")
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for run, color in zip(runs, colors, strict=True):
+        x = [s["step"] for s in run.steps]
+        by_step.plot(x, [s["loss"] for s in run.steps], color=color, label=f"{run.label} train")
+        if run.evals:
+            val_x = [e["step"] for e in run.evals]
+            by_step.plot(val_x, [e["val_loss"] for e in run.evals], color=color, ls="--",
+                         marker="o", ms=3, label=f"{run.label} val")  # fmt: skip
+        tokens = [s["tokens_seen"] for s in run.steps]
+        by_tokens.plot(tokens, [s["loss"] for s in run.steps], color=color, label=run.label)
+        lr.plot(x, [s["lr"] for s in run.steps], color=color)
+        norm.plot(x, [s["grad_norm"] for s in run.steps], color=color)
+        speed.plot(x, [s["tokens_per_s"] for s in run.steps], color=color)
+        for i, step in enumerate(run.sessions):
+            label = f"{run.label} resumed" if i == 0 else None
+            by_step.axvline(step, color=color, ls=":", lw=1, label=label)
+    _memory_bars(mem, runs, colors)
+    by_step.legend(fontsize="small")
+    return fig
+
+
+def _memory_bars(ax, runs: list[RunCurves], colors: list[str]) -> None:
+    """Grouped bars: one group per rank, one bar per run."""
+    present = {k for run in runs for figures in run.memory.values() for k in figures}
+    key, what = next(((k, w) for k, w in MEMORY_KEYS if k in present), MEMORY_KEYS[-1])
+    width = 0.8 / len(runs)
+    for i, (run, color) in enumerate(zip(runs, colors, strict=True)):
+        ranks = sorted(r for r, figures in run.memory.items() if figures.get(key) is not None)
+        ax.bar([r + (i - (len(runs) - 1) / 2) * width for r in ranks],
+               [run.memory[r][key] / GIB for r in ranks], width=width, color=color,
+               label=run.label)  # fmt: skip
+    ax.set_xlabel("rank")
+    ax.set_ylabel(f"{what} (GiB)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+
+
+def plot_runs(run_dirs: list[Path], out: Path):
+    """Draw the runs in `run_dirs` into the PNG `out`; returns the Figure.
+
+    Raises:
+        UserError: a run directory without metrics, `out` not a .png in an existing folder, or
+            matplotlib not installed.
+    """
+    names = [d.name for d in run_dirs]
+    # Runs of the same name (runs/a/run and runs/b/run) are told apart by their whole path.
+    labels = [d.name if names.count(d.name) == 1 else str(d) for d in run_dirs]
+    runs = [read_run(d, label) for d, label in zip(run_dirs, labels, strict=True)]
+    if out.suffix.lower() != ".png":
+        raise UserError(f"--out {out}: the picture is a PNG; give a file name ending in .png")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: folder {out.parent} does not exist")
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a folder; give a file name ending in .png")
+    fig = build_figure(runs)
+    fig.savefig(out, dpi=DPI)
+    return fig
