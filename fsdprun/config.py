@@ -34,7 +34,7 @@ CLI_SOURCE = "command line"
 
 
 def _f(default: Any, help: str, **kwargs: Any) -> Any:
-    """A schema field with its help text (feeds `fsdprun config --explain` and the README)."""
+    """A schema field with its help text (feeds `fsdprun config --explain` and docs/recipes.md)."""
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help}, **kwargs)
@@ -1332,10 +1332,20 @@ def explain(resolved: ResolvedRecipe) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _type_name(f: dataclasses.Field) -> str:
+    """A schema field's type as a recipe writer reads it: `int or null`, `enum` (its values are
+    listed in the meaning), `list[str]`."""
+    # Annotations are strings here (`from __future__ import annotations`): name the enums.
+    parts = [p.strip() for p in str(f.type).split("|")]
+    names = ["null" if p == "None" else "enum" if isinstance(globals().get(p), enum.EnumMeta) else p
+             for p in parts]  # fmt: skip
+    return " or ".join(names)
+
+
 def recipe_reference() -> str:
-    """The recipe reference as a Markdown table (every key, its default, what it does); the
-    README embeds it and a test keeps the two equal."""
-    rows = ["| key | default | meaning |", "|---|---|---|"]
+    """The recipe reference as a Markdown table (every key, its type, its default, what it
+    does); docs/recipes.md embeds it (scripts/update_docs.py) and a test keeps the two equal."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     defaults = config_to_dict(RecipeConfig())
     for key, f in schema_fields().items():
         section, leaf = key.split(".")
@@ -1344,5 +1354,5 @@ def recipe_reference() -> str:
         choices = ""
         if isinstance(f.default, enum.Enum):
             choices = " One of: " + ", ".join(f"`{m.value}`" for m in type(f.default)) + "."
-        rows.append(f"| `{key}` | `{text}` | {f.metadata['help']}{choices} |")
+        rows.append(f"| `{key}` | {_type_name(f)} | `{text}` | {f.metadata['help']}{choices} |")
     return "\n".join(rows) + "\n"

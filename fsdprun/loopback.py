@@ -13,7 +13,7 @@ to. So for a single-node launch (no endpoint, or one on a loopback address):
   (`worker_store_args`);
 - gloo and NCCL (the bootstrap) are pinned to the loopback interface (`single_node_env`).
 
-Multi-node runs listen where torch does (see the README, "Faults, preemption and trust").
+Multi-node runs listen where torch does (see docs/faults.md, "What fsdprun trusts").
 """
 
 from __future__ import annotations

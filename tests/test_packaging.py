@@ -1,5 +1,5 @@
-"""The README stays true (recipe reference, the two commands) and a non-editable install ships
-the built-in recipes."""
+"""The README and docs/ stay true (the recipe reference, the two commands, the links) and a
+non-editable install ships the built-in recipes."""
 
 from __future__ import annotations
 
@@ -14,15 +14,87 @@ from pathlib import Path
 
 import pytest
 
-from fsdprun.config import builtin_recipes, recipe_reference
+from fsdprun.config import (
+    RecipeConfig,
+    builtin_recipes,
+    config_to_dict,
+    recipe_reference,
+    schema_fields,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+RECIPES_DOC = ROOT / "docs" / "recipes.md"
 
 
-def test_readme_recipe_reference_is_current():
-    block = README.split("<!-- recipe-reference:start -->\n")[1].split("<!-- recipe-reference")[0]
-    assert block == recipe_reference(), "regenerate the README table from recipe_reference()"
+def test_recipe_reference_is_current():
+    block = RECIPES_DOC.read_text().split("<!-- recipe-reference:start -->\n")[1]
+    block = block.split("<!-- recipe-reference")[0]
+    assert block == recipe_reference(), "regenerate it: .venv/bin/python scripts/update_docs.py"
+    assert "docs/recipes.md" in README
+
+
+def test_recipe_reference_types_match_the_defaults():
+    """Each key's type column admits its default (and says `or null` exactly when null is
+    allowed), and every schema key has a row."""
+    defaults = config_to_dict(RecipeConfig())
+    rows = [line.split(" | ", 3) for line in recipe_reference().splitlines()[2:]]
+    assert [row[0].strip("|` ") for row in rows] == list(schema_fields())
+    kinds = {"int": int, "float": float, "bool": bool, "str": str, "enum": str}
+    for key, type_name, _, _ in rows:
+        key = key.strip("|` ")
+        section, leaf = key.split(".")
+        value = defaults[section][leaf]
+        field = schema_fields()[key]
+        assert type_name.endswith(" or null") == ("None" in str(field.type)), key
+        base = type_name.removesuffix(" or null")
+        if value is None:
+            continue
+        if base.startswith(("list[", "dict[")):
+            assert isinstance(value, list if base.startswith("list[") else dict), key
+        else:
+            assert type(value) is kinds[base], (key, type_name, value)
+        if base == "enum":
+            assert f"`{value}`" in row_choices(recipe_reference(), key), key
+
+
+def row_choices(reference: str, key: str) -> str:
+    [row] = [line for line in reference.splitlines() if line.startswith(f"| `{key}` |")]
+    return row.split("One of:")[1]
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def without_code_blocks(text: str) -> str:
+    return re.sub(r"```.*?```", "", text, flags=re.S)  # no links and no headings in there
+
+
+def markdown_links(text: str) -> list[str]:
+    return re.findall(r"\]\(([^)\s]+)\)", without_code_blocks(text))
+
+
+def test_readme_and_docs_links_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists and, with
+    `#anchor`, a heading of that file."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for link in markdown_links(page.read_text()):
+            if link.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                broken.append(f"{page.name}: {link} (no such file)")
+            elif anchor and target.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", without_code_blocks(target.read_text()), re.M)
+                if anchor not in {github_anchor(h) for h in headings}:
+                    broken.append(f"{page.name}: {link} (no such heading)")
+    assert not broken, broken
 
 
 def test_ci_runs_the_readme_test_command():
