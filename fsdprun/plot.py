@@ -9,6 +9,9 @@ memory of each rank (the last summary's ranks; from the step events, rank 0 only
 has no summary). A step logged twice (a resume from an older checkpoint) counts with its latest
 record; dotted lines mark where a session resumed or restarted. matplotlib is an optional extra
 (`pip install 'fsdprun[plot]'`).
+
+The pictures of `fsdprun compare --plot` (compare_figure) and `fsdprun plan --plot`
+(plan_figure) are drawn here too, from those commands' JSON documents.
 """
 
 from __future__ import annotations
@@ -176,10 +179,17 @@ def _figure(size_in: tuple[float, float], what: str):
 # `fsdprun compare --plot`: the side-by-side table's rows as bars, one bar per configuration.
 COMPARE_SIZE_IN = (15.0, 5.0)  # 1500 x 500 pixels
 COMPARE_PANELS = (
-    ("tokens/s", "tokens_per_s", 1.0, "tokens/s (all ranks)"),
-    ("peak memory per rank", "peak_memory_bytes", GIB, "GiB (max over ranks)"),
-    ("model state per rank", "model_state_bytes", GIB, "GiB (max over ranks)"),
+    ("tokens/s", "tokens_per_s", "tokens/s (all ranks)"),
+    ("peak memory per rank", "peak_memory_bytes", "max over ranks"),
+    ("model state per rank", "model_state_bytes", "max over ranks"),
 )
+BYTE_UNITS = (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1))
+
+
+def byte_unit(largest: float) -> tuple[str, int]:
+    """The unit whose numbers for values up to `largest` read best (a 70B model in GiB, the
+    debug model in MiB or KiB): the largest unit that `largest` holds at least once."""
+    return next(((name, size) for name, size in BYTE_UNITS if largest >= size), BYTE_UNITS[-1])
 
 
 def compare_figure(report: dict[str, Any]):
@@ -193,9 +203,13 @@ def compare_figure(report: dict[str, Any]):
     fig.suptitle(f"fsdprun compare {report['recipe']} (world size {report['world_size']}, "
                  f"{report['steps']} steps)")  # fmt: skip
     labels = [r["label"] for r in results]
-    for ax, (title, key, unit, ylabel) in zip(fig.subplots(1, 3), COMPARE_PANELS, strict=True):
-        if key == "peak_memory_bytes" and kind:
-            title, ylabel = f"peak {kind} per rank", f"GiB (peak {kind}, max over ranks)"
+    for ax, (title, key, ylabel) in zip(fig.subplots(1, 3), COMPARE_PANELS, strict=True):
+        unit = 1
+        if key.endswith("_bytes"):
+            name, unit = byte_unit(max((r[key] for r in results if r["ok"]), default=0))
+            if key == "peak_memory_bytes" and kind:
+                title, ylabel = f"peak {kind} per rank", f"peak {kind}, {ylabel}"
+            ylabel = f"{name} ({ylabel})"
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
@@ -206,7 +220,7 @@ def compare_figure(report: dict[str, Any]):
             if not r["ok"]:
                 texts.append("failed")
                 continue
-            text = f"{height:,.0f}" if unit == 1.0 else f"{height:.3g}"
+            text = f"{height:,.0f}" if unit == 1 else f"{height:,.4g}"
             if r is not base and base[key]:
                 text += f"\n{r[key] / base[key]:.2f}x"
             texts.append(text)
@@ -228,30 +242,37 @@ PLAN_COMPONENTS = (
 
 def plan_figure(plan: dict[str, Any]):
     """Stacked bars of a `plan` document (MemoryPlan.to_dict()): one bar per strategy, one
-    segment per component of PLAN_COMPONENTS in GiB, each bar topped by its total; the device
-    memory, when known, is a horizontal line."""
+    segment per component of PLAN_COMPONENTS (in the unit of byte_unit), each bar topped by its
+    total; the device memory, when known, is a horizontal line."""
     fig = _figure(PLAN_SIZE_IN, "fsdprun plan --plot")
     ax = fig.subplots()
     ax.set_title(f"{PLAN_TITLE}: {plan['recipe']}, {plan['world_size']} ranks "
                  f"({plan['nnodes']} x {plan['nproc_per_node']})")  # fmt: skip
-    ax.set_ylabel("GiB per rank (rank 0)")
-    ax.grid(True, axis="y", alpha=0.3)
     names = list(plan["strategies"])
     strategies = [plan["strategies"][n] for n in names]
+    device = plan.get("device_memory_bytes")
+    unit_name, unit = byte_unit(max([*(s["total"] for s in strategies), device or 0]))
+    ax.set_ylabel(f"{unit_name} per rank (rank 0)")
+    ax.grid(True, axis="y", alpha=0.3)
     bottoms = [0.0] * len(names)
     for i, (key, label) in enumerate(PLAN_COMPONENTS):
-        heights = [s.get(key, 0) / GIB for s in strategies]
+        heights = [s.get(key, 0) / unit for s in strategies]
         if not any(heights):
             continue  # e.g. no unsharded grads kept: no empty legend entry
         ax.bar(names, heights, bottom=bottoms, label=label, color=f"C{i}")
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     totals = ax.bar(names, [0.0] * len(names), bottom=bottoms)  # zero-height: labels only
-    ax.bar_label(totals, [f"{s['total'] / GIB:,.1f} GiB" for s in strategies], fontsize="small")
-    device = plan.get("device_memory_bytes")
+    ax.bar_label(totals, [f"{s['total'] / unit:,.1f} {unit_name}" for s in strategies],
+                 fontsize="small")  # fmt: skip
     if device:
-        ax.axhline(device / GIB, color="red", ls="--", lw=1.5,
-                   label=f"device memory {device / GIB:,.1f} GiB")  # fmt: skip
+        ax.axhline(device / unit, color="red", ls="--", lw=1.5,
+                   label=f"device memory {device / unit:,.1f} {unit_name}")  # fmt: skip
     # Set by hand: the zero-height label bars pin autoscaling's top edge to the tallest total.
-    ax.set_ylim(0, max([*bottoms, (device or 0) / GIB]) * 1.1)
-    ax.legend(loc="upper right", fontsize="small")
+    ax.set_ylim(0, max([*bottoms, (device or 0) / unit]) * 1.1)
+    # Outside the axes, top segment first as in the stack: no bar or total hidden under it.
+    handles, labels = ax.get_legend_handles_labels()
+    line = [i for i, h in enumerate(handles) if not hasattr(h, "patches")]
+    order = line + [i for i in reversed(range(len(handles))) if i not in line]
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), fontsize="small")  # fmt: skip
     return fig

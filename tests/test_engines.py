@@ -125,8 +125,12 @@ def test_compare_plot_draws_the_table_as_bars(compared, tmp_path):
         "tokens/s", "peak RSS per rank", "model state per rank"
     ]  # fmt: skip
     labels = CONFIGS.split(",")
-    for ax, key, unit in ((tokens, "tokens_per_s", 1), (memory, "peak_memory_bytes", 2**30),
-                          (state, "model_state_bytes", 2**30)):  # fmt: skip
+    units = {"tokens/s": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    assert memory.get_ylabel() == "MiB (peak RSS, max over ranks)"  # the debug model: MiB
+    assert state.get_ylabel().startswith(("KiB", "MiB"))
+    for ax, key in ((tokens, "tokens_per_s"), (memory, "peak_memory_bytes"),
+                    (state, "model_state_bytes")):  # fmt: skip
+        unit = units[ax.get_ylabel().split()[0]]
         assert [t.get_text() for t in ax.get_xticklabels()] == labels
         heights = [bar.get_height() for bar in ax.patches]
         assert heights == pytest.approx([results[k][key] / unit for k in labels], rel=1e-9)

@@ -119,6 +119,7 @@ def test_plan_plot_stacks_each_strategys_memory_under_the_device_line(tmp_path):
     doc = json.loads(result.stdout)
     fig = plan_figure(doc)
     [ax] = fig.axes
+    assert ax.get_ylabel() == "GiB per rank (rank 0)"
     assert ax.get_title().startswith(f"{PLAN_TITLE}: llama-70b, 64 ranks (8 x 8)")
     names = list(doc["strategies"])
     assert {"ddp", "full", "grad_op", "hybrid"} <= set(names)
@@ -130,7 +131,7 @@ def test_plan_plot_stacks_each_strategys_memory_under_the_device_line(tmp_path):
     }
     tops = [0.0] * len(names)
     for key, label in PLAN_COMPONENTS:
-        want = [doc["strategies"][n][key] / GIB for n in names]
+        want = [doc["strategies"][n][key] / GIB for n in names]  # 70B: in GiB
         if not any(want):
             assert label not in drawn
             continue
