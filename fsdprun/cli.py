@@ -56,6 +56,11 @@ Overrides = Annotated[
                    "back to its default.", show_default=False),
 ]  # fmt: skip
 NprocOpt = Annotated[int | None, typer.Option("--nproc-per-node", help="Workers on this node.")]
+PlotOpt = Annotated[
+    Path | None,
+    typer.Option("--plot", help="Also draw the result as bars into this PNG (pip install "
+                 "'fsdprun[plot]')."),
+]  # fmt: skip
 NnodesOpt = Annotated[int | None, typer.Option("--nnodes", help="Number of nodes.")]
 NodeRankOpt = Annotated[int | None, typer.Option("--node-rank", help="This node's rank.")]
 EndpointOpt = Annotated[
@@ -211,7 +216,8 @@ def train(
     all_overrides = [*(overrides or []), *extra]
     from fsdprun.slurm import srun_env
 
-    os.environ.update(srun_env(os.environ))  # a task of an srun step is a worker too
+    # A task of an srun step is a worker too, unless it is its node's launcher (--nnodes).
+    os.environ.update(srun_env(os.environ, nnodes=nnodes))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
         from fsdprun.direct import run_as_worker
 
@@ -253,7 +259,7 @@ def resume(
     from fsdprun.slurm import srun_env
     from fsdprun.worker import RECIPE_FILE
 
-    if "RANK" in os.environ or srun_env(os.environ):
+    if "RANK" in os.environ or srun_env(os.environ, nnodes=nnodes):
         # Every rank would start a launcher of its own on the same run directory.
         raise UserError(
             "fsdprun resume starts its own launcher: run it once per node, not under torchrun "
@@ -532,11 +538,16 @@ def plan(
     json_: Annotated[
         bool, typer.Option("--json", help="Print one JSON document instead of tables.")
     ] = False,
+    plot_: PlotOpt = None,
 ) -> None:
     """Plan FSDP units and per-rank memory (full, grad_op, hybrid, ddp); allocates no model."""
     from fsdprun.plan import parse_memory, plan_recipe
     from fsdprun.report import render_plan
 
+    if plot_ is not None:
+        from fsdprun.plot import check_png_target
+
+        check_png_target(plot_, "--plot")
     memory = parse_memory(device_memory) if device_memory else None
     result = plan_recipe(
         recipe, overrides or [], world_size=world_size, nnodes=nnodes, device_memory_bytes=memory
@@ -545,6 +556,11 @@ def plan(
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
     else:
         render_plan(result, Console(highlight=False))
+    if plot_ is not None:
+        from fsdprun.plot import DPI, plan_figure
+
+        plan_figure(result).savefig(plot_, dpi=DPI)
+        err_console.print(f"wrote {plot_}")
 
 
 @app.command("compare")
@@ -575,6 +591,7 @@ def compare_cmd(
     markdown_: Annotated[
         bool, typer.Option("--markdown", help="Print the table as Markdown.")
     ] = False,
+    plot_: PlotOpt = None,
 ) -> None:
     """Run a recipe under several engines/shardings (same seed and data) and compare them side
     by side: tokens/s, step time, peak memory, model state per rank, final loss."""
@@ -582,6 +599,10 @@ def compare_cmd(
     from fsdprun.launch import default_run_dir
 
     chosen = parse_configs(configs)
+    if plot_ is not None:
+        from fsdprun.plot import check_png_target
+
+        check_png_target(plot_, "--plot")  # before the runs, not after them
     extra = [f"train.steps={steps}"] if steps is not None else []
     extra += _launch_overrides(nproc_per_node, None, None, None)
     all_overrides = [*(overrides or []), *extra]
@@ -603,6 +624,11 @@ def compare_cmd(
         sys.stdout.write(markdown(report))
     else:
         render(report, name, Console(highlight=False))
+    if plot_ is not None:
+        from fsdprun.plot import DPI, compare_figure
+
+        compare_figure(report).savefig(plot_, dpi=DPI)
+        err_console.print(f"wrote {plot_}")
     if any(not r["ok"] for r in report["results"]):
         raise typer.Exit(1)
 

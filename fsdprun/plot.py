@@ -9,6 +9,9 @@ memory of each rank (the last summary's ranks; from the step events, rank 0 only
 has no summary). A step logged twice (a resume from an older checkpoint) counts with its latest
 record; dotted lines mark where a session resumed or restarted. matplotlib is an optional extra
 (`pip install 'fsdprun[plot]'`).
+
+The pictures of `fsdprun compare --plot` (compare_figure) and `fsdprun plan --plot`
+(plan_figure) are drawn here too, from those commands' JSON documents.
 """
 
 from __future__ import annotations
@@ -140,12 +143,136 @@ def plot_runs(run_dirs: list[Path], out: Path):
     # Runs of the same name (runs/a/run and runs/b/run) are told apart by their whole path.
     labels = [d.name if names.count(d.name) == 1 else str(d) for d in run_dirs]
     runs = [read_run(d, label) for d, label in zip(run_dirs, labels, strict=True)]
-    if out.suffix.lower() != ".png":
-        raise UserError(f"--out {out}: the picture is a PNG; give a file name ending in .png")
-    if not out.parent.is_dir():
-        raise UserError(f"--out {out}: folder {out.parent} does not exist")
-    if out.is_dir():
-        raise UserError(f"--out {out}: is a folder; give a file name ending in .png")
+    check_png_target(out, "--out")
     fig = build_figure(runs)
     fig.savefig(out, dpi=DPI)
+    return fig
+
+
+def check_png_target(out: Path, flag: str) -> None:
+    """Refuse a picture path that cannot be written, before any work is done for it.
+
+    Raises:
+        UserError: `out` not a .png, a folder, or in a folder that does not exist; or
+            matplotlib not installed.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UserError(f"{flag} needs matplotlib: pip install 'fsdprun[plot]'")
+    if out.suffix.lower() != ".png":
+        raise UserError(f"{flag} {out}: the picture is a PNG; give a file name ending in .png")
+    if not out.parent.is_dir():
+        raise UserError(f"{flag} {out}: folder {out.parent} does not exist")
+    if out.is_dir():
+        raise UserError(f"{flag} {out}: is a folder; give a file name ending in .png")
+
+
+def _figure(size_in: tuple[float, float], what: str):
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise UserError(f"{what} needs matplotlib: pip install 'fsdprun[plot]'") from e
+    return Figure(figsize=size_in, dpi=DPI, layout="constrained")
+
+
+# `fsdprun compare --plot`: the side-by-side table's rows as bars, one bar per configuration.
+COMPARE_SIZE_IN = (15.0, 5.0)  # 1500 x 500 pixels
+COMPARE_PANELS = (
+    ("tokens/s", "tokens_per_s", "tokens/s (all ranks)"),
+    ("peak memory per rank", "peak_memory_bytes", "max over ranks"),
+    ("model state per rank", "model_state_bytes", "max over ranks"),
+)
+BYTE_UNITS = (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1))
+
+
+def byte_unit(largest: float) -> tuple[str, int]:
+    """The unit whose numbers for values up to `largest` read best (a 70B model in GiB, the
+    debug model in MiB or KiB): the largest unit that `largest` holds at least once."""
+    return next(((name, size) for name, size in BYTE_UNITS if largest >= size), BYTE_UNITS[-1])
+
+
+def compare_figure(report: dict[str, Any]):
+    """The bars of a `compare` report (its JSON document): one panel per row of COMPARE_PANELS,
+    each bar labelled with its value and its ratio to the first configuration that ran, as in
+    the table; a configuration that failed keeps its place, marked "failed"."""
+    fig = _figure(COMPARE_SIZE_IN, "fsdprun compare --plot")
+    results = report["results"]
+    base = next((r for r in results if r["ok"]), None)
+    kind = base["memory_kind"] if base else None
+    fig.suptitle(f"fsdprun compare {report['recipe']} (world size {report['world_size']}, "
+                 f"{report['steps']} steps)")  # fmt: skip
+    labels = [r["label"] for r in results]
+    for ax, (title, key, ylabel) in zip(fig.subplots(1, 3), COMPARE_PANELS, strict=True):
+        unit = 1
+        if key.endswith("_bytes"):
+            name, unit = byte_unit(max((r[key] for r in results if r["ok"]), default=0))
+            if key == "peak_memory_bytes" and kind:
+                title, ylabel = f"peak {kind} per rank", f"peak {kind}, {ylabel}"
+            ylabel = f"{name} ({ylabel})"
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+        heights = [r[key] / unit if r["ok"] else 0.0 for r in results]
+        bars = ax.bar(labels, heights, color=[f"C{i % 10}" for i in range(len(results))])
+        texts = []
+        for r, height in zip(results, heights, strict=True):
+            if not r["ok"]:
+                texts.append("failed")
+                continue
+            text = f"{height:,.0f}" if unit == 1 else f"{height:,.4g}"
+            if r is not base and base[key]:
+                text += f"\n{r[key] / base[key]:.2f}x"
+            texts.append(text)
+        ax.bar_label(bars, texts, fontsize="small")
+        ax.margins(y=0.15)  # room for the labels above the tallest bar
+        ax.tick_params(axis="x", labelrotation=30 if len(results) > 4 else 0)
+    return fig
+
+
+# `fsdprun plan --plot`: per-rank memory of each strategy, stacked by component.
+PLAN_SIZE_IN = (11.0, 6.0)  # 1100 x 600 pixels
+PLAN_TITLE = "memory per rank by strategy"
+PLAN_COMPONENTS = (
+    ("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
+    ("accumulation", "unsharded grads"), ("gathered_buffers", "gathered buffers"),
+    ("activations", "activations"),
+)  # fmt: skip
+
+
+def plan_figure(plan: dict[str, Any]):
+    """Stacked bars of a `plan` document (MemoryPlan.to_dict()): one bar per strategy, one
+    segment per component of PLAN_COMPONENTS (in the unit of byte_unit), each bar topped by its
+    total; the device memory, when known, is a horizontal line."""
+    fig = _figure(PLAN_SIZE_IN, "fsdprun plan --plot")
+    ax = fig.subplots()
+    ax.set_title(f"{PLAN_TITLE}: {plan['recipe']}, {plan['world_size']} ranks "
+                 f"({plan['nnodes']} x {plan['nproc_per_node']})")  # fmt: skip
+    names = list(plan["strategies"])
+    strategies = [plan["strategies"][n] for n in names]
+    device = plan.get("device_memory_bytes")
+    unit_name, unit = byte_unit(max([*(s["total"] for s in strategies), device or 0]))
+    ax.set_ylabel(f"{unit_name} per rank (rank 0)")
+    ax.grid(True, axis="y", alpha=0.3)
+    bottoms = [0.0] * len(names)
+    for i, (key, label) in enumerate(PLAN_COMPONENTS):
+        heights = [s.get(key, 0) / unit for s in strategies]
+        if not any(heights):
+            continue  # e.g. no unsharded grads kept: no empty legend entry
+        ax.bar(names, heights, bottom=bottoms, label=label, color=f"C{i}")
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    totals = ax.bar(names, [0.0] * len(names), bottom=bottoms)  # zero-height: labels only
+    ax.bar_label(totals, [f"{s['total'] / unit:,.1f} {unit_name}" for s in strategies],
+                 fontsize="small")  # fmt: skip
+    if device:
+        ax.axhline(device / unit, color="red", ls="--", lw=1.5,
+                   label=f"device memory {device / unit:,.1f} {unit_name}")  # fmt: skip
+    # Set by hand: the zero-height label bars pin autoscaling's top edge to the tallest total.
+    ax.set_ylim(0, max([*bottoms, (device or 0) / unit]) * 1.1)
+    # Outside the axes, top segment first as in the stack: no bar or total hidden under it.
+    handles, labels = ax.get_legend_handles_labels()
+    line = [i for i, h in enumerate(handles) if not hasattr(h, "patches")]
+    order = line + [i for i in reversed(range(len(handles))) if i not in line]
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), fontsize="small")  # fmt: skip
     return fig

@@ -8,6 +8,13 @@ A process is a task of an srun step only when the step has several tasks: SLURM_
 also has SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS (the job's task count) but runs one copy
 of `fsdprun train`, which must start fsdprun's own launcher; so does a one-task step
 (`srun --ntasks 1 fsdprun train ...`).
+
+One task per node with `--nnodes` on the command line is the other multi-node pattern, not a
+worker: each task is a node's launcher, which starts that node's workers itself
+(examples/slurm/train.sbatch):
+
+    srun --ntasks-per-node 1 bash -c 'fsdprun train llama-8b --nnodes "$SLURM_NNODES" \
+        --node-rank "$SLURM_NODEID" --rdzv-endpoint "$HEAD:29500" --run-dir runs/8b'
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from fsdprun.errors import UserError
 PORT_BASE, PORT_SPAN = 20000, 10000
 
 
-def srun_env(env: Mapping[str, str]) -> dict[str, str]:
+def srun_env(env: Mapping[str, str], *, nnodes: int | None = None) -> dict[str, str]:
     """torch.distributed's variables for a task of a multi-task srun step; {} for any other
-    process (including one that already has RANK: torchrun inside srun).
+    process (including one that already has RANK: torchrun inside srun, and a node's launcher:
+    one task per node with `nnodes`, the command's --nnodes, given).
 
     Raises:
         UserError: a variable cannot be derived (uneven tasks per node, an unknown first host).
@@ -38,6 +46,8 @@ def srun_env(env: Mapping[str, str]) -> dict[str, str]:
         return {}
     layout = env.get("SLURM_STEP_TASKS_PER_NODE", "")
     per_node = tasks_per_node(layout)
+    if nnodes is not None and per_node and set(per_node) == {1}:
+        return {}  # this task is its node's launcher (fsdprun starts the workers)
     if not per_node or len(set(per_node)) > 1 or sum(per_node) != tasks:
         raise UserError(
             f"srun placed SLURM_STEP_TASKS_PER_NODE={layout!r} tasks on the step's nodes; "

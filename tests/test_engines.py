@@ -3,8 +3,10 @@ order and as planned, the knob translation, and `fsdprun compare` (real runs, gl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import struct
 from pathlib import Path
 
 import pytest
@@ -104,12 +106,50 @@ def test_compare_table_reads_whole_at_80_columns(compared):
     assert (header, rows) == cells(three)
 
 
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data[:16]
+    return struct.unpack(">II", data[16:24])
+
+
+def test_compare_plot_draws_the_table_as_bars(compared, tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra: pip install 'fsdprun[plot]'")
+    from fsdprun.plot import DPI, compare_figure
+
+    report, results = compared
+    fig = compare_figure(report)
+    fig.savefig(tmp_path / "cmp.png", dpi=DPI)
+    assert png_size(tmp_path / "cmp.png") == (1500, 500)
+    tokens, memory, state = fig.axes
+    assert [ax.get_title() for ax in fig.axes] == [
+        "tokens/s", "peak RSS per rank", "model state per rank"
+    ]  # fmt: skip
+    labels = CONFIGS.split(",")
+    units = {"tokens/s": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    assert memory.get_ylabel() == "MiB (peak RSS, max over ranks)"  # the debug model: MiB
+    assert state.get_ylabel().startswith(("KiB", "MiB"))
+    for ax, key in ((tokens, "tokens_per_s"), (memory, "peak_memory_bytes"),
+                    (state, "model_state_bytes")):  # fmt: skip
+        unit = units[ax.get_ylabel().split()[0]]
+        assert [t.get_text() for t in ax.get_xticklabels()] == labels
+        heights = [bar.get_height() for bar in ax.patches]
+        assert heights == pytest.approx([results[k][key] / unit for k in labels], rel=1e-9)
+    # The table's ratios to the first configuration label the bars.
+    texts = [t.get_text() for t in state.texts]
+    ratio = results["fsdp2"]["model_state_bytes"] / results["ddp"]["model_state_bytes"]
+    assert texts[labels.index("fsdp2")].endswith(f"{ratio:.2f}x") and "x" not in texts[0]
+
+
 def test_a_configuration_that_fails_shows_its_error_and_the_others_still_run(tmp_path):
     # cpu_offload is valid for fsdp2 but not for ddp: ddp's column holds the reason.
+    plot = ["--plot", str(tmp_path / "cmp.png")] if importlib.util.find_spec("matplotlib") else []
     proc = run_fsdprun(
         "compare", "debug", "--configs", "ddp,fsdp2", "--steps", "2", "fsdp.cpu_offload=true",
-        "output.log_every=1", "--run-dir", str(tmp_path / "cmp"), "--json", cwd=tmp_path,
+        "output.log_every=1", "--run-dir", str(tmp_path / "cmp"), "--json", *plot, cwd=tmp_path,
     )  # fmt: skip
+    if plot:  # drawn although a configuration failed
+        assert png_size(tmp_path / "cmp.png") == (1500, 500)
+        assert f"wrote {tmp_path / 'cmp.png'}" in proc.stderr
     assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)
     by_label = {r["label"]: r for r in report["results"]}
@@ -126,6 +166,11 @@ def test_compare_refuses_bad_configs_before_running_anything(tmp_path):
     proc = run_fsdprun("compare", "debug", "--configs", "fsdp3", cwd=tmp_path,
                        env=fsdprun_env())  # fmt: skip
     assert proc.returncode == 2 and "unknown engine 'fsdp3'" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+    # A picture that could not be written is refused before the runs, not after them.
+    proc = run_fsdprun("compare", "debug", "--plot", str(tmp_path / "no" / "c.png"),
+                       cwd=tmp_path, env=fsdprun_env())  # fmt: skip
+    assert proc.returncode == 2 and f"folder {tmp_path / 'no'} does not exist" in proc.stderr
     assert not (tmp_path / "runs").exists()
 
 

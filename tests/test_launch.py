@@ -291,6 +291,12 @@ def test_srun_variables_map_only_for_the_tasks_of_a_multi_task_step():
         srun_env({**two, "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "3,1"})
     with pytest.raises(UserError, match="export MASTER_ADDR"):
         srun_env({**two, "SLURM_STEP_NODELIST": "gpu[a-b]"})
+    # One task per node with --nnodes: each task is its node's launcher (examples/slurm/), not
+    # one worker of a world of 2; without --nnodes it stays one worker per node.
+    per_node = {**two, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+    assert srun_env(per_node, nnodes=2) == {}
+    assert srun_env(per_node)["WORLD_SIZE"] == "2"
+    assert srun_env(two, nnodes=2)["WORLD_SIZE"] == "8"  # 4 per node: the tasks are workers
     hosts = {"cn1": "cn1", "cn[1-4],gpu[2,5]": "cn1", "n[09-12]-ib[0-1]": "n09-ib0", "n[1-2": None}
     for nodelist, host in hosts.items():
         assert first_host(nodelist) == host, nodelist

@@ -106,3 +106,43 @@ def test_plot_command_errors_are_one_line_and_it_needs_no_torch(tmp_path, monkey
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.stdout.splitlines() == [f"wrote {run_dir / 'plot.png'}", "False"], proc.stderr
     assert png_size(run_dir / "plot.png") == (1500, 800)
+
+
+def test_plan_plot_stacks_each_strategys_memory_under_the_device_line(tmp_path):
+    from fsdprun.plot import PLAN_COMPONENTS, PLAN_TITLE, plan_figure
+
+    out = tmp_path / "plan.png"
+    args = ["plan", "llama-70b", "--world-size", "64", "--device-memory", "80GB", "--json"]
+    result = CliRunner().invoke(app, [*args, "--plot", str(out)])
+    assert result.exit_code == 0, result.output
+    assert png_size(out) == (1100, 600)
+    doc = json.loads(result.stdout)
+    fig = plan_figure(doc)
+    [ax] = fig.axes
+    assert ax.get_ylabel() == "GiB per rank (rank 0)"
+    assert ax.get_title().startswith(f"{PLAN_TITLE}: llama-70b, 64 ranks (8 x 8)")
+    names = list(doc["strategies"])
+    assert {"ddp", "full", "grad_op", "hybrid"} <= set(names)
+    assert [t.get_text() for t in ax.get_xticklabels()] == names
+    # One stacked segment per component (none drawn for one that is zero everywhere), each
+    # starting where the one below ended, the stack adding up to the plan's total.
+    drawn = {
+        c.get_label(): c for c in ax.containers if c.get_label() in dict(PLAN_COMPONENTS).values()
+    }
+    tops = [0.0] * len(names)
+    for key, label in PLAN_COMPONENTS:
+        want = [doc["strategies"][n][key] / GIB for n in names]  # 70B: in GiB
+        if not any(want):
+            assert label not in drawn
+            continue
+        bars = drawn[label]
+        assert [b.get_height() for b in bars] == pytest.approx(want, rel=1e-12)
+        assert [b.get_y() for b in bars] == pytest.approx(tops, rel=1e-12)
+        tops = [t + w for t, w in zip(tops, want, strict=True)]
+    assert tops == pytest.approx([doc["strategies"][n]["total"] / GIB for n in names])
+    [line] = ax.lines
+    assert list(line.get_ydata()) == [80e9 / GIB] * 2 and "74.5 GiB" in line.get_label()
+    # Without a device memory there is no line; a bad --plot path is refused before planning.
+    assert not plan_figure({**doc, "device_memory_bytes": None}).axes[0].lines
+    bad = CliRunner().invoke(app, ["plan", "debug", "--plot", str(tmp_path / "plan.svg")])
+    assert bad.exit_code == 2 and "--plot" in bad.output and "ending in .png" in bad.output
