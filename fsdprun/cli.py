@@ -333,11 +333,23 @@ def status(
     json_: Annotated[
         bool, typer.Option("--json", help="Print one JSON document instead of lines.")
     ] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Redraw every --interval seconds until the run ends.")
+    ] = False,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between redraws.")] = 5.0,
 ) -> None:
-    """Whether a run is running (who holds its lock: host, pid, since when) and its last logged
-    step, from the run directory's files alone."""
-    from fsdprun.status import render_status, run_status
+    """Whether a run is running (who holds its lock: host, pid, since when), its last logged
+    step, loss, tokens/s and ETA, restarts, each rank's last heartbeat and the newest complete
+    checkpoint, from the run directory's files alone."""
+    from fsdprun.status import render_status, run_status, watch_status
 
+    if watch:
+        def write(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()  # a batch log or a pipe sees each redraw as it comes
+
+        watch_status(run_dir, interval_s=max(interval, 0.1), write=write)
+        return
     doc = run_status(run_dir)
     sys.stdout.write(json.dumps(doc, indent=1) + "\n" if json_ else render_status(doc))
 

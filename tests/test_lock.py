@@ -61,9 +61,11 @@ def test_one_run_per_directory_for_train_and_resume_and_status_tells(tmp_path):
     assert not list(run_dir.glob("recipe.*.yaml"))
     assert not lock_path(run_dir).exists()  # removed by its holder on the way out
     status = run_fsdprun("status", "run", cwd=tmp_path)
+    speed = run.steps[-1]["tokens_per_s"]
     assert status.returncode == 0 and status.stdout.splitlines() == [
         "run: not running; the last session finished",
-        f"last logged step 8 of 8 (loss {run.losses[-1]:.4f}); last checkpoint step-00000008",
+        f"last logged step 8 of 8 (loss {run.losses[-1]:.4f}), {speed:,.0f} tokens/s; last "
+        "checkpoint step-00000008",
     ]
 
     # Two resumes at once: one runs (stopped here with SIGTERM once status has seen it), the
