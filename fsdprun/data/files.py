@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from fsdprun.data.lazy_numpy import np
 from fsdprun.errors import UserError
 
 DESCRIPTION = "data.json"
 TOKEN_SUFFIXES = (".bin", ".npy")
 TOKEN_DTYPES = ("uint16", "uint32")
+_ITEMSIZE = {"uint16": 2, "uint32": 4}
 
 
 def token_dtype_for(vocab_size: int) -> str:
@@ -111,7 +111,7 @@ def inspect_token_file(path: Path, *, token_dtype: str, key: str) -> TokenFile:
     if dtype not in TOKEN_DTYPES:
         raise UserError(f"{path.parent / DESCRIPTION}: dtype '{dtype}' is not uint16 or uint32")
     size = path.stat().st_size
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = _ITEMSIZE[dtype]
     if size % itemsize:
         raise UserError(
             f"{key}: {path} has {size} bytes, not a whole number of {dtype} tokens; is "

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
 from fsdprun.data.files import DESCRIPTION, check_input_file, token_dtype_for
+from fsdprun.data.lazy_numpy import np
 from fsdprun.errors import UserError
 from fsdprun.staging import staged_folder
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from fsdprun.data.lazy_numpy import np
 from fsdprun.errors import UserError
 
 if TYPE_CHECKING:
