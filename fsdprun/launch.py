@@ -312,7 +312,8 @@ def _launch(
             "with --node-rank 0, that its port is free there and reachable from every node"
         ) from err
     summary = results.get(0)
-    stopped = (summary or {}).get("stopped")
+    # Rank 0 may run on another node: any local rank's result tells that the run stopped.
+    stopped = next((r["stopped"] for r in results.values() if r and r.get("stopped")), None)
     if stopped:
         raise Stopped(
             f"stopped at step {stopped['step']} ({stopped['reason']}); checkpoint "

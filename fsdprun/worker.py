@@ -107,7 +107,8 @@ def run(
     cfg: RecipeConfig | None = None,
     resume_from: Path | None = None,
 ) -> dict[str, Any] | None:
-    """Train one rank. Returns the summary event on rank 0 (None elsewhere).
+    """Train one rank. Returns the summary event on rank 0 (elsewhere {"stopped": ...} after a
+    stop, else None).
 
     Args:
         run_dir: holds recipe.yaml (written by the launcher) and receives metrics.
@@ -487,7 +488,9 @@ def _train(
         emit("summary", **summary)
         metrics.close()
         trackers.close()
-    return summary
+    # Every rank says how the run ended: a node's launcher whose ranks do not include rank 0
+    # (the rendezvous orders nodes as it likes) must still exit 128 + signal after a stop.
+    return summary if is_rank0 else ({"stopped": stopped} if stopped else None)
 
 
 def _start_fields(

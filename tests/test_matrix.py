@@ -11,8 +11,9 @@ own business). `REFUSED` lists pairs fsdprun refuses, with the words the refusal
 covering set of trained cells avoids them, and one cell per rule checks the refusal itself.
 
 The cells run under the `matrix` marker (part of the default run and of CI; deselect with
-`-m "not matrix"` while iterating). References are cached: one world-1 fsdp2 fp32 run per
-(model, data, tied) key.
+`-m "not matrix"` while iterating). A session fixture launches every cell and every distinct
+reference (one world-1 fsdp2 fp32 run per model, data and tying) two at a time; each cell's test
+checks its own result.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -248,15 +250,58 @@ def _launch(cell: dict, args: list[str], run_dir: Path, cwd: Path, env: dict) ->
     return done
 
 
-def _reference(cell: dict, hf_bf16: Path, fsdprun_runs) -> Run:
+def _reference_args(cell: dict, hf_bf16: Path) -> tuple[str, ...]:
     """The plain run of the same model and data: fsdp2, full sharding, fp32, one rank."""
     plain = {**cell, "engine": "fsdp2", "sharding": "full", "precision": "fp32", "accum": 1,
              "ac": "none", "offload": False}  # fmt: skip
     # hf_bf16 holds the fp32 folder's weights: its reference is the fp32 folder's run.
     model = "hf_fp32" if cell["model"] == "hf_bf16" else cell["model"]
-    args = [*COMMON, *_model_data_args({**plain, "model": model}, hf_bf16),
-            "train.micro_batch_size=8"]  # fmt: skip
-    return fsdprun_runs.train(*args, nproc=1).check()
+    return (*COMMON, *_model_data_args({**plain, "model": model}, hf_bf16),
+            "train.micro_batch_size=8")  # fmt: skip
+
+
+def _run_cell(cell: dict, hf_bf16: Path, root: Path) -> tuple[list, Path]:
+    """Launch one cell as a user would; returns the processes that must succeed and its run
+    directory."""
+    args = _args(cell, hf_bf16)
+    root.mkdir(parents=True)
+    run_dir = root / "run"
+    if cell["resume"] == "none":
+        return _launch(cell, args, run_dir, root, fsdprun_env()), run_dir
+    # Crash after step 2's checkpoint, then resume on another number of ranks.
+    first = _launch(cell, args, run_dir, root, fsdprun_env(FSDPRUN_FAIL_AT="0:3"))
+    if first[0].returncode != 1:
+        return first, run_dir  # reported by the cell's test
+    resumed = run_fsdprun("resume", str(run_dir), "--nproc-per-node", str(_resume_world(cell)),
+                          cwd=root, env=fsdprun_env())  # fmt: skip
+    return [resumed], run_dir
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory, hf_bf16_folder) -> dict:
+    """Every cell and every distinct reference run, two at a time: a launch spends much of its
+    few seconds starting processes and waiting on sockets, so two side by side on the 2-core CI
+    machine take far less than two in a row. Each cell's test then checks its own result."""
+    root = tmp_path_factory.mktemp("matrix")
+    refs = {_reference_args(c, hf_bf16_folder) for c in CELLS}
+    ref_dirs = {args: root / f"ref{i}" for i, args in enumerate(sorted(refs))}
+
+    def reference(args: tuple[str, ...]) -> Run:
+        run_dir = ref_dirs[args]
+        proc = run_fsdprun("train", "debug", *args, "--nproc-per-node", "1", "--run-dir",
+                           str(run_dir), cwd=root)  # fmt: skip
+        return Run(proc, run_dir)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        ref_futures = {args: pool.submit(reference, args) for args in ref_dirs}
+        cell_futures = [
+            pool.submit(_run_cell, cell, hf_bf16_folder, root / f"cell{i}")
+            for i, cell in enumerate(CELLS)
+        ]
+        return {
+            "refs": {args: f.result() for args, f in ref_futures.items()},
+            "cells": [f.result() for f in cell_futures],
+        }
 
 
 def _one_line_refusal(proc, words: str) -> None:
@@ -287,21 +332,15 @@ def _check_trained(procs, run_dir: Path, ref: Run, precision: str) -> None:
 
 
 @pytest.mark.matrix
-@pytest.mark.parametrize("cell", CELLS, ids=[_cell_id(c) for c in CELLS])
-def test_cell_trains_like_the_plain_run(cell, tmp_path, hf_bf16_folder, fsdprun_runs):
-    args = _args(cell, hf_bf16_folder)
-    run_dir = tmp_path / "run"
-    env = fsdprun_env()
-    if cell["resume"] == "none":
-        procs = _launch(cell, args, run_dir, tmp_path, env)
-    else:
-        # Crash after step 2's checkpoint, then resume on another number of ranks.
-        first = _launch(cell, args, run_dir, tmp_path, fsdprun_env(FSDPRUN_FAIL_AT="0:3"))
-        assert first[0].returncode == 1, first[0].stdout[-2000:] + first[0].stderr[-2000:]
-        procs = [run_fsdprun("resume", str(run_dir), "--nproc-per-node",
-                             str(_resume_world(cell)), cwd=tmp_path, env=env)]  # fmt: skip
-    _check_trained(procs, run_dir, _reference(cell, hf_bf16_folder, fsdprun_runs),
-                   cell["precision"])  # fmt: skip
+@pytest.mark.parametrize("index", range(len(CELLS)), ids=[_cell_id(c) for c in CELLS])
+def test_cell_trains_like_the_plain_run(index, matrix, hf_bf16_folder):
+    cell = CELLS[index]
+    procs, run_dir = matrix["cells"][index]
+    if cell["resume"] != "none" and len(procs) == 1 and procs[0].args[1] == "train":
+        # The first launch should have crashed at step 3 (FSDPRUN_FAIL_AT).
+        assert procs[0].returncode == 1, procs[0].stdout[-2000:] + procs[0].stderr[-2000:]
+    ref = matrix["refs"][_reference_args(cell, hf_bf16_folder)].check()
+    _check_trained(procs, run_dir, ref, cell["precision"])
 
 
 @pytest.mark.matrix
