@@ -69,7 +69,10 @@ class _LiveStorages(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                self.storages.setdefault(id(storage), (weakref.ref(storage), storage.nbytes()))
+                known = self.storages.get(id(storage))
+                # An id is reused once its storage is gone: a dead entry is another storage's.
+                if known is None or known[0]() is None:
+                    self.storages[id(storage)] = (weakref.ref(storage), storage.nbytes())
         return out
 
     def live_bytes(self) -> int:
