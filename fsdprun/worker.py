@@ -368,7 +368,7 @@ def _train(
                 device=device.torch_device,
             )
             loss_sum, grad_norm = _forward_backward(
-                engine, optimizer, scaler, batches, layout, step, ranks.rank, device, cfg,
+                engine, optimizer, scaler, batches, layout, step, device, cfg,
                 poison=done in nonfinite_at,
             )  # fmt: skip
             agreed = agreement.finish(
@@ -425,8 +425,8 @@ def _train(
                 checkpoint_op(lambda: save(done), last=final)  # noqa: B023 (called at once)
             window_start += time.perf_counter() - save_start  # not in tokens/s (as eval)
         if done % cfg.output.log_every == 0 or done == cfg.train.steps or agreed.stop:
-            # The only collective outside FSDP's and the agreement: every rank reaches it at the
-            # same steps.
+            # Logging steps only (the loss is read back here, not every step): every rank
+            # reaches this all-reduce at the same steps.
             with heartbeat.watch(done, "step"):
                 dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
             loss_value = loss_sum.item() / (layout.grad_accum_steps * ranks.world_size)
@@ -613,7 +613,7 @@ def _summary(
 
 
 def _forward_backward(
-    engine, optimizer, scaler, batches, layout, step, rank, device, cfg, *, poison
+    engine, optimizer, scaler, batches, layout, step, device, cfg, *, poison
 ):
     """Forward and backward over the micro-batches of one step, then unscale and clip.
 
@@ -622,7 +622,8 @@ def _forward_backward(
     """
     loss_sum = torch.zeros((), device=device.torch_device, dtype=torch.float32)
     for micro in range(layout.grad_accum_steps):
-        # Reduce gradients only once per optimizer step.
+        # The last micro-step completes the reduction; what earlier ones reduce is the engine's
+        # accumulation mode (sharded engines reduce-scatter every micro-step).
         with engine.micro_step(sync=micro == layout.grad_accum_steps - 1):
             inputs, targets = batches.load(step, micro)  # and the next one starts loading
             with engine.autocast():

@@ -198,7 +198,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     batches = BatchLoader(data, layout, 0, device.torch_device, steps=1)  # as the worker
     with mode:
         _forward_backward(
-            engine, optimizer, None, batches, layout, 0, 0, device, cfg, poison=False
+            engine, optimizer, None, batches, layout, 0, device, cfg, poison=False
         )
         measured["grads"] = grads()
         optimizer.step()

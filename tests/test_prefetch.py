@@ -91,8 +91,8 @@ def test_non_logging_steps_do_not_sync_with_the_host(tmp_path):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")  # warm-up first
             try:
-                _forward_backward(engine, optimizer, scaler, batches, layout, step, 0, device,
-                                  cfg, poison=False)  # fmt: skip
+                _forward_backward(engine, optimizer, scaler, batches, layout, step, device, cfg,
+                                  poison=False)  # fmt: skip
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
