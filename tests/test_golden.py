@@ -64,7 +64,7 @@ def golden_runs(tmp_path_factory) -> dict[str, dict]:
 
     # Two at a time: this machine has two cores and each run has two ranks.
     with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(ENGINES, pool.map(one, ENGINES)))
+        results = dict(zip(ENGINES, pool.map(one, ENGINES), strict=True))
     if RECORD:
         GOLDEN.mkdir(exist_ok=True)
         (GOLDEN / "layout.json").write_text(json.dumps(results, indent=1) + "\n")
