@@ -119,11 +119,11 @@ def guarded(fn):
             if os.environ.get("FSDPRUN_DEBUG"):
                 raise
             raise _fail(str(e), 1) from None
-        except _loaded("fsdprun.launch", "WorkerFailed") as e:
+        except _loaded("fsdprun.launch.elastic", "WorkerFailed") as e:
             if os.environ.get("FSDPRUN_DEBUG"):
                 raise
             raise _fail(str(e), 2 if e.user_error else 1) from None
-        except _loaded("fsdprun.launch", "Stopped") as e:
+        except _loaded("fsdprun.launch.elastic", "Stopped") as e:
             err_console.print(str(e))
             raise typer.Exit(e.exit_code) from None
         except (*_loaded(_ELASTIC_API, "SignalException"), KeyboardInterrupt) as e:
@@ -214,16 +214,16 @@ def train(
         max_restarts=max_restarts, standalone=standalone,
     )  # fmt: skip
     all_overrides = [*(overrides or []), *extra]
-    from fsdprun.slurm import srun_env
+    from fsdprun.launch.slurm import srun_env
 
     # A task of an srun step is a worker too, unless it is its node's launcher (--nnodes).
     os.environ.update(srun_env(os.environ, nnodes=nnodes))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
-        from fsdprun.direct import run_as_worker
+        from fsdprun.launch.direct import run_as_worker
 
         run_as_worker(recipe, all_overrides)
         return
-    from fsdprun.launch import default_run_dir, launch_training
+    from fsdprun.launch.elastic import default_run_dir, launch_training
 
     resolved = load_recipe(recipe, all_overrides)
     target = Path(resolved.config.output.run_dir or default_run_dir(resolved.name))
@@ -255,9 +255,9 @@ def resume(
     standalone: StandaloneOpt = False,
 ) -> None:
     """Continue a run from its newest complete checkpoint (any world size)."""
-    from fsdprun.runlock import hold_run_dir
-    from fsdprun.slurm import srun_env
-    from fsdprun.worker import RECIPE_FILE
+    from fsdprun.launch.runlock import hold_run_dir
+    from fsdprun.launch.slurm import srun_env
+    from fsdprun.train.worker import RECIPE_FILE
 
     if "RANK" in os.environ or srun_env(os.environ, nnodes=nnodes):
         # Every rank would start a launcher of its own on the same run directory.
@@ -284,8 +284,8 @@ def resume(
 def _resume(
     run_dir: Path, overrides: list[str] | None, extra: list[str], *, step: int | None, verify: bool
 ) -> None:
-    from fsdprun.launch import launch_training
-    from fsdprun.resume import plan_resume
+    from fsdprun.launch.elastic import launch_training
+    from fsdprun.launch.resume import plan_resume
 
     plan = plan_resume(run_dir, [*(overrides or []), *extra], step=step, verify=verify)
     for bad in plan.skipped:
@@ -341,9 +341,10 @@ def status(
     """Whether a run is running (who holds its lock: host, pid, since when), its last logged
     step, loss, tokens/s and ETA, restarts, each rank's last heartbeat and the newest complete
     checkpoint, from the run directory's files alone."""
-    from fsdprun.status import render_status, run_status, watch_status
+    from fsdprun.tools.status import render_status, run_status, watch_status
 
     if watch:
+
         def write(text: str) -> None:
             sys.stdout.write(text)
             sys.stdout.flush()  # a batch log or a pipe sees each redraw as it comes
@@ -358,8 +359,9 @@ def status(
 def plot(
     run_dirs: Annotated[
         list[Path],
-        typer.Argument(help="One or more run directories.", metavar="RUN_DIR",
-                       show_default=False),  # fmt: skip
+        typer.Argument(
+            help="One or more run directories.", metavar="RUN_DIR", show_default=False
+        ),  # fmt: skip
     ],
     out: Annotated[
         Path | None,
@@ -373,7 +375,7 @@ def plot(
     """Draw runs' loss (by step and by tokens), learning rate, grad norm, tokens/s and peak
     memory per rank into one PNG; several runs are overlaid with a legend."""
     # Not `guarded`: that imports torch, and plot reads files alone.
-    from fsdprun.plot import plot_runs
+    from fsdprun.report.plot import plot_runs
 
     target = out or (run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("plot.png"))
     try:
@@ -427,7 +429,7 @@ def inspect_checkpoint(
     Exit 0: complete (every checkpoint of a run directory); 1: incomplete or corrupt; 2: not a
     checkpoint.
     """
-    from fsdprun.inspect_ckpt import inspect_path, problem, render
+    from fsdprun.checkpoint.inspect import inspect_path, problem, render
 
     doc = inspect_path(path, tensors=tensors, diff=diff, verify=verify)
     reason = problem(doc)
@@ -473,8 +475,8 @@ def export(
     ] = "5GB",
 ) -> None:
     """Write a checkpoint's model weights as full tensors: no model, GPU or process group."""
-    from fsdprun.export import export_checkpoint
-    from fsdprun.report import fmt_bytes, fmt_count
+    from fsdprun.checkpoint.export import export_checkpoint
+    from fsdprun.report.console import fmt_bytes, fmt_count
 
     result = export_checkpoint(
         checkpoint, out, fmt=format_, dtype=dtype, max_shard_size=max_shard_size
@@ -553,11 +555,11 @@ def plan(
     plot_: PlotOpt = None,
 ) -> None:
     """Plan FSDP units and per-rank memory (full, grad_op, hybrid, ddp); allocates no model."""
-    from fsdprun.plan import parse_memory, plan_recipe
-    from fsdprun.report import render_plan
+    from fsdprun.report.console import render_plan
+    from fsdprun.tools.plan import parse_memory, plan_recipe
 
     if plot_ is not None:
-        from fsdprun.plot import check_png_target
+        from fsdprun.report.plot import check_png_target
 
         check_png_target(plot_, "--plot")
     memory = parse_memory(device_memory) if device_memory else None
@@ -569,7 +571,7 @@ def plan(
     else:
         render_plan(result, Console(highlight=False))
     if plot_ is not None:
-        from fsdprun.plot import DPI, plan_figure
+        from fsdprun.report.plot import DPI, plan_figure
 
         plan_figure(result).savefig(plot_, dpi=DPI)
         err_console.print(f"wrote {plot_}")
@@ -607,12 +609,12 @@ def compare_cmd(
 ) -> None:
     """Run a recipe under several engines/shardings (same seed and data) and compare them side
     by side: tokens/s, step time, peak memory, model state per rank, final loss."""
-    from fsdprun.compare import compare, markdown, parse_configs, render
-    from fsdprun.launch import default_run_dir
+    from fsdprun.launch.elastic import default_run_dir
+    from fsdprun.tools.compare import compare, markdown, parse_configs, render
 
     chosen = parse_configs(configs)
     if plot_ is not None:
-        from fsdprun.plot import check_png_target
+        from fsdprun.report.plot import check_png_target
 
         check_png_target(plot_, "--plot")  # before the runs, not after them
     extra = [f"train.steps={steps}"] if steps is not None else []
@@ -637,7 +639,7 @@ def compare_cmd(
     else:
         render(report, name, Console(highlight=False))
     if plot_ is not None:
-        from fsdprun.plot import DPI, compare_figure
+        from fsdprun.report.plot import DPI, compare_figure
 
         compare_figure(report).savefig(plot_, dpi=DPI)
         err_console.print(f"wrote {plot_}")

@@ -45,7 +45,7 @@ def describe_os_error(error: OSError) -> str:
     if error.errno == errno.EFBIG:
         import resource  # Unix only, like EFBIG from a limit
 
-        from fsdprun.report import fmt_bytes
+        from fsdprun.report.console import fmt_bytes
 
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if limit == resource.RLIM_INFINITY:

@@ -54,8 +54,8 @@ from fsdprun.config import (
 )
 from fsdprun.device import resolve_device_kind
 from fsdprun.errors import UserError
-from fsdprun.metrics import read_events
 from fsdprun.models import build_model_args
+from fsdprun.report.metrics import read_events
 
 console = Console(highlight=False)
 
@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = ["plain", *variants]
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     errors: dict[str, str] = {}
+
     def summarize() -> dict:
         """The results so far (written after every run: a time limit keeps what was done)."""
         summary: dict[str, dict] = {}

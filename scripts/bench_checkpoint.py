@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fsdprun.metrics import read_events
+from fsdprun.report.metrics import read_events
 
 FSDPRUN = str(Path(sys.executable).parent / "fsdprun")
 MODEL = [

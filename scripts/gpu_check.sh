@@ -132,7 +132,7 @@ cp "$WORK/compare_1b.txt" "$WORK/compare_1b.json"
 step plan_1b 30 "$BIN/fsdprun" plan "$RECIPE" --json
 cp "$WORK/plan_1b.txt" "$WORK/plan_1b.json"
 "$PY" scripts/plan_vs_measured.py "$WORK/compare_1b" --bench "$WORK/bench_1b.json" --recipe "$RECIPE" >> "$SUMMARY" 2>&1
-"$PY" -c "import json,sys; from fsdprun.compare import markdown; t=open(sys.argv[1]).read(); print(markdown(json.loads(t[t.index(chr(123)):])))" "$WORK/compare_1b.json" >> "$SUMMARY" 2>&1
+"$PY" -c "import json,sys; from fsdprun.tools.compare import markdown; t=open(sys.argv[1]).read(); print(markdown(json.loads(t[t.index(chr(123)):])))" "$WORK/compare_1b.json" >> "$SUMMARY" 2>&1
 
 step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/test_gpu.py
 tail -3 "$WORK/gpu_tests.txt" >> "$SUMMARY"

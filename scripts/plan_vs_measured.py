@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from fsdprun.config import RecipeConfig, load_recipe
-from fsdprun.metrics import read_events
-from fsdprun.plan import plan_memory
+from fsdprun.report.metrics import read_events
+from fsdprun.tools.plan import plan_memory
 
 
 def _err(plan: int, measured: int) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdprun.metrics import read_events
+from fsdprun.report.metrics import read_events
 
 FSDPRUN = str(Path(sys.executable).parent / "fsdprun")
 

@@ -20,7 +20,7 @@ from conftest import Run, run_fsdprun
 from typer.testing import CliRunner
 
 import fsdprun.device
-import fsdprun.launch
+import fsdprun.launch.elastic
 from fsdprun.checkpoint import step_dir
 from fsdprun.cli import app
 from fsdprun.config import STRING_KEYS, schema_fields
@@ -151,7 +151,7 @@ def _no_checkpoints(trained: Path, tmp: Path) -> Path:
 def test_bad_input_in_process(case, trained: Path, tmp_path: Path, monkeypatch):
     _, make_args, phrase = case
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fsdprun.launch, "elastic_launch", _must_not_launch)
+    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", _must_not_launch)
     args = make_args(tmp_path, trained)
     before = snapshot(tmp_path, trained)
     result = CliRunner().invoke(app, args)
@@ -174,7 +174,7 @@ def _must_not_launch(*args, **kwargs):
 def test_more_ranks_than_devices(monkeypatch, tmp_path):
     # No GPU here: pretend the node has one cuda device (device presence only; nothing
     # distributed is faked) and ask for two ranks.
-    monkeypatch.setattr(fsdprun.launch, "resolve_device_kind", lambda requested: "cuda")
+    monkeypatch.setattr(fsdprun.launch.elastic, "resolve_device_kind", lambda requested: "cuda")
     monkeypatch.setattr(fsdprun.device, "device_count", lambda kind: 1)
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["train", "debug", "--run-dir", "r"])
@@ -324,7 +324,7 @@ def _invoke_one_line(args: list[str], root: Path, monkeypatch) -> str:
     """Run the CLI in-process under a deadline; the one error line, after checking that nothing
     under `root` changed."""
     monkeypatch.chdir(root)
-    monkeypatch.setattr(fsdprun.launch, "elastic_launch", _must_not_launch)
+    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", _must_not_launch)
     before = snapshot(root)
     with _Deadline(10):
         result = CliRunner().invoke(app, args)

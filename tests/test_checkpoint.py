@@ -12,7 +12,7 @@ from conftest import Run, consolidate, flatten, fsdprun_env, run_fsdprun
 
 from fsdprun.checkpoint import find_resume_checkpoint, list_checkpoints, step_dir
 from fsdprun.config import load_recipe
-from fsdprun.optim import lr_factor
+from fsdprun.train.optim import lr_factor
 
 # 8 steps, a checkpoint every 4, global batch 8 with micro batch 1.
 BASE = ("train.steps=8", "checkpoint.every_steps=4", "output.log_every=1",
@@ -160,8 +160,10 @@ def test_resume_with_more_steps_follows_the_longer_schedule(crashed: Path, tmp_p
         total = 8 if step <= 4 else 16
         want = cfg.optim.lr * lr_factor(step - 1, cfg=cfg.schedule, total_steps=total)
         assert lr[step] == pytest.approx(want, rel=1e-9), step
-    old, new = lr_factor(4, cfg=cfg.schedule, total_steps=8), lr_factor(4, cfg=cfg.schedule,
-                                                                         total_steps=16)
+    old, new = (
+        lr_factor(4, cfg=cfg.schedule, total_steps=8),
+        lr_factor(4, cfg=cfg.schedule, total_steps=16),
+    )
     note = (
         f"note: train.steps 8 -> 16 stretches the cosine schedule: the learning rate of step 5 "
         f"is {cfg.optim.lr * new:.3g} (it was {cfg.optim.lr * old:.3g})"

@@ -1,6 +1,6 @@
 """The `fsdprun` command line: typer's CliRunner in-process, plus the real console script.
 
-`train` never launches here: `fsdprun.launch.launch_training` is patched to record what the
+`train` never launches here: `fsdprun.launch.elastic.launch_training` is patched to record what the
 command hands it. Run with `pytest tests/test_cli.py`.
 """
 
@@ -46,7 +46,7 @@ def launches(monkeypatch) -> list[tuple[ResolvedRecipe, Path]]:
     def fake_launch_training(resolved: ResolvedRecipe, run_dir: Path) -> None:
         calls.append((resolved, run_dir))
 
-    monkeypatch.setattr("fsdprun.launch.launch_training", fake_launch_training)
+    monkeypatch.setattr("fsdprun.launch.elastic.launch_training", fake_launch_training)
     return calls
 
 
@@ -249,12 +249,12 @@ def test_train_invalid_recipe_does_not_launch(launches):
 
 
 def test_train_failed_worker_is_one_line_exit_1(monkeypatch):
-    from fsdprun.launch import WorkerFailed
+    from fsdprun.launch.elastic import WorkerFailed
 
     def failing_launch(resolved: ResolvedRecipe, run_dir: Path) -> None:
         raise WorkerFailed("rank 1 failed: boom (log: x/logs/rank1.log)", user_error=False)
 
-    monkeypatch.setattr("fsdprun.launch.launch_training", failing_launch)
+    monkeypatch.setattr("fsdprun.launch.elastic.launch_training", failing_launch)
     result = runner.invoke(app, ["train", "debug"])
     assert result.exit_code == 1
     assert result.stderr == "error: rank 1 failed: boom (log: x/logs/rank1.log)\n"

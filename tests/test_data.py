@@ -24,7 +24,7 @@ from fsdprun.data.files import token_dtype_for
 from fsdprun.data.text import build_tokenizer, iter_documents, tokenize_to_array
 from fsdprun.data.windows import ShuffledWindows, TokenWindows
 from fsdprun.errors import UserError
-from fsdprun.launch import launch_training
+from fsdprun.launch.elastic import launch_training
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 EOS = 256

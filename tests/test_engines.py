@@ -14,14 +14,14 @@ import torch
 from conftest import fsdprun_env, read_tables, run_fsdprun
 from rich.console import Console
 
-from fsdprun.compare import cells, markdown, parse_configs, render
 from fsdprun.config import Engine as EngineKind
 from fsdprun.config import load_recipe
 from fsdprun.device import resolve_device_kind
-from fsdprun.engine import Engine, translate
+from fsdprun.engines import Engine, translate
 from fsdprun.errors import UserError
-from fsdprun.metrics import read_events
-from fsdprun.plan import plan_memory
+from fsdprun.report.metrics import read_events
+from fsdprun.tools.compare import cells, markdown, parse_configs, render
+from fsdprun.tools.plan import plan_memory
 
 FP32 = ["precision.param_dtype=fp32", "precision.reduce_dtype=fp32"]
 # Every engine, and every sharding strategy under at least one of them.
@@ -114,7 +114,7 @@ def png_size(path: Path) -> tuple[int, int]:
 
 def test_compare_plot_draws_the_table_as_bars(compared, tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra: pip install 'fsdprun[plot]'")
-    from fsdprun.plot import DPI, compare_figure
+    from fsdprun.report.plot import DPI, compare_figure
 
     report, results = compared
     fig = compare_figure(report)

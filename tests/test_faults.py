@@ -189,8 +189,8 @@ def test_nonfinite_skip_leaves_the_state_untouched(tmp_path):
 # CPU workers: they inherit it.
 OVERFLOWING_SCALER = """
 import sys, torch
-import fsdprun.engine
-fsdprun.engine.Engine.grad_scaler = lambda self: torch.amp.GradScaler(
+import fsdprun.engines
+fsdprun.engines.Engine.grad_scaler = lambda self: torch.amp.GradScaler(
     "cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
 from fsdprun.cli import main
 main()

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from fsdprun.config import load_recipe
-from fsdprun.errors import UserError
-from fsdprun.float8 import (
+from fsdprun.engines.float8 import (
     check_float8,
     float8_eligible,
     float8_linears,
     float8_refusal,
     output_fqns,
 )
+from fsdprun.errors import UserError
 from fsdprun.models import build_model
 
 
@@ -76,7 +76,7 @@ def test_float8_filter_on_the_built_in_llama():
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
 def test_float8_conversion_swaps_exactly_the_filtered_linears(mode):
     pytest.importorskip("torchao")
-    from fsdprun.float8 import apply_float8
+    from fsdprun.engines.float8 import apply_float8
 
     cfg = load_recipe("debug", ["model.ffn_dim=200"]).config
     with torch.device("meta"):
@@ -95,7 +95,7 @@ def test_float8_conversion_swaps_exactly_the_filtered_linears(mode):
 
 
 def test_plan_gathers_converted_weights_in_one_byte_with_tensorwise():
-    from fsdprun.plan import plan_recipe
+    from fsdprun.tools.plan import plan_recipe
 
     common = ["precision.param_dtype=bf16", "model.ffn_dim=200"]
     bf16 = plan_recipe("debug", common)

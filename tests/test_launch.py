@@ -16,9 +16,9 @@ from rich.console import Console
 from fsdprun.config import load_recipe
 from fsdprun.device import BACKENDS, check_nproc, process_group_backend, resolve_device_kind
 from fsdprun.errors import UserError
-from fsdprun.launch import build_launch_plan
-from fsdprun.loopback import RDZV_BACKEND
-from fsdprun.report import Reporter
+from fsdprun.launch.elastic import build_launch_plan
+from fsdprun.launch.loopback import RDZV_BACKEND
+from fsdprun.report.console import Reporter
 
 
 def test_single_node_binds_loopback_and_multi_node_uses_the_given_endpoint(tmp_path):
@@ -196,7 +196,7 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 def test_hybrid_shards_within_the_node_an_external_launcher_reports():
     from fsdprun.config import shard_group_size
-    from fsdprun.direct import launch_overrides
+    from fsdprun.launch.direct import launch_overrides
 
     # llama-1b says one device per node; torchrun (or srun) started the job as it is.
     batch = ["fsdp.sharding=hybrid", "train.micro_batch_size=1", "train.global_batch_size=16"]
@@ -240,7 +240,7 @@ def test_a_restarted_torchrun_worker_continues_only_its_own_run_dir(tmp_path, mo
     import json
 
     from fsdprun.checkpoint import checkpoint_root
-    from fsdprun.direct import AGENT_FILE, claim_run_dir
+    from fsdprun.launch.direct import AGENT_FILE, claim_run_dir
 
     run_dir = tmp_path / "run"
     resolved = load_recipe("debug")
@@ -267,7 +267,7 @@ SRUN_STEP = {
 
 
 def test_srun_variables_map_only_for_the_tasks_of_a_multi_task_step():
-    from fsdprun.slurm import first_host, srun_env
+    from fsdprun.launch.slurm import first_host, srun_env
 
     task1 = {**SRUN_STEP, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
     env = srun_env(task1)
@@ -340,7 +340,7 @@ def test_external_launcher_mistakes_are_one_line(tmp_path):
 
 def test_workers_fork_on_cpu_and_spawn_on_accelerators(monkeypatch):
     from fsdprun.errors import UserError
-    from fsdprun.launch import start_method
+    from fsdprun.launch.elastic import start_method
 
     monkeypatch.delenv("FSDPRUN_START_METHOD", raising=False)
     assert start_method("cpu") == "fork"

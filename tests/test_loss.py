@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdprun.loss import chunked_cross_entropy, cross_entropy
 from fsdprun.models.llama import ModelArgs, Transformer
+from fsdprun.train.loss import chunked_cross_entropy, cross_entropy
 
 
 def _llama(tie: bool, vocab: int = 300) -> Transformer:
@@ -148,7 +148,7 @@ def test_chunked_loss_refuses_an_hf_model_with_logit_soft_capping():
 
 def test_plan_counts_the_chunked_loss_instead_of_the_logits():
     from fsdprun.config import load_recipe
-    from fsdprun.plan import loss_bytes, plan_recipe
+    from fsdprun.tools.plan import loss_bytes, plan_recipe
 
     big = ["model.vocab_size=32000", "precision.param_dtype=fp32", "train.micro_batch_size=8",
            "launch.nproc_per_node=1"]  # fmt: skip

@@ -116,9 +116,7 @@ def pairwise(axes: dict[str, list], excluded) -> list[dict]:
             cell[name] = best
         cell = {n: cell[n] for n in names}
         cells.append(cell)
-        uncovered -= {
-            (x, cell[x], y, cell[y]) for x, y in itertools.combinations(names, 2)
-        }
+        uncovered -= {(x, cell[x], y, cell[y]) for x, y in itertools.combinations(names, 2)}
     return cells
 
 
@@ -353,5 +351,3 @@ def test_refused_cell_says_why_before_anything_starts(cell, words, tmp_path, hf_
                     tmp_path, fsdprun_env())  # fmt: skip
     _one_line_refusal(procs[0], words)
     assert not run_dir.exists() or not any(run_dir.iterdir())
-
-

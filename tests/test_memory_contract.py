@@ -94,10 +94,10 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     from fsdprun.data import BatchLayout, build_datasets
     from fsdprun.data.prefetch import BatchLoader
     from fsdprun.device import Device
-    from fsdprun.engine import build_engine
+    from fsdprun.engines import build_engine
     from fsdprun.models import build_model
-    from fsdprun.optim import build_optimizer
-    from fsdprun.worker import _forward_backward
+    from fsdprun.train.optim import build_optimizer
+    from fsdprun.train.worker import _forward_backward
 
     def storage(t: torch.Tensor):
         return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
@@ -197,9 +197,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     engine.model.register_forward_pre_hook(between_micro_steps, prepend=True)
     batches = BatchLoader(data, layout, 0, device.torch_device, steps=1)  # as the worker
     with mode:
-        _forward_backward(
-            engine, optimizer, None, batches, layout, 0, device, cfg, poison=False
-        )
+        _forward_backward(engine, optimizer, None, batches, layout, 0, device, cfg, poison=False)
         measured["grads"] = grads()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -213,7 +211,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
 
 
 def _planned(cfg) -> dict[str, int]:
-    from fsdprun.plan import plan_memory
+    from fsdprun.tools.plan import plan_memory
 
     plan = plan_memory(cfg)
     s = plan.strategies[plan.recipe_strategy]

@@ -8,10 +8,10 @@ import pytest
 
 from fsdprun.config import Decay, ScheduleConfig, load_recipe
 from fsdprun.data import BatchLayout, SyntheticData
-from fsdprun.metrics import peak_flops, percentile, throughput
 from fsdprun.models import build_model_args
 from fsdprun.models.llama import flops_per_token, num_matmul_params, num_params
-from fsdprun.optim import lr_factor
+from fsdprun.report.metrics import peak_flops, percentile, throughput
+from fsdprun.train.optim import lr_factor
 
 
 def test_flops_per_token_llama_1b_by_hand():

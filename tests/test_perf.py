@@ -15,10 +15,10 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from fsdprun.config import ActivationCheckpointingConfig, CheckpointMode, load_recipe
+from fsdprun.engines.parallel import apply_activation_checkpointing, selective_policy
 from fsdprun.models import build_model_args
 from fsdprun.models.llama import ModelArgs, Transformer, TransformerBlock, rope_table
-from fsdprun.parallel import apply_activation_checkpointing, selective_policy
-from fsdprun.plan import selective_block_bytes
+from fsdprun.tools.plan import selective_block_bytes
 
 BASE = ("train.steps=6", "output.log_every=1", "train.micro_batch_size=1")  # as test_train
 

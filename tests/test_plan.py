@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 from fsdprun.cli import app
 from fsdprun.config import load_recipe
+from fsdprun.engines.parallel import apply_fsdp, model_state_bytes
 from fsdprun.models import Transformer, build_model_args
 from fsdprun.models.llama import TransformerBlock, rope_table
-from fsdprun.parallel import apply_fsdp, model_state_bytes
-from fsdprun.plan import block_activation_bytes, plan_memory, plan_recipe
+from fsdprun.tools.plan import block_activation_bytes, plan_memory, plan_recipe
 
 runner = CliRunner()
 P_70B = 70_553_706_496

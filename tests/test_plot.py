@@ -16,7 +16,7 @@ from fsdprun.cli import app
 
 pytest.importorskip("matplotlib", reason="the plot extra: pip install 'fsdprun[plot]'")
 
-from fsdprun.plot import plot_runs  # noqa: E402
+from fsdprun.report.plot import plot_runs  # noqa: E402
 
 GIB = 2**30
 PANELS = [
@@ -109,7 +109,7 @@ def test_plot_command_errors_are_one_line_and_it_needs_no_torch(tmp_path, monkey
 
 
 def test_plan_plot_stacks_each_strategys_memory_under_the_device_line(tmp_path):
-    from fsdprun.plot import PLAN_COMPONENTS, PLAN_TITLE, plan_figure
+    from fsdprun.report.plot import PLAN_COMPONENTS, PLAN_TITLE, plan_figure
 
     out = tmp_path / "plan.png"
     args = ["plan", "llama-70b", "--world-size", "64", "--device-memory", "80GB", "--json"]

@@ -71,7 +71,7 @@ def test_non_logging_steps_do_not_sync_with_the_host(tmp_path):
     import torch.distributed as dist
 
     from fsdprun.device import build_worker_device
-    from fsdprun.worker import Ranks, _build, _forward_backward
+    from fsdprun.train.worker import Ranks, _build, _forward_backward
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")  # fmt: skip

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from fsdprun.status import render_status, run_status, watch_status
+from fsdprun.tools.status import render_status, run_status, watch_status
 
 
 def _run_dir(tmp_path: Path, events: list[dict]) -> Path:
@@ -61,7 +61,7 @@ def test_running_run_gives_eta_and_heartbeat_ages(tmp_path, monkeypatch):
     for rank, (step, age) in enumerate([(41, 0.5), (40, 12.0)]):
         beat = {"step": step, "phase": "step", "time": now - age}
         (run_dir / "heartbeat" / f"rank-{rank}.json").write_text(json.dumps(beat))
-    monkeypatch.setattr("fsdprun.status.is_locked", lambda path: True)
+    monkeypatch.setattr("fsdprun.tools.status.is_locked", lambda path: True)
     (run_dir / ".lock").write_text("")
     doc = run_status(run_dir)
     assert doc["state"] == "running"
@@ -78,7 +78,7 @@ def test_watch_redraws_until_the_run_ends(tmp_path, monkeypatch):
     run_dir = _run_dir(tmp_path, [START, {"event": "step", "step": 1, "loss": 5.0}])
     (run_dir / ".lock").write_text("")
     held = iter([True, True, False])
-    monkeypatch.setattr("fsdprun.status.is_locked", lambda path: next(held))
+    monkeypatch.setattr("fsdprun.tools.status.is_locked", lambda path: next(held))
     drawn, slept = [], []
     doc = watch_status(run_dir, interval_s=2.0, write=drawn.append, sleep=slept.append)
     assert not doc["running"] and slept == [2.0, 2.0] and len(drawn) == 3

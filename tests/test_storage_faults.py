@@ -302,7 +302,7 @@ def test_manifest_shape_is_validated_in_one_place(trained, tmp_path, change, phr
 
 
 def test_metrics_lines_that_do_not_fit_are_written_later_in_order(tmp_path):
-    from fsdprun.metrics import MetricsLog, read_events
+    from fsdprun.report.metrics import MetricsLog, read_events
 
     path = tmp_path / "metrics.jsonl"
     log = MetricsLog(path)

@@ -12,9 +12,9 @@ from conftest import Run, fsdprun_env, read_tables, run_fsdprun
 from rich.console import Console
 from test_launch import _events
 
-from fsdprun.inspect_ckpt import inspect_path, render
-from fsdprun.plan import plan_recipe
-from fsdprun.report import Reporter, fmt_bytes, fmt_count, render_plan
+from fsdprun.checkpoint.inspect import inspect_path, render
+from fsdprun.report.console import Reporter, fmt_bytes, fmt_count, render_plan
+from fsdprun.tools.plan import plan_recipe
 
 
 def render80(draw) -> str:

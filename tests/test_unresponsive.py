@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import FSDPRUN, fsdprun_env, run_fsdprun
 
-from fsdprun.runlock import is_locked, lock_path
+from fsdprun.launch.runlock import is_locked, lock_path
 
 
 def _gone(pid: int) -> bool:
@@ -124,7 +124,7 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, phase, where, what)
 
 
 def test_heartbeats_name_the_stale_and_the_behind_but_not_the_waiting(tmp_path):
-    from fsdprun.guard import Heartbeat
+    from fsdprun.train.guard import Heartbeat
 
     beat = Heartbeat(tmp_path, 0, world_size=4, timeout_s=10)
     beat.beat(7, "save")

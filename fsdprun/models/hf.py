@@ -2,8 +2,8 @@
 interface the rest of fsdprun expects of a model: `forward(tokens, head=None) -> logits`, `args`,
 `block_paths()`, `init_std(name)`, `init_buffers(device)`.
 
-Architecture only: the pretrained weights are loaded shard-wise by `fsdprun.hf` after FSDP has
-sharded the model. Build it on the meta device:
+Architecture only: the pretrained weights are loaded shard-wise by `fsdprun.models.hf_weights`
+after FSDP has sharded the model. Build it on the meta device:
 
     with torch.device("meta"):
         model = HFCausalLM.from_folder("path/to/hf-model")

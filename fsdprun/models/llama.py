@@ -1,6 +1,6 @@
 """The Llama architecture (RMSNorm, RoPE, grouped-query attention, SwiGLU) — architecture only.
 
-How the model is sharded, compiled and checkpointed lives in `fsdprun.parallel`; this file never
+How the model is sharded, compiled and checkpointed lives in `fsdprun.engines`; this file never
 touches torch.distributed. Build it on the meta device and let the caller materialize it:
 
     with torch.device("meta"):
@@ -132,8 +132,8 @@ class Transformer(nn.Module):
         head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The logits; with `head`, `head(final hidden states, output weight)` instead (a loss
-        that never builds the whole logits, `fsdprun.loss`). The head runs here, inside the root
-        module's forward, where FSDP has the output weight gathered."""
+        that never builds the whole logits, `fsdprun.train.loss`). The head runs here, inside the
+        root module's forward, where FSDP has the output weight gathered."""
         h = self.forward_hidden(tokens)
         if head is not None:
             return head(h, self.output.weight)

@@ -51,14 +51,14 @@ from fsdprun.config import (
     load_recipe,
     shard_group_size,
 )
-from fsdprun.engine import LOCAL, accumulation_mode, translate
+from fsdprun.engines import LOCAL, accumulation_mode, translate
+from fsdprun.engines.float8 import MFU_CONVENTION, float8_linears
+from fsdprun.engines.float8 import describe as describe_float8
+from fsdprun.engines.parallel import plan_units
 from fsdprun.errors import UserError
-from fsdprun.float8 import MFU_CONVENTION, float8_linears
-from fsdprun.float8 import describe as describe_float8
-from fsdprun.loss import describe_loss
 from fsdprun.models import Transformer, build_model_args
 from fsdprun.models.llama import num_matmul_params
-from fsdprun.parallel import plan_units
+from fsdprun.train.loss import describe_loss
 
 DTYPE_BYTES = {Dtype.bf16: 2, Dtype.fp16: 2, Dtype.fp32: 4}
 MASTER_BYTES = 4  # sharded parameters and their gradients are fp32 whatever param_dtype is

@@ -32,7 +32,7 @@ from fsdprun.checkpoint import (
     verify_checkpoint,
 )
 from fsdprun.errors import UserError
-from fsdprun.report import Cell, fmt_bytes, fmt_count
+from fsdprun.report.console import Cell, fmt_bytes, fmt_count
 
 GROUPS = (("model", "model."), ("optimizer", "optim."))  # every other key is in "other"
 GROUP_NAMES = (*(name for name, _ in GROUPS), "other")

@@ -28,19 +28,19 @@ from fsdprun.checkpoint import checkpoint_root, read_manifest, set_aside_after
 from fsdprun.config import RecipeConfig, ResolvedRecipe
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, resolve_device_kind
+from fsdprun.engines.float8 import check_float8
 from fsdprun.errors import UserError
-from fsdprun.float8 import check_float8
-from fsdprun.guard import (
+from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
+from fsdprun.launch.runlock import hold_run_dir
+from fsdprun.report.console import MetricsFollower, Reporter
+from fsdprun.train.guard import (
     LAUNCHER_PID_ENV,
     STOP_FILE,
     clear_verdict,
     read_verdict,
     request_stop,
 )
-from fsdprun.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
-from fsdprun.report import MetricsFollower, Reporter
-from fsdprun.runlock import hold_run_dir
-from fsdprun.worker import RECIPE_FILE, elastic_entry
+from fsdprun.train.worker import RECIPE_FILE, elastic_entry
 
 # torch >= 2.8 lets the launcher choose which signals its agent handles.
 _HAS_SIGNALS_FIELD = "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}
@@ -168,7 +168,7 @@ def build_launch_plan(
         # Node 0 hosts the rendezvous store; the others only connect to it.
         rdzv_configs["is_host"] = launch.node_rank == 0
     # A single node binds the rendezvous to loopback with a free port, and everything else of the
-    # run to loopback too (fsdprun.loopback): nothing listens outside.
+    # run to loopback too (fsdprun.launch.loopback): nothing listens outside.
     endpoint = launch.rdzv_endpoint or f"{LOOPBACK_ADDR}:0"
     local = launch.nnodes == 1 and endpoint_is_local(launch.rdzv_endpoint)
     cpus = os.cpu_count() or 1

@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from fsdprun import __version__
 from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manifest
+from fsdprun.checkpoint.inspect import require_checkpoint_dir, tied_params
 from fsdprun.data.files import read_description
 from fsdprun.errors import UserError
-from fsdprun.inspect_ckpt import require_checkpoint_dir, tied_params
 from fsdprun.staging import staged_folder
 
 MODEL_PREFIX = "model."

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdprun.errors import UserError
-from fsdprun.status import _metrics_file, _read_events
+from fsdprun.tools.status import _metrics_file, _read_events
 
 GIB = 2**30
 FIGURE_SIZE_IN = (15.0, 8.0)

@@ -1,6 +1,6 @@
 """One training worker (one rank): the only place that sequences a run.
 
-Started by `fsdprun.launch` through torch's elastic agent (`elastic_entry`), or directly by
+Started by `fsdprun.launch.elastic` through torch's elastic agent (`elastic_entry`), or directly by
 torchrun/srun (`fsdprun train` sees RANK/WORLD_SIZE in the environment). It reads the resolved
 recipe, joins the process group, builds and shards the model, trains, and on rank 0 writes
 RUN_DIR/metrics.jsonl.
@@ -47,11 +47,22 @@ from fsdprun.device import (
     process_group_backend,
     resolve_device_kind,
 )
-from fsdprun.engine import build_engine
+from fsdprun.engines import build_engine
+from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, precompute_scales
+from fsdprun.engines.float8 import describe as describe_float8
+from fsdprun.engines.parallel import (
+    apply_activation_checkpointing,
+    apply_compile,
+    model_state_bytes,
+)
 from fsdprun.errors import UserError
-from fsdprun.float8 import MFU_CONVENTION, apply_float8, check_float8, precompute_scales
-from fsdprun.float8 import describe as describe_float8
-from fsdprun.guard import (
+from fsdprun.launch.loopback import worker_store_args
+from fsdprun.models import build_model
+from fsdprun.models.llama import flops_per_token, num_params
+from fsdprun.report.console import Reporter
+from fsdprun.report.metrics import MetricsLog, peak_flops, read_events, throughput
+from fsdprun.report.trackers import close_on_failure, open_trackers
+from fsdprun.train.guard import (
     Heartbeat,
     StepAgreement,
     StopSignals,
@@ -60,16 +71,9 @@ from fsdprun.guard import (
     injected_step,
     restart_count,
 )
-from fsdprun.loopback import worker_store_args
-from fsdprun.loss import describe_loss
-from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
-from fsdprun.models import build_model
-from fsdprun.models.llama import flops_per_token, num_params
-from fsdprun.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
-from fsdprun.parallel import apply_activation_checkpointing, apply_compile, model_state_bytes
-from fsdprun.profiling import StepProfiler, profile_record
-from fsdprun.report import Reporter
-from fsdprun.trackers import close_on_failure, open_trackers
+from fsdprun.train.loss import describe_loss
+from fsdprun.train.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
+from fsdprun.train.profiling import StepProfiler, profile_record
 
 RECIPE_FILE = "recipe.yaml"
 
@@ -215,7 +219,7 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device):
     weights = None
     if cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained:
         # Imported here: it needs safetensors, which comes with the optional hf extra.
-        from fsdprun.hf import HFWeights
+        from fsdprun.models.hf_weights import HFWeights
 
         weights = HFWeights(Path(cfg.model.hf_path), model)
     engine = build_engine(
@@ -483,8 +487,12 @@ def _train(
             checkpointer=checkpointer, wall_start=wall_start,
         )  # fmt: skip
         if cfg.profile.enabled:  # every rank wrote its trace before the all_gather above
-            emit("profile", **profile_record(cfg.profile, run_dir=run_dir,
-                                             world_size=ranks.world_size, start_step=start_step))
+            emit(
+                "profile",
+                **profile_record(
+                    cfg.profile, run_dir=run_dir, world_size=ranks.world_size, start_step=start_step
+                ),
+            )
         emit("summary", **summary)
         metrics.close()
         trackers.close()
@@ -612,9 +620,7 @@ def _summary(
     }
 
 
-def _forward_backward(
-    engine, optimizer, scaler, batches, layout, step, device, cfg, *, poison
-):
+def _forward_backward(engine, optimizer, scaler, batches, layout, step, device, cfg, *, poison):
     """Forward and backward over the micro-batches of one step, then unscale and clip.
 
     Returns:

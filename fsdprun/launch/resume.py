@@ -14,8 +14,8 @@ from pathlib import Path
 from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint
 from fsdprun.config import ResolvedRecipe, config_to_dict, load_recipe, validate
 from fsdprun.errors import UserError
-from fsdprun.optim import lr_factor
-from fsdprun.worker import RECIPE_FILE
+from fsdprun.train.optim import lr_factor
+from fsdprun.train.worker import RECIPE_FILE
 
 # Keys (or prefixes) a resumed run may change.
 RESUMABLE = (

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import Engine, Sharding, load_recipe
 from fsdprun.errors import UserError
-from fsdprun.metrics import read_events
-from fsdprun.runlock import LOCK_FILE, hold_run_dir
+from fsdprun.launch.runlock import LOCK_FILE, hold_run_dir
+from fsdprun.report.metrics import read_events
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -194,7 +194,7 @@ ROWS = (
 def cells(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the side-by-side table: each value with its ratio to the first
     configuration (the first one that ran)."""
-    from fsdprun.report import fmt_bytes
+    from fsdprun.report.console import fmt_bytes
 
     results = report["results"]
     base = next((r for r in results if r["ok"]), None)
@@ -234,7 +234,7 @@ def render(report: dict[str, Any], name: str, console: Console) -> None:
     columns."""
     from rich.table import Table
 
-    from fsdprun.report import Cell
+    from fsdprun.report.console import Cell
 
     header, rows = cells(report)
     table = Table(title=f"fsdprun compare {name} (world size {report['world_size']}, "

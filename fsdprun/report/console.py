@@ -1,7 +1,7 @@
 """What the user sees: the run header, a progress bar, log lines and the final tables.
 
-Rendering only — every number arrives computed in a metrics event (see `fsdprun.metrics`). The
-launcher feeds events to a `Reporter` by following RUN_DIR/metrics.jsonl; a worker started by
+Rendering only — every number arrives computed in a metrics event (`fsdprun.report.metrics`).
+The launcher feeds events to a `Reporter` by following RUN_DIR/metrics.jsonl; a worker started by
 torchrun/srun feeds its own events on rank 0.
 """
 
@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from fsdprun.metrics import read_events
+from fsdprun.report.metrics import read_events
 
 GIB = 1024**3
 
@@ -332,7 +332,8 @@ def _prefetch_text(value: list[str] | str) -> str:
 
 
 def render_plan(plan: dict[str, Any], console: Console) -> None:
-    """Print a memory plan (`fsdprun.plan.MemoryPlan.to_dict()`): units, then memory per rank."""
+    """Print a memory plan (`fsdprun.tools.plan.MemoryPlan.to_dict()`): units, then memory per
+    rank."""
     c = console
     c.print(
         f"[bold]fsdprun plan[/bold] {plan['recipe']}: {fmt_count(plan['num_params'])} params, "

@@ -22,10 +22,10 @@ from typing import Any
 import yaml
 
 from fsdprun.errors import UserError
-from fsdprun.runlock import LOCK_FILE, Holder, is_locked, read_holder
+from fsdprun.launch.runlock import LOCK_FILE, Holder, is_locked, read_holder
 
-RECIPE_FILE = "recipe.yaml"  # fsdprun.worker.RECIPE_FILE, which imports torch
-HEARTBEAT_DIR = "heartbeat"  # fsdprun.guard.HEARTBEAT_DIR, likewise
+RECIPE_FILE = "recipe.yaml"  # fsdprun.train.worker.RECIPE_FILE, which imports torch
+HEARTBEAT_DIR = "heartbeat"  # fsdprun.train.guard.HEARTBEAT_DIR, likewise
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -82,8 +82,9 @@ def run_status(run_dir: Path) -> dict[str, Any]:
         "tokens_per_s": last.get("tokens_per_s"),
         "eta_s": eta_s,
         # Each elastic restart starts the session again with attempt N.
-        "restarts": max((e.get("attempt") or 0 for e in session if e.get("event") == "start"),
-                        default=0),  # fmt: skip
+        "restarts": max(
+            (e.get("attempt") or 0 for e in session if e.get("event") == "start"), default=0
+        ),  # fmt: skip
         "heartbeats": _heartbeats(run_dir),
         "last_checkpoint": checkpoints[-1].get("path") if checkpoints else None,
         "newest_complete_checkpoint": _newest_complete(run_dir),

@@ -1,7 +1,7 @@
 """Running as one worker of a job someone else launched (torchrun, srun, a cluster scheduler).
 
 `fsdprun train` lands here when RANK, LOCAL_RANK and WORLD_SIZE are already set (torchrun), or
-mapped from SLURM's variables in a multi-task srun step (`fsdprun.slurm`): every rank
+mapped from SLURM's variables in a multi-task srun step (`fsdprun.launch.slurm`): every rank
 resolves the same command line itself (there is no launcher process to do it once), rank 0
 writes RUN_DIR/recipe.yaml for the record and renders the report.
 
@@ -21,10 +21,10 @@ from pathlib import Path
 
 from fsdprun.config import ResolvedRecipe, load_recipe
 from fsdprun.errors import UserError
-from fsdprun.guard import restart_count
-from fsdprun.launch import prepare_run_dir
-from fsdprun.runlock import hold_run_dir
-from fsdprun.worker import run
+from fsdprun.launch.elastic import prepare_run_dir
+from fsdprun.launch.runlock import hold_run_dir
+from fsdprun.train.guard import restart_count
+from fsdprun.train.worker import run
 
 AGENT_FILE = "agent.json"
 

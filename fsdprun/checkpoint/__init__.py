@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdprun import __version__
 from fsdprun.config import CheckpointConfig
 from fsdprun.errors import UserError, describe_os_error, find_os_error
-from fsdprun.report import fmt_bytes
+from fsdprun.report.console import fmt_bytes
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdprun.errors import UserError
-from fsdprun.trackers import tracker_errors
+from fsdprun.report.trackers import tracker_errors
 
 DEFAULT_SOURCE = "default"
 CLI_SOURCE = "command line"

@@ -11,7 +11,8 @@ the unwrapped model's, so a run saved under one engine resumes under another.
 
 Initialization is the same for all three: every parameter's full value comes from
 `parallel.init_value` (seeded by recipe seed and parameter name), or from a HuggingFace folder's
-files (`fsdprun.hf.HFWeights`), so the engines start from identical weights at any world size.
+files (`fsdprun.models.hf_weights.HFWeights`), so the engines start from identical weights at
+any world size.
 """
 
 from __future__ import annotations
@@ -41,9 +42,7 @@ from fsdprun.config import (
 from fsdprun.config import (
     Engine as EngineKind,
 )
-from fsdprun.errors import UserError
-from fsdprun.loss import chunked_cross_entropy, cross_entropy
-from fsdprun.parallel import (
+from fsdprun.engines.parallel import (
     TORCH_DTYPES,
     FsdpUnit,
     apply_fsdp,
@@ -52,9 +51,13 @@ from fsdprun.parallel import (
     plan_units,
     tied_names,
 )
+from fsdprun.errors import UserError
+from fsdprun.train.loss import chunked_cross_entropy, cross_entropy
 
 if TYPE_CHECKING:
-    from fsdprun.hf import HFWeights  # needs safetensors, which comes with the optional hf extra
+    from fsdprun.models.hf_weights import (
+        HFWeights,  # needs safetensors, which comes with the optional hf extra
+    )
 
 _FSDP1_PREFIX = "_fsdp_wrapped_module."
 _DDP_PREFIX = "module."
@@ -334,6 +337,7 @@ class Engine:
             compiled=self.compiled,
         )  # fmt: skip
         return self.model(inputs, head=head)
+
     # Tied weights of the unwrapped model: name → the name it shares its tensor with (a checkpoint
     # stores both; its manifest says which, so inspect and export count the tensor once).
     tied: dict[str, str] = field(default_factory=dict)

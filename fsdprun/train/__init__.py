@@ -1,0 +1,3 @@
+"""One worker process of a run: its lifecycle (`worker`), the training step and loop, the
+optimizer and schedule (`optim`), the loss (`loss`), failure watching (`guard`) and the profiler
+(`profiling`). Imported by the launcher's workers only: the CLI never loads it before a run."""
