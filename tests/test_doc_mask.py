@@ -175,13 +175,22 @@ def test_a_batch_of_packed_rows_is_masked_row_by_row():
             torch.testing.assert_close(both[i : i + 1], one, atol=TOL, rtol=TOL)
 
 
-def _reference_causal_forward(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+def _reference_causal_forward(
+    model: Transformer, tokens: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """The built-in Llama's logits written out with plain `is_causal` SDPA: what the model
-    computed before packing support (an independent transcription, not the model's forward)."""
+    computed before packing support (an independent transcription, not the model's forward);
+    with `positions`, RoPE angles recomputed at those positions."""
     args = model.args
     bsz, seq = tokens.shape
-    cos = model.rope[:seq, :, 0][None, :, None, :]
-    sin = model.rope[:seq, :, 1][None, :, None, :]
+    if positions is None:
+        cos = model.rope[:seq, :, 0][None, :, None, :]
+        sin = model.rope[:seq, :, 1][None, :, None, :]
+    else:
+        half = args.head_dim // 2
+        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(half).float() / half))
+        angles = positions.float()[..., None] * inv_freq
+        cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
 
     def rope(x):
         x1, x2 = x.chunk(2, dim=-1)
@@ -215,6 +224,18 @@ def test_without_doc_ids_the_forward_is_bit_identical_to_plain_causal_attention(
         torch.testing.assert_close(one_doc, logits, atol=TOL, rtol=TOL)
 
 
+def test_rope_follows_the_given_positions():
+    # RoPE is relative: within masked examples restarting positions change nothing, so check
+    # the positions where they matter, on a row without doc_ids.
+    model = _llama()
+    batch = _pack(_examples(3))
+    with torch.no_grad():
+        got = model(batch["tokens"], positions=batch["positions"])
+        expected = _reference_causal_forward(model, batch["tokens"], batch["positions"])
+        torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
+        assert (got - model(batch["tokens"])).abs().max() > 1e-2
+
+
 def test_dense_mask_is_block_diagonal_causal_and_padding_sees_itself():
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1, -1]])
     mask = document_causal_mask(doc_ids)[0, 0]
@@ -243,9 +264,12 @@ def test_hf_model_packs_like_alone_and_like_the_builtin_llama():
     examples = _examples(5)
     batch = _pack(examples)
     kw = dict(positions=batch["positions"], doc_ids=batch["doc_ids"])
+    positions = {"positions": batch["positions"]}
     with torch.no_grad():
-        torch.testing.assert_close(hf(batch["tokens"], **kw), ours(batch["tokens"], **kw),
-                                   atol=TOL, rtol=TOL)  # fmt: skip
+        for inputs in (kw, positions):  # positions alone: no packing inferred by transformers
+            torch.testing.assert_close(
+                hf(batch["tokens"], **inputs), ours(batch["tokens"], **inputs), atol=TOL, rtol=TOL
+            )
     alone_losses, alone_grads = _alone(hf, examples)
     per_doc, total, grads = _packed(hf, batch)
     torch.testing.assert_close(per_doc, alone_losses, atol=TOL, rtol=TOL)
