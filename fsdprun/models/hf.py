@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fsdprun.errors import UserError
+from fsdprun.models.attention import document_causal_mask
 from fsdprun.models.llama import ModelArgs
 
 # Parameter names in this module are the HuggingFace names under this attribute.
@@ -61,6 +62,42 @@ def args_from_hf_config(config) -> ModelArgs:
         norm_eps=getattr(config, "rms_norm_eps", 1e-5),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
     )
+
+
+def packed_inputs(
+    tokens: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The keyword inputs of a transformers decoder for (possibly packed) rows.
+
+    Without positions and doc_ids: `input_ids` alone, so transformers takes its own causal path.
+    Otherwise `position_ids` and a boolean 4-D mask (batch, 1, seq, seq) that transformers hands
+    to SDPA as it is (masking_utils, transformers >= 4.53): attention causal within each example,
+    padding attending to itself. The mask is passed even for positions alone: without one,
+    transformers would infer a packing from where the positions restart, which the built-in
+    Llama does not do.
+
+    Raises:
+        UserError: transformers older than 4.53 (it wants 4-D masks in another form).
+    """
+    if positions is None and doc_ids is None:
+        return {"input_ids": tokens}
+    transformers = import_transformers()
+    from packaging.version import Version  # a dependency of transformers
+
+    if Version(transformers.__version__) < Version("4.53"):
+        raise UserError(
+            f"packed batches (doc_ids/positions) with model.hf_path need transformers>=4.53, "
+            f"found {transformers.__version__}: pip install -U transformers"
+        )
+    if doc_ids is None:
+        doc_ids = torch.zeros_like(tokens)
+    inputs = {"input_ids": tokens, "attention_mask": document_causal_mask(doc_ids)}
+    if positions is not None:
+        inputs["position_ids"] = positions
+    return inputs
 
 
 class HFCausalLM(nn.Module):
@@ -108,16 +145,28 @@ class HFCausalLM(nn.Module):
         self,
         tokens: torch.Tensor,
         head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The logits; with `head`, `head(final hidden states, output weight)` (see
-        `Transformer.forward`)."""
+        """The logits; with `head`, `head(final hidden states, output weight)`; `positions` and
+        `doc_ids` of packed rows as in `Transformer.forward`."""
         if head is None:
-            return self.hf(input_ids=tokens, use_cache=False).logits
-        return head(self.forward_hidden(tokens), self.output_weight())
+            inputs = packed_inputs(tokens, positions=positions, doc_ids=doc_ids)
+            return self.hf(**inputs, use_cache=False).logits
+        hidden = self.forward_hidden(tokens, positions=positions, doc_ids=doc_ids)
+        return head(hidden, self.output_weight())
 
-    def forward_hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward_hidden(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The decoder's last hidden states, the input of the output projection."""
-        return self.hf.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
+        inputs = packed_inputs(tokens, positions=positions, doc_ids=doc_ids)
+        return self.hf.get_decoder()(**inputs, use_cache=False).last_hidden_state
 
     def output_weight(self) -> torch.Tensor:
         """The output projection's weight, for a loss that applies it itself.

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdprun.models.attention import AttentionMask, attend, build_attention_mask
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -44,11 +46,22 @@ def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Ten
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
+def rope_at(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The rows of `table` at per-token `positions` (batch, seq): (batch, seq, head_dim // 2, 2).
+    Packed rows restart their positions at each example."""
+    return table[positions]
+
+
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :half], x[..., half:]) of x (batch, seq, heads, head_dim)."""
-    seq = x.shape[1]
-    cos = table[:seq, :, 0][None, :, None, :].to(x.dtype)
-    sin = table[:seq, :, 1][None, :, None, :].to(x.dtype)
+    """Rotate pairs (x[..., :half], x[..., half:]) of x (batch, seq, heads, head_dim), at
+    positions 0..seq-1 of a `rope_table`, or at the per-token positions of a `rope_at` table."""
+    if table.ndim == 4:
+        cos = table[..., 0][:, :, None, :].to(x.dtype)
+        sin = table[..., 1][:, :, None, :].to(x.dtype)
+    else:
+        seq = x.shape[1]
+        cos = table[:seq, :, 0][None, :, None, :].to(x.dtype)
+        sin = table[:seq, :, 1][None, :, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -75,16 +88,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: AttentionMask = None
+    ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        out = attend(q, k, v, attn_mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -107,8 +120,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: AttentionMask = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, attn_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -130,20 +145,38 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The logits; with `head`, `head(final hidden states, output weight)` instead (a loss
         that never builds the whole logits, `fsdprun.train.loss`). The head runs here, inside the
-        root module's forward, where FSDP has the output weight gathered."""
-        h = self.forward_hidden(tokens)
+        root module's forward, where FSDP has the output weight gathered.
+
+        Packed rows: `positions` (batch, seq) are the RoPE positions of each token (restarting at
+        0 per example; default 0..seq-1) and `doc_ids` (batch, seq) the example of each token, -1
+        for padding: attention stays causal within each example (`fsdprun.models.attention`).
+        """
+        h = self.forward_hidden(tokens, positions=positions, doc_ids=doc_ids)
         if head is not None:
             return head(h, self.output.weight)
         return self.output(h)
 
-    def forward_hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward_hidden(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The final hidden states (after the last norm), the input of the output projection."""
+        rope = self.rope if positions is None else rope_at(self.rope, positions)
+        # Built once per forward and shared by every block (a keyword through the activation
+        # checkpointing and compile wrappers of the blocks).
+        attn_mask = build_attention_mask(doc_ids)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope, attn_mask=attn_mask)
         return self.norm(h)
 
     def block_paths(self) -> list[str]:

@@ -15,6 +15,12 @@ The chunking happens inside the model's forward (`model(tokens, head=...)`): und
 output weight is gathered only inside the root module's forward.
 
     loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=4096)
+
+Targets equal to IGNORE_INDEX (-100: prompt tokens, padding) are not trained: they add nothing to
+the loss nor to any gradient. `reduction="mean"` divides by the number of trained targets of the
+call; `reduction="sum"` returns the sum, for a training loop that divides by the global count of
+trained targets of the step (`num_targets`, all-reduced), so that micro-batches and ranks holding
+different numbers of targets still give the global token mean.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+# The target id of a token that is not trained (F.cross_entropy's default ignore_index).
+IGNORE_INDEX = -100
+REDUCTIONS = ("mean", "sum")
+
 
 def describe_loss(train) -> str:
     """The run header's loss line, from the recipe's `train` section."""
@@ -32,30 +42,44 @@ def describe_loss(train) -> str:
     return f"chunked ({train.loss_chunk_size} tokens per chunk; the whole logits never exist)"
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def num_targets(targets: torch.Tensor) -> torch.Tensor:
+    """How many targets are trained (not IGNORE_INDEX): an int64 0-d tensor on targets' device
+    (no host sync; all-reduce it, then divide summed losses by it)."""
+    return (targets != IGNORE_INDEX).sum()
+
+
+def cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean"
+) -> torch.Tensor:
+    """Token cross-entropy over the trained targets (not IGNORE_INDEX), computed in fp32 whatever
+    the logits' dtype: their mean, or with `reduction="sum"` their sum (0 when none is trained)."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+        reduction=reduction,
+    )  # fmt: skip
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # hidden (n, dim), weight (vocab, dim): the sum of the chunk's token losses, fp32.
+    # hidden (n, dim), weight (vocab, dim): the sum of the chunk's trained token losses, fp32.
     logits = (hidden @ weight.t()).float()
-    return F.cross_entropy(logits, targets, reduction="sum")
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _chunk_loss_and_grads(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: float
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The chunk's loss sum and the gradients of `scale * loss sum` w.r.t. hidden and weight; the
-    # weight's gradient in fp32 (it is accumulated over chunks).
+    # weight's gradient in fp32 (it is accumulated over chunks). `scale` is a 0-d tensor so that
+    # compiled kernels are not specialized (recompiled) on its value. Ignored targets gather at
+    # index 0 and are then zeroed: their rows of the loss and of grad_logits are exactly 0.
     logits = (hidden @ weight.t()).float()
     log_probs = torch.log_softmax(logits, dim=-1)
-    loss = -log_probs.gather(1, targets[:, None]).sum()
+    trained = (targets != IGNORE_INDEX)[:, None]
+    safe = torch.where(trained, targets[:, None], 0)
+    loss = -(log_probs.gather(1, safe) * trained).sum()
     grad_logits = log_probs.exp()
-    grad_logits.scatter_add_(
-        1, targets[:, None], torch.full_like(targets[:, None], -1, dtype=grad_logits.dtype)
-    )
-    grad_logits = (grad_logits * scale).to(hidden.dtype)
+    grad_logits.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad_logits.dtype))
+    grad_logits = (grad_logits * (trained * scale)).to(hidden.dtype)
     grad_hidden = grad_logits @ weight
     grad_weight = (grad_logits.t() @ hidden).float()
     return loss, grad_hidden, grad_weight
@@ -75,29 +99,37 @@ def _kernels(compiled: bool) -> tuple[Callable, Callable]:
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of `hidden @ weight.T` against `targets`, chunk by chunk; the logits of
-    one chunk at a time. Gradients are computed in forward (see the module docstring)."""
+    """Cross-entropy of `hidden @ weight.T` against `targets` (mean or sum over the trained
+    targets), chunk by chunk; the logits of one chunk at a time. Gradients are computed in
+    forward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, with_grad, compiled):
+    def forward(ctx, hidden, weight, targets, chunk_size, with_grad, compiled, reduction="mean"):
         n = hidden.shape[0]
         loss_kernel, grad_kernel = _kernels(compiled)
+        # A tensor, not a Python number: counting the trained targets needs no host sync.
+        divisor = (
+            num_targets(targets).float()
+            if reduction == "mean"
+            else hidden.new_ones((), dtype=torch.float32)
+        )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         if not with_grad:
             for start in range(0, n, chunk_size):
                 end = start + chunk_size
                 total += loss_kernel(hidden[start:end], weight, targets[start:end])
-            return total / n
+            return total / divisor
+        scale = 1.0 / divisor
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, n, chunk_size):
             end = start + chunk_size
-            loss, gh, gw = grad_kernel(hidden[start:end], weight, targets[start:end], 1.0 / n)
+            loss, gh, gw = grad_kernel(hidden[start:end], weight, targets[start:end], scale)
             total += loss
             grad_hidden[start:end] = gh
             grad_weight += gw
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return total / n
+        return total / divisor
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -106,7 +138,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return (
             grad_hidden * grad_output.to(grad_hidden.dtype),
             grad_weight * grad_output.to(grad_weight.dtype),
-            None, None, None, None,
+            None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -117,15 +149,20 @@ def chunked_cross_entropy(
     *,
     chunk_size: int,
     compiled: bool = False,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean token cross-entropy of the logits `hidden @ weight.T`, never materialized whole.
+    """Token cross-entropy of the logits `hidden @ weight.T`, never materialized whole: the mean
+    over the trained targets (not IGNORE_INDEX), or their sum; gradients exactly those of
+    `cross_entropy(hidden @ weight.T, targets, reduction=...)`.
 
     Args:
         hidden: final hidden states (..., dim), after the final norm.
         weight: the output projection (vocab, dim).
-        targets: token ids (...), the shape of hidden without its last dim.
+        targets: token ids (...), the shape of hidden without its last dim; IGNORE_INDEX = not
+            trained.
         chunk_size: tokens per chunk.
         compiled: run each chunk through torch.compile'd kernels.
+        reduction: "mean" or "sum" (0 when no target is trained).
 
     Under autocast (the ddp engine), hidden and weight are cast to the autocast dtype first, as
     autocast would cast the output projection's matmul.
@@ -137,7 +174,9 @@ def chunked_cross_entropy(
     elif weight.dtype != hidden.dtype:
         weight = weight.to(hidden.dtype)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    assert reduction in REDUCTIONS, reduction
     with torch.autocast(device_type, enabled=False):
         return ChunkedCrossEntropy.apply(
-            hidden.flatten(0, -2), weight, targets.flatten(), chunk_size, with_grad, compiled
-        )
+            hidden.flatten(0, -2), weight, targets.flatten(), chunk_size, with_grad, compiled,
+            reduction,
+        )  # fmt: skip
