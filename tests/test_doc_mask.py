@@ -48,9 +48,9 @@ def _llama(args: ModelArgs | None = None) -> Transformer:
 def _hf_pair():
     """The shipped tiny HF Llama (through HFCausalLM) and the built-in Llama with its weights."""
     pytest.importorskip("transformers")
-    from fsdprun.checkpoint.export import hf_llama_name
     from safetensors.torch import load_file
 
+    from fsdprun.checkpoint.export import hf_llama_name
     from fsdprun.models.hf import HFCausalLM
 
     hf = HFCausalLM.from_folder(HF_DIR)
