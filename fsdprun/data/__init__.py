@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from fsdprun.config import DataConfig, DataSource
+from fsdprun.data.batch import IGNORE_INDEX, Batch, Row, collate
 from fsdprun.data.files import inspect_token_file
 from fsdprun.data.synthetic import VAL_FIRST_INDEX, SyntheticData
 from fsdprun.data.text import build_tokenizer, tokenize_to_array
@@ -31,7 +32,10 @@ from fsdprun.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BatchLayout", "Dataset", "SyntheticData", "build_dataset", "build_datasets"]
+__all__ = [
+    "IGNORE_INDEX", "Batch", "BatchLayout", "Dataset", "Row", "SyntheticData", "build_dataset",
+    "build_datasets", "load_batch",
+]  # fmt: skip
 
 
 class Dataset(Protocol):
@@ -41,8 +45,9 @@ class Dataset(Protocol):
     def num_samples(self) -> int | None:
         """Samples in one epoch (later indices wrap to a reshuffled epoch); None = endless."""
 
-    def sample(self, index: int) -> torch.Tensor:
-        """Sample `index`: seq_len + 1 token ids (inputs [:-1], targets [1:]), int64, CPU."""
+    def sample(self, index: int) -> torch.Tensor | Row:
+        """Sample `index`: seq_len + 1 token ids (inputs [:-1], targets [1:]), int64, CPU; or,
+        for fine-tuning examples, a `Row` (targets masked, positions, document ids)."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,6 @@ def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) 
     return build_datasets(cfg, vocab_size=vocab_size, seq_len=seq_len, seed=seed)[0]
 
 
-def load_batch(
-    data: Dataset, indices: range, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    import torch
-
-    tokens = torch.stack([data.sample(i) for i in indices])
-    tokens = tokens.to(device, non_blocking=True)
-    return tokens[:, :-1], tokens[:, 1:]
+def load_batch(data: Dataset, indices: range, device: torch.device) -> Batch:
+    """The samples `indices` of `data` as one `Batch` on `device`."""
+    return collate([data.sample(i) for i in indices]).to(device, non_blocking=True)
