@@ -1139,8 +1139,9 @@ def _profile_errors(p: ProfileConfig, device: DeviceKind, world_size: int) -> li
 # Every string key (and list of strings) of the schema, with the kind of text it holds; a test
 # keeps this table complete. Kinds: `name` (non-empty), `class` (a Python class name),
 # `file`/`folder` (a path that must not be the other kind; existence is checked where the path
-# is used), `path` (either kind), `text` (free text, control characters allowed), `endpoint` (HOST:PORT, checked in validate), `run_file` (a .jsonl file name inside
-# the run directory: the only place fsdprun writes).
+# is used), `path` (either kind), `text` (free text, control characters allowed), `endpoint`
+# (HOST:PORT, checked in validate), `run_file` (a .jsonl file name inside the run directory: the
+# only place fsdprun writes).
 STRING_KEYS: dict[str, tuple[str, str]] = {
     "model.family": ("name", "a model family (llama)"),
     "model.hf_path": ("folder", "a HuggingFace model folder, or null"),

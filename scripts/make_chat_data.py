@@ -14,10 +14,11 @@ import random
 import sys
 from pathlib import Path
 
-WORDS = (
-    "apple river stone cloud tiger piano lemon candle forest rocket violet garden silver "
-    "planet window marble dragon castle ocean pepper"
-).split()
+WORDS = [
+    "apple", "river", "stone", "cloud", "tiger", "piano", "lemon", "candle", "forest", "rocket",
+    "violet", "garden", "silver", "planet", "window", "marble", "dragon", "castle", "ocean",
+    "pepper",
+]  # fmt: skip
 SYSTEM = "You are a concise assistant."
 
 

@@ -7,8 +7,11 @@ reads the `micro_batch_size` samples starting at g*B + (m*world_size + r)*micro_
 
 Sources (`data.source`): `synthetic` (no files), `tokens` (pre-tokenized .bin/.npy files, see
 `files`), `text` (.txt/.jsonl tokenized at start, see `text`); token and text data become
-shuffled windows (`windows`). Validation data is built the same way from data.val_paths, or
-from the last data.val_fraction of the training windows.
+shuffled windows (`windows`). Fine-tuning examples (`chat`, `instruct`, `hf_dataset`, or a folder
+`prepare-data` made of them, see `sft_examples` and `sft`) become rows of whole examples with
+masked targets. `load_batch` gives a `Batch` (see `batch`) for either. Validation data is built
+the same way from data.val_paths, or from the last data.val_fraction of the training windows
+(examples).
 
 The modules of this package import torch inside the functions that use it: the data preflight
 (`preflight`, reached from `fsdprun config`) reads files with numpy alone, and a command that
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 from fsdprun.config import DataConfig, DataSource
 from fsdprun.data.batch import IGNORE_INDEX, Batch, Row, collate
 from fsdprun.data.files import inspect_token_file
+from fsdprun.data.sft import build_sft_datasets, is_sft
 from fsdprun.data.synthetic import VAL_FIRST_INDEX, SyntheticData
 from fsdprun.data.text import build_tokenizer, tokenize_to_array
 from fsdprun.data.windows import ShuffledWindows, TokenWindows, num_val_windows
@@ -82,6 +86,10 @@ def build_datasets(
         common = dict(vocab_size=vocab_size, seq_len=seq_len, seed=seed, noise=cfg.noise)
         val = SyntheticData(**common, first_index=VAL_FIRST_INDEX) if with_val else None
         return SyntheticData(**common), val
+    if is_sft(cfg):  # chat, instruct, hf_dataset, or their prepared folder
+        return build_sft_datasets(
+            cfg, vocab_size=vocab_size, seq_len=seq_len, seed=seed, with_val=with_val
+        )
 
     def stream(paths: list[str], key: str) -> TokenWindows:
         if cfg.source is DataSource.tokens:
