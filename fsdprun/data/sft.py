@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdprun.config import DataConfig, DataSource, Truncate
+from fsdprun.config import ChatTurns, DataConfig, DataSource, Truncate
 from fsdprun.data.batch import IGNORE_INDEX, Row
 from fsdprun.data.files import DESCRIPTION, read_description, token_dtype_for
 from fsdprun.data.lazy_numpy import np
@@ -358,3 +358,41 @@ def prepare_sft_data(cfg: DataConfig, out: Path, *, val_fraction: float = 0.0) -
         }
         (stage / DESCRIPTION).write_text(json.dumps(description, indent=1) + "\n")
     return description
+
+
+def prepare_sft_examples(
+    inputs: list[Path],
+    out: Path,
+    *,
+    source: str,
+    tokenizer: str,
+    val_fraction: float,
+    chat_turns: str = "all",
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+    template: str | None = None,
+) -> dict[str, Any]:
+    """`prepare_sft_data` from command-line values (checked here, one line each)."""
+
+    def choice(enum_type, value: str, flag: str):
+        try:
+            return enum_type(value)
+        except ValueError:
+            names = ", ".join(e.value for e in enum_type)
+            raise UserError(f"{flag} {value!r} is not one of: {names}") from None
+
+    kind = choice(DataSource, source, "--source")
+    if kind not in SFT_SOURCES:
+        raise UserError(f"--source {source}: prepare-data takes text, chat, instruct or hf_dataset")
+    cfg = DataConfig(
+        source=kind, paths=[str(p.resolve()) for p in inputs], tokenizer=tokenizer,
+        chat_turns=choice(ChatTurns, chat_turns, "--chat-turns"), prompt_field=prompt_field,
+        response_field=response_field,
+    )  # fmt: skip
+    if template is not None:
+        cfg.template = template
+    if kind is DataSource.instruct and "{prompt}" not in cfg.template:
+        raise UserError(
+            f"--template {cfg.template!r} has no {{prompt}}; put it where the prompt goes"
+        )
+    return prepare_sft_data(cfg, out, val_fraction=val_fraction)
