@@ -395,3 +395,16 @@ def test_prepare_sft_examples_refuses_bad_choices(tmp_path):
         prepare_sft_examples([CHAT], tmp_path / "o", source="chat", tokenizer=str(TINY),
                              val_fraction=0, chat_turns="first")  # fmt: skip
     assert not (tmp_path / "o").exists()
+
+
+def test_no_target_crosses_into_an_example_that_trains_from_its_first_token(tmp_path):
+    # An empty prompt and a bare "{prompt}" template: every token of an example is trained, so
+    # only the document boundary keeps the last token of one example from predicting the next.
+    records = [{"prompt": "", "response": "x" * n} for n in (5, 9, 14, 3, 7, 11)]
+    path = write_jsonl(tmp_path / "i.jsonl", records)
+    cfg = DataConfig(source=DataSource.instruct, paths=[str(path)], template="{prompt}")
+    data, _ = build_datasets(cfg, vocab_size=257, seq_len=31, seed=0)
+    refs = [([*b"x" * n, EOS], [True] * (n + 1)) for n in (5, 9, 14, 3, 7, 11)]
+    found = check_rows(data, refs, 31)
+    assert sorted(found) == sorted((tuple(t), tuple(m)) for t, m in refs)
+    assert data.num_samples < len(refs)
