@@ -1406,7 +1406,10 @@ def recipe_reference() -> str:
     for key, f in schema_fields().items():
         section, leaf = key.split(".")
         default = defaults[section][leaf]
-        text = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+        # A multi-line default (data.template) in double quotes, so "\n" keeps it on one row.
+        style = '"' if isinstance(default, str) and "\n" in default else None
+        text = yaml.safe_dump(default, default_flow_style=True, default_style=style)
+        text = text.strip().removesuffix("...").strip()
         choices = ""
         if isinstance(f.default, enum.Enum):
             choices = " One of: " + ", ".join(f"`{m.value}`" for m in type(f.default)) + "."
