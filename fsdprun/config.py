@@ -1384,6 +1384,9 @@ def explain(resolved: ResolvedRecipe) -> str:
         for key, value in body.items():
             text = yaml.safe_dump({key: value}, default_flow_style=True, width=10_000).strip()
             text = text[1:-1]  # drop the braces of the flow mapping
+            if isinstance(value, str) and "\n" in value:  # data.template: one line, "\n"s
+                quoted = yaml.safe_dump(value, default_style='"', width=10_000).strip()
+                text = f"{key}: {quoted}"
             lines.append(f"  {text:<44} # {resolved.provenance[f'{section}.{key}']}")
     return "\n".join(lines) + "\n"
 
