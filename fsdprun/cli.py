@@ -513,8 +513,46 @@ def prepare_data_cmd(
     text_field: Annotated[
         str, typer.Option("--text-field", help=".jsonl: the field holding the text.")
     ] = "text",
+    source: Annotated[
+        str,
+        typer.Option(
+            "--source",
+            help="`text`, or fine-tuning examples: `chat`, `instruct`, `hf_dataset` (tokens plus "
+            "loss mask and example boundaries; --tokenizer is then `byte`, a tokenizer.json or "
+            "a HuggingFace folder, which chat needs for its chat template).",
+        ),
+    ] = "text",
+    chat_turns: Annotated[
+        str, typer.Option("--chat-turns", help="chat: which assistant turns train (all, last).")
+    ] = "all",
+    prompt_field: Annotated[
+        str, typer.Option("--prompt-field", help="instruct: the prompt field.")
+    ] = "prompt",
+    response_field: Annotated[
+        str, typer.Option("--response-field", help="instruct: the response field.")
+    ] = "response",
+    template: Annotated[
+        str | None,
+        typer.Option("--template", help="instruct: the text before the response, with {prompt}."),
+    ] = None,
 ) -> None:
-    """Tokenize text into token files (train.bin, val.bin) and data.json for data.source=tokens."""
+    """Tokenize text into token files (train.bin, val.bin) and data.json for data.source=tokens;
+    with --source chat|instruct|hf_dataset, fine-tuning examples with their loss masks."""
+    if source != "text":
+        from fsdprun.data.sft import prepare_sft_examples
+
+        desc = prepare_sft_examples(
+            inputs, out, source=source, tokenizer=tokenizer, val_fraction=val_fraction,
+            chat_turns=chat_turns, prompt_field=prompt_field, response_field=response_field,
+            template=template,
+        )  # fmt: skip
+        files = ", ".join(
+            f"{name} ({f['num_examples']:,} examples, {f['num_tokens']:,} tokens, "
+            f"{f['num_trained_tokens']:,} trained)"
+            for name, f in desc["files"].items()
+        )
+        print(f"wrote {desc['source']} examples (tokenizer {desc['tokenizer']}) to {out}: {files}")
+        return
     from fsdprun.data.text import prepare_data
 
     desc = prepare_data(

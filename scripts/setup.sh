@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install fsdprun with its dev tools and the extras its tests use: hf
-# (transformers, for the HuggingFace-model tests; ~15 s more), tensorboard, wandb and plot
-# (matplotlib; the three together ~10 s, no other torch). Idempotent and quick when nothing changed.
+# (transformers, for the HuggingFace-model tests; ~15 s more), datasets (local HF datasets),
+# tensorboard, wandb and plot (matplotlib; the three together ~10 s, no other torch). Idempotent
+# and quick when nothing changed.
 #
 # Which torch: without an NVIDIA driver the version is pinned to 2.13.0
 # (scripts/constraints-cpu.txt); with one, pip keeps a torch already in the venv or picks one in
@@ -29,6 +30,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "setup: torch comes from pip's configured index (set FSDPRUN_TORCH_INDEX_URL to choose" \
       "one, e.g. https://download.pytorch.org/whl/cpu for the CPU build)" >&2
   fi
-  .venv/bin/python -m pip install -q "${constraints[@]}" -e ".[dev,hf,tensorboard,wandb,plot]"
+  .venv/bin/python -m pip install -q "${constraints[@]}" \
+    -e ".[dev,hf,datasets,tensorboard,wandb,plot]"
   echo "$want" > "$stamp"
 fi

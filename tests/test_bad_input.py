@@ -377,6 +377,8 @@ BAD_BY_KIND = {
     "class": ["control-char", "empty", "not-a-name"],
     "file": ["control-char", "empty", "folder"],
     "folder": ["control-char", "empty", "file"],
+    "path": ["control-char", "empty"],
+    "text": ["empty"],
     "endpoint": ["control-char", "port-too-large"],
     "run_file": ["control-char", "empty", "absolute", "escapes", "in-a-folder", "dot",
                  "not-jsonl", "a-folder-in-the-run-dir"],

@@ -96,7 +96,8 @@ def test_first_loss_matches_transformers_and_training_lowers_it(hf_dir, hf_run):
     # The 8 samples of global step 0, exactly as the workers load them.
     cfg = load_recipe("debug", [f"model.hf_path={hf_dir}"]).config
     data, _ = build_datasets(cfg.data, vocab_size=256, seq_len=cfg.train.seq_len, seed=0)
-    inputs, targets = load_batch(data, range(cfg.train.global_batch_size), torch.device("cpu"))
+    batch = load_batch(data, range(cfg.train.global_batch_size), torch.device("cpu"))
+    inputs, targets = batch.inputs, batch.targets
     with torch.no_grad():
         logits = _load_hf(hf_dir)(input_ids=inputs).logits
     expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
@@ -216,7 +217,8 @@ def demo_reference(demo_runs) -> list[float]:
     losses = demo_runs.train(*DEMO, recipe="hf-finetune-demo").check().losses
     cfg = load_recipe("hf-finetune-demo").config
     data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0)
-    inputs, targets = load_batch(data, range(cfg.train.global_batch_size), torch.device("cpu"))
+    batch = load_batch(data, range(cfg.train.global_batch_size), torch.device("cpu"))
+    inputs, targets = batch.inputs, batch.targets
     with torch.no_grad():
         logits = _load_hf(RECIPES / "tiny-llama-hf")(input_ids=inputs).logits
     expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
@@ -286,7 +288,8 @@ def test_eval_runs_in_eval_mode(dropout_run):
     _, val = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0,
                             with_val=True)  # fmt: skip
     samples = range(cfg.eval.batches * cfg.train.global_batch_size)
-    inputs, targets = load_batch(val, samples, torch.device("cpu"))
+    batch = load_batch(val, samples, torch.device("cpu"))
+    inputs, targets = batch.inputs, batch.targets
     with torch.no_grad():
         logits = exported(input_ids=inputs).logits
     expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()

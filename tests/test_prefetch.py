@@ -33,9 +33,10 @@ def test_next_batch_is_prepared_before_the_step_runs():
     loader = BatchLoader(slow, layout, rank=1, device=torch.device("cpu"), steps=3)
     order = [(s, m) for s in range(3) for m in range(2)]
     for i, (step, micro) in enumerate(order):
-        inputs, targets = loader.load(step, micro)
+        got = loader.load(step, micro)
         expected = load_batch(data, layout.indices(step, micro, 1), torch.device("cpu"))
-        assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
+        assert torch.equal(got.inputs, expected.inputs)
+        assert torch.equal(got.targets, expected.targets)
         # Before this micro-batch's forward: the next one is already on its way (or done),
         # read on the loader's thread.
         if i + 1 < len(order):
@@ -55,8 +56,9 @@ def test_out_of_order_load_still_gives_the_right_batch():
     layout = BatchLayout(global_batch_size=4, micro_batch_size=2, world_size=2)
     loader = BatchLoader(data, layout, rank=0, device=torch.device("cpu"), steps=10)
     loader.load(0, 0)
-    inputs, _ = loader.load(5, 0)  # a resume jumps ahead: the guessed batch is not used
-    assert torch.equal(inputs, load_batch(data, layout.indices(5, 0, 0), torch.device("cpu"))[0])
+    inputs = loader.load(5, 0).inputs  # a resume jumps ahead: the guessed batch is not used
+    expected = load_batch(data, layout.indices(5, 0, 0), torch.device("cpu")).inputs
+    assert torch.equal(inputs, expected)
     loader.close()
 
 

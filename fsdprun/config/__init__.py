@@ -119,6 +119,19 @@ class DataSource(enum.Enum):
     synthetic = "synthetic"
     tokens = "tokens"
     text = "text"
+    chat = "chat"
+    instruct = "instruct"
+    hf_dataset = "hf_dataset"
+
+
+class ChatTurns(enum.Enum):
+    all = "all"
+    last = "last"
+
+
+class Truncate(enum.Enum):
+    drop = "drop"
+    truncate = "truncate"
 
 
 class TokenDtype(enum.Enum):
@@ -367,7 +380,35 @@ class DataConfig:
     tokenizer: str = _f(
         "byte",
         "Tokenizer of `text` data: `byte` (built in: 256 byte values + end-of-text = 257 "
-        "tokens) or the path of a HuggingFace tokenizer.json (needs `pip install tokenizers`).",
+        "tokens) or the path of a HuggingFace tokenizer.json (needs `pip install tokenizers`). "
+        "chat data: a HuggingFace folder holding tokenizer.json and tokenizer_config.json with "
+        "its `chat_template` (e.g. the model.hf_path folder); instruct data: any of these.",
+    )
+    # Fine-tuning examples (data.source chat, instruct, hf_dataset): see fsdprun/data/sft.py.
+    chat_turns: ChatTurns = _f(
+        ChatTurns.all,
+        "chat data: which assistant turns train: `all` of them, or only the `last`; every other "
+        "token (system, user, template markup) is context only.",
+    )
+    prompt_field: str = _f("prompt", "instruct data: the field holding each example's prompt.")
+    response_field: str = _f(
+        "response", "instruct data: the field holding each example's response (the trained part)."
+    )
+    template: str = _f(
+        "### Instruction:\n{prompt}\n\n### Response:\n",
+        "instruct data: the text before the response; `{prompt}` is replaced by the prompt. The "
+        "response and end-of-text follow it.",
+    )
+    truncate: Truncate = _f(
+        Truncate.drop,
+        "Fine-tuning examples longer than train.seq_len + 1 tokens: `drop` them, or `truncate` "
+        "them to that length; the counts are printed at start.",
+    )
+    pack: bool = _f(
+        True,
+        "Fine-tuning examples: pack several whole examples into each row (positions restart and "
+        "no target crosses an example), or `false`: one example per row, padded. Padding never "
+        "trains.",
     )
 
 
@@ -1098,17 +1139,21 @@ def _profile_errors(p: ProfileConfig, device: DeviceKind, world_size: int) -> li
 # Every string key (and list of strings) of the schema, with the kind of text it holds; a test
 # keeps this table complete. Kinds: `name` (non-empty), `class` (a Python class name),
 # `file`/`folder` (a path that must not be the other kind; existence is checked where the path
-# is used), `endpoint` (HOST:PORT, checked in validate), `run_file` (a .jsonl file name inside
-# the run directory: the only place fsdprun writes).
+# is used), `path` (either kind), `text` (free text, control characters allowed), `endpoint`
+# (HOST:PORT, checked in validate), `run_file` (a .jsonl file name inside the run directory: the
+# only place fsdprun writes).
 STRING_KEYS: dict[str, tuple[str, str]] = {
     "model.family": ("name", "a model family (llama)"),
     "model.hf_path": ("folder", "a HuggingFace model folder, or null"),
     "fsdp.backward_prefetch": ("name", "pre, post, none or a depth >= 1"),
     "fsdp.wrap_classes": ("class", "module class names such as TransformerBlock"),
-    "data.paths": ("file", "token or text files"),
-    "data.val_paths": ("file", "token or text files"),
+    "data.paths": ("path", "token, text or example files, or a saved dataset folder"),
+    "data.val_paths": ("path", "token, text or example files, or a saved dataset folder"),
     "data.text_field": ("name", "the .jsonl field holding the text"),
-    "data.tokenizer": ("file", "byte or a tokenizer.json file"),
+    "data.tokenizer": ("path", "byte, a tokenizer.json file or a HuggingFace folder"),
+    "data.prompt_field": ("name", "the field holding the prompt"),
+    "data.response_field": ("name", "the field holding the response"),
+    "data.template": ("text", "a text with {prompt}"),
     "checkpoint.load_from": ("folder", "a checkpoint folder (RUN_DIR/checkpoints/step-N), or null"),
     "launch.rdzv_endpoint": ("endpoint", "HOST:PORT, or empty for one node"),
     "output.run_dir": ("folder", "a folder, or null for runs/<recipe>-<time>"),
@@ -1119,6 +1164,8 @@ _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 def _string_problem(kind: str, value: str, run_dir: str | None) -> str | None:
     """What is wrong with one string of a STRING_KEYS kind, or None."""
+    if kind == "text":  # free text: newlines and tabs belong in a template
+        return None if value.strip() else "is empty"
     if _CONTROL_CHARS.search(value):
         return "contains a control character"
     if kind == "endpoint":
@@ -1279,6 +1326,15 @@ def _data_errors(cfg: RecipeConfig) -> list[str]:
         errors.append(f"data.source is {d.source.value} but data.paths is empty; list the files")
     if d.val_paths and d.val_fraction:
         errors.append("set data.val_paths or data.val_fraction, not both")
+    if d.source is DataSource.chat and d.tokenizer == "byte":
+        errors.append(
+            "data.source is chat but data.tokenizer is byte, which has no chat template; set "
+            "data.tokenizer to a HuggingFace folder with tokenizer_config.json (e.g. model.hf_path)"
+        )
+    if d.source is DataSource.instruct and "{prompt}" not in d.template:
+        errors.append(
+            f"data.template {d.template!r} has no {{prompt}}; put {{prompt}} where the prompt goes"
+        )
     if cfg.eval.every_steps and not (d.val_paths or d.val_fraction):
         errors.append(
             f"eval.every_steps is {cfg.eval.every_steps} but there is no validation data; set "
@@ -1328,6 +1384,9 @@ def explain(resolved: ResolvedRecipe) -> str:
         for key, value in body.items():
             text = yaml.safe_dump({key: value}, default_flow_style=True, width=10_000).strip()
             text = text[1:-1]  # drop the braces of the flow mapping
+            if isinstance(value, str) and "\n" in value:  # data.template: one line, "\n"s
+                quoted = yaml.safe_dump(value, default_style='"', width=10_000).strip()
+                text = f"{key}: {quoted}"
             lines.append(f"  {text:<44} # {resolved.provenance[f'{section}.{key}']}")
     return "\n".join(lines) + "\n"
 
@@ -1350,7 +1409,10 @@ def recipe_reference() -> str:
     for key, f in schema_fields().items():
         section, leaf = key.split(".")
         default = defaults[section][leaf]
-        text = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+        # A multi-line default (data.template) in double quotes, so "\n" keeps it on one row.
+        style = '"' if isinstance(default, str) and "\n" in default else None
+        text = yaml.safe_dump(default, default_flow_style=True, default_style=style)
+        text = text.strip().removesuffix("...").strip()
         choices = ""
         if isinstance(f.default, enum.Enum):
             choices = " One of: " + ", ".join(f"`{m.value}`" for m in type(f.default)) + "."

@@ -7,8 +7,11 @@ reads the `micro_batch_size` samples starting at g*B + (m*world_size + r)*micro_
 
 Sources (`data.source`): `synthetic` (no files), `tokens` (pre-tokenized .bin/.npy files, see
 `files`), `text` (.txt/.jsonl tokenized at start, see `text`); token and text data become
-shuffled windows (`windows`). Validation data is built the same way from data.val_paths, or
-from the last data.val_fraction of the training windows.
+shuffled windows (`windows`). Fine-tuning examples (`chat`, `instruct`, `hf_dataset`, or a folder
+`prepare-data` made of them, see `sft_examples` and `sft`) become rows of whole examples with
+masked targets. `load_batch` gives a `Batch` (see `batch`) for either. Validation data is built
+the same way from data.val_paths, or from the last data.val_fraction of the training windows
+(examples).
 
 The modules of this package import torch inside the functions that use it: the data preflight
 (`preflight`, reached from `fsdprun config`) reads files with numpy alone, and a command that
@@ -22,7 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from fsdprun.config import DataConfig, DataSource
+from fsdprun.data.batch import IGNORE_INDEX, Batch, Row, collate
 from fsdprun.data.files import inspect_token_file
+from fsdprun.data.sft import build_sft_datasets, is_sft
 from fsdprun.data.synthetic import VAL_FIRST_INDEX, SyntheticData
 from fsdprun.data.text import build_tokenizer, tokenize_to_array
 from fsdprun.data.windows import ShuffledWindows, TokenWindows, num_val_windows
@@ -31,7 +36,10 @@ from fsdprun.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BatchLayout", "Dataset", "SyntheticData", "build_dataset", "build_datasets"]
+__all__ = [
+    "IGNORE_INDEX", "Batch", "BatchLayout", "Dataset", "Row", "SyntheticData", "build_dataset",
+    "build_datasets", "load_batch",
+]  # fmt: skip
 
 
 class Dataset(Protocol):
@@ -41,8 +49,9 @@ class Dataset(Protocol):
     def num_samples(self) -> int | None:
         """Samples in one epoch (later indices wrap to a reshuffled epoch); None = endless."""
 
-    def sample(self, index: int) -> torch.Tensor:
-        """Sample `index`: seq_len + 1 token ids (inputs [:-1], targets [1:]), int64, CPU."""
+    def sample(self, index: int) -> torch.Tensor | Row:
+        """Sample `index`: seq_len + 1 token ids (inputs [:-1], targets [1:]), int64, CPU; or,
+        for fine-tuning examples, a `Row` (targets masked, positions, document ids)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,10 @@ def build_datasets(
         common = dict(vocab_size=vocab_size, seq_len=seq_len, seed=seed, noise=cfg.noise)
         val = SyntheticData(**common, first_index=VAL_FIRST_INDEX) if with_val else None
         return SyntheticData(**common), val
+    if is_sft(cfg):  # chat, instruct, hf_dataset, or their prepared folder
+        return build_sft_datasets(
+            cfg, vocab_size=vocab_size, seq_len=seq_len, seed=seed, with_val=with_val
+        )
 
     def stream(paths: list[str], key: str) -> TokenWindows:
         if cfg.source is DataSource.tokens:
@@ -124,11 +137,6 @@ def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) 
     return build_datasets(cfg, vocab_size=vocab_size, seq_len=seq_len, seed=seed)[0]
 
 
-def load_batch(
-    data: Dataset, indices: range, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    import torch
-
-    tokens = torch.stack([data.sample(i) for i in indices])
-    tokens = tokens.to(device, non_blocking=True)
-    return tokens[:, :-1], tokens[:, 1:]
+def load_batch(data: Dataset, indices: range, device: torch.device) -> Batch:
+    """The samples `indices` of `data` as one `Batch` on `device`."""
+    return collate([data.sample(i) for i in indices]).to(device, non_blocking=True)

@@ -16,6 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from fsdprun.data.batch import Batch, collate
+
 
 class BatchLoader:
     """Micro-batches of one rank, each prepared while the one before it is trained on."""
@@ -28,29 +30,28 @@ class BatchLoader:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdprun-batch")
         self.pending: dict[tuple[int, int], Future] = {}
 
-    def _host_batch(self, step: int, micro: int) -> torch.Tensor:
+    def _host_batch(self, step: int, micro: int) -> Batch:
         indices = self.layout.indices(step, micro, self.rank)
-        tokens = torch.stack([self.data.sample(i) for i in indices])
-        return tokens.pin_memory() if self.pin else tokens
+        batch = collate([self.data.sample(i) for i in indices])
+        return batch.pin_memory() if self.pin else batch
 
     def _after(self, step: int, micro: int) -> tuple[int, int] | None:
         if micro + 1 < self.layout.grad_accum_steps:
             return step, micro + 1
         return (step + 1, 0) if step + 1 < self.steps else None
 
-    def load(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of micro-step `micro` of global step `step` (0-based), on the
-        device; the next micro-batch is being prepared when this returns."""
+    def load(self, step: int, micro: int) -> Batch:
+        """The `Batch` of micro-step `micro` of global step `step` (0-based), on the device;
+        the next micro-batch is being prepared when this returns."""
         future = self.pending.pop((step, micro), None)
-        tokens = future.result() if future is not None else self._host_batch(step, micro)
+        batch = future.result() if future is not None else self._host_batch(step, micro)
         for stale in self.pending.values():  # out of order (a restart): drop what was guessed
             stale.cancel()
         self.pending.clear()
         following = self._after(step, micro)
         if following is not None:
             self.pending[following] = self.pool.submit(self._host_batch, *following)
-        tokens = tokens.to(self.device, non_blocking=True)
-        return tokens[:, :-1], tokens[:, 1:]
+        return batch.to(self.device, non_blocking=True)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -9,11 +9,13 @@ reads it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
 from fsdprun.config import DataSource, RecipeConfig
 from fsdprun.data.files import inspect_token_file
+from fsdprun.data.sft import build_sft_datasets, is_sft
 from fsdprun.data.text import build_tokenizer, check_text_file, tokenize_files
 from fsdprun.data.windows import num_val_windows
 from fsdprun.errors import UserError
@@ -24,6 +26,8 @@ def check_data(cfg: RecipeConfig) -> list[str]:
     d = cfg.data
     window = cfg.train.seq_len + 1
     try:
+        if is_sft(d):  # fine-tuning examples: their own checks (below)
+            return _check_sft(cfg)
         if d.source is DataSource.tokens:
             return _check_tokens(cfg, window)
         if d.source is DataSource.text:
@@ -111,3 +115,37 @@ def _check_split(num_windows: int, val_fraction: float) -> list[str]:
             "least one (change the fraction, or use data.val_paths)"
         ]
     return []
+
+
+def _check_sft(cfg: RecipeConfig) -> list[str]:
+    """Fine-tuning examples: every file and record readable (bad file, missing field, no
+    messages, no assistant turn, a template that cannot be masked, a hub name: the first one
+    found), at least one example fitting a row, a usable split, ids within the vocabulary."""
+    d = cfg.data
+    stamps = tuple(
+        (p, *_stamp(p)) if Path(p).is_file() else (p, 0, 0) for p in [*d.paths, *d.val_paths]
+    )
+    fields = repr(sorted(dataclasses.asdict(d).items()))
+    with_val = bool(d.val_paths or d.val_fraction)
+    key = (stamps, fields, cfg.train.seq_len, with_val)
+    if key not in _EXAMPLE_CHECKS:
+        train, val = build_sft_datasets(
+            d, vocab_size=2**62, seq_len=cfg.train.seq_len, seed=0, with_val=with_val
+        )
+        _EXAMPLE_CHECKS.clear()  # one recipe's data at a time
+        _EXAMPLE_CHECKS[key] = max(
+            int(ds.examples.tokens.max()) for ds in (train, val) if ds is not None
+        )
+    top = _EXAMPLE_CHECKS[key]
+    if top >= cfg.model.vocab_size:
+        return [
+            f"data: the examples hold token id {top} but model.vocab_size is "
+            f"{cfg.model.vocab_size}; set model.vocab_size > {top} (the tokenizer's vocabulary)"
+        ]
+    return []
+
+
+# The largest token id of the examples, keyed by the files' sizes and modification times and the
+# data settings, like _count_tokens: `fsdprun train` checks the data twice before launch, and
+# tokenizing is the slow part.
+_EXAMPLE_CHECKS: dict[tuple, int] = {}

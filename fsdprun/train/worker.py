@@ -631,7 +631,8 @@ def _forward_backward(engine, optimizer, scaler, batches, layout, step, device, 
         # The last micro-step completes the reduction; what earlier ones reduce is the engine's
         # accumulation mode (sharded engines reduce-scatter every micro-step).
         with engine.micro_step(sync=micro == layout.grad_accum_steps - 1):
-            inputs, targets = batches.load(step, micro)  # and the next one starts loading
+            batch = batches.load(step, micro)  # and the next one starts loading
+            inputs, targets = batch.inputs, batch.targets
             with engine.autocast():
                 loss = engine.forward_loss(inputs, targets)
             if poison:
@@ -663,7 +664,8 @@ def _evaluate(
         for batch in range(num_batches):
             for micro in range(layout.grad_accum_steps):
                 indices = layout.indices(batch, micro, rank)
-                inputs, targets = load_batch(data, indices, device.torch_device)
+                micro_batch = load_batch(data, indices, device.torch_device)
+                inputs, targets = micro_batch.inputs, micro_batch.targets
                 with engine.autocast():
                     loss_sum += engine.forward_loss(inputs, targets)
     engine.model.train()

@@ -1,0 +1,70 @@
+"""What the training loop receives: a `Batch` of inputs and targets, with per-token positions and
+document ids when rows hold whole fine-tuning examples.
+
+A dataset's sample is either a tensor of seq_len + 1 token ids (windows, synthetic data: inputs
+are [:-1], targets [1:], every target trains) or a `Row` (fine-tuning examples, see `sft`), whose
+targets are IGNORE_INDEX wherever nothing may be learned: prompt tokens, padding, and the first
+token of each packed example (it would be predicted from the example before it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# torch.nn.functional.cross_entropy's default ignore_index: such targets add nothing to the loss.
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sample of fine-tuning data (CPU, int64).
+
+    tokens: seq_len + 1 ids (inputs are tokens[:-1]); targets, positions, doc_ids: seq_len each,
+    aligned with the inputs. positions restart at 0 with each example; doc_ids number the
+    examples of the row 0, 1, ... and are -1 on padding.
+    """
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor
+    doc_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A micro-batch: inputs and targets [B, S] int64 (targets IGNORE_INDEX = not trained);
+    positions and doc_ids [B, S] for fine-tuning rows, None for windows and synthetic data."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
+
+    def _map(self, fn) -> Batch:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Batch(**{k: None if v is None else fn(v) for k, v in values.items()})
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> Batch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        return self._map(lambda t: t.pin_memory())
+
+
+def collate(samples: list) -> Batch:
+    """Stack samples (all tensors, or all `Row`s) into a host `Batch`."""
+    import torch
+
+    if isinstance(samples[0], Row):
+        return Batch(
+            inputs=torch.stack([s.tokens[:-1] for s in samples]),
+            targets=torch.stack([s.targets for s in samples]),
+            positions=torch.stack([s.positions for s in samples]),
+            doc_ids=torch.stack([s.doc_ids for s in samples]),
+        )
+    tokens = torch.stack(samples)
+    return Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:])

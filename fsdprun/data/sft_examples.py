@@ -1,0 +1,309 @@
+"""Fine-tuning examples → (token ids, loss mask): reading chat, instruct and local HF data.
+
+An example is one conversation (`data.source: chat`, a `messages` list of role/content) or one
+prompt/response pair (`data.source: instruct`); `hf_dataset` rows are either shape. Each becomes
+token ids and a boolean mask, True on the tokens that train (are targets):
+
+- chat: the conversation rendered by the tokenizer's own chat template (transformers'
+  `apply_chat_template`, local files only). Assistant turn i trains on the tokens between the
+  rendering of messages[:i] with the generation prompt and the rendering of messages[:i+1]:
+  the turn's content and whatever the template closes it with (end-of-text). This needs each
+  rendering to be a prefix of the next; a template that breaks it is refused.
+- instruct: data.template with {prompt} replaced (context), then the response and end-of-text
+  (trained).
+
+Records are read from .jsonl (one JSON object a line) and .parquet files (pyarrow), or through
+the `datasets` library from a `save_to_disk` folder or local json/jsonl/parquet/arrow files.
+Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdprun.config import ChatTurns, DataConfig, DataSource
+from fsdprun.data.lazy_numpy import np
+from fsdprun.data.text import ByteTokenizer, HFTokenizer
+from fsdprun.errors import UserError
+
+SFT_SOURCES = (DataSource.chat, DataSource.instruct, DataSource.hf_dataset)
+EXAMPLE_SUFFIXES = (".jsonl", ".parquet")
+HF_FILE_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+class ChatTokenizer:
+    """A HuggingFace tokenizer folder with a chat template, through transformers (local only)."""
+
+    def __init__(self, folder: Path):
+        if folder.is_file():  # a tokenizer.json: its folder holds tokenizer_config.json
+            folder = folder.parent
+        if not (folder / "tokenizer_config.json").is_file():
+            raise UserError(
+                f"data.tokenizer: {folder} has no tokenizer_config.json; chat data needs a "
+                "HuggingFace tokenizer folder with a chat_template"
+            )
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise UserError(
+                "chat data renders conversations with transformers: pip install 'fsdprun[hf]'"
+            ) from None
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception as e:  # transformers raises many kinds for a broken folder
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"data.tokenizer: {folder} cannot be loaded: {first}") from e
+        if not getattr(self._tok, "chat_template", None):
+            raise UserError(
+                f"data.tokenizer: {folder}/tokenizer_config.json has no chat_template; add one, or "
+                "use data.source=instruct with data.template"
+            )
+        self.folder, self.name = folder, str(folder)
+        self.vocab_size = len(self._tok)
+        self.eos_id = self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def render(self, messages: list[dict], *, generation_prompt: bool, where: str) -> list[int]:
+        try:
+            text = self._tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as e:  # a template may raise (e.g. "roles must alternate")
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(
+                f"{where}: the chat template of {self.folder} refused it: {first}"
+            ) from e
+        return self.encode(text)
+
+
+def build_sft_tokenizer(
+    cfg: DataConfig, *, chat: bool
+) -> ChatTokenizer | ByteTokenizer | HFTokenizer:
+    """The tokenizer of fine-tuning data: a chat template folder for chat rows; for instruct
+    rows `byte`, a tokenizer.json, or a folder holding one."""
+    spec = cfg.tokenizer
+    if chat:
+        if spec == "byte":
+            raise UserError(
+                "data.tokenizer is byte, which has no chat template; set data.tokenizer to a "
+                "HuggingFace folder with tokenizer_config.json (e.g. model.hf_path)"
+            )
+        return ChatTokenizer(Path(spec))
+    if spec == "byte":
+        return ByteTokenizer()
+    path = Path(spec)
+    return HFTokenizer(path / "tokenizer.json" if path.is_dir() else path)
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+
+
+def _check_local(path: Path, key: str) -> None:
+    if not path.exists():
+        raise UserError(
+            f"{key}: {path} is not a local file or folder; fsdprun never downloads data: save "
+            "a hub dataset once with datasets' load_dataset(NAME).save_to_disk(FOLDER) and list "
+            "the folder"
+        )
+
+
+def iter_records(path: Path, *, key: str, source: DataSource) -> Iterator[tuple[str, Any]]:
+    """(where, record) for every example of one file or dataset folder; `where` names the file
+    and line (or row) for messages."""
+    _check_local(path, key)
+    if source is DataSource.hf_dataset:
+        yield from _hf_records(path, key)
+        return
+    if not path.is_file() or path.suffix not in EXAMPLE_SUFFIXES:
+        raise UserError(
+            f"{key}: {path} is not a .jsonl or .parquet file of {source.value} examples "
+            "(a saved dataset folder needs data.source=hf_dataset)"
+        )
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise UserError(
+                f"{key}: {path} needs pyarrow to read parquet: pip install 'fsdprun[datasets]'"
+            ) from None
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's errors for a damaged file
+            raise UserError(f"{key}: {path} is not a readable parquet file ({e})") from e
+        for n, row in enumerate(rows):
+            yield f"{path} row {n}", row
+        return
+    try:
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path} line {n}", json.loads(line)
+                except ValueError as e:
+                    raise UserError(f"{path} line {n}: not JSON ({e})") from e
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
+def _hf_records(path: Path, key: str) -> Iterator[tuple[str, Any]]:
+    # Offline before the import: the library reads these at import time, and a local folder or
+    # file must never turn into a hub request.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(
+            f"{key}: data.source=hf_dataset needs the datasets library: pip install "
+            "'fsdprun[datasets]'"
+        ) from None
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if "train" not in ds:
+                    raise UserError(
+                        f"{key}: {path} holds the splits {sorted(ds)} and no `train`; list the "
+                        "folder of one split (DatasetDict[split].save_to_disk)"
+                    )
+                ds = ds["train"]
+        elif path.suffix in HF_FILE_KINDS:
+            ds = datasets.load_dataset(
+                HF_FILE_KINDS[path.suffix], data_files=str(path), split="train"
+            )
+        else:
+            raise UserError(
+                f"{key}: {path} is not a saved dataset folder or a .json/.jsonl/.parquet/.arrow "
+                "file"
+            )
+    except UserError:
+        raise
+    except Exception as e:  # the library's errors for a folder it did not write
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{key}: {path} cannot be read by datasets: {first}") from e
+    for n, row in enumerate(ds):
+        yield f"{path} row {n}", row
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizing one example
+
+
+def is_chat_record(record: Any) -> bool:
+    return isinstance(record, dict) and "messages" in record
+
+
+def tokenize_chat(
+    tok: ChatTokenizer, record: Any, *, turns: ChatTurns, where: str
+) -> tuple[list[int], np.ndarray]:
+    """Token ids and trained-token mask of one conversation."""
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f'{where}: no `messages` list (a chat example is {{"messages": [...]}})')
+    for i, m in enumerate(messages):
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
+            raise UserError(f'{where}: message {i} is not {{"role": str, "content": str}}')
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not assistants:
+        raise UserError(f"{where}: no assistant turn, so nothing would train; remove the example")
+    full = tok.render(messages, generation_prompt=False, where=where)
+    mask = np.zeros(len(full), dtype=bool)
+    for i in assistants if turns is ChatTurns.all else assistants[-1:]:
+        before = tok.render(messages[:i], generation_prompt=True, where=where) if i else []
+        upto = tok.render(messages[: i + 1], generation_prompt=False, where=where)
+        if upto[: len(before)] != before or full[: len(upto)] != upto or len(upto) <= len(before):
+            raise UserError(
+                f"{where}: the chat template of {tok.folder} does not render a conversation as "
+                f"its first messages plus the rest (at message {i}), so its assistant turns "
+                "cannot be masked; use a template whose renderings extend one another"
+            )
+        mask[len(before) : len(upto)] = True
+    return full, mask
+
+
+def tokenize_instruct(
+    tok: ByteTokenizer | HFTokenizer, record: Any, cfg: DataConfig, *, where: str
+) -> tuple[list[int], np.ndarray]:
+    """Token ids and trained-token mask of one prompt/response pair: the template with the prompt
+    (context), then the response and end-of-text (trained)."""
+    for field in (cfg.prompt_field, cfg.response_field):
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            fields = sorted(record) if isinstance(record, dict) else []
+            key = "data.prompt_field" if field == cfg.prompt_field else "data.response_field"
+            raise UserError(f"{where}: no text field '{field}' (fields: {fields}); set {key}")
+    prompt = [
+        int(t) for t in tok.encode(cfg.template.replace("{prompt}", record[cfg.prompt_field]))
+    ]
+    response = [int(t) for t in tok.encode(record[cfg.response_field])]
+    if tok.eos_id is not None:
+        response.append(tok.eos_id)
+    mask = np.zeros(len(prompt) + len(response), dtype=bool)
+    mask[len(prompt) :] = True
+    return prompt + response, mask
+
+
+@dataclass
+class Examples:
+    """Tokenized examples, flat: example k is tokens[offsets[k]:offsets[k+1]] (and its mask)."""
+
+    tokens: np.ndarray  # uint32 in memory; uint16/uint32 memory map when prepared
+    mask: np.ndarray  # bool or uint8: 1 = the token is a target
+    offsets: np.ndarray  # int64, num_examples + 1
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.offsets) - 1
+
+    def take(self, ids: range) -> Examples:
+        """Examples `ids` (consecutive) as their own `Examples`, sharing the arrays."""
+        lo, hi = int(self.offsets[ids.start]), int(self.offsets[ids.stop])
+        return Examples(
+            self.tokens[lo:hi], self.mask[lo:hi], self.offsets[ids.start : ids.stop + 1] - lo
+        )
+
+
+def tokenize_examples(paths: list[str], cfg: DataConfig, *, key: str) -> tuple[Examples, Any]:
+    """Every example of `paths`, in order, tokenized; and the tokenizer used.
+
+    Raises:
+        UserError: a missing file or hub name, a bad line, a missing field, no messages, no
+            assistant turn, a template that cannot be masked.
+    """
+    tok = None
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    for p in paths:
+        for where, record in iter_records(Path(p), key=key, source=cfg.source):
+            chat = cfg.source is DataSource.chat or (
+                cfg.source is DataSource.hf_dataset and is_chat_record(record)
+            )
+            if tok is None:  # the first record says which kind a hf_dataset holds
+                tok = build_sft_tokenizer(cfg, chat=chat)
+            if chat:
+                if not isinstance(tok, ChatTokenizer):
+                    raise UserError(f"{where}: a chat example among instruct examples")
+                t, m = tokenize_chat(tok, record, turns=cfg.chat_turns, where=where)
+            else:
+                if isinstance(tok, ChatTokenizer) and cfg.source is DataSource.hf_dataset:
+                    raise UserError(f"{where}: no `messages` (an instruct example among chat ones)")
+                t, m = tokenize_instruct(tok, record, cfg, where=where)
+            ids.append(np.asarray(t, dtype=np.uint32))
+            masks.append(m)
+    if tok is None:
+        raise UserError(f"{key}: no examples in {', '.join(paths)}")
+    lengths = np.array([len(t) for t in ids], dtype=np.int64)
+    offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])
+    return Examples(np.concatenate(ids), np.concatenate(masks), offsets), tok
