@@ -16,8 +16,8 @@ files to copy: for a run of a HuggingFace model (model.hf_path) its original con
 files plus the trained weights under their HF names; for a built-in Llama run a LlamaConfig and
 the weights renamed to HF Llama's names. Both get the run's end-of-text id as `eos_token_id` and
 `bos_token_id` (where the config does not already say them), so `generate()` stops where the
-training data did. Never imports a model's architecture code beyond its spec, nor starts a
-process group.
+training data did. Knows no model family itself (never imports `fsdprun.models.llama` or
+`.hf`: the spec does) and never starts a process group.
 """
 
 from __future__ import annotations
