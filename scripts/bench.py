@@ -54,7 +54,7 @@ from fsdprun.config import (
 )
 from fsdprun.device import resolve_device_kind
 from fsdprun.errors import UserError
-from fsdprun.models import build_model_args
+from fsdprun.models.llama import build_model_args
 from fsdprun.report.metrics import read_events
 
 console = Console(highlight=False)

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fsdprun.data import SyntheticData
-from fsdprun.models import ModelArgs, Transformer
+from fsdprun.models.llama import ModelArgs, Transformer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

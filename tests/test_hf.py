@@ -25,13 +25,13 @@ from conftest import Runs, consolidate, flatten, fsdprun_env, run_fsdprun
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fsdprun.checkpoint.export import data_eos_id, export_checkpoint, hf_llama_name
+from fsdprun.checkpoint.export import data_eos_id, export_checkpoint
 from fsdprun.config import load_recipe
 from fsdprun.data import build_datasets, load_batch
 from fsdprun.errors import UserError
-from fsdprun.models import Transformer, build_model_args
 from fsdprun.models.hf import HFCausalLM
 from fsdprun.models.hf_weights import HFWeights, chunk_rows
+from fsdprun.models.llama import Transformer, build_model_args, hf_llama_name
 from fsdprun.report.metrics import read_events
 
 transformers = pytest.importorskip("transformers")

@@ -8,8 +8,7 @@ import pytest
 
 from fsdprun.config import Decay, ScheduleConfig, load_recipe
 from fsdprun.data import BatchLayout, SyntheticData
-from fsdprun.models import build_model_args
-from fsdprun.models.llama import flops_per_token, num_matmul_params, num_params
+from fsdprun.models.llama import build_model_args, flops_per_token, num_matmul_params, num_params
 from fsdprun.report.metrics import peak_flops, percentile, throughput
 from fsdprun.train.optim import lr_factor
 

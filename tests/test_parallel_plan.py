@@ -8,7 +8,7 @@ import torch
 from fsdprun.config import FsdpConfig, WrapPolicy, load_recipe
 from fsdprun.engines.parallel import init_weights, plan_units
 from fsdprun.errors import UserError
-from fsdprun.models import Transformer, build_model_args
+from fsdprun.models.llama import Transformer, build_model_args
 
 
 def meta_model(*overrides: str) -> Transformer:

@@ -16,8 +16,13 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from fsdprun.config import ActivationCheckpointingConfig, CheckpointMode, load_recipe
 from fsdprun.engines.parallel import apply_activation_checkpointing, selective_policy
-from fsdprun.models import build_model_args
-from fsdprun.models.llama import ModelArgs, Transformer, TransformerBlock, rope_table
+from fsdprun.models.llama import (
+    ModelArgs,
+    Transformer,
+    TransformerBlock,
+    build_model_args,
+    rope_table,
+)
 from fsdprun.tools.plan import selective_block_bytes
 
 BASE = ("train.steps=6", "output.log_every=1", "train.micro_batch_size=1")  # as test_train

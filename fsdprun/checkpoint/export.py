@@ -10,12 +10,14 @@ and their bytes are appended, so peak memory is about one load group (at least t
 tensor), not the model. `torch` output goes through torch.save, which needs a whole output shard
 in memory. Names are the model's own (`model.` stripped), e.g. `layers.0.attention.wq.weight`.
 
-`--format hf` writes a folder `transformers.AutoModelForCausalLM.from_pretrained` loads: for a
-run of a HuggingFace model (model.hf_path) its original config and tokenizer files plus the
-trained weights under their HF names; for a built-in Llama run a LlamaConfig and the weights
-renamed to HF Llama's names (the RoPE conventions agree: no permutation of q/k is needed).
-Both get the run's end-of-text id as `eos_token_id` and `bos_token_id` (where an HF folder's
-config.json does not already say them), so `generate()` stops where the training data did.
+`--format hf` writes a folder `transformers.AutoModelForCausalLM.from_pretrained` loads; the
+run's model family (`fsdprun.models.ModelSpec`) names the weights and gives config.json and the
+files to copy: for a run of a HuggingFace model (model.hf_path) its original config and tokenizer
+files plus the trained weights under their HF names; for a built-in Llama run a LlamaConfig and
+the weights renamed to HF Llama's names. Both get the run's end-of-text id as `eos_token_id` and
+`bos_token_id` (where the config does not already say them), so `generate()` stops where the
+training data did. Knows no model family itself (never imports `fsdprun.models.llama` or
+`.hf`: the spec does) and never starts a process group.
 """
 
 from __future__ import annotations
@@ -40,31 +42,16 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from fsdprun import __version__
 from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manifest
-from fsdprun.checkpoint.inspect import require_checkpoint_dir, tied_params
+from fsdprun.checkpoint.inspect import model_config, require_checkpoint_dir, tied_params
+from fsdprun.config import ModelConfig
 from fsdprun.data.files import read_description
 from fsdprun.errors import UserError
+from fsdprun.models import ModelSpec, model_spec
 from fsdprun.staging import staged_folder
 
 MODEL_PREFIX = "model."
 FORMATS = ("safetensors", "torch", "hf")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-HF_PREFIX = "hf."  # the attribute holding a HuggingFace model in fsdprun's wrapper
-# fsdprun Llama names → HuggingFace Llama names (within a block, then outside the blocks).
-_HF_BLOCK_NAMES = {
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}  # fmt: skip
-_HF_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# Weight files of a HuggingFace folder: replaced by the trained weights, not copied.
-_HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5", ".msgpack")
-_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Tensors DCP loads per call: bigger groups mean fewer calls, more memory (a tensor larger than
 # this is loaded alone).
 LOAD_GROUP_BYTES = 64 * 1024**2
@@ -139,61 +126,6 @@ def plan_tensors(
     return plans, skipped
 
 
-def hf_llama_name(name: str) -> str:
-    """An fsdprun Llama tensor name → its HuggingFace Llama name.
-
-    Raises:
-        UserError: a name that is not part of the Llama architecture.
-    """
-    if name in _HF_TOP_NAMES:
-        return _HF_TOP_NAMES[name]
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
-    if match and match.group(2) in _HF_BLOCK_NAMES:
-        return f"model.layers.{match.group(1)}.{_HF_BLOCK_NAMES[match.group(2)]}.weight"
-    raise UserError(f"{name}: not a Llama tensor; cannot name it for HuggingFace")
-
-
-def hf_llama_config(model: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """A LlamaConfig (as config.json data) for the recipe's `model:` section."""
-    n_kv = model["n_kv_heads"] if model["n_kv_heads"] is not None else model["n_heads"]
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": model["dim"],
-        "intermediate_size": model["ffn_dim"],
-        "num_hidden_layers": model["n_layers"],
-        "num_attention_heads": model["n_heads"],
-        "num_key_value_heads": n_kv,
-        "head_dim": model["dim"] // model["n_heads"],
-        "vocab_size": model["vocab_size"],
-        "max_position_embeddings": model["max_seq_len"],
-        "hidden_act": "silu",
-        "rms_norm_eps": model["norm_eps"],
-        # Both spellings: transformers 4.x reads rope_theta, 5.x rope_parameters.
-        "rope_theta": model["rope_theta"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
-        "tie_word_embeddings": model["tie_embeddings"],
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": _HF_DTYPE_NAMES.get(dtype, "float32"),
-    }
-
-
-def _hf_plans(plans: list[TensorPlan], model: dict[str, Any]) -> list[TensorPlan]:
-    """`plans` under their HuggingFace names."""
-    hf_path = model.get("hf_path")
-    if hf_path:
-        # Checked before anything is written: the config and tokenizer come from there.
-        if not (Path(hf_path) / "config.json").is_file():
-            raise UserError(
-                f"the run's model.hf_path {hf_path} has no config.json any more; the HF export "
-                "copies its config and tokenizer files from there"
-            )
-        # The wrapped model's own names, e.g. model.layers.0.self_attn.q_proj.weight.
-        return [dataclasses.replace(p, name=p.name.removeprefix(HF_PREFIX)) for p in plans]
-    return [dataclasses.replace(p, name=hf_llama_name(p.name)) for p in plans]
-
-
 def data_eos_id(data: dict[str, Any]) -> int | None:
     """The end-of-text id of a run's data (its recipe's `data:` section): the one that ended each
     document of its token stream; None for synthetic data and token files without a data.json.
@@ -214,17 +146,13 @@ def data_eos_id(data: dict[str, Any]) -> int | None:
     return None
 
 
-def _hf_token_ids(recipe: dict[str, Any]) -> dict[str, int | None]:
-    """The config.json keys to write for the special tokens: bos_token_id and eos_token_id, both
-    the data's end-of-text id (in fsdprun's stream it ends each document, so it also precedes
-    each one: a generation from nothing starts where a document does). Written as null when the
-    data has none: left out, transformers would take Llama's defaults, 1 and 2, which are
-    ordinary tokens here. A HuggingFace run keeps what its folder's config.json says."""
-    wanted = ("bos_token_id", "eos_token_id")
-    hf_path = recipe["model"].get("hf_path")
-    if hf_path:
-        source = json.loads((Path(hf_path) / "config.json").read_text())
-        wanted = tuple(key for key in wanted if key not in source)
+def _hf_token_ids(recipe: dict[str, Any], config: dict[str, Any]) -> dict[str, int | None]:
+    """The config.json keys to write for the special tokens that `config` does not already say:
+    bos_token_id and eos_token_id, both the data's end-of-text id (in fsdprun's stream it ends
+    each document, so it also precedes each one: a generation from nothing starts where a
+    document does). Written as null when the data has none: left out, transformers would take
+    Llama's defaults, 1 and 2, which are ordinary tokens here."""
+    wanted = tuple(key for key in ("bos_token_id", "eos_token_id") if key not in config)
     if not wanted:
         return {}
     eos = data_eos_id(recipe.get("data", {}))
@@ -232,25 +160,21 @@ def _hf_token_ids(recipe: dict[str, Any]) -> dict[str, int | None]:
 
 
 def _write_hf_files(
-    out: Path, model: dict[str, Any], plans: list[TensorPlan], token_ids: dict[str, int | None]
-) -> list[str]:
-    """config.json (and, for a HuggingFace run, its tokenizer and other files); their names."""
-    hf_path = model.get("hf_path")
-    if not hf_path:
-        dtype = plans[0].dtype if plans else torch.float32
-        config = {**hf_llama_config(model, dtype), **token_ids}
-        (out / "config.json").write_text(json.dumps(config, indent=2))
-        return ["config.json"]
-    source = Path(hf_path)
-    copied = []
-    for file in sorted(source.iterdir()):
-        if file.is_file() and not file.name.endswith(_HF_WEIGHT_SUFFIXES):
-            shutil.copyfile(file, out / file.name)
-            copied.append(file.name)
-    if token_ids:
-        config = json.loads((source / "config.json").read_text())
+    out: Path, spec: ModelSpec, model: ModelConfig, config: dict[str, Any],
+    token_ids: dict[str, int | None],
+) -> list[str]:  # fmt: skip
+    """config.json and the model family's other files (an HF folder's tokenizer); their names.
+    A copied config.json is rewritten only to add the special tokens."""
+    written = []
+    for file in spec.hf_files(model):
+        shutil.copyfile(file, out / file.name)
+        written.append(file.name)
+    if "config.json" not in written:
+        (out / "config.json").write_text(json.dumps({**config, **token_ids}, indent=2))
+        written.append("config.json")
+    elif token_ids:
         (out / "config.json").write_text(json.dumps({**config, **token_ids}, indent=2) + "\n")
-    return copied
+    return written
 
 
 def split_shards(plans: list[TensorPlan], max_shard_bytes: int) -> list[list[TensorPlan]]:
@@ -383,12 +307,14 @@ def export_checkpoint(
         raise UserError(f"{path}: no model.* tensors to export")
     manifest = read_manifest(path)
     tied = set(tied_params(manifest))
-    recipe = manifest["recipe"] if fmt == "hf" else {"model": {}}
-    model_cfg = recipe["model"]
-    token_ids: dict[str, int | None] = {}
     if fmt == "hf":
-        plans = _hf_plans(plans, model_cfg)
-        token_ids = _hf_token_ids(recipe)
+        # Everything the HF files need is read before anything is written.
+        recipe = manifest["recipe"]
+        model = model_config(recipe["model"])
+        spec = model_spec(model)
+        hf_config = spec.hf_config(model, plans[0].dtype)
+        plans = [dataclasses.replace(p, name=spec.hf_name(p.name)) for p in plans]
+        token_ids = _hf_token_ids(recipe, hf_config)
     shards = split_shards(plans, max_shard_bytes)
     names, index_name = shard_file_names("torch" if fmt == "torch" else "safetensors", len(shards))
     file_metadata = {
@@ -415,7 +341,7 @@ def export_checkpoint(
             index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
             (stage / index_name).write_text(json.dumps(index, indent=2) + "\n")
         if fmt == "hf":
-            names = [*names, *_write_hf_files(stage, model_cfg, plans, token_ids)]
+            names = [*names, *_write_hf_files(stage, spec, model, hf_config, token_ids)]
     return ExportResult(
         out=out,
         files=[*names, *([index_name] if index_name else [])],

@@ -8,6 +8,9 @@
 Everything comes from DCP's `.metadata` (keys, shapes, dtypes, chunks, and where each stored item
 lies in which file), the manifest and file sizes, so it takes milliseconds whatever the model
 size. `inspect_path` builds the plain document that `--json` prints; `render` draws it with rich.
+What a model's row says and which tensors an older checkpoint tied come from the run's model
+family (`fsdprun.models`), never from its architecture code. Never imports torch.distributed
+beyond DCP's metadata reader, nor builds a model.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -31,7 +35,9 @@ from fsdprun.checkpoint import (
     list_checkpoints,
     verify_checkpoint,
 )
+from fsdprun.config import ModelConfig
 from fsdprun.errors import UserError
+from fsdprun.models import model_spec
 from fsdprun.report.console import Cell, fmt_bytes, fmt_count
 
 GROUPS = (("model", "model."), ("optimizer", "optim."))  # every other key is in "other"
@@ -206,17 +212,22 @@ def _recipe_summary(recipe: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def model_config(model: dict[str, Any]) -> ModelConfig:
+    """A manifest's recipe `model:` section (plain data) as the typed section; keys it lacks take
+    their defaults."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))
+
+
 def tied_params(manifest: dict[str, Any]) -> dict[str, str]:
     """Model keys whose tensor is another key's (tied weights, stored under both names) → that
     key, both with the checkpoint's "model." prefix. Checkpoints record them in their train
-    state; older ones only say `model.tie_embeddings` in the recipe."""
+    state; for older ones the model family says (Llama: from `model.tie_embeddings`)."""
     train_state = manifest.get("train_state") or {}
     if "tied_params" in train_state:
         ties = train_state["tied_params"]
     else:
-        model = manifest.get("recipe", {}).get("model", {})
-        tie = model.get("tie_embeddings") and not model.get("hf_path")
-        ties = {"output.weight": "tok_embeddings.weight"} if tie else {}
+        model = model_config(manifest.get("recipe", {}).get("model", {}))
+        ties = model_spec(model).tied_params(model)
     return {f"model.{name}": f"model.{first}" for name, first in ties.items()}
 
 
@@ -243,6 +254,7 @@ def describe_checkpoint(path: Path, *, tensors: str | None = None) -> dict[str, 
                 "bytes": _tensor_bytes(md), "shards": len(md.chunks),
             })  # fmt: skip
     tied = tied_params(manifest)
+    model = model_config(manifest.get("recipe", {}).get("model", {}))
     num_params = sum(
         math.prod(md.size)
         for key, md in metadata.state_dict_metadata.items()
@@ -253,6 +265,7 @@ def describe_checkpoint(path: Path, *, tensors: str | None = None) -> dict[str, 
         torch_version=manifest.get("torch_version"),
         train_state=manifest.get("train_state"),
         recipe=_recipe_summary(manifest.get("recipe", {})),
+        model_description=model_spec(model).describe(model),
         num_params=num_params,  # a tied tensor once
         tied=tied,
         groups=groups,
@@ -340,8 +353,6 @@ def _render_run(doc: dict[str, Any], console: Console) -> None:
 
 def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
     recipe = doc["recipe"]
-    m = recipe["model"]
-    kv = f" ({m['n_kv_heads']} kv)" if m.get("n_kv_heads") else ""
     precision = recipe["precision"]
     groups = doc["groups"]
     info = Table.grid(padding=(0, 2))
@@ -357,9 +368,7 @@ def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
     )
     info.add_row(
         "model",
-        f"{m.get('family')}: dim {m.get('dim')}, {m.get('n_layers')} layers, "
-        f"{m.get('n_heads')} heads{kv}, ffn {m.get('ffn_dim')}, vocab {m.get('vocab_size')}; "
-        f"{fmt_count(doc['num_params'])} params"
+        f"{doc['model_description']}; {fmt_count(doc['num_params'])} params"
         + "".join(f" ({k} tied to {v})" for k, v in doc.get("tied", {}).items()),
     )
     info.add_row(

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdprun.errors import UserError
+from fsdprun.models import family_problem
 from fsdprun.report.trackers import tracker_errors
 
 DEFAULT_SOURCE = "default"
@@ -1050,8 +1051,8 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         errors.append(
             f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({n_kv})"
         )
-    if m.family != "llama":
-        errors.append(f"model.family: '{m.family}' is not known; the built-in family is 'llama'")
+    if (problem := family_problem(m.family, m.hf_path)) is not None:
+        errors.append(problem)
     if m.hf_path is not None:
         if not (Path(m.hf_path) / "config.json").is_file():
             errors.append(f"model.hf_path: {m.hf_path} has no config.json (a HuggingFace folder?)")

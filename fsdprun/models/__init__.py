@@ -1,40 +1,95 @@
-"""Model architectures. `build_model` is the one place that picks the architecture of a recipe's
-`model:` section: the built-in Llama, or a HuggingFace model from `model.hf_path`. Every model
-it returns maps tokens to logits and offers `args`, `block_paths()` (the decoder blocks FSDP
-wraps), `init_std(name)` and `init_buffers(device)`. `models` never imports torch.distributed."""
+"""Model families: the registry that turns a recipe's `model:` section into a `ModelSpec`.
 
-from torch import nn
+A family is a module under `fsdprun.models` that defines `SPEC`; `FAMILIES` names it. Adding a
+family is its module plus one line in `FAMILIES`: building, `plan`, the run's parameter and FLOP
+counts, `inspect-checkpoint` and `export --format hf` all go through the spec. `model.hf_path`
+chooses the `hf` family (any local HuggingFace causal LM) whatever `model.family` says.
 
-from fsdprun.config import ModelConfig
-from fsdprun.models.llama import ModelArgs, Transformer, TransformerBlock
+Every model a spec builds maps tokens to logits and offers `args` (its Llama-shaped
+`ModelArgs` summary), `block_paths()` (the decoder blocks FSDP wraps), `init_std(name)` and
+`init_buffers(device)`.
 
-__all__ = ["ModelArgs", "Transformer", "TransformerBlock", "build_model", "build_model_args"]
+This module never imports torch at load (config validates family names through it, and
+`fsdprun config` imports no torch); no module of `models` imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fsdprun.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from fsdprun.config import ModelConfig
+
+# Family name -> the module defining its SPEC (imported when a recipe asks for the family).
+FAMILIES = {
+    "llama": "fsdprun.models.llama",
+    "hf": "fsdprun.models.hf",
+}
+HF_FAMILY = "hf"  # chosen by model.hf_path
 
 
-def build_model_args(cfg: ModelConfig) -> ModelArgs:
-    return ModelArgs(
-        dim=cfg.dim,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads,
-        ffn_dim=cfg.ffn_dim,
-        vocab_size=cfg.vocab_size,
-        max_seq_len=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta,
-        norm_eps=cfg.norm_eps,
-        tie_embeddings=cfg.tie_embeddings,
-    )
+@dataclass(frozen=True)
+class ModelSpec:
+    """What fsdprun needs to know of a model family. Each function takes the recipe's `model:`
+    section (a `ModelConfig`)."""
+
+    name: str
+    # The model on the current default device: call it under `torch.device("meta")`.
+    build: Callable[[ModelConfig], nn.Module]
+    # The section with its architecture keys (dim, n_layers, n_heads, n_kv_heads, ffn_dim,
+    # vocab_size, ...) as the built model has them: what plan's activation estimates read.
+    shape: Callable[[ModelConfig], ModelConfig]
+    # Trainable parameters, a tied tensor once.
+    num_params: Callable[[ModelConfig], int]
+    # Training FLOPs per token (forward + backward) at a sequence length.
+    flops_per_token: Callable[[ModelConfig, int], int]
+    # One line for `inspect-checkpoint`'s model row.
+    describe: Callable[[ModelConfig], str]
+    # Parameters tied to another (name -> first name), for checkpoints that predate recording
+    # them in their train state.
+    tied_params: Callable[[ModelConfig], dict[str, str]]
+    # `export --format hf`: a parameter name -> its HuggingFace name; the config.json data (with
+    # the export's dtype); the files copied as they are (tokenizer files, an original config).
+    hf_name: Callable[[str], str]
+    hf_config: Callable[[ModelConfig, torch.dtype], dict[str, Any]]
+    hf_files: Callable[[ModelConfig], list[Path]]
+
+
+def family_problem(family: str, hf_path: str | None) -> str | None:
+    """Why `model.family` / `model.hf_path` choose no family (one line), or None."""
+    if family not in FAMILIES:
+        return f"model.family: '{family}' is not known; the families are {', '.join(FAMILIES)}"
+    if family == HF_FAMILY and hf_path is None:
+        return "model.family: 'hf' needs model.hf_path (a local HuggingFace model folder)"
+    return None
+
+
+def model_spec(cfg: ModelConfig) -> ModelSpec:
+    """The spec of the recipe's model: `hf` when model.hf_path is set, else model.family's.
+
+    Raises:
+        UserError: an unknown family, or `hf` without model.hf_path.
+    """
+    problem = family_problem(cfg.family, cfg.hf_path)
+    if problem is not None:
+        raise UserError(problem)
+    family = HF_FAMILY if cfg.hf_path is not None else cfg.family
+    return importlib.import_module(FAMILIES[family]).SPEC
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     """The recipe's model on the current default device (call it under `torch.device("meta")`).
 
     Raises:
-        UserError: model.hf_path without transformers installed, or an unusable folder.
+        UserError: no such family; model.hf_path without transformers, or an unusable folder.
     """
-    if cfg.hf_path is not None:
-        # Imported here: transformers is an optional extra and slow to import.
-        from fsdprun.models.hf import HFCausalLM
-
-        return HFCausalLM.from_folder(cfg.hf_path)
-    return Transformer(build_model_args(cfg))
+    return model_spec(cfg).build(cfg)

@@ -1,9 +1,10 @@
-"""A HuggingFace causal LM (built by transformers from a local folder's config.json) behind the
-interface the rest of fsdprun expects of a model: `forward(tokens, head=None) -> logits`, `args`,
-`block_paths()`, `init_std(name)`, `init_buffers(device)`.
+"""The `hf` family: any local HuggingFace causal LM, built by transformers from the folder's
+config.json, behind the interface the rest of fsdprun expects of a model: `forward(tokens,
+head=None) -> logits`, `args`, `block_paths()`, `init_std(name)`, `init_buffers(device)`.
+Parameter and FLOP counts come from the model itself, built on the meta device.
 
 Architecture only: the pretrained weights are loaded shard-wise by `fsdprun.models.hf_weights`
-after FSDP has sharded the model. Build it on the meta device:
+after FSDP has sharded the model. Never imports torch.distributed. Build it on the meta device:
 
     with torch.device("meta"):
         model = HFCausalLM.from_folder("path/to/hf-model")
@@ -11,16 +12,23 @@ after FSDP has sharded the model. Build it on the meta device:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from fsdprun.errors import UserError
+from fsdprun.models import ModelSpec
 from fsdprun.models.attention import document_causal_mask
 from fsdprun.models.llama import ModelArgs
+
+if TYPE_CHECKING:
+    from fsdprun.config import ModelConfig
 
 # Parameter names in this module are the HuggingFace names under this attribute.
 HF_PREFIX = "hf."
@@ -35,15 +43,6 @@ def import_transformers():
             "model.hf_path needs transformers: pip install 'fsdprun[hf]' (or transformers>=4.40)"
         ) from e
     return transformers
-
-
-def read_hf_config(path: str | Path) -> dict:
-    """The folder's config.json as a dict (no transformers needed)."""
-    file = Path(path) / "config.json"
-    try:
-        return json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"model.hf_path: cannot read {file}: {e}") from e
 
 
 def args_from_hf_config(config) -> ModelArgs:
@@ -227,3 +226,70 @@ class HFCausalLM(nn.Module):
                 fresh = type(module)(module.config)
             for name, buf in own.items():
                 buf.copy_(getattr(fresh, name))
+
+
+# Weight files of a HuggingFace folder: an export replaces them by the trained weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5", ".msgpack")
+
+
+@functools.cache
+def _meta_counts(path: str) -> tuple[ModelArgs, int, int]:
+    """The folder's model summary, its parameters (a tied tensor once) and the weights of its
+    Linears (what takes part in a matmul per token, a tied output projection included), counted
+    on a model built on the meta device (allocates nothing; cached: the worker asks more than
+    once)."""
+    with torch.device("meta"):
+        model = HFCausalLM.from_folder(path)
+    num_params = sum(p.numel() for p in model.parameters())
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return model.args, num_params, matmul
+
+
+def _shape(cfg: ModelConfig) -> ModelConfig:
+    args = _meta_counts(cfg.hf_path)[0]
+    return dataclasses.replace(
+        cfg, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads, ffn_dim=args.ffn_dim, vocab_size=args.vocab_size,
+        max_seq_len=args.max_seq_len, norm_eps=args.norm_eps, tie_embeddings=args.tie_embeddings,
+    )  # fmt: skip
+
+
+def _flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """6·N_matmul + 12·n_layers·dim·seq_len, as `fsdprun.models.llama.flops_per_token` counts."""
+    args, _, matmul = _meta_counts(cfg.hf_path)
+    return 6 * matmul + 12 * args.n_layers * args.dim * seq_len
+
+
+def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The folder's config.json as it is (the export's dtype does not change it)."""
+    file = Path(cfg.hf_path) / "config.json"
+    if not file.is_file():
+        raise UserError(
+            f"the run's model.hf_path {cfg.hf_path} has no config.json any more; the HF export "
+            "copies its config and tokenizer files from there"
+        )
+    return json.loads(file.read_text())
+
+
+def _hf_files(cfg: ModelConfig) -> list[Path]:
+    """Every file of the folder but its weights: config, tokenizer, generation config."""
+    return [
+        file for file in sorted(Path(cfg.hf_path).iterdir())
+        if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES)
+    ]  # fmt: skip
+
+
+SPEC = ModelSpec(
+    name="hf",
+    build=lambda cfg: HFCausalLM.from_folder(cfg.hf_path),
+    shape=_shape,
+    num_params=lambda cfg: _meta_counts(cfg.hf_path)[1],
+    flops_per_token=_flops_per_token,
+    describe=lambda cfg: f"hf: {cfg.hf_path}",
+    # Unknown without the checkpoint's own record (the folder may be gone): none, as before.
+    tied_params=lambda cfg: {},
+    # The wrapped model's own names, e.g. model.layers.0.self_attn.q_proj.weight.
+    hf_name=lambda name: name.removeprefix(HF_PREFIX),
+    hf_config=_hf_config,
+    hf_files=_hf_files,
+)

@@ -1,7 +1,8 @@
-"""The Llama architecture (RMSNorm, RoPE, grouped-query attention, SwiGLU) — architecture only.
+"""The built-in Llama family (RMSNorm, RoPE, grouped-query attention, SwiGLU): its architecture,
+parameter and FLOP counts, and its HuggingFace names, registered as `SPEC`.
 
 How the model is sharded, compiled and checkpointed lives in `fsdprun.engines`; this file never
-touches torch.distributed. Build it on the meta device and let the caller materialize it:
+imports torch.distributed. Build it on the meta device and let the caller materialize it:
 
     with torch.device("meta"):
         model = Transformer(ModelArgs(dim=256, n_layers=4, ...))
@@ -10,14 +11,21 @@ touches torch.distributed. Build it on the meta device and let the caller materi
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdprun.errors import UserError
+from fsdprun.models import ModelSpec
 from fsdprun.models.attention import AttentionMask, attend, build_attention_mask
+
+if TYPE_CHECKING:
+    from fsdprun.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -223,3 +231,102 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     the causal mask, no recompute for activation checkpointing).
     """
     return 6 * num_matmul_params(args) + 12 * args.n_layers * args.dim * seq_len
+
+
+def build_model_args(cfg: ModelConfig) -> ModelArgs:
+    """The architecture of the recipe's `model:` section."""
+    return ModelArgs(
+        dim=cfg.dim,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads,
+        ffn_dim=cfg.ffn_dim,
+        vocab_size=cfg.vocab_size,
+        max_seq_len=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta,
+        norm_eps=cfg.norm_eps,
+        tie_embeddings=cfg.tie_embeddings,
+    )
+
+
+# fsdprun Llama names → HuggingFace Llama names (within a block, then outside the blocks).
+_HF_BLOCK_NAMES = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+_HF_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hf_llama_name(name: str) -> str:
+    """An fsdprun Llama tensor name → its HuggingFace Llama name (the RoPE conventions agree:
+    no permutation of q/k is needed).
+
+    Raises:
+        UserError: a name that is not part of the Llama architecture.
+    """
+    if name in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[name]
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    if match and match.group(2) in _HF_BLOCK_NAMES:
+        return f"model.layers.{match.group(1)}.{_HF_BLOCK_NAMES[match.group(2)]}.weight"
+    raise UserError(f"{name}: not a Llama tensor; cannot name it for HuggingFace")
+
+
+def hf_llama_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """A LlamaConfig (as config.json data) for the recipe's `model:` section."""
+    args = build_model_args(cfg)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        # Both spellings: transformers 4.x reads rope_theta, 5.x rope_parameters.
+        "rope_theta": args.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": _HF_DTYPE_NAMES.get(dtype, "float32"),
+    }
+
+
+def _describe(cfg: ModelConfig) -> str:
+    kv = f" ({cfg.n_kv_heads} kv)" if cfg.n_kv_heads else ""
+    return (
+        f"{cfg.family}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads{kv}, "
+        f"ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}"
+    )
+
+
+def _tied_params(cfg: ModelConfig) -> dict[str, str]:
+    return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
+
+
+SPEC = ModelSpec(
+    name="llama",
+    build=lambda cfg: Transformer(build_model_args(cfg)),
+    shape=lambda cfg: cfg,
+    num_params=lambda cfg: num_params(build_model_args(cfg)),
+    flops_per_token=lambda cfg, seq_len: flops_per_token(build_model_args(cfg), seq_len),
+    describe=_describe,
+    tied_params=_tied_params,
+    hf_name=hf_llama_name,
+    hf_config=hf_llama_config,
+    hf_files=lambda cfg: [],
+)

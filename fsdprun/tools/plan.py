@@ -2,6 +2,10 @@
 
     fsdprun plan llama-70b --world-size 64 --device-memory 80GB
 
+Works for every registered model family (`fsdprun.models`; an HF folder's shapes come from its
+config.json). Never imports the launcher (`fsdprun.launch`) nor `fsdprun.report`: it computes,
+the report draws.
+
 The model is built on the meta device (no memory), the FSDP units come from `plan_units` exactly as
 `apply_fsdp` wraps them, and each parameter's per-rank shard is computed from its real shape:
 FSDP2 shards dim 0 and pads it to a multiple of the shard group, so rank 0 holds ceil(dim0 / N)
@@ -31,6 +35,7 @@ Gathered buffers and activations are estimates; `ACTIVATION_FORMULA` says how th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -56,8 +61,7 @@ from fsdprun.engines.float8 import MFU_CONVENTION, float8_linears
 from fsdprun.engines.float8 import describe as describe_float8
 from fsdprun.engines.parallel import plan_units
 from fsdprun.errors import UserError
-from fsdprun.models import Transformer, build_model_args
-from fsdprun.models.llama import num_matmul_params
+from fsdprun.models import model_spec
 from fsdprun.train.loss import describe_loss
 
 DTYPE_BYTES = {Dtype.bf16: 2, Dtype.fp16: 2, Dtype.fp32: 4}
@@ -355,13 +359,12 @@ def plan_memory(
     Returns:
         The plan; `strategies[s].fits` is None when the device memory is unknown.
     """
-    if getattr(cfg.model, "hf_path", None) is not None:
-        raise UserError(
-            "fsdprun plan does not read model.hf_path models yet; plan the model.* shape"
-        )
-    world, per_node = cfg.world_size, cfg.launch.nproc_per_node
+    spec = model_spec(cfg.model)
     with torch.device("meta"):
-        model = Transformer(build_model_args(cfg.model))
+        model = spec.build(cfg.model)
+    # The activation estimates read the model's shape: an HF folder's comes from its config.json.
+    cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
+    world, per_node = cfg.world_size, cfg.launch.nproc_per_node
     params = list(model.parameters())  # tied weights appear once, as in the optimizer
     pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
     fsdp = cfg.fsdp
@@ -473,7 +476,8 @@ def plan_memory(
     replicated = _per_param_layout(groups, 1)
     # Autocast keeps a param_dtype copy of every matmul weight for backward (DDP's only
     # "buffer"); the embedding lookup and the norms run on the fp32 parameters.
-    autocast_copies = num_matmul_params(model.args) * pbytes if cast else 0
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    autocast_copies = matmul_weights * pbytes if cast else 0
     strategies = {
         "ddp": StrategyMemory(
             1,

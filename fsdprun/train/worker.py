@@ -57,8 +57,7 @@ from fsdprun.engines.parallel import (
 )
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import worker_store_args
-from fsdprun.models import build_model
-from fsdprun.models.llama import flops_per_token, num_params
+from fsdprun.models import build_model, model_spec
 from fsdprun.report.console import Reporter
 from fsdprun.report.metrics import MetricsLog, peak_flops, read_events, throughput
 from fsdprun.report.trackers import close_on_failure, open_trackers
@@ -271,7 +270,7 @@ def _train(
         with_val=eval_every > 0,
     )  # fmt: skip
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-    fpt = flops_per_token(args, cfg.train.seq_len)
+    fpt = model_spec(cfg.model).flops_per_token(cfg.model, cfg.train.seq_len)
     resume_from = _restart_checkpoint(run_dir, resume_from)
     metrics = None
     if is_rank0:
@@ -506,7 +505,7 @@ def _start_fields(
     layout: BatchLayout, data: Dataset, val_data: Dataset | None, recipe_name: str | None,
 ) -> dict[str, Any]:  # fmt: skip
     """The `start` event: what the header shows and metrics.jsonl keeps about the run."""
-    args = engine.inner.args
+    spec = model_spec(cfg.model)
     compile_ = cfg.compile
     return {
         "recipe": recipe_name or run_dir.name,
@@ -529,8 +528,8 @@ def _start_fields(
             "per block" if compile_.per_block else "whole model"),
         "loss": describe_loss(cfg.train),
         "float8": describe_float8(cfg.precision.float8.value, engine.inner),
-        "num_params": num_params(args),
-        "param_bytes": num_params(args) * 4,
+        "num_params": spec.num_params(cfg.model),
+        "param_bytes": spec.num_params(cfg.model) * 4,
         "param_shard_bytes": model_state_bytes(engine.model, None)["params"],
         "global_batch_size": cfg.train.global_batch_size,
         "micro_batch_size": cfg.train.micro_batch_size,
@@ -538,7 +537,7 @@ def _start_fields(
         "seq_len": cfg.train.seq_len,
         "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
         # For the trackers' MFU of each logged step (the summary's is over the whole launch).
-        "flops_per_token": flops_per_token(args, cfg.train.seq_len),
+        "flops_per_token": spec.flops_per_token(cfg.model, cfg.train.seq_len),
         "peak_flops_per_device": peak_flops(
             device.name(), cfg.precision.param_dtype.value, cfg.output.peak_tflops
         )[0],
