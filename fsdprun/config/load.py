@@ -439,6 +439,8 @@ def load_recipe(
         overrides: `key=value` / `~key` strings, applied last.
         world_size: the real number of ranks when known (a worker); else launch.* decides.
         check: run the cross-field checks (`validate`); the caller runs them itself if False.
+            The data files are not read here: the commands that use them call
+            `fsdprun.data.preflight.check_data`.
 
     Raises:
         UserError: anything wrong with the recipe, one line.
