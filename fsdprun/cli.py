@@ -314,6 +314,11 @@ def config_cmd(
     """Print the fully resolved recipe as YAML (exit 2 with the error if it is invalid)."""
     extra = _launch_overrides(nproc_per_node, nnodes, None, None)
     resolved = load_recipe(recipe, [*(overrides or []), *extra])
+    from fsdprun.data.preflight import check_data  # headers and sizes only: no torch, no numpy
+
+    data_problems = check_data(resolved.config)
+    if data_problems:
+        raise UserError("; ".join(data_problems))
     sys.stdout.write(explain(resolved) if explain_ else resolved.to_yaml())
 
 
@@ -593,14 +598,20 @@ def plan(
     plot_: PlotOpt = None,
 ) -> None:
     """Plan FSDP units and per-rank memory (full, grad_op, hybrid, ddp); allocates no model."""
+    from fsdprun.config import parse_size
     from fsdprun.report.console import render_plan
-    from fsdprun.tools.plan import parse_memory, plan_recipe
+    from fsdprun.tools.plan import plan_recipe
 
     if plot_ is not None:
         from fsdprun.report.plot import check_png_target
 
         check_png_target(plot_, "--plot")
-    memory = parse_memory(device_memory) if device_memory else None
+    memory = None
+    if device_memory:
+        expected = "a size such as 80GB, 141GB or 24GiB"
+        memory = parse_size(
+            device_memory, option="--device-memory", expected=expected, bare_unit="GB"
+        )
     result = plan_recipe(
         recipe, overrides or [], world_size=world_size, nnodes=nnodes, device_memory_bytes=memory
     ).to_dict()

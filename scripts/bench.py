@@ -48,11 +48,10 @@ from fsdprun.config import (
     OptimImpl,
     RecipeConfig,
     Sharding,
-    backward_prefetch_depth,
-    effective_sharding,
     load_recipe,
 )
 from fsdprun.device import resolve_device_kind
+from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding
 from fsdprun.errors import UserError
 from fsdprun.models.llama import build_model_args
 from fsdprun.report.metrics import read_events

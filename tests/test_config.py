@@ -25,6 +25,7 @@ from fsdprun.config import (
     explain,
     load_recipe,
     parse_overrides,
+    parse_size,
     schema_fields,
     validate,
 )
@@ -586,3 +587,14 @@ def test_builtin_recipe_starts_with_its_command(name):
     first = text.splitlines()[0]
     assert first.startswith("# fsdprun train"), first
     assert first.split()[3] == name, first
+
+
+def test_parse_size_reads_the_units_of_both_options():
+    # --max-shard-size: a bare number is bytes; --device-memory: a bare number is GB.
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1000") == 1000 and parse_size(" 1.5 mb ") == 1_500_000
+    assert parse_size("80", bare_unit="GB") == 80 * 10**9
+    assert parse_size("24GiB", bare_unit="GB") == 24 * 2**30
+    for bad in ("lots", "0GB", "-1GB", "5XB", ""):
+        with pytest.raises(UserError, match=f"^--device-memory {bad!r}: expected a size"):
+            parse_size(bad, option="--device-memory", expected="a size such as 80GB")

@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from typer.testing import CliRunner
 
-from fsdprun.checkpoint.export import parse_size, plan_tensors, safetensors_header, split_shards
+from fsdprun.checkpoint.export import plan_tensors, safetensors_header, split_shards
 from fsdprun.cli import app
+from fsdprun.config import parse_size
 
 runner = CliRunner()
 

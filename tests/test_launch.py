@@ -195,7 +195,7 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
 def test_hybrid_shards_within_the_node_an_external_launcher_reports():
-    from fsdprun.config import shard_group_size
+    from fsdprun.engines.mesh import shard_group_size
     from fsdprun.launch.direct import launch_overrides
 
     # llama-1b says one device per node; torchrun (or srun) started the job as it is.

@@ -26,7 +26,6 @@ import ctypes
 import dataclasses
 import json
 import math
-import re
 import shutil
 import sys
 import warnings
@@ -43,7 +42,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from fsdprun import __version__
 from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manifest
 from fsdprun.checkpoint.inspect import model_config, require_checkpoint_dir, tied_params
-from fsdprun.config import ModelConfig
+from fsdprun.config import ModelConfig, parse_size
 from fsdprun.data.files import read_description
 from fsdprun.errors import UserError
 from fsdprun.models import ModelSpec, model_spec
@@ -64,8 +63,6 @@ _SAFETENSORS_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -91,21 +88,6 @@ class ExportResult:
     num_params: int
     total_bytes: int  # tensor bytes, as in the index's total_size
     skipped: list[str]  # model.* entries that are not tensors
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> 5_000_000_000 (decimal units as HuggingFace uses; KiB/MiB/GiB are binary).
-
-    Raises:
-        UserError: not a size.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match and match.group(2).upper()
-    if not match or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
-        raise UserError(
-            f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB or 2GiB"
-        )
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def plan_tensors(
@@ -291,7 +273,7 @@ def export_checkpoint(
         raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    max_shard_bytes = parse_size(max_shard_size)
+    max_shard_bytes = parse_size(max_shard_size, option="--max-shard-size")
     require_checkpoint_dir(path)
     status = check_checkpoint(path)
     if not status.complete:

@@ -35,13 +35,11 @@ from fsdprun.config import (
     RecipeConfig,
     Sharding,
     WrapPolicy,
-    backward_prefetch_depth,
-    effective_sharding,
-    shard_group_size,
 )
 from fsdprun.config import (
     Engine as EngineKind,
 )
+from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding, shard_group_size
 from fsdprun.engines.parallel import (
     TORCH_DTYPES,
     FsdpUnit,

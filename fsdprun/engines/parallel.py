@@ -31,9 +31,8 @@ from fsdprun.config import (
     FsdpConfig,
     Sharding,
     WrapPolicy,
-    backward_prefetch_depth,
-    effective_sharding,
 )
+from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding
 from fsdprun.errors import UserError
 
 TORCH_DTYPES = {Dtype.bf16: torch.bfloat16, Dtype.fp16: torch.float16, Dtype.fp32: torch.float32}

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fsdprun.config import ResolvedRecipe, load_recipe
+from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.launch.elastic import prepare_run_dir
 from fsdprun.launch.runlock import hold_run_dir
@@ -107,6 +108,9 @@ def run_as_worker(recipe: str, overrides: list[str]) -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     overrides = [*overrides, *launch_overrides(os.environ)]
     resolved = load_recipe(recipe, overrides, world_size=world_size)
+    data_problems = check_data(resolved.config)
+    if data_problems:
+        raise UserError("; ".join(data_problems))
     run_dir = direct_run_dir(resolved.name, resolved.config.output.run_dir)
     resolved.config.output.run_dir = str(run_dir)
     rank0 = int(os.environ["RANK"]) == 0

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint
 from fsdprun.config import ResolvedRecipe, config_to_dict, load_recipe, validate
+from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.train.optim import lr_factor
 from fsdprun.train.worker import RECIPE_FILE
@@ -68,7 +69,7 @@ def plan_resume(
             f"{world} ranks ({per_rank // new_micro} accumulation steps)"
         )
         cfg.train.micro_batch_size = new_micro
-    errors = validate(cfg)
+    errors = validate(cfg) or check_data(cfg)
     if errors:
         raise UserError("; ".join(errors))
 

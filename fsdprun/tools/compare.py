@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import Engine, Sharding, load_recipe
+from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.launch.runlock import LOCK_FILE, hold_run_dir
 from fsdprun.report.metrics import read_events
@@ -152,6 +153,9 @@ def compare(
             `out_dir` already holds runs.
     """
     resolved = load_recipe(recipe, overrides)
+    data_problems = check_data(resolved.config)
+    if data_problems:
+        raise UserError("; ".join(data_problems))
     if out_dir.exists() and any(not p.name.startswith(LOCK_FILE) for p in out_dir.iterdir()):
         raise UserError(f"--run-dir {out_dir} is not empty; give a new directory")
     results = []

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -51,14 +50,12 @@ from fsdprun.config import (
     LossKind,
     RecipeConfig,
     Sharding,
-    backward_prefetch_depth,
-    effective_sharding,
     load_recipe,
-    shard_group_size,
 )
 from fsdprun.engines import LOCAL, accumulation_mode, translate
 from fsdprun.engines.float8 import MFU_CONVENTION, float8_linears
 from fsdprun.engines.float8 import describe as describe_float8
+from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding, shard_group_size
 from fsdprun.engines.parallel import plan_units
 from fsdprun.errors import UserError
 from fsdprun.models import model_spec
@@ -94,20 +91,6 @@ BUFFER_FORMULA = (
     "autocast's param_dtype copies of the matmul weights. precision.float8=tensorwise: 1 byte "
     "for the weights of converted Linears, gathered in float8"
 )
-_SIZE_UNITS = {"GB": 10**9, "TB": 10**12, "MB": 10**6, "GIB": 2**30, "TIB": 2**40, "MIB": 2**20}
-
-
-def parse_memory(text: str) -> int:
-    """'80GB' -> 80_000_000_000 (GB/TB/MB decimal, GiB/TiB/MiB binary; a bare number is GB).
-
-    Raises:
-        UserError: not a positive size.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match and (match.group(2).upper() or "GB")
-    if not match or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
-        raise UserError(f"--device-memory {text!r}: expected a size such as 80GB, 141GB or 24GiB")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 @dataclass(frozen=True)

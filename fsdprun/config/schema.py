@@ -1,0 +1,554 @@
+"""The recipe schema: one dataclass per recipe section, the enums of its choices, and every
+field's help text (which feeds `fsdprun config --explain`, `--help` and docs/recipes.md).
+
+Only data lives here: no loading (`load`), no checks (`validate`). OmegaConf reads these classes
+as structured configs, so a wrong type or enum value is refused at merge time. Never imports
+torch, nor any other fsdprun module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default: Any, help: str, **kwargs: Any) -> Any:
+    """A schema field with its help text (feeds `fsdprun config --explain` and docs/recipes.md)."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+class Dtype(enum.Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class WrapPolicy(enum.Enum):
+    block = "block"
+    size = "size"
+    classes = "classes"
+    none = "none"
+
+
+class Engine(enum.Enum):
+    fsdp2 = "fsdp2"
+    fsdp1 = "fsdp1"
+    ddp = "ddp"
+
+
+class Sharding(enum.Enum):
+    full = "full"
+    grad_op = "grad_op"
+    hybrid = "hybrid"
+    hybrid_zero2 = "hybrid_zero2"
+    none = "none"
+
+
+class CheckpointMode(enum.Enum):
+    none = "none"
+    full = "full"
+    every_n = "every_n"
+    selective = "selective"
+
+
+class LossKind(enum.Enum):
+    plain = "plain"
+    chunked = "chunked"
+
+
+class Float8(enum.Enum):
+    off = "off"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
+class CompileMode(enum.Enum):
+    default = "default"
+    reduce_overhead = "reduce-overhead"
+    max_autotune = "max-autotune"
+    max_autotune_no_cudagraphs = "max-autotune-no-cudagraphs"
+
+
+class OptimImpl(enum.Enum):
+    auto = "auto"
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for_loop"
+
+
+class Decay(enum.Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class NonFinite(enum.Enum):
+    abort = "abort"
+    skip = "skip"
+
+
+class OnSaveError(enum.Enum):
+    stop = "stop"
+    continue_ = "continue"
+
+
+class DataSource(enum.Enum):
+    synthetic = "synthetic"
+    tokens = "tokens"
+    text = "text"
+    chat = "chat"
+    instruct = "instruct"
+    hf_dataset = "hf_dataset"
+
+
+class ChatTurns(enum.Enum):
+    all = "all"
+    last = "last"
+
+
+class Truncate(enum.Enum):
+    drop = "drop"
+    truncate = "truncate"
+
+
+class TokenDtype(enum.Enum):
+    auto = "auto"
+    uint16 = "uint16"
+    uint32 = "uint32"
+
+
+class ModelInit(enum.Enum):
+    pretrained = "pretrained"
+    random = "random"
+
+
+class DeviceKind(enum.Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+    npu = "npu"
+    xpu = "xpu"
+
+
+@dataclass
+class ModelConfig:
+    family: str = _f("llama", "Model family; `llama` (RMSNorm, RoPE, GQA attention, SwiGLU).")
+    dim: int = _f(256, "Hidden size.")
+    n_layers: int = _f(4, "Number of transformer blocks.")
+    n_heads: int = _f(8, "Attention heads.")
+    n_kv_heads: int | None = _f(
+        None, "Key/value heads for grouped-query attention; null = n_heads."
+    )
+    ffn_dim: int = _f(688, "Hidden size of the SwiGLU feed-forward.")
+    vocab_size: int = _f(1024, "Vocabulary size.")
+    max_seq_len: int = _f(256, "Longest sequence the RoPE table covers.")
+    rope_theta: float = _f(10000.0, "RoPE base frequency.")
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
+    tie_embeddings: bool = _f(False, "Share the token embedding with the output projection.")
+    hf_path: str | None = _f(
+        None,
+        "A local HuggingFace model folder (config.json + safetensors; needs `pip install "
+        "fsdprun[hf]`): the architecture comes from its config.json and the model.* "
+        "architecture keys above are ignored. Relative to the recipe file that sets it.",
+    )
+    init: ModelInit = _f(
+        ModelInit.pretrained,
+        "With model.hf_path: `pretrained` loads the folder's weights (each rank reads only its "
+        "shard), `random` initializes them.",
+    )
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: Dtype = _f(
+        Dtype.bf16, "Dtype of gathered parameters for compute (sharded master weights stay fp32)."
+    )
+    reduce_dtype: Dtype = _f(Dtype.fp32, "Dtype of the gradient reduce-scatter.")
+    buffer_dtype: Dtype | None = _f(
+        None,
+        "fsdp1: MixedPrecision's buffer_dtype (cast module buffers, here the RoPE table); null = "
+        "keep their dtype. fsdp2 and ddp do not cast buffers (no effect, said in the header).",
+    )
+    float8: Float8 = _f(
+        Float8.off,
+        "float8 training of the Linear layers through torchao (`pip install fsdprun[float8]`; "
+        "fsdp2 only; CUDA compute capability >= 8.9, refused elsewhere before launch): "
+        "`tensorwise` (one scale per tensor; float8 all-gather of the weights) or `rowwise` "
+        "(one scale per row). Skips the output projection and Linears whose dims are not "
+        "multiples of 16; weights, gradients and checkpoints stay in high precision.",
+    )
+
+
+@dataclass
+class FsdpConfig:
+    engine: Engine = _f(
+        Engine.fsdp2,
+        "Data-parallel engine: `fsdp2` (fully_shard, per-parameter sharding), `fsdp1` "
+        "(FullyShardedDataParallel with the knobs below as FSDP1 spells them) or `ddp` "
+        "(DistributedDataParallel with autocast: the unsharded baseline).",
+    )
+    sharding: Sharding = _f(
+        Sharding.full,
+        "What is sharded: `full` (ZeRO-3: parameters, gradients, optimizer state), `grad_op` "
+        "(ZeRO-2: parameters stay gathered from forward to backward), `hybrid` (full inside "
+        "groups of shard_group_size ranks, replicated across them), `hybrid_zero2` (grad_op "
+        "inside groups), `none` (replicated, DDP-like). fsdp2: a 1-D or 2-D mesh plus "
+        "reshard_after_forward; fsdp1: ShardingStrategy; ddp: ignored.",
+    )
+    shard_group_size: int | None = _f(
+        None,
+        "Ranks per shard group for hybrid/hybrid_zero2 (must divide the world size); "
+        "null = launch.nproc_per_node (shard inside a node, replicate across nodes).",
+    )
+    reshard_after_forward: bool | None = _f(
+        None,
+        "fsdp2 only: override what fsdp.sharding implies (true = free gathered parameters "
+        "after forward, ZeRO-3; false = keep them until backward, ZeRO-2); null = from "
+        "fsdp.sharding.",
+    )
+    wrap: WrapPolicy = _f(
+        WrapPolicy.block,
+        "FSDP units: `block` = each transformer block then the root; `size` = modules with at "
+        "least min_num_params not yet wrapped, then the root; `classes` = modules whose class "
+        "name is in wrap_classes, then the root; `none` = the root only. fsdp1 uses its own "
+        "auto_wrap_policy for each.",
+    )
+    min_num_params: int = _f(1_000_000, "Threshold of the `size` wrap policy.")
+    wrap_classes: list[str] = _f([], "Class names for the `classes` wrap policy.")
+    forward_prefetch: int = _f(
+        0,
+        "All-gather this many next units ahead in forward; 0 = none. fsdp2: explicit "
+        "prefetch of that depth; fsdp1: forward_prefetch=True (one unit) when > 0.",
+    )
+    backward_prefetch: str = _f(
+        "pre",
+        "Backward prefetch: `pre` (gather the next unit before this one's gradients: FSDP1 "
+        "BACKWARD_PRE, FSDP2's implicit prefetch), `post` (FSDP1 BACKWARD_POST), `none`, or a "
+        "depth N >= 1 (fsdp2: explicit prefetch of N units; fsdp1: BACKWARD_PRE).",
+    )
+    limit_all_gathers: bool = _f(
+        True,
+        "fsdp1: rate-limit all-gathers in flight (FSDP1's limit_all_gathers). fsdp2 needs no "
+        "limiter (no effect, said in the header).",
+    )
+    use_orig_params: bool = _f(
+        True,
+        "fsdp1: expose the original parameters (needed by compile and per-parameter weight "
+        "decay); false = flat parameters. fsdp2 always keeps per-parameter tensors.",
+    )
+    cpu_offload: bool = _f(
+        False, "Keep sharded parameters, gradients and optimizer state in host memory."
+    )
+    accumulate_unsharded: bool = _f(
+        False,
+        "Gradient accumulation without communication: keep every parameter's whole unsharded "
+        "gradient on every rank until the last micro-step, then reduce once (fsdp2 "
+        "set_requires_gradient_sync(False), in reduce_dtype; fsdp1 no_sync, in param_dtype). "
+        "Saves the reduce-scatters of the other micro-steps at the cost of the whole model's "
+        "gradients per rank (`fsdprun plan` counts them). false = reduce-scatter into the "
+        "gradient shards on every micro-step (fsdp2 hybrid and none defer only the replica "
+        "all-reduce). ddp and fsdp1 `none` always accumulate locally: their gradients are "
+        "whole anyway.",
+    )
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    mode: CheckpointMode = _f(
+        CheckpointMode.none,
+        "Recompute block activations in backward: `none`, `full` (every block), `every_n`, "
+        "`selective` (every block, op by op: matmul and attention outputs are kept, the cheap "
+        "elementwise ops recomputed).",
+    )
+    every_n: int = _f(2, "With mode `every_n`: checkpoint every n-th block.")
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = _f(False, "torch.compile the model.")
+    per_block: bool = _f(
+        True, "Compile each transformer block separately (fast, FSDP-friendly); false = whole."
+    )
+    fullgraph: bool = _f(False, "Ask torch.compile for a single graph (error on graph breaks).")
+    mode: CompileMode = _f(CompileMode.default, "torch.compile mode.")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-4, "Peak learning rate of AdamW.")
+    betas: list[float] = _f([0.9, 0.95], "AdamW betas.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    weight_decay: float = _f(0.1, "Decoupled weight decay.")
+    implementation: OptimImpl = _f(
+        OptimImpl.auto,
+        "AdamW kernel: `auto` = fused on CUDA/XPU/NPU, foreach elsewhere; or force "
+        "`fused`, `foreach`, `for_loop`.",
+    )
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = _f(0, "Linear warm-up from 0 to optim.lr over this many steps.")
+    decay: Decay = _f(Decay.cosine, "Shape after warm-up: `cosine`, `linear` or `constant`.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of optim.lr.")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(100, "Optimizer steps to run.")
+    global_batch_size: int = _f(
+        8, "Sequences per optimizer step over all ranks (kept when the world size changes)."
+    )
+    micro_batch_size: int = _f(
+        1,
+        "Sequences per rank per forward/backward; gradient accumulation = global_batch_size / "
+        "(micro_batch_size x data-parallel ranks).",
+    )
+    seq_len: int = _f(256, "Tokens per sequence.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    seed: int = _f(0, "Seed of the initial weights and the data order.")
+    nonfinite: NonFinite = _f(
+        NonFinite.abort,
+        "A non-finite loss or gradient norm on any rank: `abort` (saves nothing from that step) "
+        "or `skip` the step (weights, optimizer state and LR schedule untouched).",
+    )
+    max_skipped: int = _f(5, "With nonfinite=skip: abort after this many skipped steps in a row.")
+    loss: LossKind = _f(
+        LossKind.plain,
+        "`plain`: the model returns the logits and cross_entropy takes them (the fp32 logits of "
+        "a micro-batch live until backward); `chunked`: the output projection and the loss are "
+        "computed per chunk of loss_chunk_size tokens with their gradients, so the whole logits "
+        "never exist (recommended for large vocabularies).",
+    )
+    loss_chunk_size: int = _f(4096, "With loss=chunked: tokens per chunk.")
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = _f(
+        DataSource.synthetic,
+        "`synthetic`: sample i is a function of (train.seed, i) only; a noisy permutation "
+        "chain the model can learn, so the loss falls. `tokens`: pre-tokenized files "
+        "(data.paths). `text`: .txt/.jsonl files tokenized at start by data.tokenizer. Token "
+        "and text samples are windows of train.seq_len + 1 tokens in an order set by train.seed.",
+    )
+    noise: float = _f(0.1, "Synthetic data: probability that a token is random.")
+    paths: list[str] = _f(
+        [],
+        "Training files. tokens: `.bin` (flat uint16/uint32 array, the nanoGPT layout) or "
+        "`.npy` (1-D uint16/uint32); text: `.txt` (one document per file) or `.jsonl`. "
+        "Relative paths are relative to the recipe file that sets them (the working directory "
+        "for command-line overrides).",
+    )
+    val_paths: list[str] = _f(
+        [], "Validation files, of the same kind as data.paths (or use data.val_fraction)."
+    )
+    val_fraction: float = _f(
+        0.0,
+        "Hold out this fraction of the training windows (the last ones) for validation; 0 = "
+        "none. Not together with data.val_paths.",
+    )
+    token_dtype: TokenDtype = _f(
+        TokenDtype.auto,
+        "Element type of `.bin` token files: `auto` = what the data.json beside the file says "
+        "(written by `fsdprun prepare-data`), else uint16 (nanoGPT).",
+    )
+    text_field: str = _f("text", "`.jsonl` text files: the field holding each document's text.")
+    tokenizer: str = _f(
+        "byte",
+        "Tokenizer of `text` data: `byte` (built in: 256 byte values + end-of-text = 257 "
+        "tokens) or the path of a HuggingFace tokenizer.json (needs `pip install tokenizers`). "
+        "chat data: a HuggingFace folder holding tokenizer.json and tokenizer_config.json with "
+        "its `chat_template` (e.g. the model.hf_path folder); instruct data: any of these.",
+    )
+    # Fine-tuning examples (data.source chat, instruct, hf_dataset): see fsdprun/data/sft.py.
+    chat_turns: ChatTurns = _f(
+        ChatTurns.all,
+        "chat data: which assistant turns train: `all` of them, or only the `last`; every other "
+        "token (system, user, template markup) is context only.",
+    )
+    prompt_field: str = _f("prompt", "instruct data: the field holding each example's prompt.")
+    response_field: str = _f(
+        "response", "instruct data: the field holding each example's response (the trained part)."
+    )
+    template: str = _f(
+        "### Instruction:\n{prompt}\n\n### Response:\n",
+        "instruct data: the text before the response; `{prompt}` is replaced by the prompt. The "
+        "response and end-of-text follow it.",
+    )
+    truncate: Truncate = _f(
+        Truncate.drop,
+        "Fine-tuning examples longer than train.seq_len + 1 tokens: `drop` them, or `truncate` "
+        "them to that length; the counts are printed at start.",
+    )
+    pack: bool = _f(
+        True,
+        "Fine-tuning examples: pack several whole examples into each row (positions restart and "
+        "no target crosses an example), or `false`: one example per row, padded. Padding never "
+        "trains.",
+    )
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = _f(
+        0,
+        "Compute the validation loss every this many steps and after the last step; 0 = off. "
+        "Synthetic data validates on samples training never reads; token and text data need "
+        "data.val_paths or data.val_fraction.",
+    )
+    batches: int = _f(
+        4, "Global batches (of train.global_batch_size sequences) per validation pass."
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = _f(0, "Save a checkpoint every this many steps; 0 = only the final one.")
+    save_final: bool = _f(True, "Save a checkpoint after the last step.")
+    keep_last: int = _f(
+        3, "Keep this many newest complete checkpoints, delete older ones; 0 = keep all."
+    )
+    async_save: bool = _f(
+        False,
+        "Write checkpoints in the background (DCP async save on a dedicated gloo group): training "
+        "is blocked only while state is copied; at most one save in flight.",
+    )
+    load_from: str | None = _f(
+        None,
+        "Initialize the model weights (only) from this checkpoint directory — fine-tuning; the "
+        "optimizer, schedule and data start fresh.",
+    )
+    on_save_error: OnSaveError = _f(
+        OnSaveError.stop,
+        "A save that fails (full disk, unwritable folder): `stop` the run (exit 1, one line: the "
+        "checkpoint, bytes needed and free, the earlier checkpoint kept) or `continue` training "
+        "and try again at the next save; a failed final save always fails the run. The partial "
+        "folder is removed either way.",
+    )
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int = _f(1, "Worker processes per node (one per device on GPU).")
+    nnodes: int = _f(1, "Number of nodes.")
+    node_rank: int = _f(0, "This node's rank; node 0 hosts the rendezvous store.")
+    rdzv_endpoint: str = _f(
+        "",
+        "HOST:PORT of the c10d rendezvous; required with nnodes > 1. Empty = 127.0.0.1 with a "
+        "free port (single node).",
+    )
+    rdzv_timeout_s: int = _f(300, "Seconds to wait for all nodes to join the rendezvous.")
+    max_restarts: int = _f(
+        0,
+        "Times the elastic agent restarts the workers after a failure; a restarted group resumes "
+        "from the newest complete checkpoint.",
+    )
+    timeout_s: int = _f(
+        600,
+        "Collective timeout: a rank that stops answering fails the run after this many seconds, "
+        "naming the step and the rank, instead of hanging.",
+    )
+    device: DeviceKind = _f(
+        DeviceKind.auto,
+        "`auto` (cuda, then npu, then xpu, else cpu), `cuda` (nccl), `cpu` (gloo), `npu` "
+        "(hccl; needs torch_npu), `xpu` (xccl).",
+    )
+    device_memory_gb: float | None = _f(
+        None,
+        "Memory of one device in GB (10^9 bytes), for `fsdprun plan`'s fits / does not fit; "
+        "null = unknown (or give --device-memory).",
+    )
+
+
+@dataclass
+class OutputConfig:
+    run_dir: str | None = _f(
+        None, "Run directory; null = runs/<recipe>-<YYYYmmdd-HHMMSS> under the working dir."
+    )
+    log_every: int = _f(10, "Log (and write metrics.jsonl) every this many steps.")
+    metrics_file: str = _f(
+        "metrics.jsonl",
+        "File in the run directory for metrics events: a file name ending in .jsonl (no folder, "
+        "no `..`).",
+    )
+    timing_warmup_steps: int = _f(
+        2, "Steps left out of the step-time and throughput figures (compile, allocator warm-up)."
+    )
+    peak_tflops: float | None = _f(
+        None,
+        "Peak dense TFLOP/s of one device for MFU; null = look the device up in the built-in "
+        "table (MFU n/a when it is not there).",
+    )
+    tensorboard: bool = _f(
+        False,
+        "Write the metrics to RUN_DIR/tensorboard/ for TensorBoard (rank 0; needs `pip install "
+        "fsdprun[tensorboard]`). A resumed run appends to it.",
+    )
+    wandb: dict[str, str] | None = _f(
+        None,
+        "Log the metrics to Weights & Biases: a mapping of `project` (fsdprun), `name` (the run "
+        "directory's name) and `mode` (`offline`: no network, RUN_DIR/wandb/, `wandb sync` "
+        "later; `online`; `disabled`); `{}` for the defaults, null = off (needs `pip install "
+        "fsdprun[wandb]`). A resumed run continues the same W&B run.",
+    )
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = _f(
+        False,
+        "Run torch.profiler over `active` steps of this launch (after `wait` + `warmup` more) and "
+        "write one trace per profiled rank, RUN_DIR/profile/rank-N.pt.trace.json (Chrome/Perfetto "
+        "JSON; TensorBoard's profiler plugin opens the folder too).",
+    )
+    wait: int = _f(1, "Steps of this launch before the profiler starts warming up.")
+    warmup: int = _f(1, "Steps profiled and discarded (the profiler's own start-up cost).")
+    active: int = _f(2, "Steps recorded into the trace.")
+    ranks: list[int] = _f([0], "Ranks that profile, each writing its own trace; [] = every rank.")
+    memory_snapshot: bool = _f(
+        False,
+        "CUDA only: record the caching allocator's history from the profiler's start and dump "
+        "it with the trace, RUN_DIR/profile/memory-rank-N.pickle (open it in "
+        "pytorch.org/memory_viz).",
+    )
+
+
+@dataclass
+class RecipeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nproc_per_node * self.launch.nnodes
+
+
+def schema_fields() -> dict[str, dataclasses.Field]:
+    """Every leaf key of the schema as a dotted name, in declaration order."""
+    out: dict[str, dataclasses.Field] = {}
+    for section in dataclasses.fields(RecipeConfig):
+        for f in dataclasses.fields(section.default_factory):
+            out[f"{section.name}.{f.name}"] = f
+    return out
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(RecipeConfig))
