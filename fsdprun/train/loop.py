@@ -33,7 +33,14 @@ from fsdprun.device import Device
 from fsdprun.engines.float8 import precompute_scales
 from fsdprun.engines.parallel import model_state_bytes
 from fsdprun.report.metrics import MetricsLog
-from fsdprun.train.guard import Heartbeat, StepAgreement, StopSignals, freeze, injected_step
+from fsdprun.train.guard import (
+    Agreement,
+    Heartbeat,
+    StepAgreement,
+    StopSignals,
+    freeze,
+    injected_step,
+)
 from fsdprun.train.profiling import StepProfiler
 from fsdprun.train.state import TrainState
 
@@ -218,7 +225,7 @@ class _Faults:
 
 @dataclass(frozen=True)
 class _Step:
-    agreed: Any  # guard.Agreement
+    agreed: Agreement
     loss_sum: torch.Tensor
     grad_norm: torch.Tensor
     lr: float  # the step's, read before the schedule moves on
