@@ -4,7 +4,7 @@ machine cannot run as processes (8 and 64), for every engine and sharding.
 Each world size runs in its own subprocess (`python tests/test_memory_contract.py 8`) on torch's
 fake process group: one process plays rank 0, collectives move no data. It builds a small Llama
 with uneven shapes through fsdprun's own `build_engine`, trains one step of 2 micro-steps through
-the worker's own `_forward_backward`, and a dispatch mode sees every tensor the step creates.
+the training loop's own `forward_backward`, and a dispatch mode sees every tensor the step creates.
 Rank 0's bytes are read from the storages themselves, so padding and flat parameters count:
 
 - params: the storages behind the wrapped model's parameters;
@@ -96,8 +96,8 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     from fsdprun.device import Device
     from fsdprun.engines import build_engine
     from fsdprun.models import build_model
+    from fsdprun.train.loop import forward_backward
     from fsdprun.train.optim import build_optimizer
-    from fsdprun.train.worker import _forward_backward
 
     def storage(t: torch.Tensor):
         return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
@@ -197,7 +197,8 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     engine.model.register_forward_pre_hook(between_micro_steps, prepend=True)
     batches = BatchLoader(data, layout, 0, device.torch_device, steps=1)  # as the worker
     with mode:
-        _forward_backward(engine, optimizer, None, batches, layout, 0, device, cfg, poison=False)
+        forward_backward(engine, optimizer, None, batches, 0, num_micro=layout.grad_accum_steps,
+                         grad_clip=cfg.train.grad_clip, device=device.torch_device)  # fmt: skip
         measured["grads"] = grads()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -73,7 +73,8 @@ def test_non_logging_steps_do_not_sync_with_the_host(tmp_path):
     import torch.distributed as dist
 
     from fsdprun.device import build_worker_device
-    from fsdprun.train.worker import Ranks, _build, _forward_backward
+    from fsdprun.train.loop import forward_backward
+    from fsdprun.train.worker import Ranks, _build
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")  # fmt: skip
@@ -84,7 +85,8 @@ def test_non_logging_steps_do_not_sync_with_the_host(tmp_path):
     dist.init_process_group("nccl", device_id=device.torch_device)
     try:
         ranks = Ranks(0, 0, 1)
-        engine, _, optimizer, scheduler, scaler = _build(cfg, ranks, device)
+        trainable, _ = _build(cfg, ranks, device)
+        engine, optimizer, scheduler = trainable.engine, trainable.optimizer, trainable.scheduler
         layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, 1)
         data, _ = build_datasets(cfg.data, vocab_size=cfg.model.vocab_size,
                                  seq_len=cfg.train.seq_len, seed=0)  # fmt: skip
@@ -93,14 +95,15 @@ def test_non_logging_steps_do_not_sync_with_the_host(tmp_path):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")  # warm-up first
             try:
-                _forward_backward(engine, optimizer, scaler, batches, layout, step, device, cfg,
-                                  poison=False)  # fmt: skip
+                forward_backward(engine, optimizer, trainable.scaler, batches, step,
+                                 num_micro=layout.grad_accum_steps, grad_clip=cfg.train.grad_clip,
+                                 device=device.torch_device)  # fmt: skip
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         batches.close()
-        del engine, optimizer
+        del trainable, engine, optimizer
     finally:
         dist.destroy_process_group()

@@ -3,6 +3,8 @@
 MFU = achieved FLOP/s per device / the device's peak dense FLOP/s at the compute dtype, with
 FLOPs per token from `fsdprun.models.llama.flops_per_token` (an estimate by convention: it counts
 matmuls only). Peak figures are vendor datasheet numbers for dense (non-sparse) math.
+
+Never imports torch or the training code.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +135,17 @@ def read_events(path: Path) -> list[dict[str, Any]]:
             if line.endswith("\n"):
                 events.append(json.loads(line))
     return events
+
+
+def drop_steps_after(path: Path, step: int, *, attempt: int) -> None:
+    """Before restart `attempt` replays the steps after `step` (its checkpoint), drop their
+    records so that each step is logged once. The file as it was is kept as
+    metrics.attempt-(N-1).jsonl."""
+    if not path.exists():
+        return
+    shutil.copyfile(path, path.with_name(f"{path.stem}.attempt-{attempt - 1}.jsonl"))
+    replayed = ("step", "checkpoint", "skip", "eval")
+    keep = [e for e in read_events(path) if e["event"] not in replayed or e["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(e) + "\n" for e in keep))
+    tmp.replace(path)

@@ -1,3 +1,4 @@
-"""One worker process of a run: its lifecycle (`worker`), the training step and loop, the
-optimizer and schedule (`optim`), the loss (`loss`), failure watching (`guard`) and the profiler
-(`profiling`). Imported by the launcher's workers only: the CLI never loads it before a run."""
+"""One worker process of a run: its lifecycle (`worker`), the training step and loop (`loop`),
+the train state that checkpoints keep (`state`), the optimizer and schedule (`optim`), the loss
+(`loss`), failure watching (`guard`) and the profiler (`profiling`). Imported by the launcher's
+workers only: the CLI never loads it before a run."""

@@ -1,0 +1,427 @@
+"""The training loop of one rank: the step (forward and backward over a global batch's
+micro-batches, then the optimizer step or, for a non-finite one, a skip), evaluation, the logged
+figures and the save policy.
+
+`fsdprun.train.worker` sets up the process group, the model, the data and the checkpointer, then
+calls `TrainLoop.run`. Every decision that changes control flow (stop, skip a non-finite step,
+finish an async save) comes from the step's `StepAgreement`, so every rank reaches the same
+collectives in the same order.
+
+The loss is computed in one place, `micro_loss(engine, batch)`, from one `Batch`: what the
+training step and evaluation feed the model and the loss function goes through there.
+
+Never imports the launcher, the CLI or the console report: events leave through `Events`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdprun.checkpoint import Checkpointer, SaveFailed, SaveRecord, build_state, step_dir
+from fsdprun.config import NonFinite, RecipeConfig
+from fsdprun.data import Batch, BatchLayout, Dataset, load_batch
+from fsdprun.data.prefetch import BatchLoader
+from fsdprun.device import Device
+from fsdprun.engines.float8 import precompute_scales
+from fsdprun.engines.parallel import model_state_bytes
+from fsdprun.report.metrics import MetricsLog
+from fsdprun.train.guard import (
+    Agreement,
+    Heartbeat,
+    StepAgreement,
+    StopSignals,
+    freeze,
+    injected_step,
+)
+from fsdprun.train.profiling import StepProfiler
+from fsdprun.train.state import TrainState
+
+
+def micro_loss(engine, batch: Batch) -> torch.Tensor:
+    """Mean token loss of one micro-batch under the engine's autocast (training and eval)."""
+    with engine.autocast():
+        return engine.forward_loss(batch.inputs, batch.targets)
+
+
+def forward_backward(
+    engine, optimizer, scaler, batches: BatchLoader, step: int, *, num_micro: int,
+    grad_clip: float, device: torch.device, poison: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Forward and backward over the `num_micro` micro-batches of one step, then unscale (fp16)
+    and clip (`grad_clip` 0: measure the norm only). `poison` makes the loss infinite (a drill).
+
+    Returns:
+        (sum of this rank's micro-batch losses, the global gradient norm before clipping).
+    """
+    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    for micro in range(num_micro):
+        # The last micro-step completes the reduction; what earlier ones reduce is the engine's
+        # accumulation mode (sharded engines reduce-scatter every micro-step).
+        with engine.micro_step(sync=micro == num_micro - 1):
+            batch = batches.load(step, micro)  # and the next one starts loading
+            loss = micro_loss(engine, batch)
+            if poison:
+                loss = loss * float("inf")
+            # Each micro-batch holds the same number of tokens, so averaging micro-losses over
+            # accumulation steps (here) and ranks (the engine's gradient reduction) is the
+            # global mean.
+            scaled = loss / num_micro
+            (scaler.scale(scaled) if scaler else scaled).backward()
+        loss_sum += loss.detach()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    return loss_sum, engine.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
+
+
+def evaluate(
+    engine, data: Dataset, layout: BatchLayout, *, num_batches: int, rank: int, device: Device
+) -> float:
+    """Mean loss over the first `num_batches` global batches of the validation data.
+
+    Every rank runs its share of each batch: the same number of forwards everywhere, so FSDP's
+    all-gathers line up, then one all-reduce of the loss sum.
+    """
+    loss_sum = torch.zeros((), device=device.torch_device, dtype=torch.float32)
+    # Eval mode: no dropout (HuggingFace configs may set it); no_grad keeps activations unsaved.
+    engine.model.eval()
+    with torch.no_grad():
+        for index in range(num_batches):
+            for micro in range(layout.grad_accum_steps):
+                batch = load_batch(data, layout.indices(index, micro, rank), device.torch_device)
+                loss_sum += micro_loss(engine, batch)
+    engine.model.train()
+    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+    return loss_sum.item() / (num_batches * layout.grad_accum_steps * layout.world_size)
+
+
+class Events:
+    """Where the run's events go: on rank 0 a line of metrics.jsonl each, handed on to the
+    trackers and (when this process renders) the console report; other ranks have none."""
+
+    def __init__(self, metrics: MetricsLog | None = None, trackers=None, reporter=None):
+        self.metrics, self.trackers, self.reporter = metrics, trackers, reporter
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self.metrics is not None:
+            record = self.metrics.write(event, **fields)
+            self.trackers.handle(record)
+            if self.reporter is not None:
+                self.reporter.handle(record)
+
+    def warn(self, message: str) -> None:
+        self.emit("warning", message=message)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.trackers.close()
+
+
+@dataclass(frozen=True)
+class Trainable:
+    """What a step updates: the wrapped model (an `Engine`), its optimizer, the lr schedule and
+    (fp16 only) the grad scaler."""
+
+    engine: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: Any | None
+
+
+class Saves:
+    """Checkpoint saves from the loop, each reported as a `checkpoint` event once it is on disk.
+
+    A failed save fails on every rank together (`SaveFailed`): it stops the run, or with
+    `checkpoint.on_save_error: continue` training goes on, unless nothing follows to save again.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, events: Events, trainable: Trainable, *,
+                 rank: int, go_on_after_error: bool):  # fmt: skip
+        self.checkpointer, self.events, self.trainable = checkpointer, events, trainable
+        self.rank, self.go_on_after_error = rank, go_on_after_error
+
+    def finish_in_flight(self) -> None:
+        """Report the async save that every rank has finished."""
+        with self._failure_policy(last=False):
+            self._saved(self.checkpointer.finish_in_flight())
+
+    def wait(self, *, last: bool) -> None:
+        """Wait for the async save in flight, if any."""
+        with self._failure_policy(last=last):
+            self._saved(self.checkpointer.wait())
+
+    def save(self, train_state: TrainState, *, last: bool) -> None:
+        with self._failure_policy(last=last):
+            record = train_state.to_dict()
+            t = self.trainable
+            state = build_state(t.engine.model, t.optimizer, record, self.rank)
+            saved = self.checkpointer.save(train_state.step, state, record)
+            if not saved.async_save:
+                self._saved(saved)
+
+    def _saved(self, record: SaveRecord | None) -> None:
+        if record is not None:
+            self.events.emit("checkpoint", **dataclasses.asdict(record))
+
+    @contextmanager
+    def _failure_policy(self, *, last: bool):
+        try:
+            yield
+        except SaveFailed as e:
+            go_on = self.go_on_after_error and not last
+            self.events.emit(
+                "save_error", step=e.step, message=str(e), action="continue" if go_on else "stop"
+            )
+            if not go_on:
+                raise
+
+
+@dataclass
+class LoopResult:
+    """What the run's summary needs from the loop."""
+
+    step_times_s: list[float]
+    loss: float  # the last logged (nan when no step was logged)
+    val_loss: float | None
+    skipped_steps: int  # non-finite steps skipped, the resumed run's included
+    model_state_bytes: dict[str, int] | None  # after the first step the optimizer took
+    stopped: dict[str, Any] | None  # the `stopped` event after an agreed stop
+
+
+class _Faults:
+    """The steps at which this rank misbehaves on purpose (FSDPRUN_*_AT; tests and drills)."""
+
+    def __init__(self, rank: int):
+        self.fail = injected_step("FSDPRUN_FAIL_AT", rank)
+        self.hang = injected_step("FSDPRUN_HANG_AT", rank)
+        self.nonfinite = injected_step("FSDPRUN_NONFINITE_AT", rank)
+        self.freeze = {
+            phase: injected_step("FSDPRUN_FREEZE_AT", rank, phase)
+            for phase in ("step", "save", "eval")
+        }
+
+    def freeze_at(self, step: int, phase: str) -> None:
+        if step in self.freeze[phase]:
+            freeze()
+
+
+@dataclass(frozen=True)
+class _Step:
+    agreed: Agreement
+    loss_sum: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float  # the step's, read before the schedule moves on
+
+
+class TrainLoop:
+    """Steps `start_step + 1` .. `train.steps` of one rank (1-based), with evaluation, logging and
+    saves, until the end or an agreed stop."""
+
+    def __init__(
+        self, cfg: RecipeConfig, trainable: Trainable, *, run_dir: Path, rank: int,
+        device: Device, data: Dataset, val_data: Dataset | None, layout: BatchLayout,
+        events: Events, checkpointer: Checkpointer, heartbeat: Heartbeat,
+        stop_signals: StopSignals, skipped_steps: int,
+    ) -> None:  # fmt: skip
+        self.cfg, self.t, self.run_dir, self.rank = cfg, trainable, run_dir, rank
+        self.device, self.data, self.val_data, self.layout = device, data, val_data, layout
+        self.events, self.checkpointer = events, checkpointer
+        self.heartbeat, self.stop_signals = heartbeat, stop_signals
+        self.saves = Saves(
+            checkpointer, events, trainable, rank=rank,
+            go_on_after_error=cfg.checkpoint.on_save_error.value == "continue",
+        )  # fmt: skip
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+        self.step_times: list[float] = []
+        self.skipped_in_row, self.skipped_total = 0, skipped_steps
+        self.model_state: dict[str, int] | None = None
+        self.loss, self.val_loss = float("nan"), None
+        self.last_logged, self.window_start = 0, 0.0
+        self.faults = _Faults(rank)
+        self.batches = BatchLoader(data, layout, rank, device.torch_device, steps=cfg.train.steps)
+
+    def run(self, start_step: int) -> LoopResult:
+        cfg = self.cfg
+        self.device.reset_peak_memory()
+        self.last_logged, self.window_start = start_step, time.perf_counter()
+        stopped = None
+        profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=self.rank,
+                                world_size=self.layout.world_size,
+                                device_kind=self.device.kind)  # fmt: skip
+        for step in range(start_step, cfg.train.steps):
+            done = step + 1
+            result = self._step(step)
+            self._save_if_due(done, stop=result.agreed.stop, saves_done=result.agreed.saves_done)
+            if done % cfg.output.log_every == 0 or done == cfg.train.steps or result.agreed.stop:
+                self._log(done, result)
+            if cfg.eval.every_steps and (
+                done % cfg.eval.every_steps == 0 or done == cfg.train.steps
+            ):
+                self._evaluate(done)
+            profiler.step()
+            if result.agreed.stop:
+                stopped = self._stop(done)
+                break
+        self.batches.close()
+        profiler.stop()
+        self.saves.wait(last=True)  # the end waits for a save
+        if cfg.train.steps + 1 in self.faults.fail:
+            raise RuntimeError("injected failure after the last step (FSDPRUN_FAIL_AT)")
+        return LoopResult(self.step_times, self.loss, self.val_loss, self.skipped_total,
+                          self.model_state, stopped)  # fmt: skip
+
+    def _step(self, step: int) -> _Step:
+        done = step + 1
+        t0 = time.perf_counter()
+        while done in self.faults.hang and not self.stop_signals.requested:
+            time.sleep(0.1)  # stops answering: the other ranks' collectives time out
+        self.heartbeat.beat(done)
+        if done in self.faults.fail:
+            raise RuntimeError(f"injected failure at step {done} (FSDPRUN_FAIL_AT)")
+        t = self.t
+        with self.heartbeat.watch(done, "step"):
+            self.faults.freeze_at(done, "step")
+            agreement = StepAgreement(
+                stop=self.stop_signals.requested is not None,
+                save_done=self.checkpointer.in_flight_done(),
+                device=self.device.torch_device,
+            )
+            loss_sum, grad_norm = forward_backward(
+                t.engine, t.optimizer, t.scaler, self.batches, step,
+                num_micro=self.layout.grad_accum_steps, grad_clip=self.cfg.train.grad_clip,
+                device=self.device.torch_device, poison=done in self.faults.nonfinite,
+            )  # fmt: skip
+            agreed = agreement.finish(
+                grad_norm=grad_norm, loss_sum=loss_sum, loss_only=t.scaler is not None
+            )
+        lr = t.scheduler.get_last_lr()[0]
+        if agreed.nonfinite:
+            self._skip(done)
+        else:
+            self._update()
+        self.device.synchronize()  # a CPU-GPU sync: step times measure the device, not the queue
+        self.step_times.append(time.perf_counter() - t0)
+        return _Step(agreed, loss_sum, grad_norm, lr)
+
+    def _update(self) -> None:
+        """The optimizer step of a finite step, and the schedule's."""
+        t = self.t
+        self.skipped_in_row = 0
+        if t.scaler is not None:
+            t.scaler.step(t.optimizer)
+            t.scaler.update()
+        else:
+            t.optimizer.step()
+        precompute_scales(t.engine.model, mode=self.cfg.precision.float8.value)
+        t.scheduler.step()
+        # After the first step the optimizer took: an fp16 grad scaler skips overflowing
+        # steps inside scaler.step, before AdamW has any state.
+        if self.model_state is None and t.optimizer.state:
+            self.model_state = model_state_bytes(t.engine.model, t.optimizer)
+        t.optimizer.zero_grad(set_to_none=True)
+
+    def _skip(self, done: int) -> None:
+        """The non-finite policy: drop the step's gradients and go on, or abort
+        (`train.nonfinite: abort`, or more than `train.max_skipped` skips in a row)."""
+        t, train = self.t, self.cfg.train
+        t.optimizer.zero_grad(set_to_none=True)
+        if t.scaler is not None:
+            # unscale_ found the infs: back the scale off and reset the scaler's per-step
+            # state, or the next step's unscale_ refuses to run.
+            t.scaler.update()
+        self.skipped_in_row += 1
+        self.skipped_total += 1
+        if train.nonfinite is NonFinite.abort or self.skipped_in_row > train.max_skipped:
+            why = (
+                "train.nonfinite is abort"
+                if train.nonfinite is NonFinite.abort
+                else f"more than train.max_skipped={train.max_skipped} in a row"
+            )
+            records = self.checkpointer.records
+            last = records[-1].path if records else "none"
+            raise RuntimeError(
+                f"non-finite loss or gradients at step {done} ({why}); nothing from this "
+                f"step was saved; last checkpoint: {last}"
+            )  # fmt: skip
+        self.events.emit("skip", step=done, skipped_in_row=self.skipped_in_row,
+                         skipped_total=self.skipped_total)  # fmt: skip
+
+    def _save_if_due(self, done: int, *, stop: bool, saves_done: bool) -> None:
+        """The save policy: report async saves every rank has finished; save at the recipe's
+        interval, at the last step and at an agreed stop."""
+        if saves_done:
+            self.saves.finish_in_flight()
+        if not (stop or self.checkpointer.should_save(done, self.cfg.train.steps)):
+            return
+        save_start = time.perf_counter()
+        with self.heartbeat.watch(done, "save"):
+            self.faults.freeze_at(done, "save")
+            # An async save still in flight finishes (or fails) first: at most one at a time.
+            self.saves.wait(last=False)
+            self.saves.save(self._train_state(done), last=stop or done == self.cfg.train.steps)
+        self.window_start += time.perf_counter() - save_start  # not in tokens/s (as eval)
+
+    def _train_state(self, step: int) -> TrainState:
+        t, train = self.t, self.cfg.train
+        return TrainState.at_step(
+            step, global_batch_size=train.global_batch_size, seq_len=train.seq_len,
+            world_size=self.layout.world_size, skipped_steps=self.skipped_total,
+            scheduler=t.scheduler.state_dict(),
+            grad_scaler=t.scaler.state_dict() if t.scaler is not None else None,
+            tied_params=t.engine.tied,
+        )  # fmt: skip
+
+    def _log(self, done: int, result: _Step) -> None:
+        """The `step` event. Logging steps only read the loss back (not every step): every rank
+        reaches this all-reduce of the loss sums at the same steps."""
+        with self.heartbeat.watch(done, "step"):
+            dist.all_reduce(result.loss_sum, op=dist.ReduceOp.SUM)
+        self.loss = result.loss_sum.item() / (self.layout.grad_accum_steps * self.layout.world_size)
+        norm = result.grad_norm
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        window_s = time.perf_counter() - self.window_start
+        self.events.emit(
+            "step",
+            step=done,
+            loss=self.loss,
+            lr=result.lr,
+            grad_norm=norm.item(),
+            tokens_per_s=self.tokens_per_step * (done - self.last_logged) / window_s,
+            step_time_s=self.step_times[-1],
+            tokens_seen=done * self.tokens_per_step,
+            skipped=result.agreed.nonfinite,
+            memory=self.device.peak_memory(),
+        )
+        self.last_logged, self.window_start = done, time.perf_counter()
+
+    def _evaluate(self, done: int) -> None:
+        eval_start = time.perf_counter()
+        with self.heartbeat.watch(done, "eval"):
+            self.faults.freeze_at(done, "eval")
+            self.val_loss = evaluate(self.t.engine, self.val_data, self.layout,
+                                     num_batches=self.cfg.eval.batches, rank=self.rank,
+                                     device=self.device)  # fmt: skip
+        self.events.emit(
+            "eval", step=done, val_loss=self.val_loss, eval_time_s=time.perf_counter() - eval_start,
+            num_samples=self.cfg.eval.batches * self.cfg.train.global_batch_size,
+        )  # fmt: skip
+        self.window_start += time.perf_counter() - eval_start  # not in the next tokens/s
+
+    def _stop(self, done: int) -> dict[str, Any]:
+        """An agreed stop: its checkpoint is on disk before the `stopped` event."""
+        self.saves.wait(last=True)
+        stopped = {
+            "step": done,
+            "checkpoint": str(step_dir(self.run_dir, done)),
+            "reason": self.stop_signals.requested or "another rank was asked to stop",
+        }
+        self.events.emit("stopped", **stopped)
+        return stopped
