@@ -240,7 +240,8 @@ def test_a_restarted_torchrun_worker_continues_only_its_own_run_dir(tmp_path, mo
     import json
 
     from fsdprun.checkpoint import checkpoint_root
-    from fsdprun.launch.direct import AGENT_FILE, claim_run_dir
+    from fsdprun.launch.direct import claim_run_dir
+    from fsdprun.launch.rundir import agent_path
 
     run_dir = tmp_path / "run"
     resolved = load_recipe("debug")
@@ -250,10 +251,10 @@ def test_a_restarted_torchrun_worker_continues_only_its_own_run_dir(tmp_path, mo
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     claim_run_dir(run_dir, resolved)  # the restart continues it
     # A run directory another job (or fsdprun's own launcher) created is refused, restart or not.
-    (run_dir / AGENT_FILE).write_text(json.dumps({"agent": "elsewhere:1"}))
+    agent_path(run_dir).write_text(json.dumps({"agent": "elsewhere:1"}))
     with pytest.raises(UserError, match="already holds checkpoints"):
         claim_run_dir(run_dir, resolved)
-    (run_dir / AGENT_FILE).unlink()
+    agent_path(run_dir).unlink()
     with pytest.raises(UserError, match="already holds checkpoints"):
         claim_run_dir(run_dir, resolved)
 

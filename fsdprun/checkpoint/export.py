@@ -16,6 +16,7 @@ trained weights under their HF names; for a built-in Llama run a LlamaConfig and
 renamed to HF Llama's names (the RoPE conventions agree: no permutation of q/k is needed).
 Both get the run's end-of-text id as `eos_token_id` and `bos_token_id` (where an HF folder's
 config.json does not already say them), so `generate()` stops where the training data did.
+Never joins a process group (DCP reads with no_dist) and never imports the saving side (`save`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdprun import __version__
-from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manifest
 from fsdprun.checkpoint.inspect import require_checkpoint_dir, tied_params
+from fsdprun.checkpoint.manifest import check_checkpoint, read_manifest
+from fsdprun.checkpoint.restore import NoPickleLoadPlanner
 from fsdprun.data.files import read_description
 from fsdprun.errors import UserError
 from fsdprun.staging import staged_folder

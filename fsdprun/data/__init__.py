@@ -31,7 +31,7 @@ from fsdprun.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BatchLayout", "Dataset", "SyntheticData", "build_dataset", "build_datasets"]
+__all__ = ["BatchLayout", "Dataset", "SyntheticData", "build_datasets"]
 
 
 class Dataset(Protocol):
@@ -117,11 +117,6 @@ def build_datasets(
         val_ids = range(val_windows.num_windows)
         return train, dataset(val_windows, val_ids, "val", len(cfg.val_paths))
     return train, dataset(train_windows, range(n - num_val, n), "val", len(cfg.paths))
-
-
-def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) -> Dataset:
-    """The training dataset."""
-    return build_datasets(cfg, vocab_size=vocab_size, seq_len=seq_len, seed=seed)[0]
 
 
 def load_batch(

@@ -57,6 +57,7 @@ from fsdprun.engines.parallel import (
 )
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import worker_store_args
+from fsdprun.launch.rundir import recipe_path
 from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
 from fsdprun.report.console import Reporter
@@ -74,8 +75,6 @@ from fsdprun.train.guard import (
 from fsdprun.train.loss import describe_loss
 from fsdprun.train.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
 from fsdprun.train.profiling import StepProfiler, profile_record
-
-RECIPE_FILE = "recipe.yaml"
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ def run(
     ranks = Ranks.from_env()
     if cfg is None:
         # Validate against the real world size, which is what the workers actually got.
-        cfg = load_recipe(str(run_dir / RECIPE_FILE), world_size=ranks.world_size).config
+        cfg = load_recipe(str(recipe_path(run_dir)), world_size=ranks.world_size).config
     _set_threads()
     kind = resolve_device_kind(cfg.launch.device.value)
     device = build_worker_device(kind, ranks.local_rank)
@@ -417,7 +416,7 @@ def _train(
         step_times.append(time.perf_counter() - t0)
 
         if agreed.saves_done:
-            checkpoint_op(lambda: saved(checkpointer.finish_in_flight()), last=False)
+            checkpoint_op(lambda: saved(checkpointer.wait()), last=False)
         if agreed.stop or checkpointer.should_save(done, cfg.train.steps):
             save_start = time.perf_counter()
             with heartbeat.watch(done, "save"):
