@@ -13,6 +13,7 @@ import pytest
 from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun
 from rich.console import Console
 
+from fsdprun.checkpoint import list_checkpoints
 from fsdprun.config import load_recipe
 from fsdprun.device import BACKENDS, check_nproc, process_group_backend, resolve_device_kind
 from fsdprun.errors import UserError
@@ -233,6 +234,10 @@ def test_torchrun_restarts_resume_and_hybrid_shards_over_the_real_node(fsdprun_r
         assert got == pytest.approx(want, abs=1e-5), step
     sharding = next(k for k in run.start["engine_knobs"] if k["key"] == "fsdp.sharding")
     assert "(1 replicate x 4 shard)" in sharding["applied"]
+    # The manifest records the mesh the engine built, not a 1-D "dp" one.
+    newest = list_checkpoints(run_dir)[-1]
+    assert newest.step == 6
+    assert newest.manifest["mesh"] == {"shape": [1, 4], "dim_names": ["replicate", "shard"]}
     assert (run.start["world_size"], run.start["nnodes"]) == (4, 1)
 
 
