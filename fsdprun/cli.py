@@ -255,9 +255,9 @@ def resume(
     standalone: StandaloneOpt = False,
 ) -> None:
     """Continue a run from its newest complete checkpoint (any world size)."""
+    from fsdprun.launch.rundir import recipe_path
     from fsdprun.launch.runlock import hold_run_dir
     from fsdprun.launch.slurm import srun_env
-    from fsdprun.train.worker import RECIPE_FILE
 
     if "RANK" in os.environ or srun_env(os.environ, nnodes=nnodes):
         # Every rank would start a launcher of its own on the same run directory.
@@ -275,7 +275,7 @@ def resume(
     # Only a run directory gets a lock file (plan_resume refuses anything else).
     with (
         hold_run_dir(run_dir, node_rank=node_rank or 0)
-        if (run_dir / RECIPE_FILE).is_file()
+        if recipe_path(run_dir).is_file()
         else contextlib.nullcontext()
     ):
         _resume(run_dir, overrides, extra, step=step, verify=verify)

@@ -9,6 +9,7 @@ Run with `pytest tests/test_inspect_export.py`.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from typer.testing import CliRunner
 
 from fsdprun.checkpoint.export import plan_tensors, safetensors_header, split_shards
+from fsdprun.checkpoint.manifest import manifest_problem
 from fsdprun.cli import app
 from fsdprun.config import parse_size
 
@@ -110,6 +112,7 @@ def test_inspect_shows_the_checkpoint(ckpt):
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "complete" in out and "step 4 on 2 ranks" in out
+    assert re.search(r"^mesh +2 dp *$", out, re.MULTILINE), out  # fsdp2 full: 1-D
     assert "llama: dim 64, 2 layers" in out and "global batch 8 × seq 64" in out
     assert "optimizer" in out and "referenced by .metadata" in out
     row = next(line for line in out.splitlines() if "model.layers.0.attention.wq.weight" in line)
@@ -123,6 +126,20 @@ def test_inspect_shows_the_checkpoint(ckpt):
     ]
 
 
+def test_a_manifest_without_a_mesh_still_reads_and_a_malformed_one_is_corrupt(ckpt, tmp_path):
+    copy = Path(shutil.copytree(ckpt, tmp_path / ckpt.name))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["mesh"]  # written before fsdprun recorded it
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    result = invoke("inspect-checkpoint", copy)
+    assert result.exit_code == 0 and "step 4 on 2 ranks" in result.stdout, result.output
+    assert not re.search(r"^mesh ", result.stdout, re.MULTILINE)
+    assert manifest_problem(manifest) is None
+    for mesh in ({"shape": [2, 2], "dim_names": ["dp"]}, {"shape": [0], "dim_names": ["dp"]},
+                 {"shape": 2, "dim_names": "dp"}, {"dim_names": ["dp"]}):  # fmt: skip
+        assert "'mesh' must hold" in manifest_problem({**manifest, "mesh": mesh}), mesh
+
+
 def test_inspect_json_counts_and_bytes(ckpt, reference):
     result = invoke("inspect-checkpoint", ckpt, "--json")
     assert result.exit_code == 0, result.output
@@ -132,6 +149,7 @@ def test_inspect_json_counts_and_bytes(ckpt, reference):
                if isinstance(md, TensorStorageMetadata)]  # fmt: skip
     assert doc["kind"] == "checkpoint" and doc["complete"] is True
     assert doc["step"] == 4 and doc["world_size"] == 2
+    assert doc["mesh"] == {"shape": [2], "dim_names": ["dp"]}
     assert len(doc["tensors"]) == len(tensors)
     assert sum(g["tensors"] for g in doc["groups"].values()) == len(tensors)
     assert doc["groups"]["model"]["tensors"] == len(reference)

@@ -13,6 +13,7 @@ import pytest
 from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun
 from rich.console import Console
 
+from fsdprun.checkpoint import list_checkpoints
 from fsdprun.config import load_recipe
 from fsdprun.device import BACKENDS, check_nproc, process_group_backend, resolve_device_kind
 from fsdprun.errors import UserError
@@ -233,6 +234,10 @@ def test_torchrun_restarts_resume_and_hybrid_shards_over_the_real_node(fsdprun_r
         assert got == pytest.approx(want, abs=1e-5), step
     sharding = next(k for k in run.start["engine_knobs"] if k["key"] == "fsdp.sharding")
     assert "(1 replicate x 4 shard)" in sharding["applied"]
+    # The manifest records the mesh the engine built, not a 1-D "dp" one.
+    newest = list_checkpoints(run_dir)[-1]
+    assert newest.step == 6
+    assert newest.manifest["mesh"] == {"shape": [1, 4], "dim_names": ["replicate", "shard"]}
     assert (run.start["world_size"], run.start["nnodes"]) == (4, 1)
 
 
@@ -240,7 +245,8 @@ def test_a_restarted_torchrun_worker_continues_only_its_own_run_dir(tmp_path, mo
     import json
 
     from fsdprun.checkpoint import checkpoint_root
-    from fsdprun.launch.direct import AGENT_FILE, claim_run_dir
+    from fsdprun.launch.direct import claim_run_dir
+    from fsdprun.launch.rundir import agent_path
 
     run_dir = tmp_path / "run"
     resolved = load_recipe("debug")
@@ -250,10 +256,10 @@ def test_a_restarted_torchrun_worker_continues_only_its_own_run_dir(tmp_path, mo
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     claim_run_dir(run_dir, resolved)  # the restart continues it
     # A run directory another job (or fsdprun's own launcher) created is refused, restart or not.
-    (run_dir / AGENT_FILE).write_text(json.dumps({"agent": "elsewhere:1"}))
+    agent_path(run_dir).write_text(json.dumps({"agent": "elsewhere:1"}))
     with pytest.raises(UserError, match="already holds checkpoints"):
         claim_run_dir(run_dir, resolved)
-    (run_dir / AGENT_FILE).unlink()
+    agent_path(run_dir).unlink()
     with pytest.raises(UserError, match="already holds checkpoints"):
         claim_run_dir(run_dir, resolved)
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from conftest import FSDPRUN, Run, fsdprun_env, run_fsdprun
 
-from fsdprun.launch.runlock import hold_run_dir, lock_path
+from fsdprun.launch.rundir import lock_path
+from fsdprun.launch.runlock import hold_run_dir
 
 
 def _popen(tmp_path: Path, *args: str) -> subprocess.Popen:

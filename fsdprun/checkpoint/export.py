@@ -17,7 +17,8 @@ files plus the trained weights under their HF names; for a built-in Llama run a 
 the weights renamed to HF Llama's names. Both get the run's end-of-text id as `eos_token_id` and
 `bos_token_id` (where the config does not already say them), so `generate()` stops where the
 training data did. Knows no model family itself (never imports `fsdprun.models.llama` or
-`.hf`: the spec does) and never starts a process group.
+`.hf`: the spec does) and never starts a process group
+(DCP reads with no_dist), nor imports the saving side (`save`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdprun import __version__
-from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manifest
 from fsdprun.checkpoint.inspect import model_config, require_checkpoint_dir, tied_params
+from fsdprun.checkpoint.manifest import check_checkpoint, read_manifest
+from fsdprun.checkpoint.restore import NoPickleLoadPlanner
 from fsdprun.config import ModelConfig, parse_size
 from fsdprun.data.files import read_description
 from fsdprun.errors import UserError

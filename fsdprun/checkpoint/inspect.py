@@ -10,7 +10,8 @@ lies in which file), the manifest and file sizes, so it takes milliseconds whate
 size. `inspect_path` builds the plain document that `--json` prints; `render` draws it with rich.
 What a model's row says and which tensors an older checkpoint tied come from the run's model
 family (`fsdprun.models`), never from its architecture code. Never imports torch.distributed
-beyond DCP's metadata reader, nor builds a model.
+beyond DCP's metadata reader, nor builds a model; never imports the saving or loading side
+(`save`, `restore`) and never joins a process group.
 """
 
 from __future__ import annotations
@@ -27,16 +28,15 @@ from rich.text import Text
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from fsdprun.checkpoint import (
-    MANIFEST,
+from fsdprun.checkpoint.manifest import (
     CheckpointStatus,
     check_checkpoint,
-    checkpoint_root,
     list_checkpoints,
     verify_checkpoint,
 )
 from fsdprun.config import ModelConfig
 from fsdprun.errors import UserError
+from fsdprun.launch.rundir import checkpoint_root, manifest_path
 from fsdprun.models import model_spec
 from fsdprun.report.console import Cell, fmt_bytes, fmt_count
 
@@ -76,7 +76,7 @@ def require_checkpoint_dir(path: Path, *, what: str = "") -> None:
         complete = [s.path for s in list_checkpoints(run_dir) if s.complete]
         newest = f"; the newest complete one is {complete[-1]}" if complete else ""
         raise UserError(f"{label}: a run directory, not one checkpoint folder{newest}")
-    markers = (path / ".metadata").exists() or (path / MANIFEST).exists()
+    markers = (path / ".metadata").exists() or manifest_path(path).exists()
     if not markers and not any(path.glob("*.distcp")):
         raise UserError(
             f"{label}: not a checkpoint (no .metadata, manifest.json or *.distcp) and not a run "
@@ -152,7 +152,9 @@ def _tensor_bytes(md: TensorStorageMetadata) -> int:
 def _dtype_name(md: Any) -> str:
     if isinstance(md, TensorStorageMetadata):
         return str(md.properties.dtype).removeprefix("torch.")
-    return "object"  # BytesStorageMetadata: a pickled Python value (e.g. optimizer hyperparams)
+    # BytesStorageMetadata: a pickled Python object. fsdprun writes none (optimizer param groups
+    # are JSON in the train state) and refuses to load one; another tool's checkpoint may hold it.
+    return "object"
 
 
 def _group_of(key: str) -> str:
@@ -263,6 +265,7 @@ def describe_checkpoint(path: Path, *, tensors: str | None = None) -> dict[str, 
     doc.update(
         fsdprun_version=manifest.get("fsdprun_version"),
         torch_version=manifest.get("torch_version"),
+        mesh=manifest.get("mesh"),  # absent from the oldest manifests
         train_state=manifest.get("train_state"),
         recipe=_recipe_summary(manifest.get("recipe", {})),
         model_description=model_spec(model).describe(model),
@@ -366,6 +369,8 @@ def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
         f"step {doc['step']} on {doc['world_size']} ranks at {doc['saved_at']} "
         f"(fsdprun {doc['fsdprun_version']}, torch {doc['torch_version']})",
     )
+    if doc.get("mesh"):
+        info.add_row("mesh", _mesh_text(doc["mesh"]))
     info.add_row(
         "model",
         f"{doc['model_description']}; {fmt_count(doc['num_params'])} params"
@@ -408,6 +413,13 @@ def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
         table.add_row(Cell.parts(t["name"]), Cell.whole(_shape(t["shape"])), t["dtype"],
                       Cell.whole(fmt_bytes(t["bytes"])), str(t["shards"]))  # fmt: skip
     console.print(table)
+
+
+def _mesh_text(mesh: dict[str, list]) -> str:
+    """'2 replicate × 2 shard' (the device mesh the tensors were sharded over)."""
+    return " × ".join(
+        f"{n} {name}" for n, name in zip(mesh["shape"], mesh["dim_names"], strict=True)
+    )
 
 
 def _render_diff(diff: dict[str, Any], console: Console) -> None:

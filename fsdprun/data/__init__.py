@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "IGNORE_INDEX", "Batch", "BatchLayout", "Dataset", "Row", "SyntheticData", "build_dataset",
+    "IGNORE_INDEX", "Batch", "BatchLayout", "Dataset", "Row", "SyntheticData",
     "build_datasets", "load_batch",
 ]  # fmt: skip
 
@@ -130,11 +130,6 @@ def build_datasets(
         val_ids = range(val_windows.num_windows)
         return train, dataset(val_windows, val_ids, "val", len(cfg.val_paths))
     return train, dataset(train_windows, range(n - num_val, n), "val", len(cfg.paths))
-
-
-def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) -> Dataset:
-    """The training dataset."""
-    return build_datasets(cfg, vocab_size=vocab_size, seq_len=seq_len, seed=seed)[0]
 
 
 def load_batch(data: Dataset, indices: range, device: torch.device) -> Batch:

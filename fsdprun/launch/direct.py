@@ -7,7 +7,8 @@ writes RUN_DIR/recipe.yaml for the record and renders the report.
 
 Under torchrun with --max-restarts, a restarted group continues the run from its newest complete
 checkpoint, as workers of fsdprun's own launcher do: rank 0 recognizes the run directory its
-first attempt created by the elastic agent that started it (AGENT_FILE), and refuses any other.
+first attempt created by the elastic agent that started it (RUN_DIR/agent.json), and refuses
+any other.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from fsdprun.config import ResolvedRecipe, load_recipe
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.launch.elastic import prepare_run_dir
+from fsdprun.launch.rundir import agent_path
 from fsdprun.launch.runlock import hold_run_dir
 from fsdprun.train.guard import restart_count
 from fsdprun.train.worker import run
-
-AGENT_FILE = "agent.json"
 
 
 def direct_run_dir(recipe_name: str, configured: str | None) -> Path:
@@ -52,7 +52,7 @@ def _agent() -> str:
 
 def _started_by_this_agent(run_dir: Path) -> bool:
     try:
-        return json.loads((run_dir / AGENT_FILE).read_text())["agent"] == _agent()
+        return json.loads(agent_path(run_dir).read_text())["agent"] == _agent()
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -69,7 +69,7 @@ def claim_run_dir(run_dir: Path, resolved: ResolvedRecipe) -> None:
     prepare_run_dir(run_dir, resolved)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # started by an elastic agent
         record = {"agent": _agent(), "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
-        (run_dir / AGENT_FILE).write_text(json.dumps(record) + "\n")
+        agent_path(run_dir).write_text(json.dumps(record) + "\n")
 
 
 def launch_overrides(env: Mapping[str, str]) -> list[str]:

@@ -9,7 +9,6 @@ a worker failure into one line naming the rank, the error and the log file.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -24,26 +23,29 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from fsdprun.checkpoint import checkpoint_root, read_manifest, set_aside_after
+from fsdprun.checkpoint import read_manifest, set_aside_after
 from fsdprun.config import RecipeConfig, ResolvedRecipe
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
+from fsdprun.launch.rundir import (
+    checkpoint_root,
+    earlier_recipe_path,
+    logs_dir,
+    recipe_path,
+    stop_path,
+)
 from fsdprun.launch.runlock import hold_run_dir
 from fsdprun.report.console import MetricsFollower, Reporter
 from fsdprun.train.guard import (
     LAUNCHER_PID_ENV,
-    STOP_FILE,
     clear_verdict,
     read_verdict,
     request_stop,
 )
-from fsdprun.train.worker import RECIPE_FILE, elastic_entry
-
-# torch >= 2.8 lets the launcher choose which signals its agent handles.
-_HAS_SIGNALS_FIELD = "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}
+from fsdprun.train.worker import elastic_entry
 
 
 class Stopped(Exception):
@@ -119,14 +121,14 @@ def prepare_run_dir(run_dir: Path, resolved: ResolvedRecipe) -> None:
 
 def write_recipe(run_dir: Path, resolved: ResolvedRecipe) -> None:
     """Write RUN_DIR/recipe.yaml; an earlier one (a resumed run's) is kept as recipe.N.yaml."""
-    target = run_dir / RECIPE_FILE
+    target = recipe_path(run_dir)
     try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
         if target.exists():
             n = 1
-            while (run_dir / f"recipe.{n}.yaml").exists():
+            while earlier_recipe_path(run_dir, n).exists():
                 n += 1
-            target.rename(run_dir / f"recipe.{n}.yaml")
+            target.rename(earlier_recipe_path(run_dir, n))
         target.write_text(f"# resolved by fsdprun from '{resolved.name}'\n{resolved.to_yaml()}")
     except OSError as e:
         raise UserError(f"cannot write the run directory {run_dir}: {e.strerror}") from e
@@ -173,8 +175,6 @@ def build_launch_plan(
     local = launch.nnodes == 1 and endpoint_is_local(launch.rdzv_endpoint)
     cpus = os.cpu_count() or 1
     omp = max(1, cpus // launch.nproc_per_node) if device_kind == "cpu" else 1
-    # fsdprun handles SIGINT/SIGTERM itself (stop at a checkpoint); the agent keeps the others.
-    signals = {"signals_to_handle": "SIGHUP,SIGQUIT"} if _HAS_SIGNALS_FIELD else {}
     config = LaunchConfig(
         min_nodes=launch.nnodes,
         max_nodes=launch.nnodes,
@@ -187,8 +187,9 @@ def build_launch_plan(
         max_restarts=launch.max_restarts,
         start_method=method or start_method(device_kind),
         monitor_interval=0.1,
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
-        **signals,
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs_dir(run_dir)), redirects=Std.ALL),
+        # fsdprun handles SIGINT/SIGTERM itself (stop at a checkpoint); the agent keeps the others.
+        signals_to_handle="SIGHUP,SIGQUIT",
     )
     return LaunchPlan(config=config, omp_threads=omp, env=single_node_env() if local else {})
 
@@ -287,7 +288,7 @@ def _launch(
         # its own one-line summary and points at the per-rank logs instead.
         for name in ("torch.distributed.elastic", "torch.multiprocessing"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop asked of an earlier session
+    stop_path(run_dir).unlink(missing_ok=True)  # a stop asked of an earlier session
     clear_verdict(run_dir)  # an earlier session's
     if os.environ.pop("_FSDPRUN_QUIET_CPP_LOG", None):
         del os.environ["TORCH_CPP_LOG_LEVEL"]  # workers log as torch does by default

@@ -15,8 +15,8 @@ from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint
 from fsdprun.config import ResolvedRecipe, config_to_dict, load_recipe, validate
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
+from fsdprun.launch.rundir import RECIPE_FILE, recipe_path
 from fsdprun.train.optim import lr_factor
-from fsdprun.train.worker import RECIPE_FILE
 
 # Keys (or prefixes) a resumed run may change.
 RESUMABLE = (
@@ -45,7 +45,7 @@ def plan_resume(
     Raises:
         UserError: not a run directory, no usable checkpoint, or a change that cannot continue.
     """
-    recipe = run_dir / RECIPE_FILE
+    recipe = recipe_path(run_dir)
     if not recipe.is_file():
         raise UserError(f"{run_dir}: not an fsdprun run directory (no {RECIPE_FILE})")
     checkpoint, skipped = find_resume_checkpoint(run_dir, step, verify=verify)

@@ -32,16 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdprun.errors import UserError
-
-LOCK_FILE = ".lock"
+from fsdprun.launch.rundir import lock_path
 
 # Run directories this process holds, by resolved path: a command that locked early (resume
 # plans under the lock) hands the launcher a directory it already holds.
 _held: dict[Path, int] = {}
-
-
-def lock_path(run_dir: Path, node_rank: int = 0) -> Path:
-    return run_dir / (LOCK_FILE if node_rank == 0 else f"{LOCK_FILE}.node-{node_rank}")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdprun.errors import UserError
-from fsdprun.tools.status import _metrics_file, _read_events
+from fsdprun.launch.rundir import metrics_path
+from fsdprun.tools.status import _read_events
 
 GIB = 2**30
 FIGURE_SIZE_IN = (15.0, 8.0)
@@ -54,7 +55,7 @@ def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
     Raises:
         UserError: not a run directory, or no step logged yet.
     """
-    metrics = run_dir / _metrics_file(run_dir)
+    metrics = metrics_path(run_dir)
     if not metrics.is_file():
         raise UserError(f"{run_dir}: no metrics file ({metrics.name}); is it an fsdprun run dir?")
     events = _read_events(metrics)

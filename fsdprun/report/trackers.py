@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdprun.errors import UserError
+from fsdprun.launch.rundir import tensorboard_dir, wandb_dir
 
 GIB = 2**30
-TENSORBOARD_DIR = "tensorboard"
-WANDB_DIR = "wandb"
 WANDB_MODES = ("offline", "online", "disabled")
 WANDB_KEYS = ("project", "name", "mode")
 
@@ -97,7 +96,7 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         # Events of steps after the checkpoint this session starts from are replayed: purge them.
-        self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=resume_step + 1)
+        self.writer = SummaryWriter(str(tensorboard_dir(run_dir)), purge_step=resume_step + 1)
 
     def log(self, row: Row) -> None:
         for tag, value in row.scalars.items():
@@ -115,7 +114,7 @@ class WandbTracker:
     def __init__(self, run_dir: Path, settings: dict[str, str], *, recipe: dict[str, Any]):
         import wandb
 
-        folder = run_dir / WANDB_DIR
+        folder = wandb_dir(run_dir)
         folder.mkdir(exist_ok=True)
         id_file, self.last_file = folder / "run_id", folder / "last_step"
         if id_file.is_file():

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from fsdprun.config import Engine, Sharding, load_recipe
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
-from fsdprun.launch.runlock import LOCK_FILE, hold_run_dir
+from fsdprun.launch.rundir import LOCK_FILE, compare_log_path, metrics_path
+from fsdprun.launch.runlock import hold_run_dir
 from fsdprun.report.metrics import read_events
 
 if TYPE_CHECKING:
@@ -113,9 +114,9 @@ def run_config(
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     wall = time.perf_counter() - start
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "compare.log").write_text(proc.stdout + proc.stderr)
+    compare_log_path(run_dir).write_text(proc.stdout + proc.stderr)
     result = CompareResult(config.label, all_overrides, str(run_dir), ok=False, wall_s=wall)
-    metrics = run_dir / "metrics.jsonl"
+    metrics = metrics_path(run_dir)
     events = read_events(metrics) if metrics.exists() else []
     summary = events[-1] if events and events[-1]["event"] == "summary" else None
     if proc.returncode != 0 or summary is None:

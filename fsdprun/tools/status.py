@@ -13,20 +13,23 @@ multi-node jobs whose terminal output is in a batch log; `--watch` redraws it un
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from fsdprun.errors import UserError
-from fsdprun.launch.runlock import LOCK_FILE, Holder, is_locked, read_holder
-
-RECIPE_FILE = "recipe.yaml"  # fsdprun.train.worker.RECIPE_FILE, which imports torch
-HEARTBEAT_DIR = "heartbeat"  # fsdprun.train.guard.HEARTBEAT_DIR, likewise
-_STEP_DIR = re.compile(r"step-(\d+)")
+from fsdprun.launch.rundir import (
+    RECIPE_FILE,
+    checkpoint_root,
+    heartbeat_paths,
+    lock_paths,
+    manifest_path,
+    metrics_path,
+    recipe_path,
+    step_of,
+)
+from fsdprun.launch.runlock import Holder, is_locked, read_holder
 
 
 def run_status(run_dir: Path) -> dict[str, Any]:
@@ -35,9 +38,9 @@ def run_status(run_dir: Path) -> dict[str, Any]:
     Raises:
         UserError: RUN_DIR is not an fsdprun run directory.
     """
-    locks = sorted(run_dir.glob(f"{LOCK_FILE}*")) if run_dir.is_dir() else []
-    metrics = run_dir / _metrics_file(run_dir)
-    if not (locks or metrics.is_file() or (run_dir / RECIPE_FILE).is_file()):
+    locks = lock_paths(run_dir)
+    metrics = metrics_path(run_dir)
+    if not (locks or metrics.is_file() or recipe_path(run_dir).is_file()):
         raise UserError(f"{run_dir}: not an fsdprun run directory (no {RECIPE_FILE}, no lock)")
     lock_docs = []
     for path in locks:
@@ -96,10 +99,9 @@ def _heartbeats(run_dir: Path) -> list[dict[str, Any]]:
     """Each rank's last heartbeat: step, phase and seconds since it was written."""
     now = time.time()
     beats = []
-    for path in sorted((run_dir / HEARTBEAT_DIR).glob("rank-*.json")):
+    for rank, path in heartbeat_paths(run_dir):
         try:
             rec = json.loads(path.read_text())
-            rank = int(path.stem.removeprefix("rank-"))
             beats.append({"rank": rank, "step": rec.get("step"), "phase": rec.get("phase"),
                           "age_s": round(now - float(rec["time"]), 1)})  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError):
@@ -111,13 +113,13 @@ def _newest_complete(run_dir: Path) -> str | None:
     """The newest step-N folder whose manifest (written last, atomically) is there and names step
     N: the checkpoint `fsdprun resume` would take (it also checks sizes; this reads no data)."""
     folders = []
-    for path in (run_dir / "checkpoints").glob("step-*"):
-        match = _STEP_DIR.fullmatch(path.name)
-        if match:
-            folders.append((int(match.group(1)), path))
+    for path in checkpoint_root(run_dir).glob("*"):
+        step = step_of(path)
+        if step is not None:
+            folders.append((step, path))
     for step, path in sorted(folders, reverse=True):
         try:
-            manifest = json.loads((path / "manifest.json").read_text())
+            manifest = json.loads(manifest_path(path).read_text())
         except (OSError, ValueError):
             continue
         if isinstance(manifest, dict) and manifest.get("step") == step:
@@ -197,15 +199,6 @@ def watch_status(
 def _holder_text(lock: dict[str, Any]) -> str:
     holder = lock["holder"]
     return Holder(**holder).describe() if holder else "holder not recorded yet"
-
-
-def _metrics_file(run_dir: Path) -> str:
-    """output.metrics_file of the run's recipe (metrics.jsonl when it cannot be read)."""
-    try:
-        recipe = yaml.safe_load((run_dir / RECIPE_FILE).read_text())
-        return str(recipe["output"]["metrics_file"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return "metrics.jsonl"
 
 
 def _read_events(path: Path) -> list[dict[str, Any]]:

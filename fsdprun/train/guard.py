@@ -26,13 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STOP_FILE = "STOP"
-HEARTBEAT_DIR = "heartbeat"
+from fsdprun.launch.rundir import heartbeat_dir, heartbeat_path, stop_path, verdict_path
 
 
 def request_stop(run_dir: Path, reason: str) -> None:
     """Ask the workers of a run to save a checkpoint at the next step and stop (launcher side)."""
-    (run_dir / STOP_FILE).write_text(reason + "\n")
+    stop_path(run_dir).write_text(reason + "\n")
 
 
 class StopSignals:
@@ -55,7 +54,7 @@ class StopSignals:
         """Why a stop was asked for on this rank, if it was."""
         if self.signal_name:
             return self.signal_name
-        stop = self.run_dir / STOP_FILE
+        stop = stop_path(self.run_dir)
         return stop.read_text().strip() or "stop file" if stop.exists() else None
 
 
@@ -111,9 +110,9 @@ class Heartbeat:
     """
 
     def __init__(self, run_dir: Path, rank: int, *, world_size: int, timeout_s: float):
-        self.dir = run_dir / HEARTBEAT_DIR
+        self.run_dir, self.dir = run_dir, heartbeat_dir(run_dir)
         self.dir.mkdir(exist_ok=True)
-        self.path = self.dir / f"rank-{rank}.json"
+        self.path = heartbeat_path(run_dir, rank)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         # A live rank refreshes at least every interval_s; one silent for stale_after_s (half the
         # collective timeout) has not run at all while the others waited for it.
@@ -180,7 +179,7 @@ class Heartbeat:
         records: dict[int, dict | None] = {}
         for rank in range(self.world_size):
             try:
-                records[rank] = json.loads((self.dir / f"rank-{rank}.json").read_text())
+                records[rank] = json.loads(heartbeat_path(self.run_dir, rank).read_text())
             except (OSError, ValueError):
                 records[rank] = None
         return records
@@ -241,25 +240,22 @@ class Heartbeat:
         tmp = self.dir / f"verdict.{self.rank}.tmp"
         with contextlib.suppress(OSError):
             tmp.write_text(json.dumps(verdict))
-            tmp.replace(self.dir / VERDICT_FILE)
+            tmp.replace(verdict_path(self.run_dir))
         for rec in silent.values():
             if rec and rec["stale_s"] and rec["host"] == self.state["host"]:
                 _kill_sibling(rec["pid"])
 
 
-VERDICT_FILE = "verdict.json"
-
-
 def read_verdict(run_dir: Path) -> dict | None:
     """What the rank that found others unresponsive reported (see `Heartbeat._report`)."""
     try:
-        return json.loads((run_dir / HEARTBEAT_DIR / VERDICT_FILE).read_text())
+        return json.loads(verdict_path(run_dir).read_text())
     except (OSError, ValueError):
         return None
 
 
 def clear_verdict(run_dir: Path) -> None:
-    (run_dir / HEARTBEAT_DIR / VERDICT_FILE).unlink(missing_ok=True)
+    verdict_path(run_dir).unlink(missing_ok=True)
 
 
 def _kill_sibling(pid: int) -> None:

@@ -148,11 +148,6 @@ class Saves:
         self.checkpointer, self.events, self.trainable = checkpointer, events, trainable
         self.rank, self.go_on_after_error = rank, go_on_after_error
 
-    def finish_in_flight(self) -> None:
-        """Report the async save that every rank has finished."""
-        with self._failure_policy(last=False):
-            self._saved(self.checkpointer.finish_in_flight())
-
     def wait(self, *, last: bool) -> None:
         """Wait for the async save in flight, if any."""
         with self._failure_policy(last=last):
@@ -358,7 +353,7 @@ class TrainLoop:
         """The save policy: report async saves every rank has finished; save at the recipe's
         interval, at the last step and at an agreed stop."""
         if saves_done:
-            self.saves.finish_in_flight()
+            self.saves.wait(last=False)  # every rank has finished it
         if not (stop or self.checkpointer.should_save(done, self.cfg.train.steps)):
             return
         save_start = time.perf_counter()

@@ -16,16 +16,7 @@ from pathlib import Path
 import torch
 
 from fsdprun.config import ProfileConfig
-
-PROFILE_DIR = "profile"
-
-
-def trace_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / PROFILE_DIR / f"rank-{rank}.pt.trace.json"
-
-
-def snapshot_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / PROFILE_DIR / f"memory-rank-{rank}.pickle"
+from fsdprun.launch.rundir import profile_dir, snapshot_path, trace_path
 
 
 def profiled_ranks(cfg: ProfileConfig, world_size: int) -> list[int]:
@@ -84,7 +75,7 @@ def profile_record(cfg: ProfileConfig, *, run_dir: Path, world_size: int, start_
     ranks = profiled_ranks(cfg, world_size)
     return {
         "steps": [first, first + cfg.active - 1],
-        "dir": str(run_dir / PROFILE_DIR),
+        "dir": str(profile_dir(run_dir)),
         "traces": [str(trace_path(run_dir, r)) for r in ranks if trace_path(run_dir, r).is_file()],
         # Another node's traces are on its own disk; a run shorter than wait + warmup has none.
         "missing": [r for r in ranks if not trace_path(run_dir, r).is_file()],

@@ -53,6 +53,7 @@ from fsdprun.engines.parallel import (
 )
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import worker_store_args
+from fsdprun.launch.rundir import recipe_path
 from fsdprun.models import build_model, model_spec
 from fsdprun.report.console import Reporter
 from fsdprun.report.metrics import MetricsLog, drop_steps_after, peak_flops, throughput
@@ -63,8 +64,6 @@ from fsdprun.train.loss import describe_loss
 from fsdprun.train.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
 from fsdprun.train.profiling import profile_record
 from fsdprun.train.state import TrainState
-
-RECIPE_FILE = "recipe.yaml"
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ def run(
     ranks = Ranks.from_env()
     if cfg is None:
         # Validate against the real world size, which is what the workers actually got.
-        cfg = load_recipe(str(run_dir / RECIPE_FILE), world_size=ranks.world_size).config
+        cfg = load_recipe(str(recipe_path(run_dir)), world_size=ranks.world_size).config
     _set_threads()
     kind = resolve_device_kind(cfg.launch.device.value)
     device = build_worker_device(kind, ranks.local_rank)

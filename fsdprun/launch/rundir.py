@@ -1,0 +1,137 @@
+"""The run directory: every path fsdprun reads or writes under RUN_DIR, spelled in one place.
+
+    RUN_DIR/
+      recipe.yaml                 the resolved recipe the workers read (earlier: recipe.N.yaml)
+      metrics.jsonl               the event log (the recipe's output.metrics_file names it)
+      logs/                       each worker's output (the elastic agent's log folder)
+      checkpoints/step-00000008/  one checkpoint; its manifest.json is written last
+      heartbeat/rank-R.json       where each rank is; verdict.json names a rank that went silent
+      STOP                        asks the workers to save a checkpoint and stop
+      .lock, .lock.node-N         held by the launcher of node 0 (node N) while the run runs
+      agent.json                  the torchrun agent that created the directory
+      profile/                    torch.profiler traces and CUDA memory snapshots
+      tensorboard/, wandb/        the trackers' folders
+      compare.log                 the terminal output of one `fsdprun compare` run
+
+Plain path arithmetic (and reading recipe.yaml's metrics file name): never imports torch, since
+`status` and the launcher read run directories without it, and nothing else of fsdprun, so that
+every package may import it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+RECIPE_FILE = "recipe.yaml"
+DEFAULT_METRICS_FILE = "metrics.jsonl"  # output.metrics_file's default
+LOCK_FILE = ".lock"
+MANIFEST_FILE = "manifest.json"
+_STEP_DIR = re.compile(r"step-([0-9]+)")
+
+
+def recipe_path(run_dir: Path) -> Path:
+    return run_dir / RECIPE_FILE
+
+
+def earlier_recipe_path(run_dir: Path, n: int) -> Path:
+    """Where the n-th earlier session's recipe.yaml is kept (a resumed run writes a new one)."""
+    return run_dir / f"recipe.{n}.yaml"
+
+
+def metrics_path(run_dir: Path) -> Path:
+    """The run's metrics file: output.metrics_file of its recipe.yaml (metrics.jsonl when that
+    cannot be read)."""
+    try:
+        recipe = yaml.safe_load(recipe_path(run_dir).read_text())
+        name = str(recipe["output"]["metrics_file"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        name = DEFAULT_METRICS_FILE
+    return run_dir / name
+
+
+def logs_dir(run_dir: Path) -> Path:
+    return run_dir / "logs"
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoint_root(run_dir) / f"step-{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a checkpoint folder named like `step_dir`'s, or None for any other name."""
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def manifest_path(checkpoint_dir: Path) -> Path:
+    return checkpoint_dir / MANIFEST_FILE
+
+
+def heartbeat_dir(run_dir: Path) -> Path:
+    return run_dir / "heartbeat"
+
+
+def heartbeat_path(run_dir: Path, rank: int) -> Path:
+    return heartbeat_dir(run_dir) / f"rank-{rank}.json"
+
+
+def heartbeat_paths(run_dir: Path) -> list[tuple[int, Path]]:
+    """(rank, file) of every heartbeat file there is, by rank."""
+    found = []
+    for path in heartbeat_dir(run_dir).glob("rank-*.json"):
+        rank = path.stem.removeprefix("rank-")
+        if rank.isascii() and rank.isdigit():
+            found.append((int(rank), path))
+    return sorted(found)
+
+
+def verdict_path(run_dir: Path) -> Path:
+    return heartbeat_dir(run_dir) / "verdict.json"
+
+
+def stop_path(run_dir: Path) -> Path:
+    return run_dir / "STOP"
+
+
+def lock_path(run_dir: Path, node_rank: int = 0) -> Path:
+    return run_dir / (LOCK_FILE if node_rank == 0 else f"{LOCK_FILE}.node-{node_rank}")
+
+
+def lock_paths(run_dir: Path) -> list[Path]:
+    """Every node's lock file there is."""
+    return sorted(run_dir.glob(f"{LOCK_FILE}*")) if run_dir.is_dir() else []
+
+
+def agent_path(run_dir: Path) -> Path:
+    return run_dir / "agent.json"
+
+
+def profile_dir(run_dir: Path) -> Path:
+    return run_dir / "profile"
+
+
+def trace_path(run_dir: Path, rank: int) -> Path:
+    return profile_dir(run_dir) / f"rank-{rank}.pt.trace.json"
+
+
+def snapshot_path(run_dir: Path, rank: int) -> Path:
+    return profile_dir(run_dir) / f"memory-rank-{rank}.pickle"
+
+
+def tensorboard_dir(run_dir: Path) -> Path:
+    return run_dir / "tensorboard"
+
+
+def wandb_dir(run_dir: Path) -> Path:
+    return run_dir / "wandb"
+
+
+def compare_log_path(run_dir: Path) -> Path:
+    return run_dir / "compare.log"
