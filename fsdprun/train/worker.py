@@ -50,11 +50,8 @@ from fsdprun.device import (
 from fsdprun.engines import build_engine
 from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, precompute_scales
 from fsdprun.engines.float8 import describe as describe_float8
-from fsdprun.engines.parallel import (
-    apply_activation_checkpointing,
-    apply_compile,
-    model_state_bytes,
-)
+from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
+from fsdprun.engines.weights import model_state_bytes
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import worker_store_args
 from fsdprun.models import build_model
