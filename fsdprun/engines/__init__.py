@@ -21,15 +21,11 @@ from typing import TYPE_CHECKING
 
 from fsdprun.config import LossKind, RecipeConfig
 from fsdprun.engines.base import (
-    DEFER_ALL_REDUCE,
     LOCAL,
-    REDUCE,
     Engine,
-    FsdpUnit,
     Knob,
     KnobTable,
     UnitPlan,
-    clean_name,
     engine_module,
     reshards_after_forward,
 )
@@ -40,9 +36,9 @@ if TYPE_CHECKING:
 
     from fsdprun.models.hf_weights import HFWeights
 
+# What other packages import from here (the engines' modules are imported by `engine_module`).
 __all__ = [
-    "DEFER_ALL_REDUCE", "LOCAL", "REDUCE", "Engine", "FsdpUnit", "Knob", "UnitPlan",
-    "accumulation_mode", "build_engine", "clean_name", "engine_module", "reshards_after_forward",
+    "LOCAL", "Engine", "Knob", "accumulation_mode", "build_engine", "reshards_after_forward",
     "translate", "unit_plan",
 ]  # fmt: skip
 
