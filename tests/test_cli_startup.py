@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 from conftest import fsdprun_env
 
 from fsdprun.config import accelerator_device_nodes
@@ -41,11 +40,6 @@ def run_probe(commands: list[list[str]], cwd) -> list:
     return json.loads(proc.stdout)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engines: `fsdprun config` validates the sharding rules of fsdprun.engines.mesh, whose "
-    "package __init__ imports torch until the engines split",
-)
 def test_read_only_commands_never_import_torch(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdprun.config import ActivationCheckpointingConfig, CheckpointMode
-from fsdprun.engines.parallel import apply_activation_checkpointing
+from fsdprun.engines.transforms import apply_activation_checkpointing
 from fsdprun.models.attention import attend, build_attention_mask, document_causal_mask
 from fsdprun.models.llama import ModelArgs, Transformer, rope_at
 from fsdprun.train.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, num_targets
@@ -50,7 +50,7 @@ def _hf_pair():
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from fsdprun.checkpoint.export import hf_llama_name
+    from fsdprun.models.llama import hf_llama_name
     from fsdprun.models.hf import HFCausalLM
 
     hf = HFCausalLM.from_folder(HF_DIR)

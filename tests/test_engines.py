@@ -7,6 +7,8 @@ import importlib.util
 import json
 import math
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -298,6 +300,33 @@ def test_plan_units_follow_the_engine():
     ddp = plan_memory(load_recipe("debug", ["fsdp.engine=ddp"]).config)
     assert ddp.units == [] and ddp.recipe_strategy == "ddp"
     assert ddp.knobs[0]["applied"].startswith("DistributedDataParallel")
+
+
+def test_engine_rules_load_without_torch():
+    # config, `plan` and the run header read the knob tables and unit plans; config must be able
+    # to import the engines package without paying for torch.
+    code = (
+        "import sys, fsdprun.engines, fsdprun.engines.fsdp2, fsdprun.engines.fsdp1, "
+        "fsdprun.engines.ddp; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_fsdp1_refuses_a_tied_pretrained_folder_before_wrapping(tmp_path):
+    from fsdprun.engines.fsdp1 import refuse_tied_pretrained
+
+    class Weights:
+        path = tmp_path
+
+    refuse_tied_pretrained(None, {"hf.lm_head.weight": "hf.model.embed_tokens.weight"})
+    refuse_tied_pretrained(Weights(), {})
+    with pytest.raises(UserError) as e:
+        refuse_tied_pretrained(Weights(), {"hf.lm_head.weight": "hf.model.embed_tokens.weight"})
+    assert str(e.value) == (
+        f"model.hf_path: {tmp_path} ties lm_head.weight to model.embed_tokens.weight, which "
+        "fsdp.engine=fsdp1 would train untied; use fsdp.engine=fsdp2 or ddp"
+    )
 
 
 @pytest.mark.parametrize(

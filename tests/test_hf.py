@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fsdprun.checkpoint.export import data_eos_id, export_checkpoint
 from fsdprun.config import load_recipe
 from fsdprun.data import build_datasets, load_batch
+from fsdprun.engines.hf_weights import HFWeights, chunk_rows
 from fsdprun.errors import UserError
 from fsdprun.models.hf import HFCausalLM
-from fsdprun.models.hf_weights import HFWeights, chunk_rows
 from fsdprun.models.llama import Transformer, build_model_args, hf_llama_name
 from fsdprun.report.metrics import read_events
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fsdprun.config import FsdpConfig, WrapPolicy, load_recipe
-from fsdprun.engines.parallel import init_weights, plan_units
+from fsdprun.engines.units import plan_units
+from fsdprun.engines.weights import init_weights
 from fsdprun.errors import UserError
 from fsdprun.models.llama import Transformer, build_model_args
 

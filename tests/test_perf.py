@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from fsdprun.config import ActivationCheckpointingConfig, CheckpointMode, load_recipe
-from fsdprun.engines.parallel import apply_activation_checkpointing, selective_policy
+from fsdprun.engines.transforms import apply_activation_checkpointing, selective_policy
 from fsdprun.models.llama import (
     ModelArgs,
     Transformer,

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from fsdprun.cli import app
 from fsdprun.config import load_recipe
-from fsdprun.engines.parallel import apply_fsdp, model_state_bytes
+from fsdprun.engines.fsdp2 import apply_fsdp
+from fsdprun.engines.weights import model_state_bytes
 from fsdprun.models.llama import Transformer, TransformerBlock, build_model_args, rope_table
 from fsdprun.tools.plan import block_activation_bytes, plan_memory, plan_recipe
 

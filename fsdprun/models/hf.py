@@ -3,7 +3,7 @@ config.json, behind the interface the rest of fsdprun expects of a model: `forwa
 head=None) -> logits`, `args`, `block_paths()`, `init_std(name)`, `init_buffers(device)`.
 Parameter and FLOP counts come from the model itself, built on the meta device.
 
-Architecture only: the pretrained weights are loaded shard-wise by `fsdprun.models.hf_weights`
+Architecture only: the pretrained weights are loaded shard-wise by `fsdprun.engines.hf_weights`
 after FSDP has sharded the model. Never imports torch.distributed. Build it on the meta device:
 
     with torch.device("meta"):

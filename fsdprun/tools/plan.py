@@ -52,11 +52,11 @@ from fsdprun.config import (
     Sharding,
     load_recipe,
 )
-from fsdprun.engines import LOCAL, accumulation_mode, translate
+from fsdprun.engines import LOCAL, accumulation_mode, reshards_after_forward, translate, unit_plan
 from fsdprun.engines.float8 import MFU_CONVENTION, float8_linears
 from fsdprun.engines.float8 import describe as describe_float8
 from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding, shard_group_size
-from fsdprun.engines.parallel import plan_units
+from fsdprun.engines.units import plan_units
 from fsdprun.errors import UserError
 from fsdprun.models import model_spec
 from fsdprun.train.loss import describe_loss
@@ -368,7 +368,6 @@ def plan_memory(
         return [n * pbytes - saved for n, saved in zip(lay.gathered, f8_saved, strict=True)]
 
     sharding = effective_sharding(fsdp)
-    reshard_units = sharding in (Sharding.full, Sharding.hybrid)
     depth_bwd = backward_prefetch_depth(fsdp)
     group = shard_group_size(cfg)
     flat = fsdp.engine is Engine.fsdp1  # else per-parameter shards (fsdp2; ddp's other rows)
@@ -381,39 +380,20 @@ def plan_memory(
                             align=16 // pbytes, orig_params=fsdp.use_orig_params)  # fmt: skip
 
     recipe_layout = layout(group)
-    units = []
-    # DDP has no units: one bucketed all-reduce over the whole model.
-    for i, (path, own) in enumerate([] if fsdp.engine is Engine.ddp else groups):
-        is_root = path == ""
-        # FSDP2 keeps the last block gathered (backward needs it at once); FSDP1 reshards every
-        # unit; neither reshards the root after forward.
-        last_kept = i == len(paths) - 1 and fsdp.engine is Engine.fsdp2
-        reshard = reshard_units and not last_kept and not is_root
-        if is_root:
-            fwd, bwd = [], []
-        elif fsdp.engine is Engine.fsdp1:
-            # FSDP1 prefetches at most one unit each way; its backward mode is named.
-            fwd = paths[i + 1 : i + 2] if fsdp.forward_prefetch > 0 else []
-            mode = str(fsdp.backward_prefetch)
-            bwd = {"post": "BACKWARD_POST", "none": "none"}.get(mode, "BACKWARD_PRE")
-        else:
-            fwd = paths[i + 1 : i + 1 + fsdp.forward_prefetch]
-            bwd = (
-                list(reversed(paths[max(0, i - depth_bwd) : i]))
-                if depth_bwd > 1 and fsdp.engine is Engine.fsdp2
-                else "implicit"
-            )
-        units.append(
-            PlannedUnit(
-                path=path,
-                num_params=sum(p.numel() for p in own),
-                unsharded_bytes=unit_bytes(recipe_layout)[i],
-                shard_bytes=MASTER_BYTES * recipe_layout.shards[i],
-                reshard_after_forward=reshard,
-                forward_prefetch=fwd,
-                backward_prefetch=bwd,
-            )
+    # The engine's own unit plan: reshard and prefetch as its build applies them (ddp: no units,
+    # one bucketed all-reduce over the whole model).
+    units = [
+        PlannedUnit(
+            path=row.path,
+            num_params=sum(p.numel() for p in groups[i][1]),
+            unsharded_bytes=unit_bytes(recipe_layout)[i],
+            shard_bytes=MASTER_BYTES * recipe_layout.shards[i],
+            reshard_after_forward=row.reshard_after_forward,
+            forward_prefetch=row.forward_prefetch,
+            backward_prefetch=row.backward_prefetch,
         )
+        for i, row in enumerate(unit_plan(cfg, paths))
+    ]
 
     depth = max(fsdp.forward_prefetch, depth_bwd)
     acts = activation_bytes(cfg)
@@ -425,7 +405,7 @@ def plan_memory(
     def gathered(strategy: Sharding, lay: _Layout) -> int:
         sizes = unit_bytes(lay)
         blocks, root, whole = sizes[:-1], sizes[-1], sum(sizes)
-        reshard = strategy in (Sharding.full, Sharding.hybrid)
+        reshard = reshards_after_forward(strategy)
         if strategy is Sharding.none:
             # No all-gather. FSDP2 copies (casts) each unit's parameters once and keeps them;
             # FSDP1's NO_SHARD computes on the flat parameter itself unless it casts it.

@@ -31,7 +31,7 @@ from fsdprun.data import Batch, BatchLayout, Dataset, load_batch
 from fsdprun.data.prefetch import BatchLoader
 from fsdprun.device import Device
 from fsdprun.engines.float8 import precompute_scales
-from fsdprun.engines.parallel import model_state_bytes
+from fsdprun.engines.weights import model_state_bytes
 from fsdprun.report.metrics import MetricsLog
 from fsdprun.train.guard import (
     Agreement,

@@ -46,11 +46,8 @@ from fsdprun.device import (
 from fsdprun.engines import build_engine
 from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8
 from fsdprun.engines.float8 import describe as describe_float8
-from fsdprun.engines.parallel import (
-    apply_activation_checkpointing,
-    apply_compile,
-    model_state_bytes,
-)
+from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
+from fsdprun.engines.weights import model_state_bytes
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import worker_store_args
 from fsdprun.launch.rundir import recipe_path
@@ -207,7 +204,7 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     weights = None
     if cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained:
         # Imported here: it needs safetensors, which comes with the optional hf extra.
-        from fsdprun.models.hf_weights import HFWeights
+        from fsdprun.engines.hf_weights import HFWeights
 
         weights = HFWeights(Path(cfg.model.hf_path), model)
     engine = build_engine(

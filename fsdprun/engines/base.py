@@ -1,0 +1,185 @@
+"""What the three engines share: the `Engine` a run trains through, the knob record, the rules all
+of them read (which sharding reshards after forward, how accumulation reduces), and the table
+that names the module of each engine.
+
+Never imports torch at module load: `fsdprun plan`, the run header and config validation read
+these rules on machines (and in commands) that have not loaded torch. The few methods that need
+torch import it where they run, after `build_engine` has loaded it anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from fsdprun.config import Dtype, Sharding
+from fsdprun.config import Engine as EngineKind
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# Each engine's module holds its knob translation (`knobs`, `accumulation`), its build (`build`),
+# its unit plan (`unit_plan`, read by `fsdprun plan`) and its run-time differences (`micro_step`,
+# `clip_grad_norm`, `grad_scaler`). All three are torch-free at load.
+ENGINE_MODULES = {
+    EngineKind.fsdp2: "fsdprun.engines.fsdp2",
+    EngineKind.fsdp1: "fsdprun.engines.fsdp1",
+    EngineKind.ddp: "fsdprun.engines.ddp",
+}
+
+
+def engine_module(kind: EngineKind) -> ModuleType:
+    """The module that implements engine `kind`."""
+    return importlib.import_module(ENGINE_MODULES[kind])
+
+
+# How gradients are reduced on the micro-steps before the last one of a step (`accumulation_mode`).
+REDUCE = "reduce"  # reduce-scatter into the gradient shards every time
+DEFER_ALL_REDUCE = "defer_all_reduce"  # the same, but a 2-D mesh's replica all-reduce waits
+LOCAL = "local"  # no communication: whole unsharded gradients accumulate on every rank
+
+# The knob texts of accumulation that more than one engine prints.
+REDUCE_TEXT = "reduce-scatter into the gradient shards on every micro-step"
+WHOLE_GRADS_TEXT = "no_sync() on accumulation micro-steps (the gradients are whole anyway)"
+
+
+def unsharded_grads_text(call: str) -> str:
+    """The accumulation knob of `fsdp.accumulate_unsharded`, `call` being the engine's switch."""
+    return (
+        f"{call} on accumulation micro-steps: every rank keeps the whole model's unsharded "
+        "gradients until the last one"
+    )
+
+
+def reshards_after_forward(sharding: Sharding) -> bool:
+    """Whether units free their gathered parameters after forward (ZeRO-3) under `sharding`;
+    grad_op, hybrid_zero2 and none keep them until backward. Engines may keep a unit or the root
+    gathered anyway (their `unit_plan` says which)."""
+    return sharding in (Sharding.full, Sharding.hybrid)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One recipe key and what the chosen engine does with it."""
+
+    key: str
+    value: str
+    applied: str
+
+
+class KnobTable(list):
+    """The knobs of one translation, in the order they are added."""
+
+    def add(self, key: str, value: object, applied: str) -> None:
+        if isinstance(value, bool):
+            text = str(value).lower()
+        else:
+            text = value.value if hasattr(value, "value") else str(value)
+        self.append(Knob(key, text, applied))
+
+
+DTYPE_NAMES = {
+    Dtype.bf16: "torch.bfloat16",
+    Dtype.fp16: "torch.float16",
+    Dtype.fp32: "torch.float32",
+}
+
+
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One FSDP unit as built: its module path ("" = root) and its parameter count."""
+
+    path: str
+    num_params: int
+    reshard_after_forward: bool
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit as an engine wraps it, before any model is built: what `fsdprun plan` prints and
+    the FSDP2 build applies. Prefetch lists name unit paths; FSDP1 names its backward mode."""
+
+    path: str
+    reshard_after_forward: bool
+    forward_prefetch: list[str]
+    backward_prefetch: list[str] | str
+
+
+_FSDP1_PREFIX = "_fsdp_wrapped_module."
+_DDP_PREFIX = "module."
+
+
+def clean_name(name: str) -> str:
+    """A wrapped model's parameter name as the unwrapped model spells it."""
+    name = name.replace(_FSDP1_PREFIX, "")
+    return name[len(_DDP_PREFIX) :] if name.startswith(_DDP_PREFIX) else name
+
+
+@dataclass
+class Engine:
+    """A wrapped model and the few things the training loop does differently per engine (each
+    engine's module says how: the methods hand over to it)."""
+
+    kind: EngineKind
+    model: nn.Module  # call this one
+    inner: nn.Module  # the unwrapped model (args, names)
+    units: list[FsdpUnit]
+    knobs: list[Knob]
+    matrix_names: frozenset[str]  # parameters with ndim >= 2 before wrapping (weight decay)
+    autocast_dtype: torch.dtype | None = None
+    device_type: str = "cpu"
+    accumulation: str = LOCAL  # accumulation_mode of the recipe
+    # The loss; compiled with the model (compile.enabled), so the fp32 upcast, log-softmax and
+    # their backward fuse instead of writing fp32 copies of the logits.
+    loss: Callable | None = None
+    # train.loss=chunked: the chunked loss (chunk size bound) the model applies to its hidden
+    # states inside its own forward, where FSDP has gathered the output weight.
+    chunked_loss: Callable | None = None
+    # Tied weights of the unwrapped model: name → the name it shares its tensor with (a checkpoint
+    # stores both; its manifest says which, so inspect and export count the tensor once).
+    tied: dict[str, str] = field(default_factory=dict)
+
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss of one micro-batch: `loss(model(inputs), targets)`, or the chunked
+        loss inside the model's forward."""
+        if self.chunked_loss is None:
+            return self.loss(self.model(inputs), targets)
+        return self.model(inputs, head=functools.partial(self.chunked_loss, targets=targets))
+
+    def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Around forward and backward of one micro-batch; `sync` on the last one of a step.
+
+        REDUCE: every micro-step reduce-scatters, and the gradient shards are the accumulator, so
+        a rank never holds more than its shard of the gradients. (With gradient sync off, FSDP
+        keeps every parameter's whole unsharded gradient until the last micro-step: at 8 ranks,
+        8 times the shard.) DEFER_ALL_REDUCE: the same, and the replica all-reduce of fsdp2's
+        2-D meshes waits for `sync` (FSDP2 keeps the partial sums, shard-sized). LOCAL: no
+        communication until `sync`.
+        """
+        if self.accumulation == REDUCE:
+            return contextlib.nullcontext()
+        return engine_module(self.kind).micro_step(self, sync)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip to `max_norm` on the global gradient norm; returns that norm (before clipping)."""
+        return engine_module(self.kind).clip_grad_norm(self.model, max_norm)
+
+    def grad_scaler(self):
+        """The loss scaler fp16 needs (sharded for the FSDP engines)."""
+        return engine_module(self.kind).grad_scaler(self.device_type)
+
+    def is_matrix(self, name: str, param: nn.Parameter) -> bool:
+        return clean_name(name) in self.matrix_names

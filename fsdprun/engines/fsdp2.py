@@ -1,0 +1,259 @@
+"""The fsdp2 engine (`fully_shard`, per-parameter DTensor shards; the default): what it does with
+each `fsdp.*` key (`knobs`), its units as `fsdprun plan` shows them (`unit_plan`), and the build
+that applies exactly those (`apply_fsdp`, `build`).
+
+Never imports torch at module load (the knob table and unit plan are read without it); the build
+imports it where it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+from fsdprun.config import (
+    Dtype,
+    FsdpConfig,
+    RecipeConfig,
+    Sharding,
+    WrapPolicy,
+)
+from fsdprun.engines.base import (
+    DEFER_ALL_REDUCE,
+    DTYPE_NAMES,
+    LOCAL,
+    REDUCE,
+    REDUCE_TEXT,
+    WHOLE_GRADS_TEXT,
+    Engine,
+    FsdpUnit,
+    UnitPlan,
+    reshards_after_forward,
+    unsharded_grads_text,
+)
+from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding, shard_group_size
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdprun.engines.hf_weights import HFWeights
+
+# 2-D (replicate x shard) meshes: their replica all-reduce can wait for the last micro-step.
+_TWO_D = (Sharding.hybrid, Sharding.hybrid_zero2, Sharding.none)
+
+
+def accumulation(cfg: RecipeConfig) -> str:
+    """REDUCE on 1-D meshes, DEFER_ALL_REDUCE on 2-D ones, LOCAL with fsdp.accumulate_unsharded."""
+    if cfg.fsdp.accumulate_unsharded:
+        return LOCAL
+    return DEFER_ALL_REDUCE if effective_sharding(cfg.fsdp) in _TWO_D else REDUCE
+
+
+def _accumulation_text(cfg: RecipeConfig) -> str:
+    mode = accumulation(cfg)
+    if mode == DEFER_ALL_REDUCE:
+        return (
+            "reduce-scatter into the gradient shards on every micro-step; the replica all-reduce "
+            "on the last one only (set_requires_all_reduce)"
+        )
+    if mode == REDUCE:
+        return REDUCE_TEXT
+    if effective_sharding(cfg.fsdp) is Sharding.none:
+        return WHOLE_GRADS_TEXT
+    return unsharded_grads_text("set_requires_gradient_sync(False)")
+
+
+def _backward_prefetch_text(bwd: str, depth: int) -> str:
+    if bwd == "post":
+        return (
+            "FSDP2 has no post-gradient prefetch: its implicit prefetch of the next unit (as pre)"
+        )
+    if bwd == "none":
+        return "FSDP2 cannot turn backward prefetch off: its implicit one-unit prefetch stays"
+    if depth <= 1:
+        return "FSDP2's implicit prefetch of the next unit"
+    return f"set_modules_to_backward_prefetch: {depth} units ahead"
+
+
+def knobs(cfg: RecipeConfig, ws: int, add) -> None:
+    """Add what fully_shard does with each `fsdp.*` and precision key at world size `ws`."""
+    f, p = cfg.fsdp, cfg.precision
+    sharding, group = effective_sharding(f), shard_group_size(cfg, ws)
+    if sharding in _TWO_D:
+        mesh = f"2-D mesh ({ws // group} replicate x {group} shard)"
+    else:
+        mesh = f"1-D mesh of {ws} ranks"
+    add("fsdp.engine", "fsdp2", "fully_shard (per-parameter DTensor shards)")
+    add(
+        "fsdp.sharding",
+        f.sharding,
+        f"{mesh}, reshard_after_forward={reshards_after_forward(sharding)}"
+        + (" (no sharding: shard groups of 1)" if sharding is Sharding.none else ""),
+    )
+    if f.reshard_after_forward is not None:
+        add(
+            "fsdp.reshard_after_forward",
+            f.reshard_after_forward,
+            f"overrides fsdp.sharding: effective sharding {sharding.value}",
+        )
+    if f.shard_group_size is not None or sharding in (Sharding.hybrid, Sharding.hybrid_zero2):
+        add("fsdp.shard_group_size", f.shard_group_size, f"{group} ranks per shard group")
+    wrap = {WrapPolicy.block: "fully_shard on each transformer block, then the root",
+            WrapPolicy.size: f"fully_shard on modules with >= {f.min_num_params} params not yet "
+                             "wrapped, then the root",
+            WrapPolicy.classes: f"fully_shard on {', '.join(f.wrap_classes)} modules, then "
+                                "the root",
+            WrapPolicy.none: "fully_shard on the root only"}[f.wrap]  # fmt: skip
+    add("fsdp.wrap", f.wrap, wrap)
+    param = "None" if p.param_dtype is Dtype.fp32 else DTYPE_NAMES[p.param_dtype]
+    mp = f"MixedPrecisionPolicy(param_dtype={param}, reduce_dtype={DTYPE_NAMES[p.reduce_dtype]})"
+    add("precision.param_dtype", p.param_dtype, mp)
+    if p.buffer_dtype is not None:
+        add(
+            "precision.buffer_dtype",
+            p.buffer_dtype,
+            "no effect: FSDP2 does not cast buffers (the RoPE table is cast where it is used)",
+        )
+    bwd = str(f.backward_prefetch)
+    add("fsdp.backward_prefetch", bwd, _backward_prefetch_text(bwd, backward_prefetch_depth(f)))
+    add(
+        "fsdp.forward_prefetch",
+        f.forward_prefetch,
+        f"set_modules_to_forward_prefetch: {f.forward_prefetch} units ahead"
+        if f.forward_prefetch
+        else "none (all-gather when each unit's forward starts)",
+    )
+    add(
+        "fsdp.limit_all_gathers",
+        f.limit_all_gathers,
+        "no effect: FSDP2 frees gathered memory with stream events and needs no rate limiter",
+    )
+    add(
+        "fsdp.use_orig_params",
+        f.use_orig_params,
+        "no effect: FSDP2 always keeps the original parameters",
+    )
+    add("fsdp.cpu_offload", f.cpu_offload, "CPUOffloadPolicy" if f.cpu_offload else "off")
+    add("fsdp.accumulate_unsharded", f.accumulate_unsharded, _accumulation_text(cfg))
+
+
+def unit_plan(paths: list[str], fsdp: FsdpConfig) -> list[UnitPlan]:
+    """The units `apply_fsdp` makes of the wrap policy's `paths`, the root last: whether each
+    reshards after forward and which units it prefetches (explicitly, or "implicit")."""
+    reshard = reshards_after_forward(effective_sharding(fsdp))
+    depth = backward_prefetch_depth(fsdp)
+    rows = []
+    for i, path in enumerate(paths):
+        # The last unit's parameters are needed again as soon as backward starts: resharding
+        # them after forward would only buy an immediate second all-gather.
+        backward = list(reversed(paths[max(0, i - depth) : i])) if depth > 1 else "implicit"
+        forward = paths[i + 1 : i + 1 + fsdp.forward_prefetch]
+        rows.append(UnitPlan(path, reshard and i < len(paths) - 1, forward, backward))
+    rows.append(UnitPlan("", False, [], []))  # the root is not resharded after forward
+    return rows
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    cfg: FsdpConfig,
+    param_dtype: Dtype,
+    reduce_dtype: Dtype,
+    pin_memory: bool,
+) -> list[FsdpUnit]:
+    """Shard `model` with `fully_shard` per `unit_plan`, then set explicit prefetch.
+
+    Returns:
+        The units in forward order, the root last.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from fsdprun.engines.units import plan_units
+    from fsdprun.engines.weights import TORCH_DTYPES
+
+    mp = MixedPrecisionPolicy(
+        param_dtype=None if param_dtype is Dtype.fp32 else TORCH_DTYPES[param_dtype],
+        reduce_dtype=TORCH_DTYPES[reduce_dtype],
+    )
+    common: dict = {"mesh": mesh, "mp_policy": mp}
+    if cfg.cpu_offload:
+        # pin_memory needs an accelerator; on a CPU-only host it must be off.
+        common["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    rows = unit_plan(plan_units(model, cfg=cfg), cfg)
+    modules = dict(model.named_modules())
+    units: list[FsdpUnit] = []
+    for row in rows[:-1]:
+        module = modules[row.path]
+        before = sum(p.numel() for p in module.parameters() if not isinstance(p, DTensor))
+        fully_shard(module, reshard_after_forward=row.reshard_after_forward, **common)
+        units.append(FsdpUnit(row.path, before, row.reshard_after_forward))
+    root_params = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
+    # FSDP2 keeps the root gathered after forward whatever its flag (backward needs it first).
+    reshard_root = reshards_after_forward(effective_sharding(cfg))
+    fully_shard(model, reshard_after_forward=reshard_root, **common)
+    units.append(FsdpUnit("", root_params, False))
+
+    for row in rows[:-1]:
+        if row.forward_prefetch:
+            modules[row.path].set_modules_to_forward_prefetch(
+                [modules[p] for p in row.forward_prefetch]
+            )
+        if isinstance(row.backward_prefetch, list) and row.backward_prefetch:
+            modules[row.path].set_modules_to_backward_prefetch(
+                [modules[p] for p in row.backward_prefetch]
+            )
+    return units
+
+
+def build(
+    model: nn.Module,
+    cfg: RecipeConfig,
+    *,
+    device: torch.device,
+    device_kind: str,
+    world_size: int,
+    weights: HFWeights | None,
+    common: dict,
+) -> Engine:
+    """Shard the meta `model`, then fill each rank's shards: pretrained `weights` read shard-wise,
+    or the seeded initial values."""
+    from fsdprun.engines.units import build_mesh
+    from fsdprun.engines.weights import init_weights
+
+    units = apply_fsdp(
+        model, mesh=build_mesh(cfg, device_kind, world_size), cfg=cfg.fsdp,
+        param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,
+        pin_memory=device_kind != "cpu",
+    )  # fmt: skip
+    if weights is not None:
+        weights.load(model, device=device)
+    else:
+        init_weights(model, seed=cfg.train.seed, device=device)
+    return Engine(model=model, units=units, **common)
+
+
+def micro_step(engine: Engine, sync: bool) -> contextlib.AbstractContextManager:
+    """DEFER_ALL_REDUCE: only the 2-D mesh's replica all-reduce waits; LOCAL: all sync waits."""
+    if engine.accumulation == DEFER_ALL_REDUCE:
+        engine.model.set_requires_all_reduce(sync)
+    else:
+        engine.model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch's clip over DTensor gradients: the norm is global (it reduces over the mesh)."""
+    import torch
+
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def grad_scaler(device_type: str):
+    """The sharded scaler; its device defaults to cuda, and it disables itself anywhere else."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device_type)
