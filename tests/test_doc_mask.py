@@ -50,8 +50,8 @@ def _hf_pair():
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from fsdprun.models.llama import hf_llama_name
     from fsdprun.models.hf import HFCausalLM
+    from fsdprun.models.llama import hf_llama_name
 
     hf = HFCausalLM.from_folder(HF_DIR)
     weights = load_file(HF_DIR / "model.safetensors")
