@@ -497,6 +497,53 @@ class ProfileConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = _f(
+        0,
+        "LoRA rank r: train low-rank adapters `scale * B @ A` (A: r x in, B: out x r) beside "
+        "the lora.targets Linear layers of every block, with all other parameters frozen; 0 = "
+        "off (full fine-tuning). Needs fsdp.engine fsdp2 or ddp.",
+    )
+    alpha: float = _f(16.0, "LoRA alpha: the adapter's output is scaled by alpha / rank.")
+    dropout: float = _f(0.0, "Dropout on the adapter's input (training only), in [0, 1).")
+    targets: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "Linear layers of the blocks that get adapters: names in either spelling (HF q_proj, "
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = built-in wq, wk, wv, wo, w1, "
+        "w3, w2) or module path patterns (`layers.*.attention.wq`). A target that matches no "
+        "Linear is refused when the model is built.",
+    )
+
+
+def _lora_errors(cfg: RecipeConfig) -> list[str]:
+    lora = cfg.lora
+    if lora.rank < 0:
+        return [f"lora.rank must be >= 0 (got {lora.rank}); 0 turns LoRA off"]
+    if lora.rank == 0:
+        return []
+    errors = []
+    if not (lora.alpha > 0 and math.isfinite(lora.alpha)):
+        errors.append(f"lora.alpha must be > 0 (got {lora.alpha})")
+    if not 0 <= lora.dropout < 1:
+        errors.append(f"lora.dropout must be in [0, 1) (got {lora.dropout})")
+    if not lora.targets:
+        errors.append("lora.targets is empty; list Linear layers such as [q_proj, v_proj]")
+    if cfg.fsdp.engine is Engine.fsdp1:
+        # FSDP1 flattens a unit's frozen base weights and trainable adapters into one flat
+        # parameter whose gradient and optimizer state cover the frozen part too.
+        errors.append(
+            f"lora.rank={lora.rank} needs fsdp.engine=fsdp2 or ddp (got fsdp1); set "
+            "fsdp.engine=fsdp2"
+        )
+    if cfg.precision.float8 is not Float8.off:
+        errors.append(
+            f"lora.rank={lora.rank} does not combine with precision.float8="
+            f"{cfg.precision.float8.value}; set precision.float8=off"
+        )
+    return errors
+
+
+@dataclass
 class RecipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -514,6 +561,7 @@ class RecipeConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def world_size(self) -> int:
@@ -1067,6 +1115,7 @@ def validate(cfg: RecipeConfig, *, world_size: int | None = None) -> list[str]:
         errors.append(f"output.peak_tflops must be > 0 (got {cfg.output.peak_tflops})")
     errors += tracker_errors(tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb)
     errors += _profile_errors(cfg.profile, cfg.launch.device, ws)
+    errors += _lora_errors(cfg)
     return errors
 
 
@@ -1113,6 +1162,7 @@ STRING_KEYS: dict[str, tuple[str, str]] = {
     "launch.rdzv_endpoint": ("endpoint", "HOST:PORT, or empty for one node"),
     "output.run_dir": ("folder", "a folder, or null for runs/<recipe>-<time>"),
     "output.metrics_file": ("run_file", "a .jsonl file name in the run directory (metrics.jsonl)"),
+    "lora.targets": ("name", "Linear layer names such as q_proj or wq, or path patterns"),
 }
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 

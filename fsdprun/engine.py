@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdprun.adapters import init_adapters
 from fsdprun.config import (
     Dtype,
     LossKind,
@@ -367,7 +368,9 @@ class Engine:
         """Clip to `max_norm` on the global gradient norm; returns that norm (before clipping)."""
         if self.kind is EngineKind.fsdp1:
             return self.model.clip_grad_norm_(max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        # Frozen parameters (the base under LoRA) have no gradient and take no part.
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.nn.utils.clip_grad_norm_(trainable, max_norm)
 
     def grad_scaler(self):
         """The loss scaler fp16 needs (sharded for the FSDP engines)."""
@@ -427,6 +430,7 @@ def build_engine(
         )  # fmt: skip
         if weights is not None:
             weights.load(model, device=device)
+            init_adapters(model, seed=cfg.train.seed, device=device)  # LoRA: not in the files
         else:
             init_weights(model, seed=cfg.train.seed, device=device)
         return Engine(model=model, units=units, **common)
@@ -452,6 +456,7 @@ def _build_ddp(
         )
     if weights is not None:
         weights.load(model, device=device)
+        init_adapters(model, seed=cfg.train.seed, device=device)  # LoRA: not in the files
     else:
         init_weights(model, seed=cfg.train.seed, device=device)
     ddp = DistributedDataParallel(

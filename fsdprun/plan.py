@@ -58,6 +58,7 @@ from fsdprun.float8 import describe as describe_float8
 from fsdprun.loss import describe_loss
 from fsdprun.models import Transformer, build_model_args
 from fsdprun.models.llama import num_matmul_params
+from fsdprun.models.lora import apply_lora, num_trainable_params
 from fsdprun.parallel import plan_units
 
 DTYPE_BYTES = {Dtype.bf16: 2, Dtype.fp16: 2, Dtype.fp32: 4}
@@ -153,6 +154,7 @@ class MemoryPlan:
     units: list[PlannedUnit]
     strategies: dict[str, StrategyMemory]
     engine: str = "fsdp2"
+    num_trainable_params: int | None = None  # < num_params under LoRA
     knobs: list[dict] = field(default_factory=list)
     activation_formula: str = ACTIVATION_FORMULA
     buffer_formula: str = BUFFER_FORMULA
@@ -185,20 +187,29 @@ class _Layout:
     shards: list[int]
     gathered: list[int]
     optimizer: int
+    # Elements of rank 0's shards that train and so have gradients; None = all (without LoRA).
+    trainable: int | None = None
 
     @property
     def params(self) -> int:
         return MASTER_BYTES * sum(self.shards)
 
+    @property
+    def grads(self) -> int:
+        return MASTER_BYTES * (sum(self.shards) if self.trainable is None else self.trainable)
+
 
 def _per_param_layout(groups: list[tuple[str, list[nn.Parameter]]], shards: int) -> _Layout:
     """FSDP2 (and DDP, shards=1): every parameter sharded on dim 0 on its own."""
     unit_shards = [sum(_rank0_elems(p.shape, shards) for p in own) for _, own in groups]
-    count = sum(len(own) for _, own in groups)
+    # Frozen parameters (the base under LoRA) get no gradient and no AdamW state.
+    trained = [p for _, own in groups for p in own if p.requires_grad]
+    trainable = sum(_rank0_elems(p.shape, shards) for p in trained)
     return _Layout(
         shards=unit_shards,
         gathered=[sum(_gathered_elems(p.shape, shards) for p in own) for _, own in groups],
-        optimizer=ADAM_STATE_BYTES * sum(unit_shards) + ADAM_STEP_BYTES * count,
+        optimizer=ADAM_STATE_BYTES * trainable + ADAM_STEP_BYTES * len(trained),
+        trainable=trainable,
     )
 
 
@@ -362,6 +373,7 @@ def plan_memory(
     world, per_node = cfg.world_size, cfg.launch.nproc_per_node
     with torch.device("meta"):
         model = Transformer(build_model_args(cfg.model))
+    adapted = apply_lora(model, cfg=cfg.lora)
     params = list(model.parameters())  # tied weights appear once, as in the optimizer
     pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
     fsdp = cfg.fsdp
@@ -464,9 +476,10 @@ def plan_memory(
                 accumulation = sum(lay.gathered) * pbytes
             else:
                 reduce_bytes = DTYPE_BYTES[cfg.precision.reduce_dtype]
-                accumulation = sum(p.numel() for p in params) * reduce_bytes
+                trained = sum(p.numel() for p in params if p.requires_grad)
+                accumulation = trained * reduce_bytes
         return StrategyMemory(
-            shards, params=lay.params, grads=lay.params, optimizer=lay.optimizer,
+            shards, params=lay.params, grads=lay.grads, optimizer=lay.optimizer,
             gathered_buffers=gathered(strategy, lay), activations=acts, accumulation=accumulation,
         )  # fmt: skip
 
@@ -478,7 +491,7 @@ def plan_memory(
         "ddp": StrategyMemory(
             1,
             params=replicated.params,
-            grads=replicated.params,
+            grads=replicated.grads,
             optimizer=replicated.optimizer,
             gathered_buffers=autocast_copies,
             activations=acts,
@@ -512,6 +525,12 @@ def plan_memory(
         "ddp: gathered buffers are autocast's param_dtype copies of the matmul weights; its fp32 "
         "norm activations are not modelled (the ddp total is the least certain)",
     ]
+    if adapted:
+        notes.append(
+            f"lora: rank {cfg.lora.rank} adapters on {len(adapted)} Linear layers; "
+            f"{num_trainable_params(model):,} of {sum(p.numel() for p in params):,} params train: "
+            "the frozen base keeps its fp32 shards but has no gradients and no AdamW state"
+        )
     if cfg.train.loss is LossKind.chunked:
         notes.append(f"loss: {describe_loss(cfg.train)}")
     if float8 != "off":
@@ -523,6 +542,7 @@ def plan_memory(
         nnodes=cfg.launch.nnodes,
         nproc_per_node=per_node,
         num_params=sum(p.numel() for p in params),
+        num_trainable_params=num_trainable_params(model),
         param_dtype=cfg.precision.param_dtype.value,
         recipe_strategy=recipe_strategy,
         engine=fsdp.engine.value,

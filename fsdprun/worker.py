@@ -65,6 +65,7 @@ from fsdprun.loss import describe_loss
 from fsdprun.metrics import MetricsLog, peak_flops, read_events, throughput
 from fsdprun.models import build_model
 from fsdprun.models.llama import flops_per_token, num_params
+from fsdprun.models.lora import apply_lora
 from fsdprun.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
 from fsdprun.parallel import apply_activation_checkpointing, apply_compile, model_state_bytes
 from fsdprun.profiling import StepProfiler, profile_record
@@ -207,6 +208,8 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device):
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = build_model(cfg.model)
+    # LoRA first: the adapters are then checkpointed, compiled and sharded with their blocks.
+    apply_lora(model, cfg=cfg.lora)
     # float8 converts Linears before checkpointing, compile and sharding wrap them (torchao).
     check_float8(cfg.precision.float8.value, device.kind)
     apply_float8(model, mode=cfg.precision.float8.value)
