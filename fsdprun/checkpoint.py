@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdprun import __version__
 from fsdprun.config import CheckpointConfig
 from fsdprun.errors import UserError, describe_os_error, find_os_error
+from fsdprun.models.lora import is_adapter_name
 from fsdprun.report import fmt_bytes
 
 MANIFEST = "manifest.json"
@@ -363,8 +365,15 @@ def load_model_weights(path: Path, model) -> None:
             f"checkpoint.load_from: {path} is not a complete checkpoint: {status.reason}"
         )
     model_sd = get_model_state_dict(model)
-    dcp.load({"model": model_sd}, checkpoint_id=str(path), planner=NoPickleLoadPlanner())
-    set_model_state_dict(model, model_sd)
+    # LoRA on a base checkpoint: the base weights come from it, and adapters it lacks keep
+    # their init (a LoRA checkpoint's adapters are loaded).
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    base_sd = {
+        k: v for k, v in model_sd.items() if not is_adapter_name(k) or f"model.{k}" in saved
+    }  # fmt: skip
+    dcp.load({"model": base_sd}, checkpoint_id=str(path), planner=NoPickleLoadPlanner())
+    strict = StateDictOptions(strict=len(base_sd) == len(model_sd))
+    set_model_state_dict(model, base_sd, options=strict)
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torch import nn
 
 from fsdprun.config import LoraConfig, load_recipe
 from fsdprun.errors import UserError
+from fsdprun.metrics import read_events
 from fsdprun.models import build_model
 from fsdprun.models.lora import (
     LoraLinear,
@@ -246,7 +247,6 @@ def test_two_rank_fully_shard_run_trains_adapters_and_holds_what_plan_says(tmp_p
     proc = run_fsdprun("train", "debug", *overrides, "--run-dir", str(run_dir), cwd=tmp_path,
                        timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from fsdprun.metrics import read_events
 
     events = read_events(run_dir / "metrics.jsonl")
     losses = [e["loss"] for e in events if e["event"] == "step"]
@@ -260,3 +260,30 @@ def test_two_rank_fully_shard_run_trains_adapters_and_holds_what_plan_says(tmp_p
         assert (measured["params"], measured["grads"], measured["optimizer"]) == (
             planned.params, planned.grads, planned.optimizer
         ), rank["rank"]  # fmt: skip
+
+
+def test_pretrained_hf_model_with_lora_starts_at_the_base_loss_and_resumes(tmp_path):
+    # The worker's pretrained path: HFWeights reads the base weights only, the adapters get
+    # their seeded init (B = 0), so step 1's loss is the pretrained model's own. A checkpoint of
+    # the LoRA run resumes; checkpoint.load_from of a full (non-LoRA) checkpoint gives LoRA its
+    # base weights.
+    def train(name: str, *extra: str, command: str = "train") -> list[float]:
+        run_dir = tmp_path / name
+        args = [command, str(run_dir)] if command == "resume" else [
+            command, "hf-finetune-demo", "train.steps=4", "output.log_every=1",
+            "eval.every_steps=0", "--run-dir", str(run_dir),
+        ]  # fmt: skip
+        proc = run_fsdprun(*args, *extra, cwd=tmp_path, timeout=180)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        events = read_events(run_dir / "metrics.jsonl")
+        return [e["loss"] for e in events if e["event"] == "step"]
+
+    base = train("base")
+    lora = train("lora", "lora.rank=8")
+    assert lora[0] == pytest.approx(base[0], abs=1e-6)
+    assert lora[1] != pytest.approx(base[1], abs=1e-4)  # then the adapters train (and only they)
+    resumed = train("lora", "train.steps=6", command="resume")  # appends steps 5 and 6
+    assert len(resumed) == 6 and resumed[:4] == lora, resumed
+    ckpt = tmp_path / "base" / "checkpoints" / "step-00000004"
+    tuned = train("tuned", "lora.rank=8", f"checkpoint.load_from={ckpt}")
+    assert tuned[0] < base[0] - 0.01, (tuned, base)  # starts from the fine-tuned base weights
