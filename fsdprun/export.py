@@ -43,6 +43,7 @@ from fsdprun.checkpoint import NoPickleLoadPlanner, check_checkpoint, read_manif
 from fsdprun.data.files import read_description
 from fsdprun.errors import UserError
 from fsdprun.inspect_ckpt import require_checkpoint_dir, tied_params
+from fsdprun.models.lora import is_adapter_name
 from fsdprun.staging import staged_folder
 
 MODEL_PREFIX = "model."
@@ -180,7 +181,20 @@ def hf_llama_config(model: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]
 
 
 def _hf_plans(plans: list[TensorPlan], model: dict[str, Any]) -> list[TensorPlan]:
-    """`plans` under their HuggingFace names."""
+    """`plans` under their HuggingFace names.
+
+    Raises:
+        UserError: the checkpoint holds LoRA adapters, which transformers would silently drop.
+    """
+    adapters = [p.name for p in plans if is_adapter_name(p.name)]
+    if adapters:
+        # Not yet: merging them (models.lora.merge_adapter_weights) or writing peft's folder
+        # (adapters.save_peft_adapter) is to be wired here.
+        raise UserError(
+            f"--format hf: the checkpoint holds {len(adapters)} LoRA adapter tensors, which the "
+            "HF export cannot write yet; use --format safetensors (fsdprun's names, adapters "
+            "included)"
+        )
     hf_path = model.get("hf_path")
     if hf_path:
         # Checked before anything is written: the config and tokenizer come from there.

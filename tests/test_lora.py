@@ -18,6 +18,7 @@ from torch import nn
 
 from fsdprun.config import LoraConfig, load_recipe
 from fsdprun.errors import UserError
+from fsdprun.export import export_checkpoint
 from fsdprun.metrics import read_events
 from fsdprun.models import build_model
 from fsdprun.models.lora import (
@@ -284,6 +285,9 @@ def test_pretrained_hf_model_with_lora_starts_at_the_base_loss_and_resumes(tmp_p
     assert lora[1] != pytest.approx(base[1], abs=1e-4)  # then the adapters train (and only they)
     resumed = train("lora", "train.steps=6", command="resume")  # appends steps 5 and 6
     assert len(resumed) == 6 and resumed[:4] == lora, resumed
+    lora_ckpt = tmp_path / "lora" / "checkpoints" / "step-00000006"
+    with pytest.raises(UserError, match="holds 16 LoRA adapter tensors"):  # not dropped silently
+        export_checkpoint(lora_ckpt, tmp_path / "export", fmt="hf")
     ckpt = tmp_path / "base" / "checkpoints" / "step-00000004"
     tuned = train("tuned", "lora.rank=8", f"checkpoint.load_from={ckpt}")
     assert tuned[0] < base[0] - 0.01, (tuned, base)  # starts from the fine-tuned base weights
