@@ -39,6 +39,8 @@ MODEL = ["model.dim=96", "model.n_heads=6", "model.n_kv_heads=2", "model.ffn_dim
 BF16 = ["precision.param_dtype=bf16"]
 UNSHARDED = ["fsdp.accumulate_unsharded=true"]
 FSDP1 = ["fsdp.engine=fsdp1"]
+# LoRA (issue 15): frozen base and trainable adapters in the same units; every Linear adapted.
+LORA = ["lora.rank=4", "lora.targets=[wq, wk, wv, wo, w1, w2, w3]"]
 # Every engine and sharding the product supports, plus the knobs that change what a rank holds.
 # HYBRID is replaced by a shard group of half the world.
 HYBRID = "fsdp.shard_group_size=HALF"
@@ -55,6 +57,9 @@ CELLS: dict[str, list[str]] = {
     "fsdp2:none:bf16": ["fsdp.sharding=none", *BF16],
     "fsdp2:full:prefetch": ["fsdp.forward_prefetch=2", "fsdp.backward_prefetch=2"],
     "fsdp2:full:tied": ["model.tie_embeddings=true"],
+    "fsdp2:full:lora": LORA,
+    "fsdp2:grad_op:bf16:lora": ["fsdp.sharding=grad_op", *BF16, *LORA],
+    "fsdp2:hybrid:unsharded:lora": ["fsdp.sharding=hybrid", HYBRID, *UNSHARDED, *LORA],
     "fsdp1:full": FSDP1,
     "fsdp1:grad_op": [*FSDP1, "fsdp.sharding=grad_op"],
     "fsdp1:hybrid": [*FSDP1, "fsdp.sharding=hybrid", HYBRID],
@@ -68,6 +73,7 @@ CELLS: dict[str, list[str]] = {
 DDP_CELLS: dict[str, list[str]] = {
     "ddp": ["fsdp.engine=ddp"],
     "ddp:bf16": ["fsdp.engine=ddp", *BF16],
+    "ddp:lora": ["fsdp.engine=ddp", *LORA],
 }
 WORLDS = (8, 64)
 DDP_WORLD = 2  # real gloo ranks
@@ -96,6 +102,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     from fsdprun.device import Device
     from fsdprun.engines import build_engine
     from fsdprun.models import build_model
+    from fsdprun.models.lora import apply_lora
     from fsdprun.train.loop import forward_backward
     from fsdprun.train.optim import build_optimizer
 
@@ -154,6 +161,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = build_model(cfg.model)
+    apply_lora(model, cfg=cfg.lora)  # as the worker does; nothing without lora.rank
     engine = build_engine(model, cfg, device=device.torch_device, device_kind="cpu",
                           world_size=world)  # fmt: skip
     optimizer = build_optimizer(
@@ -169,12 +177,14 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     mode.autocast_copies = engine.autocast_dtype is not None
 
     def compute_params(module, args) -> None:
-        # The tensors a leaf module computes with: FSDP's unsharded parameters.
+        # The tensors a module computes with: FSDP's unsharded parameters.
         for p in module.parameters(recurse=False):
             mode.add_gathered(p)
 
+    # Every module with parameters of its own: the leaves, and LoRA's wrapper, whose base
+    # weight sits beside its adapter submodules.
     for m in engine.inner.modules():
-        if next(m.children(), None) is None:
+        if next(m.parameters(recurse=False), None) is not None:
             m.register_forward_pre_hook(compute_params)
 
     def grads() -> int:

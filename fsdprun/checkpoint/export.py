@@ -48,6 +48,7 @@ from fsdprun.config import ModelConfig, parse_size
 from fsdprun.data.files import read_description
 from fsdprun.errors import UserError
 from fsdprun.models import ModelSpec, model_spec
+from fsdprun.models.lora import is_adapter_name
 from fsdprun.staging import staged_folder
 
 MODEL_PREFIX = "model."
@@ -297,6 +298,13 @@ def export_checkpoint(
         model = model_config(recipe["model"])
         spec = model_spec(model)
         hf_config = spec.hf_config(model, plans[0].dtype)
+        adapters = [p.name for p in plans if is_adapter_name(p.name)]
+        if adapters:
+            raise UserError(
+                f"--format hf: the checkpoint holds {len(adapters)} LoRA adapter tensors, which "
+                "the HF export cannot write yet; use --format safetensors (fsdprun's names, "
+                "adapters included)"
+            )
         plans = [dataclasses.replace(p, name=spec.hf_name(p.name)) for p in plans]
         token_ids = _hf_token_ids(recipe, hf_config)
     shards = split_shards(plans, max_shard_bytes)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -35,6 +36,7 @@ from fsdprun.checkpoint.manifest import (
 )
 from fsdprun.errors import UserError
 from fsdprun.launch.rundir import checkpoint_root
+from fsdprun.models.lora import is_adapter_name
 
 
 def find_resume_checkpoint(
@@ -172,5 +174,12 @@ def load_model_weights(path: Path, model) -> None:
             f"checkpoint.load_from: {path} is not a complete checkpoint: {status.reason}"
         )
     model_sd = get_model_state_dict(model)
-    dcp.load({"model": model_sd}, checkpoint_id=str(path), planner=NoPickleLoadPlanner())
-    set_model_state_dict(model, model_sd)
+    # LoRA on a base checkpoint: the base weights come from it, and adapters it lacks keep
+    # their init (a LoRA checkpoint's adapters are loaded).
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    base_sd = {
+        k: v for k, v in model_sd.items() if not is_adapter_name(k) or f"model.{k}" in saved
+    }  # fmt: skip
+    dcp.load({"model": base_sd}, checkpoint_id=str(path), planner=NoPickleLoadPlanner())
+    strict = StateDictOptions(strict=len(base_sd) == len(model_sd))
+    set_model_state_dict(model, base_sd, options=strict)

@@ -519,6 +519,25 @@ class ProfileConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = _f(
+        0,
+        "LoRA rank r: train low-rank adapters `scale * B @ A` (A: r x in, B: out x r) beside "
+        "the lora.targets Linear layers of every block, with all other parameters frozen; 0 = "
+        "off (full fine-tuning). Needs fsdp.engine fsdp2 or ddp.",
+    )
+    alpha: float = _f(16.0, "LoRA alpha: the adapter's output is scaled by alpha / rank.")
+    dropout: float = _f(0.0, "Dropout on the adapter's input (training only), in [0, 1).")
+    targets: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "Linear layers of the blocks that get adapters: names in either spelling (HF q_proj, "
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = built-in wq, wk, wv, wo, w1, "
+        "w3, w2) or module path patterns (`layers.*.attention.wq`). A target that matches no "
+        "Linear is refused when the model is built.",
+    )
+
+
+@dataclass
 class RecipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -536,6 +555,7 @@ class RecipeConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def world_size(self) -> int:

@@ -143,6 +143,7 @@ def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
         errors.append(f"output.peak_tflops must be > 0 (got {cfg.output.peak_tflops})")
     errors += tracker_errors(tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb)
     errors += _profile_errors(cfg.profile, cfg.launch.device, ws)
+    errors += _lora_errors(cfg)
     return errors
 
 
@@ -193,6 +194,7 @@ STRING_KEYS: dict[str, tuple[str, str]] = {
     "launch.rdzv_endpoint": ("endpoint", "HOST:PORT, or empty for one node"),
     "output.run_dir": ("folder", "a folder, or null for runs/<recipe>-<time>"),
     "output.metrics_file": ("run_file", "a .jsonl file name in the run directory (metrics.jsonl)"),
+    "lora.targets": ("name", "Linear layer names such as q_proj or wq, or path patterns"),
 }
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -321,5 +323,33 @@ def _data_errors(cfg: RecipeConfig) -> list[str]:
         errors.append(
             f"eval.every_steps is {cfg.eval.every_steps} but there is no validation data; set "
             "data.val_paths or data.val_fraction (or eval.every_steps=0)"
+        )
+    return errors
+
+
+def _lora_errors(cfg: RecipeConfig) -> list[str]:
+    lora = cfg.lora
+    if lora.rank < 0:
+        return [f"lora.rank must be >= 0 (got {lora.rank}); 0 turns LoRA off"]
+    if lora.rank == 0:
+        return []
+    errors = []
+    if not (lora.alpha > 0 and math.isfinite(lora.alpha)):
+        errors.append(f"lora.alpha must be > 0 (got {lora.alpha})")
+    if not 0 <= lora.dropout < 1:
+        errors.append(f"lora.dropout must be in [0, 1) (got {lora.dropout})")
+    if not lora.targets:
+        errors.append("lora.targets is empty; list Linear layers such as [q_proj, v_proj]")
+    if cfg.fsdp.engine is Engine.fsdp1:
+        # FSDP1 flattens a unit's frozen base weights and trainable adapters into one flat
+        # parameter whose gradient and optimizer state cover the frozen part too.
+        errors.append(
+            f"lora.rank={lora.rank} needs fsdp.engine=fsdp2 or ddp (got fsdp1); set "
+            "fsdp.engine=fsdp2"
+        )
+    if cfg.precision.float8 is not Float8.off:
+        errors.append(
+            f"lora.rank={lora.rank} does not combine with precision.float8="
+            f"{cfg.precision.float8.value}; set precision.float8=off"
         )
     return errors

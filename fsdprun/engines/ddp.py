@@ -86,6 +86,7 @@ def build(
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
+    from fsdprun.engines.adapters import init_adapters
     from fsdprun.engines.weights import TORCH_DTYPES, init_weights
 
     reduce = cfg.precision.reduce_dtype
@@ -97,6 +98,7 @@ def build(
         )
     if weights is not None:
         weights.load(model, device=device)
+        init_adapters(model, seed=cfg.train.seed, device=device)  # LoRA: not in the files
     else:
         init_weights(model, seed=cfg.train.seed, device=device)
     ddp = DistributedDataParallel(
@@ -122,7 +124,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """torch's clip: every rank holds the whole (all-reduced) gradients."""
     import torch
 
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # Frozen parameters (the base under LoRA) have no gradient and take no part.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.nn.utils.clip_grad_norm_(trainable, max_norm)
 
 
 def grad_scaler(device_type: str):

@@ -221,6 +221,7 @@ def build(
 ) -> Engine:
     """Shard the meta `model`, then fill each rank's shards: pretrained `weights` read shard-wise,
     or the seeded initial values."""
+    from fsdprun.engines.adapters import init_adapters
     from fsdprun.engines.units import build_mesh
     from fsdprun.engines.weights import init_weights
 
@@ -231,6 +232,7 @@ def build(
     )  # fmt: skip
     if weights is not None:
         weights.load(model, device=device)
+        init_adapters(model, seed=cfg.train.seed, device=device)  # LoRA: not in the files
     else:
         init_weights(model, seed=cfg.train.seed, device=device)
     return Engine(model=model, units=units, **common)
@@ -249,7 +251,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """torch's clip over DTensor gradients: the norm is global (it reduces over the mesh)."""
     import torch
 
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # Frozen parameters (the base under LoRA) have no gradient and take no part.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.nn.utils.clip_grad_norm_(trainable, max_norm)
 
 
 def grad_scaler(device_type: str):

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdprun.errors import UserError
 from fsdprun.models.hf import HF_PREFIX
+from fsdprun.models.lora import is_adapter_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -97,13 +98,20 @@ class HFWeights:
             name: first.setdefault(id(param), name)
             for name, param in model.named_parameters(remove_duplicate=False)
         }
-        wanted = {name: name.removeprefix(HF_PREFIX) for name, _ in model.named_parameters()}
+        # LoRA adapters are not in the folder: `adapters.init_adapters` initializes them.
+        wanted = {
+            name: name.removeprefix(HF_PREFIX)
+            for name, _ in model.named_parameters() if not is_adapter_name(name)
+        }  # fmt: skip
+        self._wanted = wanted
         missing = [hf for hf in wanted.values() if hf not in self._files]
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             shown = ", ".join(missing[:5]) + more
             raise UserError(f"model.hf_path: {path} lacks the weights {shown}")
         for name, param in model.named_parameters():
+            if name not in wanted:
+                continue
             shape = tuple(self._slice(name).get_shape())
             if shape != tuple(param.shape):
                 raise UserError(
@@ -148,6 +156,8 @@ class HFWeights:
             if getattr(module, attr) is not tied:
                 setattr(module, attr, tied)
         for name, param in model.named_parameters():
+            if name not in self._wanted:
+                continue
             start, stop = shard_rows(param)
             local = param.to_local() if isinstance(param, DTensor) else param
             if stop > start:

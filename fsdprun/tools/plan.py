@@ -59,6 +59,7 @@ from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding, sh
 from fsdprun.engines.units import plan_units
 from fsdprun.errors import UserError
 from fsdprun.models import model_spec
+from fsdprun.models.lora import apply_lora, num_trainable_params
 from fsdprun.train.loss import describe_loss
 
 DTYPE_BYTES = {Dtype.bf16: 2, Dtype.fp16: 2, Dtype.fp32: 4}
@@ -140,6 +141,7 @@ class MemoryPlan:
     units: list[PlannedUnit]
     strategies: dict[str, StrategyMemory]
     engine: str = "fsdp2"
+    num_trainable_params: int | None = None  # < num_params under LoRA
     knobs: list[dict] = field(default_factory=list)
     activation_formula: str = ACTIVATION_FORMULA
     buffer_formula: str = BUFFER_FORMULA
@@ -172,20 +174,29 @@ class _Layout:
     shards: list[int]
     gathered: list[int]
     optimizer: int
+    # Elements of rank 0's shards that train and so have gradients; None = all (without LoRA).
+    trainable: int | None = None
 
     @property
     def params(self) -> int:
         return MASTER_BYTES * sum(self.shards)
 
+    @property
+    def grads(self) -> int:
+        return MASTER_BYTES * (sum(self.shards) if self.trainable is None else self.trainable)
+
 
 def _per_param_layout(groups: list[tuple[str, list[nn.Parameter]]], shards: int) -> _Layout:
     """FSDP2 (and DDP, shards=1): every parameter sharded on dim 0 on its own."""
     unit_shards = [sum(_rank0_elems(p.shape, shards) for p in own) for _, own in groups]
-    count = sum(len(own) for _, own in groups)
+    # Frozen parameters (the base under LoRA) get no gradient and no AdamW state.
+    trained = [p for _, own in groups for p in own if p.requires_grad]
+    trainable = sum(_rank0_elems(p.shape, shards) for p in trained)
     return _Layout(
         shards=unit_shards,
         gathered=[sum(_gathered_elems(p.shape, shards) for p in own) for _, own in groups],
-        optimizer=ADAM_STATE_BYTES * sum(unit_shards) + ADAM_STEP_BYTES * count,
+        optimizer=ADAM_STATE_BYTES * trainable + ADAM_STEP_BYTES * len(trained),
+        trainable=trainable,
     )
 
 
@@ -345,6 +356,7 @@ def plan_memory(
     spec = model_spec(cfg.model)
     with torch.device("meta"):
         model = spec.build(cfg.model)
+    adapted = apply_lora(model, cfg=cfg.lora)
     # The activation estimates read the model's shape: an HF folder's comes from its config.json.
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
     world, per_node = cfg.world_size, cfg.launch.nproc_per_node
@@ -430,9 +442,10 @@ def plan_memory(
                 accumulation = sum(lay.gathered) * pbytes
             else:
                 reduce_bytes = DTYPE_BYTES[cfg.precision.reduce_dtype]
-                accumulation = sum(p.numel() for p in params) * reduce_bytes
+                trained = sum(p.numel() for p in params if p.requires_grad)
+                accumulation = trained * reduce_bytes
         return StrategyMemory(
-            shards, params=lay.params, grads=lay.params, optimizer=lay.optimizer,
+            shards, params=lay.params, grads=lay.grads, optimizer=lay.optimizer,
             gathered_buffers=gathered(strategy, lay), activations=acts, accumulation=accumulation,
         )  # fmt: skip
 
@@ -445,7 +458,7 @@ def plan_memory(
         "ddp": StrategyMemory(
             1,
             params=replicated.params,
-            grads=replicated.params,
+            grads=replicated.grads,
             optimizer=replicated.optimizer,
             gathered_buffers=autocast_copies,
             activations=acts,
@@ -479,6 +492,12 @@ def plan_memory(
         "ddp: gathered buffers are autocast's param_dtype copies of the matmul weights; its fp32 "
         "norm activations are not modelled (the ddp total is the least certain)",
     ]
+    if adapted:
+        notes.append(
+            f"lora: rank {cfg.lora.rank} adapters on {len(adapted)} Linear layers; "
+            f"{num_trainable_params(model):,} of {sum(p.numel() for p in params):,} params train: "
+            "the frozen base keeps its fp32 shards but has no gradients and no AdamW state"
+        )
     if cfg.train.loss is LossKind.chunked:
         notes.append(f"loss: {describe_loss(cfg.train)}")
     if float8 != "off":
@@ -490,6 +509,7 @@ def plan_memory(
         nnodes=cfg.launch.nnodes,
         nproc_per_node=per_node,
         num_params=sum(p.numel() for p in params),
+        num_trainable_params=num_trainable_params(model),
         param_dtype=cfg.precision.param_dtype.value,
         recipe_strategy=recipe_strategy,
         engine=fsdp.engine.value,

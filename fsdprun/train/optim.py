@@ -21,13 +21,17 @@ def build_optimizer(
     device_kind: str,
     is_matrix: Callable[[str, nn.Parameter], bool] | None = None,
 ) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norm weights).
+    """AdamW over the trainable parameters (requires_grad: under LoRA the adapters only, so
+    AdamW keeps no state for the frozen base); weight decay on matrices only (not on norm
+    weights).
 
     `is_matrix(name, param)` says which parameters are matrices where the wrapped parameters no
     longer show their shape (FSDP1 flattens them); default: param.ndim >= 2.
     """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         matrix = is_matrix(name, p) if is_matrix is not None else p.ndim >= 2
         (decay if matrix else no_decay).append(p)
     # No empty group: DCP's optimizer state dict keys each group's settings by its parameters'

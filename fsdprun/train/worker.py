@@ -52,6 +52,7 @@ from fsdprun.errors import UserError
 from fsdprun.launch.loopback import worker_store_args
 from fsdprun.launch.rundir import recipe_path
 from fsdprun.models import build_model, model_spec
+from fsdprun.models.lora import apply_lora
 from fsdprun.report.console import Reporter
 from fsdprun.report.metrics import MetricsLog, drop_steps_after, peak_flops, throughput
 from fsdprun.report.trackers import close_on_failure, open_trackers
@@ -196,6 +197,8 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = build_model(cfg.model)
+    # LoRA first: the adapters are then checkpointed, compiled and sharded with their blocks.
+    apply_lora(model, cfg=cfg.lora)
     # float8 converts Linears before checkpointing, compile and sharding wrap them (torchao).
     check_float8(cfg.precision.float8.value, device.kind)
     apply_float8(model, mode=cfg.precision.float8.value)
