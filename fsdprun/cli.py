@@ -460,8 +460,10 @@ def export(
         typer.Option(
             "--format",
             help="safetensors (streamed, low memory), torch "
-            "(pytorch_model.bin via torch.save; one output shard in memory) or hf (a "
-            "HuggingFace model folder: config.json plus HF-named safetensors, streamed).",
+            "(pytorch_model.bin via torch.save; one output shard in memory), hf (a "
+            "HuggingFace model folder: config.json plus HF-named safetensors, streamed; for a "
+            "LoRA checkpoint the base rebuilt on the CPU with the adapters merged) or peft (a "
+            "LoRA checkpoint's adapters as peft's adapter folder).",
         ),
     ] = "safetensors",
     dtype: Annotated[

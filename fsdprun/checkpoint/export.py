@@ -16,7 +16,17 @@ files to copy: for a run of a HuggingFace model (model.hf_path) its original con
 files plus the trained weights under their HF names; for a built-in Llama run a LlamaConfig and
 the weights renamed to HF Llama's names. Both get the run's end-of-text id as `eos_token_id` and
 `bos_token_id` (where the config does not already say them), so `generate()` stops where the
-training data did. Knows no model family itself (never imports `fsdprun.models.llama` or
+training data did.
+
+A LoRA checkpoint holds adapters only (its manifest's `lora_base` names the frozen base).
+`--format hf` writes merged full weights (`base + alpha/rank * B @ A` under the base's names): the
+run's LoRA model is rebuilt in this process on the CPU from the recorded base (the HF folder, the
+load_from checkpoint, or the seeded init), the adapters loaded into it, then merged; this holds
+the whole model in memory, unlike the streamed export. `--format peft` writes peft's adapter
+folder (adapter_model.safetensors + adapter_config.json) for `PeftModel.from_pretrained`.
+`safetensors` and `torch` write what the checkpoint holds (the adapters, fsdprun's names).
+
+Knows no model family itself (never imports `fsdprun.models.llama` or
 `.hf`: the spec does) and never starts a process group
 (DCP reads with no_dist), nor imports the saving side (`save`).
 """
@@ -30,29 +40,30 @@ import math
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdprun import __version__
 from fsdprun.checkpoint.inspect import model_config, require_checkpoint_dir, tied_params
-from fsdprun.checkpoint.manifest import check_checkpoint, read_manifest
+from fsdprun.checkpoint.manifest import check_checkpoint, describe_base, lora_base, read_manifest
 from fsdprun.checkpoint.restore import NoPickleLoadPlanner
-from fsdprun.config import ModelConfig, parse_size
+from fsdprun.config import LoraConfig, ModelConfig, parse_size
 from fsdprun.data.files import read_description
 from fsdprun.errors import UserError
 from fsdprun.models import ModelSpec, model_spec
-from fsdprun.models.lora import is_adapter_name
+from fsdprun.models.lora import is_adapter_name, merged_state_dict
 from fsdprun.staging import staged_folder
 
 MODEL_PREFIX = "model."
-FORMATS = ("safetensors", "torch", "hf")
+FORMATS = ("safetensors", "torch", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Tensors DCP loads per call: bigger groups mean fewer calls, more memory (a tensor larger than
 # this is loaded alone).
@@ -246,12 +257,101 @@ def iter_tensors(
         start = end
 
 
-def _write_safetensors(file, reader, plans: list[TensorPlan], metadata: dict[str, str]) -> None:
+TensorReader = Callable[[list[TensorPlan]], Iterator[tuple[TensorPlan, torch.Tensor]]]
+
+
+def _write_safetensors(
+    file, read: TensorReader, plans: list[TensorPlan], metadata: dict[str, str]
+) -> None:
     file.write(safetensors_header(plans, metadata))
-    for _, tensor in iter_tensors(reader, plans):
+    for _, tensor in read(plans):
         # Raw bytes in place (no copy): a byte view of the contiguous tensor, via numpy's buffer.
         file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
         del tensor  # not held while the next group loads
+
+
+def _merged_plans(
+    merged: dict[str, torch.Tensor], *, dtype: torch.dtype | None
+) -> list[TensorPlan]:
+    """Export plans of merged weights (in memory), named as a checkpoint would name them."""
+    return [
+        TensorPlan(f"{MODEL_PREFIX}{name}", name, tuple(t.shape), t.dtype,
+                   dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        for name, t in merged.items()
+    ]  # fmt: skip
+
+
+def _export_peft(
+    path: Path, out: Path, reader, plans: list[TensorPlan], recipe: dict[str, Any]
+) -> ExportResult:
+    adapters = [p for p in plans if is_adapter_name(p.name)]
+    with staged_folder(out, needed=sum(p.num_bytes for p in adapters)) as stage:
+        files = _peft_export(stage, reader, adapters, recipe)
+    return ExportResult(
+        out=out, files=files, num_tensors=len(adapters),
+        num_params=sum(math.prod(p.shape) for p in adapters),
+        total_bytes=sum(p.num_bytes for p in adapters), skipped=[],
+    )  # fmt: skip
+
+
+def _section(cls: type, data: dict[str, Any] | None):
+    """A manifest recipe's section (plain data) as its typed dataclass; missing keys default."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), data or {}))
+
+
+def _load_model_tensors(path: Path, model, *, base_only: bool = False) -> None:
+    """Fill `model`'s tensors (unsharded, CPU) with those checkpoint `path` holds, in place
+    (DCP without a process group); `base_only` leaves the adapters alone."""
+    saved = _CachedReader(str(path)).read_metadata().state_dict_metadata
+    state = {
+        k: v for k, v in model.state_dict().items()
+        if f"{MODEL_PREFIX}{k}" in saved and not (base_only and is_adapter_name(k))
+    }  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, checkpoint_id=str(path), planner=NoPickleLoadPlanner(),
+                 no_dist=True)  # fmt: skip
+
+
+def merged_lora_weights(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The full weights of a LoRA checkpoint with its adapters merged, under the base model's
+    names: the run's model rebuilt on the CPU from the base its manifest records, then the
+    checkpoint's tensors loaded into it (older LoRA checkpoints hold the base too).
+
+    Raises:
+        UserError: the recorded base cannot be read any more.
+    """
+    from fsdprun.engines.adapters import build_lora_model_on_cpu  # builds torch modules
+
+    recipe = manifest["recipe"]
+    base = manifest.get("lora_base") or lora_base(recipe)
+    train = recipe.get("train") or {}
+    model = build_lora_model_on_cpu(
+        model_config(recipe["model"]), _section(LoraConfig, recipe.get("lora")),
+        seed=train.get("seed", 0),
+    )  # fmt: skip
+    if base["source"] == "load_from":
+        source = Path(base["path"])
+        if not check_checkpoint(source).complete:
+            raise UserError(
+                f"{path}: its base, {describe_base(base)}, is not a complete checkpoint"
+            )
+        _load_model_tensors(source, model, base_only=True)
+    _load_model_tensors(path, model)
+    return merged_state_dict(model)
+
+
+def _peft_export(stage: Path, reader, plans: list[TensorPlan], recipe: dict[str, Any]) -> list[str]:
+    """peft's adapter folder from a LoRA checkpoint's adapter tensors; the files written."""
+    from fsdprun.engines.adapters import save_peft_adapter
+
+    adapters = {p.name: t for p, t in iter_tensors(reader, plans) if is_adapter_name(p.name)}
+    base = lora_base(recipe)
+    # peft's config names the base by folder or hub name: the HF folder where there is one.
+    name = base["path"] if base["source"] == "hf_pretrained" else describe_base(base)
+    files = save_peft_adapter(stage, adapters, cfg=_section(LoraConfig, recipe.get("lora")),
+                              base_model_name_or_path=name)  # fmt: skip
+    return [f.name for f in files]
 
 
 def export_checkpoint(
@@ -292,19 +392,28 @@ def export_checkpoint(
         raise UserError(f"{path}: no model.* tensors to export")
     manifest = read_manifest(path)
     tied = set(tied_params(manifest))
+    recipe = manifest["recipe"]
+    has_adapters = any(is_adapter_name(p.name) for p in plans)
+    if fmt == "peft":
+        if not has_adapters:
+            raise UserError(f"--format peft: {path} holds no LoRA adapters; use --format hf")
+        return _export_peft(path, out, reader, plans, recipe)
+
+    def read(shard: list[TensorPlan]) -> Iterator[tuple[TensorPlan, torch.Tensor]]:
+        return iter_tensors(reader, shard)
+
     if fmt == "hf":
         # Everything the HF files need is read before anything is written.
-        recipe = manifest["recipe"]
         model = model_config(recipe["model"])
         spec = model_spec(model)
+        if has_adapters:
+            merged = merged_lora_weights(path, manifest)
+            plans = _merged_plans(merged, dtype=DTYPES.get(dtype))
+
+            def read(shard: list[TensorPlan]) -> Iterator[tuple[TensorPlan, torch.Tensor]]:
+                return ((p, merged[p.key[len(MODEL_PREFIX) :]].to(p.dtype)) for p in shard)
+
         hf_config = spec.hf_config(model, plans[0].dtype)
-        adapters = [p.name for p in plans if is_adapter_name(p.name)]
-        if adapters:
-            raise UserError(
-                f"--format hf: the checkpoint holds {len(adapters)} LoRA adapter tensors, which "
-                "the HF export cannot write yet; use --format safetensors (fsdprun's names, "
-                "adapters included)"
-            )
         plans = [dataclasses.replace(p, name=spec.hf_name(p.name)) for p in plans]
         token_ids = _hf_token_ids(recipe, hf_config)
     shards = split_shards(plans, max_shard_bytes)
@@ -324,10 +433,10 @@ def export_checkpoint(
         for name, shard in zip(names, shards, strict=True):
             if fmt != "torch":
                 with (stage / name).open("wb") as f:
-                    _write_safetensors(f, reader, shard, file_metadata)
+                    _write_safetensors(f, read, shard, file_metadata)
             else:
                 # torch.save needs the whole shard in memory at once.
-                torch.save({p.name: t for p, t in iter_tensors(reader, shard)}, stage / name)
+                torch.save({p.name: t for p, t in read(shard)}, stage / name)
         if index_name is not None:
             weight_map = {p.name: n for n, shard in zip(names, shards, strict=True) for p in shard}
             index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}

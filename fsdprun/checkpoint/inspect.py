@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from fsdprun.checkpoint.manifest import (
     CheckpointStatus,
     check_checkpoint,
+    describe_base,
     list_checkpoints,
     verify_checkpoint,
 )
@@ -266,6 +267,7 @@ def describe_checkpoint(path: Path, *, tensors: str | None = None) -> dict[str, 
         fsdprun_version=manifest.get("fsdprun_version"),
         torch_version=manifest.get("torch_version"),
         mesh=manifest.get("mesh"),  # absent from the oldest manifests
+        lora_base=manifest.get("lora_base"),  # a LoRA checkpoint: adapters only, on this base
         train_state=manifest.get("train_state"),
         recipe=_recipe_summary(manifest.get("recipe", {})),
         model_description=model_spec(model).describe(model),
@@ -376,6 +378,12 @@ def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
         f"{doc['model_description']}; {fmt_count(doc['num_params'])} params"
         + "".join(f" ({k} tied to {v})" for k, v in doc.get("tied", {}).items()),
     )
+    if doc.get("lora_base"):
+        adapters = doc["groups"]["model"]["tensors"]
+        info.add_row(
+            "contents", f"LoRA adapters only ({adapters} tensors); base: "
+            f"{describe_base(doc['lora_base'])}",
+        )  # fmt: skip
     info.add_row(
         "training",
         f"param {precision.get('param_dtype')}, reduce {precision.get('reduce_dtype')}; "

@@ -11,6 +11,11 @@ The manifest records what the run was (recipe, train state, world size, the devi
 tensors are sharded over) and each file's size and sha256. Fields added over time are optional
 when read, so checkpoints of older fsdprun versions still load.
 
+A LoRA run's checkpoints hold only what trains (the adapters, their optimizer state, the train
+state); its manifest's `lora_base` says where the frozen base comes from, which resume and export
+rebuild: a pretrained HF folder, a `checkpoint.load_from` checkpoint, or the
+seeded init (reproducible from the recipe's seed: nothing to keep).
+
 Reads files only: never imports torch.distributed's process-group or collective APIs (inspect
 and export use this without a process group), nor anything of saving or loading tensors.
 """
@@ -55,7 +60,7 @@ _MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
 }  # fmt: skip
 _MANIFEST_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "torch_version": str, "saved_at": str, "sha256": dict, "mesh": dict, "async_save": bool,
-    "save_time_s": (int, float), "blocked_s": (int, float),
+    "save_time_s": (int, float), "blocked_s": (int, float), "lora_base": dict,
 }  # fmt: skip
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer",
                float: "a number", bool: "a boolean", type(None): "null"}  # fmt: skip
@@ -123,6 +128,31 @@ def manifest_problem(data: Any) -> str | None:
     return None
 
 
+def lora_base(recipe: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the frozen base of a LoRA run (`lora.rank` > 0 in its resolved recipe) comes from,
+    in the order the worker applies them (a load_from checkpoint overrides pretrained weights):
+    {"source": "load_from" | "hf_pretrained", "path": ...} or {"source": "seed", "seed": N};
+    None for a run without LoRA."""
+    if not (recipe.get("lora") or {}).get("rank"):
+        return None
+    load_from = (recipe.get("checkpoint") or {}).get("load_from")
+    if load_from:
+        return {"source": "load_from", "path": str(load_from)}
+    model = recipe["model"]
+    if model.get("hf_path") and model.get("init", "pretrained") == "pretrained":
+        return {"source": "hf_pretrained", "path": str(model["hf_path"])}
+    return {"source": "seed", "seed": (recipe.get("train") or {}).get("seed", 0)}
+
+
+def describe_base(base: dict[str, Any]) -> str:
+    """One phrase naming a LoRA checkpoint's base (`lora_base`), for inspect and messages."""
+    if base["source"] == "load_from":
+        return f"the weights of checkpoint {base['path']} (checkpoint.load_from)"
+    if base["source"] == "hf_pretrained":
+        return f"the pretrained HF folder {base['path']}"
+    return f"the seeded init (train.seed={base['seed']}; rebuilt from the recipe, nothing stored)"
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest of checkpoint folder `path`, checked by `manifest_problem`.
 
@@ -183,6 +213,9 @@ def write_manifest(
         "train_state": train_state,
         "recipe": recipe,
     }
+    base = lora_base(recipe)
+    if base is not None:  # only LoRA runs: other manifests keep their shape
+        manifest["lora_base"] = base
     final = manifest_path(path)
     tmp = final.with_name(final.name + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))

@@ -4,7 +4,9 @@ to the current world size), and setting aside the later checkpoints a resume aba
 What a checkpoint holds (written by `fsdprun.checkpoint.save.build_state`): `model.*` and
 `optim.*` as sharded DTensors, `train_state` (a uint8 tensor holding JSON: step, tokens seen,
 data position, scheduler, grad scaler, optimizer param groups) and `rng.rank<R>`. Only tensors
-are loaded: an item stored as a pickled object is refused, never unpickled.
+are loaded: an item stored as a pickled object is refused, never unpickled. A LoRA checkpoint's
+`model.*` is its adapters only: the model it loads into already holds the base, rebuilt as the
+run built it (the worker's build, plus `load_model_weights` for a `checkpoint.load_from` base).
 
 `find_resume_checkpoint` and `set_aside_after` read and rename folders only; the loaders run
 DCP's collectives and are called by every rank at the same point. Never imports the saving side
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdprun.checkpoint.manifest import (
     CheckpointStatus,
     check_checkpoint,
+    describe_base,
     list_checkpoints,
     verify_checkpoint,
 )
@@ -146,7 +149,15 @@ def load_checkpoint(path: Path, model, optimizer, *, rank: int) -> dict[str, Any
     metadata = FileSystemReader(str(path)).read_metadata()
     init_optimizer_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    train_meta = metadata.state_dict_metadata["train_state"]
+    saved = metadata.state_dict_metadata
+    # An adapters-only (LoRA) checkpoint: load what it holds into the rebuilt base model; a
+    # checkpoint lacking anything else still fails in DCP, naming the missing key.
+    adapters_only = any(map(is_adapter_name, model_sd)) and not any(
+        f"model.{k}" in saved for k in model_sd if not is_adapter_name(k)
+    )
+    if adapters_only:
+        model_sd = {k: v for k, v in model_sd.items() if is_adapter_name(k)}
+    train_meta = saved["train_state"]
     state: dict[str, Any] = {
         "model": model_sd,
         "optim": {"state": optim_sd["state"]},
@@ -160,7 +171,10 @@ def load_checkpoint(path: Path, model, optimizer, *, rank: int) -> dict[str, Any
     dcp.load(state, checkpoint_id=str(path), planner=NoPickleLoadPlanner())
     train_state = tensor_json(state["train_state"])
     optim_sd = {"state": state["optim"]["state"], "param_groups": train_state["optim_param_groups"]}
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(
+        model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+        options=StateDictOptions(strict=not adapters_only),
+    )  # fmt: skip
     if has_rng:
         torch.set_rng_state(state["rng"][f"rank{rank}"])
     return train_state
@@ -172,6 +186,13 @@ def load_model_weights(path: Path, model) -> None:
     if not status.complete:
         raise UserError(
             f"checkpoint.load_from: {path} is not a complete checkpoint: {status.reason}"
+        )
+    base = (status.manifest or {}).get("lora_base")
+    if base is not None:
+        raise UserError(
+            f"checkpoint.load_from: {path} holds only LoRA adapters (its base is "
+            f"{describe_base(base)}); export it merged (`fsdprun export {path} --format hf`) and "
+            "fine-tune from that folder as model.hf_path"
         )
     model_sd = get_model_state_dict(model)
     # LoRA on a base checkpoint: the base weights come from it, and adapters it lacks keep

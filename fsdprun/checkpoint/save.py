@@ -4,7 +4,8 @@ and a failed save that every rank reports the same way.
 Every rank writes its own shards through DCP; nothing is gathered on one rank. A checkpoint holds
 `model.*` and `optim.*` (`get_state_dict`'s sharded DTensors, so a different world size reshards
 on load), `train_state` (a uint8 tensor holding JSON, optimizer param groups included: data, not
-pickled objects) and `rng.rank<R>` (each rank's torch RNG state).
+pickled objects) and `rng.rank<R>` (each rank's torch RNG state). A LoRA run's `model.*` holds
+only the trainable adapters: its frozen base is rebuilt from the source the manifest names.
 
 A save that fails on any rank (a full disk, a file-size limit, an unwritable folder) fails on
 every rank at the same point with the same one-line reason (`SaveFailed`): the ranks exchange
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
 from fsdprun.checkpoint.manifest import file_sha256, list_checkpoints, write_manifest
@@ -47,8 +48,13 @@ def json_tensor(data: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(data).encode()), dtype=torch.uint8)
 
 
-def build_state(model, optimizer, train_state: dict[str, Any], rank: int) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+def build_state(
+    model, optimizer, train_state: dict[str, Any], rank: int, *, adapters_only: bool = False
+) -> dict[str, Any]:
+    """What a checkpoint holds. `adapters_only` (LoRA): the frozen base parameters are left
+    out of `model.*`, so a checkpoint is the adapters and their optimizer state only."""
+    options = StateDictOptions(ignore_frozen_params=adapters_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     # Param groups (lr, betas, ...) would be pickled by DCP; keep them as JSON in the train state
     # so the checkpoint holds tensors only (see NoPickleLoadPlanner).
     train_state["optim_param_groups"] = optim_sd["param_groups"]

@@ -4,6 +4,8 @@ model whose base weights came from files, and writing adapters in peft's folder 
 Adapters are not in a pretrained HuggingFace folder, so `HFWeights` leaves them alone and
 `init_adapters` gives them the values a random init would (`parallel.init_value`, seeded by the
 recipe seed and the name): identical at any world size and under any engine.
+`build_lora_model_on_cpu` rebuilds a run's LoRA model in one process (export's merged weights):
+the same base as the run's build, since every value is a function of the name, not the ranks.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdprun.config import LoraConfig
-from fsdprun.engines.weights import init_value
-from fsdprun.models.lora import is_adapter_name, peft_adapter_config, peft_state_dict
+from fsdprun.config import LoraConfig, ModelConfig, ModelInit
+from fsdprun.engines.weights import init_value, init_weights
+from fsdprun.models import build_model
+from fsdprun.models.lora import apply_lora, is_adapter_name, peft_adapter_config, peft_state_dict
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -40,6 +43,27 @@ def init_adapters(model: nn.Module, *, seed: int, device: torch.device) -> int:
             param.copy_(full)
         count += 1
     return count
+
+
+@torch.no_grad()
+def build_lora_model_on_cpu(
+    model_cfg: ModelConfig, lora_cfg: LoraConfig, *, seed: int
+) -> nn.Module:
+    """A run's LoRA model, unsharded on the CPU, with the base and adapters the run started from:
+    pretrained HF weights (`model.hf_path`, init pretrained) or the seeded init; adapters at
+    their seeded init. A `checkpoint.load_from` base is the caller's to load on top."""
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    apply_lora(model, cfg=lora_cfg)
+    cpu = torch.device("cpu")
+    if model_cfg.hf_path is not None and model_cfg.init is ModelInit.pretrained:
+        from fsdprun.engines.hf_weights import HFWeights  # the optional hf extra
+
+        HFWeights(Path(model_cfg.hf_path), model).load(model, device=cpu)
+        init_adapters(model, seed=seed, device=cpu)
+    else:
+        init_weights(model, seed=seed, device=cpu)
+    return model.eval()
 
 
 def save_peft_adapter(

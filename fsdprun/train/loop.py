@@ -144,9 +144,10 @@ class Saves:
     """
 
     def __init__(self, checkpointer: Checkpointer, events: Events, trainable: Trainable, *,
-                 rank: int, go_on_after_error: bool):  # fmt: skip
+                 rank: int, go_on_after_error: bool, adapters_only: bool):  # fmt: skip
         self.checkpointer, self.events, self.trainable = checkpointer, events, trainable
         self.rank, self.go_on_after_error = rank, go_on_after_error
+        self.adapters_only = adapters_only  # LoRA: the frozen base is not saved
 
     def wait(self, *, last: bool) -> None:
         """Wait for the async save in flight, if any."""
@@ -157,7 +158,8 @@ class Saves:
         with self._failure_policy(last=last):
             record = train_state.to_dict()
             t = self.trainable
-            state = build_state(t.engine.model, t.optimizer, record, self.rank)
+            state = build_state(t.engine.model, t.optimizer, record, self.rank,
+                                adapters_only=self.adapters_only)  # fmt: skip
             saved = self.checkpointer.save(train_state.step, state, record)
             if not saved.async_save:
                 self._saved(saved)
@@ -233,6 +235,7 @@ class TrainLoop:
         self.saves = Saves(
             checkpointer, events, trainable, rank=rank,
             go_on_after_error=cfg.checkpoint.on_save_error.value == "continue",
+            adapters_only=cfg.lora.rank > 0,
         )  # fmt: skip
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         self.step_times: list[float] = []

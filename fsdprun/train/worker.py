@@ -378,6 +378,10 @@ def _restore(
     model = trainable.engine.model
     if resume_from is not None:
         load_start = time.perf_counter()
+        if cfg.lora.rank > 0 and cfg.checkpoint.load_from:
+            # A LoRA checkpoint holds the adapters only: rebuild the base as the run did (the
+            # build already did a pretrained or seeded base).
+            load_model_weights(Path(cfg.checkpoint.load_from), model)
         saved = load_checkpoint(resume_from, model, trainable.optimizer, rank=ranks.rank)
         device.synchronize()
         load_s = time.perf_counter() - load_start
