@@ -285,9 +285,25 @@ def test_pretrained_hf_model_with_lora_starts_at_the_base_loss_and_resumes(tmp_p
     assert lora[1] != pytest.approx(base[1], abs=1e-4)  # then the adapters train (and only they)
     resumed = train("lora", "train.steps=6", command="resume")  # appends steps 5 and 6
     assert len(resumed) == 6 and resumed[:4] == lora, resumed
-    lora_ckpt = tmp_path / "lora" / "checkpoints" / "step-00000006"
-    with pytest.raises(UserError, match="holds 16 LoRA adapter tensors"):  # not dropped silently
-        export_checkpoint(lora_ckpt, tmp_path / "export", fmt="hf")
     ckpt = tmp_path / "base" / "checkpoints" / "step-00000004"
-    tuned = train("tuned", "lora.rank=8", f"checkpoint.load_from={ckpt}")
+    tuned = train(
+        "tuned", "lora.rank=8", f"checkpoint.load_from={ckpt}", "checkpoint.every_steps=2"
+    )
     assert tuned[0] < base[0] - 0.01, (tuned, base)  # starts from the fine-tuned base weights
+    # The LoRA checkpoint holds the adapters only: a resume rebuilds the load_from base (the
+    # pretrained base would give other losses) and continues exactly.
+    resumed = train("tuned", "--step", "2", command="resume")
+    assert resumed[4:] == pytest.approx(tuned[2:], abs=1e-5), (resumed, tuned)
+    # The merged export reads the base from the load_from checkpoint too: a tensor without an
+    # adapter is the fine-tuned base's, an adapted one differs from it.
+    out = tmp_path / "export"
+    export_checkpoint(tmp_path / "tuned" / "checkpoints" / "step-00000004", out, fmt="hf")
+    from safetensors.torch import load_file
+
+    merged = load_file(out / "model.safetensors")
+    base_export = tmp_path / "base-export"
+    export_checkpoint(ckpt, base_export, fmt="hf")
+    fine_tuned = load_file(base_export / "model.safetensors")
+    assert torch.equal(merged["model.embed_tokens.weight"], fine_tuned["model.embed_tokens.weight"])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(merged[q], fine_tuned[q], atol=1e-6)
