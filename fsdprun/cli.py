@@ -8,6 +8,9 @@
 
 Mistakes a user can fix print one line and exit 2 (FSDPRUN_DEBUG=1 shows the traceback); a
 failing worker exits 1 with the rank, the error and its log file.
+
+Never imports torch at module load: each command imports its implementation (and so torch, for the
+commands that train) when it runs; tests/test_cli_startup.py checks the read-only ones.
 """
 
 from __future__ import annotations

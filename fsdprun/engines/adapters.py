@@ -4,6 +4,8 @@ model whose base weights came from files, and writing adapters in peft's folder 
 Adapters are not in a pretrained HuggingFace folder, so `HFWeights` leaves them alone and
 `init_adapters` gives them the values a random init would (`parallel.init_value`, seeded by the
 recipe seed and the name): identical at any world size and under any engine.
+
+Never imports the training loop nor the launcher (`train`, `launch`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ The run's saved recipe plus the overrides decide the new session; what may chang
 what cannot change the run's trajectory beyond its length (train.steps) or how it is executed
 (world size, checkpointing, logging, FSDP knobs, compile). The global batch is kept: on a new
 world size the micro batch shrinks if it must, so the same samples come next.
+
+Never imports the engines nor the models: it reads the run's folder and launches.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Rendering only — every number arrives computed in a metrics event (`fsdprun.report.metrics`).
 The launcher feeds events to a `Reporter` by following RUN_DIR/metrics.jsonl; a worker started by
 torchrun/srun feeds its own events on rank 0.
+
+Never imports torch, the engines nor the training loop.
 """
 
 from __future__ import annotations
