@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from fsdprun import __version__
 from fsdprun.checkpoint.inspect import model_config, require_checkpoint_dir, tied_params
-from fsdprun.checkpoint.manifest import check_checkpoint, read_manifest
+from fsdprun.checkpoint.manifest import CheckpointStatus, check_checkpoint, read_manifest
 from fsdprun.checkpoint.restore import NoPickleLoadPlanner
 from fsdprun.config import ModelConfig, parse_size
 from fsdprun.data.files import read_description
@@ -69,8 +69,8 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 @dataclass(frozen=True)
-class TensorPlan:
-    """One exported tensor: where it comes from and what it becomes."""
+class ExportedTensor:
+    """One tensor to export: where it comes from and what it becomes."""
 
     key: str  # the checkpoint key, model.*
     name: str  # the exported name
@@ -93,9 +93,9 @@ class ExportResult:
     skipped: list[str]  # model.* entries that are not tensors
 
 
-def plan_tensors(
+def exported_tensors(
     metadata: Metadata, *, dtype: torch.dtype | None
-) -> tuple[list[TensorPlan], list[str]]:
+) -> tuple[list[ExportedTensor], list[str]]:
     """The model tensors in checkpoint order (floating ones converted to `dtype` if given), and
     the model.* keys that are not tensors (skipped)."""
     plans, skipped = [], []
@@ -107,7 +107,7 @@ def plan_tensors(
             continue
         saved = md.properties.dtype
         target = dtype if dtype is not None and saved.is_floating_point else saved
-        plans.append(TensorPlan(key, key[len(MODEL_PREFIX) :], tuple(md.size), saved, target))
+        plans.append(ExportedTensor(key, key[len(MODEL_PREFIX) :], tuple(md.size), saved, target))
     return plans, skipped
 
 
@@ -162,10 +162,10 @@ def _write_hf_files(
     return written
 
 
-def split_shards(plans: list[TensorPlan], max_shard_bytes: int) -> list[list[TensorPlan]]:
+def split_shards(plans: list[ExportedTensor], max_shard_bytes: int) -> list[list[ExportedTensor]]:
     """Consecutive tensors packed into shards of at most `max_shard_bytes` (a larger tensor gets
     a shard of its own, as HuggingFace does)."""
-    shards: list[list[TensorPlan]] = [[]]
+    shards: list[list[ExportedTensor]] = [[]]
     size = 0
     for plan in plans:
         if shards[-1] and size + plan.num_bytes > max_shard_bytes:
@@ -185,7 +185,7 @@ def shard_file_names(fmt: str, num_shards: int) -> tuple[list[str], str | None]:
     return names, f"{stem}.{ext}.index.json"
 
 
-def safetensors_header(plans: list[TensorPlan], metadata: dict[str, str]) -> bytes:
+def safetensors_header(plans: list[ExportedTensor], metadata: dict[str, str]) -> bytes:
     """The 8-byte little-endian length plus the JSON header, padded with spaces to 8 bytes."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -226,8 +226,8 @@ class _CachedReader(FileSystemReader):
 
 
 def iter_tensors(
-    reader: FileSystemReader, plans: list[TensorPlan], *, group_bytes: int = LOAD_GROUP_BYTES
-) -> Iterator[tuple[TensorPlan, torch.Tensor]]:
+    reader: FileSystemReader, plans: list[ExportedTensor], *, group_bytes: int = LOAD_GROUP_BYTES
+) -> Iterator[tuple[ExportedTensor, torch.Tensor]]:
     """Full tensors in `plans` order, loaded by DCP in groups of about `group_bytes`."""
     start = 0
     while start < len(plans):
@@ -246,12 +246,55 @@ def iter_tensors(
         start = end
 
 
-def _write_safetensors(file, reader, plans: list[TensorPlan], metadata: dict[str, str]) -> None:
+def _write_safetensors(file, reader, plans: list[ExportedTensor], metadata: dict[str, str]) -> None:
     file.write(safetensors_header(plans, metadata))
     for _, tensor in iter_tensors(reader, plans):
         # Raw bytes in place (no copy): a byte view of the contiguous tensor, via numpy's buffer.
         file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
         del tensor  # not held while the next group loads
+
+
+def _check_export(path: Path, out: Path, *, fmt: str, dtype: str | None) -> CheckpointStatus:
+    """Refuse bad options, an incomplete checkpoint and an `out` in use before reading anything;
+    returns the checkpoint's status."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    require_checkpoint_dir(path)
+    status = check_checkpoint(path)
+    if not status.complete:
+        raise UserError(f"{path} is not a complete checkpoint: {status.reason}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} already exists and is not an empty folder; nothing written")
+    if fmt != "torch" and sys.byteorder != "little":
+        raise UserError("safetensors export needs a little-endian machine")
+    return status
+
+
+@dataclass(frozen=True)
+class _HFExport:
+    """What `--format hf` writes beside the weights: the model family's names and config.json,
+    and the tokenizer's special token ids."""
+
+    spec: ModelSpec
+    model: ModelConfig
+    config: dict
+    token_ids: dict
+
+    @classmethod
+    def read(cls, recipe: dict, tensors: list[ExportedTensor]) -> _HFExport:
+        model = model_config(recipe["model"])
+        spec = model_spec(model)
+        hf_config = spec.hf_config(model, tensors[0].dtype)
+        adapters = [t.name for t in tensors if is_adapter_name(t.name)]
+        if adapters:
+            raise UserError(
+                f"--format hf: the checkpoint holds {len(adapters)} LoRA adapter tensors, which "
+                "the HF export cannot write yet; use --format safetensors (fsdprun's names, "
+                "adapters included)"
+            )
+        return cls(spec, model, hf_config, _hf_token_ids(recipe, hf_config))
 
 
 def export_checkpoint(
@@ -272,41 +315,19 @@ def export_checkpoint(
     Raises:
         UserError: a bad option, an incomplete checkpoint, or an `out` that is not new or empty.
     """
-    if fmt not in FORMATS:
-        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    status = _check_export(path, out, fmt=fmt, dtype=dtype)
     max_shard_bytes = parse_size(max_shard_size, option="--max-shard-size")
-    require_checkpoint_dir(path)
-    status = check_checkpoint(path)
-    if not status.complete:
-        raise UserError(f"{path} is not a complete checkpoint: {status.reason}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--out {out} already exists and is not an empty folder; nothing written")
-    if fmt != "torch" and sys.byteorder != "little":
-        raise UserError("safetensors export needs a little-endian machine")
 
     reader = _CachedReader(str(path))
-    plans, skipped = plan_tensors(reader.read_metadata(), dtype=DTYPES.get(dtype))
+    plans, skipped = exported_tensors(reader.read_metadata(), dtype=DTYPES.get(dtype))
     if not plans:
         raise UserError(f"{path}: no model.* tensors to export")
     manifest = read_manifest(path)
     tied = set(tied_params(manifest))
     if fmt == "hf":
         # Everything the HF files need is read before anything is written.
-        recipe = manifest["recipe"]
-        model = model_config(recipe["model"])
-        spec = model_spec(model)
-        hf_config = spec.hf_config(model, plans[0].dtype)
-        adapters = [p.name for p in plans if is_adapter_name(p.name)]
-        if adapters:
-            raise UserError(
-                f"--format hf: the checkpoint holds {len(adapters)} LoRA adapter tensors, which "
-                "the HF export cannot write yet; use --format safetensors (fsdprun's names, "
-                "adapters included)"
-            )
-        plans = [dataclasses.replace(p, name=spec.hf_name(p.name)) for p in plans]
-        token_ids = _hf_token_ids(recipe, hf_config)
+        hf = _HFExport.read(manifest["recipe"], plans)
+        plans = [dataclasses.replace(p, name=hf.spec.hf_name(p.name)) for p in plans]
     shards = split_shards(plans, max_shard_bytes)
     names, index_name = shard_file_names("torch" if fmt == "torch" else "safetensors", len(shards))
     file_metadata = {
@@ -333,7 +354,7 @@ def export_checkpoint(
             index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
             (stage / index_name).write_text(json.dumps(index, indent=2) + "\n")
         if fmt == "hf":
-            names = [*names, *_write_hf_files(stage, spec, model, hf_config, token_ids)]
+            names = [*names, *_write_hf_files(stage, hf.spec, hf.model, hf.config, hf.token_ids)]
     return ExportResult(
         out=out,
         files=[*names, *([index_name] if index_name else [])],

@@ -28,7 +28,7 @@ RESUMABLE = (
 
 
 @dataclass
-class ResumePlan:
+class ResolvedResume:
     resolved: ResolvedRecipe
     checkpoint: CheckpointStatus
     skipped: list[CheckpointStatus]
@@ -39,9 +39,9 @@ def _flat(d: dict) -> dict[str, object]:
     return {f"{s}.{k}": v for s, body in d.items() for k, v in body.items()}
 
 
-def plan_resume(
+def resolve_resume(
     run_dir: Path, overrides: list[str], *, step: int | None = None, verify: bool = False
-) -> ResumePlan:
+) -> ResolvedResume:
     """Resolve the resumed run's recipe and checkpoint.
 
     Raises:
@@ -102,4 +102,4 @@ def plan_resume(
             f"{cfg.schedule.decay.value} schedule: the learning rate of step "
             f"{checkpoint.step + 1} is {after:.3g} (it was {before:.3g})"
         )
-    return ResumePlan(resolved, checkpoint, skipped, notes)
+    return ResolvedResume(resolved, checkpoint, skipped, notes)

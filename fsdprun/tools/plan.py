@@ -7,13 +7,15 @@ config.json). Never imports the launcher (`fsdprun.launch`) nor `fsdprun.report`
 the report draws.
 
 The model is built on the meta device (no memory), the FSDP units come from `plan_units` exactly as
-`apply_fsdp` wraps them, and each parameter's per-rank shard is computed from its real shape:
-FSDP2 shards dim 0 and pads it to a multiple of the shard group, so rank 0 holds ceil(dim0 / N)
-rows (the shape `model_state_bytes` measures in a run); FSDP1 flattens each unit into one flat
-parameter (aligned and padded as FSDP1 does) and rank 0 holds its first 1/N. An 8B or 70B recipe
-plans in about a second. A fake process group is not needed: the shard shapes follow from the
-shapes alone. tests/test_memory_contract.py holds the plan to what ranks measure at 8 and 64 ranks
-(fake process group) for every engine and sharding, within 5%.
+the engines wrap them, and each unit's parameters, with their real shapes, go to the engine's own
+memory rule (`engines.rank_memory`: fsdp2.py, fsdp1.py and ddp.py each keep theirs beside their
+unit plan and build). FSDP2 shards dim 0 and pads it to a multiple of the shard group, so rank 0
+holds ceil(dim0 / N) rows (the shape `model_state_bytes` measures in a run); FSDP1 flattens each
+unit into one flat parameter (aligned and padded as FSDP1 does) and rank 0 holds its first 1/N.
+This module only builds the model, collects the rows and estimates activations. An 8B or 70B
+recipe plans in about a second. A fake process group is not needed: the shard shapes follow from
+the shapes alone. tests/test_memory_contract.py holds the plan to what ranks measure at 8 and 64
+ranks (fake process group) for every engine and sharding, within 5%.
 
 Model state follows the ZeRO paper's mixed-precision Adam accounting, as fsdprun keeps it:
 fp32 master parameters (4 B), fp32 gradients (4 B), two fp32 Adam moments (8 B) = 16 B/param,
@@ -238,59 +240,97 @@ def plan_memory(
     adapted = apply_lora(model, cfg=cfg.lora)
     # The activation estimates read the model's shape: an HF folder's comes from its config.json.
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
-    world, per_node = cfg.world_size, cfg.launch.nproc_per_node
-    params = list(model.parameters())  # tied weights appear once, as in the optimizer
-    fsdp = cfg.fsdp
-    paths = plan_units(model, cfg=fsdp)
-    float8 = cfg.precision.float8.value
+    paths = plan_units(model, cfg=cfg.fsdp)
     units = _unit_params(model, paths, float8=cfg.precision.float8 is Float8.tensorwise)
-    sharding = effective_sharding(fsdp)
-    group = shard_group_size(cfg)
-    hybrid_group = fsdp.shard_group_size or min(per_node, world)
-    acts = activation_bytes(cfg)
+    recipe_strategy, strategies = _strategies(cfg, units)
+    if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
+        device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
+    if device_memory_bytes is not None:
+        for s in strategies.values():
+            s.fits = s.total <= device_memory_bytes
+    return MemoryPlan(
+        recipe=recipe,
+        world_size=cfg.world_size,
+        nnodes=cfg.launch.nnodes,
+        nproc_per_node=cfg.launch.nproc_per_node,
+        num_params=sum(p.numel() for p in model.parameters()),  # tied weights once
+        num_trainable_params=num_trainable_params(model),
+        param_dtype=cfg.precision.param_dtype.value,
+        recipe_strategy=recipe_strategy,
+        engine=cfg.fsdp.engine.value,
+        knobs=[asdict(k) for k in translate(cfg)],
+        device_memory_bytes=device_memory_bytes,
+        units=_planned_units(cfg, units, paths),
+        strategies=strategies,
+        notes=_notes(cfg, model, num_adapted=len(adapted)),
+    )
+
+
+def _sharded_engine(cfg: RecipeConfig) -> Engine:
     # The sharded rows of a ddp recipe show what fsdp2 would hold.
-    sharded = Engine.fsdp1 if fsdp.engine is Engine.fsdp1 else Engine.fsdp2
+    return Engine.fsdp1 if cfg.fsdp.engine is Engine.fsdp1 else Engine.fsdp2
 
-    def memory(strategy: Sharding, shards: int, engine: Engine = sharded) -> StrategyMemory:
-        m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
-        return StrategyMemory(
-            shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
-            gathered_buffers=m.buffers, activations=acts, accumulation=m.accumulation,
-        )  # fmt: skip
 
-    recipe_memory = rank_memory(cfg, units, sharding=sharding, shards=group, engine=sharded)
-    # The engine's own unit plan: reshard and prefetch as its build applies them (ddp: no units,
-    # one bucketed all-reduce over the whole model).
-    planned = [
+def _planned_units(
+    cfg: RecipeConfig, units: list[list[ParamShape]], paths: list[str]
+) -> list[PlannedUnit]:
+    """The engine's own unit plan (reshard and prefetch as its build applies them; ddp: no
+    units, one bucketed all-reduce over the whole model) with each unit's bytes."""
+    memory = rank_memory(
+        cfg, units, sharding=effective_sharding(cfg.fsdp), shards=shard_group_size(cfg),
+        engine=_sharded_engine(cfg),
+    )  # fmt: skip
+    return [
         PlannedUnit(
             path=row.path,
             num_params=sum(p.numel for p in units[i]),
-            unsharded_bytes=recipe_memory.gathered_bytes[i],
-            shard_bytes=recipe_memory.shard_bytes[i],
+            unsharded_bytes=memory.gathered_bytes[i],
+            shard_bytes=memory.shard_bytes[i],
             reshard_after_forward=row.reshard_after_forward,
             forward_prefetch=row.forward_prefetch,
             backward_prefetch=row.backward_prefetch,
         )
         for i, row in enumerate(unit_plan(cfg, paths))
     ]
+
+
+def _strategies(
+    cfg: RecipeConfig, units: list[list[ParamShape]]
+) -> tuple[str, dict[str, StrategyMemory]]:
+    """The recipe's strategy, and rank 0's memory under it and under ddp, full, grad_op and
+    hybrid (one node's shard groups) to compare."""
+    world, fsdp = cfg.world_size, cfg.fsdp
+    group = shard_group_size(cfg)
+    hybrid_group = fsdp.shard_group_size or min(cfg.launch.nproc_per_node, world)
+    acts = activation_bytes(cfg)
+
+    def memory(strategy: Sharding, shards: int, engine: Engine) -> StrategyMemory:
+        m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
+        return StrategyMemory(
+            shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
+            gathered_buffers=m.buffers, activations=acts, accumulation=m.accumulation,
+        )  # fmt: skip
+
+    sharded = _sharded_engine(cfg)
     strategies = {
         "ddp": memory(Sharding.none, 1, Engine.ddp),
-        "full": memory(Sharding.full, world),
-        "grad_op": memory(Sharding.grad_op, world),
-        "hybrid": memory(Sharding.hybrid, hybrid_group),
+        "full": memory(Sharding.full, world, sharded),
+        "grad_op": memory(Sharding.grad_op, world, sharded),
+        "hybrid": memory(Sharding.hybrid, hybrid_group, sharded),
     }
-    recipe_strategy = "ddp" if fsdp.engine is Engine.ddp else sharding.value
+    recipe_strategy = "ddp" if fsdp.engine is Engine.ddp else effective_sharding(fsdp).value
     if recipe_strategy == "hybrid_zero2":
-        strategies["hybrid_zero2"] = memory(Sharding.hybrid_zero2, group)
+        strategies["hybrid_zero2"] = memory(Sharding.hybrid_zero2, group, sharded)
     elif recipe_strategy == "none":
-        strategies["none"] = memory(Sharding.none, 1)
+        strategies["none"] = memory(Sharding.none, 1, sharded)
     elif recipe_strategy == "hybrid" and group != hybrid_group:
-        strategies["hybrid"] = memory(Sharding.hybrid, group)
-    if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
-        device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
-    if device_memory_bytes is not None:
-        for s in strategies.values():
-            s.fits = s.total <= device_memory_bytes
+        strategies["hybrid"] = memory(Sharding.hybrid, group, sharded)
+    return recipe_strategy, strategies
+
+
+def _notes(cfg: RecipeConfig, model: nn.Module, *, num_adapted: int) -> list[str]:
+    """What the plan counts and how, and what it leaves out."""
+    fsdp = cfg.fsdp
     notes = [
         "model state: fp32 params 4 B + fp32 grads 4 B + Adam moments 8 B per param "
         "(+ 4 B step per tensor), from each parameter's rank-0 shard of ceil(dim0 / N) rows "
@@ -305,33 +345,20 @@ def plan_memory(
         "ddp: gathered buffers are autocast's param_dtype copies of the matmul weights; its fp32 "
         "norm activations are not modelled (the ddp total is the least certain)",
     ]
-    if adapted:
+    if num_adapted:
+        num_params = sum(p.numel() for p in model.parameters())
         notes.append(
-            f"lora: rank {cfg.lora.rank} adapters on {len(adapted)} Linear layers; "
-            f"{num_trainable_params(model):,} of {sum(p.numel() for p in params):,} params train: "
+            f"lora: rank {cfg.lora.rank} adapters on {num_adapted} Linear layers; "
+            f"{num_trainable_params(model):,} of {num_params:,} params train: "
             "the frozen base keeps its fp32 shards but has no gradients and no AdamW state"
         )
     if cfg.train.loss is LossKind.chunked:
         notes.append(f"loss: {describe_loss(cfg.train)}")
+    float8 = cfg.precision.float8.value
     if float8 != "off":
         notes.append(f"float8: {describe_float8(float8, model)}")
         notes.append(MFU_CONVENTION)
-    return MemoryPlan(
-        recipe=recipe,
-        world_size=world,
-        nnodes=cfg.launch.nnodes,
-        nproc_per_node=per_node,
-        num_params=sum(p.numel() for p in params),
-        num_trainable_params=num_trainable_params(model),
-        param_dtype=cfg.precision.param_dtype.value,
-        recipe_strategy=recipe_strategy,
-        engine=fsdp.engine.value,
-        knobs=[asdict(k) for k in translate(cfg)],
-        device_memory_bytes=device_memory_bytes,
-        units=planned,
-        strategies=strategies,
-        notes=notes,
-    )
+    return notes
 
 
 def plan_recipe(
