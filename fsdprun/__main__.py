@@ -1,4 +1,7 @@
-"""`python -m fsdprun ...` = the `fsdprun` command."""
+"""`python -m fsdprun ...` = the `fsdprun` command.
+
+Never imports anything but `fsdprun.cli`.
+"""
 
 from fsdprun.cli import main
 

@@ -8,6 +8,9 @@
 
 Mistakes a user can fix print one line and exit 2 (FSDPRUN_DEBUG=1 shows the traceback); a
 failing worker exits 1 with the rank, the error and its log file.
+
+Never imports torch at module load: each command imports its implementation (and so torch, for the
+commands that train) when it runs; tests/test_cli_startup.py checks the read-only ones.
 """
 
 from __future__ import annotations
@@ -272,7 +275,7 @@ def resume(
         max_restarts=max_restarts, standalone=standalone,
     )  # fmt: skip
     # Locked before choosing the checkpoint: a run still writing would make the choice stale.
-    # Only a run directory gets a lock file (plan_resume refuses anything else).
+    # Only a run directory gets a lock file (resolve_resume refuses anything else).
     with (
         hold_run_dir(run_dir, node_rank=node_rank or 0)
         if recipe_path(run_dir).is_file()
@@ -285,19 +288,19 @@ def _resume(
     run_dir: Path, overrides: list[str] | None, extra: list[str], *, step: int | None, verify: bool
 ) -> None:
     from fsdprun.launch.elastic import launch_training
-    from fsdprun.launch.resume import plan_resume
+    from fsdprun.launch.resume import resolve_resume
 
-    plan = plan_resume(run_dir, [*(overrides or []), *extra], step=step, verify=verify)
-    for bad in plan.skipped:
+    resume = resolve_resume(run_dir, [*(overrides or []), *extra], step=step, verify=verify)
+    for bad in resume.skipped:
         err_console.print(f"warning: skipping incomplete checkpoint {bad.path}: {bad.reason}")
-    for note in plan.notes:
+    for note in resume.notes:
         err_console.print(f"note: {note}")
-    manifest = plan.checkpoint.manifest
+    manifest = resume.checkpoint.manifest
     print(
-        f"resuming {run_dir} from {plan.checkpoint.path.name} (step {plan.checkpoint.step}, "
-        f"saved on {manifest['world_size']} ranks) on {plan.resolved.config.world_size} ranks"
+        f"resuming {run_dir} from {resume.checkpoint.path.name} (step {resume.checkpoint.step}, "
+        f"saved on {manifest['world_size']} ranks) on {resume.resolved.config.world_size} ranks"
     )
-    launch_training(plan.resolved, run_dir, resume_from=plan.checkpoint.path)
+    launch_training(resume.resolved, run_dir, resume_from=resume.checkpoint.path)
 
 
 @app.command("config")

@@ -2,6 +2,8 @@
 
 Everything device-specific goes through here (`torch.get_device_module` for cuda/npu/xpu), so a
 new accelerator is one entry in `BACKENDS` plus its import hook, not edits across the engine.
+
+Never imports an fsdprun module but `errors`: every layer may ask it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 The CLI prints a `UserError` as one line and exits 2, a `StorageError` as one line and exits 1;
 anything else is a bug or a runtime failure and keeps its traceback. Set FSDPRUN_DEBUG=1 to see
 the traceback of these too.
+
+Never imports an fsdprun module at module load (every module imports this one); the console only
+inside the function that prints.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from typer.testing import CliRunner
 
-from fsdprun.checkpoint.export import plan_tensors, safetensors_header, split_shards
+from fsdprun.checkpoint.export import exported_tensors, safetensors_header, split_shards
 from fsdprun.checkpoint.manifest import manifest_problem
 from fsdprun.cli import app
 from fsdprun.config import parse_size
@@ -332,7 +332,7 @@ def test_export_rejects_bad_options(ckpt, tmp_path, flag, value):
 def test_sizes_shards_and_header(ckpt):
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
     assert parse_size("1000") == 1000 and parse_size("1.5MB") == 1_500_000
-    plans, skipped = plan_tensors(FileSystemReader(str(ckpt)).read_metadata(), dtype=None)
+    plans, skipped = exported_tensors(FileSystemReader(str(ckpt)).read_metadata(), dtype=None)
     assert skipped == [] and plans[0].name == "tok_embeddings.weight"
     shards = split_shards(plans, 40_000)
     assert [p for shard in shards for p in shard] == plans

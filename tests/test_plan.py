@@ -185,3 +185,18 @@ def test_fits_from_the_recipe_key_and_bad_input():
     assert bad.exit_code == 2 and "--device-memory 'lots'" in bad.output
     uneven = runner.invoke(app, ["plan", "debug", "--world-size", "4", "--nnodes", "3"])
     assert uneven.exit_code == 2 and "not divisible by --nnodes 3" in uneven.output
+
+
+def test_each_row_counts_accumulation_by_its_own_engine_rule():
+    """A ddp recipe's sharded rows are what fsdp2 would hold with the same keys: fsdp2
+    reduce-scatters every micro-step unless fsdp.accumulate_unsharded, whatever ddp does (the
+    rule was once read from the recipe's engine and charged them whole gradients)."""
+    base = ["launch.nproc_per_node=8", "train.global_batch_size=32", "train.micro_batch_size=2"]
+    ddp = plan_memory(load_recipe("debug", ["fsdp.engine=ddp", *base]).config).strategies
+    fsdp2 = plan_memory(load_recipe("debug", base).config).strategies
+    for row in ("full", "grad_op", "hybrid"):
+        assert ddp[row].accumulation == 0 and ddp[row] == fsdp2[row], row
+    local = ["fsdp.accumulate_unsharded=true", *base]
+    kept = plan_memory(load_recipe("debug", local).config).strategies["full"]
+    assert kept.accumulation > 0  # whole gradients in reduce_dtype on every rank
+    assert ddp["ddp"].accumulation == 0  # ddp's whole gradients are its grads row

@@ -11,6 +11,9 @@ Layout: RUN_DIR/checkpoints/step-00000008/ holds DCP's shard files (`__<rank>_0.
 - `inspect`, `export`: offline commands over a checkpoint folder.
 
 The names other packages use are re-exported here; this file holds no code of its own.
+
+The package never imports the training loop (`train`) nor the launcher (`launch`, but for the path
+names of `launch.rundir`): `inspect` and `export` read a folder without them.
 """
 
 from fsdprun.checkpoint.manifest import (

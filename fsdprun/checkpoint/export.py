@@ -53,7 +53,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from fsdprun import __version__
 from fsdprun.checkpoint.inspect import model_config, require_checkpoint_dir, tied_params
-from fsdprun.checkpoint.manifest import check_checkpoint, describe_base, lora_base, read_manifest
+from fsdprun.checkpoint.manifest import (
+    CheckpointStatus,
+    check_checkpoint,
+    describe_base,
+    lora_base,
+    read_manifest,
+)
 from fsdprun.checkpoint.restore import NoPickleLoadPlanner
 from fsdprun.config import LoraConfig, ModelConfig, parse_size
 from fsdprun.data.files import read_description
@@ -80,7 +86,7 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 @dataclass(frozen=True)
-class TensorPlan:
+class ExportedTensor:
     """One exported tensor: where it comes from and what it becomes."""
 
     key: str  # the checkpoint key, model.*
@@ -104,9 +110,9 @@ class ExportResult:
     skipped: list[str]  # model.* entries that are not tensors
 
 
-def plan_tensors(
+def exported_tensors(
     metadata: Metadata, *, dtype: torch.dtype | None
-) -> tuple[list[TensorPlan], list[str]]:
+) -> tuple[list[ExportedTensor], list[str]]:
     """The model tensors in checkpoint order (floating ones converted to `dtype` if given), and
     the model.* keys that are not tensors (skipped)."""
     plans, skipped = [], []
@@ -118,7 +124,7 @@ def plan_tensors(
             continue
         saved = md.properties.dtype
         target = dtype if dtype is not None and saved.is_floating_point else saved
-        plans.append(TensorPlan(key, key[len(MODEL_PREFIX) :], tuple(md.size), saved, target))
+        plans.append(ExportedTensor(key, key[len(MODEL_PREFIX) :], tuple(md.size), saved, target))
     return plans, skipped
 
 
@@ -173,10 +179,10 @@ def _write_hf_files(
     return written
 
 
-def split_shards(plans: list[TensorPlan], max_shard_bytes: int) -> list[list[TensorPlan]]:
+def split_shards(plans: list[ExportedTensor], max_shard_bytes: int) -> list[list[ExportedTensor]]:
     """Consecutive tensors packed into shards of at most `max_shard_bytes` (a larger tensor gets
     a shard of its own, as HuggingFace does)."""
-    shards: list[list[TensorPlan]] = [[]]
+    shards: list[list[ExportedTensor]] = [[]]
     size = 0
     for plan in plans:
         if shards[-1] and size + plan.num_bytes > max_shard_bytes:
@@ -196,7 +202,7 @@ def shard_file_names(fmt: str, num_shards: int) -> tuple[list[str], str | None]:
     return names, f"{stem}.{ext}.index.json"
 
 
-def safetensors_header(plans: list[TensorPlan], metadata: dict[str, str]) -> bytes:
+def safetensors_header(plans: list[ExportedTensor], metadata: dict[str, str]) -> bytes:
     """The 8-byte little-endian length plus the JSON header, padded with spaces to 8 bytes."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -237,8 +243,8 @@ class _CachedReader(FileSystemReader):
 
 
 def iter_tensors(
-    reader: FileSystemReader, plans: list[TensorPlan], *, group_bytes: int = LOAD_GROUP_BYTES
-) -> Iterator[tuple[TensorPlan, torch.Tensor]]:
+    reader: FileSystemReader, plans: list[ExportedTensor], *, group_bytes: int = LOAD_GROUP_BYTES
+) -> Iterator[tuple[ExportedTensor, torch.Tensor]]:
     """Full tensors in `plans` order, loaded by DCP in groups of about `group_bytes`."""
     start = 0
     while start < len(plans):
@@ -257,11 +263,11 @@ def iter_tensors(
         start = end
 
 
-TensorReader = Callable[[list[TensorPlan]], Iterator[tuple[TensorPlan, torch.Tensor]]]
+TensorReader = Callable[[list[ExportedTensor]], Iterator[tuple[ExportedTensor, torch.Tensor]]]
 
 
 def _write_safetensors(
-    file, read: TensorReader, plans: list[TensorPlan], metadata: dict[str, str]
+    file, read: TensorReader, plans: list[ExportedTensor], metadata: dict[str, str]
 ) -> None:
     file.write(safetensors_header(plans, metadata))
     for _, tensor in read(plans):
@@ -272,17 +278,17 @@ def _write_safetensors(
 
 def _merged_plans(
     merged: dict[str, torch.Tensor], *, dtype: torch.dtype | None
-) -> list[TensorPlan]:
+) -> list[ExportedTensor]:
     """Export plans of merged weights (in memory), named as a checkpoint would name them."""
     return [
-        TensorPlan(f"{MODEL_PREFIX}{name}", name, tuple(t.shape), t.dtype,
+        ExportedTensor(f"{MODEL_PREFIX}{name}", name, tuple(t.shape), t.dtype,
                    dtype if dtype is not None and t.is_floating_point() else t.dtype)
         for name, t in merged.items()
     ]  # fmt: skip
 
 
 def _export_peft(
-    path: Path, out: Path, reader, plans: list[TensorPlan], recipe: dict[str, Any]
+    path: Path, out: Path, reader, plans: list[ExportedTensor], recipe: dict[str, Any]
 ) -> ExportResult:
     adapters = [p for p in plans if is_adapter_name(p.name)]
     with staged_folder(out, needed=sum(p.num_bytes for p in adapters)) as stage:
@@ -341,7 +347,9 @@ def merged_lora_weights(path: Path, manifest: dict[str, Any]) -> dict[str, torch
     return merged_state_dict(model)
 
 
-def _peft_export(stage: Path, reader, plans: list[TensorPlan], recipe: dict[str, Any]) -> list[str]:
+def _peft_export(
+    stage: Path, reader, plans: list[ExportedTensor], recipe: dict[str, Any]
+) -> list[str]:
     """peft's adapter folder from a LoRA checkpoint's adapter tensors; the files written."""
     from fsdprun.engines.adapters import save_peft_adapter
 
@@ -352,6 +360,56 @@ def _peft_export(stage: Path, reader, plans: list[TensorPlan], recipe: dict[str,
     files = save_peft_adapter(stage, adapters, cfg=_section(LoraConfig, recipe.get("lora")),
                               base_model_name_or_path=name)  # fmt: skip
     return [f.name for f in files]
+
+
+def _check_export(path: Path, out: Path, *, fmt: str, dtype: str | None) -> CheckpointStatus:
+    """Refuse bad options, an incomplete checkpoint and an `out` in use before reading anything;
+    returns the checkpoint's status."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    require_checkpoint_dir(path)
+    status = check_checkpoint(path)
+    if not status.complete:
+        raise UserError(f"{path} is not a complete checkpoint: {status.reason}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} already exists and is not an empty folder; nothing written")
+    if fmt != "torch" and sys.byteorder != "little":
+        raise UserError("safetensors export needs a little-endian machine")
+    return status
+
+
+@dataclass(frozen=True)
+class _HFExport:
+    """What `--format hf` writes beside the weights: the model family's names and config.json,
+    and the tokenizer's special token ids."""
+
+    spec: ModelSpec
+    model: ModelConfig
+    config: dict
+    token_ids: dict
+
+
+def _prepare_hf(
+    path: Path, manifest: dict, plans: list[ExportedTensor], *, dtype: torch.dtype | None
+) -> tuple[_HFExport, list[ExportedTensor], TensorReader | None]:
+    """The HF names, config and token ids; a LoRA checkpoint's tensors are the merged weights
+    (held in memory), read by the returned reader instead of the checkpoint's."""
+    recipe = manifest["recipe"]
+    model = model_config(recipe["model"])
+    spec = model_spec(model)
+    read = None
+    if any(is_adapter_name(p.name) for p in plans):
+        merged = merged_lora_weights(path, manifest)
+        plans = _merged_plans(merged, dtype=dtype)
+
+        def read(shard: list[ExportedTensor]) -> Iterator[tuple[ExportedTensor, torch.Tensor]]:
+            return ((p, merged[p.key[len(MODEL_PREFIX) :]].to(p.dtype)) for p in shard)
+
+    hf_config = spec.hf_config(model, plans[0].dtype)
+    plans = [dataclasses.replace(p, name=spec.hf_name(p.name)) for p in plans]
+    return _HFExport(spec, model, hf_config, _hf_token_ids(recipe, hf_config)), plans, read
 
 
 def export_checkpoint(
@@ -372,22 +430,10 @@ def export_checkpoint(
     Raises:
         UserError: a bad option, an incomplete checkpoint, or an `out` that is not new or empty.
     """
-    if fmt not in FORMATS:
-        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     max_shard_bytes = parse_size(max_shard_size, option="--max-shard-size")
-    require_checkpoint_dir(path)
-    status = check_checkpoint(path)
-    if not status.complete:
-        raise UserError(f"{path} is not a complete checkpoint: {status.reason}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--out {out} already exists and is not an empty folder; nothing written")
-    if fmt != "torch" and sys.byteorder != "little":
-        raise UserError("safetensors export needs a little-endian machine")
-
+    status = _check_export(path, out, fmt=fmt, dtype=dtype)
     reader = _CachedReader(str(path))
-    plans, skipped = plan_tensors(reader.read_metadata(), dtype=DTYPES.get(dtype))
+    plans, skipped = exported_tensors(reader.read_metadata(), dtype=DTYPES.get(dtype))
     if not plans:
         raise UserError(f"{path}: no model.* tensors to export")
     manifest = read_manifest(path)
@@ -399,23 +445,13 @@ def export_checkpoint(
             raise UserError(f"--format peft: {path} holds no LoRA adapters; use --format hf")
         return _export_peft(path, out, reader, plans, recipe)
 
-    def read(shard: list[TensorPlan]) -> Iterator[tuple[TensorPlan, torch.Tensor]]:
+    def read(shard: list[ExportedTensor]) -> Iterator[tuple[ExportedTensor, torch.Tensor]]:
         return iter_tensors(reader, shard)
 
     if fmt == "hf":
         # Everything the HF files need is read before anything is written.
-        model = model_config(recipe["model"])
-        spec = model_spec(model)
-        if has_adapters:
-            merged = merged_lora_weights(path, manifest)
-            plans = _merged_plans(merged, dtype=DTYPES.get(dtype))
-
-            def read(shard: list[TensorPlan]) -> Iterator[tuple[TensorPlan, torch.Tensor]]:
-                return ((p, merged[p.key[len(MODEL_PREFIX) :]].to(p.dtype)) for p in shard)
-
-        hf_config = spec.hf_config(model, plans[0].dtype)
-        plans = [dataclasses.replace(p, name=spec.hf_name(p.name)) for p in plans]
-        token_ids = _hf_token_ids(recipe, hf_config)
+        hf, plans, merged_read = _prepare_hf(path, manifest, plans, dtype=DTYPES.get(dtype))
+        read = merged_read or read
     shards = split_shards(plans, max_shard_bytes)
     names, index_name = shard_file_names("torch" if fmt == "torch" else "safetensors", len(shards))
     file_metadata = {
@@ -442,7 +478,7 @@ def export_checkpoint(
             index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
             (stage / index_name).write_text(json.dumps(index, indent=2) + "\n")
         if fmt == "hf":
-            names = [*names, *_write_hf_files(stage, spec, model, hf_config, token_ids)]
+            names = [*names, *_write_hf_files(stage, hf.spec, hf.model, hf.config, hf.token_ids)]
     return ExportResult(
         out=out,
         files=[*names, *([index_name] if index_name else [])],

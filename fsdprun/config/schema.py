@@ -3,7 +3,8 @@ field's help text (which feeds `fsdprun config --explain`, `--help` and docs/rec
 
 Only data lives here: no loading (`load`), no checks (`validate`). OmegaConf reads these classes
 as structured configs, so a wrong type or enum value is refused at merge time. Never imports
-torch, nor any other fsdprun module.
+torch, nor any other fsdprun module but `launch.rundir` (plain path names, which spells the
+metrics file's default).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+from fsdprun.launch.rundir import DEFAULT_METRICS_FILE
 
 
 def _f(default: Any, help: str, **kwargs: Any) -> Any:
@@ -472,7 +475,7 @@ class OutputConfig:
     )
     log_every: int = _f(10, "Log (and write metrics.jsonl) every this many steps.")
     metrics_file: str = _f(
-        "metrics.jsonl",
+        DEFAULT_METRICS_FILE,
         "File in the run directory for metrics events: a file name ending in .jsonl (no folder, "
         "no `..`).",
     )

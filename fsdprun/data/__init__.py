@@ -16,6 +16,9 @@ the same way from data.val_paths, or from the last data.val_fraction of the trai
 The modules of this package import torch inside the functions that use it: the data preflight
 (`preflight`, reached from `fsdprun config`) reads files with numpy alone, and a command that
 only checks a recipe must not wait seconds for torch to load.
+
+The package never imports the engines, the training loop, the launcher or the models (`engines`,
+`train`, `launch`, `models`): the loop takes its `Batch`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ A token file is a flat array of token ids: `.bin` (raw uint16/uint32, no header:
 layout) or `.npy` (a 1-D uint16/uint32 array). `fsdprun prepare-data` writes `.bin` files plus a
 `data.json` beside them (`DESCRIPTION`) saying the dtype, the vocabulary size and the tokenizer;
 a `.bin` file without one is read as uint16 unless `data.token_dtype` says otherwise.
+
+Never imports torch (the preflight reads headers with numpy alone).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
 the checks read headers and sizes, which need no numpy, so the data modules take numpy from here
 and pay its import (about 0.1 s) only when they really touch an array. Each attribute is cached
 on first access, so the hot data path costs a plain attribute lookup.
+
+Never imports another fsdprun module.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ accelerator the assembled batch sits in pinned host memory and is copied with
 forward without waiting for it.
 
 The batches are exactly those of `load_batch` (the sample-index arithmetic of `BatchLayout`).
+
+Never imports the engines nor the training loop: it hands over `Batch`es.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ that is not byte-tokenized .txt: its length and validation split depend on its t
 so it is tokenized here too (once per process and version of the files; the workers tokenize it
 at start anyway). A raw .bin token id beyond the vocabulary is reported by the worker that
 reads it.
+
+Never imports torch at module load: `fsdprun config` runs it without torch.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ tokenized examples once; `data.source: tokens` on its train.bin then trains with
     OUT/train.offsets.npy  int64 [num_examples + 1]: example k is tokens[offsets[k]:offsets[k+1]]
     OUT/val.*              the same for the validation examples (--val-fraction)
     OUT/data.json          {"format": "fsdprun-sft", "dtype", "vocab_size", "tokenizer", ...}
+
+Never imports torch at module load (prepare-data and the preflight run without it); the row
+builders import it where they make tensors.
 """
 
 from __future__ import annotations

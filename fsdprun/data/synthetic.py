@@ -1,4 +1,7 @@
-"""Synthetic data: learnable token sequences that need no files (the `debug` recipe's data)."""
+"""Synthetic data: learnable token sequences that need no files (the `debug` recipe's data).
+
+Never imports another fsdprun module; torch only where it makes a sample.
+"""
 
 from __future__ import annotations
 

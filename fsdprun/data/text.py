@@ -7,6 +7,8 @@ Documents are tokenized one after another, each followed by the tokenizer's end-
 into one stream. The byte tokenizer is built in (no download); a HuggingFace `tokenizer.json`
 is read through the optional `tokenizers` package. The tokens are those of `encode` on each
 whole document: a large .txt file is read in pieces only where cutting it cannot change them.
+
+Never imports torch (tokenizers where it tokenizes).
 """
 
 from __future__ import annotations

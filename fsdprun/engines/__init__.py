@@ -3,9 +3,10 @@ and DDP (`DistributedDataParallel`, the unsharded baseline), behind one small in
 
 The recipe's `fsdp.*` keys state intent once. Each engine's module (`fsdp2`, `fsdp1`, `ddp`)
 keeps, side by side, what it does with every key (`translate`: printed in the run header and by
-`fsdprun plan`, so nothing is dropped silently), the units it makes (`unit_plan`, what `plan`
-counts) and the build that applies exactly those (`build_engine`). `base` holds what they share:
-the `Engine` the training loop calls, and the reshard and accumulation rules. Apart from the
+`fsdprun plan`, so nothing is dropped silently), the units it makes (`unit_plan`) and what they
+hold on a rank (`rank_memory`: its padding, gathered peak and accumulation bytes), both what
+`plan` counts, and the build that applies exactly those (`build_engine`). `base` holds what they
+share: the `Engine` the training loop calls, and the reshard and accumulation rules. Apart from the
 engines: `transforms` (activation checkpointing, compile), `weights` (initial values identical
 at any world size, ties, model-state bytes), `units` (the wrap policy, the device mesh) and
 `float8`. Checkpoints go through `torch.distributed.checkpoint.state_dict` for all three, whose
@@ -19,15 +20,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fsdprun.config import LossKind, RecipeConfig
+from fsdprun.config import Engine as EngineKind
+from fsdprun.config import LossKind, RecipeConfig, Sharding
 from fsdprun.engines.base import (
-    LOCAL,
+    DTYPE_BYTES,
     Engine,
     Knob,
     KnobTable,
+    ParamShape,
+    RankMemory,
     UnitPlan,
     engine_module,
-    reshards_after_forward,
 )
 
 if TYPE_CHECKING:
@@ -38,8 +41,8 @@ if TYPE_CHECKING:
 
 # What other packages import from here (the engines' modules are imported by `engine_module`).
 __all__ = [
-    "LOCAL", "Engine", "Knob", "accumulation_mode", "build_engine", "reshards_after_forward",
-    "translate", "unit_plan",
+    "DTYPE_BYTES", "Engine", "Knob", "ParamShape", "accumulation_mode", "build_engine",
+    "rank_memory", "translate", "unit_plan",
 ]  # fmt: skip
 
 
@@ -61,6 +64,22 @@ def unit_plan(cfg: RecipeConfig, paths: list[str]) -> list[UnitPlan]:
     """The units the recipe's engine makes of the wrap policy's `paths` (from
     `units.plan_units`), the root last; none for ddp."""
     return engine_module(cfg.fsdp.engine).unit_plan(paths, cfg.fsdp)
+
+
+def rank_memory(
+    cfg: RecipeConfig,
+    units: list[list[ParamShape]],
+    *,
+    sharding: Sharding,
+    shards: int,
+    engine: EngineKind | None = None,
+) -> RankMemory:
+    """What rank 0 holds under `engine` (default: the recipe's) when `units` (each unit's own
+    parameters as the wrap policy takes them, the root last) are sharded over `shards` ranks
+    under `sharding`: the engine's own padding, gathered peak and accumulation rules."""
+    return engine_module(engine or cfg.fsdp.engine).memory(
+        units, cfg, sharding=sharding, shards=shards
+    )
 
 
 def build_engine(

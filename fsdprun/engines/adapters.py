@@ -2,10 +2,12 @@
 model whose base weights came from files, and writing adapters in peft's folder layout.
 
 Adapters are not in a pretrained HuggingFace folder, so `HFWeights` leaves them alone and
-`init_adapters` gives them the values a random init would (`parallel.init_value`, seeded by the
-recipe seed and the name): identical at any world size and under any engine.
+`init_adapters` gives them the values a random init would (`engines.weights.init_value`, seeded
+by the recipe seed and the name): identical at any world size and under any engine.
 `build_lora_model_on_cpu` rebuilds a run's LoRA model in one process (export's merged weights):
 the same base as the run's build, since every value is a function of the name, not the ranks.
+
+Never imports the training loop nor the launcher (`train`, `launch`).
 """
 
 from __future__ import annotations

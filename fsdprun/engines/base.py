@@ -1,6 +1,7 @@
 """What the three engines share: the `Engine` a run trains through, the knob record, the rules all
-of them read (which sharding reshards after forward, how accumulation reduces), and the table
-that names the module of each engine.
+of them read (which sharding reshards after forward, how accumulation reduces), the records of
+their memory rules (`ParamShape` in, `RankMemory` out) and the table that names the module of
+each engine.
 
 Never imports torch at module load: `fsdprun plan`, the run header and config validation read
 these rules on machines (and in commands) that have not loaded torch. The few methods that need
@@ -12,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from fsdprun.config import Dtype, Sharding
+from fsdprun.config import Dtype, RecipeConfig, Sharding
 from fsdprun.config import Engine as EngineKind
 
 if TYPE_CHECKING:
@@ -25,8 +27,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 # Each engine's module holds its knob translation (`knobs`, `accumulation`), its build (`build`),
-# its unit plan (`unit_plan`, read by `fsdprun plan`) and its run-time differences (`micro_step`,
-# `clip_grad_norm`, `grad_scaler`). All three are torch-free at load.
+# its unit plan and memory rules (`unit_plan`, `memory`: read by `fsdprun plan`) and its run-time
+# differences (`micro_step`, `clip_grad_norm`, `grad_scaler`). All three are torch-free at load.
 ENGINE_MODULES = {
     EngineKind.fsdp2: "fsdprun.engines.fsdp2",
     EngineKind.fsdp1: "fsdprun.engines.fsdp1",
@@ -89,6 +91,54 @@ DTYPE_NAMES = {
     Dtype.fp16: "torch.float16",
     Dtype.fp32: "torch.float32",
 }
+
+
+# Model-state bytes per element, as fsdprun keeps it (the ZeRO paper's mixed-precision Adam).
+DTYPE_BYTES = {Dtype.bf16: 2, Dtype.fp16: 2, Dtype.fp32: 4}
+MASTER_BYTES = 4  # sharded parameters and their gradients are fp32 whatever param_dtype is
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+ADAM_STEP_BYTES = 4  # AdamW's per-tensor `step`, a 0-d fp32 tensor
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter as the engines' memory rules see it, read from a meta-device model."""
+
+    shape: tuple[int, ...]
+    trainable: bool = True  # False: frozen (the base under LoRA): no gradient, no AdamW state
+    matmul: bool = False  # a Linear's weight: autocast keeps a param_dtype copy of it
+    float8: bool = False  # a converted Linear's weight: all-gathered in float8 (1 byte)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Rank 0's bytes of model state under one engine, sharding and shard group (an engine's
+    `memory` rule), units in forward order, the root last."""
+
+    shard_bytes: list[int]  # each unit's fp32 master shard
+    gathered_bytes: list[int]  # each unit's gathered copy (param_dtype, padded as the engine pads)
+    params: int
+    grads: int
+    optimizer: int  # AdamW's moments and step counters
+    buffers: int  # peak gathered (unsharded) parameters, or ddp's autocast copies
+    accumulation: int  # unsharded gradients kept between micro-steps (accumulate_unsharded)
+
+
+def accumulation_steps(cfg: RecipeConfig) -> int:
+    """Micro-steps per optimizer step at the recipe's world size."""
+    t = cfg.train
+    return t.global_batch_size // (t.micro_batch_size * cfg.world_size)
+
+
+def gathered_bytes(units: list[list[ParamShape]], elems: list[int], param_bytes: int) -> list[int]:
+    """Each unit's gathered copy in bytes: `elems` (padded) in param_dtype, the weights of
+    float8 Linears at 1 byte."""
+    saved = [sum(p.numel for p in own if p.float8) * (param_bytes - 1) for own in units]
+    return [n * param_bytes - s for n, s in zip(elems, saved, strict=True)]
 
 
 @dataclass(frozen=True)

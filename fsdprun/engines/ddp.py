@@ -1,5 +1,6 @@
 """The ddp engine (`DistributedDataParallel`, the unsharded baseline): what it does with each
-`fsdp.*` key (`knobs`: most have no effect, and the table says so), and its build. It has no
+`fsdp.*` key (`knobs`: most have no effect, and the table says so), what a rank holds
+(`memory`: everything, plus autocast's copies of the matmul weights), and its build. It has no
 units: `unit_plan` is empty and `fsdprun plan` counts one bucketed all-reduce of the whole model.
 
 Never imports torch at module load (the knob table is read without it); the build imports it
@@ -11,8 +12,20 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
-from fsdprun.config import Dtype, FsdpConfig, RecipeConfig
-from fsdprun.engines.base import DTYPE_NAMES, LOCAL, WHOLE_GRADS_TEXT, Engine, UnitPlan
+from fsdprun.config import Dtype, FsdpConfig, RecipeConfig, Sharding
+from fsdprun.engines.base import (
+    DTYPE_BYTES,
+    DTYPE_NAMES,
+    LOCAL,
+    MASTER_BYTES,
+    WHOLE_GRADS_TEXT,
+    Engine,
+    ParamShape,
+    RankMemory,
+    UnitPlan,
+    gathered_bytes,
+)
+from fsdprun.engines.fsdp2 import dim0_shards
 from fsdprun.errors import UserError
 
 if TYPE_CHECKING:
@@ -64,6 +77,26 @@ def knobs(cfg: RecipeConfig, ws: int, add) -> None:
 def unit_plan(paths: list[str], fsdp: FsdpConfig) -> list[UnitPlan]:
     """None: DDP wraps the whole model once and gathers nothing."""
     return []
+
+
+def memory(
+    units: list[list[ParamShape]], cfg: RecipeConfig, *, sharding: Sharding, shards: int
+) -> RankMemory:
+    """What every rank holds: the whole model state (`sharding` and `shards` do not apply)."""
+    pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
+    shard, gathered, optimizer, trainable = dim0_shards(units, 1)
+    # Autocast keeps a param_dtype copy of every matmul weight for backward (DDP's only
+    # "buffer"); the embedding lookup and the norms run on the fp32 parameters.
+    matmul = sum(p.numel for own in units for p in own if p.matmul)
+    return RankMemory(
+        shard_bytes=[MASTER_BYTES * n for n in shard],
+        gathered_bytes=gathered_bytes(units, gathered, pbytes),
+        params=MASTER_BYTES * sum(shard),
+        grads=MASTER_BYTES * trainable,
+        optimizer=optimizer,
+        buffers=matmul * pbytes if cfg.precision.param_dtype is not Dtype.fp32 else 0,
+        accumulation=0,  # its gradients are whole on every rank anyway: counted under grads
+    )
 
 
 def build(

@@ -18,6 +18,9 @@ of 16 (`_scaled_mm` needs them so).
 float8 matmuls need CUDA compute capability >= 8.9 (Ada, Hopper and later): anywhere else the
 run is refused before launch (`float8_refusal`), with one line. The conversion is applied
 before sharding, as torchao requires.
+
+Never imports the training loop nor the launcher (`train`, `launch`); torchao only where Linears
+are converted.
 """
 
 from __future__ import annotations

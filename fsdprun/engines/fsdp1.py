@@ -1,6 +1,7 @@
 """The fsdp1 engine (`FullyShardedDataParallel`, one flat parameter per unit): what it does with
-each `fsdp.*` key (`knobs`), its units as `fsdprun plan` shows them (`unit_plan`), and the build
-that applies exactly those (`build`). Its sharding-strategy and backward-prefetch tables below
+each `fsdp.*` key (`knobs`), its units as `fsdprun plan` shows them (`unit_plan`), what they hold
+on a rank (`memory`: flat parameters aligned and padded as FSDP1 pads them), and the build that
+applies exactly those (`build`). Its sharding-strategy and backward-prefetch tables below
 are the only spelling of them: the knob table, the plan and the build all read them.
 
 Never imports torch at module load (the knob table and unit plan are read without it); the build
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 from typing import TYPE_CHECKING
 
@@ -22,15 +24,23 @@ from fsdprun.config import (
     WrapPolicy,
 )
 from fsdprun.engines.base import (
+    ADAM_STATE_BYTES,
+    ADAM_STEP_BYTES,
+    DTYPE_BYTES,
     DTYPE_NAMES,
     LOCAL,
+    MASTER_BYTES,
     REDUCE,
     REDUCE_TEXT,
     WHOLE_GRADS_TEXT,
     Engine,
     FsdpUnit,
+    ParamShape,
+    RankMemory,
     UnitPlan,
+    accumulation_steps,
     clean_name,
+    gathered_bytes,
     reshards_after_forward,
     unsharded_grads_text,
 )
@@ -154,6 +164,70 @@ def unit_plan(paths: list[str], fsdp: FsdpConfig) -> list[UnitPlan]:
     ]
     rows.append(UnitPlan("", False, [], []))  # the root is not resharded after forward
     return rows
+
+
+def _flat_shards(
+    units: list[list[ParamShape]], shards: int, *, pad_to: int, align: int, orig_params: bool
+) -> tuple[list[int], int]:
+    """Each unit one flat parameter. With use_orig_params every parameter starts at a multiple
+    of `align` elements (16 bytes of the compute dtype) and the whole is padded to a multiple of
+    `pad_to` (the ranks of the process group); rank 0 holds the first ceil(numel / shards)
+    elements. AdamW keeps state for the original parameters that overlap that range (for their
+    overlap), or for the flat parameter itself. Returns rank 0's elements per unit, AdamW's
+    bytes."""
+    optimizer = 0
+    unit_shards = []
+    for own in units:
+        total, spans = 0, []
+        for p in own:
+            if orig_params and total % align:
+                total += align - total % align
+            spans.append((total, p.numel))
+            total += p.numel
+        if orig_params and total % pad_to:
+            total += pad_to - total % pad_to
+        shard = math.ceil(total / shards)
+        unit_shards.append(shard)
+        if orig_params:
+            local = [max(0, min(start + n, shard) - start) for start, n in spans]
+            optimizer += sum(ADAM_STATE_BYTES * n + ADAM_STEP_BYTES for n in local if n)
+        elif own:
+            optimizer += ADAM_STATE_BYTES * shard + ADAM_STEP_BYTES
+    return unit_shards, optimizer
+
+
+def memory(
+    units: list[list[ParamShape]], cfg: RecipeConfig, *, sharding: Sharding, shards: int
+) -> RankMemory:
+    """What rank 0 holds when `units` (each unit's own parameters, the root last) are flattened
+    and sharded over `shards` ranks under `sharding`."""
+    f, pbytes = cfg.fsdp, DTYPE_BYTES[cfg.precision.param_dtype]
+    # FSDP1 pads to its process group: the shard group, or every rank under NO_SHARD.
+    shard, optimizer = _flat_shards(
+        units, shards, pad_to=shards if shards > 1 else cfg.world_size, align=16 // pbytes,
+        orig_params=f.use_orig_params,
+    )  # fmt: skip
+    gathered = [n * shards for n in shard]
+    sizes = gathered_bytes(units, gathered, pbytes)
+    blocks, root, whole = sizes[:-1], sizes[-1], sum(sizes)
+    if sharding is Sharding.none:
+        # NO_SHARD computes on the flat parameter itself unless mixed precision casts it.
+        buffers = whole if cfg.precision.param_dtype is not Dtype.fp32 else 0
+    elif reshards_after_forward(sharding):
+        # FSDP1 prefetches at most one unit.
+        depth = max(f.forward_prefetch, backward_prefetch_depth(f))
+        buffers = root + max(blocks, default=0) * (1 + min(depth, 1))
+    else:
+        buffers = whole  # ZeRO-2 keeps every unit gathered from forward to backward
+    unsharded_grads = 0
+    if accumulation(cfg) == LOCAL and accumulation_steps(cfg) > 1 and shards > 1:
+        # Each unit's padded flat gradient, in param_dtype, until the last micro-step.
+        unsharded_grads = sum(gathered) * pbytes
+    params = MASTER_BYTES * sum(shard)
+    return RankMemory(
+        shard_bytes=[MASTER_BYTES * n for n in shard], gathered_bytes=sizes, params=params,
+        grads=params, optimizer=optimizer, buffers=buffers, accumulation=unsharded_grads,
+    )  # fmt: skip
 
 
 def refuse_tied_pretrained(weights: HFWeights | None, ties: dict[str, str]) -> None:

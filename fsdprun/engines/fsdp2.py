@@ -1,6 +1,7 @@
 """The fsdp2 engine (`fully_shard`, per-parameter DTensor shards; the default): what it does with
-each `fsdp.*` key (`knobs`), its units as `fsdprun plan` shows them (`unit_plan`), and the build
-that applies exactly those (`apply_fsdp`, `build`).
+each `fsdp.*` key (`knobs`), its units as `fsdprun plan` shows them (`unit_plan`), what they hold
+on a rank (`memory`: dim-0 shards padded to the shard group, the gathered peak unit by unit), and
+the build that applies exactly those (`apply_fsdp`, `build`).
 
 Never imports torch at module load (the knob table and unit plan are read without it); the build
 imports it where it runs.
@@ -9,6 +10,7 @@ imports it where it runs.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING
 
 from fsdprun.config import (
@@ -19,15 +21,23 @@ from fsdprun.config import (
     WrapPolicy,
 )
 from fsdprun.engines.base import (
+    ADAM_STATE_BYTES,
+    ADAM_STEP_BYTES,
     DEFER_ALL_REDUCE,
+    DTYPE_BYTES,
     DTYPE_NAMES,
     LOCAL,
+    MASTER_BYTES,
     REDUCE,
     REDUCE_TEXT,
     WHOLE_GRADS_TEXT,
     Engine,
     FsdpUnit,
+    ParamShape,
+    RankMemory,
     UnitPlan,
+    accumulation_steps,
+    gathered_bytes,
     reshards_after_forward,
     unsharded_grads_text,
 )
@@ -153,6 +163,104 @@ def unit_plan(paths: list[str], fsdp: FsdpConfig) -> list[UnitPlan]:
         rows.append(UnitPlan(path, reshard and i < len(paths) - 1, forward, backward))
     rows.append(UnitPlan("", False, [], []))  # the root is not resharded after forward
     return rows
+
+
+def _rank0_elems(shape: tuple[int, ...], shards: int) -> int:
+    # Shard(0) pads dim 0 to a multiple of `shards`: rank 0 gets ceil(dim0 / shards) rows.
+    if not shape:
+        return 1
+    rows = min(shape[0], math.ceil(shape[0] / shards))
+    return rows * math.prod(shape[1:])
+
+
+def _gathered_elems(shape: tuple[int, ...], shards: int) -> int:
+    # The all-gather output of one parameter: dim 0 padded to a multiple of `shards`.
+    if not shape:
+        return shards
+    return math.ceil(shape[0] / shards) * shards * math.prod(shape[1:])
+
+
+def dim0_shards(
+    units: list[list[ParamShape]], shards: int
+) -> tuple[list[int], list[int], int, int]:
+    """Every parameter sharded on dim 0 on its own (ddp: shards=1). Returns, per unit, the
+    elements of rank 0's shard and of the gathered copy; AdamW's bytes; the trained elements of
+    rank 0's shard (frozen parameters, the base under LoRA, have no gradient and no state)."""
+    trained = [p for own in units for p in own if p.trainable]
+    trainable = sum(_rank0_elems(p.shape, shards) for p in trained)
+    return (
+        [sum(_rank0_elems(p.shape, shards) for p in own) for own in units],
+        [sum(_gathered_elems(p.shape, shards) for p in own) for own in units],
+        ADAM_STATE_BYTES * trainable + ADAM_STEP_BYTES * len(trained),
+        trainable,
+    )
+
+
+def _gathered_peak(
+    units: list[int], kept: list[bool], root: int, root_kept: bool, *, forward: int, backward: int
+) -> int:
+    """Peak unsharded bytes on one rank, unit by unit (root first in forward).
+
+    A unit is all-gathered into one flat output, then copied out into its unsharded parameters
+    (the same size). In forward, FSDP2 frees a unit's flat output only after the next unit's
+    copy-out (to overlap that copy with the next all-gather); in backward, right after its own.
+    `kept` units are not resharded after forward. Prefetch: `forward` units ahead explicitly,
+    in backward `backward` units ahead (implicitly one).
+    """
+    peak = 2 * root  # the root's copy-out: its flat output and its parameters
+    held, prev_flat = root, root
+    for k, size in enumerate(units):
+        early = sum(units[k + 1 : k + forward]) if k else 0  # prefetched by earlier units
+        peak = max(peak, held + prev_flat + 2 * size + early)
+        if forward:  # after its copy-out, a unit prefetches the next `forward` units
+            peak = max(peak, held + 2 * size + sum(units[k + 1 : k + 1 + forward]))
+        held += size if kept[k] else 0
+        prev_flat = size
+    held = sum(size for size, keep in zip(units, kept, strict=True) if keep)
+    if not root_kept:
+        peak = max(peak, held + 2 * root)
+    held += root
+    depth = max(backward, 1)
+    for k in reversed(range(len(units))):
+        if not kept[k]:
+            early = sum(units[i] for i in range(max(0, k - depth + 1), k) if not kept[i])
+            peak = max(peak, held + 2 * units[k] + early)
+            held += units[k]
+        ahead = sum(units[i] for i in range(max(0, k - depth), k) if not kept[i])
+        peak = max(peak, held + ahead)
+        held -= units[k]
+    return peak
+
+
+def memory(
+    units: list[list[ParamShape]], cfg: RecipeConfig, *, sharding: Sharding, shards: int
+) -> RankMemory:
+    """What rank 0 holds when `units` (each unit's own parameters, the root last) are sharded
+    over `shards` ranks under `sharding`."""
+    pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
+    shard, gathered, optimizer, trainable = dim0_shards(units, shards)
+    sizes = gathered_bytes(units, gathered, pbytes)
+    blocks, root = sizes[:-1], sizes[-1]
+    reshard = reshards_after_forward(sharding)
+    if sharding is Sharding.none:
+        buffers = sum(sizes)  # no all-gather: each unit's parameters are cast once and kept
+    else:
+        # The last block stays gathered for backward; without resharding every unit and the root.
+        kept = [not reshard or i == len(blocks) - 1 for i in range(len(blocks))]
+        buffers = _gathered_peak(
+            blocks, kept, root, not reshard, forward=cfg.fsdp.forward_prefetch,
+            backward=backward_prefetch_depth(cfg.fsdp),
+        )  # fmt: skip
+    unsharded_grads = 0
+    if accumulation(cfg) == LOCAL and accumulation_steps(cfg) > 1 and shards > 1:
+        # Every trained parameter's whole gradient, in reduce_dtype, until the last micro-step.
+        trained = sum(p.numel for own in units for p in own if p.trainable)
+        unsharded_grads = trained * DTYPE_BYTES[cfg.precision.reduce_dtype]
+    return RankMemory(
+        shard_bytes=[MASTER_BYTES * n for n in shard], gathered_bytes=sizes,
+        params=MASTER_BYTES * sum(shard), grads=MASTER_BYTES * trainable, optimizer=optimizer,
+        buffers=buffers, accumulation=unsharded_grads,
+    )  # fmt: skip
 
 
 def apply_fsdp(

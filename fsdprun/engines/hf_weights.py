@@ -7,6 +7,8 @@ memory-mapped file. No rank ever holds the whole model, and no collective is nee
 opens the same files). One code path for every torch version in range: DCP's HuggingFace storage
 reader exists only in newer ones. DDP's plain parameters are read whole; FSDP1 reads each unit's
 full tensors while it materializes the unit (`HFWeights.full`), before flattening and sharding.
+
+Never imports the training loop nor the launcher (`train`, `launch`).
 """
 
 from __future__ import annotations

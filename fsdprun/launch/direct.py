@@ -9,6 +9,8 @@ Under torchrun with --max-restarts, a restarted group continues the run from its
 checkpoint, as workers of fsdprun's own launcher do: rank 0 recognizes the run directory its
 first attempt created by the elastic agent that started it (RUN_DIR/agent.json), and refuses
 any other.
+
+Never imports the engines nor the models: the worker it starts builds them.
 """
 
 from __future__ import annotations

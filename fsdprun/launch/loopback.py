@@ -14,6 +14,8 @@ to. So for a single-node launch (no endpoint, or one on a loopback address):
 - gloo and NCCL (the bootstrap) are pinned to the loopback interface (`single_node_env`).
 
 Multi-node runs listen where torch does (see docs/faults.md, "What fsdprun trusts").
+
+Never imports another fsdprun module.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ The run's saved recipe plus the overrides decide the new session; what may chang
 what cannot change the run's trajectory beyond its length (train.steps) or how it is executed
 (world size, checkpointing, logging, FSDP knobs, compile). The global batch is kept: on a new
 world size the micro batch shrinks if it must, so the same samples come next.
+
+Never imports the engines nor the models: it reads the run's folder and launches.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ RESUMABLE = (
 
 
 @dataclass
-class ResumePlan:
+class ResolvedResume:
     resolved: ResolvedRecipe
     checkpoint: CheckpointStatus
     skipped: list[CheckpointStatus]
@@ -37,9 +39,9 @@ def _flat(d: dict) -> dict[str, object]:
     return {f"{s}.{k}": v for s, body in d.items() for k, v in body.items()}
 
 
-def plan_resume(
+def resolve_resume(
     run_dir: Path, overrides: list[str], *, step: int | None = None, verify: bool = False
-) -> ResumePlan:
+) -> ResolvedResume:
     """Resolve the resumed run's recipe and checkpoint.
 
     Raises:
@@ -100,4 +102,4 @@ def plan_resume(
             f"{cfg.schedule.decay.value} schedule: the learning rate of step "
             f"{checkpoint.step + 1} is {after:.3g} (it was {before:.3g})"
         )
-    return ResumePlan(resolved, checkpoint, skipped, notes)
+    return ResolvedResume(resolved, checkpoint, skipped, notes)

@@ -15,6 +15,8 @@ worker: each task is a node's launcher, which starts that node's workers itself
 
     srun --ntasks-per-node 1 bash -c 'fsdprun train llama-8b --nnodes "$SLURM_NNODES" \
         --node-rank "$SLURM_NODEID" --rdzv-endpoint "$HEAD:29500" --run-dir runs/8b'
+
+Never imports torch, nor an fsdprun module but `errors`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ chooses the `hf` family (any local HuggingFace causal LM) whatever `model.family
 
 Every model a spec builds maps tokens to logits and offers `args` (its Llama-shaped
 `ModelArgs` summary), `block_paths()` (the decoder blocks FSDP wraps), `init_std(name)` and
-`init_buffers(device)`.
+`init_buffers(device)`. `ModelArgs` stays Llama's own dataclass rather than a neutral shape
+type: every family fsdprun builds is a Llama-shaped decoder (the HF wrapper reads its
+config.json into one and shares Llama's RoPE), and outside `models` only `args.vocab_size` is
+read. A family of another shape would add its own fields there, not here.
 
 This module never imports torch at load (config validates family names through it, and
 `fsdprun config` imports no torch); no module of `models` imports torch.distributed.

@@ -3,6 +3,8 @@
 Rendering only — every number arrives computed in a metrics event (`fsdprun.report.metrics`).
 The launcher feeds events to a `Reporter` by following RUN_DIR/metrics.jsonl; a worker started by
 torchrun/srun feeds its own events on rank 0.
+
+Never imports torch, the engines nor the training loop.
 """
 
 from __future__ import annotations
@@ -340,6 +342,20 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         f"world size {plan['world_size']} ({plan['nnodes']} node(s) x "
         f"{plan['nproc_per_node']}), param dtype {plan['param_dtype']}"
     )
+    c.print(_plan_units_table(plan))
+    c.print(f"{plan['engine']} knobs:")
+    for k in plan.get("knobs", []):
+        c.print(f"  {k['key']}={k['value']} [dim]->[/dim] {k['applied']}", soft_wrap=True)
+
+    c.print(_plan_memory_table(plan))
+    c.print(f"  * estimates. gathered buffers: {plan['buffer_formula']}.")
+    c.print(f"  activations, one micro-batch: {plan['activation_formula']}.")
+    for note in plan["notes"]:
+        c.print(f"  {note}.")
+    c.print(_plan_verdict(plan))
+
+
+def _plan_units_table(plan: dict[str, Any]) -> Table:
     units = Table(
         title=f"FSDP units (root last; gathered in {plan['param_dtype']}, shard fp32 on rank 0)",
         title_justify="left",
@@ -376,11 +392,10 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
                 _prefetch_text(u["forward_prefetch"]), _prefetch_text(u["backward_prefetch"]),
             )),
         )  # fmt: skip
-    c.print(units)
-    c.print(f"{plan['engine']} knobs:")
-    for k in plan.get("knobs", []):
-        c.print(f"  {k['key']}={k['value']} [dim]->[/dim] {k['applied']}", soft_wrap=True)
+    return units
 
+
+def _plan_memory_table(plan: dict[str, Any]) -> Table:
     strategies = plan["strategies"]
     mem = Table(title="Memory per rank (rank 0)", title_justify="left")
     mem.add_column("component")
@@ -398,26 +413,21 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         mem.add_row(label, *(Cell.whole(fmt(s[key])) for s in strategies.values()))
     if plan["device_memory_bytes"] is not None:
         mem.add_row("fits", *("yes" if s["fits"] else "no" for s in strategies.values()))
-    c.print(mem)
-    c.print(f"  * estimates. gathered buffers: {plan['buffer_formula']}.")
-    c.print(f"  activations, one micro-batch: {plan['activation_formula']}.")
-    for note in plan["notes"]:
-        c.print(f"  {note}.")
-    ours = strategies[plan["recipe_strategy"]]
-    has = plan["device_memory_bytes"]
-    needs = f"{fmt_bytes(ours['total'])} ({ours['total'] / 1e9:.1f} GB)"
+    return mem
+
+
+def _plan_verdict(plan: dict[str, Any]) -> str:
+    strategy, has = plan["recipe_strategy"], plan["device_memory_bytes"]
+    total = plan["strategies"][strategy]["total"]
+    needs = f"{fmt_bytes(total)} ({total / 1e9:.1f} GB)"
     if has is None:
-        c.print(
-            f"needs {needs} per rank ({plan['recipe_strategy']}); device memory "
-            "unknown: give --device-memory (e.g. 80GB) or launch.device_memory_gb"
+        return (
+            f"needs {needs} per rank ({strategy}); device memory unknown: give --device-memory "
+            "(e.g. 80GB) or launch.device_memory_gb"
         )
-    elif ours["fits"]:
-        c.print(
-            f"[green]fits[/green]: {plan['recipe_strategy']} needs {needs} per rank, has "
-            f"{fmt_bytes(has)} ({has / 1e9:.1f} GB)"
-        )
-    else:
-        c.print(
-            f"[red]does not fit[/red]: {plan['recipe_strategy']} needs {needs} per rank, has "
-            f"{fmt_bytes(has)} ({has / 1e9:.1f} GB)"
-        )
+    verdict = (
+        "[green]fits[/green]" if plan["strategies"][strategy]["fits"] else "[red]does not fit[/red]"
+    )
+    return (
+        f"{verdict}: {strategy} needs {needs} per rank, has {fmt_bytes(has)} ({has / 1e9:.1f} GB)"
+    )

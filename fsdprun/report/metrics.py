@@ -128,12 +128,22 @@ class MetricsLog:
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
-    """All complete records of a metrics file."""
+    """The complete, parseable records of a metrics file: a line being written (or a torn one)
+    is left out, and a file not written yet reads as no events (`status` and `plot` read the
+    files of running runs)."""
     events = []
-    with path.open() as f:
-        for line in f:
-            if line.endswith("\n"):
-                events.append(json.loads(line))
+    try:
+        with path.open() as f:
+            for line in f:
+                if line.endswith("\n"):
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(event, dict):
+                        events.append(event)
+    except FileNotFoundError:
+        pass
     return events
 
 

@@ -12,6 +12,8 @@ record; dotted lines mark where a session resumed or restarted. matplotlib is an
 
 The pictures of `fsdprun compare --plot` (compare_figure) and `fsdprun plan --plot`
 (plan_figure) are drawn here too, from those commands' JSON documents.
+
+Never imports torch, the engines nor the training loop.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 from fsdprun.errors import UserError
 from fsdprun.launch.rundir import metrics_path
-from fsdprun.tools.status import _read_events
+from fsdprun.report.metrics import read_events
 
 GIB = 2**30
 FIGURE_SIZE_IN = (15.0, 8.0)
@@ -58,7 +60,7 @@ def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
     metrics = metrics_path(run_dir)
     if not metrics.is_file():
         raise UserError(f"{run_dir}: no metrics file ({metrics.name}); is it an fsdprun run dir?")
-    events = _read_events(metrics)
+    events = read_events(metrics)
     steps = {e["step"]: e for e in events if e.get("event") == "step"}
     if not steps:
         raise UserError(f"{metrics}: no step logged yet; nothing to plot")

@@ -19,6 +19,9 @@ Both follow a resume into the same run, and no step goes backwards or repeats:
 
 tensorboard and wandb are optional extras, imported here only when their tracker is on (config
 validation checks that they are installed, without importing them).
+
+Never imports the engines nor the training loop; torch (TensorBoard's writer) and wandb only where
+a tracker starts.
 """
 
 from __future__ import annotations

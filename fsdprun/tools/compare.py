@@ -7,6 +7,8 @@ Each configuration is an ordinary `fsdprun train` run in its own process and run
 (COMPARE_DIR/<label>/), so one configuration's memory cannot leak into the next one's figures
 and one that fails (out of memory, a bad knob) shows its error in its column while the others
 still run. Figures come from each run's metrics.jsonl summary.
+
+Never imports torch: each configuration runs as an `fsdprun train` subprocess.
 """
 
 from __future__ import annotations

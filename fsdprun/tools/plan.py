@@ -7,13 +7,15 @@ config.json). Never imports the launcher (`fsdprun.launch`) nor `fsdprun.report`
 the report draws.
 
 The model is built on the meta device (no memory), the FSDP units come from `plan_units` exactly as
-`apply_fsdp` wraps them, and each parameter's per-rank shard is computed from its real shape:
-FSDP2 shards dim 0 and pads it to a multiple of the shard group, so rank 0 holds ceil(dim0 / N)
-rows (the shape `model_state_bytes` measures in a run); FSDP1 flattens each unit into one flat
-parameter (aligned and padded as FSDP1 does) and rank 0 holds its first 1/N. An 8B or 70B recipe
-plans in about a second. A fake process group is not needed: the shard shapes follow from the
-shapes alone. tests/test_memory_contract.py holds the plan to what ranks measure at 8 and 64 ranks
-(fake process group) for every engine and sharding, within 5%.
+the engines wrap them, and each unit's parameters, with their real shapes, go to the engine's own
+memory rule (`engines.rank_memory`: fsdp2.py, fsdp1.py and ddp.py each keep theirs beside their
+unit plan and build). FSDP2 shards dim 0 and pads it to a multiple of the shard group, so rank 0
+holds ceil(dim0 / N) rows (the shape `model_state_bytes` measures in a run); FSDP1 flattens each
+unit into one flat parameter (aligned and padded as FSDP1 does) and rank 0 holds its first 1/N.
+This module only builds the model, collects the rows and estimates activations. An 8B or 70B
+recipe plans in about a second. A fake process group is not needed: the shard shapes follow from
+the shapes alone. tests/test_memory_contract.py holds the plan to what ranks measure at 8 and 64
+ranks (fake process group) for every engine and sharding, within 5%.
 
 Model state follows the ZeRO paper's mixed-precision Adam accounting, as fsdprun keeps it:
 fp32 master parameters (4 B), fp32 gradients (4 B), two fp32 Adam moments (8 B) = 16 B/param,
@@ -36,7 +38,6 @@ Gathered buffers and activations are estimates; `ACTIVATION_FORMULA` says how th
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -44,7 +45,6 @@ from torch import nn
 
 from fsdprun.config import (
     CheckpointMode,
-    Dtype,
     Engine,
     Float8,
     LossKind,
@@ -52,7 +52,7 @@ from fsdprun.config import (
     Sharding,
     load_recipe,
 )
-from fsdprun.engines import LOCAL, accumulation_mode, reshards_after_forward, translate, unit_plan
+from fsdprun.engines import DTYPE_BYTES, ParamShape, rank_memory, translate, unit_plan
 from fsdprun.engines.float8 import MFU_CONVENTION, float8_linears
 from fsdprun.engines.float8 import describe as describe_float8
 from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding, shard_group_size
@@ -61,11 +61,6 @@ from fsdprun.errors import UserError
 from fsdprun.models import model_spec
 from fsdprun.models.lora import apply_lora, num_trainable_params
 from fsdprun.train.loss import describe_loss
-
-DTYPE_BYTES = {Dtype.bf16: 2, Dtype.fp16: 2, Dtype.fp32: 4}
-MASTER_BYTES = 4  # sharded parameters and their gradients are fp32 whatever param_dtype is
-ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
-ADAM_STEP_BYTES = 4  # AdamW's per-tensor `step`, a 0-d fp32 tensor
 
 ACTIVATION_FORMULA = (
     "per block and token, eager: 8*dim (the fp32 input of each RMSNorm) + c*(6*dim + 4*ffn_dim + "
@@ -151,134 +146,20 @@ class MemoryPlan:
         return asdict(self)
 
 
-def _rank0_elems(shape: torch.Size, shards: int) -> int:
-    # FSDP2 Shard(0) pads dim 0 to a multiple of `shards`: rank 0 gets ceil(dim0 / shards) rows.
-    if not shape:
-        return 1
-    rows = min(shape[0], math.ceil(shape[0] / shards))
-    return rows * math.prod(shape[1:])
-
-
-def _gathered_elems(shape: torch.Size, shards: int) -> int:
-    # FSDP2's all-gather output of one parameter: dim 0 padded to a multiple of `shards`.
-    if not shape:
-        return shards
-    return math.ceil(shape[0] / shards) * shards * math.prod(shape[1:])
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Rank 0's share of a model under one engine and shard group, unit by unit (root last):
-    elements of its fp32 shard and of its gathered (unsharded, padded) copy; AdamW state bytes."""
-
-    shards: list[int]
-    gathered: list[int]
-    optimizer: int
-    # Elements of rank 0's shards that train and so have gradients; None = all (without LoRA).
-    trainable: int | None = None
-
-    @property
-    def params(self) -> int:
-        return MASTER_BYTES * sum(self.shards)
-
-    @property
-    def grads(self) -> int:
-        return MASTER_BYTES * (sum(self.shards) if self.trainable is None else self.trainable)
-
-
-def _per_param_layout(groups: list[tuple[str, list[nn.Parameter]]], shards: int) -> _Layout:
-    """FSDP2 (and DDP, shards=1): every parameter sharded on dim 0 on its own."""
-    unit_shards = [sum(_rank0_elems(p.shape, shards) for p in own) for _, own in groups]
-    # Frozen parameters (the base under LoRA) get no gradient and no AdamW state.
-    trained = [p for _, own in groups for p in own if p.requires_grad]
-    trainable = sum(_rank0_elems(p.shape, shards) for p in trained)
-    return _Layout(
-        shards=unit_shards,
-        gathered=[sum(_gathered_elems(p.shape, shards) for p in own) for _, own in groups],
-        optimizer=ADAM_STATE_BYTES * trainable + ADAM_STEP_BYTES * len(trained),
-        trainable=trainable,
-    )
-
-
-def _flat_layout(
-    groups: list[tuple[str, list[nn.Parameter]]], shards: int, *, pad_to: int, align: int,
-    orig_params: bool,
-) -> _Layout:  # fmt: skip
-    """FSDP1: each unit one flat parameter. With use_orig_params every parameter starts at a
-    multiple of `align` elements (16 bytes of the compute dtype) and the whole is padded to a
-    multiple of `pad_to` (the ranks of the process group); rank 0 holds the first
-    ceil(numel / shards) elements. AdamW keeps state for the original parameters that overlap
-    that range (for their overlap), or for the flat parameter itself."""
-    optimizer = 0
-    unit_shards, gathered = [], []
-    for _, own in groups:
-        total, spans = 0, []
-        for p in own:
-            if orig_params and total % align:
-                total += align - total % align
-            spans.append((total, p.numel()))
-            total += p.numel()
-        if orig_params and total % pad_to:
-            total += pad_to - total % pad_to
-        shard = math.ceil(total / shards)
-        unit_shards.append(shard)
-        gathered.append(shard * shards)
-        if orig_params:
-            local = [max(0, min(start + n, shard) - start) for start, n in spans]
-            optimizer += sum(ADAM_STATE_BYTES * n + ADAM_STEP_BYTES for n in local if n)
-        elif own:
-            optimizer += ADAM_STATE_BYTES * shard + ADAM_STEP_BYTES
-    return _Layout(shards=unit_shards, gathered=gathered, optimizer=optimizer)
-
-
-def _fsdp2_gathered_peak(
-    units: list[int], kept: list[bool], root: int, root_kept: bool, *, forward: int, backward: int
-) -> int:
-    """Peak unsharded bytes on one rank under FSDP2, unit by unit (root first in forward).
-
-    A unit is all-gathered into one flat output, then copied out into its unsharded parameters
-    (the same size). In forward, FSDP2 frees a unit's flat output only after the next unit's
-    copy-out (to overlap that copy with the next all-gather); in backward, right after its own.
-    `kept` units are not resharded after forward. Prefetch: `forward` units ahead explicitly,
-    in backward `backward` units ahead (implicitly one).
-    """
-    peak = 2 * root  # the root's copy-out: its flat output and its parameters
-    held, prev_flat = root, root
-    for k, size in enumerate(units):
-        early = sum(units[k + 1 : k + forward]) if k else 0  # prefetched by earlier units
-        peak = max(peak, held + prev_flat + 2 * size + early)
-        if forward:  # after its copy-out, a unit prefetches the next `forward` units
-            peak = max(peak, held + 2 * size + sum(units[k + 1 : k + 1 + forward]))
-        held += size if kept[k] else 0
-        prev_flat = size
-    held = sum(size for size, keep in zip(units, kept, strict=True) if keep)
-    if not root_kept:
-        peak = max(peak, held + 2 * root)
-    held += root
-    depth = max(backward, 1)
-    for k in reversed(range(len(units))):
-        if not kept[k]:
-            early = sum(units[i] for i in range(max(0, k - depth + 1), k) if not kept[i])
-            peak = max(peak, held + 2 * units[k] + early)
-            held += units[k]
-        ahead = sum(units[i] for i in range(max(0, k - depth), k) if not kept[i])
-        peak = max(peak, held + ahead)
-        held -= units[k]
-    return peak
-
-
-def _unit_groups(model: nn.Module, paths: list[str]) -> list[tuple[str, list[nn.Parameter]]]:
-    """Each unit's own parameters, as apply_fsdp takes them: not yet taken, forward order, root
-    last."""
+def _unit_params(model: nn.Module, paths: list[str], *, float8: bool) -> list[list[ParamShape]]:
+    """Each unit's own parameters, as the engines take them: not yet taken, forward order, root
+    last; marked trainable, a Linear's weight, gathered in float8 (`float8`: tensorwise)."""
     modules = dict(model.named_modules())
+    matmul = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    f8 = {id(modules[path].weight) for path in float8_linears(model)[0]} if float8 else set()
     taken: set[int] = set()
-    groups = []
-    for path in paths:
-        own = [p for p in modules[path].parameters() if id(p) not in taken]
+    units = []
+    for root in [*(modules[path] for path in paths), model]:
+        own = [p for p in root.parameters() if id(p) not in taken]
         taken.update(id(p) for p in own)
-        groups.append((path, own))
-    groups.append(("", [p for p in model.parameters() if id(p) not in taken]))
-    return groups
+        units.append([ParamShape(tuple(p.shape), p.requires_grad, id(p) in matmul, id(p) in f8)
+                      for p in own])  # fmt: skip
+    return units
 
 
 def block_activation_bytes(cfg: RecipeConfig) -> int:
@@ -359,47 +240,52 @@ def plan_memory(
     adapted = apply_lora(model, cfg=cfg.lora)
     # The activation estimates read the model's shape: an HF folder's comes from its config.json.
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
-    world, per_node = cfg.world_size, cfg.launch.nproc_per_node
-    params = list(model.parameters())  # tied weights appear once, as in the optimizer
-    pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
-    fsdp = cfg.fsdp
+    paths = plan_units(model, cfg=cfg.fsdp)
+    units = _unit_params(model, paths, float8=cfg.precision.float8 is Float8.tensorwise)
+    recipe_strategy, strategies = _strategies(cfg, units)
+    if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
+        device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
+    if device_memory_bytes is not None:
+        for s in strategies.values():
+            s.fits = s.total <= device_memory_bytes
+    return MemoryPlan(
+        recipe=recipe,
+        world_size=cfg.world_size,
+        nnodes=cfg.launch.nnodes,
+        nproc_per_node=cfg.launch.nproc_per_node,
+        num_params=sum(p.numel() for p in model.parameters()),  # tied weights once
+        num_trainable_params=num_trainable_params(model),
+        param_dtype=cfg.precision.param_dtype.value,
+        recipe_strategy=recipe_strategy,
+        engine=cfg.fsdp.engine.value,
+        knobs=[asdict(k) for k in translate(cfg)],
+        device_memory_bytes=device_memory_bytes,
+        units=_planned_units(cfg, units, paths),
+        strategies=strategies,
+        notes=_notes(cfg, model, num_adapted=len(adapted)),
+    )
 
-    # Mirror apply_fsdp: units take the parameters not yet taken, in forward order, then the root.
-    paths = plan_units(model, cfg=fsdp)
-    groups = _unit_groups(model, paths)
-    float8 = cfg.precision.float8.value
-    # float8 all-gather (tensorwise): the weights of converted Linears travel as 1 byte each.
-    f8_ids: set[int] = set()
-    if cfg.precision.float8 is Float8.tensorwise:
-        modules = dict(model.named_modules())
-        f8_ids = {id(modules[path].weight) for path in float8_linears(model)[0]}
-    f8_saved = [sum(p.numel() for p in own if id(p) in f8_ids) * (pbytes - 1) for _, own in groups]
 
-    def unit_bytes(lay: _Layout) -> list[int]:
-        """Each unit's gathered copy in bytes (param_dtype, float8 weights at 1 byte)."""
-        return [n * pbytes - saved for n, saved in zip(lay.gathered, f8_saved, strict=True)]
+def _sharded_engine(cfg: RecipeConfig) -> Engine:
+    # The sharded rows of a ddp recipe show what fsdp2 would hold.
+    return Engine.fsdp1 if cfg.fsdp.engine is Engine.fsdp1 else Engine.fsdp2
 
-    sharding = effective_sharding(fsdp)
-    depth_bwd = backward_prefetch_depth(fsdp)
-    group = shard_group_size(cfg)
-    flat = fsdp.engine is Engine.fsdp1  # else per-parameter shards (fsdp2; ddp's other rows)
 
-    def layout(shards: int) -> _Layout:
-        if not flat:
-            return _per_param_layout(groups, shards)
-        # FSDP1 pads to its process group: the shard group, or every rank under NO_SHARD.
-        return _flat_layout(groups, shards, pad_to=shards if shards > 1 else world,
-                            align=16 // pbytes, orig_params=fsdp.use_orig_params)  # fmt: skip
-
-    recipe_layout = layout(group)
-    # The engine's own unit plan: reshard and prefetch as its build applies them (ddp: no units,
-    # one bucketed all-reduce over the whole model).
-    units = [
+def _planned_units(
+    cfg: RecipeConfig, units: list[list[ParamShape]], paths: list[str]
+) -> list[PlannedUnit]:
+    """The engine's own unit plan (reshard and prefetch as its build applies them; ddp: no
+    units, one bucketed all-reduce over the whole model) with each unit's bytes."""
+    memory = rank_memory(
+        cfg, units, sharding=effective_sharding(cfg.fsdp), shards=shard_group_size(cfg),
+        engine=_sharded_engine(cfg),
+    )  # fmt: skip
+    return [
         PlannedUnit(
             path=row.path,
-            num_params=sum(p.numel() for p in groups[i][1]),
-            unsharded_bytes=unit_bytes(recipe_layout)[i],
-            shard_bytes=MASTER_BYTES * recipe_layout.shards[i],
+            num_params=sum(p.numel for p in units[i]),
+            unsharded_bytes=memory.gathered_bytes[i],
+            shard_bytes=memory.shard_bytes[i],
             reshard_after_forward=row.reshard_after_forward,
             forward_prefetch=row.forward_prefetch,
             backward_prefetch=row.backward_prefetch,
@@ -407,83 +293,50 @@ def plan_memory(
         for i, row in enumerate(unit_plan(cfg, paths))
     ]
 
-    depth = max(fsdp.forward_prefetch, depth_bwd)
+
+def _strategies(
+    cfg: RecipeConfig, units: list[list[ParamShape]]
+) -> tuple[str, dict[str, StrategyMemory]]:
+    """The recipe's strategy, and rank 0's memory under it and under ddp, full, grad_op and
+    hybrid (one node's shard groups) to compare."""
+    world, fsdp = cfg.world_size, cfg.fsdp
+    group = shard_group_size(cfg)
+    hybrid_group = fsdp.shard_group_size or min(cfg.launch.nproc_per_node, world)
     acts = activation_bytes(cfg)
-    hybrid_group = fsdp.shard_group_size or min(per_node, world)
-    cast = cfg.precision.param_dtype is not Dtype.fp32
-    accum_steps = cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
-    keeps_unsharded_grads = accumulation_mode(cfg) == LOCAL and accum_steps > 1
 
-    def gathered(strategy: Sharding, lay: _Layout) -> int:
-        sizes = unit_bytes(lay)
-        blocks, root, whole = sizes[:-1], sizes[-1], sum(sizes)
-        reshard = reshards_after_forward(strategy)
-        if strategy is Sharding.none:
-            # No all-gather. FSDP2 copies (casts) each unit's parameters once and keeps them;
-            # FSDP1's NO_SHARD computes on the flat parameter itself unless it casts it.
-            return whole if cast or not flat else 0
-        if flat:
-            # ZeRO-2 keeps every unit gathered from forward to backward; FSDP1 prefetches at
-            # most one unit.
-            return root + max(blocks, default=0) * (1 + min(depth, 1)) if reshard else whole
-        # FSDP2 keeps the last block gathered for backward; ZeRO-2 every unit and the root.
-        kept = [not reshard or i == len(blocks) - 1 for i in range(len(blocks))]
-        return _fsdp2_gathered_peak(
-            blocks, kept, root, not reshard, forward=fsdp.forward_prefetch, backward=depth_bwd
-        )
-
-    def memory(strategy: Sharding, shards: int) -> StrategyMemory:
-        lay = layout(shards)
-        accumulation = 0
-        if keeps_unsharded_grads and shards > 1:
-            # Every parameter's whole gradient until the last micro-step: FSDP2 keeps it in
-            # reduce_dtype, FSDP1 as the unit's padded flat gradient in param_dtype.
-            if flat:
-                accumulation = sum(lay.gathered) * pbytes
-            else:
-                reduce_bytes = DTYPE_BYTES[cfg.precision.reduce_dtype]
-                trained = sum(p.numel() for p in params if p.requires_grad)
-                accumulation = trained * reduce_bytes
+    def memory(strategy: Sharding, shards: int, engine: Engine) -> StrategyMemory:
+        m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
         return StrategyMemory(
-            shards, params=lay.params, grads=lay.grads, optimizer=lay.optimizer,
-            gathered_buffers=gathered(strategy, lay), activations=acts, accumulation=accumulation,
+            shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
+            gathered_buffers=m.buffers, activations=acts, accumulation=m.accumulation,
         )  # fmt: skip
 
-    replicated = _per_param_layout(groups, 1)
-    # Autocast keeps a param_dtype copy of every matmul weight for backward (DDP's only
-    # "buffer"); the embedding lookup and the norms run on the fp32 parameters.
-    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    autocast_copies = matmul_weights * pbytes if cast else 0
+    sharded = _sharded_engine(cfg)
     strategies = {
-        "ddp": StrategyMemory(
-            1,
-            params=replicated.params,
-            grads=replicated.grads,
-            optimizer=replicated.optimizer,
-            gathered_buffers=autocast_copies,
-            activations=acts,
-        ),
-        "full": memory(Sharding.full, world),
-        "grad_op": memory(Sharding.grad_op, world),
-        "hybrid": memory(Sharding.hybrid, hybrid_group),
+        "ddp": memory(Sharding.none, 1, Engine.ddp),
+        "full": memory(Sharding.full, world, sharded),
+        "grad_op": memory(Sharding.grad_op, world, sharded),
+        "hybrid": memory(Sharding.hybrid, hybrid_group, sharded),
     }
-    recipe_strategy = "ddp" if fsdp.engine is Engine.ddp else sharding.value
+    recipe_strategy = "ddp" if fsdp.engine is Engine.ddp else effective_sharding(fsdp).value
     if recipe_strategy == "hybrid_zero2":
-        strategies["hybrid_zero2"] = memory(Sharding.hybrid_zero2, group)
+        strategies["hybrid_zero2"] = memory(Sharding.hybrid_zero2, group, sharded)
     elif recipe_strategy == "none":
-        strategies["none"] = memory(Sharding.none, 1)
+        strategies["none"] = memory(Sharding.none, 1, sharded)
     elif recipe_strategy == "hybrid" and group != hybrid_group:
-        strategies["hybrid"] = memory(Sharding.hybrid, group)
-    if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
-        device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
-    if device_memory_bytes is not None:
-        for s in strategies.values():
-            s.fits = s.total <= device_memory_bytes
+        strategies["hybrid"] = memory(Sharding.hybrid, group, sharded)
+    return recipe_strategy, strategies
+
+
+def _notes(cfg: RecipeConfig, model: nn.Module, *, num_adapted: int) -> list[str]:
+    """What the plan counts and how, and what it leaves out."""
+    fsdp = cfg.fsdp
     notes = [
         "model state: fp32 params 4 B + fp32 grads 4 B + Adam moments 8 B per param "
         "(+ 4 B step per tensor), from each parameter's rank-0 shard of ceil(dim0 / N) rows "
         "(fsdp2) or the first 1/N of each unit's padded flat parameter (fsdp1)",
-        f"prefetch depth {depth} (max of fsdp.forward_prefetch and fsdp.backward_prefetch)",
+        f"prefetch depth {max(fsdp.forward_prefetch, backward_prefetch_depth(fsdp))} (max of "
+        "fsdp.forward_prefetch and fsdp.backward_prefetch)",
         "gradient accumulation: gradients are reduce-scattered into their shards on every "
         "micro-step; with fsdp.accumulate_unsharded every rank also keeps the whole model's "
         "unsharded gradients until the last micro-step (the unsharded grads row)",
@@ -492,33 +345,20 @@ def plan_memory(
         "ddp: gathered buffers are autocast's param_dtype copies of the matmul weights; its fp32 "
         "norm activations are not modelled (the ddp total is the least certain)",
     ]
-    if adapted:
+    if num_adapted:
+        num_params = sum(p.numel() for p in model.parameters())
         notes.append(
-            f"lora: rank {cfg.lora.rank} adapters on {len(adapted)} Linear layers; "
-            f"{num_trainable_params(model):,} of {sum(p.numel() for p in params):,} params train: "
+            f"lora: rank {cfg.lora.rank} adapters on {num_adapted} Linear layers; "
+            f"{num_trainable_params(model):,} of {num_params:,} params train: "
             "the frozen base keeps its fp32 shards but has no gradients and no AdamW state"
         )
     if cfg.train.loss is LossKind.chunked:
         notes.append(f"loss: {describe_loss(cfg.train)}")
+    float8 = cfg.precision.float8.value
     if float8 != "off":
         notes.append(f"float8: {describe_float8(float8, model)}")
         notes.append(MFU_CONVENTION)
-    return MemoryPlan(
-        recipe=recipe,
-        world_size=world,
-        nnodes=cfg.launch.nnodes,
-        nproc_per_node=per_node,
-        num_params=sum(p.numel() for p in params),
-        num_trainable_params=num_trainable_params(model),
-        param_dtype=cfg.precision.param_dtype.value,
-        recipe_strategy=recipe_strategy,
-        engine=fsdp.engine.value,
-        knobs=[asdict(k) for k in translate(cfg)],
-        device_memory_bytes=device_memory_bytes,
-        units=units,
-        strategies=strategies,
-        notes=notes,
-    )
+    return notes
 
 
 def plan_recipe(

@@ -30,6 +30,7 @@ from fsdprun.launch.rundir import (
     step_of,
 )
 from fsdprun.launch.runlock import Holder, is_locked, read_holder
+from fsdprun.report.metrics import read_events
 
 
 def run_status(run_dir: Path) -> dict[str, Any]:
@@ -50,7 +51,7 @@ def run_status(run_dir: Path) -> dict[str, Any]:
             "held": is_locked(path),
             "holder": holder.__dict__ if holder else None,
         })  # fmt: skip
-    events = _read_events(metrics)
+    events = read_events(metrics)
     starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
     session = events[starts[-1] :] if starts else events
     steps = [e for e in events if e.get("event") == "step"]
@@ -199,21 +200,3 @@ def watch_status(
 def _holder_text(lock: dict[str, Any]) -> str:
     holder = lock["holder"]
     return Holder(**holder).describe() if holder else "holder not recorded yet"
-
-
-def _read_events(path: Path) -> list[dict[str, Any]]:
-    """Complete, parseable records of a metrics file (a line being written is left out)."""
-    events = []
-    try:
-        with path.open() as f:
-            for line in f:
-                if line.endswith("\n"):
-                    try:
-                        event = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(event, dict):
-                        events.append(event)
-    except FileNotFoundError:
-        pass
-    return events

@@ -4,6 +4,8 @@ heartbeats that name a rank that stopped answering, and fault injection for test
 Any decision that changes control flow (stop, skip a step, finish an async save) is taken from
 one all-reduce per step, so every rank takes it at the same step and no rank waits for a
 collective the others skipped.
+
+Never imports the engines, the models nor the data.
 """
 
 from __future__ import annotations

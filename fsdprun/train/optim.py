@@ -1,4 +1,7 @@
-"""AdamW and the learning-rate schedule (linear warm-up, then cosine/linear/constant decay)."""
+"""AdamW and the learning-rate schedule (linear warm-up, then cosine/linear/constant decay).
+
+Never imports the engines, the models nor the data.
+"""
 
 from __future__ import annotations
 
