@@ -5,7 +5,8 @@ and ranks hold very different numbers of trained targets. Real gloo runs (fp32) 
 1, 2 and 4 and micro-batches of 1 and 8 give the same losses and parameters, that a resume at
 another world size stays exact, and (the independent reference) that a logged loss equals the
 token mean over the global batch computed by hand with the plain model from the checkpoint before
-it. A packed run is checked against the same reference, with positions and document masks.
+it. A packed run is checked against the same reference, with positions and document masks. The
+shipped sft-demo recipe learns.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     shutil.rmtree(step_dir(resumed, 4))
     proc = run_fsdprun("resume", str(resumed), "--nproc-per-node", "4", cwd=root)
     done["resumed"] = Run(proc, resumed).check()
+    proc = run_fsdprun("train", "sft-demo", "output.log_every=1", "--run-dir",
+                       str(root / "sft-demo"), cwd=root)  # fmt: skip
+    done["sft-demo"] = Run(proc, root / "sft-demo").check()
     done["recipe"] = recipe
     return done
 
@@ -140,4 +144,13 @@ def test_trained_tokens_are_counted_apart_from_the_tokens_processed(runs):
     step = runs["w2-micro2"].steps[-1]
     assert step["trained_tokens"] < 8 * 96
     assert 0 < step["trained_tokens_per_s"] < step["tokens_per_s"]
-    assert "trained tok/s" in runs["w2-micro2"].proc.stdout
+
+
+def test_the_shipped_sft_demo_learns(runs):
+    run = runs["sft-demo"]
+    losses = run.losses
+    assert len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 0.3, losses
+    val = [e["val_loss"] for e in run.events if e["event"] == "eval"]
+    assert len(val) == 2 and val[1] < val[0]
+    # The log line and the summary show trained tokens/s beside the tokens processed.
+    assert "trained tok/s" in run.proc.stdout and "trained tokens/s" in run.proc.stdout
