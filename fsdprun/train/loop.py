@@ -69,9 +69,10 @@ def step_num_targets(
     """
     if batches.every_target_trains:
         return tokens_per_step
-    count = torch.tensor(float(batches.num_targets()), device=device)
+    # int64: exact at any batch size (fp32 counts round beyond 2**24 tokens a step).
+    count = torch.tensor(batches.num_targets(), dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.SUM)
-    return count.clamp(min=1.0)
+    return count.clamp(min=1)
 
 
 def forward_backward(
@@ -137,7 +138,7 @@ def as_counts(values: list[int | torch.Tensor]) -> list[int]:
     """Per-step counts of trained targets as host integers (one device read for tensors)."""
     if not values or not isinstance(values[0], torch.Tensor):
         return list(values)
-    return [round(v) for v in torch.stack(values).tolist()]
+    return torch.stack(values).tolist()
 
 
 class Events:
