@@ -207,8 +207,10 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     engine.model.register_forward_pre_hook(between_micro_steps, prepend=True)
     batches = BatchLoader(data, layout, 0, device.torch_device, steps=1)  # as the worker
     with mode:
-        forward_backward(engine, optimizer, None, batches, 0, num_micro=layout.grad_accum_steps,
-                         grad_clip=cfg.train.grad_clip, device=device.torch_device)  # fmt: skip
+        forward_backward(engine, optimizer, None, batches.load_step(0),
+                         num_targets=cfg.train.global_batch_size * cfg.train.seq_len,
+                         world_size=layout.world_size, grad_clip=cfg.train.grad_clip,
+                         device=device.torch_device)  # fmt: skip
         measured["grads"] = grads()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

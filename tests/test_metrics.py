@@ -40,6 +40,14 @@ def test_throughput_and_mfu():
     assert t["tflops_per_device"] == pytest.approx(1.5)  # 1500 tok/s x 1e9 FLOPs
     assert t["mfu"] == pytest.approx(1.5)
     assert t["step_time_p50_s"] == 1.0
+    assert t["trained_tokens_per_s"] is None  # no counts given
+    masked = throughput(
+        [10.0, 1.0, 2.0, 1.0], warmup_steps=1, tokens_per_step=4000, world_size=2,
+        flops_per_token=10**9, peak_flops_per_device=1e12, trained_tokens=[9, 500, 700, 800],
+    )  # fmt: skip
+    # Trained targets of the measured steps only; tokens/s and MFU still count every token.
+    assert masked["trained_tokens_per_s"] == pytest.approx(2000 / 4)
+    assert masked["tokens_per_s"] == t["tokens_per_s"] and masked["mfu"] == t["mfu"]
     assert throughput([1.0], warmup_steps=5, tokens_per_step=1, world_size=1,
                       flops_per_token=1, peak_flops_per_device=None)["mfu"] is None  # fmt: skip
 

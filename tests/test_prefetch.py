@@ -1,5 +1,6 @@
-"""The data path prepares the next micro-batch while the current one trains, and the batches are
-exactly `load_batch`'s; the GPU test checks that non-logging steps never sync with the host."""
+"""The data path prepares the next step's micro-batches while the current step trains, and the
+batches are exactly `load_batch`'s; the GPU test checks that non-logging steps never sync with
+the host."""
 
 from __future__ import annotations
 
@@ -25,24 +26,25 @@ class _SlowData:
         return self.inner.sample(index)
 
 
-def test_next_batch_is_prepared_before_the_step_runs():
+def test_next_step_is_prepared_before_the_step_runs():
     cfg = load_recipe("debug").config
     data, _ = build_datasets(cfg.data, vocab_size=256, seq_len=32, seed=0)
     slow = _SlowData(data)
     layout = BatchLayout(global_batch_size=8, micro_batch_size=2, world_size=2)  # 2 micro-steps
     loader = BatchLoader(slow, layout, rank=1, device=torch.device("cpu"), steps=3)
-    order = [(s, m) for s in range(3) for m in range(2)]
-    for i, (step, micro) in enumerate(order):
-        got = loader.load(step, micro)
-        expected = load_batch(data, layout.indices(step, micro, 1), torch.device("cpu"))
-        assert torch.equal(got.inputs, expected.inputs)
-        assert torch.equal(got.targets, expected.targets)
-        # Before this micro-batch's forward: the next one is already on its way (or done),
-        # read on the loader's thread.
-        if i + 1 < len(order):
-            assert list(loader.pending) == [order[i + 1]]
-            loader.pending[order[i + 1]].result(timeout=10)
-            following = set(layout.indices(*order[i + 1], 1))
+    for step in range(3):
+        got = loader.load_step(step)
+        assert got.every_target_trains and got.num_targets() == 2 * 2 * 32
+        for micro in range(2):
+            expected = load_batch(data, layout.indices(step, micro, 1), torch.device("cpu"))
+            assert torch.equal(got.load(micro).inputs, expected.inputs)
+            assert torch.equal(got.load(micro).targets, expected.targets)
+        # Before this step's first forward: the next step's batches are on their way (or
+        # done), read on the loader's thread.
+        if step + 1 < 3:
+            assert list(loader.pending) == [step + 1]
+            loader.pending[step + 1].result(timeout=10)
+            following = {i for m in range(2) for i in layout.indices(step + 1, m, 1)}
             threads = {name for index, name in slow.reads if index in following}
             assert threads and all(name.startswith("fsdprun-batch") for name in threads)
         else:
@@ -55,8 +57,8 @@ def test_out_of_order_load_still_gives_the_right_batch():
     data, _ = build_datasets(cfg.data, vocab_size=256, seq_len=32, seed=0)
     layout = BatchLayout(global_batch_size=4, micro_batch_size=2, world_size=2)
     loader = BatchLoader(data, layout, rank=0, device=torch.device("cpu"), steps=10)
-    loader.load(0, 0)
-    inputs = loader.load(5, 0).inputs  # a resume jumps ahead: the guessed batch is not used
+    loader.load_step(0)
+    inputs = loader.load_step(5).load(0).inputs  # a resume jumps ahead: the guess is not used
     expected = load_batch(data, layout.indices(5, 0, 0), torch.device("cpu")).inputs
     assert torch.equal(inputs, expected)
     loader.close()
@@ -73,7 +75,7 @@ def test_non_logging_steps_do_not_sync_with_the_host(tmp_path):
     import torch.distributed as dist
 
     from fsdprun.device import build_worker_device
-    from fsdprun.train.loop import forward_backward
+    from fsdprun.train.loop import forward_backward, step_num_targets
     from fsdprun.train.worker import Ranks, _build
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1",
@@ -95,8 +97,14 @@ def test_non_logging_steps_do_not_sync_with_the_host(tmp_path):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")  # warm-up first
             try:
-                forward_backward(engine, optimizer, trainable.scaler, batches, step,
-                                 num_micro=layout.grad_accum_steps, grad_clip=cfg.train.grad_clip,
+                step_batches = batches.load_step(step)
+                num_targets = step_num_targets(
+                    step_batches, tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
+                    device=device.torch_device,
+                )  # fmt: skip
+                forward_backward(engine, optimizer, trainable.scaler, step_batches,
+                                 num_targets=num_targets, world_size=1,
+                                 grad_clip=cfg.train.grad_clip,
                                  device=device.torch_device)  # fmt: skip
                 optimizer.step()
                 scheduler.step()

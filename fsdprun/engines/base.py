@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from fsdprun.data.batch import Batch
+
 # Each engine's module holds its knob translation (`knobs`, `accumulation`), its build (`build`),
 # its unit plan and memory rules (`unit_plan`, `memory`: read by `fsdprun plan`) and its run-time
 # differences (`micro_step`, `clip_grad_norm`, `grad_scaler`). All three are torch-free at load.
@@ -195,12 +197,20 @@ class Engine:
     # stores both; its manifest says which, so inspect and export count the tensor once).
     tied: dict[str, str] = field(default_factory=dict)
 
-    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token loss of one micro-batch: `loss(model(inputs), targets)`, or the chunked
-        loss inside the model's forward."""
+    def forward_loss(self, batch: Batch) -> torch.Tensor:
+        """The SUM of the token losses of one micro-batch over its trained targets (not -100):
+        `loss(model(inputs), targets)`, or the chunked loss inside the model's forward. Packed
+        rows' `positions` and `doc_ids` go to the model. A sum, not a mean: the training loop
+        divides by the step's global count of trained targets (micro-batches and ranks hold
+        different counts with fine-tuning data)."""
+        model_kwargs = {}
+        if batch.positions is not None:
+            model_kwargs = {"positions": batch.positions, "doc_ids": batch.doc_ids}
+        targets = batch.targets
         if self.chunked_loss is None:
-            return self.loss(self.model(inputs), targets)
-        return self.model(inputs, head=functools.partial(self.chunked_loss, targets=targets))
+            return self.loss(self.model(batch.inputs, **model_kwargs), targets, reduction="sum")
+        head = functools.partial(self.chunked_loss, targets=targets, reduction="sum")
+        return self.model(batch.inputs, head=head, **model_kwargs)
 
     def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
         """Around forward and backward of one micro-batch; `sync` on the last one of a step.

@@ -43,6 +43,24 @@ def fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _differs(trained: float | None, tokens: float) -> bool:
+    # Fine-tuning data trains fewer targets than it processes; windows train every one.
+    return trained is not None and abs(trained - tokens) > 1e-9 * max(tokens, 1.0)
+
+
+def _trained(e: dict[str, Any]) -> str:
+    """The log line's trained tok/s, when the data masks targets (absent from older runs)."""
+    trained = e.get("trained_tokens_per_s")
+    return f"{trained:,.0f} trained tok/s | " if _differs(trained, e["tokens_per_s"]) else ""
+
+
+def _trained_row(t: dict[str, Any]) -> list[tuple[str, str]]:
+    trained = t.get("trained_tokens_per_s")
+    if not _differs(trained, t["tokens_per_s"]):
+        return []
+    return [("trained tokens/s (total)", f"{trained:,.0f}")]
+
+
 class Cell:
     """Table text that wraps only between its pieces, never inside one.
 
@@ -206,7 +224,7 @@ class Reporter:
         line = (
             f"step {e['step']} | loss {e['loss']:.4f} | lr {e['lr']:.2e} | "
             f"gnorm {e['grad_norm']:.3f} | {e['tokens_per_s']:,.0f} tok/s | "
-            f"{e['step_time_s'] * 1e3:.0f} ms"
+            f"{_trained(e)}{e['step_time_s'] * 1e3:.0f} ms"
         )
         self.console.print(line)
         if self.progress is not None:
@@ -233,6 +251,7 @@ class Reporter:
         rows = [
             ("tokens/s (total)", f"{t['tokens_per_s']:,.0f}"),
             ("tokens/s per device", f"{t['tokens_per_s_per_device']:,.0f}"),
+            *_trained_row(t),
             ("step time p50", f"{t['step_time_p50_s'] * 1e3:.1f} ms"),
             ("step time p90", f"{t['step_time_p90_s'] * 1e3:.1f} ms"),
             ("TFLOP/s per device", f"{t['tflops_per_device']:.3f}"),

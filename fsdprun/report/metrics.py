@@ -76,17 +76,24 @@ def throughput(
     world_size: int,
     flops_per_token: int,
     peak_flops_per_device: float | None,
+    trained_tokens: list[int] | None = None,
 ) -> dict[str, Any]:
-    """Throughput figures over the steps after `warmup_steps` (all steps if that leaves none)."""
-    measured = step_times_s[warmup_steps:] or step_times_s
+    """Throughput figures over the steps after `warmup_steps` (all steps if that leaves none).
+
+    tokens/s and MFU count every token processed (padding included); `trained_tokens` (per step,
+    aligned with `step_times_s`) gives trained_tokens_per_s, the targets that trained."""
+    first = warmup_steps if step_times_s[warmup_steps:] else 0
+    measured = step_times_s[first:]
     total_s = sum(measured)
     tokens_per_s = tokens_per_step * len(measured) / total_s if total_s > 0 else math.nan
+    trained = sum(trained_tokens[first:]) / total_s if trained_tokens and total_s > 0 else None
     per_device = tokens_per_s / world_size
     flops_per_device = per_device * flops_per_token
     return {
         "steps_measured": len(measured),
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device,
+        "trained_tokens_per_s": trained,
         "step_time_p50_s": percentile(measured, 50),
         "step_time_p90_s": percentile(measured, 90),
         "tflops_per_device": flops_per_device / 1e12,

@@ -8,7 +8,10 @@ finish an async save) comes from the step's `StepAgreement`, so every rank reach
 collectives in the same order.
 
 The loss is computed in one place, `micro_loss(engine, batch)`, from one `Batch`: what the
-training step and evaluation feed the model and the loss function goes through there.
+training step and evaluation feed the model and the loss function goes through there. It is a
+sum of token losses; the step divides it by N, the global count of the step's trained targets
+(`step_num_targets`), so that the step loss and its gradients are the global token mean however
+many targets each micro-batch and rank holds (fine-tuning data masks prompts and padding).
 
 Never imports the launcher, the CLI or the console report: events leave through `Events`.
 """
@@ -28,7 +31,7 @@ import torch.distributed as dist
 from fsdprun.checkpoint import Checkpointer, SaveFailed, SaveRecord, build_state, step_dir
 from fsdprun.config import NonFinite, RecipeConfig
 from fsdprun.data import Batch, BatchLayout, Dataset, load_batch
-from fsdprun.data.prefetch import BatchLoader
+from fsdprun.data.prefetch import BatchLoader, StepBatches
 from fsdprun.device import Device
 from fsdprun.engines.float8 import precompute_scales
 from fsdprun.engines.weights import model_state_bytes
@@ -41,39 +44,66 @@ from fsdprun.train.guard import (
     freeze,
     injected_step,
 )
+from fsdprun.train.loss import num_targets as count_targets
 from fsdprun.train.profiling import StepProfiler
 from fsdprun.train.state import TrainState
 
 
 def micro_loss(engine, batch: Batch) -> torch.Tensor:
-    """Mean token loss of one micro-batch under the engine's autocast (training and eval)."""
+    """Summed token loss of one micro-batch over its trained targets, under the engine's autocast
+    (training and eval)."""
     with engine.autocast():
-        return engine.forward_loss(batch.inputs, batch.targets)
+        return engine.forward_loss(batch)
+
+
+def step_num_targets(
+    batches: StepBatches, *, tokens_per_step: int, device: torch.device
+) -> int | torch.Tensor:
+    """N, the global count of the step's trained targets: what the step's summed token losses
+    are divided by, so that the loss is the global token mean whatever the masks.
+
+    Windows and synthetic data train every target: N is the global batch's token count, known
+    without reading or communicating. Fine-tuning data: this rank's count over its micro-batches
+    (read on the host, no device sync), all-reduced (SUM) once per step, before the first
+    backward. At least 1: a step without any trained target adds zero gradients, not 0/0.
+    """
+    if batches.every_target_trains:
+        return tokens_per_step
+    # int64: exact at any batch size (fp32 counts round beyond 2**24 tokens a step).
+    count = torch.tensor(batches.num_targets(), dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    return count.clamp(min=1)
 
 
 def forward_backward(
-    engine, optimizer, scaler, batches: BatchLoader, step: int, *, num_micro: int,
-    grad_clip: float, device: torch.device, poison: bool = False,
+    engine, optimizer, scaler, batches: StepBatches, *, num_targets: int | torch.Tensor,
+    world_size: int, grad_clip: float, device: torch.device, poison: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Forward and backward over the `num_micro` micro-batches of one step, then unscale (fp16)
-    and clip (`grad_clip` 0: measure the norm only). `poison` makes the loss infinite (a drill).
+    """Forward and backward over one step's micro-batches, then unscale (fp16) and clip
+    (`grad_clip` 0: measure the norm only). `poison` makes the loss infinite (a drill).
+
+    Args:
+        num_targets: N, the step's global count of trained targets (`step_num_targets`).
+        world_size: the data-parallel world size the engine divides reduced gradients by.
 
     Returns:
-        (sum of this rank's micro-batch losses, the global gradient norm before clipping).
+        (the sum of this rank's token losses, the global gradient norm before clipping).
     """
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    # The engines average gradients over ranks (they divide the reduced sum by the data-parallel
+    # world size), so backward on `sum * world_size / N` leaves the gradient of the global token
+    # mean, sum over every rank and micro-batch / N. With every target trained this is
+    # mean / num_micro, the same number (N and the divisors are powers of two in practice).
+    scale = world_size / num_targets
+    num_micro = len(batches.host)
     for micro in range(num_micro):
         # The last micro-step completes the reduction; what earlier ones reduce is the engine's
         # accumulation mode (sharded engines reduce-scatter every micro-step).
         with engine.micro_step(sync=micro == num_micro - 1):
-            batch = batches.load(step, micro)  # and the next one starts loading
-            loss = micro_loss(engine, batch)
+            loss = micro_loss(engine, batches.load(micro))
             if poison:
                 loss = loss * float("inf")
-            # Each micro-batch holds the same number of tokens, so averaging micro-losses over
-            # accumulation steps (here) and ranks (the engine's gradient reduction) is the
-            # global mean.
-            scaled = loss / num_micro
+            scaled = loss * scale
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
     if scaler is not None:
@@ -84,22 +114,31 @@ def forward_backward(
 def evaluate(
     engine, data: Dataset, layout: BatchLayout, *, num_batches: int, rank: int, device: Device
 ) -> float:
-    """Mean loss over the first `num_batches` global batches of the validation data.
+    """Token mean loss over the first `num_batches` global batches of the validation data.
 
     Every rank runs its share of each batch: the same number of forwards everywhere, so FSDP's
-    all-gathers line up, then one all-reduce of the loss sum.
+    all-gathers line up, then one all-reduce of the loss sum and the count of trained targets.
     """
-    loss_sum = torch.zeros((), device=device.torch_device, dtype=torch.float32)
+    totals = torch.zeros(2, device=device.torch_device, dtype=torch.float32)  # loss sum, count
     # Eval mode: no dropout (HuggingFace configs may set it); no_grad keeps activations unsaved.
     engine.model.eval()
     with torch.no_grad():
         for index in range(num_batches):
             for micro in range(layout.grad_accum_steps):
                 batch = load_batch(data, layout.indices(index, micro, rank), device.torch_device)
-                loss_sum += micro_loss(engine, batch)
+                totals[0] += micro_loss(engine, batch)
+                totals[1] += count_targets(batch.targets)
     engine.model.train()
-    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-    return loss_sum.item() / (num_batches * layout.grad_accum_steps * layout.world_size)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    loss_sum, count = totals.tolist()
+    return loss_sum / max(count, 1.0)
+
+
+def as_counts(values: list[int | torch.Tensor]) -> list[int]:
+    """Per-step counts of trained targets as host integers (one device read for tensors)."""
+    if not values or not isinstance(values[0], torch.Tensor):
+        return list(values)
+    return torch.stack(values).tolist()
 
 
 class Events:
@@ -191,6 +230,7 @@ class LoopResult:
     skipped_steps: int  # non-finite steps skipped, the resumed run's included
     model_state_bytes: dict[str, int] | None  # after the first step the optimizer took
     stopped: dict[str, Any] | None  # the `stopped` event after an agreed stop
+    trained_tokens: list[int]  # per step of step_times_s: the global count of trained targets
 
 
 class _Faults:
@@ -214,6 +254,7 @@ class _Faults:
 class _Step:
     agreed: Agreement
     loss_sum: torch.Tensor
+    num_targets: int | torch.Tensor  # N, the step's global count of trained targets
     grad_norm: torch.Tensor
     lr: float  # the step's, read before the schedule moves on
 
@@ -239,6 +280,7 @@ class TrainLoop:
         )  # fmt: skip
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         self.step_times: list[float] = []
+        self.trained: list[int | torch.Tensor] = []  # N of each step, read when logged
         self.skipped_in_row, self.skipped_total = 0, skipped_steps
         self.model_state: dict[str, int] | None = None
         self.loss, self.val_loss = float("nan"), None
@@ -274,7 +316,7 @@ class TrainLoop:
         if cfg.train.steps + 1 in self.faults.fail:
             raise RuntimeError("injected failure after the last step (FSDPRUN_FAIL_AT)")
         return LoopResult(self.step_times, self.loss, self.val_loss, self.skipped_total,
-                          self.model_state, stopped)  # fmt: skip
+                          self.model_state, stopped, as_counts(self.trained))  # fmt: skip
 
     def _step(self, step: int) -> _Step:
         done = step + 1
@@ -292,9 +334,12 @@ class TrainLoop:
                 save_done=self.checkpointer.in_flight_done(),
                 device=self.device.torch_device,
             )
+            batches = self.batches.load_step(step)  # and the next step's start loading
+            num_targets = step_num_targets(batches, tokens_per_step=self.tokens_per_step,
+                                           device=self.device.torch_device)  # fmt: skip
             loss_sum, grad_norm = forward_backward(
-                t.engine, t.optimizer, t.scaler, self.batches, step,
-                num_micro=self.layout.grad_accum_steps, grad_clip=self.cfg.train.grad_clip,
+                t.engine, t.optimizer, t.scaler, batches, num_targets=num_targets,
+                world_size=self.layout.world_size, grad_clip=self.cfg.train.grad_clip,
                 device=self.device.torch_device, poison=done in self.faults.nonfinite,
             )  # fmt: skip
             agreed = agreement.finish(
@@ -307,7 +352,8 @@ class TrainLoop:
             self._update()
         self.device.synchronize()  # a CPU-GPU sync: step times measure the device, not the queue
         self.step_times.append(time.perf_counter() - t0)
-        return _Step(agreed, loss_sum, grad_norm, lr)
+        self.trained.append(num_targets)
+        return _Step(agreed, loss_sum, num_targets, grad_norm, lr)
 
     def _update(self) -> None:
         """The optimizer step of a finite step, and the schedule's."""
@@ -379,13 +425,16 @@ class TrainLoop:
 
     def _log(self, done: int, result: _Step) -> None:
         """The `step` event. Logging steps only read the loss back (not every step): every rank
-        reaches this all-reduce of the loss sums at the same steps."""
+        reaches this all-reduce of the loss sums at the same steps. tokens_per_s counts every
+        token processed (padding included, as MFU does); trained_tokens_per_s only the trained
+        targets (fewer with fine-tuning data)."""
         with self.heartbeat.watch(done, "step"):
             dist.all_reduce(result.loss_sum, op=dist.ReduceOp.SUM)
-        self.loss = result.loss_sum.item() / (self.layout.grad_accum_steps * self.layout.world_size)
+        self.loss = float(result.loss_sum / result.num_targets)
         norm = result.grad_norm
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         window_s = time.perf_counter() - self.window_start
+        trained = as_counts(self.trained[len(self.trained) - (done - self.last_logged) :])
         self.events.emit(
             "step",
             step=done,
@@ -395,6 +444,8 @@ class TrainLoop:
             tokens_per_s=self.tokens_per_step * (done - self.last_logged) / window_s,
             step_time_s=self.step_times[-1],
             tokens_seen=done * self.tokens_per_step,
+            trained_tokens=trained[-1],
+            trained_tokens_per_s=sum(trained) / window_s,
             skipped=result.agreed.nonfinite,
             memory=self.device.peak_memory(),
         )

@@ -427,6 +427,7 @@ def _summary(
             world_size=ranks.world_size,
             flops_per_token=flops_per_token,
             peak_flops_per_device=peak,
+            trained_tokens=result.trained_tokens,
         ),
         "timing_warmup_steps": cfg.output.timing_warmup_steps,
         "step_times_s": step_times,
