@@ -99,3 +99,13 @@ def test_a_global_step_reads_the_same_samples_at_any_world_size(world_size, micr
             for i in layout.indices(step, m, r)
         )  # fmt: skip
         assert seen == list(range(step * 8, step * 8 + 8))
+
+
+def test_tracker_rows_carry_trained_tokens_per_s_only_when_the_step_has_it():
+    from fsdprun.report.trackers import Rows
+
+    step = {"event": "step", "step": 3, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0,
+            "tokens_seen": 96, "tokens_per_s": 1000.0, "step_time_s": 0.1}  # fmt: skip
+    assert "perf/trained_tokens_per_s" not in Rows(0)(step).scalars
+    row = Rows(0)({**step, "trained_tokens": 40, "trained_tokens_per_s": 125.0})
+    assert row.step == 3 and row.scalars["perf/trained_tokens_per_s"] == 125.0

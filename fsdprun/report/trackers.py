@@ -2,7 +2,7 @@
 
 Rank 0 hands the trackers the same event dicts it writes to metrics.jsonl (`Trackers.handle`).
 `Rows` turns each event into one row, the same for both trackers, so the charts hold the values
-of metrics.jsonl: scalars for `step` and `eval` events (loss, val loss, lr, grad norm, tokens/s,
+of metrics.jsonl: scalars for `step` and `eval` events (loss, val loss, lr, grad norm, tokens/s (and trained tokens/s on fine-tuning data),
 step time, MFU when a peak is known, peak memory in GiB), and the other events (start, resume,
 restart, checkpoint, skip, stopped, warnings, summary) as JSON text.
 
@@ -83,6 +83,8 @@ class Rows:
             }
             if self._mfu_per_token is not None:
                 scalars["perf/mfu"] = event["tokens_per_s"] * self._mfu_per_token
+            if "trained_tokens_per_s" in event:  # fine-tuning data: only unmasked targets
+                scalars["perf/trained_tokens_per_s"] = event["trained_tokens_per_s"]
             for key, value in event.get("memory", {}).items():
                 scalars[f"memory/{key.removesuffix('_bytes')}_gib"] = value / GIB
             return Row(self.step, scalars=scalars)
