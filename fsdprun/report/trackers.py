@@ -2,9 +2,10 @@
 
 Rank 0 hands the trackers the same event dicts it writes to metrics.jsonl (`Trackers.handle`).
 `Rows` turns each event into one row, the same for both trackers, so the charts hold the values
-of metrics.jsonl: scalars for `step` and `eval` events (loss, val loss, lr, grad norm, tokens/s (and trained tokens/s on fine-tuning data),
-step time, MFU when a peak is known, peak memory in GiB), and the other events (start, resume,
-restart, checkpoint, skip, stopped, warnings, summary) as JSON text.
+of metrics.jsonl: scalars for `step` and `eval` events (loss, val loss, lr, grad norm, tokens/s,
+trained tokens/s on fine-tuning data, step time, MFU when a peak is known, peak memory in GiB),
+and the other events (start, resume, restart, checkpoint, skip, stopped, warnings, summary) as
+JSON text.
 
 Both follow a resume into the same run, and no step goes backwards or repeats:
 
