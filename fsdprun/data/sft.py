@@ -40,7 +40,7 @@ from fsdprun.data.batch import IGNORE_INDEX, Row
 from fsdprun.data.files import DESCRIPTION, read_description, token_dtype_for
 from fsdprun.data.lazy_numpy import np
 from fsdprun.data.sft_examples import SFT_SOURCES, Examples, tokenize_examples
-from fsdprun.data.windows import _epoch_seed
+from fsdprun.data.windows import EpochOrder, _epoch_seed
 from fsdprun.errors import UserError
 from fsdprun.staging import staged_folder
 
@@ -148,16 +148,8 @@ class SFTData:
         self.description = (
             f"{kind}: {self.counts}; {self.num_samples:,} rows of {seq_len + 1} tokens ({layout})"
         )
-        self._perm: tuple[int, np.ndarray] | None = None
-
-    def order(self, epoch: int) -> np.ndarray:
-        """The permutation of rows used in `epoch` (cached: one epoch at a time)."""
-        if self._perm is None or self._perm[0] != epoch:
-            import torch
-
-            gen = torch.Generator().manual_seed(_epoch_seed(self.seed, self.stream, epoch))
-            self._perm = (epoch, torch.randperm(self.num_samples, generator=gen).numpy())
-        return self._perm[1]
+        # The permutation of rows used in each epoch.
+        self.order = EpochOrder(self.num_samples, seed=seed, stream=stream)
 
     def sample(self, index: int) -> Row:
         """Sample `index`: a `Row` of seq_len + 1 tokens, CPU int64."""

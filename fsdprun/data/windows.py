@@ -45,6 +45,23 @@ def _epoch_seed(seed: int, stream: str, epoch: int) -> int:
     return int.from_bytes(digest, "little") >> 1  # a non-negative int64
 
 
+class EpochOrder:
+    """The order of `num_samples` samples in each epoch: a permutation set by (seed, stream,
+    epoch) alone, cached one epoch at a time."""
+
+    def __init__(self, num_samples: int, *, seed: int, stream: str):
+        self.num_samples, self.seed, self.stream = num_samples, seed, stream
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            import torch  # not at the top: the data preflight imports this module without torch
+
+            gen = torch.Generator().manual_seed(_epoch_seed(self.seed, self.stream, epoch))
+            self._perm = (epoch, torch.randperm(self.num_samples, generator=gen).numpy())
+        return self._perm[1]
+
+
 class ShuffledWindows:
     """A dataset over the windows `ids` of a `TokenWindows`, in an order set by the seed.
 
@@ -65,16 +82,8 @@ class ShuffledWindows:
         self.windows, self.ids, self.seed, self.stream = windows, ids, seed, stream
         self.vocab_size, self.description = vocab_size, description
         self.num_samples = len(ids)
-        self._perm: tuple[int, np.ndarray] | None = None
-
-    def order(self, epoch: int) -> np.ndarray:
-        """The permutation of window positions used in `epoch` (cached: one epoch at a time)."""
-        if self._perm is None or self._perm[0] != epoch:
-            import torch  # not at the top: the data preflight imports this module without torch
-
-            gen = torch.Generator().manual_seed(_epoch_seed(self.seed, self.stream, epoch))
-            self._perm = (epoch, torch.randperm(self.num_samples, generator=gen).numpy())
-        return self._perm[1]
+        # The permutation of window positions used in each epoch.
+        self.order = EpochOrder(self.num_samples, seed=seed, stream=stream)
 
     def sample(self, index: int) -> torch.Tensor:
         """Sample `index`: seq_len + 1 tokens, int64, CPU."""

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdprun.config import LoraConfig, ModelConfig, ModelInit
-from fsdprun.engines.weights import init_value, init_weights
+from fsdprun.engines.weights import init_value, init_weights, set_full_value
 from fsdprun.models import build_model
 from fsdprun.models.lora import apply_lora, is_adapter_name, peft_adapter_config, peft_state_dict
 
@@ -36,13 +35,7 @@ def init_adapters(model: nn.Module, *, seed: int, device: torch.device) -> int:
     for name, param in model.named_parameters():
         if not is_adapter_name(name):
             continue
-        full = init_value(model, name, param, seed=seed, device=device)
-        if isinstance(param, DTensor):
-            # Sliced locally (src_data_rank=None): no communication, see parallel.init_weights.
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(local.to_local())
-        else:
-            param.copy_(full)
+        set_full_value(param, init_value(model, name, param, seed=seed, device=device))
         count += 1
     return count
 

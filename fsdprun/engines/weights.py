@@ -73,13 +73,18 @@ def init_weights(model: nn.Module, *, seed: int, device: torch.device) -> None:
     model.to_empty(device=device)
     retie(model, ties)
     for name, param in model.named_parameters():
-        full = init_value(model, name, param, seed=seed, device=device)
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(local.to_local())
-        else:
-            param.copy_(full)
+        set_full_value(param, init_value(model, name, param, seed=seed, device=device))
     model.init_buffers(device)
+
+
+def set_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Give `param` the value `full`; a DTensor keeps only its own shard of it (sliced locally:
+    src_data_rank=None, no communication)."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
 
 
 def _local_bytes(t: torch.Tensor) -> int:
