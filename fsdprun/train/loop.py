@@ -135,10 +135,12 @@ def evaluate(
 
 
 def as_counts(values: list[int | torch.Tensor]) -> list[int]:
-    """Per-step counts of trained targets as host integers (one device read for tensors)."""
-    if not values or not isinstance(values[0], torch.Tensor):
+    """Per-step counts of trained targets as host integers (one device read for the tensors)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
         return list(values)
-    return torch.stack(values).tolist()
+    host = iter(torch.stack(tensors).tolist())
+    return [next(host) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 class Events:
@@ -434,7 +436,11 @@ class TrainLoop:
         norm = result.grad_norm
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         window_s = time.perf_counter() - self.window_start
-        trained = as_counts(self.trained[len(self.trained) - (done - self.last_logged) :])
+        window = len(self.trained) - (done - self.last_logged)
+        trained = as_counts(self.trained[window:])
+        # Host integers from here on (read with the loss): no device scalar per step is kept
+        # for the rest of the run.
+        self.trained[window:] = trained
         self.events.emit(
             "step",
             step=done,
