@@ -392,7 +392,12 @@ class _HFExport:
 
 
 def _prepare_hf(
-    path: Path, manifest: dict, plans: list[ExportedTensor], *, dtype: torch.dtype | None
+    path: Path,
+    manifest: dict,
+    plans: list[ExportedTensor],
+    *,
+    dtype: torch.dtype | None,
+    merge_lora: bool,
 ) -> tuple[_HFExport, list[ExportedTensor], TensorReader | None]:
     """The HF names, config and token ids; a LoRA checkpoint's tensors are the merged weights
     (held in memory), read by the returned reader instead of the checkpoint's."""
@@ -400,7 +405,7 @@ def _prepare_hf(
     model = model_config(recipe["model"])
     spec = model_spec(model)
     read = None
-    if any(is_adapter_name(p.name) for p in plans):
+    if merge_lora:
         merged = merged_lora_weights(path, manifest)
         plans = _merged_plans(merged, dtype=dtype)
 
@@ -450,7 +455,9 @@ def export_checkpoint(
 
     if fmt == "hf":
         # Everything the HF files need is read before anything is written.
-        hf, plans, merged_read = _prepare_hf(path, manifest, plans, dtype=DTYPES.get(dtype))
+        hf, plans, merged_read = _prepare_hf(
+            path, manifest, plans, dtype=DTYPES.get(dtype), merge_lora=has_adapters
+        )
         read = merged_read or read
     shards = split_shards(plans, max_shard_bytes)
     names, index_name = shard_file_names("torch" if fmt == "torch" else "safetensors", len(shards))
