@@ -258,9 +258,9 @@ def resume(
     standalone: StandaloneOpt = False,
 ) -> None:
     """Continue a run from its newest complete checkpoint (any world size)."""
-    from fsdprun.launch.rundir import recipe_path
-    from fsdprun.launch.runlock import hold_run_dir
     from fsdprun.launch.slurm import srun_env
+    from fsdprun.rundir import recipe_path
+    from fsdprun.runlock import hold_run_dir
 
     if "RANK" in os.environ or srun_env(os.environ, nnodes=nnodes):
         # Every rank would start a launcher of its own on the same run directory.

@@ -1,11 +1,13 @@
 """Import rules of the package layout, read from the source files (nothing is imported).
 
-Each rule is what a module's opening docstring promises: config never imports torch nor the
-packages that run training, models never import torch.distributed, report never imports the
-engines or the training loop, checkpoint never imports the training loop nor the launcher, data
-never imports engines, train, launch or models, tools read and never run (no training loop, no
-launcher), launch builds nothing itself (no models, no engines), and no fsdprun modules import
-each other in a circle at load time.
+Each rule is what a module's opening docstring promises: the ground floor (errors, device, the
+run directory's names and lock) imports nothing of fsdprun above it, so every package may import
+it; config never imports torch nor the packages that run training, models never import
+torch.distributed, report never imports the engines, the training loop nor the launcher,
+checkpoint never imports the training loop nor the launcher, data never imports engines, train,
+launch or models, tools read and never run (no training loop, no launcher), launch builds
+nothing itself (no models, no engines), and no fsdprun modules import each other in a circle at
+load time.
 A rule that another area still breaks is marked xfail(strict=True) naming that area: it turns
 into a failure the day it passes, so the mark comes off then. Run with
 `pytest tests/test_imports.py`.
@@ -19,6 +21,13 @@ from functools import cache
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdprun"
+
+# The package's ground floor: modules every package may import (they import only one another).
+GROUND_FLOOR = ("fsdprun.errors", "fsdprun.device", "fsdprun.rundir", "fsdprun.runlock")
+# What a ground-floor module may import above it inside a function, with the reason.
+GROUND_FLOOR_LAZY = {
+    "fsdprun.errors": {"fsdprun.report.console": "a file-size limit's message spells its bytes"},
+}
 
 # Imports that config may make inside a function, with the reason; all others are at load time.
 CONFIG_LAZY_IMPORTS = {
@@ -165,9 +174,7 @@ def test_config_never_imports_torch_nor_the_training_packages():
     bad = direct_violations(
         area("config"),
         ("torch", "fsdprun.data", "fsdprun.engines", "fsdprun.train", "fsdprun.launch"),
-        # The sharding rules validate checks; the run directory's names (the metrics file's
-        # default: plain path arithmetic).
-        allowed=("fsdprun.engines.mesh", "fsdprun.launch.rundir"),
+        allowed=("fsdprun.engines.mesh",),  # the sharding rules validate checks
     )
     assert not bad, bad
     lazy = {t for m in area("config") for t in imports_of(m).in_functions}
@@ -183,10 +190,34 @@ def test_loading_and_validating_a_recipe_loads_no_torch():
             starts.update(_with_packages(target, module))
     seen, outside, via = loaded_by(starts)
     assert "torch" not in outside, path_to("torch", via)
-    # launch.rundir only spells paths (no torch, no other fsdprun module): the trackers' folders.
-    light = {"fsdprun.launch", "fsdprun.launch.rundir"}
-    heavy = sorted(m for m in seen - light if m.split(".")[1] in ("data", "train", "launch"))
+    heavy = sorted(m for m in seen if m.split(".")[1] in ("data", "train", "launch"))
     assert not heavy, [path_to(m, via) for m in heavy]
+
+
+def test_report_never_imports_the_launcher():
+    # The trackers' folders and the metrics file's path are the ground floor's (fsdprun.rundir).
+    bad = direct_violations(area("report"), ("fsdprun.launch",))
+    assert not bad, bad
+
+
+def test_the_ground_floor_imports_nothing_above_it():
+    """errors, device and the run directory's names and lock import, of fsdprun, only one another
+    (at any level, but the reasoned exceptions inside a function), so that every package may
+    import them without a circle."""
+    bad = [
+        line
+        for module in GROUND_FLOOR
+        for line in direct_violations([module], ("fsdprun",), allowed=GROUND_FLOOR)
+        if line.split(" imports ")[1] not in GROUND_FLOOR_LAZY.get(module, {})
+        or line.split(" imports ")[1] in imports_of(module).at_load
+    ]
+    assert not bad, bad
+
+
+def test_the_run_directory_modules_never_import_torch():
+    # `fsdprun status`, the launcher's lock and config's metrics-file default read them.
+    bad = direct_violations(["fsdprun.rundir", "fsdprun.runlock"], ("torch",))
+    assert not bad, bad
 
 
 def test_models_never_import_torch_distributed():
@@ -200,10 +231,8 @@ def test_report_never_imports_engines_or_train():
 
 
 def test_checkpoint_never_imports_train_nor_launch():
-    # inspect and export read a folder offline; launch.rundir only spells its paths.
-    bad = direct_violations(
-        area("checkpoint"), ("fsdprun.train", "fsdprun.launch"), allowed=("fsdprun.launch.rundir",)
-    )
+    # inspect and export read a folder offline; the run directory's names are the ground floor's.
+    bad = direct_violations(area("checkpoint"), ("fsdprun.train", "fsdprun.launch"))
     assert not bad, bad
 
 
@@ -215,8 +244,8 @@ def test_data_never_imports_engines_train_launch_or_models():
 
 
 def test_tools_never_import_the_training_loop_nor_the_launcher():
-    # plan prints the loss line the run header prints; status reads names and locks.
-    allowed = ("fsdprun.train.loss", "fsdprun.launch.rundir", "fsdprun.launch.runlock")
+    # plan prints the loss line the run header prints.
+    allowed = ("fsdprun.train.loss",)
     bad = direct_violations(area("tools"), ("fsdprun.train", "fsdprun.launch"), allowed=allowed)
     assert not bad, bad
 

@@ -246,7 +246,7 @@ def test_a_restarted_torchrun_worker_continues_only_its_own_run_dir(tmp_path, mo
 
     from fsdprun.checkpoint import checkpoint_root
     from fsdprun.launch.direct import claim_run_dir
-    from fsdprun.launch.rundir import agent_path
+    from fsdprun.rundir import agent_path
 
     run_dir = tmp_path / "run"
     resolved = load_recipe("debug")

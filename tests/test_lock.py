@@ -15,8 +15,8 @@ from pathlib import Path
 
 from conftest import FSDPRUN, Run, fsdprun_env, run_fsdprun
 
-from fsdprun.launch.rundir import lock_path
-from fsdprun.launch.runlock import hold_run_dir
+from fsdprun.rundir import lock_path
+from fsdprun.runlock import hold_run_dir
 
 
 def _popen(tmp_path: Path, *args: str) -> subprocess.Popen:
@@ -102,7 +102,7 @@ def test_one_run_per_directory_for_train_and_resume_and_status_tells(tmp_path):
 def test_status_never_imports_torch_and_refuses_a_non_run(tmp_path):
     code = (
         "import sys; from fsdprun.cli import app; "
-        "import fsdprun.tools.status, fsdprun.launch.runlock; "
+        "import fsdprun.tools.status, fsdprun.runlock; "
         "from typer.testing import CliRunner; "
         f"r = CliRunner().invoke(app, ['status', {str(tmp_path)!r}]); "
         "print(r.exit_code, 'torch' in sys.modules, r.output.strip())"
@@ -129,7 +129,7 @@ def test_each_node_locks_its_own_file(tmp_path):
     # while a second launch of node 0 is. (Another process: locks are per process.)
     def take(node_rank: int) -> subprocess.CompletedProcess:
         code = (
-            "from pathlib import Path; from fsdprun.launch.runlock import hold_run_dir\n"
+            "from pathlib import Path; from fsdprun.runlock import hold_run_dir\n"
             f"with hold_run_dir(Path({str(tmp_path)!r}), node_rank={node_rank}): print('held')"
         )
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""The run directory's names (fsdprun.launch.rundir): pure path logic, no run needed.
+"""The run directory's names (fsdprun.rundir): pure path logic, no run needed.
 
 Run with `pytest tests/test_rundir.py`.
 """
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdprun.launch import rundir
+from fsdprun import rundir
 
 
 @pytest.mark.parametrize("step", [0, 8, 12345678, 123456789])

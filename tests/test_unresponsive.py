@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import FSDPRUN, fsdprun_env, run_fsdprun
 
-from fsdprun.launch.rundir import lock_path
-from fsdprun.launch.runlock import is_locked
+from fsdprun.rundir import lock_path
+from fsdprun.runlock import is_locked
 
 
 def _gone(pid: int) -> bool:

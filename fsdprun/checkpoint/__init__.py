@@ -1,7 +1,7 @@
 """Checkpoints: sharded DCP saves, their manifest and completeness, resuming, inspecting, export.
 
 Layout: RUN_DIR/checkpoints/step-00000008/ holds DCP's shard files (`__<rank>_0.distcp`), DCP's
-`.metadata`, and `manifest.json`, which rank 0 writes last (paths: `fsdprun.launch.rundir`).
+`.metadata`, and `manifest.json`, which rank 0 writes last (paths: `fsdprun.rundir`).
 
 - `manifest`: write, read and validate manifest.json; whether a checkpoint is complete
   (no process group, no tensor data);
@@ -12,8 +12,8 @@ Layout: RUN_DIR/checkpoints/step-00000008/ holds DCP's shard files (`__<rank>_0.
 
 The names other packages use are re-exported here; this file holds no code of its own.
 
-The package never imports the training loop (`train`) nor the launcher (`launch`, but for the path
-names of `launch.rundir`): `inspect` and `export` read a folder without them.
+The package never imports the training loop (`train`) nor the launcher (`launch`); the run
+directory's names come from `fsdprun.rundir`: `inspect` and `export` read a folder without them.
 """
 
 from fsdprun.checkpoint.manifest import (
@@ -36,7 +36,7 @@ from fsdprun.checkpoint.save import (
     build_state,
     new_checkpoint_group,
 )
-from fsdprun.launch.rundir import checkpoint_root, step_dir
+from fsdprun.rundir import checkpoint_root, step_dir
 
 __all__ = [
     "CheckpointStatus",

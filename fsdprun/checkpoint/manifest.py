@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from fsdprun import __version__
-from fsdprun.launch.rundir import checkpoint_root, manifest_path, step_of
+from fsdprun.rundir import checkpoint_root, manifest_path, step_of
 
 FORMAT_VERSION = 1
 

@@ -38,8 +38,8 @@ from fsdprun.checkpoint.manifest import (
     verify_checkpoint,
 )
 from fsdprun.errors import UserError
-from fsdprun.launch.rundir import checkpoint_root
 from fsdprun.models.lora import is_adapter_name
+from fsdprun.rundir import checkpoint_root
 
 
 def find_resume_checkpoint(

@@ -40,8 +40,8 @@ from fsdprun.checkpoint.manifest import file_sha256, list_checkpoints, write_man
 from fsdprun.checkpoint.restore import move_aside
 from fsdprun.config import CheckpointConfig
 from fsdprun.errors import describe_os_error, find_os_error
-from fsdprun.launch.rundir import checkpoint_root, step_dir
 from fsdprun.report.console import fmt_bytes
+from fsdprun.rundir import checkpoint_root, step_dir
 
 
 def json_tensor(data: dict[str, Any]) -> torch.Tensor:

@@ -3,8 +3,8 @@ field's help text (which feeds `fsdprun config --explain`, `--help` and docs/rec
 
 Only data lives here: no loading (`load`), no checks (`validate`). OmegaConf reads these classes
 as structured configs, so a wrong type or enum value is refused at merge time. Never imports
-torch, nor any other fsdprun module but `launch.rundir` (plain path names, which spells the
-metrics file's default).
+torch, nor any other fsdprun module but `rundir` (plain path names, which spells the metrics
+file's default).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdprun.launch.rundir import DEFAULT_METRICS_FILE
+from fsdprun.rundir import DEFAULT_METRICS_FILE
 
 
 def _f(default: Any, help: str, **kwargs: Any) -> Any:

@@ -26,8 +26,8 @@ from fsdprun.config import ResolvedRecipe, load_recipe
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.launch.elastic import prepare_run_dir
-from fsdprun.launch.rundir import agent_path
-from fsdprun.launch.runlock import hold_run_dir
+from fsdprun.rundir import agent_path
+from fsdprun.runlock import hold_run_dir
 from fsdprun.train.guard import restart_count
 from fsdprun.train.worker import run
 

@@ -30,15 +30,15 @@ from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
-from fsdprun.launch.rundir import (
+from fsdprun.report.console import MetricsFollower, Reporter
+from fsdprun.rundir import (
     checkpoint_root,
     earlier_recipe_path,
     logs_dir,
     recipe_path,
     stop_path,
 )
-from fsdprun.launch.runlock import hold_run_dir
-from fsdprun.report.console import MetricsFollower, Reporter
+from fsdprun.runlock import hold_run_dir
 from fsdprun.train.guard import (
     LAUNCHER_PID_ENV,
     clear_verdict,

@@ -17,7 +17,7 @@ from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint
 from fsdprun.config import ResolvedRecipe, config_to_dict, load_recipe, validate
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
-from fsdprun.launch.rundir import RECIPE_FILE, recipe_path
+from fsdprun.rundir import RECIPE_FILE, recipe_path
 from fsdprun.train.optim import lr_factor
 
 # Keys (or prefixes) a resumed run may change.

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdprun.errors import UserError
-from fsdprun.launch.rundir import metrics_path
 from fsdprun.report.metrics import read_events
+from fsdprun.rundir import metrics_path
 
 GIB = 2**30
 FIGURE_SIZE_IN = (15.0, 8.0)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdprun.errors import UserError
-from fsdprun.launch.rundir import tensorboard_dir, wandb_dir
+from fsdprun.rundir import tensorboard_dir, wandb_dir
 
 GIB = 2**30
 WANDB_MODES = ("offline", "online", "disabled")

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 from fsdprun.config import Engine, Sharding, load_recipe
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
-from fsdprun.launch.rundir import LOCK_FILE, compare_log_path, metrics_path
-from fsdprun.launch.runlock import hold_run_dir
 from fsdprun.report.metrics import read_events
+from fsdprun.rundir import LOCK_FILE, compare_log_path, metrics_path
+from fsdprun.runlock import hold_run_dir
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdprun.errors import UserError
-from fsdprun.launch.rundir import (
+from fsdprun.report.metrics import read_events
+from fsdprun.rundir import (
     RECIPE_FILE,
     checkpoint_root,
     heartbeat_paths,
@@ -29,8 +30,7 @@ from fsdprun.launch.rundir import (
     recipe_path,
     step_of,
 )
-from fsdprun.launch.runlock import Holder, is_locked, read_holder
-from fsdprun.report.metrics import read_events
+from fsdprun.runlock import Holder, is_locked, read_holder
 
 
 def run_status(run_dir: Path) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdprun.launch.rundir import heartbeat_dir, heartbeat_path, stop_path, verdict_path
+from fsdprun.rundir import heartbeat_dir, heartbeat_path, stop_path, verdict_path
 
 
 def request_stop(run_dir: Path, reason: str) -> None:

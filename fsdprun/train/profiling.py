@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fsdprun.config import ProfileConfig
-from fsdprun.launch.rundir import profile_dir, snapshot_path, trace_path
+from fsdprun.rundir import profile_dir, snapshot_path, trace_path
 
 
 def profiled_ranks(cfg: ProfileConfig, world_size: int) -> list[int]:

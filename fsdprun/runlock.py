@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdprun.errors import UserError
-from fsdprun.launch.rundir import lock_path
+from fsdprun.rundir import lock_path
 
 # Run directories this process holds, by resolved path: a command that locked early (resume
 # plans under the lock) hands the launcher a directory it already holds.
