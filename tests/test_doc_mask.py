@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from fsdprun.config import ActivationCheckpointingConfig, CheckpointMode
 from fsdprun.engines.transforms import apply_activation_checkpointing
+from fsdprun.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, num_targets
 from fsdprun.models.attention import attend, build_attention_mask, document_causal_mask
 from fsdprun.models.llama import ModelArgs, Transformer, rope_at
-from fsdprun.train.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, num_targets
 
 TOL = 1e-5
 HF_DIR = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"

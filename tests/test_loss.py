@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fsdprun.loss import chunked_cross_entropy, cross_entropy
 from fsdprun.models.llama import ModelArgs, Transformer
-from fsdprun.train.loss import chunked_cross_entropy, cross_entropy
 
 
 def _llama(tie: bool, vocab: int = 300) -> Transformer:

@@ -104,7 +104,7 @@ def build_engine(
     import torch
 
     from fsdprun.engines.weights import tied_names
-    from fsdprun.train.loss import chunked_cross_entropy, cross_entropy
+    from fsdprun.loss import chunked_cross_entropy, cross_entropy
 
     compiled = cfg.compile.enabled
     chunked = None

@@ -158,7 +158,7 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The logits; with `head`, `head(final hidden states, output weight)` instead (a loss
-        that never builds the whole logits, `fsdprun.train.loss`). The head runs here, inside the
+        that never builds the whole logits, `fsdprun.loss`). The head runs here, inside the
         root module's forward, where FSDP has the output weight gathered.
 
         Packed rows: `positions` (batch, seq) are the RoPE positions of each token (restarting at

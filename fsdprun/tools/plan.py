@@ -58,9 +58,9 @@ from fsdprun.engines.float8 import describe as describe_float8
 from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding, shard_group_size
 from fsdprun.engines.units import plan_units
 from fsdprun.errors import UserError
+from fsdprun.loss import describe_loss
 from fsdprun.models import model_spec
 from fsdprun.models.lora import apply_lora, num_trainable_params
-from fsdprun.train.loss import describe_loss
 
 ACTIVATION_FORMULA = (
     "per block and token, eager: 8*dim (the fp32 input of each RMSNorm) + c*(6*dim + 4*ffn_dim + "

@@ -35,6 +35,7 @@ from fsdprun.data.prefetch import BatchLoader, StepBatches
 from fsdprun.device import Device
 from fsdprun.engines.float8 import precompute_scales
 from fsdprun.engines.weights import model_state_bytes
+from fsdprun.loss import num_targets as count_targets
 from fsdprun.report.metrics import MetricsLog
 from fsdprun.train.guard import (
     Agreement,
@@ -44,7 +45,6 @@ from fsdprun.train.guard import (
     freeze,
     injected_step,
 )
-from fsdprun.train.loss import num_targets as count_targets
 from fsdprun.train.profiling import StepProfiler
 from fsdprun.train.state import TrainState
 

@@ -50,6 +50,7 @@ from fsdprun.engines.transforms import apply_activation_checkpointing, apply_com
 from fsdprun.engines.weights import model_state_bytes
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import worker_store_args
+from fsdprun.loss import describe_loss
 from fsdprun.models import build_model, model_spec
 from fsdprun.models.lora import apply_lora
 from fsdprun.report.console import Reporter
@@ -58,7 +59,6 @@ from fsdprun.report.trackers import close_on_failure, open_trackers
 from fsdprun.rundir import recipe_path
 from fsdprun.train.guard import Heartbeat, StopSignals, die_with_launcher, restart_count
 from fsdprun.train.loop import Events, LoopResult, Trainable, TrainLoop
-from fsdprun.train.loss import describe_loss
 from fsdprun.train.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
 from fsdprun.train.profiling import profile_record
 from fsdprun.train.state import TrainState

@@ -21,6 +21,11 @@ the loss nor to any gradient. `reduction="mean"` divides by the number of traine
 call; `reduction="sum"` returns the sum, for a training loop that divides by the global count of
 trained targets of the step (`num_targets`, all-reduced), so that micro-batches and ranks holding
 different numbers of targets still give the global token mean.
+
+It sits at the package's ground floor, not in `train` nor in `engines`: the engines build the loss
+the model's forward applies, the training loop counts trained targets, and `plan` and the run
+header print `describe_loss`; none of them should reach into another's package for it. Never
+imports an fsdprun module (torch only), so every package may import it.
 """
 
 from __future__ import annotations
