@@ -5,8 +5,8 @@ table (`reference`) and the size parser of the command line (`sizes`).
 `load_recipe("debug", ["optim.lr=1e-3"])` returns one validated `RecipeConfig` plus where each
 value came from; every mistake is a `UserError` of one line. The package never imports torch
 (only `validate` reaches fsdprun.device, to resolve launch.device=auto on a machine with
-accelerator device nodes), nor fsdprun.data/train/launch; of the engines it reads only the
-sharding rules (`fsdprun.engines.mesh`).
+accelerator device nodes), nor fsdprun.data/train/launch/models (the family names are
+`fsdprun.families`'); of the engines it reads only the sharding rules (`fsdprun.engines.mesh`).
 """
 
 from fsdprun.config.load import (

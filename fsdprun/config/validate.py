@@ -4,7 +4,8 @@ sharding rules (`fsdprun.engines.mesh`), string and path keys by kind, trackers 
 
 The data files themselves are checked by `fsdprun.data.preflight.check_data`, which the
 commands that use them call (`fsdprun config`, the launchers): the data package depends on
-config, never the reverse. Never imports torch at module level, nor fsdprun.data/train/launch;
+config, never the reverse. Never imports torch at module level, nor fsdprun.data/train/launch,
+nor fsdprun.models (which reads config; family names come from `fsdprun.families`);
 torch (through fsdprun.device) only to resolve launch.device=auto on a machine with accelerator
 device nodes.
 """
@@ -27,7 +28,7 @@ from fsdprun.config.schema import (
     RecipeConfig,
     WrapPolicy,
 )
-from fsdprun.models import family_problem
+from fsdprun.families import family_problem
 from fsdprun.report.trackers import tracker_errors
 
 # Keys whose value must be > 0, and keys whose value must be >= 0 (both finite).

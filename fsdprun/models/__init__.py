@@ -1,9 +1,10 @@
 """Model families: the registry that turns a recipe's `model:` section into a `ModelSpec`.
 
-A family is a module under `fsdprun.models` that defines `SPEC`; `FAMILIES` names it. Adding a
-family is its module plus one line in `FAMILIES`: building, `plan`, the run's parameter and FLOP
-counts, `inspect-checkpoint` and `export --format hf` all go through the spec. `model.hf_path`
-chooses the `hf` family (any local HuggingFace causal LM) whatever `model.family` says.
+A family is a module under `fsdprun.models` that defines `SPEC`; `FAMILIES` names it (in
+`fsdprun.families`, which config reads too). Adding a family is its module plus one line in
+`FAMILIES`: building, `plan`, the run's parameter and FLOP counts, `inspect-checkpoint` and
+`export --format hf` all go through the spec. `model.hf_path` chooses the `hf` family (any local
+HuggingFace causal LM) whatever `model.family` says.
 
 Every model a spec builds maps tokens to logits and offers `args` (its Llama-shaped
 `ModelArgs` summary), `block_paths()` (the decoder blocks FSDP wraps), `init_std(name)` and
@@ -12,8 +13,8 @@ type: every family fsdprun builds is a Llama-shaped decoder (the HF wrapper read
 config.json into one and shares Llama's RoPE), and outside `models` only `args.vocab_size` is
 read. A family of another shape would add its own fields there, not here.
 
-This module never imports torch at load (config validates family names through it, and
-`fsdprun config` imports no torch); no module of `models` imports torch.distributed.
+This module never imports torch at load (a family's module does, when a recipe asks for it); no
+module of `models` imports torch.distributed.
 """
 
 from __future__ import annotations
@@ -25,19 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdprun.errors import UserError
+from fsdprun.families import FAMILIES, HF_FAMILY, family_problem
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from fsdprun.config import ModelConfig
-
-# Family name -> the module defining its SPEC (imported when a recipe asks for the family).
-FAMILIES = {
-    "llama": "fsdprun.models.llama",
-    "hf": "fsdprun.models.hf",
-}
-HF_FAMILY = "hf"  # chosen by model.hf_path
 
 
 @dataclass(frozen=True)
@@ -65,15 +60,6 @@ class ModelSpec:
     hf_name: Callable[[str], str]
     hf_config: Callable[[ModelConfig, torch.dtype], dict[str, Any]]
     hf_files: Callable[[ModelConfig], list[Path]]
-
-
-def family_problem(family: str, hf_path: str | None) -> str | None:
-    """Why `model.family` / `model.hf_path` choose no family (one line), or None."""
-    if family not in FAMILIES:
-        return f"model.family: '{family}' is not known; the families are {', '.join(FAMILIES)}"
-    if family == HF_FAMILY and hf_path is None:
-        return "model.family: 'hf' needs model.hf_path (a local HuggingFace model folder)"
-    return None
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
