@@ -15,19 +15,21 @@ on or merged into:
 Why whole files, with a stat shortcut. sha256 of the whole files is the only fingerprint that
 notices every change: a sampled or partial hash misses a change confined to some tensors (another
 fine-tune of the same shapes that touched a few layers, an edited lm_head), size and mtime alone
-call a copied folder changed and miss a `cp -p` of other weights, and hashes of the loaded
-tensors depend on the world size (each rank holds a shard) or need a gather. Its cost, measured
-on this project's shared 2-core machine: 0.6 GB/s on one core (SHA-NI; a quiet server core does
-1.5-2 GB/s), so the 528 KB tiny folder takes under 2 ms and an 8B model in bf16 (16 GB) about
-27 s here, 8-11 s on a quiet core. That is paid once per run: rank 0 hashes in a thread beside
-training (`fsdprun.checkpoint.save`), after the load has brought the files into the page cache.
-Later checks (resume, export, inspect, the next run's saves) take a file whose size and
-`mtime_ns` equal the recorded ones as unchanged without reading it, so an untouched base costs a
-`stat` per file; a replaced or copied file is hashed again. The shortcut's one blind spot is
-content rewritten in place with the same size and the same mtime to the nanosecond (something done
-on purpose, e.g. `touch -r`); `resume --verify` re-reads every file.
+would call an identical copy or a fresh download of the same model changed (so `--base` could
+not vouch for a copy), and hashes of the loaded tensors depend on the world size (each rank
+holds a shard) or need a gather. Its cost, measured
+on this project's shared, loaded 2-core machine: sha256 streams 0.6 GB/s on one core (it has
+SHA-NI; an idle server core should do 1.5-2 GB/s, not measured here). The 528 KB tiny folder
+takes 0.5 ms (0.2 ms when only `stat` is needed); an 8B model in bf16 (16 GB) would take about
+27 s at that rate, 8-11 s on an idle core. That is paid once per run: rank 0 hashes in a thread
+beside training (`fsdprun.checkpoint.save`), right after the load brought the files into the
+page cache. Later checks (resume, export, inspect, a resumed run's saves) take a file whose size
+and `mtime_ns` equal the recorded ones as unchanged without reading it, so an untouched base
+costs a `stat` per file; a replaced or copied file is hashed again. The shortcut's one blind
+spot is content rewritten in place with the same size and the same mtime to the nanosecond
+(done on purpose, e.g. `touch -r`); `resume --verify` re-reads every file.
 
-Reads files only; never imports torch.
+Reads files only (no tensor data); imports nothing of torch beyond what `manifest` does.
 """
 
 from __future__ import annotations
