@@ -86,6 +86,24 @@ StandaloneOpt = Annotated[
     ),
 ]
 
+# A LoRA checkpoint's base (resume and export): see fsdprun.checkpoint.fingerprint.
+AcceptBaseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--accept-base-change",
+        help="Use a LoRA checkpoint's base although it is not the one it was trained on (its "
+        "recorded fingerprint differs); without it that is refused.",
+    ),
+]
+BaseOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--base",
+        help="Read a LoRA checkpoint's base (its HF folder or load_from checkpoint) from this "
+        "path instead of the recorded one, e.g. a copy; checked against its fingerprint.",
+    ),
+]
+
 
 def _fail(message: str, code: int) -> typer.Exit:
     # One line whatever the message quotes (a key or path given with a newline in it).
@@ -247,9 +265,12 @@ def resume(
         typer.Option(
             "--verify",
             help="Check every file's sha256 against the manifest before loading (reads the "
-            "whole checkpoint); a mismatch falls back to the previous complete checkpoint.",
+            "whole checkpoint); a mismatch falls back to the previous complete checkpoint. A "
+            "LoRA base's files are read and hashed again too.",
         ),
     ] = False,
+    accept_base_change: AcceptBaseOpt = False,
+    base: BaseOpt = None,
     nproc_per_node: NprocOpt = None,
     nnodes: NnodesOpt = None,
     node_rank: NodeRankOpt = None,
@@ -281,16 +302,21 @@ def resume(
         if recipe_path(run_dir).is_file()
         else contextlib.nullcontext()
     ):
-        _resume(run_dir, overrides, extra, step=step, verify=verify)
+        _resume(run_dir, overrides, extra, step=step, verify=verify,
+                accept_base_change=accept_base_change, base=base)  # fmt: skip
 
 
 def _resume(
-    run_dir: Path, overrides: list[str] | None, extra: list[str], *, step: int | None, verify: bool
-) -> None:
+    run_dir: Path, overrides: list[str] | None, extra: list[str], *, step: int | None,
+    verify: bool, accept_base_change: bool, base: Path | None,
+) -> None:  # fmt: skip
     from fsdprun.launch.elastic import launch_training
     from fsdprun.launch.resume import resolve_resume
 
-    resume = resolve_resume(run_dir, [*(overrides or []), *extra], step=step, verify=verify)
+    resume = resolve_resume(
+        run_dir, [*(overrides or []), *extra], step=step, verify=verify,
+        accept_base_change=accept_base_change, base=base,
+    )  # fmt: skip
     for bad in resume.skipped:
         err_console.print(f"warning: skipping incomplete checkpoint {bad.path}: {bad.reason}")
     for note in resume.notes:
@@ -435,9 +461,9 @@ def inspect_checkpoint(
     """Show what a checkpoint holds and whether it is complete, from its metadata alone.
 
     Exit 0: complete (every checkpoint of a run directory); 1: incomplete or corrupt; 2: not a
-    checkpoint.
+    checkpoint, or a LoRA checkpoint whose base is not the one it was trained on.
     """
-    from fsdprun.checkpoint.inspect import inspect_path, problem, render
+    from fsdprun.checkpoint.inspect import base_problem, inspect_path, problem, render
 
     doc = inspect_path(path, tensors=tensors, diff=diff, verify=verify)
     reason = problem(doc)
@@ -447,6 +473,8 @@ def inspect_checkpoint(
         render(doc, Console(highlight=False))
     if reason:
         raise _fail(reason, 1)
+    if changed := base_problem(doc):
+        raise _fail(changed, 2)
 
 
 @app.command()
@@ -483,16 +511,21 @@ def export(
             "500MB, 2GiB) with a HuggingFace-style index.",
         ),
     ] = "5GB",
+    base: BaseOpt = None,
+    accept_base_change: AcceptBaseOpt = False,
 ) -> None:
     """Write a checkpoint's model weights as full tensors: no model, GPU or process group."""
     from fsdprun.checkpoint.export import export_checkpoint
     from fsdprun.report.console import fmt_bytes, fmt_count
 
     result = export_checkpoint(
-        checkpoint, out, fmt=format_, dtype=dtype, max_shard_size=max_shard_size
-    )
+        checkpoint, out, fmt=format_, dtype=dtype, max_shard_size=max_shard_size, base=base,
+        accept_base_change=accept_base_change,
+    )  # fmt: skip
     for key in result.skipped:
         err_console.print(f"warning: {key} is not a tensor; not exported")
+    for note in result.notes:
+        err_console.print(f"note: {escape(note)}")
     print(
         f"exported {result.num_tensors} tensors ({fmt_count(result.num_params)} params, "
         f"{fmt_bytes(result.total_bytes)}) from {checkpoint} to {out}: {', '.join(result.files)}"

@@ -25,6 +25,10 @@ load_from checkpoint, or the seeded init), the adapters loaded into it, then mer
 the whole model in memory, unlike the streamed export. `--format peft` writes peft's adapter
 folder (adapter_model.safetensors + adapter_config.json) for `PeftModel.from_pretrained`.
 `safetensors` and `torch` write what the checkpoint holds (the adapters, fsdprun's names).
+For hf and peft the base must be the one the adapters were trained on (the manifest's
+fingerprint, `fsdprun.checkpoint.fingerprint`), or `accept_base_change`; `base` reads it from
+another path (a copy). A missing base stops hf; peft writes its folder with a note, since its
+config only names the base.
 
 Knows no model family itself (never imports `fsdprun.models.llama` or
 `.hf`: the spec does) and never starts a process group
@@ -52,6 +56,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdprun import __version__
+from fsdprun.checkpoint.fingerprint import ACCEPT_FLAG, compare_base, refusal, relocate
 from fsdprun.checkpoint.inspect import model_config, require_checkpoint_dir, tied_params
 from fsdprun.checkpoint.manifest import (
     CheckpointStatus,
@@ -108,6 +113,7 @@ class ExportResult:
     num_params: int
     total_bytes: int  # tensor bytes, as in the index's total_size
     skipped: list[str]  # model.* entries that are not tensors
+    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. a LoRA base not found here
 
 
 def exported_tensors(
@@ -362,6 +368,59 @@ def _peft_export(
     return [f.name for f in files]
 
 
+def _checked_base(
+    path: Path, manifest: dict[str, Any], *, fmt: str, base: Path | None, accept_change: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """The manifest to export from (its recipe and `lora_base` pointed at `base` where given)
+    and notes: a LoRA checkpoint's base must be the one it was trained on for `--format hf`
+    (merged into) and `peft` (named); a missing base is only a note for peft, which needs the
+    base's name alone.
+
+    Raises:
+        UserError: a missing base (hf), a changed one without `accept_change`, or a `base` that
+            this export does not read.
+    """
+    recorded = manifest.get("lora_base")
+    if recorded is None or fmt not in ("hf", "peft"):
+        if base is not None:
+            raise UserError(
+                f"--base {base}: only --format hf or peft of a LoRA checkpoint read a base, and "
+                f"this is --format {fmt} of "
+                + ("a LoRA checkpoint" if recorded else f"{path}, which holds no LoRA adapters")
+            )
+        return manifest, []
+    recipe = manifest["recipe"]
+    if base is not None:
+        try:
+            recipe = relocate(recipe, base.resolve())
+        except ValueError:
+            raise UserError(
+                f"--base {base}: the base of {path} is the seeded init (rebuilt from its recipe); "
+                "there is no base to point at"
+            ) from None
+    current = {**recorded, **lora_base(recipe)}
+    check = compare_base(recorded, recipe)
+    relocated = {**manifest, "recipe": recipe, "lora_base": current}
+    if check.state == "missing" and fmt == "peft":
+        return relocated, [
+            f"the LoRA base, {describe_base(current)}, is missing here ({check.detail}); the "
+            "adapters need it where they are loaded (adapter_config.json names it as "
+            "base_model_name_or_path)"
+        ]
+    if check.state == "missing" or (check.state == "changed" and not accept_change):
+        raise UserError(refusal(path, current, check, command=f"export --format {fmt}"))
+    if check.state == "changed":
+        return relocated, [
+            f"the LoRA base changed ({check.detail}); exporting with it as {ACCEPT_FLAG} asks"
+        ]
+    if check.state == "unverified":
+        return relocated, [
+            f"the LoRA base cannot be verified: {path.name} was saved by an older fsdprun without "
+            "its fingerprint"
+        ]
+    return relocated, []
+
+
 def _check_export(path: Path, out: Path, *, fmt: str, dtype: str | None) -> CheckpointStatus:
     """Refuse bad options, an incomplete checkpoint and an `out` in use before reading anything;
     returns the checkpoint's status."""
@@ -424,16 +483,22 @@ def export_checkpoint(
     fmt: str = "safetensors",
     dtype: str | None = None,
     max_shard_size: str = "5GB",
+    base: Path | None = None,
+    accept_base_change: bool = False,
 ) -> ExportResult:
     """Write the model weights of checkpoint `path` as full tensors into the new folder `out`.
 
     Args:
-        fmt: `safetensors` (streamed) or `torch` (torch.save per shard).
+        fmt: `safetensors` (streamed), `torch` (torch.save per shard), `hf` or `peft`.
         dtype: `bf16` or `fp32` to convert floating tensors; None keeps the saved dtypes.
         max_shard_size: split the output into files of at most this size (e.g. "5GB").
+        base: read a LoRA checkpoint's base from here (hf, peft), checked against its
+            fingerprint.
+        accept_base_change: export although the LoRA base is not the one it was trained on.
 
     Raises:
-        UserError: a bad option, an incomplete checkpoint, or an `out` that is not new or empty.
+        UserError: a bad option, an incomplete checkpoint, an `out` that is not new or empty,
+            or a LoRA base that is missing (hf) or changed.
     """
     max_shard_bytes = parse_size(max_shard_size, option="--max-shard-size")
     status = _check_export(path, out, fmt=fmt, dtype=dtype)
@@ -443,12 +508,15 @@ def export_checkpoint(
         raise UserError(f"{path}: no model.* tensors to export")
     manifest = read_manifest(path)
     tied = set(tied_params(manifest))
-    recipe = manifest["recipe"]
     has_adapters = any(is_adapter_name(p.name) for p in plans)
+    if fmt == "peft" and not has_adapters:
+        raise UserError(f"--format peft: {path} holds no LoRA adapters; use --format hf")
+    manifest, notes = _checked_base(
+        path, manifest, fmt=fmt, base=base, accept_change=accept_base_change
+    )
+    recipe = manifest["recipe"]
     if fmt == "peft":
-        if not has_adapters:
-            raise UserError(f"--format peft: {path} holds no LoRA adapters; use --format hf")
-        return _export_peft(path, out, reader, plans, recipe)
+        return dataclasses.replace(_export_peft(path, out, reader, plans, recipe), notes=notes)
 
     def read(shard: list[ExportedTensor]) -> Iterator[tuple[ExportedTensor, torch.Tensor]]:
         return iter_tensors(reader, shard)
@@ -493,4 +561,5 @@ def export_checkpoint(
         num_params=sum(math.prod(p.shape) for p in plans if p.key not in tied),  # tied: once
         total_bytes=total_bytes,
         skipped=skipped,
+        notes=notes,
     )

@@ -7,7 +7,9 @@
 
 Everything comes from DCP's `.metadata` (keys, shapes, dtypes, chunks, and where each stored item
 lies in which file), the manifest and file sizes, so it takes milliseconds whatever the model
-size. `inspect_path` builds the plain document that `--json` prints; `render` draws it with rich.
+size; a LoRA checkpoint's base is compared with its recorded fingerprint (a `stat` per file
+while the files are unchanged; one that changed is hashed again: `fingerprint`).
+`inspect_path` builds the plain document that `--json` prints; `render` draws it with rich.
 What a model's row says and which tensors an older checkpoint tied come from the run's model
 family (`fsdprun.models`), never from its architecture code. Never imports torch.distributed
 beyond DCP's metadata reader, nor builds a model; never imports the saving or loading side
@@ -28,6 +30,7 @@ from rich.text import Text
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from fsdprun.checkpoint.fingerprint import BaseCheck, compare_base, describe_check, refusal
 from fsdprun.checkpoint.manifest import (
     CheckpointStatus,
     check_checkpoint,
@@ -234,6 +237,25 @@ def tied_params(manifest: dict[str, Any]) -> dict[str, str]:
     return {f"model.{name}": f"model.{first}" for name, first in ties.items()}
 
 
+def _base_check(manifest: dict[str, Any]) -> dict[str, str] | None:
+    """How a LoRA checkpoint's base compares with the one found now: {"state", "detail"}."""
+    base = manifest.get("lora_base")
+    if base is None:
+        return None
+    check = compare_base(base, manifest["recipe"])
+    return {"state": check.state, "detail": check.detail}
+
+
+def base_problem(doc: dict[str, Any]) -> str | None:
+    """The one line refusing a checkpoint document's LoRA base that changed, or None."""
+    check = doc.get("base_check")
+    if doc["kind"] != "checkpoint" or not check or check["state"] != "changed":
+        return None
+    return refusal(
+        Path(doc["path"]), doc["lora_base"], BaseCheck(**check), command="resume or export"
+    )
+
+
 def describe_checkpoint(path: Path, *, tensors: str | None = None) -> dict[str, Any]:
     """One checkpoint: status, manifest summary, bytes per group, and its tensors."""
     status = check_checkpoint(path)
@@ -268,6 +290,7 @@ def describe_checkpoint(path: Path, *, tensors: str | None = None) -> dict[str, 
         torch_version=manifest.get("torch_version"),
         mesh=manifest.get("mesh"),  # absent from the oldest manifests
         lora_base=manifest.get("lora_base"),  # a LoRA checkpoint: adapters only, on this base
+        base_check=_base_check(manifest),  # and whether that base is still the same
         train_state=manifest.get("train_state"),
         recipe=_recipe_summary(manifest.get("recipe", {})),
         model_description=model_spec(model).describe(model),
@@ -380,9 +403,11 @@ def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
     )
     if doc.get("lora_base"):
         adapters = doc["groups"]["model"]["tensors"]
+        check = doc.get("base_check")
+        state = f" ({describe_check(BaseCheck(**check))})" if check else ""
         info.add_row(
             "contents", f"LoRA adapters only ({adapters} tensors); base: "
-            f"{describe_base(doc['lora_base'])}",
+            f"{describe_base(doc['lora_base'])}{state}",
         )  # fmt: skip
     info.add_row(
         "training",

@@ -14,7 +14,8 @@ when read, so checkpoints of older fsdprun versions still load.
 A LoRA run's checkpoints hold only what trains (the adapters, their optimizer state, the train
 state); its manifest's `lora_base` says where the frozen base comes from, which resume and export
 rebuild: a pretrained HF folder, a `checkpoint.load_from` checkpoint, or the
-seeded init (reproducible from the recipe's seed: nothing to keep).
+seeded init (reproducible from the recipe's seed: nothing to keep), and what that base was (its
+fingerprint: `fsdprun.checkpoint.fingerprint`; absent from older manifests).
 
 Reads files only: never imports torch.distributed's process-group or collective APIs (inspect
 and export use this without a process group), nor anything of saving or loading tensors.
@@ -183,6 +184,7 @@ def write_manifest(
     checksums: dict[str, str],
     train_state: dict[str, Any],
     recipe: dict[str, Any],
+    base: dict[str, Any] | None = None,
 ) -> int:
     """Write the manifest of checkpoint folder `path`, whose files are all on disk; returns the
     bytes of those files.
@@ -191,6 +193,8 @@ def write_manifest(
         mesh: {"shape": [...], "dim_names": [...]} of the device mesh the tensors are sharded
             over.
         checksums: sha256 of the files the ranks hashed; the others (.metadata) are hashed here.
+        base: a LoRA run's `lora_base` with its fingerprint (`fsdprun.checkpoint.fingerprint`);
+            None records `lora_base(recipe)` alone.
     """
     files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
     checksums = dict(checksums)
@@ -213,7 +217,7 @@ def write_manifest(
         "train_state": train_state,
         "recipe": recipe,
     }
-    base = lora_base(recipe)
+    base = base or lora_base(recipe)
     if base is not None:  # only LoRA runs: other manifests keep their shape
         manifest["lora_base"] = base
     final = manifest_path(path)

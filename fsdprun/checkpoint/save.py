@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
-from fsdprun.checkpoint.manifest import file_sha256, list_checkpoints, write_manifest
+from fsdprun.checkpoint.fingerprint import base_fingerprint
+from fsdprun.checkpoint.manifest import file_sha256, list_checkpoints, lora_base, write_manifest
 from fsdprun.checkpoint.restore import move_aside
 from fsdprun.config import CheckpointConfig
 from fsdprun.errors import describe_os_error, find_os_error
@@ -191,6 +192,38 @@ class _Pending:
             self.done_event.set()
 
 
+class _BaseFingerprint:
+    """A LoRA run's base fingerprint, computed once by rank 0 in a thread beside training:
+    hashing a large base's files takes seconds (see `fsdprun.checkpoint.fingerprint`)."""
+
+    def __init__(self, recipe: dict[str, Any], *, known: dict[str, Any] | None):
+        self._base: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(recipe, known), name="fsdprun-base-fingerprint", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, recipe: dict[str, Any], known: dict[str, Any] | None) -> None:
+        try:
+            self._base = base_fingerprint(recipe, known=known)
+        except Exception as e:  # reported by the first manifest that needs it
+            self._error = e
+
+    def result(self) -> tuple[dict[str, Any] | None, BaseException | None]:
+        self._thread.join()
+        return self._base, self._error
+
+
+def _recorded_base(run_dir: Path) -> dict[str, Any] | None:
+    """The base fingerprint of the run's newest complete checkpoint (resumed or restarted runs):
+    its files' sha256 need no second reading where they are unchanged."""
+    for status in reversed(list_checkpoints(run_dir)):
+        if status.complete and (status.manifest or {}).get("lora_base"):
+            return status.manifest["lora_base"]
+    return None
+
+
 @dataclass
 class Checkpointer:
     """Saves checkpoints of one run. Every rank holds one and calls `save` and `wait` at the
@@ -208,6 +241,27 @@ class Checkpointer:
     _pending: _Pending | None = None
     _space_warned: bool = False
     _resumed_bytes: int | None = None
+    _base: _BaseFingerprint | None = None
+
+    def __post_init__(self) -> None:
+        # At construction, after the model (and its base) is loaded: the fingerprint is of the
+        # base this run trains on, and its files are likely still in the page cache.
+        if self.rank == 0 and lora_base(self.recipe) is not None:
+            self._base = _BaseFingerprint(self.recipe, known=_recorded_base(self.run_dir))
+
+    def _base_record(self) -> dict[str, Any] | None:
+        """The fingerprinted `lora_base` for rank 0's manifests; None records the path alone."""
+        if self._base is None:
+            return None
+        base, error = self._base.result()
+        if error is not None:
+            self._base = None  # warned once; later manifests name the base alone, alike
+            if self.warn is not None:
+                self.warn(
+                    f"the LoRA base could not be fingerprinted ({error}); checkpoints name it "
+                    "by path alone, and resume and export cannot tell whether it changed"
+                )
+        return base
 
     def should_save(self, step: int, total_steps: int) -> bool:
         every = self.cfg.every_steps
@@ -319,7 +373,7 @@ class Checkpointer:
             Path(record.path), step=record.step, world_size=self.world_size, mesh=pending.mesh,
             save_time_s=record.total_s, blocked_s=record.blocked_s, async_save=record.async_save,
             checksums={k: v for part in gathered for k, v in part["checksums"].items()},
-            train_state=pending.train_state, recipe=self.recipe,
+            train_state=pending.train_state, recipe=self.recipe, base=self._base_record(),
         )  # fmt: skip
 
     def _give_up(self, path: Path, failed: dict[int, str], estimate: int) -> str:

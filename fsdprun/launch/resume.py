@@ -3,7 +3,10 @@
 The run's saved recipe plus the overrides decide the new session; what may change is limited to
 what cannot change the run's trajectory beyond its length (train.steps) or how it is executed
 (world size, checkpointing, logging, FSDP knobs, compile). The global batch is kept: on a new
-world size the micro batch shrinks if it must, so the same samples come next.
+world size the micro batch shrinks if it must, so the same samples come next. A LoRA checkpoint's
+base must be the one it was trained on (its fingerprint, `fsdprun.checkpoint.fingerprint`):
+a changed base is refused unless --accept-base-change, a missing one names --base PATH (a copy
+elsewhere, checked the same way).
 
 Never imports the engines nor the models: it reads the run's folder and launches.
 """
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint
+from fsdprun.checkpoint.fingerprint import ACCEPT_FLAG, compare_base, refusal
+from fsdprun.checkpoint.manifest import lora_base
 from fsdprun.config import ResolvedRecipe, config_to_dict, load_recipe, validate
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
@@ -39,23 +44,83 @@ def _flat(d: dict) -> dict[str, object]:
     return {f"{s}.{k}": v for s, body in d.items() for k, v in body.items()}
 
 
+def _base_override(checkpoint: CheckpointStatus, base: Path) -> str:
+    """The override that has the resumed run read its LoRA base from `base` (`--base`).
+
+    Raises:
+        UserError: the checkpoint has no base that lives in a folder.
+    """
+    recorded = checkpoint.manifest.get("lora_base")
+    if recorded is None or recorded["source"] == "seed":
+        what = "is no LoRA checkpoint" if recorded is None else "has the seeded init as its base"
+        raise UserError(f"--base {base}: {checkpoint.path} {what}; there is no base to point at")
+    key = "checkpoint.load_from" if recorded["source"] == "load_from" else "model.hf_path"
+    return f"{key}={base.resolve()}"
+
+
+def _check_base(
+    checkpoint: CheckpointStatus, cfg_dict: dict, *, accept_change: bool, verify: bool
+) -> str | None:
+    """Refuse a LoRA base that is missing or not the one the checkpoint was trained on (before
+    anything launches); returns a note for an accepted change or an unverifiable base.
+
+    Raises:
+        UserError: the base is missing, or changed without `accept_change`.
+    """
+    recorded = checkpoint.manifest.get("lora_base")
+    if recorded is None:
+        return None
+    check = compare_base(recorded, cfg_dict, verify=verify)
+    if check.state == "unverified":
+        return (
+            f"the LoRA base cannot be verified: {checkpoint.path.name} was saved by an older "
+            "fsdprun without its fingerprint"
+        )
+    if check.state == "missing" or (check.state == "changed" and not accept_change):
+        raise UserError(refusal(checkpoint.path, lora_base(cfg_dict), check, command="resume"))
+    if check.state == "changed":
+        return f"the LoRA base changed ({check.detail}); training on it as {ACCEPT_FLAG} asks"
+    return None
+
+
 def resolve_resume(
-    run_dir: Path, overrides: list[str], *, step: int | None = None, verify: bool = False
+    run_dir: Path,
+    overrides: list[str],
+    *,
+    step: int | None = None,
+    verify: bool = False,
+    accept_base_change: bool = False,
+    base: Path | None = None,
 ) -> ResolvedResume:
     """Resolve the resumed run's recipe and checkpoint.
 
+    Args:
+        verify: also re-read and hash the files of a LoRA base (not only the checkpoint's).
+        accept_base_change: resume on a LoRA base other than the checkpoint's (a note, not a
+            refusal).
+        base: read the LoRA base from this folder instead (checked against the fingerprint).
+
     Raises:
-        UserError: not a run directory, no usable checkpoint, or a change that cannot continue.
+        UserError: not a run directory, no usable checkpoint, a change that cannot continue,
+            or a LoRA base that is missing or changed.
     """
     recipe = recipe_path(run_dir)
     if not recipe.is_file():
         raise UserError(f"{run_dir}: not an fsdprun run directory (no {RECIPE_FILE})")
     checkpoint, skipped = find_resume_checkpoint(run_dir, step, verify=verify)
+    if base is not None:
+        overrides = [*overrides, _base_override(checkpoint, base)]
     resolved = load_recipe(str(recipe), overrides, check=False)
     resolved.name = run_dir.name
     cfg = resolved.config
     cfg.output.run_dir = str(run_dir)
     notes = []
+    # Before validate: a missing base folder is named with the way out (--base), not as a bad
+    # model.hf_path.
+    note = _check_base(
+        checkpoint, config_to_dict(cfg), accept_change=accept_base_change, verify=verify
+    )
+    notes += [note] if note else []
     world, gbs, micro = cfg.world_size, cfg.train.global_batch_size, cfg.train.micro_batch_size
     micro_given = any(o.startswith("train.micro_batch_size=") for o in overrides)
     if gbs % (micro * world) and not micro_given:
@@ -78,6 +143,8 @@ def resolve_resume(
     saved = _flat(checkpoint.manifest["recipe"])
     for key, value in _flat(config_to_dict(cfg)).items():
         if key.startswith(RESUMABLE) or key not in saved or saved[key] == value:
+            continue
+        if base is not None and key == "model.hf_path":  # --base: checked above
             continue
         raise UserError(
             f"resume cannot change {key} ({saved[key]!r} -> {value!r}): the checkpoint holds a "
