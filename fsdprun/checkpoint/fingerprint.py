@@ -47,7 +47,7 @@ from fsdprun.checkpoint.manifest import (
     lora_base,
     read_manifest,
 )
-from fsdprun.launch.rundir import manifest_path
+from fsdprun.rundir import manifest_path
 
 # The fields a fingerprint adds to `lora_base`'s {"source", "path" | "seed"}.
 FINGERPRINT_FIELDS = ("files", "step", "content_sha256", "model")
