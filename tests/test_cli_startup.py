@@ -2,7 +2,8 @@
 
 `import torch` alone takes ~1.6 s on a small machine, so `--help`, `--version`, `recipes`,
 `config` (with `--explain`, and with data files to check) and `status` must not load it, on
-success and on a user error. Each command runs in a fresh interpreter. Run with
+success and on a user error; `train`, `resume` and `compare` refuse a key typo or a missing file
+before their launcher loads it. Each command runs in a fresh interpreter. Run with
 `pytest tests/test_cli_startup.py`.
 """
 
@@ -78,3 +79,29 @@ def test_read_only_commands_never_import_torch(tmp_path):
     # Nor numpy (~0.1 s more): the data checks read headers and sizes only.
     with_numpy = [args for args, _, _, _, numpy_loaded in results if numpy_loaded]
     assert not with_numpy, with_numpy[0]
+
+
+def test_launching_commands_refuse_mistakes_before_torch_loads(tmp_path):
+    """train, resume and compare refuse a key typo or a missing file as `config` does: one line,
+    exit 2, before the launcher (and torch) loads."""
+    from fsdprun.config import load_recipe
+
+    run_dir = tmp_path / "run"  # a run directory's files without a checkpoint yet
+    run_dir.mkdir()
+    (run_dir / "recipe.yaml").write_text(load_recipe("debug").to_yaml())
+    # (command, a word of the error line)
+    commands = [
+        (["train", "debug", "optim.lrr=1"], "optim.lrr"),
+        (["train", "tokens-demo", "data.paths=[missing.bin]"], "missing.bin"),
+        (["train", "debug", "--nproc-per-node", "3"], "global_batch_size"),
+        (["resume", str(tmp_path / "nothing")], "not an fsdprun run directory"),
+        (["resume", str(run_dir), "optim.lrr=1"], "optim.lrr"),
+        (["resume", str(run_dir)], "no checkpoints to resume from"),
+        (["compare", "debug", "optim.lrr=1"], "optim.lrr"),
+        (["compare", "tokens-demo", "data.paths=[missing.bin]"], "missing.bin"),
+    ]
+    results = run_probe([args for args, _ in commands], tmp_path)
+    for (args, word), (_, code, torch_loaded, tail, _) in zip(commands, results, strict=True):
+        assert code == 2, (args, tail)
+        assert word in tail and tail.strip().startswith("error:"), (args, tail)
+        assert not torch_loaded, (args, tail)

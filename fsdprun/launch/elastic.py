@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,10 +92,6 @@ class WorkerFailed(Exception):
     def __init__(self, message: str, *, user_error: bool):
         super().__init__(message)
         self.user_error = user_error
-
-
-def default_run_dir(recipe_name: str) -> Path:
-    return Path("runs") / f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def prepare_run_dir(run_dir: Path, resolved: ResolvedRecipe) -> None:
