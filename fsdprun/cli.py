@@ -729,6 +729,16 @@ def compare_cmd(
 
 
 def main() -> None:
+    from fsdprun.limits import ensure_open_file_limit
+
+    # First: with too few file descriptors the imports below fail inside Python's importer.
+    try:
+        ensure_open_file_limit()
+    except UserError as e:
+        if os.environ.get("FSDPRUN_DEBUG"):
+            raise
+        _fail(str(e), 2)
+        sys.exit(2)
     if "TORCH_CPP_LOG_LEVEL" not in os.environ and not os.environ.get("FSDPRUN_DEBUG"):
         # Keep torch's C++ logging (e.g. every failed rendezvous connect, with a stack) out of
         # this console: fsdprun reports failures in one line. torch reads this when it loads, so
