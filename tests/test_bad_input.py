@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import resource
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FSDPRUN, Run, fsdprun_env, run_fsdprun
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun
 from typer.testing import CliRunner
 
 import fsdprun.device
@@ -238,6 +240,43 @@ def test_rendezvous_endpoint_that_never_answers(tmp_path):
     )  # fmt: skip
     line = _one_line_exit_2(proc)
     assert "failed within launch.rdzv_timeout_s=2" in line and "timed out" in line
+
+
+def test_a_node_waiting_for_the_others_says_so_and_gives_up_in_one_line(tmp_path):
+    # Node 0 of 2 alone: it hosts the rendezvous store, joins, and waits for node 1.
+    timeout_s = 6
+    port = free_port()
+    proc = subprocess.Popen(
+        [FSDPRUN, "train", "debug", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", f"launch.rdzv_timeout_s={timeout_s}",
+         "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    lines = []  # (seconds since the first line, line)
+    first = None
+    for line in proc.stdout:
+        first = first or time.monotonic()
+        lines.append((time.monotonic() - first, line.rstrip()))
+    stderr = proc.stderr.read()
+    proc.wait(timeout=60)
+    assert lines, f"no waiting line; stderr: {stderr}"
+    after_first_s = time.monotonic() - first
+    assert lines[0][1] == (
+        f"waiting for 2 nodes at 127.0.0.1:{port} (gives up after "
+        f"launch.rdzv_timeout_s={timeout_s} s)"
+    ), lines
+    waits = [text for _, text in lines[1:]]
+    assert len(waits) >= 2, lines  # every timeout / 3 s
+    for text in waits:
+        assert re.fullmatch(
+            rf"waiting at 127\.0\.0\.1:{port}: 1 of 2 nodes joined \(\d+ s of {timeout_s} s\)", text
+        ), text
+    line = _one_line_exit_2(subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr))
+    assert f"rendezvous at 127.0.0.1:{port} failed within launch.rdzv_timeout_s={timeout_s}" in line
+    assert "1 of 2 nodes joined after" in line and "--node-rank" in line, line
+    # Gives up at the timeout: not before, and not long after (interpreter exit included).
+    assert timeout_s - 1 <= after_first_s <= timeout_s + 10, lines
 
 
 def test_a_low_soft_open_file_limit_is_raised(trained):

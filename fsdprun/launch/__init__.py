@@ -1,5 +1,6 @@
 """Starting workers: the in-process elastic launcher (`elastic`), running under torchrun or srun
-(`direct`, `slurm`), the single-node loopback rendezvous (`loopback`), one run per directory
+(`direct`, `slurm`), the single-node loopback rendezvous (`loopback`), the waiting lines of a
+multi-node one (`rendezvous`), one run per directory
 (`runlock`) and `fsdprun resume` (`resume`).
 
 The package never imports the models, nor the engines but float8's device check (which the

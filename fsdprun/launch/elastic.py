@@ -9,6 +9,7 @@ a worker failure into one line naming the rank, the error and the log file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -19,7 +20,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdprun.checkpoint import read_manifest, set_aside_after
@@ -29,6 +30,7 @@ from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
+from fsdprun.launch.rendezvous import RendezvousProgress
 from fsdprun.launch.rundir import (
     checkpoint_root,
     earlier_recipe_path,
@@ -233,6 +235,39 @@ def describe_failure(err: ChildFailedError, run_dir: Path) -> WorkerFailed:
     return WorkerFailed(f"rank {rank} failed: {message}{where}", user_error=False)
 
 
+def _waiting(cfg: RecipeConfig, plan: LaunchPlan) -> RendezvousProgress | None:
+    """Waiting lines for a multi-node rendezvous (one node's completes at once)."""
+    if cfg.launch.nnodes == 1:
+        return None
+    return RendezvousProgress(
+        plan.config.rdzv_endpoint, nnodes=cfg.launch.nnodes, timeout_s=cfg.launch.rdzv_timeout_s,
+        run_id=plan.config.run_id, write=lambda line: print(line, flush=True),
+    )  # fmt: skip
+
+
+def _rendezvous_failed(
+    err: RendezvousError, cfg: RecipeConfig, plan: LaunchPlan, waiting: RendezvousProgress | None
+) -> UserError:
+    """One line for a rendezvous that failed: the nodes that came when it timed out, else the
+    cause (a port in use, an endpoint that does not answer)."""
+    endpoint, timeout = plan.config.rdzv_endpoint, cfg.launch.rdzv_timeout_s
+    joined = waiting.joined() if waiting is not None else None
+    if isinstance(err, RendezvousTimeoutError) and joined is not None:
+        return UserError(
+            f"rendezvous at {endpoint} failed within launch.rdzv_timeout_s={timeout}: "
+            f"{joined} of {cfg.launch.nnodes} nodes joined after {waiting.waited_s():.0f} s; "
+            f"start the other nodes with --nnodes {cfg.launch.nnodes} --rdzv-endpoint "
+            f"{endpoint} and their own --node-rank, or raise launch.rdzv_timeout_s"
+        )
+    cause = next((str(e) for e in (err.__cause__, err) if e is not None and str(e).strip()), "")
+    reason = cause.strip().splitlines()[0] if cause else f"timed out ({type(err).__name__})"
+    return UserError(
+        f"rendezvous at {endpoint} failed within launch.rdzv_timeout_s={timeout}: {reason}; "
+        "check that node 0 runs with --node-rank 0, that its port is free there and reachable "
+        "from every node"
+    )
+
+
 def launch_training(
     resolved: ResolvedRecipe, run_dir: Path, *, resume_from: Path | None = None
 ) -> dict | None:
@@ -290,10 +325,12 @@ def _launch(
     # Workers die with this process (see guard.die_with_launcher).
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     reporter = Reporter()
+    waiting = _waiting(cfg, plan)
     try:
         with (
             _StopOnSignal(run_dir) as stop,
             MetricsFollower(run_dir / cfg.output.metrics_file, reporter),
+            waiting or contextlib.nullcontext(),
         ):
             results = elastic_launch(plan.config, elastic_entry)(
                 str(run_dir), resolved.name, str(resume_from) if resume_from else None
@@ -301,12 +338,7 @@ def _launch(
     except ChildFailedError as err:
         raise describe_failure(err, run_dir) from err
     except RendezvousError as err:
-        cause = err.__cause__ or err
-        raise UserError(
-            f"rendezvous at {plan.config.rdzv_endpoint} failed within launch.rdzv_timeout_s="
-            f"{cfg.launch.rdzv_timeout_s}: {str(cause).splitlines()[0]}; check that node 0 runs "
-            "with --node-rank 0, that its port is free there and reachable from every node"
-        ) from err
+        raise _rendezvous_failed(err, cfg, plan, waiting) from err
     summary = results.get(0)
     # Rank 0 may run on another node: any local rank's result tells that the run stopped.
     stopped = next((r["stopped"] for r in results.values() if r and r.get("stopped")), None)
