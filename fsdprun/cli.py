@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fsdprun import __version__
-from fsdprun.config import builtin_recipes, explain, load_recipe
+from fsdprun.config import builtin_recipes, explain, launch_device_problem, load_recipe
 from fsdprun.errors import StorageError, UserError
 from fsdprun.launch.rundir import (
     RECIPE_FILE,
@@ -236,7 +236,7 @@ def train(
     # The recipe and its data files are checked before the launcher loads torch (~2 s): a typo
     # or a missing file is refused as fast as `fsdprun config` refuses it.
     resolved = load_recipe(recipe, all_overrides)
-    _check_data(resolved.config)
+    _check_before_launch(resolved.config)
     from fsdprun.launch.elastic import launch_training
 
     target = Path(resolved.config.output.run_dir or default_run_dir(resolved.name))
@@ -250,6 +250,14 @@ def _check_data(cfg) -> None:
     data_problems = check_data(cfg)
     if data_problems:
         raise UserError("; ".join(data_problems))
+
+
+def _check_before_launch(cfg) -> None:
+    """The data files, and a recipe for accelerators on a machine without one."""
+    _check_data(cfg)
+    problem = launch_device_problem(cfg.launch.device)
+    if problem:
+        raise UserError(problem)
 
 
 @app.command()
@@ -308,7 +316,10 @@ def _precheck_resume(run_dir: Path, overrides: list[str]) -> None:
     `resolve_resume` then checks the rest (completeness, what a resume may change)."""
     if not recipe_path(run_dir).is_file():
         raise UserError(f"{run_dir}: not an fsdprun run directory (no {RECIPE_FILE})")
-    load_recipe(str(recipe_path(run_dir)), overrides, check=False)
+    cfg = load_recipe(str(recipe_path(run_dir)), overrides, check=False).config
+    problem = launch_device_problem(cfg.launch.device)
+    if problem:
+        raise UserError(problem)
     root = checkpoint_root(run_dir)
     if not root.is_dir() or not any(p.is_dir() and step_of(p) is not None for p in root.iterdir()):
         raise UserError(f"{run_dir}: no checkpoints to resume from (looked in {root})")
@@ -700,7 +711,7 @@ def compare_cmd(
     extra += _launch_overrides(nproc_per_node, None, None, None)
     all_overrides = [*(overrides or []), *extra]
     resolved = load_recipe(recipe, all_overrides)
-    _check_data(resolved.config)  # before "comparing ...": a refusal is one line
+    _check_before_launch(resolved.config)  # before "comparing ...": a refusal is one line
     name = resolved.name
     target = run_dir or Path(str(default_run_dir(f"compare-{name}")))
     quiet = json_ or markdown_

@@ -70,7 +70,10 @@ def test_read_only_commands_never_import_torch(tmp_path):
     if not accelerator_device_nodes():
         # launch.device=auto resolved for this check (FSDP1 offload needs an accelerator):
         # with no accelerator device node it is CPU without asking torch.
-        commands.append((["config", "llama-1b", "fsdp.engine=fsdp1", "fsdp.cpu_offload=true"], 2))
+        commands.append(
+            (["config", "llama-1b", "launch.device=auto", "fsdp.engine=fsdp1",
+              "fsdp.cpu_offload=true"], 2)
+        )  # fmt: skip
     results = run_probe([args for args, _ in commands], tmp_path)
     assert [code for _, code, *_ in results] == [code for _, code in commands], results
     loaded = [(args, tail) for args, _, torch_loaded, tail, _ in results if torch_loaded]
@@ -100,6 +103,22 @@ def test_launching_commands_refuse_mistakes_before_torch_loads(tmp_path):
         (["compare", "debug", "optim.lrr=1"], "optim.lrr"),
         (["compare", "tokens-demo", "data.paths=[missing.bin]"], "missing.bin"),
     ]
+    if not accelerator_device_nodes():
+        # A recipe sized for GPUs on a machine without one: refused before launch, naming the
+        # override that forces CPU (was: a silent CPU run of the 886M model, or no output).
+        gpu = load_recipe("llama-8b").config
+        gpu_run = tmp_path / "gpu-run"
+        (gpu_run / "checkpoints" / "step-00000004").mkdir(parents=True)
+        (gpu_run / "recipe.yaml").write_text(load_recipe("llama-8b").to_yaml())
+        assert gpu.launch.nproc_per_node == 8
+        commands += [
+            (["train", "llama-1b"], "launch.device=cpu forces a CPU run"),
+            (["train", "llama-8b", "--nproc-per-node", "8"], "launch.device=cpu forces"),
+            (["train", "llama-70b", "--node-rank", "1", "--rdzv-endpoint", "node0:29500"],
+             "launch.device=cpu forces"),
+            (["compare", "llama-1b"], "launch.device=cpu forces a CPU run"),
+            (["resume", str(gpu_run)], "launch.device=cpu forces a CPU run"),
+        ]  # fmt: skip
     results = run_probe([args for args, _ in commands], tmp_path)
     for (args, word), (_, code, torch_loaded, tail, _) in zip(commands, results, strict=True):
         assert code == 2, (args, tail)

@@ -26,7 +26,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from fsdprun.checkpoint import read_manifest, set_aside_after
 from fsdprun.config import RecipeConfig, ResolvedRecipe
 from fsdprun.data.preflight import check_data
-from fsdprun.device import check_nproc, resolve_device_kind
+from fsdprun.device import check_nproc, memory_per_rank, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
@@ -40,6 +40,7 @@ from fsdprun.launch.rundir import (
 )
 from fsdprun.launch.runlock import hold_run_dir
 from fsdprun.report.console import MetricsFollower, Reporter
+from fsdprun.tools.plan import hardware_warnings
 from fsdprun.train.guard import (
     LAUNCHER_PID_ENV,
     clear_verdict,
@@ -268,6 +269,21 @@ def _rendezvous_failed(
     )
 
 
+def _hardware_warnings(cfg: RecipeConfig, kind: str) -> list[str]:
+    memory, source = memory_per_rank(kind, cfg.launch.nproc_per_node)
+    try:
+        return hardware_warnings(
+            cfg, device_kind=kind, memory_per_rank_bytes=memory, memory_source=source,
+            cpus_per_node=os.cpu_count() or 1,
+        )  # fmt: skip
+    except Exception:
+        # Advisory: a plan that cannot be made (a model family plan does not know) never stops
+        # a run that the recipe checks accepted.
+        if os.environ.get("FSDPRUN_DEBUG"):
+            raise
+        return []
+
+
 def launch_training(
     resolved: ResolvedRecipe, run_dir: Path, *, resume_from: Path | None = None
 ) -> dict | None:
@@ -294,6 +310,8 @@ def launch_training(
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
     check_float8(cfg.precision.float8.value, kind)  # float8 matmuls need CUDA capability >= 8.9
+    for line in _hardware_warnings(cfg, kind):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     method = start_method(kind)  # a bad FSDPRUN_START_METHOD is refused before RUN_DIR exists
     # One run per directory: locked before anything is written in it, for the whole run.
     with hold_run_dir(run_dir, node_rank=cfg.launch.node_rank):
