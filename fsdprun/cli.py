@@ -29,8 +29,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from fsdprun import __version__
-from fsdprun.config import builtin_recipes, explain, load_recipe
+from fsdprun.config import builtin_recipes, explain, launch_device_problem, load_recipe
 from fsdprun.errors import StorageError, UserError
+from fsdprun.rundir import (
+    RECIPE_FILE,
+    checkpoint_root,
+    default_run_dir,
+    recipe_path,
+    step_of,
+)
 
 CPP_LOG_MARK = "_FSDPRUN_QUIET_CPP_LOG"
 
@@ -244,12 +251,31 @@ def train(
 
         run_as_worker(recipe, all_overrides)
         return
-    from fsdprun.launch.elastic import default_run_dir, launch_training
-
+    # The recipe and its data files are checked before the launcher loads torch (~2 s): a typo
+    # or a missing file is refused as fast as `fsdprun config` refuses it.
     resolved = load_recipe(recipe, all_overrides)
+    _check_before_launch(resolved.config)
+    from fsdprun.launch.elastic import launch_training
+
     target = Path(resolved.config.output.run_dir or default_run_dir(resolved.name))
     resolved.config.output.run_dir = str(target)
     launch_training(resolved, target)
+
+
+def _check_data(cfg) -> None:
+    from fsdprun.data.preflight import check_data  # headers and sizes only: no torch, no numpy
+
+    data_problems = check_data(cfg)
+    if data_problems:
+        raise UserError("; ".join(data_problems))
+
+
+def _check_before_launch(cfg) -> None:
+    """The data files, and a recipe for accelerators on a machine without one."""
+    _check_data(cfg)
+    problem = launch_device_problem(cfg.launch.device)
+    if problem:
+        raise UserError(problem)
 
 
 @app.command()
@@ -295,6 +321,7 @@ def resume(
         nproc_per_node, nnodes, node_rank, rdzv_endpoint,
         max_restarts=max_restarts, standalone=standalone,
     )  # fmt: skip
+    _precheck_resume(run_dir, [*(overrides or []), *extra])
     # Locked before choosing the checkpoint: a run still writing would make the choice stale.
     # Only a run directory gets a lock file (resolve_resume refuses anything else).
     with (
@@ -304,6 +331,21 @@ def resume(
     ):
         _resume(run_dir, overrides, extra, step=step, verify=verify,
                 accept_base_change=accept_base_change, base=base)  # fmt: skip
+
+
+def _precheck_resume(run_dir: Path, overrides: list[str]) -> None:
+    """What can be told from the run directory's files before torch loads (~2 s): that it is a
+    run directory, that the overrides name real keys, that it holds a checkpoint at all.
+    `resolve_resume` then checks the rest (completeness, what a resume may change)."""
+    if not recipe_path(run_dir).is_file():
+        raise UserError(f"{run_dir}: not an fsdprun run directory (no {RECIPE_FILE})")
+    cfg = load_recipe(str(recipe_path(run_dir)), overrides, check=False).config
+    problem = launch_device_problem(cfg.launch.device)
+    if problem:
+        raise UserError(problem)
+    root = checkpoint_root(run_dir)
+    if not root.is_dir() or not any(p.is_dir() and step_of(p) is not None for p in root.iterdir()):
+        raise UserError(f"{run_dir}: no checkpoints to resume from (looked in {root})")
 
 
 def _resume(
@@ -343,11 +385,7 @@ def config_cmd(
     """Print the fully resolved recipe as YAML (exit 2 with the error if it is invalid)."""
     extra = _launch_overrides(nproc_per_node, nnodes, None, None)
     resolved = load_recipe(recipe, [*(overrides or []), *extra])
-    from fsdprun.data.preflight import check_data  # headers and sizes only: no torch, no numpy
-
-    data_problems = check_data(resolved.config)
-    if data_problems:
-        raise UserError("; ".join(data_problems))
+    _check_data(resolved.config)
     sys.stdout.write(explain(resolved) if explain_ else resolved.to_yaml())
 
 
@@ -696,7 +734,6 @@ def compare_cmd(
 ) -> None:
     """Run a recipe under several engines/shardings (same seed and data) and compare them side
     by side: tokens/s, step time, peak memory, model state per rank, final loss."""
-    from fsdprun.launch.elastic import default_run_dir
     from fsdprun.tools.compare import compare, markdown, parse_configs, render
 
     chosen = parse_configs(configs)
@@ -707,7 +744,9 @@ def compare_cmd(
     extra = [f"train.steps={steps}"] if steps is not None else []
     extra += _launch_overrides(nproc_per_node, None, None, None)
     all_overrides = [*(overrides or []), *extra]
-    name = load_recipe(recipe, all_overrides).name
+    resolved = load_recipe(recipe, all_overrides)
+    _check_before_launch(resolved.config)  # before "comparing ...": a refusal is one line
+    name = resolved.name
     target = run_dir or Path(str(default_run_dir(f"compare-{name}")))
     quiet = json_ or markdown_
 
@@ -735,6 +774,16 @@ def compare_cmd(
 
 
 def main() -> None:
+    from fsdprun.limits import ensure_open_file_limit
+
+    # First: with too few file descriptors the imports below fail inside Python's importer.
+    try:
+        ensure_open_file_limit()
+    except UserError as e:
+        if os.environ.get("FSDPRUN_DEBUG"):
+            raise
+        _fail(str(e), 2)
+        sys.exit(2)
     if "TORCH_CPP_LOG_LEVEL" not in os.environ and not os.environ.get("FSDPRUN_DEBUG"):
         # Keep torch's C++ logging (e.g. every failed rendezvous connect, with a stack) out of
         # this console: fsdprun reports failures in one line. torch reads this when it loads, so

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import platform
 import resource
 from dataclasses import dataclass
@@ -50,22 +51,33 @@ def _available(kind: str) -> bool:
     return bool(mod is not None and mod.is_available())
 
 
+ACCELERATORS = ("cuda", "npu", "xpu")
+
+
 def resolve_device_kind(requested: str) -> str:
-    """`auto` → the first available of cuda, npu, xpu, else cpu; a named kind must exist.
+    """`auto` → the first available of cuda, npu, xpu, else cpu; `accelerator` → the same but
+    never cpu; a named kind must exist.
 
     Raises:
         UserError: the requested accelerator is missing.
     """
-    if requested == "auto":
-        for kind in ("cuda", "npu", "xpu"):
+    if requested in ("auto", "accelerator"):
+        for kind in ACCELERATORS:
             # npu only counts when torch_npu is installed; auto never fails for its absence.
             if kind == "npu" and importlib.util.find_spec("torch_npu") is None:
                 continue
             if _available(kind):
                 return kind
+        if requested == "accelerator":
+            raise UserError(
+                "launch.device is 'accelerator' (the recipe is sized for GPUs) but torch sees no "
+                f"{', '.join(ACCELERATORS)} device here; launch.device=cpu forces a CPU run"
+            )
         return "cpu"
     if requested not in BACKENDS:
-        raise UserError(f"launch.device: '{requested}' is not one of auto, {', '.join(BACKENDS)}")
+        raise UserError(
+            f"launch.device: '{requested}' is not one of auto, accelerator, {', '.join(BACKENDS)}"
+        )
     _import_plugin(requested)
     if not _available(requested):
         raise UserError(
@@ -105,6 +117,23 @@ def check_nproc(kind: str, nproc_per_node: int) -> None:
             f"launch.nproc_per_node is {nproc_per_node} but this node has {count} {kind} "
             f"device(s); use --nproc-per-node {count} or fewer"
         )
+
+
+def memory_per_rank(kind: str, nproc_per_node: int) -> tuple[int | None, str]:
+    """What one rank may use, and how it was found: a device's total memory; on CPU the
+    machine's RAM shared by the node's ranks. (None, why) when it cannot be read."""
+    if kind == "cpu":
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None, "RAM unknown"
+        ranks = f"{nproc_per_node} rank{'s' if nproc_per_node > 1 else ''}"
+        return ram // nproc_per_node, f"RAM {ram / 2**30:.1f} GiB / {ranks}"
+    props = torch.get_device_module(kind).get_device_properties(0)
+    total = getattr(props, "total_memory", None)
+    if total is None:
+        return None, f"{kind} memory unknown"
+    return total, f"one {kind} device, {total / 2**30:.1f} GiB"
 
 
 @dataclass(frozen=True)

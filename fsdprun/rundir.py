@@ -21,6 +21,7 @@ every package may import it.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import yaml
@@ -30,6 +31,11 @@ DEFAULT_METRICS_FILE = "metrics.jsonl"  # output.metrics_file's default
 LOCK_FILE = ".lock"
 MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"step-([0-9]+)")
+
+
+def default_run_dir(recipe_name: str) -> Path:
+    """runs/<recipe>-<YYYYmmdd-HHMMSS> under the working directory: output.run_dir's default."""
+    return Path("runs") / f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def recipe_path(run_dir: Path) -> Path:

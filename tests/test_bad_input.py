@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import resource
 import shutil
 import signal
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Run, run_fsdprun
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun
 from typer.testing import CliRunner
 
 import fsdprun.device
@@ -24,14 +28,34 @@ import fsdprun.launch.elastic
 from fsdprun.checkpoint import step_dir
 from fsdprun.cli import app
 from fsdprun.config import STRING_KEYS, schema_fields
+from fsdprun.limits import NOFILE_NEEDED
+
+
+def _nofile(soft: int, hard: int | None = None):
+    """A preexec_fn: the child starts under `ulimit -Sn soft` (and -Hn hard)."""
+
+    def set_limit() -> None:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE,
+            (soft, hard if hard is not None else resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
+        )
+
+    return set_limit
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """A finished run with complete checkpoints at steps 2 and 4."""
+    """A finished run with complete checkpoints at steps 2 and 4.
+
+    Launched under a soft open-file limit of 16 (hard limit as it is): fsdprun raises it first
+    thing (test_a_low_soft_open_file_limit_is_raised)."""
     root = tmp_path_factory.mktemp("trained")
-    proc = run_fsdprun("train", "debug", "train.steps=4", "checkpoint.every_steps=2",
-                       "--run-dir", str(root / "run"), cwd=root)  # fmt: skip
+    proc = subprocess.run(
+        [FSDPRUN, "train", "debug", "train.steps=4", "checkpoint.every_steps=2",
+         "--run-dir", str(root / "run")],
+        cwd=root, env=fsdprun_env(), capture_output=True, text=True, timeout=300,
+        preexec_fn=_nofile(16),
+    )  # fmt: skip
     return Run(proc, root / "run").check().run_dir
 
 
@@ -216,6 +240,66 @@ def test_rendezvous_endpoint_that_never_answers(tmp_path):
     )  # fmt: skip
     line = _one_line_exit_2(proc)
     assert "failed within launch.rdzv_timeout_s=2" in line and "timed out" in line
+
+
+def test_a_node_waiting_for_the_others_says_so_and_gives_up_in_one_line(tmp_path):
+    # Node 0 of 2 alone: it hosts the rendezvous store, joins, and waits for node 1.
+    timeout_s = 6
+    port = free_port()
+    proc = subprocess.Popen(
+        [FSDPRUN, "train", "debug", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", f"launch.rdzv_timeout_s={timeout_s}",
+         "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    lines = []  # (seconds since the first line, line)
+    first = None
+    for line in proc.stdout:
+        first = first or time.monotonic()
+        lines.append((time.monotonic() - first, line.rstrip()))
+    stderr = proc.stderr.read()
+    proc.wait(timeout=60)
+    assert lines, f"no waiting line; stderr: {stderr}"
+    after_first_s = time.monotonic() - first
+    assert lines[0][1] == (
+        f"waiting for 2 nodes at 127.0.0.1:{port} (gives up after "
+        f"launch.rdzv_timeout_s={timeout_s} s)"
+    ), lines
+    waits = [text for _, text in lines[1:]]
+    assert len(waits) >= 2, lines  # every timeout / 3 s
+    for text in waits:
+        assert re.fullmatch(
+            rf"waiting at 127\.0\.0\.1:{port}: 1 of 2 nodes joined \(\d+ s of {timeout_s} s\)", text
+        ), text
+    line = _one_line_exit_2(subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr))
+    assert f"rendezvous at 127.0.0.1:{port} failed within launch.rdzv_timeout_s={timeout_s}" in line
+    assert "1 of 2 nodes joined after" in line and "--node-rank" in line, line
+    # Gives up at the timeout: not before, and not long after (interpreter exit included).
+    assert timeout_s - 1 <= after_first_s <= timeout_s + 10, lines
+
+
+def test_a_low_soft_open_file_limit_is_raised(trained):
+    # `trained` ran 2 ranks and saved two checkpoints under `ulimit -Sn 16` (a 93-line
+    # traceback in Python's importer before fsdprun raised the soft limit to the hard one).
+    assert (step_dir(trained, 2) / "manifest.json").is_file()
+    assert (step_dir(trained, 4) / "manifest.json").is_file()
+
+
+@pytest.mark.skipif(
+    resource.getrlimit(resource.RLIMIT_NOFILE)[1] < NOFILE_NEEDED, reason="hard limit too low here"
+)
+@pytest.mark.parametrize("limit", [16, NOFILE_NEEDED - 1])
+def test_a_hard_open_file_limit_below_the_need_is_refused_in_one_line(limit, tmp_path):
+    proc = subprocess.run(
+        [FSDPRUN, "train", "debug", "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=fsdprun_env(), capture_output=True, text=True, timeout=60,
+        preexec_fn=_nofile(limit, limit),
+    )  # fmt: skip
+    line = _one_line_exit_2(proc)
+    assert f"the open-file limit is {limit} (hard limit {limit})" in line, line
+    assert f"needs at least {NOFILE_NEEDED}" in line and f"ulimit -n {NOFILE_NEEDED}" in line
+    assert not (tmp_path / "run").exists()
 
 
 def test_unknown_wrap_class_is_a_user_error_from_the_workers(tmp_path):

@@ -2,7 +2,8 @@
 
 `import torch` alone takes ~1.6 s on a small machine, so `--help`, `--version`, `recipes`,
 `config` (with `--explain`, and with data files to check) and `status` must not load it, on
-success and on a user error. Each command runs in a fresh interpreter. Run with
+success and on a user error; `train`, `resume` and `compare` refuse a key typo or a missing file
+before their launcher loads it. Each command runs in a fresh interpreter. Run with
 `pytest tests/test_cli_startup.py`.
 """
 
@@ -69,7 +70,10 @@ def test_read_only_commands_never_import_torch(tmp_path):
     if not accelerator_device_nodes():
         # launch.device=auto resolved for this check (FSDP1 offload needs an accelerator):
         # with no accelerator device node it is CPU without asking torch.
-        commands.append((["config", "llama-1b", "fsdp.engine=fsdp1", "fsdp.cpu_offload=true"], 2))
+        commands.append(
+            (["config", "llama-1b", "launch.device=auto", "fsdp.engine=fsdp1",
+              "fsdp.cpu_offload=true"], 2)
+        )  # fmt: skip
     results = run_probe([args for args, _ in commands], tmp_path)
     assert [code for _, code, *_ in results] == [code for _, code in commands], results
     loaded = [(args, tail) for args, _, torch_loaded, tail, _ in results if torch_loaded]
@@ -78,3 +82,45 @@ def test_read_only_commands_never_import_torch(tmp_path):
     # Nor numpy (~0.1 s more): the data checks read headers and sizes only.
     with_numpy = [args for args, _, _, _, numpy_loaded in results if numpy_loaded]
     assert not with_numpy, with_numpy[0]
+
+
+def test_launching_commands_refuse_mistakes_before_torch_loads(tmp_path):
+    """train, resume and compare refuse a key typo or a missing file as `config` does: one line,
+    exit 2, before the launcher (and torch) loads."""
+    from fsdprun.config import load_recipe
+
+    run_dir = tmp_path / "run"  # a run directory's files without a checkpoint yet
+    run_dir.mkdir()
+    (run_dir / "recipe.yaml").write_text(load_recipe("debug").to_yaml())
+    # (command, a word of the error line)
+    commands = [
+        (["train", "debug", "optim.lrr=1"], "optim.lrr"),
+        (["train", "tokens-demo", "data.paths=[missing.bin]"], "missing.bin"),
+        (["train", "debug", "--nproc-per-node", "3"], "global_batch_size"),
+        (["resume", str(tmp_path / "nothing")], "not an fsdprun run directory"),
+        (["resume", str(run_dir), "optim.lrr=1"], "optim.lrr"),
+        (["resume", str(run_dir)], "no checkpoints to resume from"),
+        (["compare", "debug", "optim.lrr=1"], "optim.lrr"),
+        (["compare", "tokens-demo", "data.paths=[missing.bin]"], "missing.bin"),
+    ]
+    if not accelerator_device_nodes():
+        # A recipe sized for GPUs on a machine without one: refused before launch, naming the
+        # override that forces CPU (was: a silent CPU run of the 886M model, or no output).
+        gpu = load_recipe("llama-8b").config
+        gpu_run = tmp_path / "gpu-run"
+        (gpu_run / "checkpoints" / "step-00000004").mkdir(parents=True)
+        (gpu_run / "recipe.yaml").write_text(load_recipe("llama-8b").to_yaml())
+        assert gpu.launch.nproc_per_node == 8
+        commands += [
+            (["train", "llama-1b"], "launch.device=cpu forces a CPU run"),
+            (["train", "llama-8b", "--nproc-per-node", "8"], "launch.device=cpu forces"),
+            (["train", "llama-70b", "--node-rank", "1", "--rdzv-endpoint", "node0:29500"],
+             "launch.device=cpu forces"),
+            (["compare", "llama-1b"], "launch.device=cpu forces a CPU run"),
+            (["resume", str(gpu_run)], "launch.device=cpu forces a CPU run"),
+        ]  # fmt: skip
+    results = run_probe([args for args, _ in commands], tmp_path)
+    for (args, word), (_, code, torch_loaded, tail, _) in zip(commands, results, strict=True):
+        assert code == 2, (args, tail)
+        assert word in tail and tail.strip().startswith("error:"), (args, tail)
+        assert not torch_loaded, (args, tail)

@@ -271,6 +271,14 @@ def test_launch_never_imports_models_nor_engines():
     assert not bad, bad
 
 
+def test_limits_import_nothing_heavy():
+    # The open-file limit is checked before anything else loads: only the standard library and
+    # the error types.
+    imported = imports_of("fsdprun.limits").all
+    assert {t for t in imported if t.startswith("fsdprun")} == {"fsdprun.errors"}, imported
+    assert "torch" not in {t.split(".")[0] for t in imported}, imported
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle of `graph` as [a, b, ..., a], or None (iterative depth-first search)."""
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done

@@ -19,7 +19,9 @@ from fsdprun.device import BACKENDS, check_nproc, process_group_backend, resolve
 from fsdprun.errors import UserError
 from fsdprun.launch.elastic import build_launch_plan
 from fsdprun.launch.loopback import RDZV_BACKEND
+from fsdprun.models import model_spec
 from fsdprun.report.console import Reporter
+from fsdprun.tools.plan import CPU_FLOPS_PER_CORE, hardware_warnings, plan_memory
 
 
 def test_single_node_binds_loopback_and_multi_node_uses_the_given_endpoint(tmp_path):
@@ -104,7 +106,61 @@ def test_missing_devices_are_user_errors():
         with pytest.raises(UserError, match="no cuda device is available"):
             resolve_device_kind("cuda")
         assert resolve_device_kind("auto") == "cpu"
+        with pytest.raises(UserError, match="no cuda, npu, xpu device here; launch.device=cpu"):
+            resolve_device_kind("accelerator")
     check_nproc("cpu", 64)  # CPU ranks are processes: any number
+
+
+def test_the_recipes_sized_for_gpus_say_so():
+    from fsdprun.config import DeviceKind, builtin_recipes
+
+    for name in builtin_recipes():
+        device = load_recipe(name).config.launch.device
+        # The demos run on CPU; the llama-* shapes need GPUs (launch.device=cpu forces them).
+        assert (device is DeviceKind.accelerator) == name.startswith("llama-"), (name, device)
+
+
+GIB = 2**30
+
+
+def test_absurd_runs_for_the_hardware_found_are_warned_of():
+    cfg = load_recipe("llama-1b", ["launch.device=cpu"]).config
+    warnings = hardware_warnings(
+        cfg, device_kind="cpu", memory_per_rank_bytes=8 * GIB,
+        memory_source="RAM 16.0 GiB / 2 ranks", cpus_per_node=4,
+    )  # fmt: skip
+    memory, step = warnings
+    planned = plan_memory(cfg).strategies["full"].total
+    assert f"the plan puts {planned / GIB:.1f} GiB on each rank (full sharding on 1 rank)" in memory
+    assert "a rank here has 8.0 GiB (RAM 16.0 GiB / 2 ranks)" in memory
+    flops = model_spec(cfg.model).flops_per_token(cfg.model, 2048) * 8 * 2048
+    step_s = flops / (CPU_FLOPS_PER_CORE * 4)
+    assert f"on 4 CPU cores takes at least ~{step_s:,.0f} s" in step and "an estimate" in step
+    # Enough memory and an accelerator: nothing to say (no CPU time estimate there).
+    gpu = load_recipe("llama-8b").config
+    args = dict(device_kind="cuda", memory_source="one cuda device", cpus_per_node=1)
+    assert hardware_warnings(gpu, memory_per_rank_bytes=141 * 10**9, **args) == []
+    assert len(hardware_warnings(gpu, memory_per_rank_bytes=16 * GIB, **args)) == 1
+    # The demos are not absurd anywhere.
+    demo = load_recipe("debug").config
+    assert hardware_warnings(demo, device_kind="cpu", memory_per_rank_bytes=GIB,
+                             memory_source="RAM", cpus_per_node=1) == []  # fmt: skip
+
+
+def test_a_gpu_recipe_forced_onto_cpu_is_warned_of_before_launch(tmp_path):
+    # The start method is checked after the warnings and before the run directory exists: the
+    # warnings are seen without training an 886M model on CPU.
+    proc = run_fsdprun("train", "llama-1b", "launch.device=cpu", "--run-dir", str(tmp_path / "r"),
+                       cwd=tmp_path, env=fsdprun_env(FSDPRUN_START_METHOD="threads"))  # fmt: skip
+    *warnings, error = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "FSDPRUN_START_METHOD='threads'" in error, proc.stderr
+    assert not (tmp_path / "r").exists()
+    assert all(w.startswith("warning: ") for w in warnings), warnings
+    assert sum("takes at least" in w for w in warnings) == 1, warnings  # on any CPU
+    planned = plan_memory(load_recipe("llama-1b", ["launch.device=cpu"]).config)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    too_big = planned.strategies["full"].total > ram  # one rank
+    assert sum("the plan puts" in w for w in warnings) == too_big, warnings
 
 
 def test_npu_without_torch_npu_exits_2_before_launch(tmp_path):

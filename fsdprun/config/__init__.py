@@ -59,7 +59,12 @@ from fsdprun.config.schema import (
     schema_fields,
 )
 from fsdprun.config.sizes import parse_size
-from fsdprun.config.validate import STRING_KEYS, accelerator_device_nodes, validate
+from fsdprun.config.validate import (
+    STRING_KEYS,
+    accelerator_device_nodes,
+    launch_device_problem,
+    validate,
+)
 
 __all__ = [
     "CLI_SOURCE", "DEFAULT_SOURCE", "STRING_KEYS", "ActivationCheckpointingConfig", "ChatTurns",
@@ -69,6 +74,6 @@ __all__ = [
     "OnSaveError", "OptimConfig", "OptimImpl", "OutputConfig", "PrecisionConfig", "ProfileConfig",
     "RecipeConfig", "ResolvedRecipe", "ScheduleConfig", "Sharding", "TokenDtype", "TrainConfig",
     "Truncate", "WrapPolicy", "accelerator_device_nodes", "builtin_recipes", "config_to_dict",
-    "dump_config", "explain", "load_recipe", "parse_overrides", "parse_size", "recipe_reference",
-    "schema_fields", "validate",
+    "dump_config", "explain", "launch_device_problem", "load_recipe", "parse_overrides",
+    "parse_size", "recipe_reference", "schema_fields", "validate",
 ]  # fmt: skip

@@ -131,6 +131,7 @@ class ModelInit(enum.Enum):
 
 class DeviceKind(enum.Enum):
     auto = "auto"
+    accelerator = "accelerator"
     cuda = "cuda"
     cpu = "cpu"
     npu = "npu"
@@ -458,8 +459,10 @@ class LaunchConfig:
     )
     device: DeviceKind = _f(
         DeviceKind.auto,
-        "`auto` (cuda, then npu, then xpu, else cpu), `cuda` (nccl), `cpu` (gloo), `npu` "
-        "(hccl; needs torch_npu), `xpu` (xccl).",
+        "`auto` (cuda, then npu, then xpu, else cpu), `accelerator` (as auto, but a machine "
+        "without cuda, npu or xpu is refused before launch: the recipes sized for GPUs say so; "
+        "`launch.device=cpu` forces CPU), `cuda` (nccl), `cpu` (gloo), `npu` (hccl; needs "
+        "torch_npu), `xpu` (xccl).",
     )
     device_memory_gb: float | None = _f(
         None,

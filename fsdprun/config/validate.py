@@ -160,11 +160,13 @@ def _profile_errors(p: ProfileConfig, device: DeviceKind, world_size: int) -> li
         errors.append("profile.memory_snapshot covers the profiled steps: set profile.enabled=true")
     elif p.memory_snapshot:
         kind = device.value
-        if device is DeviceKind.auto:
+        if device is DeviceKind.accelerator and not accelerator_device_nodes():
+            kind = None  # refused before launch (`launch_device_problem`), not a profile problem
+        elif device in (DeviceKind.auto, DeviceKind.accelerator):
             from fsdprun.device import resolve_device_kind  # imports torch: only when needed
 
-            kind = resolve_device_kind(kind)
-        if kind != "cuda":
+            kind = resolve_device_kind("auto")
+        if kind is not None and kind != "cuda":
             errors.append(
                 "profile.memory_snapshot records the CUDA caching allocator: it is CUDA-only and "
                 f"this run is on {kind} (launch.device={device.value}); set "
@@ -284,8 +286,22 @@ def accelerator_device_nodes() -> list[str]:
     return sorted(p for pattern in _ACCELERATOR_NODES for p in glob.glob(pattern))
 
 
+def launch_device_problem(device: DeviceKind) -> str | None:
+    """A recipe for accelerators (launch.device=accelerator) on a machine without one, told
+    without torch; not part of `validate`, since `plan` and `config` of such a recipe work
+    anywhere. With accelerator device nodes, the launcher's device check (torch) decides."""
+    if device is DeviceKind.accelerator and not accelerator_device_nodes():
+        return (
+            "this recipe is sized for accelerators (launch.device=accelerator) but this machine "
+            "has no GPU (no cuda, npu or xpu device node in /dev); launch.device=cpu forces a "
+            "CPU run (see `fsdprun plan` for its memory)"
+        )
+    return None
+
+
 def _runs_on_cpu(device: DeviceKind) -> bool:
-    """Whether launch.device means CPU ranks on this machine (`auto` without an accelerator)."""
+    """Whether launch.device means CPU ranks on this machine (`auto` without an accelerator;
+    never `accelerator`, which refuses CPU before launch)."""
     if device is DeviceKind.auto:
         if not accelerator_device_nodes():
             return True  # `fsdprun config` stays torch-free on CPU machines

@@ -9,27 +9,28 @@ a worker failure into one line naming the rank, the error and the log file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdprun.checkpoint import read_manifest, set_aside_after
 from fsdprun.config import RecipeConfig, ResolvedRecipe
 from fsdprun.data.preflight import check_data
-from fsdprun.device import check_nproc, resolve_device_kind
+from fsdprun.device import check_nproc, memory_per_rank, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
+from fsdprun.launch.rendezvous import RendezvousProgress
 from fsdprun.report.console import MetricsFollower, Reporter
 from fsdprun.rundir import (
     checkpoint_root,
@@ -39,6 +40,7 @@ from fsdprun.rundir import (
     stop_path,
 )
 from fsdprun.runlock import hold_run_dir
+from fsdprun.tools.plan import hardware_warnings
 from fsdprun.train.guard import (
     LAUNCHER_PID_ENV,
     clear_verdict,
@@ -93,10 +95,6 @@ class WorkerFailed(Exception):
     def __init__(self, message: str, *, user_error: bool):
         super().__init__(message)
         self.user_error = user_error
-
-
-def default_run_dir(recipe_name: str) -> Path:
-    return Path("runs") / f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def prepare_run_dir(run_dir: Path, resolved: ResolvedRecipe) -> None:
@@ -238,6 +236,54 @@ def describe_failure(err: ChildFailedError, run_dir: Path) -> WorkerFailed:
     return WorkerFailed(f"rank {rank} failed: {message}{where}", user_error=False)
 
 
+def _waiting(cfg: RecipeConfig, plan: LaunchPlan) -> RendezvousProgress | None:
+    """Waiting lines for a multi-node rendezvous (one node's completes at once)."""
+    if cfg.launch.nnodes == 1:
+        return None
+    return RendezvousProgress(
+        plan.config.rdzv_endpoint, nnodes=cfg.launch.nnodes, timeout_s=cfg.launch.rdzv_timeout_s,
+        run_id=plan.config.run_id, write=lambda line: print(line, flush=True),
+    )  # fmt: skip
+
+
+def _rendezvous_failed(
+    err: RendezvousError, cfg: RecipeConfig, plan: LaunchPlan, waiting: RendezvousProgress | None
+) -> UserError:
+    """One line for a rendezvous that failed: the nodes that came when it timed out, else the
+    cause (a port in use, an endpoint that does not answer)."""
+    endpoint, timeout = plan.config.rdzv_endpoint, cfg.launch.rdzv_timeout_s
+    joined = waiting.joined() if waiting is not None else None
+    if isinstance(err, RendezvousTimeoutError) and joined is not None:
+        return UserError(
+            f"rendezvous at {endpoint} failed within launch.rdzv_timeout_s={timeout}: "
+            f"{joined} of {cfg.launch.nnodes} nodes joined after {waiting.waited_s():.0f} s; "
+            f"start the other nodes with --nnodes {cfg.launch.nnodes} --rdzv-endpoint "
+            f"{endpoint} and their own --node-rank, or raise launch.rdzv_timeout_s"
+        )
+    cause = next((str(e) for e in (err.__cause__, err) if e is not None and str(e).strip()), "")
+    reason = cause.strip().splitlines()[0] if cause else f"timed out ({type(err).__name__})"
+    return UserError(
+        f"rendezvous at {endpoint} failed within launch.rdzv_timeout_s={timeout}: {reason}; "
+        "check that node 0 runs with --node-rank 0, that its port is free there and reachable "
+        "from every node"
+    )
+
+
+def _hardware_warnings(cfg: RecipeConfig, kind: str) -> list[str]:
+    memory, source = memory_per_rank(kind, cfg.launch.nproc_per_node)
+    try:
+        return hardware_warnings(
+            cfg, device_kind=kind, memory_per_rank_bytes=memory, memory_source=source,
+            cpus_per_node=os.cpu_count() or 1,
+        )  # fmt: skip
+    except Exception:
+        # Advisory: a plan that cannot be made (a model family plan does not know) never stops
+        # a run that the recipe checks accepted.
+        if os.environ.get("FSDPRUN_DEBUG"):
+            raise
+        return []
+
+
 def launch_training(
     resolved: ResolvedRecipe, run_dir: Path, *, resume_from: Path | None = None
 ) -> dict | None:
@@ -264,6 +310,8 @@ def launch_training(
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
     check_float8(cfg.precision.float8.value, kind)  # float8 matmuls need CUDA capability >= 8.9
+    for line in _hardware_warnings(cfg, kind):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     method = start_method(kind)  # a bad FSDPRUN_START_METHOD is refused before RUN_DIR exists
     # One run per directory: locked before anything is written in it, for the whole run.
     with hold_run_dir(run_dir, node_rank=cfg.launch.node_rank):
@@ -295,10 +343,12 @@ def _launch(
     # Workers die with this process (see guard.die_with_launcher).
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     reporter = Reporter()
+    waiting = _waiting(cfg, plan)
     try:
         with (
             _StopOnSignal(run_dir) as stop,
             MetricsFollower(run_dir / cfg.output.metrics_file, reporter),
+            waiting or contextlib.nullcontext(),
         ):
             results = elastic_launch(plan.config, elastic_entry)(
                 str(run_dir), resolved.name, str(resume_from) if resume_from else None
@@ -306,12 +356,7 @@ def _launch(
     except ChildFailedError as err:
         raise describe_failure(err, run_dir) from err
     except RendezvousError as err:
-        cause = err.__cause__ or err
-        raise UserError(
-            f"rendezvous at {plan.config.rdzv_endpoint} failed within launch.rdzv_timeout_s="
-            f"{cfg.launch.rdzv_timeout_s}: {str(cause).splitlines()[0]}; check that node 0 runs "
-            "with --node-rank 0, that its port is free there and reachable from every node"
-        ) from err
+        raise _rendezvous_failed(err, cfg, plan, waiting) from err
     summary = results.get(0)
     # Rank 0 may run on another node: any local rank's result tells that the run stopped.
     stopped = next((r["stopped"] for r in results.values() if r and r.get("stopped")), None)

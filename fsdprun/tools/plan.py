@@ -396,3 +396,61 @@ def plan_recipe(
     return plan_memory(
         resolved.config, recipe=resolved.name, device_memory_bytes=device_memory_bytes
     )
+
+
+# The pre-launch estimate of a step on CPU assumes this many FLOP/s per core: about the bf16
+# peak of one AVX-512 core. Training reaches a fraction of it, so the estimate is a lower bound
+# and a warning from it is never a false alarm about speed.
+CPU_FLOPS_PER_CORE = 200e9
+# A step estimated longer than this is "absurd" for the warning: no step line for minutes.
+SLOW_STEP_S = 60.0
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"
+
+
+def hardware_warnings(
+    cfg: RecipeConfig,
+    *,
+    device_kind: str,
+    memory_per_rank_bytes: int | None,
+    memory_source: str,
+    cpus_per_node: int,
+) -> list[str]:
+    """One line for each way the run looks absurd on the hardware found, from the plan: its
+    peak memory per rank above what a rank has, and on CPU a step estimated over SLOW_STEP_S
+    (FLOPs per step at CPU_FLOPS_PER_CORE on every core of every node).
+
+    Args:
+        cfg: the validated recipe about to launch.
+        device_kind: what launch.device resolved to (cpu, cuda, ...).
+        memory_per_rank_bytes: what one rank may use (a device's memory; on CPU the machine's
+            RAM / ranks per node); None = unknown.
+        memory_source: how that figure was found, for the line ("RAM 23.0 GiB / 2 ranks").
+        cpus_per_node: CPU cores of one node.
+    """
+    plan = plan_memory(cfg)
+    planned = plan.strategies[plan.recipe_strategy].total
+    warnings = []
+    if memory_per_rank_bytes is not None and planned > memory_per_rank_bytes:
+        ranks = f"{cfg.world_size} rank{'s' if cfg.world_size > 1 else ''}"
+        warnings.append(
+            f"the plan puts {_gib(planned)} on each rank ({plan.recipe_strategy} sharding on "
+            f"{ranks}) but a rank here has {_gib(memory_per_rank_bytes)} ({memory_source}): "
+            "expect it to run out of memory (fsdprun plan shows the parts)"
+        )
+    if device_kind == "cpu":
+        spec = model_spec(cfg.model)
+        t = cfg.train
+        flops = spec.flops_per_token(cfg.model, t.seq_len) * t.global_batch_size * t.seq_len
+        rate = CPU_FLOPS_PER_CORE * cpus_per_node * cfg.launch.nnodes
+        step_s = flops / rate
+        if step_s > SLOW_STEP_S:
+            warnings.append(
+                f"a step of {flops / 1e12:,.0f} TFLOP on {cpus_per_node * cfg.launch.nnodes} CPU "
+                f"cores takes at least ~{step_s:,.0f} s ({t.steps} steps: at least "
+                f"~{step_s * t.steps / 3600:,.1f} h; an estimate at "
+                f"{CPU_FLOPS_PER_CORE / 1e9:.0f} GFLOP/s per core, real runs are slower)"
+            )
+    return warnings
