@@ -156,14 +156,21 @@ class Events:
             self.trackers.handle(record)
             if self.reporter is not None:
                 self.reporter.handle(record)
+            self._tracker_warnings()
 
     def warn(self, message: str) -> None:
         self.emit("warning", message=message)
 
+    def _tracker_warnings(self) -> None:
+        # A tracker that could not write was dropped (it warns once; the run goes on).
+        for message in self.trackers.take_warnings():
+            self.warn(message)
+
     def close(self) -> None:
         if self.metrics is not None:
+            self.trackers.close()  # first: a tracker's last write that fails is still logged
+            self._tracker_warnings()
             self.metrics.close()
-            self.trackers.close()
 
 
 @dataclass(frozen=True)
