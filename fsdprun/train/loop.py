@@ -303,8 +303,8 @@ class TrainLoop:
         self.last_logged, self.window_start = start_step, time.perf_counter()
         stopped = None
         profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=self.rank,
-                                world_size=self.layout.world_size,
-                                device_kind=self.device.kind)  # fmt: skip
+                                world_size=self.layout.world_size, device_kind=self.device.kind,
+                                warn=self.events.warn if self.rank == 0 else None)  # fmt: skip
         for step in range(start_step, cfg.train.steps):
             done = step + 1
             result = self._step(step)
