@@ -97,12 +97,13 @@ def test_watch_redraws_until_the_run_ends(tmp_path, monkeypatch):
 STEP = {"event": "step", "step": 3, "loss": 2.5, "tokens_per_s": 100.0}
 GOOD = [json.dumps(START), json.dumps(STEP)]
 DAMAGED = {
-    "heartbeat a list": (GOOD, {"rank-0.json": "[1, 2]"},
+    "heartbeat a list": (GOOD, {"heartbeat/rank-0.json": "[1, 2]"},
                          "skipped 1 unreadable heartbeat file in {run}/heartbeat",
                          {"last_step": 3, "heartbeats": [], "skipped.heartbeat_files": 1}),
     "heartbeat of the wrong types": (
-        GOOD, {"rank-0.json": '{"time": "soon", "step": 1}', "rank-1.json": '{"time": NaN}',
-               "rank-2.json": '{"time": 1.0, "step": "two", "phase": 7}'},
+        GOOD, {"heartbeat/rank-0.json": '{"time": "soon", "step": 1}',
+               "heartbeat/rank-1.json": '{"time": NaN}',
+               "heartbeat/rank-2.json": '{"time": 1.0, "step": "two", "phase": 7}'},
         "skipped 2 unreadable heartbeat files in {run}/heartbeat",
         {"heartbeats.0.rank": 2, "heartbeats.0.step": None, "heartbeats.0.phase": None}),
     "lines that are not objects": (
@@ -129,6 +130,11 @@ DAMAGED = {
          '{"event": "stopped", "step": "x", "reason": NaN}'],
         {}, None, {"state": "stopped", "steps": None, "restarts": 0, "loss": None,
                    "last_checkpoint": None, "stopped.reason": None}),
+    "lock files of the wrong shape": (
+        GOOD, {".lock": '{"host": "h", "pid": 1, "since": NaN, "command": "x"}',
+               ".lock.node-1": '{"host": "h", "pid": Infinity, "since": 1.0, "command": "x"}',
+               ".lock.node-2": "[1]"},
+        None, {"locks.0.holder": None, "locks.1.holder": None, "locks.2.holder": None}),
 }  # fmt: skip
 
 
@@ -140,14 +146,14 @@ def _field(doc: object, dotted: str) -> object:
 
 @pytest.mark.parametrize("case", DAMAGED)
 def test_status_of_a_damaged_run_dir_skips_what_it_cannot_read(case, tmp_path):
-    lines, beats, skip_line, fields = DAMAGED[case]
+    lines, files, skip_line, fields = DAMAGED[case]
     run_dir = _run_dir(tmp_path, [])
     text = "".join(line + "\n" for line in lines)
     if case == "a truncated last line":
         text = text.removesuffix("\n")
     (run_dir / "metrics.jsonl").write_bytes(text.encode("latin-1"))
-    for name, content in beats.items():
-        (run_dir / "heartbeat" / name).write_text(content)
+    for name, content in files.items():
+        (run_dir / name).write_text(content)
     proc = run_fsdprun("status", str(run_dir), cwd=tmp_path)
     assert proc.returncode == 0 and not proc.stderr, proc.stderr[-2000:]
     last = proc.stdout.splitlines()[-1]
