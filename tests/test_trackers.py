@@ -213,33 +213,41 @@ def test_a_tracker_folder_that_cannot_be_written_is_refused_before_launch(tmp_pa
         assert _tree(run_dir) == ["tensorboard"]
 
 
-def test_a_full_disk_under_tensorboard_is_one_warning_and_the_run_finishes(tmp_path):
+FULL_DISK_END = (
+    "(no space left on device); training goes on without this tracker (metrics.jsonl keeps "
+    "every record)"
+)
+
+
+def test_full_disks_under_the_trackers_are_one_warning_each_and_the_run_finishes(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    # One page of tmpfs: the event file's first rows fit, a later one does not (ENOSPC in
-    # TensorBoard's writer thread, raised again at the next flush).
-    with tmpfs(run_dir / "tensorboard", "4k"):
+    # TensorBoard: one page of tmpfs, the event file's first rows fit and a later one does not
+    # (ENOSPC in TensorBoard's writer thread, raised again at the next flush). W&B: one page
+    # free, full once its session files are written.
+    with tmpfs(run_dir / "tensorboard", "4k"), tmpfs(run_dir / "wandb", "16k") as wandb:
+        (wandb / "fill").write_bytes(b"x" * 12288)
         proc = run_fsdprun(
             "train", "debug", "train.steps=6", "checkpoint.every_steps=3", "output.log_every=1",
-            "output.tensorboard=true", "--run-dir", str(run_dir), cwd=tmp_path,
+            "output.tensorboard=true", "output.wandb={mode: offline}", "--run-dir", str(run_dir),
+            cwd=tmp_path,
         )  # fmt: skip
         run = Run(proc, run_dir).check()
         assert "Traceback" not in proc.stderr and not proc.stderr.strip(), proc.stderr[-3000:]
-        # One warning (the console wraps it at the terminal's width), as logged.
-        [message] = [e["message"] for e in run.events if e["event"] == "warning"]
-        assert proc.stdout.count("warning:") == 1 and f"warning: {message}" in " ".join(
-            proc.stdout.split()), proc.stdout[-3000:]  # fmt: skip
-        assert message.startswith(
-            f"output.tensorboard: could not write {run_dir}/tensorboard at step "
-        ) and message.endswith(
-            "(no space left on device); training goes on without this tracker (metrics.jsonl "
-            "keeps every record)"
-        ), message  # fmt: skip
+        # One warning per tracker (the console wraps them at the terminal's width), as logged.
+        messages = sorted(e["message"] for e in run.events if e["event"] == "warning")
+        assert proc.stdout.count("warning:") == 2, proc.stdout[-3000:]
+        for message, key, folder in zip(messages, ["output.tensorboard", "output.wandb"],
+                                        ["tensorboard", "wandb"], strict=True):  # fmt: skip
+            assert f"warning: {message}" in " ".join(proc.stdout.split()), proc.stdout[-3000:]
+            assert message.startswith(f"{key}: could not write {run_dir}/{folder} at "), message
+            assert message.endswith(FULL_DISK_END), message
+        assert " at step " in messages[0]  # TensorBoard started, then its disk filled
         assert [e["step"] for e in run.steps] == [1, 2, 3, 4, 5, 6]
         assert all(check_checkpoint(step_dir(run_dir, s)).complete for s in (3, 6))
         # TensorBoard's thread printed nothing, not even to rank 0's log.
         [log] = (run_dir / "logs").glob("*/attempt_0/0/stderr.log")
-        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+        assert "Exception in thread" not in log.read_text(), log.read_text()[-3000:]
 
 
 class _Failing:
