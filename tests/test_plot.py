@@ -91,10 +91,14 @@ def test_a_step_logged_again_after_a_resume_is_drawn_once_with_its_latest_value(
 def test_plot_command_errors_are_one_line_and_it_needs_no_torch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_dir = _write_metrics(tmp_path / "run", [_step(1, 5.0)])
+    garbage = _write_metrics(tmp_path / "garbage", [])
+    (garbage / "metrics.jsonl").write_text('[1]\n{"event": "step", "step": "1"}\n')
+    none = "nothing to plot (skipped 2 unreadable lines)"
     for args, message in [
         (["plot", "missing"], "error: missing: no metrics file (metrics.jsonl); is it an fsdprun"),
         (["plot", str(run_dir), "--out", "p.jpg"], "error: --out p.jpg: the picture is a PNG"),
         (["plot", str(run_dir), "--out", "no/p.png"], "error: --out no/p.png: folder no does"),
+        (["plot", str(garbage)], f"error: {garbage}/metrics.jsonl: no step logged yet; {none}"),
     ]:
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2 and result.stderr.startswith(message), result.stderr

@@ -106,7 +106,11 @@ def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
         else:
             evals[step] = e
     if not steps:
-        raise UserError(f"{metrics}: no step logged yet; nothing to plot")
+        unusable = read.unreadable_lines + bad_records
+        skipped = f" (skipped {unusable} unreadable line{'s' if unusable != 1 else ''})"
+        raise UserError(
+            f"{metrics}: no step logged yet; nothing to plot{skipped if unusable else ''}"
+        )
     # Values are taken from the latest record of each step only: a replaced one is not drawn.
     curves = [{"step": k, **{key: value(steps[k], key) for key in STEP_VALUES}}
               for k in sorted(steps)]  # fmt: skip
