@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import uuid
@@ -223,7 +224,8 @@ class Trackers:
         row.scalars = {k: v for k, v in row.scalars.items() if v is not None}
         for tracker in list(self.trackers):
             try:
-                tracker.log(row)
+                with quiet_logging_errors():
+                    tracker.log(row)
             except Exception as e:  # a full disk, EIO, or W&B's own errors: never fatal
                 self._drop(tracker, e, f"at step {row.step}")
 
@@ -235,7 +237,7 @@ class Trackers:
     def _drop(self, tracker, error: BaseException, when: str) -> None:
         self.trackers.remove(tracker)
         self._warnings.append(stopped_writing(tracker.key, tracker.folder, error, when))
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), quiet_logging_errors():
             tracker.close(failed=True)
 
     def close(self, *, failed: bool = False) -> None:
@@ -243,11 +245,24 @@ class Trackers:
             _OPEN.remove(self)
         for tracker in list(self.trackers):
             try:
-                tracker.close(failed=failed)
+                with quiet_logging_errors():
+                    tracker.close(failed=failed)
             except Exception as e:  # its last rows did not fit: metrics.jsonl has them
                 self.trackers.remove(tracker)
                 self._warnings.append(stopped_writing(tracker.key, tracker.folder, e, "at close"))
         self.trackers = []
+
+
+@contextlib.contextmanager
+def quiet_logging_errors():
+    """While a tracker runs: a log file of its own that cannot be written (W&B's debug.log, on
+    the disk that filled) makes the logging module print a "--- Logging error ---" traceback per
+    record; those are dropped (the failure itself is reported once, by Trackers)."""
+    previous, logging.raiseExceptions = logging.raiseExceptions, False
+    try:
+        yield
+    finally:
+        logging.raiseExceptions = previous
 
 
 def stopped_writing(key: str, folder: Path, error: BaseException, when: str) -> str:
@@ -298,7 +313,8 @@ def open_trackers(
                         lambda: WandbTracker(run_dir, wandb, recipe=recipe)))  # fmt: skip
     for key, folder, start in opening:
         try:
-            trackers.append(start())
+            with quiet_logging_errors():
+                trackers.append(start())
         except UserError:
             raise  # a setting to fix (W&B online without a login): the run does not start
         except Exception as e:  # the folder cannot be written after all (a full disk)
