@@ -413,7 +413,7 @@ def status(
     """Whether a run is running (who holds its lock: host, pid, since when), its last logged
     step, loss, tokens/s and ETA, restarts, each rank's last heartbeat and the newest complete
     checkpoint, from the run directory's files alone."""
-    from fsdprun.tools.status import render_status, run_status, watch_status
+    from fsdprun.tools.status import render_status, run_status, status_json, watch_status
 
     if watch:
 
@@ -424,7 +424,7 @@ def status(
         watch_status(run_dir, interval_s=max(interval, 0.1), write=write)
         return
     doc = run_status(run_dir)
-    sys.stdout.write(json.dumps(doc, indent=1) + "\n" if json_ else render_status(doc))
+    sys.stdout.write(status_json(doc) + "\n" if json_ else render_status(doc))
 
 
 @app.command()
@@ -451,7 +451,8 @@ def plot(
 
     target = out or (run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("plot.png"))
     try:
-        plot_runs(run_dirs, target)
+        # A damaged metrics file is drawn without what could not be read, said in one line.
+        plot_runs(run_dirs, target, note=lambda line: print(f"note: {line}", file=sys.stderr))
     except UserError as e:
         if os.environ.get("FSDPRUN_DEBUG"):
             raise

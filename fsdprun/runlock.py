@@ -21,6 +21,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import shlex
 import socket
@@ -58,10 +59,12 @@ def read_holder(path: Path) -> Holder | None:
     """The holder a lock file records; None when it records none (released, or being taken)."""
     try:
         data = json.loads(path.read_text())
-        return Holder(str(data["host"]), int(data["pid"]), float(data["since"]),
-                      str(data["command"]))  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        holder = Holder(str(data["host"]), int(data["pid"]), float(data["since"]),
+                        str(data["command"]))  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        return None  # also a damaged file: int(inf) overflows, and so on
+    # A time that is not one (NaN, inf, a string of digits far in the future) records no holder.
+    return holder if math.isfinite(holder.since) and abs(holder.since) < 1e11 else None
 
 
 def is_locked(path: Path) -> bool:

@@ -1,9 +1,11 @@
 """`fsdprun plot`: a PNG of the expected size whose panels hold the runs' metrics, drawn from
-real runs (the debug runs other tests make, cached for the session)."""
+real runs (the debug runs other tests make, cached for the session); and a corpus of damaged
+metrics files, drawn by the real command with one note each on what it skipped."""
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 import subprocess
 import sys
@@ -89,10 +91,14 @@ def test_a_step_logged_again_after_a_resume_is_drawn_once_with_its_latest_value(
 def test_plot_command_errors_are_one_line_and_it_needs_no_torch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_dir = _write_metrics(tmp_path / "run", [_step(1, 5.0)])
+    garbage = _write_metrics(tmp_path / "garbage", [])
+    (garbage / "metrics.jsonl").write_text('[1]\n{"event": "step", "step": "1"}\n')
+    none = "nothing to plot (skipped 2 unreadable lines)"
     for args, message in [
         (["plot", "missing"], "error: missing: no metrics file (metrics.jsonl); is it an fsdprun"),
         (["plot", str(run_dir), "--out", "p.jpg"], "error: --out p.jpg: the picture is a PNG"),
         (["plot", str(run_dir), "--out", "no/p.png"], "error: --out no/p.png: folder no does"),
+        (["plot", str(garbage)], f"error: {garbage}/metrics.jsonl: no step logged yet; {none}"),
     ]:
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2 and result.stderr.startswith(message), result.stderr
@@ -146,3 +152,56 @@ def test_plan_plot_stacks_each_strategys_memory_under_the_device_line(tmp_path):
     assert not plan_figure({**doc, "device_memory_bytes": None}).axes[0].lines
     bad = CliRunner().invoke(app, ["plan", "debug", "--plot", str(tmp_path / "plan.svg")])
     assert bad.exit_code == 2 and "--plot" in bad.output and "ending in .png" in bad.output
+
+
+# Damaged metrics files (each case: the lines, then the note `fsdprun plot` gives about it; None:
+# nothing to say). Every case has a step that can be drawn, so every one is drawn.
+GOOD_STEP = json.dumps(_step(1, 5.0))
+DAMAGED = {
+    "a step given as a string": (
+        [GOOD_STEP, json.dumps({**_step(2, 4.0), "step": "2"})],
+        "skipped 1 record without an integer step"),
+    "NaN, inf and strings": (
+        [GOOD_STEP, '{"event": "step", "step": 2, "loss": NaN, "lr": Infinity, "grad_norm": '
+         '"big", "tokens_per_s": -Infinity, "tokens_seen": 16, "memory": {"peak_rss_bytes": NaN}}'],
+        "skipped 4 values missing, not a number or not finite (drawn as gaps)"),
+    "a step without tokens_seen": (
+        [GOOD_STEP, json.dumps({k: v for k, v in _step(2, 4.0).items() if k != "tokens_seen"})],
+        "skipped 1 value missing, not a number or not finite (drawn as gaps)"),
+    "lines that are not objects": (
+        ["[1, 2]", "null", '"x"', '{"no": "event"}', GOOD_STEP, "garbage"],
+        "skipped 5 unreadable lines"),
+    "damaged evals, sessions and summary": (
+        [GOOD_STEP, '{"event": "eval", "step": "1", "val_loss": 1}',
+         '{"event": "eval", "step": 1, "val_loss": "low"}', '{"event": "resume", "step": null}',
+         '{"event": "summary", "ranks": [3, {"rank": "1"}, {"rank": 0, "peak_rss_bytes": "x"}]}'],
+        "skipped 1 record without an integer step, 1 value missing, not a number or not "
+        "finite (drawn as gaps)"),
+    "a truncated last line": ([GOOD_STEP, '{"event": "step", "step": 2, "lo'], None),
+}  # fmt: skip
+
+
+def test_plot_of_damaged_metrics_draws_what_it_can_and_says_what_it_skipped(tmp_path):
+    run_dirs = []
+    for i, (lines, _) in enumerate(DAMAGED.values()):
+        run_dirs.append(tmp_path / f"case{i}")
+        run_dirs[-1].mkdir()
+        text = "".join(line + "\n" for line in lines)
+        truncated = lines[-1].endswith('"lo')
+        (run_dirs[-1] / "metrics.jsonl").write_text(text.removesuffix("\n") if truncated else text)
+    # The real command: one PNG of every case, one note line per damaged file.
+    fsdprun = str(Path(sys.executable).parent / "fsdprun")
+    proc = subprocess.run([fsdprun, "plot", *map(str, run_dirs), "--out", str(tmp_path / "d.png")],
+                          capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert png_size(tmp_path / "d.png") == (1500, 800)
+    want = [f"note: {d / 'metrics.jsonl'}: {note}"
+            for d, (_, note) in zip(run_dirs, DAMAGED.values(), strict=True) if note]  # fmt: skip
+    assert proc.stderr.splitlines() == want
+    # NaN and inf are gaps: the values are NaN in the drawn lines, the finite ones as written.
+    fig = plot_runs([run_dirs[1]], tmp_path / "gaps.png")
+    by_step, _, lr, norm, speed, memory = fig.axes
+    for ax, first in ((by_step, 5.0), (lr, 1e-3), (norm, 1.0), (speed, 10.0)):
+        y = ax.lines[0].get_ydata().tolist()
+        assert y[0] == first and math.isnan(y[1]), (ax.get_title(), y)
+    assert [p.get_height() for p in memory.patches] == [1.0]  # the NaN peak is not the max

@@ -1,11 +1,16 @@
 """`fsdprun status` on run directories laid out by hand: the state, tokens/s and ETA, restarts,
-heartbeat ages and the newest complete checkpoint, each read from the files a run leaves."""
+heartbeat ages and the newest complete checkpoint, each read from the files a run leaves; and a
+corpus of damaged files (the real command: it skips what it cannot read, says how much in one
+line, and `--json` stays valid JSON)."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+
+import pytest
+from conftest import run_fsdprun
 
 from fsdprun.tools.status import render_status, run_status, watch_status
 
@@ -83,3 +88,81 @@ def test_watch_redraws_until_the_run_ends(tmp_path, monkeypatch):
     doc = watch_status(run_dir, interval_s=2.0, write=drawn.append, sleep=slept.append)
     assert not doc["running"] and slept == [2.0, 2.0] and len(drawn) == 3
     assert "running" in drawn[0] and "not running" in drawn[2]
+
+
+# --------------------------------------------------------------------------------------------
+# Damaged run directories, through the real command: each case is the files' contents, the
+# skip line the text ends with (None: nothing skipped) and what the JSON document then holds.
+
+STEP = {"event": "step", "step": 3, "loss": 2.5, "tokens_per_s": 100.0}
+GOOD = [json.dumps(START), json.dumps(STEP)]
+DAMAGED = {
+    "heartbeat a list": (GOOD, {"heartbeat/rank-0.json": "[1, 2]"},
+                         "skipped 1 unreadable heartbeat file in {run}/heartbeat",
+                         {"last_step": 3, "heartbeats": [], "skipped.heartbeat_files": 1}),
+    "heartbeat of the wrong types": (
+        GOOD, {"heartbeat/rank-0.json": '{"time": "soon", "step": 1}',
+               "heartbeat/rank-1.json": '{"time": NaN}',
+               "heartbeat/rank-2.json": '{"time": 1.0, "step": "two", "phase": 7}'},
+        "skipped 2 unreadable heartbeat files in {run}/heartbeat",
+        {"heartbeats.0.rank": 2, "heartbeats.0.step": None, "heartbeats.0.phase": None}),
+    "lines that are not objects": (
+        [*GOOD, "[1, 2]", "3", '"text"', "null", "{}", '{"event": 5}', "not json"], {},
+        "skipped 7 unreadable lines of {run}/metrics.jsonl",
+        {"last_step": 3, "skipped.metrics_lines": 7}),
+    "not UTF-8, nested too deep": (
+        [*GOOD, b"\xff\xfe{}".decode("latin-1"), "[" * 100_000], {},
+        "skipped 2 unreadable lines of {run}/metrics.jsonl", {"last_step": 3}),
+    "a truncated last line": (
+        [*GOOD, '{"event": "step", "step": 4, "lo'], {}, None,
+        {"last_step": 3, "skipped.metrics_lines": 0}),
+    "a step given as a string": (
+        [*GOOD, '{"event": "step", "step": "4", "loss": 1.0}'], {},
+        "skipped 1 step record without an integer step of {run}/metrics.jsonl",
+        {"last_step": 3, "loss": 2.5, "skipped.step_records": 1}),
+    "NaN and inf": (
+        [json.dumps(START), '{"event": "step", "step": 5, "loss": NaN, "tokens_per_s": Infinity}'],
+        {}, None, {"last_step": 5, "loss": None, "tokens_per_s": None}),
+    "fields of the wrong type": (
+        ['{"event": "start", "steps": "100", "attempt": "2", "tokens_per_step": []}',
+         '{"event": "step", "step": 3, "loss": "low", "tokens_per_s": "fast"}',
+         '{"event": "checkpoint", "step": 3, "path": 5}',
+         '{"event": "stopped", "step": "x", "reason": NaN}'],
+        {}, None, {"state": "stopped", "steps": None, "restarts": 0, "loss": None,
+                   "last_checkpoint": None, "stopped.reason": None}),
+    "lock files of the wrong shape": (
+        GOOD, {".lock": '{"host": "h", "pid": 1, "since": NaN, "command": "x"}',
+               ".lock.node-1": '{"host": "h", "pid": Infinity, "since": 1.0, "command": "x"}',
+               ".lock.node-2": "[1]"},
+        None, {"locks.0.holder": None, "locks.1.holder": None, "locks.2.holder": None}),
+}  # fmt: skip
+
+
+def _field(doc: object, dotted: str) -> object:
+    for part in dotted.split("."):
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    return doc
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_status_of_a_damaged_run_dir_skips_what_it_cannot_read(case, tmp_path):
+    lines, files, skip_line, fields = DAMAGED[case]
+    run_dir = _run_dir(tmp_path, [])
+    text = "".join(line + "\n" for line in lines)
+    if case == "a truncated last line":
+        text = text.removesuffix("\n")
+    (run_dir / "metrics.jsonl").write_bytes(text.encode("latin-1"))
+    for name, content in files.items():
+        (run_dir / name).write_text(content)
+    proc = run_fsdprun("status", str(run_dir), cwd=tmp_path)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr[-2000:]
+    last = proc.stdout.splitlines()[-1]
+    if skip_line is None:
+        assert "skipped" not in proc.stdout, proc.stdout
+    else:
+        assert last == skip_line.format(run=run_dir), proc.stdout
+    proc = run_fsdprun("status", str(run_dir), "--json", cwd=tmp_path)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    for key, want in fields.items():
+        assert _field(doc, key) == want, (key, doc)

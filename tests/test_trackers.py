@@ -1,16 +1,27 @@
 """TensorBoard and W&B trackers through the real commands (CPU, gloo, 2 ranks): what they hold is
 read back with their own readers (TensorBoard's EventAccumulator; W&B's offline .wandb files
 parsed into W&B's protobuf records) and compared with metrics.jsonl, across an elastic restart
-and a resume from an older checkpoint."""
+and a resume from an older checkpoint. Trackers on bad disks: a folder that cannot be written is
+refused before launch in one line; a write that fails during the run (a full disk) is one
+warning and the run goes on without that tracker."""
 
 from __future__ import annotations
 
+import errno
 import json
+import resource
+import signal
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import Run, fsdprun_env, run_fsdprun
+from test_storage_faults import tmpfs
+
+from fsdprun.checkpoint import check_checkpoint, step_dir
+from fsdprun.report.trackers import Trackers, open_trackers
 
 pytest.importorskip(
     "tensorboard", reason="the tensorboard extra: pip install 'fsdprun[tensorboard]'"
@@ -162,3 +173,176 @@ def test_wandb_online_without_a_login_is_one_line(tmp_path):
     assert len(lines) == 1, lines
     assert lines[0].startswith("error: output.wandb: W&B could not start")
     assert "use mode: offline" in lines[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Trackers on bad disks: a folder that cannot be written is refused before launch; a write that
+# fails during the run is one warning and the run goes on (metrics.jsonl is the record).
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_a_tracker_folder_that_cannot_be_written_is_refused_before_launch(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "tensorboard").write_text("not a folder")
+    (run_dir / "wandb").write_text("not a folder")
+    args = ["train", "debug", "train.steps=2", "output.tensorboard=true",
+            "output.wandb={mode: offline}", "--run-dir", str(run_dir)]  # fmt: skip
+    proc = run_fsdprun(*args, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line == (
+        f"error: output.tensorboard: cannot write its folder {run_dir}/tensorboard (it is not "
+        "a folder); make it a writable folder, or turn the tracker off with "
+        f"output.tensorboard=false; output.wandb: cannot write its folder {run_dir}/wandb (it "
+        "is not a folder); make it a writable folder, or turn the tracker off with ~output.wandb"
+    )
+    assert _tree(run_dir) == ["tensorboard", "wandb"]  # refused before anything was written
+    # A read-only mount (root writes anywhere else): the same refusal, naming why.
+    (run_dir / "tensorboard").unlink()
+    (run_dir / "wandb").unlink()
+    with tmpfs(run_dir / "tensorboard", "64k", read_only=True):
+        proc = run_fsdprun(*args[:-2], "output.wandb={mode: disabled}", *args[-2:], cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"error: output.tensorboard: cannot write its folder {run_dir}/"
+                               "tensorboard (read-only file system)"), line  # fmt: skip
+        assert _tree(run_dir) == ["tensorboard"]
+
+
+FULL_DISK_END = (
+    "(no space left on device); training goes on without this tracker (metrics.jsonl keeps "
+    "every record)"
+)
+
+
+def test_full_disks_under_the_trackers_are_one_warning_each_and_the_run_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    # TensorBoard: one page of tmpfs, the event file's first rows fit and a later one does not
+    # (ENOSPC in TensorBoard's writer thread, raised again at the next flush). W&B: one page
+    # free, full once its session files are written.
+    with tmpfs(run_dir / "tensorboard", "4k"), tmpfs(run_dir / "wandb", "16k") as wandb:
+        (wandb / "fill").write_bytes(b"x" * 12288)
+        proc = run_fsdprun(
+            "train", "debug", "train.steps=6", "checkpoint.every_steps=3", "output.log_every=1",
+            "output.tensorboard=true", "output.wandb={mode: offline}", "--run-dir", str(run_dir),
+            cwd=tmp_path,
+        )  # fmt: skip
+        run = Run(proc, run_dir).check()
+        assert "Traceback" not in proc.stderr and not proc.stderr.strip(), proc.stderr[-3000:]
+        # One warning per tracker (the console wraps them at the terminal's width), as logged.
+        messages = sorted(e["message"] for e in run.events if e["event"] == "warning")
+        assert proc.stdout.count("warning:") == 2, proc.stdout[-3000:]
+        for message, key, folder in zip(messages, ["output.tensorboard", "output.wandb"],
+                                        ["tensorboard", "wandb"], strict=True):  # fmt: skip
+            assert f"warning: {message}" in " ".join(proc.stdout.split()), proc.stdout[-3000:]
+            assert message.startswith(f"{key}: could not write {run_dir}/{folder} at "), message
+            assert message.endswith(FULL_DISK_END), message
+        assert " at step " in messages[0]  # TensorBoard started, then its disk filled
+        assert [e["step"] for e in run.steps] == [1, 2, 3, 4, 5, 6]
+        assert all(check_checkpoint(step_dir(run_dir, s)).complete for s in (3, 6))
+        # Neither TensorBoard's thread nor W&B's own log printed anything, even to rank 0's log.
+        [log] = (run_dir / "logs").glob("*/attempt_0/0/stderr.log")
+        text = log.read_text()
+        assert "Traceback" not in text and "Logging error" not in text, text[-3000:]
+
+
+class _Failing:
+    """A tracker whose write number `fail_at` (and every later one) raises `error`."""
+
+    key, folder = "output.fake", Path("/runs/x/fake")
+
+    def __init__(self, error: BaseException, fail_at: int, *, close_error=None):
+        self.error, self.fail_at, self.close_error = error, fail_at, close_error
+        self.rows, self.closed = [], 0
+
+    def log(self, row) -> None:
+        if len(self.rows) + 1 >= self.fail_at:
+            raise self.error
+        self.rows.append(row.step)
+
+    def close(self, *, failed: bool) -> None:
+        self.closed += 1
+        if self.close_error is not None:
+            raise self.close_error
+
+
+def test_trackers_drop_a_tracker_that_fails_and_warn_once():
+    full = OSError(errno.ENOSPC, "No space left on device")
+    bad, good = _Failing(full, 3), _Failing(full, 99)
+    flaky = _Failing(full, 99, close_error=OSError(errno.EIO, "Input/output error"))
+    trackers = Trackers([bad, good, flaky], resume_step=0)
+    warnings = []
+    for step in range(1, 6):
+        trackers.handle({"event": "eval", "step": step, "val_loss": 1.0})
+        warnings += trackers.take_warnings()
+    assert bad.rows == [1, 2] and good.rows == flaky.rows == [1, 2, 3, 4, 5]
+    assert warnings == [
+        "output.fake: could not write /runs/x/fake at step 3 (no space left on device); training "
+        "goes on without this tracker (metrics.jsonl keeps every record)"
+    ]
+    assert bad.closed == 1  # closed when dropped, never again
+    trackers.close()
+    assert [bad.closed, good.closed, flaky.closed] == [1, 1, 1]
+    [at_close] = trackers.take_warnings()
+    assert at_close.startswith("output.fake: could not write /runs/x/fake at close (input/output")
+    # A tracker that raises something other than an OSError is named with its message.
+    service = RuntimeError("wandb.Error: the service died\nmore")
+    other = Trackers([_Failing(service, 1)], resume_step=0)
+    other.handle({"event": "eval", "step": 7, "val_loss": 1.0})
+    [line] = other.take_warnings()
+    assert "at step 7 (wandb.Error: the service died)" in line, line
+
+
+# The thread's exception must not reach threading.excepthook (pytest's hook reports it).
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_tensorboard_writer_thread_failure_prints_nothing_and_drops_the_tracker(tmp_path, capfd):
+    # A file-size limit just over the event file as it is: the writer thread's next write fails
+    # with EFBIG, as a full disk would (no privilege needed).
+    trackers = open_trackers(tmp_path, tensorboard=True, wandb=None, resume_step=0, recipe={})
+    trackers.handle({"event": "eval", "step": 1, "val_loss": 1.0})
+    assert trackers.trackers and not trackers.take_warnings()
+    [events_file] = (tmp_path / "tensorboard").iterdir()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (events_file.stat().st_size + 16, hard))
+        for step in range(2, 6):
+            trackers.handle({"event": "warning", "step": step, "message": "x" * 200})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    [warning] = trackers.take_warnings()
+    assert "could not write" in warning and "file too large" in warning, warning
+    assert not trackers.trackers
+    trackers.close()
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+
+
+def test_worker_output_after_the_agents_redirect_ends_stays_in_its_log(tmp_path):
+    # torch's redirect gives fd 2 back to the terminal when the worker's entry point returns;
+    # a daemon thread that prints later (a tracker thread's traceback) must still go to the log.
+    log = tmp_path / "stderr.log"
+    code = (
+        "import sys, threading, time\n"
+        "from torch.distributed.elastic.multiprocessing.redirects import redirect_stderr\n"
+        "from fsdprun.train.worker import _keep_output_in_log\n"
+        "def late():\n"
+        "    time.sleep(0.5)\n"
+        "    print('late line from a daemon thread', file=sys.stderr)\n"
+        f"with redirect_stderr({str(log)!r}):\n"
+        "    _keep_output_in_log()\n"
+        "    print('early line', file=sys.stderr)\n"
+        "    threading.Thread(target=late, daemon=True).start()\n"
+        "time.sleep(2.0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=fsdprun_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""
+    assert log.read_text().splitlines() == ["early line", "late line from a daemon thread"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from fsdprun.config import ResolvedRecipe, load_recipe
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
-from fsdprun.launch.elastic import prepare_run_dir
+from fsdprun.launch.elastic import check_tracker_folders, prepare_run_dir
 from fsdprun.rundir import agent_path
 from fsdprun.runlock import hold_run_dir
 from fsdprun.train.guard import restart_count
@@ -117,6 +117,8 @@ def run_as_worker(recipe: str, overrides: list[str]) -> None:
     resolved.config.output.run_dir = str(run_dir)
     rank0 = int(os.environ["RANK"]) == 0
     # No launcher process here: rank 0 holds the run directory's lock for the whole run.
+    if rank0:
+        check_tracker_folders(resolved.config, run_dir)
     with hold_run_dir(run_dir) if rank0 else contextlib.nullcontext():
         if rank0:
             claim_run_dir(run_dir, resolved)

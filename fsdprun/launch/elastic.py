@@ -32,6 +32,7 @@ from fsdprun.errors import UserError
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.launch.rendezvous import RendezvousProgress
 from fsdprun.report.console import MetricsFollower, Reporter
+from fsdprun.report.trackers import tracker_folder_errors
 from fsdprun.rundir import (
     checkpoint_root,
     earlier_recipe_path,
@@ -307,6 +308,7 @@ def launch_training(
     data_problems = check_data(cfg)
     if data_problems:
         raise UserError("; ".join(data_problems))
+    check_tracker_folders(cfg, run_dir)
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
     check_float8(cfg.precision.float8.value, kind)  # float8 matmuls need CUDA capability >= 8.9
@@ -316,6 +318,19 @@ def launch_training(
     # One run per directory: locked before anything is written in it, for the whole run.
     with hold_run_dir(run_dir, node_rank=cfg.launch.node_rank):
         return _launch(resolved, run_dir, kind=kind, method=method, resume_from=resume_from)
+
+
+def check_tracker_folders(cfg: RecipeConfig, run_dir: Path) -> None:
+    """Refuse, before anything is written, a tracker whose folder cannot be written (a tracker
+    that fails later only warns: see fsdprun.report.trackers).
+
+    Raises:
+        UserError: one line naming each tracker's key, its folder and why.
+    """
+    problems = tracker_folder_errors(run_dir, tensorboard=cfg.output.tensorboard,
+                                     wandb=cfg.output.wandb)  # fmt: skip
+    if problems:
+        raise UserError("; ".join(problems))
 
 
 def _launch(

@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -134,24 +135,81 @@ class MetricsLog:
             self._file.close()
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """The complete, parseable records of a metrics file: a line being written (or a torn one)
-    is left out, and a file not written yet reads as no events (`status` and `plot` read the
-    files of running runs)."""
-    events = []
+@dataclass
+class MetricsRead:
+    """What `read_metrics` found in a metrics file."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    # Whole lines that are not a JSON object naming its event (damaged or not ours).
+    unreadable_lines: int = 0
+    # A last line without its newline: normal while a run writes it, so not counted as damage.
+    partial_last_line: bool = False
+
+    def skipped_text(self, path: Path) -> str | None:
+        """The one line a reader shows about what it skipped, or None when nothing was."""
+        if not self.unreadable_lines:
+            return None
+        n = self.unreadable_lines
+        return f"skipped {n} unreadable line{'s' if n != 1 else ''} of {path}"
+
+
+def read_metrics(path: Path) -> MetricsRead:
+    """The records of a metrics file, the one reader of it (`status`, `plot`, `compare`, the
+    launcher's report and the restart's replay all read through here).
+
+    A record is a whole line holding a JSON object whose "event" is a string; any other whole
+    line (not JSON, not UTF-8, a list, a number, an object without an event) is skipped and
+    counted. The last line without its newline is a line being written (or torn by a full disk):
+    left out and not counted. A file not written yet reads as no events. Field values are not
+    checked here: each reader takes the fields it uses by their types (`number`, `integer`).
+    """
+    read = MetricsRead()
     try:
-        with path.open() as f:
+        with path.open("rb") as f:
             for line in f:
-                if line.endswith("\n"):
-                    try:
-                        event = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(event, dict):
-                        events.append(event)
+                if not line.endswith(b"\n"):
+                    read.partial_last_line = True
+                    continue
+                try:
+                    event = json.loads(line)
+                except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep
+                    event = None
+                if isinstance(event, dict) and isinstance(event.get("event"), str):
+                    read.events.append(event)
+                else:
+                    read.unreadable_lines += 1
     except FileNotFoundError:
         pass
-    return events
+    return read
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file (`read_metrics` without the counts)."""
+    return read_metrics(path).events
+
+
+def integer(value: Any) -> int | None:
+    """`value` if it is a JSON integer (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def number(value: Any) -> float | None:
+    """`value` as a float if it is a JSON number (NaN and inf included; not a bool), else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, inf, which JSON cannot hold) made None, so
+    `json.dumps(..., allow_nan=False)` always writes valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def drop_steps_after(path: Path, step: int, *, attempt: int) -> None:
@@ -162,7 +220,10 @@ def drop_steps_after(path: Path, step: int, *, attempt: int) -> None:
         return
     shutil.copyfile(path, path.with_name(f"{path.stem}.attempt-{attempt - 1}.jsonl"))
     replayed = ("step", "checkpoint", "skip", "eval")
-    keep = [e for e in read_events(path) if e["event"] not in replayed or e["step"] <= step]
+    keep = [
+        e for e in read_events(path)
+        if e["event"] not in replayed or integer(e.get("step")) is None or e["step"] <= step
+    ]  # fmt: skip
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(e) + "\n" for e in keep))
     tmp.replace(path)

@@ -18,12 +18,14 @@ Never imports torch, the engines nor the training loop.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fsdprun.errors import UserError
-from fsdprun.report.metrics import read_events
+from fsdprun.report.metrics import integer, number, read_metrics
 from fsdprun.rundir import metrics_path
 
 GIB = 2**30
@@ -40,19 +42,49 @@ MEMORY_KEYS = (
 )  # fmt: skip
 
 
+# The numbers a step record is drawn with; one missing, not a number, NaN or inf is a gap.
+STEP_VALUES = ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
+
+
 @dataclass
 class RunCurves:
-    """What the plot takes from one run's metrics file."""
+    """What the plot takes from one run's metrics file: each value a finite float or NaN (a gap
+    in its curve)."""
 
     label: str
-    steps: list[dict[str, Any]]  # step events, one per step, in step order
-    evals: list[dict[str, Any]]
+    steps: list[dict[str, Any]]  # {"step": int, **STEP_VALUES}, one per step, in step order
+    evals: list[dict[str, Any]]  # {"step": int, "val_loss": float}
     sessions: list[int] = field(default_factory=list)  # steps where a resume/restart began
-    memory: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> memory figures
+    memory: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> memory figures
+    skipped: str | None = None  # one line on what could not be read, when something could not
+
+
+class _Values:
+    """Takes numbers out of records, counting those that are drawn as gaps."""
+
+    def __init__(self):
+        self.gaps = 0
+
+    def __call__(self, record: dict[str, Any], key: str) -> float:
+        value = number(record.get(key))
+        if value is None or not math.isfinite(value):
+            self.gaps += 1
+            return math.nan
+        return value
+
+
+def _figures(figures: Any) -> dict[str, float]:
+    """The finite numbers of a memory dict (a damaged one has none)."""
+    if not isinstance(figures, dict):
+        return {}
+    found = {k: number(v) for k, v in figures.items()}
+    return {k: v for k, v in found.items() if v is not None and math.isfinite(v)}
 
 
 def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
-    """The curves of the run in `run_dir`.
+    """The curves of the run in `run_dir`. What cannot be drawn is left out and said in
+    `RunCurves.skipped`: unreadable lines, step and eval records without an integer step, and
+    values that are missing, not numbers, NaN or inf (drawn as gaps).
 
     Raises:
         UserError: not a run directory, or no step logged yet.
@@ -60,24 +92,58 @@ def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
     metrics = metrics_path(run_dir)
     if not metrics.is_file():
         raise UserError(f"{run_dir}: no metrics file ({metrics.name}); is it an fsdprun run dir?")
-    events = read_events(metrics)
-    steps = {e["step"]: e for e in events if e.get("event") == "step"}
+    read = read_metrics(metrics)
+    value = _Values()
+    steps, evals, bad_records = {}, {}, 0
+    for e in read.events:
+        if e["event"] not in ("step", "eval"):
+            continue
+        step = integer(e.get("step"))
+        if step is None:
+            bad_records += 1
+        elif e["event"] == "step":
+            steps[step] = e
+        else:
+            evals[step] = e
     if not steps:
-        raise UserError(f"{metrics}: no step logged yet; nothing to plot")
-    evals = {e["step"]: e for e in events if e.get("event") == "eval"}
-    summaries = [e for e in events if e.get("event") == "summary"]
-    if summaries:
-        memory = {r["rank"]: r for r in summaries[-1].get("ranks", [])}
+        unusable = read.unreadable_lines + bad_records
+        skipped = f" (skipped {unusable} unreadable line{'s' if unusable != 1 else ''})"
+        raise UserError(
+            f"{metrics}: no step logged yet; nothing to plot{skipped if unusable else ''}"
+        )
+    # Values are taken from the latest record of each step only: a replaced one is not drawn.
+    curves = [{"step": k, **{key: value(steps[k], key) for key in STEP_VALUES}}
+              for k in sorted(steps)]  # fmt: skip
+    val = [{"step": k, "val_loss": value(evals[k], "val_loss")} for k in sorted(evals)]
+    summaries = [e for e in read.events if e["event"] == "summary"]
+    memory: dict[int, dict[str, float]] = {}
+    if summaries and isinstance(summaries[-1].get("ranks"), list):
+        for r in summaries[-1]["ranks"]:
+            if isinstance(r, dict) and integer(r.get("rank")) is not None:
+                memory[r["rank"]] = _figures(r)
     else:
-        memory = {0: {k: max(s["memory"].get(k, 0) for s in steps.values())
-                      for k in steps[max(steps)].get("memory", {})}}  # fmt: skip
+        per_step = [_figures(s.get("memory")) for s in steps.values()]
+        keys = {k for figures in per_step for k in figures}
+        memory = {0: {k: max(f[k] for f in per_step if k in f) for k in keys}}
+    skipped = []
+    if read.unreadable_lines:
+        n = read.unreadable_lines
+        skipped.append(f"{n} unreadable line{'s' if n != 1 else ''}")
+    if bad_records:
+        skipped.append(f"{bad_records} record{'s' if bad_records != 1 else ''} without an "
+                       "integer step")  # fmt: skip
+    if value.gaps:
+        skipped.append(f"{value.gaps} value{'s' if value.gaps != 1 else ''} missing, not a "
+                       "number or not finite (drawn as gaps)")  # fmt: skip
     return RunCurves(
         label=label or run_dir.name,
-        steps=[steps[k] for k in sorted(steps)],
-        evals=[evals[k] for k in sorted(evals)],
-        sessions=[e["step"] for e in events if e.get("event") in ("resume", "restart")],
+        steps=curves,
+        evals=val,
+        sessions=[e["step"] for e in read.events
+                  if e["event"] in ("resume", "restart") and integer(e.get("step")) is not None],
         memory=memory,
-    )
+        skipped=f"{metrics}: skipped " + ", ".join(skipped) if skipped else None,
+    )  # fmt: skip
 
 
 def build_figure(runs: list[RunCurves]):
@@ -135,8 +201,9 @@ def _memory_bars(ax, runs: list[RunCurves], colors: list[str]) -> None:
     ax.xaxis.get_major_locator().set_params(integer=True)
 
 
-def plot_runs(run_dirs: list[Path], out: Path):
-    """Draw the runs in `run_dirs` into the PNG `out`; returns the Figure.
+def plot_runs(run_dirs: list[Path], out: Path, *, note: Callable[[str], None] | None = None):
+    """Draw the runs in `run_dirs` into the PNG `out`; returns the Figure. `note` is given one
+    line per run whose metrics file had something that could not be drawn.
 
     Raises:
         UserError: a run directory without metrics, `out` not a .png in an existing folder, or
@@ -147,6 +214,9 @@ def plot_runs(run_dirs: list[Path], out: Path):
     labels = [d.name if names.count(d.name) == 1 else str(d) for d in run_dirs]
     runs = [read_run(d, label) for d, label in zip(run_dirs, labels, strict=True)]
     check_png_target(out, "--out")
+    for run in runs:
+        if run.skipped and note is not None:
+            note(run.skipped)
     fig = build_figure(runs)
     fig.savefig(out, dpi=DPI)
     return fig

@@ -21,6 +21,13 @@ Both follow a resume into the same run, and no step goes backwards or repeats:
 tensorboard and wandb are optional extras, imported here only when their tracker is on (config
 validation checks that they are installed, without importing them).
 
+A tracker that cannot write never costs the user their training; metrics.jsonl is the record
+and the trackers are views of it. Before launch, `tracker_folder_errors` refuses in one line a
+tracker folder that obviously cannot be written (read-only, not a folder, no permission). During
+the run, a tracker whose open, write or close fails (a full disk, EIO, W&B's own errors) is
+dropped with one warning on rank 0 (a `warning` event) and the run goes on without it; its
+background thread (TensorBoard writes from one) prints nothing of its own.
+
 Never imports the engines nor the training loop; torch (TensorBoard's writer) and wandb only where
 a tracker starts.
 """
@@ -29,12 +36,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdprun.errors import UserError
+from fsdprun.errors import UserError, describe_os_error, find_os_error
 from fsdprun.rundir import tensorboard_dir, wandb_dir
 
 GIB = 2**30
@@ -98,11 +108,15 @@ class Rows:
 
 
 class TensorBoardTracker:
+    key = "output.tensorboard"
+
     def __init__(self, run_dir: Path, *, resume_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_tensorboard_threads()
+        self.folder = tensorboard_dir(run_dir)
         # Events of steps after the checkpoint this session starts from are replayed: purge them.
-        self.writer = SummaryWriter(str(tensorboard_dir(run_dir)), purge_step=resume_step + 1)
+        self.writer = SummaryWriter(str(self.folder), purge_step=resume_step + 1)
 
     def log(self, row: Row) -> None:
         for tag, value in row.scalars.items():
@@ -116,11 +130,32 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+def _quiet_tensorboard_threads() -> None:
+    """TensorBoard writes event files from a thread that, when a write fails, prints its
+    traceback (threading.excepthook) and keeps the error for the writer's next call, which
+    raises it here. The printing is dropped: that traceback reached the terminal when it came
+    after the worker's output had gone back from its log to the terminal (torch's redirect ends
+    before the process does), glued to the launcher's `error:` line."""
+    if getattr(threading.excepthook, "fsdprun_quiet", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if type(args.thread).__module__.startswith("tensorboard."):
+            return  # raised again in the thread that writes: Trackers drops the tracker
+        previous(args)
+
+    hook.fsdprun_quiet = True
+    threading.excepthook = hook
+
+
 class WandbTracker:
+    key = "output.wandb"
+
     def __init__(self, run_dir: Path, settings: dict[str, str], *, recipe: dict[str, Any]):
         import wandb
 
-        folder = wandb_dir(run_dir)
+        self.folder = folder = wandb_dir(run_dir)
         folder.mkdir(exist_ok=True)
         id_file, self.last_file = folder / "run_id", folder / "last_step"
         if id_file.is_file():
@@ -145,6 +180,8 @@ class WandbTracker:
                 settings=wandb.Settings(silent=True, console="off"),
             )
         except Exception as e:  # W&B raises its own types (no login, no network in online mode)
+            if find_os_error(e) is not None:
+                raise  # a write that failed (a full disk): Trackers goes on without W&B
             why = (str(e).splitlines() or [type(e).__name__])[0]
             raise UserError(
                 f"output.wandb: W&B could not start the run ({why}); run `wandb login` for "
@@ -168,11 +205,13 @@ class WandbTracker:
 
 
 class Trackers:
-    """The trackers a recipe turns on (none: `handle` does nothing)."""
+    """The trackers a recipe turns on (none: `handle` does nothing). A tracker whose write fails
+    is dropped; `take_warnings` then returns the one line saying so, for the caller to log."""
 
-    def __init__(self, trackers: list, *, resume_step: int):
+    def __init__(self, trackers: list, *, resume_step: int, warnings: list[str] | None = None):
         self.trackers = trackers
         self.rows = Rows(resume_step)
+        self._warnings = list(warnings or [])
         if trackers:
             _OPEN.append(self)
 
@@ -183,17 +222,60 @@ class Trackers:
         if row is None:
             return
         row.scalars = {k: v for k, v in row.scalars.items() if v is not None}
-        for tracker in self.trackers:
-            # A full disk must not stop training (as for metrics.jsonl): the row is lost.
-            with contextlib.suppress(OSError):
-                tracker.log(row)
+        for tracker in list(self.trackers):
+            try:
+                with quiet_logging_errors():
+                    tracker.log(row)
+            except Exception as e:  # a full disk, EIO, or W&B's own errors: never fatal
+                self._drop(tracker, e, f"at step {row.step}")
+
+    def take_warnings(self) -> list[str]:
+        """The warnings of trackers dropped since the last call (each tracker warns once)."""
+        taken, self._warnings = self._warnings, []
+        return taken
+
+    def _drop(self, tracker, error: BaseException, when: str) -> None:
+        self.trackers.remove(tracker)
+        self._warnings.append(stopped_writing(tracker.key, tracker.folder, error, when))
+        with contextlib.suppress(Exception), quiet_logging_errors():
+            tracker.close(failed=True)
 
     def close(self, *, failed: bool = False) -> None:
         if self in _OPEN:
             _OPEN.remove(self)
-        for tracker in self.trackers:
-            with contextlib.suppress(OSError):
-                tracker.close(failed=failed)
+        for tracker in list(self.trackers):
+            try:
+                with quiet_logging_errors():
+                    tracker.close(failed=failed)
+            except Exception as e:  # its last rows did not fit: metrics.jsonl has them
+                self.trackers.remove(tracker)
+                self._warnings.append(stopped_writing(tracker.key, tracker.folder, e, "at close"))
+        self.trackers = []
+
+
+@contextlib.contextmanager
+def quiet_logging_errors():
+    """While a tracker runs: a log file of its own that cannot be written (W&B's debug.log, on
+    the disk that filled) makes the logging module print a "--- Logging error ---" traceback per
+    record; those are dropped (the failure itself is reported once, by Trackers)."""
+    previous, logging.raiseExceptions = logging.raiseExceptions, False
+    try:
+        yield
+    finally:
+        logging.raiseExceptions = previous
+
+
+def stopped_writing(key: str, folder: Path, error: BaseException, when: str) -> str:
+    """The one warning line of a tracker that could not write."""
+    os_error = find_os_error(error)
+    if os_error is not None:
+        why = describe_os_error(os_error)
+    else:
+        why = (str(error).splitlines() or [""])[0] or type(error).__name__
+    return (
+        f"{key}: could not write {folder} {when} ({why}); training goes on without this "
+        "tracker (metrics.jsonl keeps every record)"
+    )
 
 
 _OPEN: list[Trackers] = []  # this process's open trackers, for close_on_failure
@@ -221,11 +303,23 @@ def open_trackers(
         recipe: the resolved recipe, as W&B's run config.
     """
     trackers: list = []
+    warnings: list[str] = []
+    opening = []
     if tensorboard:
-        trackers.append(TensorBoardTracker(run_dir, resume_step=resume_step))
+        opening.append((TensorBoardTracker.key, tensorboard_dir(run_dir),
+                        lambda: TensorBoardTracker(run_dir, resume_step=resume_step)))  # fmt: skip
     if wandb is not None:
-        trackers.append(WandbTracker(run_dir, wandb, recipe=recipe))
-    return Trackers(trackers, resume_step=resume_step)
+        opening.append((WandbTracker.key, wandb_dir(run_dir),
+                        lambda: WandbTracker(run_dir, wandb, recipe=recipe)))  # fmt: skip
+    for key, folder, start in opening:
+        try:
+            with quiet_logging_errors():
+                trackers.append(start())
+        except UserError:
+            raise  # a setting to fix (W&B online without a login): the run does not start
+        except Exception as e:  # the folder cannot be written after all (a full disk)
+            warnings.append(stopped_writing(key, folder, e, "at its start"))
+    return Trackers(trackers, resume_step=resume_step, warnings=warnings)
 
 
 def tracker_errors(*, tensorboard: bool, wandb: dict[str, str] | None) -> list[str]:
@@ -250,3 +344,37 @@ def tracker_errors(*, tensorboard: bool, wandb: dict[str, str] | None) -> list[s
     if find_spec("wandb") is None:
         errors.append("output.wandb needs wandb: pip install 'fsdprun[wandb]'")
     return errors
+
+
+def tracker_folder_errors(run_dir: Path, *, tensorboard: bool, wandb: dict[str, str] | None
+                          ) -> list[str]:  # fmt: skip
+    """Before launch: each tracker's folder under `run_dir` can be created and written, as far
+    as can be told without writing (a folder on a read-only mount, a file in its place, no
+    permission). A run directory that does not exist yet is the launcher's to create and check.
+    What still fails at run time (a full disk) is a warning, not an error (see `Trackers`)."""
+    if not run_dir.is_dir():
+        return []
+    folders = []
+    if tensorboard:
+        folders.append(("output.tensorboard", tensorboard_dir(run_dir), "output.tensorboard=false"))
+    if wandb is not None and wandb.get("mode") != "disabled":
+        folders.append(("output.wandb", wandb_dir(run_dir), "~output.wandb"))
+    errors = []
+    for key, folder, off in folders:
+        problem = _folder_problem(folder)
+        if problem:
+            errors.append(f"{key}: cannot write its folder {folder} ({problem}); make it "
+                          f"a writable folder, or turn the tracker off with {off}")  # fmt: skip
+    return errors
+
+
+def _folder_problem(folder: Path) -> str | None:
+    # The folder, or where it would be created.
+    where = folder if os.path.lexists(folder) else folder.parent
+    if not where.is_dir():
+        return "it is not a folder" if where == folder else f"{where} is not a folder"
+    if os.access(where, os.W_OK | os.X_OK):
+        return None
+    if os.statvfs(where).f_flag & os.ST_RDONLY:
+        return "read-only file system"
+    return "permission denied"

@@ -8,18 +8,23 @@ Read from files alone (no torch, no process group, nothing written): the run dir
 tokens/s, restarts, how the last session ended), each rank's heartbeat file (how long ago it last
 answered) and the checkpoints folder (the newest checkpoint whose manifest is complete). For
 multi-node jobs whose terminal output is in a batch log; `--watch` redraws it until the run ends.
+
+Files of a run can be damaged (a full disk, an editor, another program): what cannot be read is
+skipped and counted (`skipped` in the document, one line in the text), a value of the wrong type
+reads as absent, and `--json` is valid JSON whatever the files hold (NaN and inf become null).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fsdprun.errors import UserError
-from fsdprun.report.metrics import read_events
+from fsdprun.report.metrics import integer, json_safe, number, read_metrics
 from fsdprun.rundir import (
     RECIPE_FILE,
     checkpoint_root,
@@ -51,63 +56,85 @@ def run_status(run_dir: Path) -> dict[str, Any]:
             "held": is_locked(path),
             "holder": holder.__dict__ if holder else None,
         })  # fmt: skip
-    events = read_events(metrics)
-    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    read = read_metrics(metrics)
+    events = read.events
+    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     session = events[starts[-1] :] if starts else events
-    steps = [e for e in events if e.get("event") == "step"]
-    checkpoints = [e for e in events if e.get("event") == "checkpoint"]
+    # A step record is one with an integer step; any other is skipped like an unreadable line.
+    steps = [e for e in events if e["event"] == "step" and integer(e.get("step")) is not None]
+    bad_steps = sum(e["event"] == "step" for e in events) - len(steps)
+    checkpoints = [e for e in events if e["event"] == "checkpoint"]
     running = any(lock["held"] for lock in lock_docs)
-    stopped = next((e for e in session if e.get("event") == "stopped"), None)
+    stopped = next((e for e in session if e["event"] == "stopped"), None)
     if running:
         state = "running"
     elif not starts:
         state = "not started"
     elif stopped is not None:
         state = "stopped"
-    elif any(e.get("event") == "summary" for e in session):
+    elif any(e["event"] == "summary" for e in session):
         state = "finished"
     else:
         state = "failed"  # no summary, no lock: it failed or was killed
     start = session[0] if starts else {}
     last = steps[-1] if steps else {}
+    total_steps, per_step = integer(start.get("steps")), number(start.get("tokens_per_step"))
+    tokens_per_s = number(last.get("tokens_per_s"))
     eta_s = None
-    if running and last.get("tokens_per_s") and start.get("steps") and start.get("tokens_per_step"):
-        left = max(start["steps"] - last["step"], 0)
-        eta_s = left * start["tokens_per_step"] / last["tokens_per_s"]
+    if running and tokens_per_s and total_steps and per_step and math.isfinite(tokens_per_s):
+        eta_s = max(total_steps - last["step"], 0) * per_step / tokens_per_s
+    heartbeats, bad_beats = _heartbeats(run_dir)
+    path = checkpoints[-1].get("path") if checkpoints else None
     return {
         "run_dir": str(run_dir),
         "state": state,
         "running": running,
         "locks": lock_docs,
-        "last_step": steps[-1]["step"] if steps else None,
-        "steps": session[0].get("steps") if starts else None,
-        "loss": steps[-1].get("loss") if steps else None,
+        "last_step": last.get("step"),
+        "steps": total_steps,
+        "loss": number(last.get("loss")),
         "stopped": stopped,
-        "tokens_per_s": last.get("tokens_per_s"),
+        "tokens_per_s": tokens_per_s,
         "eta_s": eta_s,
         # Each elastic restart starts the session again with attempt N.
         "restarts": max(
-            (e.get("attempt") or 0 for e in session if e.get("event") == "start"), default=0
+            (integer(e.get("attempt")) or 0 for e in session if e["event"] == "start"), default=0
         ),  # fmt: skip
-        "heartbeats": _heartbeats(run_dir),
-        "last_checkpoint": checkpoints[-1].get("path") if checkpoints else None,
+        "heartbeats": heartbeats,
+        "last_checkpoint": path if isinstance(path, str) else None,
         "newest_complete_checkpoint": _newest_complete(run_dir),
         "metrics_file": str(metrics),
+        # What could not be read, by file (a partial last line of metrics.jsonl is not damage).
+        "skipped": {
+            "metrics_lines": read.unreadable_lines,
+            "step_records": bad_steps,
+            "heartbeat_files": bad_beats,
+        },
     }
 
 
-def _heartbeats(run_dir: Path) -> list[dict[str, Any]]:
-    """Each rank's last heartbeat: step, phase and seconds since it was written."""
+def _heartbeats(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """Each rank's last heartbeat (step, phase and seconds since it was written), and how many
+    heartbeat files are not heartbeats (not JSON, or not of a heartbeat's shape)."""
     now = time.time()
-    beats = []
+    beats, bad = [], 0
     for rank, path in heartbeat_paths(run_dir):
         try:
-            rec = json.loads(path.read_text())
-            beats.append({"rank": rank, "step": rec.get("step"), "phase": rec.get("phase"),
-                          "age_s": round(now - float(rec["time"]), 1)})  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # being replaced, or not a heartbeat
-    return sorted(beats, key=lambda b: b["rank"])
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError):
+            continue  # removed since it was listed (a heartbeat is replaced atomically)
+        try:
+            rec = json.loads(text)
+        except (ValueError, RecursionError):
+            rec = None
+        written = number(rec.get("time")) if isinstance(rec, dict) else None
+        if written is None or not math.isfinite(written):
+            bad += 1
+            continue
+        phase = rec.get("phase") if isinstance(rec.get("phase"), str) else None
+        beats.append({"rank": rank, "step": integer(rec.get("step")), "phase": phase,
+                      "age_s": round(now - written, 1)})  # fmt: skip
+    return sorted(beats, key=lambda b: b["rank"]), bad
 
 
 def _newest_complete(run_dir: Path) -> str | None:
@@ -128,6 +155,11 @@ def _newest_complete(run_dir: Path) -> str | None:
     return None
 
 
+def status_json(doc: dict[str, Any]) -> str:
+    """The document as JSON, valid whatever the run's files held (NaN and inf become null)."""
+    return json.dumps(json_safe(doc), indent=1, allow_nan=False)
+
+
 def render_status(doc: dict[str, Any]) -> str:
     """Two or three plain lines."""
     held = [lock for lock in doc["locks"] if lock["held"]]
@@ -142,8 +174,9 @@ def render_status(doc: dict[str, Any]) -> str:
             f"error or a kill; see {doc['run_dir']}/logs)",
         }.get(doc["state"], "")
         if doc["state"] == "stopped":
-            state = f"not running; stopped at step {doc['stopped'].get('step')} "
-            state += f"({doc['stopped'].get('reason')})"
+            stopped = doc["stopped"]
+            state = f"not running; stopped at step {stopped.get('step')} "
+            state += f"({stopped.get('reason')})"
         first = f"{doc['run_dir']}: {state}"
         stale = [lock for lock in doc["locks"] if lock["holder"]]
         if stale:  # a holder that lets go cleanly empties the file
@@ -171,7 +204,25 @@ def render_status(doc: dict[str, Any]) -> str:
             extra.append("heartbeats: " + ", ".join(beats))
     if extra:
         lines.append("; ".join(extra))
+    skipped = skipped_text(doc)
+    if skipped:
+        lines.append(skipped)
     return "\n".join(lines) + "\n"
+
+
+def skipped_text(doc: dict[str, Any]) -> str | None:
+    """One line saying what the status skipped, or None when every file read whole."""
+    skipped = doc["skipped"]
+
+    def count(n: int, what: str) -> list[str]:
+        return [f"{n} {what.format('s' if n != 1 else '')}"] if n else []
+
+    metrics = count(skipped["metrics_lines"], "unreadable line{}") + count(
+        skipped["step_records"], "step record{} without an integer step")  # fmt: skip
+    beats = count(skipped["heartbeat_files"], "unreadable heartbeat file{}")
+    parts = ([f"{', '.join(metrics)} of {doc['metrics_file']}"] if metrics else []) + (
+        [f"{beats[0]} in {Path(doc['run_dir']) / 'heartbeat'}"] if beats else [])  # fmt: skip
+    return "skipped " + "; ".join(parts) if parts else None
 
 
 def _duration(seconds: float) -> str:

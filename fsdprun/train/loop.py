@@ -156,14 +156,21 @@ class Events:
             self.trackers.handle(record)
             if self.reporter is not None:
                 self.reporter.handle(record)
+            self._tracker_warnings()
 
     def warn(self, message: str) -> None:
         self.emit("warning", message=message)
 
+    def _tracker_warnings(self) -> None:
+        # A tracker that could not write was dropped (it warns once; the run goes on).
+        for message in self.trackers.take_warnings():
+            self.warn(message)
+
     def close(self) -> None:
         if self.metrics is not None:
+            self.trackers.close()  # first: a tracker's last write that fails is still logged
+            self._tracker_warnings()
             self.metrics.close()
-            self.trackers.close()
 
 
 @dataclass(frozen=True)
@@ -296,8 +303,8 @@ class TrainLoop:
         self.last_logged, self.window_start = start_step, time.perf_counter()
         stopped = None
         profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=self.rank,
-                                world_size=self.layout.world_size,
-                                device_kind=self.device.kind)  # fmt: skip
+                                world_size=self.layout.world_size, device_kind=self.device.kind,
+                                warn=self.events.warn if self.rank == 0 else None)  # fmt: skip
         for step in range(start_step, cfg.train.steps):
             done = step + 1
             result = self._step(step)

@@ -7,16 +7,30 @@ records `active` steps and writes RUN_DIR/profile/rank-N.pt.trace.json (Chrome/P
 which TensorBoard's profiler plugin reads too). With `memory_snapshot` (CUDA only) the caching
 allocator's history from the profiler's start is dumped beside it, memory-rank-N.pickle, for
 pytorch.org/memory_viz. With profiling off `step` is an empty call: nothing is imported.
+
+A trace that cannot be written (a full disk: torch's exporter then leaves a partial
+`rank-N.pt.trace.json.tmp` and says nothing) costs no training: the partial files are removed and
+the rank warns in one line (rank 0 through the run's events, the others in their logs).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import resource
+import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from fsdprun.config import ProfileConfig
+from fsdprun.errors import describe_os_error, find_os_error
+from fsdprun.report.console import fmt_bytes
 from fsdprun.rundir import profile_dir, snapshot_path, trace_path
+
+NEARLY_FULL_BYTES = 1 << 20  # less free than this after a failed export: the disk was full
 
 
 def profiled_ranks(cfg: ProfileConfig, world_size: int) -> list[int]:
@@ -28,15 +42,21 @@ class StepProfiler:
     (a run that ends inside the active steps writes what it recorded)."""
 
     def __init__(self, cfg: ProfileConfig, *, run_dir: Path, rank: int, world_size: int,
-                 device_kind: str):  # fmt: skip
+                 device_kind: str, warn: Callable[[str], None] | None = None):  # fmt: skip
         self.prof = None
         if not (cfg.enabled and rank in profiled_ranks(cfg, world_size)):
             return
         from torch.profiler import ProfilerActivity, profile, schedule
 
+        self.rank, self._warn = rank, warn
         self.trace = trace_path(run_dir, rank)
         self.snapshot = snapshot_path(run_dir, rank) if cfg.memory_snapshot else None
-        self.trace.parent.mkdir(exist_ok=True)
+        try:
+            self.trace.parent.mkdir(exist_ok=True)
+        except OSError as e:
+            self.warn(f"profile: rank {rank} does not profile: cannot create {self.trace.parent} "
+                      f"({describe_os_error(e)}); training goes on")  # fmt: skip
+            return
         activities = [ProfilerActivity.CPU]
         if device_kind == "cuda":
             activities.append(ProfilerActivity.CUDA)
@@ -51,12 +71,50 @@ class StepProfiler:
         )
         self.prof.start()
 
+    def warn(self, message: str) -> None:
+        if self._warn is not None:
+            self._warn(message)  # rank 0: a warning event, shown on the terminal
+        else:
+            print(f"warning: {message}", file=sys.stderr, flush=True)  # this rank's log
+
     def _save(self, prof) -> None:
-        prof.export_chrome_trace(str(self.trace))
+        error = None
+        try:
+            prof.export_chrome_trace(str(self.trace))
+        except Exception as e:  # the Python exporter raises; kineto's leaves a .tmp instead
+            error = e
+        if error is not None or not _written_whole(self.trace):
+            self._discard(self.trace, error)
         if self.snapshot is not None:
-            torch.cuda.memory._dump_snapshot(str(self.snapshot))
+            try:
+                torch.cuda.memory._dump_snapshot(str(self.snapshot))
+            except Exception as e:
+                self._discard(self.snapshot, e)
             torch.cuda.memory._record_memory_history(enabled=None)
             self.snapshot = None
+
+    def _discard(self, path: Path, error: BaseException | None) -> None:
+        """Remove what was written of `path` and say why in one line. torch's C++ exporter names
+        no error: a partial file at the file-size limit is EFBIG, a disk with (almost) nothing
+        free is ENOSPC, else the free space is given."""
+        try:
+            free = shutil.disk_usage(path.parent).free
+        except OSError:
+            free = None
+        largest = 0
+        for partial in (path, path.with_name(path.name + ".tmp")):
+            with contextlib.suppress(OSError):
+                largest = max(largest, partial.stat().st_size)
+                partial.unlink()
+        os_error = find_os_error(error) if error is not None else None
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if os_error is None and limit != resource.RLIM_INFINITY and largest >= limit:
+            os_error = OSError(errno.EFBIG, "File too large")
+        elif os_error is None and free is not None and free < NEARLY_FULL_BYTES:
+            os_error = OSError(errno.ENOSPC, "No space left on device")
+        why = describe_os_error(os_error) if os_error is not None else f"{fmt_bytes(free)} free"
+        self.warn(f"profile: {path} did not fit ({why}); the partial file was removed, "
+                  "training goes on")  # fmt: skip
 
     def step(self) -> None:
         if self.prof is not None:
@@ -66,6 +124,19 @@ class StepProfiler:
         if self.prof is not None:
             self.prof.stop()
             self.prof = None
+
+
+def _written_whole(trace: Path) -> bool:
+    """Whether the exporter wrote the whole trace: kineto writes TRACE.tmp and renames it when
+    done, and a whole Chrome trace is one JSON object (it ends with its closing brace)."""
+    if trace.with_name(trace.name + ".tmp").exists() or not trace.is_file():
+        return False
+    try:
+        with trace.open("rb") as f:
+            f.seek(max(trace.stat().st_size - 64, 0))
+            return f.read().rstrip().endswith(b"}")
+    except OSError:
+        return False
 
 
 def profile_record(cfg: ProfileConfig, *, run_dir: Path, world_size: int, start_step: int) -> dict:

@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import hashlib
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ class Ranks:
 def elastic_entry(run_dir: str, recipe_name: str, resume_from: str | None = None) -> dict | None:
     """Entry point of a worker spawned by the elastic agent: the recipe is RUN_DIR/recipe.yaml."""
     die_with_launcher()
+    _keep_output_in_log()
     try:
         resume = Path(resume_from) if resume_from else None
         return run(Path(run_dir), render=False, recipe_name=recipe_name, resume_from=resume)
@@ -87,6 +89,21 @@ def elastic_entry(run_dir: str, recipe_name: str, resume_from: str | None = None
         # The agent keeps only the message; the traceback goes to this rank's stderr.log.
         traceback.print_exc()
         raise
+
+
+def _keep_output_in_log() -> None:
+    """Point sys.stdout and sys.stderr at this worker's log files (the agent's redirect of fds 1
+    and 2) for the rest of the process. torch gives the fds back to the terminal when the entry
+    point returns, before the process ends: what daemon threads or exit hooks printed after
+    that (a tracker thread's traceback) reached the terminal, ahead of the launcher's `error:`
+    line or glued to it."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        stream.flush()
+        # Line-buffered, as the standard streams are, on a copy of the fd that stays the log's.
+        kept = os.fdopen(os.dup(fd), "w", buffering=1, encoding=stream.encoding,
+                         errors="backslashreplace")  # fmt: skip
+        setattr(sys, name, kept)
 
 
 def run(
