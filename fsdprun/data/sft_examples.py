@@ -7,8 +7,10 @@ token ids and a boolean mask, True on the tokens that train (are targets):
 - chat: the conversation rendered by the tokenizer's own chat template (transformers'
   `apply_chat_template`, local files only). Assistant turn i trains on the tokens between the
   rendering of messages[:i] with the generation prompt and the rendering of messages[:i+1]:
-  the turn's content and whatever the template closes it with (end-of-text). This needs each
-  rendering to be a prefix of the next; a template that breaks it is refused.
+  the turn's content and whatever the template closes it with (end-of-text). An opening
+  assistant turn (i = 0) has no earlier messages to render: what the template puts before its
+  content (the role header) is context just the same. This needs each rendering to be a prefix
+  of the next; a template that breaks it is refused.
 - instruct: data.template with {prompt} replaced (context), then the response and end-of-text
   (trained).
 
@@ -34,6 +36,10 @@ from fsdprun.errors import UserError
 SFT_SOURCES = (DataSource.chat, DataSource.instruct, DataSource.hf_dataset)
 EXAMPLE_SUFFIXES = (".jsonl", ".parquet")
 HF_FILE_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+# Stands for the content of a conversation's opening assistant message while its header is found
+# (`ChatTokenizer.opening_context`): letters only, so a template that trims or escapes content
+# leaves it as it is.
+OPENING_MARKER = "FSDPRUNOPENINGASSISTANTCONTENT"
 
 
 class ChatTokenizer:
@@ -81,6 +87,30 @@ class ChatTokenizer:
                 f"{where}: the chat template of {self.folder} refused it: {first}"
             ) from e
         return self.encode(text)
+
+    def opening_context(self, first: dict, *, where: str) -> list[int]:
+        """The tokens a conversation that opens with assistant message `first` renders before
+        that message's content: its role header (and whatever the template puts first, such as a
+        default system prompt). transformers renders no empty conversation, so there is no
+        "nothing, then the generation prompt" to compare with, as for later turns: the content is
+        replaced by a marker and the text before the marker is the context."""
+        marked = {**first, "content": OPENING_MARKER}
+        try:
+            text = self._tok.apply_chat_template(
+                [marked], tokenize=False, add_generation_prompt=False
+            )
+        except Exception as e:  # as in render
+            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(
+                f"{where}: the chat template of {self.folder} refused it: {first_line}"
+            ) from e
+        if text.count(OPENING_MARKER) != 1:
+            raise UserError(
+                f"{where}: the chat template of {self.folder} does not render an opening "
+                "assistant message's content once, as given, so its header cannot be told from "
+                "its content; start the conversation with a user or system message"
+            )
+        return self.encode(text[: text.index(OPENING_MARKER)])
 
 
 def build_sft_tokenizer(
@@ -222,7 +252,11 @@ def tokenize_chat(
     full = tok.render(messages, generation_prompt=False, where=where)
     mask = np.zeros(len(full), dtype=bool)
     for i in assistants if turns is ChatTurns.all else assistants[-1:]:
-        before = tok.render(messages[:i], generation_prompt=True, where=where) if i else []
+        before = (
+            tok.render(messages[:i], generation_prompt=True, where=where)
+            if i
+            else tok.opening_context(messages[0], where=where)
+        )
         upto = tok.render(messages[: i + 1], generation_prompt=False, where=where)
         if upto[: len(before)] != before or full[: len(upto)] != upto or len(upto) <= len(before):
             raise UserError(
