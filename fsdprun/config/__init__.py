@@ -22,6 +22,7 @@ from fsdprun.config.load import (
 )
 from fsdprun.config.reference import recipe_reference
 from fsdprun.config.schema import (
+    CHAT_ROLES,
     ActivationCheckpointingConfig,
     ChatTurns,
     CheckpointConfig,
@@ -62,8 +63,8 @@ from fsdprun.config.sizes import parse_size
 from fsdprun.config.validate import STRING_KEYS, accelerator_device_nodes, validate
 
 __all__ = [
-    "CLI_SOURCE", "DEFAULT_SOURCE", "STRING_KEYS", "ActivationCheckpointingConfig", "ChatTurns",
-    "CheckpointConfig", "CheckpointMode", "CompileConfig", "CompileMode", "DataConfig",
+    "CHAT_ROLES", "CLI_SOURCE", "DEFAULT_SOURCE", "STRING_KEYS", "ActivationCheckpointingConfig",
+    "ChatTurns", "CheckpointConfig", "CheckpointMode", "CompileConfig", "CompileMode", "DataConfig",
     "DataSource", "Decay", "DeviceKind", "Dtype", "Engine", "EvalConfig", "Float8", "FsdpConfig",
     "LaunchConfig", "LoraConfig", "LossKind", "ModelConfig", "ModelInit", "NonFinite",
     "OnSaveError", "OptimConfig", "OptimImpl", "OutputConfig", "PrecisionConfig", "ProfileConfig",

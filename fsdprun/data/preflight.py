@@ -18,7 +18,7 @@ from pathlib import Path
 from fsdprun.config import DataSource, RecipeConfig
 from fsdprun.data.files import inspect_token_file
 from fsdprun.data.sft import build_sft_datasets, is_sft
-from fsdprun.data.text import build_tokenizer, check_text_file, tokenize_files
+from fsdprun.data.text import NO_EOS, build_tokenizer, check_text_file, tokenize_files
 from fsdprun.data.windows import num_val_windows
 from fsdprun.errors import UserError
 
@@ -68,7 +68,7 @@ def _check_text(cfg: RecipeConfig, window: int) -> list[str]:
     for key, paths in (("data.paths", d.paths), ("data.val_paths", d.val_paths)):
         for p in paths:
             check_text_file(Path(p), key=key)
-    tok = build_tokenizer(d.tokenizer)
+    tok = build_tokenizer(d.tokenizer, d.eos_token)
     if tok.vocab_size > cfg.model.vocab_size:
         errors.append(
             f"data.tokenizer {tok.name} has {tok.vocab_size} tokens but model.vocab_size is "
@@ -76,7 +76,7 @@ def _check_text(cfg: RecipeConfig, window: int) -> list[str]:
         )
     for key, paths in (("data.paths", d.paths), ("data.val_paths", d.val_paths)):
         if paths:
-            num_tokens = _num_text_tokens(paths, d.tokenizer, d.text_field)
+            num_tokens = _num_text_tokens(paths, d.tokenizer, d.eos_token, d.text_field)
             if num_tokens < window:
                 errors.append(
                     f"{key}: {num_tokens} tokens in all, fewer than one sequence "
@@ -87,12 +87,17 @@ def _check_text(cfg: RecipeConfig, window: int) -> list[str]:
     return errors
 
 
-def _num_text_tokens(paths: list[str], tokenizer: str, text_field: str) -> int:
+def _num_text_tokens(
+    paths: list[str], tokenizer: str, eos_token: str | None, text_field: str
+) -> int:
     if tokenizer == "byte" and all(p.endswith(".txt") for p in paths):
-        # One token per byte plus end-of-text per file: known from the sizes.
-        return sum(Path(p).stat().st_size + 1 for p in paths)
+        # One token per byte plus end-of-text per file (unless data.eos_token is none): known
+        # from the sizes.
+        eos = 0 if eos_token == NO_EOS else 1
+        return sum(Path(p).stat().st_size + eos for p in paths)
     files = tuple((p, *_stamp(p)) for p in paths)
-    return _count_tokens(files, (tokenizer, tokenizer != "byte" and _stamp(tokenizer)), text_field)
+    stamp = tokenizer != "byte" and _stamp(tokenizer)
+    return _count_tokens(files, (tokenizer, stamp, eos_token), text_field)
 
 
 def _stamp(path: str) -> tuple[int, int]:
@@ -104,7 +109,7 @@ def _stamp(path: str) -> tuple[int, int]:
 # reads the recipe and again just before launch, and tokenizing twice would double the wait.
 @functools.lru_cache(maxsize=4)
 def _count_tokens(files: tuple, tokenizer: tuple, text_field: str) -> int:
-    tok = build_tokenizer(tokenizer[0])
+    tok = build_tokenizer(tokenizer[0], tokenizer[2])
     return sum(len(ids) for ids in tokenize_files([Path(f[0]) for f in files], tok, text_field))
 
 

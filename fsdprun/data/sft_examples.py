@@ -16,7 +16,10 @@ token ids and a boolean mask, True on the tokens that train (are targets):
 
 Records are read from .jsonl (one JSON object a line) and .parquet files (pyarrow), or through
 the `datasets` library from a `save_to_disk` folder or local json/jsonl/parquet/arrow files.
-Nothing is ever downloaded.
+Nothing is ever downloaded. An example larger than data.max_line_bytes (a .jsonl line, or the
+text of a row) is refused before it is tokenized; a .jsonl line is read no further than that.
+Chat roles are system, user and assistant, or mapped onto those by data.roles; any other is
+refused (a template renders any role somehow, and it would silently be context).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdprun.config import ChatTurns, DataConfig, DataSource
+from fsdprun.config import CHAT_ROLES, ChatTurns, DataConfig, DataSource
 from fsdprun.data.lazy_numpy import np
-from fsdprun.data.text import ByteTokenizer, HFTokenizer
+from fsdprun.data.text import ByteTokenizer, HFTokenizer, build_tokenizer
 from fsdprun.errors import UserError
 
 SFT_SOURCES = (DataSource.chat, DataSource.instruct, DataSource.hf_dataset)
@@ -126,10 +129,10 @@ def build_sft_tokenizer(
                 "HuggingFace folder with tokenizer_config.json (e.g. model.hf_path)"
             )
         return ChatTokenizer(Path(spec))
-    if spec == "byte":
-        return ByteTokenizer()
     path = Path(spec)
-    return HFTokenizer(path / "tokenizer.json" if path.is_dir() else path)
+    return build_tokenizer(
+        str(path / "tokenizer.json") if spec != "byte" and path.is_dir() else spec, cfg.eos_token
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,9 +148,12 @@ def _check_local(path: Path, key: str) -> None:
         )
 
 
-def iter_records(path: Path, *, key: str, source: DataSource) -> Iterator[tuple[str, Any]]:
+def iter_records(
+    path: Path, *, key: str, source: DataSource, max_line_bytes: int = 1 << 20
+) -> Iterator[tuple[str, Any]]:
     """(where, record) for every example of one file or dataset folder; `where` names the file
-    and line (or row) for messages."""
+    and line (or row) for messages. A .jsonl line longer than `max_line_bytes` is refused
+    having read no more of it than that."""
     _check_local(path, key)
     if source is DataSource.hf_dataset:
         yield from _hf_records(path, key)
@@ -171,17 +177,34 @@ def iter_records(path: Path, *, key: str, source: DataSource) -> Iterator[tuple[
         for n, row in enumerate(rows):
             yield f"{path} row {n}", row
         return
-    try:
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path} line {n}", json.loads(line)
-                except ValueError as e:
-                    raise UserError(f"{path} line {n}: not JSON ({e})") from e
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    yield from _jsonl_records(path, max_line_bytes)
+
+
+def _jsonl_records(path: Path, max_line_bytes: int) -> Iterator[tuple[str, Any]]:
+    # Lines are read with a bound: one huge line (a 20 MB conversation) would otherwise be read
+    # whole, then rendered and tokenized in native code that may abort the interpreter.
+    with path.open("rb") as f:
+        n = 0
+        while raw := f.readline(max_line_bytes + 1):
+            n += 1
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                raise UserError(
+                    f"{path} line {n}: longer than data.max_line_bytes = {max_line_bytes:,} "
+                    "bytes; remove the example, or raise data.max_line_bytes (prepare-data "
+                    "--max-line-bytes) if it is meant to be that long"
+                )
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(
+                    f"{path} line {n}: not UTF-8 text ({e.reason} at byte {e.start} of the line)"
+                ) from e
+            if not line.strip():
+                continue
+            try:
+                yield f"{path} line {n}", json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path} line {n}: not JSON ({e})") from e
 
 
 def _hf_records(path: Path, key: str) -> Iterator[tuple[str, Any]]:
@@ -196,6 +219,9 @@ def _hf_records(path: Path, key: str) -> Iterator[tuple[str, Any]]:
             f"{key}: data.source=hf_dataset needs the datasets library: pip install "
             "'fsdprun[datasets]'"
         ) from None
+    # Its progress bars ("Generating train split") would land on the terminal before an error
+    # line, and reading local files takes no time worth showing.
+    datasets.disable_progress_bars()
     try:
         if path.is_dir():
             ds = datasets.load_from_disk(str(path))
@@ -232,10 +258,23 @@ def is_chat_record(record: Any) -> bool:
     return isinstance(record, dict) and "messages" in record
 
 
+def _check_text_size(texts: list[str], max_bytes: int, where: str) -> None:
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if size > max_bytes:
+        raise UserError(
+            f"{where}: {size:,} bytes of text, more than data.max_line_bytes = {max_bytes:,}; "
+            "remove the example, or raise data.max_line_bytes (prepare-data --max-line-bytes) "
+            "if it is meant to be that long"
+        )
+
+
 def tokenize_chat(
-    tok: ChatTokenizer, record: Any, *, turns: ChatTurns, where: str
-) -> tuple[list[int], np.ndarray]:
-    """Token ids and trained-token mask of one conversation."""
+    tok: ChatTokenizer, record: Any, *, turns: ChatTurns, where: str,
+    roles: dict[str, str] | None = None, max_bytes: int = 1 << 20,
+) -> tuple[list[int], np.ndarray]:  # fmt: skip
+    """Token ids and trained-token mask of one conversation; `roles` maps roles beyond
+    CHAT_ROLES onto the role the template is given (data.roles), others are refused."""
+    roles = roles or {}
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         raise UserError(f'{where}: no `messages` list (a chat example is {{"messages": [...]}})')
@@ -246,6 +285,17 @@ def tokenize_chat(
             and isinstance(m.get("content"), str)
         ):
             raise UserError(f'{where}: message {i} is not {{"role": str, "content": str}}')
+        if m["role"] not in CHAT_ROLES and m["role"] not in roles:
+            # A template renders any role somehow (the tiny one as <|robot|>), and a turn that is
+            # not `assistant` never trains: a typo or another dataset's role names would train
+            # silently wrong.
+            raise UserError(
+                f"{where}: message {i} has role {m['role']!r}, not one of "
+                f"{', '.join(CHAT_ROLES)}; map it with data.roles (prepare-data --role), e.g. "
+                f"data.roles={{{m['role']}: assistant}}, or fix the file"
+            )
+    _check_text_size([m["content"] for m in messages], max_bytes, where)
+    messages = [{**m, "role": roles.get(m["role"], m["role"])} for m in messages]
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistants:
         raise UserError(f"{where}: no assistant turn, so nothing would train; remove the example")
@@ -278,6 +328,9 @@ def tokenize_instruct(
             fields = sorted(record) if isinstance(record, dict) else []
             key = "data.prompt_field" if field == cfg.prompt_field else "data.response_field"
             raise UserError(f"{where}: no text field '{field}' (fields: {fields}); set {key}")
+    _check_text_size(
+        [record[cfg.prompt_field], record[cfg.response_field]], cfg.max_line_bytes, where
+    )
     prompt = [
         int(t) for t in tok.encode(cfg.template.replace("{prompt}", record[cfg.prompt_field]))
     ]
@@ -317,10 +370,14 @@ def tokenize_examples(paths: list[str], cfg: DataConfig, *, key: str) -> tuple[E
             assistant turn, a template that cannot be masked.
     """
     tok = None
+    roles = dict(cfg.roles)
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     for p in paths:
-        for where, record in iter_records(Path(p), key=key, source=cfg.source):
+        records = iter_records(
+            Path(p), key=key, source=cfg.source, max_line_bytes=cfg.max_line_bytes
+        )
+        for where, record in records:
             chat = cfg.source is DataSource.chat or (
                 cfg.source is DataSource.hf_dataset and is_chat_record(record)
             )
@@ -329,7 +386,10 @@ def tokenize_examples(paths: list[str], cfg: DataConfig, *, key: str) -> tuple[E
             if chat:
                 if not isinstance(tok, ChatTokenizer):
                     raise UserError(f"{where}: a chat example among instruct examples")
-                t, m = tokenize_chat(tok, record, turns=cfg.chat_turns, where=where)
+                t, m = tokenize_chat(
+                    tok, record, turns=cfg.chat_turns, where=where, roles=roles,
+                    max_bytes=cfg.max_line_bytes,
+                )  # fmt: skip
             else:
                 if isinstance(tok, ChatTokenizer) and cfg.source is DataSource.hf_dataset:
                     raise UserError(f"{where}: no `messages` (an instruct example among chat ones)")
