@@ -40,7 +40,7 @@ from fsdprun.data.batch import IGNORE_INDEX, Row
 from fsdprun.data.files import DESCRIPTION, read_description, token_dtype_for
 from fsdprun.data.lazy_numpy import np
 from fsdprun.data.sft_examples import SFT_SOURCES, Examples, tokenize_examples
-from fsdprun.data.windows import EpochOrder, _epoch_seed
+from fsdprun.data.windows import VOCAB_FIX, EpochOrder, _epoch_seed
 from fsdprun.errors import UserError
 from fsdprun.staging import staged_folder
 
@@ -172,9 +172,8 @@ class SFTData:
         top = int(tokens.max())
         if top >= self.vocab_size:
             raise UserError(
-                f"{self.stream} data holds token id {top} but model.vocab_size is "
-                f"{self.vocab_size}; set model.vocab_size to at least the tokenizer's vocabulary "
-                "size"
+                f"{self.stream} data holds token id {top} but the model embeds "
+                f"{self.vocab_size} ids {VOCAB_FIX}"
             )
         same = (doc[1:] == doc[:-1]) & (doc[1:] >= 0)
         targets = np.where(trained[1:] & same, tokens[1:], IGNORE_INDEX)
