@@ -617,6 +617,22 @@ def prepare_data_cmd(
         str | None,
         typer.Option("--template", help="instruct: the text before the response, with {prompt}."),
     ] = None,
+    eos_token: Annotated[
+        str | None,
+        typer.Option(
+            "--eos-token",
+            help="The end-of-text token after each document (data.eos_token): default found in "
+            "the tokenizer's folder or vocabulary; `none`: no separator.",
+        ),
+    ] = None,
+    role: Annotated[
+        list[str] | None,
+        typer.Option("--role", help="chat: NAME=ROLE maps a role onto system/user/assistant."),
+    ] = None,
+    max_line_bytes: Annotated[
+        int,
+        typer.Option("--max-line-bytes", help="Fine-tuning examples: the largest line, bytes."),
+    ] = 1 << 20,
 ) -> None:
     """Tokenize text into token files (train.bin, val.bin) and data.json for data.source=tokens;
     with --source chat|instruct|hf_dataset, fine-tuning examples with their loss masks."""
@@ -626,7 +642,7 @@ def prepare_data_cmd(
         desc = prepare_sft_examples(
             inputs, out, source=source, tokenizer=tokenizer, val_fraction=val_fraction,
             chat_turns=chat_turns, prompt_field=prompt_field, response_field=response_field,
-            template=template,
+            template=template, roles=role, max_line_bytes=max_line_bytes, eos_token=eos_token,
         )  # fmt: skip
         files = ", ".join(
             f"{name} ({f['num_examples']:,} examples, {f['num_tokens']:,} tokens, "
@@ -638,8 +654,9 @@ def prepare_data_cmd(
     from fsdprun.data.text import prepare_data
 
     desc = prepare_data(
-        inputs, out, tokenizer=tokenizer, val_fraction=val_fraction, text_field=text_field
-    )
+        inputs, out, tokenizer=tokenizer, val_fraction=val_fraction, text_field=text_field,
+        eos_token=eos_token,
+    )  # fmt: skip
     files = ", ".join(f"{name} ({f['num_tokens']:,} tokens)" for name, f in desc["files"].items())
     print(
         f"wrote {desc['num_tokens']:,} {desc['dtype']} tokens (tokenizer {desc['tokenizer']}, "

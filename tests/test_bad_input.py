@@ -520,3 +520,77 @@ def test_a_tracker_without_its_extra_names_the_pip_command(module, override, tmp
     line = _invoke_one_line(["train", "debug", override, "--run-dir", "run"], tmp_path, monkeypatch)
     assert line == f"error: output.{module} needs {module}: pip install 'fsdprun[{module}]'"
     assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Fine-tuning examples that are too big or have a role no template knows: refused before
+# launch, naming the file and line (issue 24).
+
+TINY_HF = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
+GOOD_CHAT = (
+    '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+)
+
+
+def _chat_recipe(tmp: Path, lines: list[str], extra: str = "") -> str:
+    write(tmp / "c.jsonl", "".join(line + "\n" for line in lines))
+    return write(tmp / "r.yaml", (
+        f"extends: sft-demo\nmodel:\n  hf_path: {TINY_HF}\n"
+        f"data:\n  paths: [c.jsonl]\n  tokenizer: {TINY_HF}\n  val_fraction: 0\n{extra}"
+        "eval:\n  every_steps: 0\n"
+    ))  # fmt: skip
+
+
+def test_a_huge_chat_line_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
+    # Before: the whole line was read, rendered and tokenized (a 20 MB line took 76 s and
+    # 4.9 GB, or aborted the interpreter under a memory limit). 3 MB over the 1 MiB default.
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * (3 << 20)},
+                                    {"role": "assistant", "content": "ok"}]})  # fmt: skip
+    recipe = _chat_recipe(tmp_path, [GOOD_CHAT] * 4 + [huge])
+    message = f"c.jsonl line 5: longer than data.max_line_bytes = {1 << 20:,} bytes"
+    line = _one_line_exit_2(run_fsdprun("config", recipe, cwd=tmp_path, timeout=60))
+    assert message in line and "raise data.max_line_bytes" in line
+    prepare = ["prepare-data", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "out"),
+               "--source", "chat", "--tokenizer", str(TINY_HF)]  # fmt: skip
+    line = _invoke_one_line(prepare, tmp_path, monkeypatch)
+    assert message in line and "--max-line-bytes" in line
+    # The bound is the key's (and the flag's): a smaller one refuses a line the default takes.
+    line = _invoke_one_line(["config", recipe, "data.max_line_bytes=50"], tmp_path, monkeypatch)
+    assert "c.jsonl line 1: longer than data.max_line_bytes = 50 bytes" in line
+    line = _invoke_one_line([*prepare, "--max-line-bytes", "50"], tmp_path, monkeypatch)
+    assert "c.jsonl line 1: longer than data.max_line_bytes = 50 bytes" in line
+
+
+def test_an_oversized_dataset_row_is_refused_before_tokenizing(tmp_path, monkeypatch):
+    # Rows that are not .jsonl lines (hf_dataset, parquet) are held to the same bound by the
+    # size of their text.
+    pytest.importorskip("datasets")
+    recipe = _chat_recipe(tmp_path, [GOOD_CHAT] * 3, "  source: hf_dataset\n  max_line_bytes: 3\n")
+    line = _invoke_one_line(["config", recipe], tmp_path, monkeypatch)
+    assert "c.jsonl row 0: 4 bytes of text, more than data.max_line_bytes = 3" in line
+
+
+def test_an_unknown_chat_role_is_refused_or_mapped(tmp_path, monkeypatch):
+    # Before: a `robot` turn was rendered by the template as <|robot|> and trained silently as
+    # context (never as the response it was).
+    robot = GOOD_CHAT.replace("]}", ', {"role": "robot", "content": "yo"}]}')
+    recipe = _chat_recipe(tmp_path, [GOOD_CHAT, GOOD_CHAT, robot])
+    line = _one_line_exit_2(run_fsdprun("config", recipe, cwd=tmp_path, timeout=60))
+    assert "c.jsonl line 3: message 2 has role 'robot', not one of system, user, assistant" in line
+    assert "data.roles={robot: assistant}" in line
+    prepare = ["prepare-data", str(tmp_path / "c.jsonl"), "--source", "chat", "--tokenizer",
+               str(TINY_HF)]  # fmt: skip
+    line = _invoke_one_line([*prepare, "--out", "o"], tmp_path, monkeypatch)
+    assert "message 2 has role 'robot'" in line and "prepare-data --role" in line
+    # Mapped onto assistant, the robot's turn trains exactly like an assistant turn.
+    result = CliRunner().invoke(app, ["config", recipe, "data.roles={robot: assistant}"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(app, [*prepare, "--out", "o", "--role", "robot=assistant"])
+    assert result.exit_code == 0, result.output
+    mask = (tmp_path / "o" / "train.mask.bin").read_bytes()
+    assert sum(mask) == 4 * 3  # four "yo" turns (one the robot's), each 2 bytes + end-of-text
+    # A mapping onto a role that is not known is refused too.
+    line = _invoke_one_line(["config", recipe, "data.roles={robot: bot}"], tmp_path, monkeypatch)
+    assert "data.roles.robot: 'bot' is not one of system, user, assistant" in line
+    line = _invoke_one_line([*prepare, "--out", "o2", "--role", "robot"], tmp_path, monkeypatch)
+    assert "--role 'robot' is not NAME=ROLE" in line

@@ -123,6 +123,79 @@ def test_huggingface_tokenizer(tmp_path):
     )  # fmt: skip
 
 
+def _eos_tokenizer(folder: Path, eos: str = "[EOS]") -> Path:
+    """A word-level tokenizer.json whose end-of-text is spelled `eos` (id 1), in `folder`."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, eos: 1, "a": 2, "b": 3, "c": 4}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+@pytest.mark.parametrize(
+    ("beside", "flag", "want"),
+    [
+        # The folder's own files name it: tokenizer_config.json by spelling, config.json or
+        # generation_config.json by id (Llama 3 lists several: the first).
+        ({"tokenizer_config.json": {"eos_token": {"content": "[EOS]"}}}, [], [2, 3, 1, 4, 1]),
+        ({"config.json": {"eos_token_id": 1}}, [], [2, 3, 1, 4, 1]),
+        ({"generation_config.json": {"eos_token_id": [1, 4]}}, [], [2, 3, 1, 4, 1]),
+        # Named on the command line, or no separator on purpose.
+        ({}, ["--eos-token", "[EOS]"], [2, 3, 1, 4, 1]),
+        ({"config.json": {"eos_token_id": 1}}, ["--eos-token", "none"], [2, 3, 4]),
+    ],
+    ids=["tokenizer_config", "config", "generation_config", "flag", "none"],
+)
+def test_end_of_text_with_an_unexpected_spelling(tmp_path, beside, flag, want):
+    # Issue 20: a tokenizer whose end-of-text is `[EOS]` (none of the five known spellings)
+    # got no separator at all between documents, silently.
+    tokenizer = _eos_tokenizer(tmp_path / "tok")
+    for name, content in beside.items():
+        (tmp_path / "tok" / name).write_text(json.dumps(content))
+    (tmp_path / "d.jsonl").write_text('{"text": "a b"}\n{"text": "c"}\n')
+    result = invoke("prepare-data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out"),
+                    "--tokenizer", str(tokenizer), *flag)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert read_tokens(tmp_path / "out" / "train.bin", "uint16") == want
+    assert json.loads((tmp_path / "out" / "data.json").read_text())["eos_id"] == (
+        1 if 1 in want else None
+    )
+
+
+def test_no_end_of_text_found_and_none_named_is_refused_in_one_line(tmp_path):
+    tokenizer = _eos_tokenizer(tmp_path / "tok")
+    (tmp_path / "d.jsonl").write_text('{"text": "a b"}\n' * 40)  # > one window, with or without
+    out = tmp_path / "out"
+    message = "no end-of-text token found"
+    for fix in ("data.eos_token (prepare-data --eos-token)", "set it to none for no separator"):
+        one_line_error(
+            invoke("prepare-data", str(tmp_path / "d.jsonl"), "--out", str(out),
+                   "--tokenizer", str(tokenizer)),
+            fix,
+        )  # fmt: skip
+    assert not out.exists()
+    # Before launch, in a recipe: `config` refuses it, and a named token must be in the vocabulary.
+    text = ["config", "text-demo", f"data.paths=[{tmp_path / 'd.jsonl'}]", "~data.val_fraction",
+            "eval.every_steps=0", f"data.tokenizer={tokenizer}"]  # fmt: skip
+    one_line_error(invoke(*text), message)
+    one_line_error(invoke(*text, "data.eos_token=<eos>"), "data.eos_token '<eos>' (--eos-token)")
+    assert invoke(*text, "data.eos_token=[EOS]").exit_code == 0
+    assert invoke(*text, "data.eos_token=none").exit_code == 0
+    # Instruct responses end with it too: the same refusal for fine-tuning examples.
+    (tmp_path / "i.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    one_line_error(
+        invoke("prepare-data", str(tmp_path / "i.jsonl"), "--out", str(out), "--source",
+               "instruct", "--tokenizer", str(tokenizer), "--template", "{prompt}"),
+        message,
+    )  # fmt: skip
+    # The byte tokenizer: id 256 as before, or no separator on purpose.
+    assert build_tokenizer("byte").eos_id == EOS and build_tokenizer("byte", "none").eos_id is None
+    with pytest.raises(UserError, match="the byte tokenizer's end-of-text is id 256"):
+        build_tokenizer("byte", "[EOS]")
+
+
 # Llama 3's pre-tokenizer split (also Mistral's Tekken); Qwen 2 differs in `\p{N}`.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
                 r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip

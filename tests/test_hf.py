@@ -331,3 +331,37 @@ def test_tied_hf_weights_stay_tied(tmp_path):
     assert torch.equal(model.hf.lm_head.weight, embedding)
     with pytest.raises(UserError, match=r"ties lm_head.weight to .*fsdp.engine=fsdp2 or ddp"):
         weights.full("hf.lm_head.weight")
+
+
+def test_token_ids_are_checked_against_the_hf_models_own_vocabulary(hf_dir, tmp_path):
+    # Issue 20: the check before launch read model.vocab_size, which a model.hf_path model
+    # ignores (its config.json says how many embeddings it has).
+    from typer.testing import CliRunner
+
+    from fsdprun.cli import app
+
+    # A valid run was refused: the shipped folder has 257 embeddings whatever the key says.
+    result = CliRunner().invoke(app, ["config", "sft-demo", "model.vocab_size=200"])
+    assert result.exit_code == 0, result.output
+    # An invalid one passed: byte-valued data (end-of-text 256) on hf_dir, cut to 256 embeddings.
+    real = f"the model has 256 embeddings (vocab_size in {hf_dir / 'config.json'})"
+    for args, what in [
+        (["debug", "data.source=text", f"data.paths=[{RECIPES / 'tiny.txt'}]"],
+         "data.tokenizer byte has 257 tokens but"),
+        (["debug", "data.source=tokens", f"data.paths=[{RECIPES / 'tiny' / 'train.bin'}]"],
+         "was tokenized with a 257-token vocabulary (tokenizer byte) but"),
+        (["sft-demo"], "data: the examples hold token id 256 but"),
+    ]:  # fmt: skip
+        result = CliRunner().invoke(app, ["config", *args, f"model.hf_path={hf_dir}",
+                                          "model.vocab_size=100000"])  # fmt: skip
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert f"{what} {real}" in line, line
+        assert "model.vocab_size does not change a model.hf_path model" in line
+    # `train` refuses it before launch: no worker, no run directory.
+    proc = run_fsdprun("train", "sft-demo", f"model.hf_path={hf_dir}", "--run-dir",
+                       str(tmp_path / "run"), cwd=tmp_path, env=ENV, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert f"data: the examples hold token id 256 but {real}" in line
+    assert not (tmp_path / "run").exists()

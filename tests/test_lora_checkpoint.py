@@ -243,6 +243,47 @@ def test_peft_export_layout_and_peft_loads_it(hf_run, hf_base, tmp_path):
                                    atol=TOL, rtol=TOL)  # fmt: skip
 
 
+def test_peft_export_of_path_pattern_targets_adapts_exactly_the_trained_modules(tmp_path):
+    # Issue 20: targets given as paths were written as their leaf names (`q_proj`), so peft put
+    # adapters on every layer (warning about missing keys) and gave other logits.
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    targets = "lora.targets=[model.layers.1.self_attn.q_proj, layers.0.mlp.*_proj]"
+    proc = run_fsdprun("train", "lora-demo", targets, "train.steps=2", "eval.every_steps=0",
+                       "launch.nproc_per_node=1", "--run-dir", str(tmp_path / "run"),
+                       cwd=tmp_path)  # fmt: skip
+    ckpt = _ckpt(Run(proc, tmp_path / "run").check(), 2)
+    trained = {"model.layers.1.self_attn.q_proj", "model.layers.0.mlp.gate_proj",
+               "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"}  # fmt: skip
+    assert {k.removeprefix("hf.").rsplit(".", 2)[0] for k in _saved_adapters(ckpt, tmp_path)} == (
+        trained
+    )
+    out = tmp_path / "adapter"
+    export_checkpoint(ckpt, out, fmt="peft")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(trained)
+
+    def load(folder: Path):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, local_files_only=True
+        ).eval()
+
+    peft_model = peft.PeftModel.from_pretrained(load(HF_DIR), out).eval()
+    adapted = {
+        name.removeprefix("base_model.model.")
+        for name, module in peft_model.named_modules()
+        if isinstance(module, peft.tuners.lora.LoraLayer)
+    }
+    assert adapted == trained
+    export_checkpoint(ckpt, tmp_path / "merged", fmt="hf")
+    tokens = _tokens(257)
+    with torch.no_grad():
+        expected = load(tmp_path / "merged")(input_ids=tokens).logits
+        assert not torch.allclose(load(HF_DIR)(input_ids=tokens).logits, expected, atol=1e-3)
+        torch.testing.assert_close(peft_model(input_ids=tokens).logits, expected,
+                                   atol=TOL, rtol=TOL)  # fmt: skip
+
+
 def test_seeded_llama_base_is_rebuilt_for_the_merged_export(llama_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     ckpt = _ckpt(llama_run, 6)

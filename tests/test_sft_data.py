@@ -102,6 +102,34 @@ def test_chat_mask_is_the_assistant_turns(tmp_path, turns):
     assert examples_of(ex) == [chat_reference(conv, turns) for conv in CONVERSATIONS]
 
 
+OPENS_WITH_ASSISTANT = [
+    [("assistant", "How can I help?"), ("user", "say hi"), ("assistant", "hi")],
+    [("assistant", "only me")],
+]
+
+
+def test_an_opening_assistant_turn_trains_its_content_not_its_header(tmp_path):
+    # Issue 20: the header `<|assistant|>\n` of an opening assistant turn trained as if it were
+    # response text. Every path that tokenizes chat rows: chat files, hf_dataset rows, and
+    # prepare-data --source chat.
+    records = [{"messages": [{"role": r, "content": c} for r, c in conv]}
+               for conv in OPENS_WITH_ASSISTANT]  # fmt: skip
+    expected = [chat_reference(conv, "all") for conv in OPENS_WITH_ASSISTANT]
+    assert [sum(m) for _, m in expected] == [len("How can I help?") + 1 + 3, len("only me") + 1]
+    path = write_jsonl(tmp_path / "c.jsonl", records)
+    ex, _ = tokenize_examples([str(path)], chat_config([path]), key="k")
+    assert examples_of(ex) == expected
+    hf = DataConfig(source=DataSource.hf_dataset, paths=[str(path)], tokenizer=str(TINY))
+    assert examples_of(tokenize_examples(hf.paths, hf, key="k")[0]) == expected
+    out = tmp_path / "p"
+    result = CliRunner().invoke(app, [
+        "prepare-data", str(path), "--out", str(out), "--source", "chat", "--tokenizer", str(TINY),
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    mask = np.fromfile(out / "train.mask.bin", dtype=np.uint8).astype(bool).tolist()
+    assert mask == [m for _, ms in expected for m in ms]
+
+
 def test_instruct_mask_is_the_response_and_end_of_text(tmp_path):
     records = [{"q": p, "a": r, "other": 1} for p, r in PAIRS]
     path = write_jsonl(tmp_path / "i.jsonl", records)

@@ -145,7 +145,8 @@ def data_eos_id(data: dict[str, Any]) -> int | None:
         from fsdprun.data.text import build_tokenizer
 
         try:
-            return build_tokenizer(data["tokenizer"]).eos_id
+            tok = build_tokenizer(data["tokenizer"], data.get("eos_token"), require_eos=False)
+            return tok.eos_id
         except UserError as e:
             raise UserError(f"the run's data.tokenizer (for its end-of-text id): {e}") from e
     if data.get("source") == "tokens" and data.get("paths"):

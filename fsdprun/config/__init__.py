@@ -22,6 +22,7 @@ from fsdprun.config.load import (
 )
 from fsdprun.config.reference import recipe_reference
 from fsdprun.config.schema import (
+    CHAT_ROLES,
     ActivationCheckpointingConfig,
     ChatTurns,
     CheckpointConfig,
@@ -67,8 +68,8 @@ from fsdprun.config.validate import (
 )
 
 __all__ = [
-    "CLI_SOURCE", "DEFAULT_SOURCE", "STRING_KEYS", "ActivationCheckpointingConfig", "ChatTurns",
-    "CheckpointConfig", "CheckpointMode", "CompileConfig", "CompileMode", "DataConfig",
+    "CHAT_ROLES", "CLI_SOURCE", "DEFAULT_SOURCE", "STRING_KEYS", "ActivationCheckpointingConfig",
+    "ChatTurns", "CheckpointConfig", "CheckpointMode", "CompileConfig", "CompileMode", "DataConfig",
     "DataSource", "Decay", "DeviceKind", "Dtype", "Engine", "EvalConfig", "Float8", "FsdpConfig",
     "LaunchConfig", "LoraConfig", "LossKind", "ModelConfig", "ModelInit", "NonFinite",
     "OnSaveError", "OptimConfig", "OptimImpl", "OutputConfig", "PrecisionConfig", "ProfileConfig",

@@ -331,6 +331,10 @@ class TrainConfig:
     loss_chunk_size: int = _f(4096, "With loss=chunked: tokens per chunk.")
 
 
+# The roles every chat template knows; data.roles maps others onto them.
+CHAT_ROLES = ("system", "user", "assistant")
+
+
 @dataclass
 class DataConfig:
     source: DataSource = _f(
@@ -369,7 +373,30 @@ class DataConfig:
         "chat data: a HuggingFace folder holding tokenizer.json and tokenizer_config.json with "
         "its `chat_template` (e.g. the model.hf_path folder); instruct data: any of these.",
     )
+    eos_token: str | None = _f(
+        None,
+        "The end-of-text token put after each document of `text` data and each instruct "
+        "response: null = found in data.tokenizer's folder (tokenizer_config.json's eos_token, "
+        "then config.json's or generation_config.json's eos_token_id), else the first of "
+        "<|endoftext|>, <|end_of_text|>, </s>, <eos>, [SEP] in the vocabulary, else refused "
+        "before launch; a token's spelling (e.g. `[EOS]`) names it; `none` puts no separator "
+        "between documents, on purpose. `byte`: its end-of-text is id 256.",
+    )
     # Fine-tuning examples (data.source chat, instruct, hf_dataset): see fsdprun/data/sft.py.
+    roles: dict[str, str] = _f(
+        {},
+        "chat data: roles beyond system, user and assistant, each mapped to the role the chat "
+        "template is given, e.g. {human: user, gpt: assistant}; a role mapped to itself "
+        "(`{tool: tool}`) reaches the template as it is, as context. A role neither known nor "
+        "mapped is refused, naming the file and line.",
+    )
+    max_line_bytes: int = _f(
+        1 << 20,
+        "Fine-tuning examples: the largest example read, in bytes of its .jsonl line (or of its "
+        "text, for parquet and hf_dataset rows); a larger one is refused before it is tokenized, "
+        "naming the file and line. 1 MiB is about 250k tokens, far beyond any train.seq_len; "
+        "raise it for longer examples.",
+    )
     chat_turns: ChatTurns = _f(
         ChatTurns.all,
         "chat data: which assistant turns train: `all` of them, or only the `last`; every other "

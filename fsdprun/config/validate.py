@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from fsdprun.config.schema import (
+    CHAT_ROLES,
     CheckpointMode,
     DataSource,
     DeviceKind,
@@ -37,7 +38,7 @@ POSITIVE_KEYS = (
     "model.max_seq_len", "model.rope_theta", "model.norm_eps", "optim.lr", "optim.eps",
     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
     "launch.nproc_per_node", "launch.nnodes", "output.log_every", "fsdp.min_num_params",
-    "launch.rdzv_timeout_s", "launch.timeout_s", "eval.batches",
+    "launch.rdzv_timeout_s", "launch.timeout_s", "eval.batches", "data.max_line_bytes",
 )  # fmt: skip
 NON_NEGATIVE_KEYS = (
     "optim.weight_decay", "train.grad_clip", "schedule.warmup_steps", "launch.max_restarts",
@@ -193,6 +194,7 @@ STRING_KEYS: dict[str, tuple[str, str]] = {
     "data.prompt_field": ("name", "the field holding the prompt"),
     "data.response_field": ("name", "the field holding the response"),
     "data.template": ("text", "a text with {prompt}"),
+    "data.eos_token": ("name", "a token of data.tokenizer, null (found) or none (no separator)"),
     "checkpoint.load_from": ("folder", "a checkpoint folder (RUN_DIR/checkpoints/step-N), or null"),
     "launch.rdzv_endpoint": ("endpoint", "HOST:PORT, or empty for one node"),
     "output.run_dir": ("folder", "a folder, or null for runs/<recipe>-<time>"),
@@ -336,6 +338,12 @@ def _data_errors(cfg: RecipeConfig) -> list[str]:
         errors.append(
             f"data.template {d.template!r} has no {{prompt}}; put {{prompt}} where the prompt goes"
         )
+    for role, to in d.roles.items():
+        if to not in CHAT_ROLES and to != role:
+            errors.append(
+                f"data.roles.{role}: {to!r} is not one of {', '.join(CHAT_ROLES)} (or {role!r} "
+                "itself, to pass the role to the chat template as it is)"
+            )
     if cfg.eval.every_steps and not (d.val_paths or d.val_fraction):
         errors.append(
             f"eval.every_steps is {cfg.eval.every_steps} but there is no validation data; set "

@@ -104,7 +104,9 @@ def build_datasets(
         # Every rank tokenizes the text itself (deterministic); for a large corpus, run
         # `fsdprun prepare-data` once and train on the token files instead.
         tokens = tokenize_to_array(
-            [Path(p) for p in paths], build_tokenizer(cfg.tokenizer), cfg.text_field
+            [Path(p) for p in paths],
+            build_tokenizer(cfg.tokenizer, cfg.eos_token),
+            cfg.text_field,
         )
         windows = TokenWindows([tokens], seq_len=seq_len, names=[", ".join(paths)])
         if windows.num_windows == 0:

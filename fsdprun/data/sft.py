@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdprun.config import ChatTurns, DataConfig, DataSource, Truncate
+from fsdprun.config import CHAT_ROLES, ChatTurns, DataConfig, DataSource, Truncate
 from fsdprun.data.batch import IGNORE_INDEX, Row
 from fsdprun.data.files import DESCRIPTION, read_description, token_dtype_for
 from fsdprun.data.lazy_numpy import np
 from fsdprun.data.sft_examples import SFT_SOURCES, Examples, tokenize_examples
-from fsdprun.data.windows import EpochOrder, _epoch_seed
+from fsdprun.data.windows import VOCAB_FIX, EpochOrder, _epoch_seed
 from fsdprun.errors import UserError
 from fsdprun.staging import staged_folder
 
@@ -172,9 +172,8 @@ class SFTData:
         top = int(tokens.max())
         if top >= self.vocab_size:
             raise UserError(
-                f"{self.stream} data holds token id {top} but model.vocab_size is "
-                f"{self.vocab_size}; set model.vocab_size to at least the tokenizer's vocabulary "
-                "size"
+                f"{self.stream} data holds token id {top} but the model embeds "
+                f"{self.vocab_size} ids {VOCAB_FIX}"
             )
         same = (doc[1:] == doc[:-1]) & (doc[1:] >= 0)
         targets = np.where(trained[1:] & same, tokens[1:], IGNORE_INDEX)
@@ -366,8 +365,12 @@ def prepare_sft_examples(
     prompt_field: str = "prompt",
     response_field: str = "response",
     template: str | None = None,
+    roles: list[str] | None = None,
+    max_line_bytes: int = 1 << 20,
+    eos_token: str | None = None,
 ) -> dict[str, Any]:
-    """`prepare_sft_data` from command-line values (checked here, one line each)."""
+    """`prepare_sft_data` from command-line values (checked here, one line each); `roles` are
+    `--role NAME=ROLE` values (data.roles)."""
 
     def choice(enum_type, value: str, flag: str):
         try:
@@ -379,10 +382,22 @@ def prepare_sft_examples(
     kind = choice(DataSource, source, "--source")
     if kind not in SFT_SOURCES:
         raise UserError(f"--source {source}: prepare-data takes text, chat, instruct or hf_dataset")
+    if max_line_bytes <= 0:
+        raise UserError(f"--max-line-bytes must be > 0 (got {max_line_bytes})")
+    role_map = {}
+    for spec in roles or []:
+        name, eq, to = spec.partition("=")
+        if not (eq and name and (to in CHAT_ROLES or to == name)):
+            raise UserError(
+                f"--role {spec!r} is not NAME=ROLE with ROLE one of {', '.join(CHAT_ROLES)} "
+                "(or NAME itself, to pass the role to the chat template as it is)"
+            )
+        role_map[name] = to
     cfg = DataConfig(
         source=kind, paths=[str(p.resolve()) for p in inputs], tokenizer=tokenizer,
         chat_turns=choice(ChatTurns, chat_turns, "--chat-turns"), prompt_field=prompt_field,
-        response_field=response_field,
+        response_field=response_field, roles=role_map, max_line_bytes=max_line_bytes,
+        eos_token=eos_token,
     )  # fmt: skip
     if template is not None:
         cfg.template = template

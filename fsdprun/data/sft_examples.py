@@ -7,14 +7,19 @@ token ids and a boolean mask, True on the tokens that train (are targets):
 - chat: the conversation rendered by the tokenizer's own chat template (transformers'
   `apply_chat_template`, local files only). Assistant turn i trains on the tokens between the
   rendering of messages[:i] with the generation prompt and the rendering of messages[:i+1]:
-  the turn's content and whatever the template closes it with (end-of-text). This needs each
-  rendering to be a prefix of the next; a template that breaks it is refused.
+  the turn's content and whatever the template closes it with (end-of-text). An opening
+  assistant turn (i = 0) has no earlier messages to render: what the template puts before its
+  content (the role header) is context just the same. This needs each rendering to be a prefix
+  of the next; a template that breaks it is refused.
 - instruct: data.template with {prompt} replaced (context), then the response and end-of-text
   (trained).
 
 Records are read from .jsonl (one JSON object a line) and .parquet files (pyarrow), or through
 the `datasets` library from a `save_to_disk` folder or local json/jsonl/parquet/arrow files.
-Nothing is ever downloaded.
+Nothing is ever downloaded. An example larger than data.max_line_bytes (a .jsonl line, or the
+text of a row) is refused before it is tokenized; a .jsonl line is read no further than that.
+Chat roles are system, user and assistant, or mapped onto those by data.roles; any other is
+refused (a template renders any role somehow, and it would silently be context).
 """
 
 from __future__ import annotations
@@ -26,14 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdprun.config import ChatTurns, DataConfig, DataSource
+from fsdprun.config import CHAT_ROLES, ChatTurns, DataConfig, DataSource
 from fsdprun.data.lazy_numpy import np
-from fsdprun.data.text import ByteTokenizer, HFTokenizer
+from fsdprun.data.text import ByteTokenizer, HFTokenizer, build_tokenizer
 from fsdprun.errors import UserError
 
 SFT_SOURCES = (DataSource.chat, DataSource.instruct, DataSource.hf_dataset)
 EXAMPLE_SUFFIXES = (".jsonl", ".parquet")
 HF_FILE_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+# Stands for the content of a conversation's opening assistant message while its header is found
+# (`ChatTokenizer.opening_context`): letters only, so a template that trims or escapes content
+# leaves it as it is.
+OPENING_MARKER = "FSDPRUNOPENINGASSISTANTCONTENT"
 
 
 class ChatTokenizer:
@@ -82,6 +91,30 @@ class ChatTokenizer:
             ) from e
         return self.encode(text)
 
+    def opening_context(self, first: dict, *, where: str) -> list[int]:
+        """The tokens a conversation that opens with assistant message `first` renders before
+        that message's content: its role header (and whatever the template puts first, such as a
+        default system prompt). transformers renders no empty conversation, so there is no
+        "nothing, then the generation prompt" to compare with, as for later turns: the content is
+        replaced by a marker and the text before the marker is the context."""
+        marked = {**first, "content": OPENING_MARKER}
+        try:
+            text = self._tok.apply_chat_template(
+                [marked], tokenize=False, add_generation_prompt=False
+            )
+        except Exception as e:  # as in render
+            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(
+                f"{where}: the chat template of {self.folder} refused it: {first_line}"
+            ) from e
+        if text.count(OPENING_MARKER) != 1:
+            raise UserError(
+                f"{where}: the chat template of {self.folder} does not render an opening "
+                "assistant message's content once, as given, so its header cannot be told from "
+                "its content; start the conversation with a user or system message"
+            )
+        return self.encode(text[: text.index(OPENING_MARKER)])
+
 
 def build_sft_tokenizer(
     cfg: DataConfig, *, chat: bool
@@ -96,10 +129,10 @@ def build_sft_tokenizer(
                 "HuggingFace folder with tokenizer_config.json (e.g. model.hf_path)"
             )
         return ChatTokenizer(Path(spec))
-    if spec == "byte":
-        return ByteTokenizer()
     path = Path(spec)
-    return HFTokenizer(path / "tokenizer.json" if path.is_dir() else path)
+    return build_tokenizer(
+        str(path / "tokenizer.json") if spec != "byte" and path.is_dir() else spec, cfg.eos_token
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,9 +148,12 @@ def _check_local(path: Path, key: str) -> None:
         )
 
 
-def iter_records(path: Path, *, key: str, source: DataSource) -> Iterator[tuple[str, Any]]:
+def iter_records(
+    path: Path, *, key: str, source: DataSource, max_line_bytes: int = 1 << 20
+) -> Iterator[tuple[str, Any]]:
     """(where, record) for every example of one file or dataset folder; `where` names the file
-    and line (or row) for messages."""
+    and line (or row) for messages. A .jsonl line longer than `max_line_bytes` is refused
+    having read no more of it than that."""
     _check_local(path, key)
     if source is DataSource.hf_dataset:
         yield from _hf_records(path, key)
@@ -141,17 +177,34 @@ def iter_records(path: Path, *, key: str, source: DataSource) -> Iterator[tuple[
         for n, row in enumerate(rows):
             yield f"{path} row {n}", row
         return
-    try:
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path} line {n}", json.loads(line)
-                except ValueError as e:
-                    raise UserError(f"{path} line {n}: not JSON ({e})") from e
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    yield from _jsonl_records(path, max_line_bytes)
+
+
+def _jsonl_records(path: Path, max_line_bytes: int) -> Iterator[tuple[str, Any]]:
+    # Lines are read with a bound: one huge line (a 20 MB conversation) would otherwise be read
+    # whole, then rendered and tokenized in native code that may abort the interpreter.
+    with path.open("rb") as f:
+        n = 0
+        while raw := f.readline(max_line_bytes + 1):
+            n += 1
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                raise UserError(
+                    f"{path} line {n}: longer than data.max_line_bytes = {max_line_bytes:,} "
+                    "bytes; remove the example, or raise data.max_line_bytes (prepare-data "
+                    "--max-line-bytes) if it is meant to be that long"
+                )
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(
+                    f"{path} line {n}: not UTF-8 text ({e.reason} at byte {e.start} of the line)"
+                ) from e
+            if not line.strip():
+                continue
+            try:
+                yield f"{path} line {n}", json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path} line {n}: not JSON ({e})") from e
 
 
 def _hf_records(path: Path, key: str) -> Iterator[tuple[str, Any]]:
@@ -166,6 +219,9 @@ def _hf_records(path: Path, key: str) -> Iterator[tuple[str, Any]]:
             f"{key}: data.source=hf_dataset needs the datasets library: pip install "
             "'fsdprun[datasets]'"
         ) from None
+    # Its progress bars ("Generating train split") would land on the terminal before an error
+    # line, and reading local files takes no time worth showing.
+    datasets.disable_progress_bars()
     try:
         if path.is_dir():
             ds = datasets.load_from_disk(str(path))
@@ -202,10 +258,23 @@ def is_chat_record(record: Any) -> bool:
     return isinstance(record, dict) and "messages" in record
 
 
+def _check_text_size(texts: list[str], max_bytes: int, where: str) -> None:
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if size > max_bytes:
+        raise UserError(
+            f"{where}: {size:,} bytes of text, more than data.max_line_bytes = {max_bytes:,}; "
+            "remove the example, or raise data.max_line_bytes (prepare-data --max-line-bytes) "
+            "if it is meant to be that long"
+        )
+
+
 def tokenize_chat(
-    tok: ChatTokenizer, record: Any, *, turns: ChatTurns, where: str
-) -> tuple[list[int], np.ndarray]:
-    """Token ids and trained-token mask of one conversation."""
+    tok: ChatTokenizer, record: Any, *, turns: ChatTurns, where: str,
+    roles: dict[str, str] | None = None, max_bytes: int = 1 << 20,
+) -> tuple[list[int], np.ndarray]:  # fmt: skip
+    """Token ids and trained-token mask of one conversation; `roles` maps roles beyond
+    CHAT_ROLES onto the role the template is given (data.roles), others are refused."""
+    roles = roles or {}
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         raise UserError(f'{where}: no `messages` list (a chat example is {{"messages": [...]}})')
@@ -216,13 +285,28 @@ def tokenize_chat(
             and isinstance(m.get("content"), str)
         ):
             raise UserError(f'{where}: message {i} is not {{"role": str, "content": str}}')
+        if m["role"] not in CHAT_ROLES and m["role"] not in roles:
+            # A template renders any role somehow (the tiny one as <|robot|>), and a turn that is
+            # not `assistant` never trains: a typo or another dataset's role names would train
+            # silently wrong.
+            raise UserError(
+                f"{where}: message {i} has role {m['role']!r}, not one of "
+                f"{', '.join(CHAT_ROLES)}; map it with data.roles (prepare-data --role), e.g. "
+                f"data.roles={{{m['role']}: assistant}}, or fix the file"
+            )
+    _check_text_size([m["content"] for m in messages], max_bytes, where)
+    messages = [{**m, "role": roles.get(m["role"], m["role"])} for m in messages]
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistants:
         raise UserError(f"{where}: no assistant turn, so nothing would train; remove the example")
     full = tok.render(messages, generation_prompt=False, where=where)
     mask = np.zeros(len(full), dtype=bool)
     for i in assistants if turns is ChatTurns.all else assistants[-1:]:
-        before = tok.render(messages[:i], generation_prompt=True, where=where) if i else []
+        before = (
+            tok.render(messages[:i], generation_prompt=True, where=where)
+            if i
+            else tok.opening_context(messages[0], where=where)
+        )
         upto = tok.render(messages[: i + 1], generation_prompt=False, where=where)
         if upto[: len(before)] != before or full[: len(upto)] != upto or len(upto) <= len(before):
             raise UserError(
@@ -244,6 +328,9 @@ def tokenize_instruct(
             fields = sorted(record) if isinstance(record, dict) else []
             key = "data.prompt_field" if field == cfg.prompt_field else "data.response_field"
             raise UserError(f"{where}: no text field '{field}' (fields: {fields}); set {key}")
+    _check_text_size(
+        [record[cfg.prompt_field], record[cfg.response_field]], cfg.max_line_bytes, where
+    )
     prompt = [
         int(t) for t in tok.encode(cfg.template.replace("{prompt}", record[cfg.prompt_field]))
     ]
@@ -283,10 +370,14 @@ def tokenize_examples(paths: list[str], cfg: DataConfig, *, key: str) -> tuple[E
             assistant turn, a template that cannot be masked.
     """
     tok = None
+    roles = dict(cfg.roles)
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     for p in paths:
-        for where, record in iter_records(Path(p), key=key, source=cfg.source):
+        records = iter_records(
+            Path(p), key=key, source=cfg.source, max_line_bytes=cfg.max_line_bytes
+        )
+        for where, record in records:
             chat = cfg.source is DataSource.chat or (
                 cfg.source is DataSource.hf_dataset and is_chat_record(record)
             )
@@ -295,7 +386,10 @@ def tokenize_examples(paths: list[str], cfg: DataConfig, *, key: str) -> tuple[E
             if chat:
                 if not isinstance(tok, ChatTokenizer):
                     raise UserError(f"{where}: a chat example among instruct examples")
-                t, m = tokenize_chat(tok, record, turns=cfg.chat_turns, where=where)
+                t, m = tokenize_chat(
+                    tok, record, turns=cfg.chat_turns, where=where, roles=roles,
+                    max_bytes=cfg.max_line_bytes,
+                )  # fmt: skip
             else:
                 if isinstance(tok, ChatTokenizer) and cfg.source is DataSource.hf_dataset:
                     raise UserError(f"{where}: no `messages` (an instruct example among chat ones)")

@@ -4,8 +4,10 @@
     fsdprun prepare-data docs.jsonl --out data/docs --tokenizer path/to/tokenizer.json
 
 Documents are tokenized one after another, each followed by the tokenizer's end-of-text token,
-into one stream. The byte tokenizer is built in (no download); a HuggingFace `tokenizer.json`
-is read through the optional `tokenizers` package. The tokens are those of `encode` on each
+into one stream: data.eos_token (--eos-token) names it, else the tokenizer's folder or a known
+spelling gives it (`find_eos_id`), else the data is refused (`none`: no separator, on purpose).
+The byte tokenizer is built in (no download); a HuggingFace `tokenizer.json` is read through the
+optional `tokenizers` package. The tokens are those of `encode` on each
 whole document: a large .txt file is read in pieces only where cutting it cannot change them.
 
 Never imports torch (tokenizers where it tokenizes).
@@ -28,6 +30,8 @@ from fsdprun.staging import staged_folder
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # End-of-text tokens of common HuggingFace tokenizers, tried in this order.
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
+# data.eos_token (--eos-token) for "no end-of-text between documents", on purpose.
+NO_EOS = "none"
 # .txt files are read this many characters at a time, and tokenized in pieces cut where the
 # tokenizer allows (`Cuts`): pieces of about this size, or the whole file.
 TXT_CHUNK_CHARS = 1 << 20
@@ -53,9 +57,21 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A HuggingFace `tokenizer.json` through the `tokenizers` library."""
+    """A HuggingFace `tokenizer.json` through the `tokenizers` library.
 
-    def __init__(self, path: Path):
+    Args:
+        path: the tokenizer.json.
+        eos_token: data.eos_token: None = found (`find_eos_id`), `none` = no end-of-text, else
+            the spelling of a token of the vocabulary.
+        require_eos: refuse a tokenizer whose end-of-text cannot be found (for data about to be
+            tokenized); False gives eos_id None instead (reading what an older run used).
+
+    Raises:
+        UserError: no tokenizers package, an unreadable file, a named token that is not in the
+            vocabulary, or (require_eos) no end-of-text found and none named.
+    """
+
+    def __init__(self, path: Path, eos_token: str | None = None, *, require_eos: bool = True):
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -78,11 +94,55 @@ class HFTokenizer:
         self.name = str(path)
         # The ids the model must embed: one past the largest (a vocabulary may have gaps).
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        ids = (self._tok.token_to_id(t) for t in EOS_CANDIDATES)
-        self.eos_id = next((i for i in ids if i is not None), None)
+        if eos_token == NO_EOS:
+            self.eos_id = None
+        elif eos_token is not None:
+            self.eos_id = self._tok.token_to_id(eos_token)
+            if self.eos_id is None:
+                raise UserError(
+                    f"data.eos_token {eos_token!r} (--eos-token) is not a token of {path}; name "
+                    f"one of its tokens, or {NO_EOS} to join documents with no separator"
+                )
+        else:
+            self.eos_id = find_eos_id(path, self._tok.token_to_id, self.vocab_size)
+            if self.eos_id is None and require_eos:
+                raise UserError(
+                    f"data.tokenizer {path}: no end-of-text token found (none named by "
+                    "tokenizer_config.json, config.json or generation_config.json beside it, and "
+                    f"none of {', '.join(EOS_CANDIDATES)} in its vocabulary), so documents would "
+                    "run together; name it with data.eos_token (prepare-data --eos-token), or "
+                    f"set it to {NO_EOS} for no separator"
+                )
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+
+def _json_beside(path: Path, name: str) -> dict[str, Any]:
+    try:
+        data = json.loads((path.parent / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent or unreadable: it names no end-of-text
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def find_eos_id(path: Path, token_to_id: Any, vocab_size: int) -> int | None:
+    """The end-of-text id of the tokenizer.json `path`: the token its folder's
+    tokenizer_config.json names (`eos_token`), else the id config.json or generation_config.json
+    gives (`eos_token_id`; the first of a list), else the first of EOS_CANDIDATES in the
+    vocabulary; None when none is found."""
+    named = _json_beside(path, "tokenizer_config.json").get("eos_token")
+    if isinstance(named, dict):  # a saved AddedToken
+        named = named.get("content")
+    if isinstance(named, str) and (found := token_to_id(named)) is not None:
+        return found
+    for name in ("config.json", "generation_config.json"):
+        ids = _json_beside(path, name).get("eos_token_id")
+        first = ids[0] if isinstance(ids, list) and ids else ids
+        if isinstance(first, int) and not isinstance(first, bool) and 0 <= first < vocab_size:
+            return first
+    ids = (token_to_id(t) for t in EOS_CANDIDATES)
+    return next((i for i in ids if i is not None), None)
 
 
 # Pre-tokenizer regexes (Split, or ByteLevel's built-in GPT-2 one) after which "newline" cuts are
@@ -145,9 +205,21 @@ def _cuts_of(spec: dict[str, Any]) -> Cuts:
     return "newline" if known and normalizers <= SPACE_KEEPING_NORMALIZERS else None
 
 
-def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
-    """`byte` or the path of a tokenizer.json."""
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(Path(spec))
+def build_tokenizer(
+    spec: str, eos_token: str | None = None, *, require_eos: bool = True
+) -> ByteTokenizer | HFTokenizer:
+    """`byte` or the path of a tokenizer.json, with the end-of-text data.eos_token names (see
+    `HFTokenizer`)."""
+    if spec != "byte":
+        return HFTokenizer(Path(spec), eos_token, require_eos=require_eos)
+    if eos_token is None:
+        return ByteTokenizer()
+    if eos_token == NO_EOS:
+        return ByteTokenizer(eos_id=None)
+    raise UserError(
+        f"data.eos_token {eos_token!r} (--eos-token): the byte tokenizer's end-of-text is id 256 "
+        f"(leave data.eos_token null), or {NO_EOS} for no separator"
+    )
 
 
 def check_text_file(path: Path, *, key: str) -> None:
@@ -250,6 +322,7 @@ def prepare_data(
     tokenizer: str = "byte",
     val_fraction: float = 0.0,
     text_field: str = "text",
+    eos_token: str | None = None,
 ) -> dict[str, Any]:
     """Tokenize text files into OUT/train.bin (and OUT/val.bin: the last `val_fraction` of the
     tokens) plus OUT/data.json. Streams: memory stays small at any corpus size.
@@ -269,7 +342,7 @@ def prepare_data(
         check_text_file(path, key="input")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not an empty folder (nothing is overwritten)")
-    tok = build_tokenizer(tokenizer)
+    tok = build_tokenizer(tokenizer, eos_token)
     dtype = token_dtype_for(tok.vocab_size)
     # Written into a folder beside OUT that becomes OUT at the end: a run that fails halfway (a
     # bad input line, a full disk) leaves nothing, and the retry is not refused.

@@ -62,6 +62,15 @@ class EpochOrder:
         return self._perm[1]
 
 
+# How a token id beyond the model's vocabulary is fixed (the model's size is model.vocab_size, or
+# its config.json's for a model.hf_path model, which model.vocab_size does not change).
+VOCAB_FIX = (
+    "(model.vocab_size, or the vocab_size of model.hf_path's config.json); tokenize the data "
+    "with the model's own tokenizer, or (without model.hf_path) set model.vocab_size to at least "
+    "the tokenizer's vocabulary size"
+)
+
+
 class ShuffledWindows:
     """A dataset over the windows `ids` of a `TokenWindows`, in an order set by the seed.
 
@@ -96,7 +105,7 @@ class ShuffledWindows:
         top = int(out.max())
         if top >= self.vocab_size:
             raise UserError(
-                f"{name} holds token id {top} but model.vocab_size is {self.vocab_size}; set "
-                f"model.vocab_size to at least the tokenizer's vocabulary size"
+                f"{name} holds token id {top} but the model embeds {self.vocab_size} ids "
+                f"{VOCAB_FIX}"
             )
         return out

@@ -269,9 +269,20 @@ def peft_state_dict(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 def peft_adapter_config(
     adapters: dict[str, torch.Tensor], *, cfg: LoraConfig, base_model_name_or_path: str
 ) -> dict:
-    """The content of peft's `adapter_config.json` for these adapters: LoRA on the HF module
-    names that carry one (`q_proj`, ...), bias none, for a causal LM."""
-    modules = sorted({peft_key(n).rsplit(".", 3)[-3] for n in adapters if is_adapter_name(n)})
+    """The content of peft's `adapter_config.json` for these adapters: LoRA on exactly the modules
+    that carry one, bias none, for a causal LM.
+
+    peft adapts every module whose path is a `target_modules` entry or ends with "." and one.
+    Targets that are layer names (`q_proj`, `wq`) adapted that layer in every block, so the HF
+    names are the targets (as peft's own configs write them). A path pattern
+    (`model.layers.1.self_attn.q_proj`, `layers.*.mlp.*`) adapted some blocks only: the leaf
+    names would add adapters to every other block (with missing weights), so each adapted
+    module's full HF path is listed instead.
+    """
+    paths = sorted({peft_key(n).removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for n in adapters
+                    if is_adapter_name(n)})  # fmt: skip
+    by_name = all("." not in t and not any(c in t for c in "*?[") for t in cfg.targets)
+    modules = sorted({p.rsplit(".", 1)[-1] for p in paths}) if by_name else paths
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
