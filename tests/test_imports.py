@@ -257,3 +257,9 @@ def test_find_cycle():
 def test_no_module_imports_itself_in_a_circle_at_load_time():
     cycle = find_cycle(load_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_launch_killed_loads_no_torch():
+    # It describes a dead worker from files; the plan it quotes is imported only then.
+    seen, outside, via = loaded_by({"fsdprun.launch.killed"})
+    assert "torch" not in outside, path_to("torch", via)

@@ -29,6 +29,7 @@ from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
 from fsdprun.errors import UserError
+from fsdprun.launch.killed import describe_sigkill, is_sigkill
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.launch.rundir import (
     checkpoint_root,
@@ -214,7 +215,9 @@ def start_method(device_kind: str) -> str:
     return chosen
 
 
-def describe_failure(err: ChildFailedError, run_dir: Path) -> WorkerFailed:
+def describe_failure(
+    err: ChildFailedError, run_dir: Path, *, cfg: RecipeConfig | None = None, device_kind="cpu"
+) -> WorkerFailed:
     verdict = read_verdict(run_dir)
     if verdict is not None:
         # A rank found others unresponsive: that is the cause, whichever rank the agent saw
@@ -223,6 +226,15 @@ def describe_failure(err: ChildFailedError, run_dir: Path) -> WorkerFailed:
         where = f"; log: {log}" if log and Path(log).exists() else ""
         return WorkerFailed(f"rank {verdict['rank']} failed: {verdict['message']}{where}",
                             user_error=False)  # fmt: skip
+    killed = [(r, f) for r, f in err.failures.items() if is_sigkill(f.exitcode)]
+    if killed:
+        # A rank killed by SIGKILL (the OOM killer, most often) left no error file; the others
+        # only lost their connection to it, and may have been seen to fail first.
+        rank, failure = min(killed, key=lambda item: item[1].timestamp)
+        return WorkerFailed(describe_sigkill(
+            run_dir, rank=rank, pid=failure.pid, local_rank=failure.local_rank, cfg=cfg,
+            device_kind=device_kind,
+        ), user_error=False)  # fmt: skip
     rank, failure = err.get_first_failure()
     message = failure.message
     if isinstance(message, dict):  # what @record wrote: {"message": ..., "extraInfo": ...}
@@ -304,7 +316,7 @@ def _launch(
                 str(run_dir), resolved.name, str(resume_from) if resume_from else None
             )
     except ChildFailedError as err:
-        raise describe_failure(err, run_dir) from err
+        raise describe_failure(err, run_dir, cfg=cfg, device_kind=kind) from err
     except RendezvousError as err:
         cause = err.__cause__ or err
         raise UserError(

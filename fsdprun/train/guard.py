@@ -121,7 +121,7 @@ class Heartbeat:
         self.interval_s = min(max(timeout_s / 10, 0.2), 10.0)
         self.stale_after_s = max(2.5 * self.interval_s, timeout_s / 2)
         self.state = {"step": 0, "phase": "start", "seq": 0, "pid": os.getpid(),
-                      "host": socket.gethostname()}  # fmt: skip
+                      "host": socket.gethostname(), "log": _stderr_file()}  # fmt: skip
         self._lock = threading.Lock()
         if rank == 0:
             clear_verdict(run_dir)  # an earlier attempt's
@@ -234,11 +234,7 @@ class Heartbeat:
         sees that rank die of a signal, perhaps before this one exits, so it takes the line from
         RUN_DIR/heartbeat/verdict.json rather than from whichever failure it saw first.
         """
-        try:
-            log = os.readlink("/proc/self/fd/2")  # this rank's stderr.log under the agent
-        except OSError:
-            log = None
-        verdict = {"rank": self.rank, "message": message, "log": log}
+        verdict = {"rank": self.rank, "message": message, "log": self.state["log"]}
         tmp = self.dir / f"verdict.{self.rank}.tmp"
         with contextlib.suppress(OSError):
             tmp.write_text(json.dumps(verdict))
@@ -246,6 +242,16 @@ class Heartbeat:
         for rec in silent.values():
             if rec and rec["stale_s"] and rec["host"] == self.state["host"]:
                 _kill_sibling(rec["pid"])
+
+
+def _stderr_file() -> str | None:
+    """The file this rank's stderr goes to (its stderr.log under the elastic agent), if a file:
+    a rank killed by SIGKILL cannot say where its log is, so its heartbeat does."""
+    try:
+        target = os.readlink("/proc/self/fd/2")
+    except OSError:
+        return None
+    return target if os.path.isfile(target) else None
 
 
 def read_verdict(run_dir: Path) -> dict | None:
