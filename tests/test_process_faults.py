@@ -75,3 +75,70 @@ def test_a_worker_killed_by_sigkill_is_named_with_its_step_log_and_the_oom_hint(
     assert f"`fsdprun plan` puts a rank's peak memory at {fmt_bytes(peak)}" in line
     assert f"this machine has {fmt_bytes(mem_total_bytes())} (MemTotal)" in line
     assert "dmesg" in line and "oom-kill" in line and "journalctl -k" in line
+
+
+def _live_processes_naming(text: str) -> list[int]:
+    """Processes (not zombies) whose command line names `text`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if text in cmdline and state not in ("Z", "X"):
+            found.append(int(proc.name))
+    return found
+
+
+def _survivors(text: str, within_s: float) -> list[int]:
+    deadline = time.time() + within_s
+    while (alive := _live_processes_naming(text)) and time.time() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def test_a_killed_compare_takes_its_current_run_with_it(tmp_path):
+    # Before: compare died of SIGTERM at once and its `fsdprun train` child ran on with parent
+    # pid 1 (and its workers with it). Now SIGTERM is forwarded (the run stops at a checkpoint,
+    # compare exits 143) and a SIGKILL of compare kills the run too.
+    from fsdprun.checkpoint import list_checkpoints
+
+    for attempt in range(3):
+        out_dir = tmp_path / f"cmp{attempt}"
+        proc = _popen(
+            tmp_path, "compare", "debug", "--configs", "ddp,fsdp2", "--steps", "100000",
+            "--run-dir", str(out_dir),
+        )  # fmt: skip
+        try:
+            _wait_for_step(out_dir / "ddp", 1, proc)
+            proc.send_signal(signal.SIGTERM)
+            if attempt:
+                time.sleep(0.05 * attempt)
+                proc.kill()
+            _, err = proc.communicate(timeout=120)
+            survivors = _survivors(str(out_dir), within_s=10)
+            assert not survivors, f"attempt {attempt}: {survivors} outlived compare"
+            if attempt:
+                assert proc.returncode == -signal.SIGKILL
+                continue
+            assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+            assert "Traceback" not in err, err[-3000:]
+            lines = err.strip().splitlines()
+            assert lines[0].startswith("comparing 2 configurations of debug"), err
+            line = lines[-1]
+            assert len(lines) == 2, err
+            assert line.startswith("compare stopped by SIGTERM during ddp (stopped at step "), line
+            assert line.endswith(f"; not run: fsdp2; runs in {out_dir}"), line
+            step = int(line.split("stopped at step ")[1].split()[0])
+            saved = list_checkpoints(out_dir / "ddp")[-1]
+            assert saved.complete and saved.step == step  # the run stopped at a checkpoint
+            assert not (out_dir / "fsdp2").exists()
+        finally:
+            for pid in _live_processes_naming(str(out_dir)):
+                with suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.kill()
