@@ -142,3 +142,71 @@ def test_a_killed_compare_takes_its_current_run_with_it(tmp_path):
                     os.kill(pid, signal.SIGKILL)
             if proc.poll() is None:
                 proc.kill()
+
+
+def _wait_for_checkpoint(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
+    manifest = run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None and not manifest.exists():
+        time.sleep(0.02)
+    assert manifest.exists(), f"no checkpoint at step {step}: {proc.poll()}"
+
+
+def _stopped_step(line: str) -> int:
+    return int(line.split(" it stopped at step ")[1].split()[0])
+
+
+def test_a_run_whose_directory_vanishes_stops_in_one_line_and_writes_nothing_there(tmp_path):
+    # Before: SIGTERM after an `rm -rf` of RUN_DIR ended in a FileNotFoundError traceback for
+    # RUN_DIR/STOP, and saves recreated RUN_DIR/checkpoints/step-N; without a signal the run
+    # went on into a folder recreated at the same path.
+    from fsdprun.checkpoint import list_checkpoints
+
+    args = ("train", "debug", "checkpoint.every_steps=2", "output.log_every=1")
+    # Deleted, then SIGTERM.
+    run_dir = tmp_path / "run"
+    proc = _popen(tmp_path, *args, "train.steps=100000", "--run-dir", str(run_dir))
+    try:
+        _wait_for_checkpoint(run_dir, 2, proc)
+        run_dir.rename(tmp_path / "doomed")  # then removed: as `rm -rf` with nothing left behind
+        while (tmp_path / "doomed").exists():
+            subprocess.run(["rm", "-rf", str(tmp_path / "doomed")], stderr=subprocess.DEVNULL)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    line = _one_line("\n".join(ln for ln in err.splitlines() if not ln.startswith("SIGTERM:")))
+    step = _stopped_step(line)
+    assert step > 2
+    assert line.startswith(f"error: the run directory {run_dir} was deleted while the run ran; "
+                           f"it stopped at step {step} without saving")  # fmt: skip
+    assert line.endswith("), was in it and is gone too") and "the last checkpoint, step-" in line
+    assert not run_dir.exists()  # nothing recreated it
+    assert not _live_processes_naming(str(run_dir))
+
+    # Moved away and recreated, no signal: the run notices by itself and writes nothing into
+    # the new folder.
+    run_dir, moved = tmp_path / "run2", tmp_path / "run2.moved"
+    proc = _popen(tmp_path, *args, "train.steps=14", "--run-dir", str(run_dir))
+    try:
+        _wait_for_checkpoint(run_dir, 2, proc)
+        run_dir.rename(moved)
+        run_dir.mkdir()
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    line = _one_line(err)
+    step = _stopped_step(line)
+    saved = [c for c in list_checkpoints(moved) if c.complete]
+    assert saved and saved[-1].step < step <= 14
+    assert line == (
+        f"error: the run directory {run_dir} was moved to {moved} while the run ran; it stopped "
+        f"at step {step} without saving, and wrote nothing under {run_dir} since; the last "
+        f"checkpoint, {saved[-1].path.name}, is now in {moved / 'checkpoints'} (`fsdprun resume "
+        f"{moved}` continues from it)"
+    )
+    assert list(run_dir.iterdir()) == []  # the recreated folder holds nothing of the run

@@ -28,10 +28,11 @@ from fsdprun.config import RecipeConfig, ResolvedRecipe
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
-from fsdprun.errors import UserError
+from fsdprun.errors import StorageError, UserError
 from fsdprun.launch.killed import describe_sigkill, is_sigkill
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.launch.rundir import (
+    RunDirWatch,
     checkpoint_root,
     earlier_recipe_path,
     logs_dir,
@@ -61,8 +62,8 @@ class _StopOnSignal:
     """SIGINT/SIGTERM to the launcher: the first asks the workers to save a checkpoint at the
     next step and stop (they agree on the step); the second aborts at once."""
 
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: Path, watch: RunDirWatch):
+        self.run_dir, self.watch = run_dir, watch
         self.signum: int | None = None
 
     def __enter__(self) -> _StopOnSignal:
@@ -79,6 +80,16 @@ class _StopOnSignal:
             # The agent then kills the workers with SIGKILL: no grace period.
             raise SignalException(f"second {name}: aborting", sigval=signal.SIGKILL)
         self.signum = signum
+        if self.watch.vanished():
+            # No STOP file under a vanished (or recreated) RUN_DIR: the workers find it gone
+            # themselves at their next step and stop there.
+            print(
+                f"{name}: the run directory {self.run_dir} is gone; the workers stop at the next "
+                f"step ({name} again aborts at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         request_stop(self.run_dir, name)
         print(
             f"{name}: saving a checkpoint at the end of this step, then stopping "
@@ -292,6 +303,7 @@ def _launch(
         write_recipe(run_dir, resolved)
         if cfg.launch.node_rank == 0:  # one node does it (the run directory is shared)
             _set_aside_abandoned(run_dir, resume_from)
+    watch = RunDirWatch(run_dir)  # the directory this run writes to, and only that one
     plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method)
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
     os.environ.update(plan.env)
@@ -309,7 +321,7 @@ def _launch(
     reporter = Reporter()
     try:
         with (
-            _StopOnSignal(run_dir) as stop,
+            _StopOnSignal(run_dir, watch) as stop,
             MetricsFollower(run_dir / cfg.output.metrics_file, reporter),
         ):
             results = elastic_launch(plan.config, elastic_entry)(
@@ -324,6 +336,9 @@ def _launch(
             f"{cfg.launch.rdzv_timeout_s}: {str(cause).splitlines()[0]}; check that node 0 runs "
             "with --node-rank 0, that its port is free there and reachable from every node"
         ) from err
+    vanished = next((r["vanished"] for r in results.values() if r and r.get("vanished")), None)
+    if vanished is not None:
+        raise StorageError(watch.message(**vanished))
     summary = results.get(0)
     # Rank 0 may run on another node: any local rank's result tells that the run stopped.
     stopped = next((r["stopped"] for r in results.values() if r and r.get("stopped")), None)
