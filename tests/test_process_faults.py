@@ -113,7 +113,7 @@ def test_a_killed_compare_takes_its_current_run_with_it(tmp_path):
             "--run-dir", str(out_dir),
         )  # fmt: skip
         try:
-            _wait_for_step(out_dir / "ddp", 1, proc)
+            _wait_for_step(out_dir / "ddp", 0, proc)  # both workers of the first run are up
             proc.send_signal(signal.SIGTERM)
             if attempt:
                 time.sleep(0.05 * attempt)
@@ -210,3 +210,19 @@ def test_a_run_whose_directory_vanishes_stops_in_one_line_and_writes_nothing_the
         f"{moved}` continues from it)"
     )
     assert list(run_dir.iterdir()) == []  # the recreated folder holds nothing of the run
+
+
+def test_run_dir_watch_tells_deleted_moved_and_recreated(tmp_path):
+    from fsdprun.launch.rundir import RunDirWatch
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    watch = RunDirWatch(run_dir)
+    assert not watch.vanished()
+    run_dir.rename(tmp_path / "elsewhere")
+    assert watch.vanished() and watch.moved_to() == tmp_path / "elsewhere"
+    run_dir.mkdir()  # a new folder at the old path is not the run's
+    assert watch.vanished()
+    (tmp_path / "elsewhere").rmdir()
+    assert watch.vanished() and watch.moved_to() is None
+    assert watch.message(step=3, checkpoint=None).endswith("; no checkpoint had been saved")
