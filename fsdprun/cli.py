@@ -752,7 +752,7 @@ def compare_cmd(
 ) -> None:
     """Run a recipe under several engines/shardings (same seed and data) and compare them side
     by side: tokens/s, step time, peak memory, model state per rank, final loss."""
-    from fsdprun.tools.compare import compare, markdown, parse_configs, render
+    from fsdprun.tools.compare import Interrupted, compare, markdown, parse_configs, render
 
     chosen = parse_configs(configs)
     if plot_ is not None:
@@ -775,7 +775,11 @@ def compare_cmd(
 
     if not quiet:
         err_console.print(f"comparing {len(chosen)} configurations of {name}; runs in {target}")
-    report = compare(recipe, all_overrides, chosen, target, on_result=progress)
+    try:
+        report = compare(recipe, all_overrides, chosen, target, on_result=progress)
+    except Interrupted as e:  # SIGTERM/SIGINT, forwarded to the run in progress
+        err_console.print(str(e))
+        raise typer.Exit(e.exit_code) from None
     if json_:
         sys.stdout.write(json.dumps(report, indent=1) + "\n")
     elif markdown_:

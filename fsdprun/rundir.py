@@ -13,6 +13,11 @@
       tensorboard/, wandb/        the trackers' folders
       compare.log                 the terminal output of one `fsdprun compare` run
 
+A run holds its directory open (`RunDirWatch`) and checks before it writes that RUN_DIR still
+names the directory it started in: a directory deleted or moved under a live run (an operator's
+`rm -rf`, a cleaned scratch disk) ends the run in one line, and nothing is written into a folder
+recreated at the same path.
+
 Plain path arithmetic (and reading recipe.yaml's metrics file name): never imports torch, since
 `status` and the launcher read run directories without it, and nothing else of fsdprun, so that
 every package may import it.
@@ -20,6 +25,7 @@ every package may import it.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -141,3 +147,61 @@ def wandb_dir(run_dir: Path) -> Path:
 
 def compare_log_path(run_dir: Path) -> Path:
     return run_dir / "compare.log"
+
+
+class RunDirVanished(Exception):
+    """RUN_DIR no longer names the directory the run started in (raised at `step`, agreed by
+    every rank, before anything is written)."""
+
+    def __init__(self, step: int):
+        super().__init__(f"the run directory vanished at step {step}")
+        self.step = step
+
+
+class RunDirWatch:
+    """RUN_DIR as this process found it: an open descriptor of the directory and its identity
+    (device and inode). Holding it open keeps the inode from being reused by a folder recreated
+    at the same path, so `vanished` cannot be fooled by one."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir
+        self._fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        st = os.fstat(self._fd)
+        self.identity = (st.st_dev, st.st_ino)
+
+    def vanished(self) -> bool:
+        """Whether RUN_DIR is gone, or names another directory now (one stat)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self.identity
+
+    def moved_to(self) -> Path | None:
+        """Where the directory is now if it was moved (Linux), None if it was deleted or the
+        system cannot tell."""
+        try:
+            if os.fstat(self._fd).st_nlink == 0:
+                return None
+            where = os.readlink(f"/proc/self/fd/{self._fd}")
+        except OSError:
+            return None
+        return None if where.endswith(" (deleted)") else Path(where)
+
+    def message(self, *, step: int, checkpoint: str | None) -> str:
+        """One line: the directory vanished, where the run stopped, what was last saved where."""
+        moved = self.moved_to()
+        fate = f"was moved to {moved}" if moved is not None else "was deleted"
+        text = (
+            f"the run directory {self.path} {fate} while the run ran; it stopped at step {step} "
+            f"without saving, and wrote nothing under {self.path} since"
+        )
+        if checkpoint is None:
+            return f"{text}; no checkpoint had been saved"
+        name = Path(checkpoint).name
+        if moved is not None:
+            return (
+                f"{text}; the last checkpoint, {name}, is now in {checkpoint_root(moved)} "
+                f"(`fsdprun resume {moved}` continues from it)"
+            )
+        return f"{text}; the last checkpoint, {name} ({checkpoint}), was in it and is gone too"

@@ -104,6 +104,7 @@ def hold_run_dir(run_dir: Path, *, node_rank: int = 0) -> Iterator[None]:
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        made = os.stat(run_dir)
         fd, locked = _open_locked(path)
     except OSError as e:
         raise UserError(f"cannot write the run directory {run_dir}: {e.strerror}") from e
@@ -120,14 +121,27 @@ def hold_run_dir(run_dir: Path, *, node_rank: int = 0) -> Iterator[None]:
             if locked:
                 # Removed while still held: whoever opened it meanwhile finds, once it has the
                 # lock, that the path no longer names its file, and opens the new one.
-                path.unlink(missing_ok=True)
+                if _names(path, fd):  # not a lock file in a folder recreated at RUN_DIR
+                    path.unlink(missing_ok=True)
                 # Explicit, so that copies of this fd in forked workers cannot keep it.
                 fcntl.flock(fd, fcntl.LOCK_UN)
             if created:
                 with contextlib.suppress(OSError):
-                    run_dir.rmdir()  # only when empty
+                    now = os.stat(run_dir)
+                    # Only when empty, and only the folder made here (not one recreated there).
+                    if (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
+                        run_dir.rmdir()
     finally:
         os.close(fd)
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` is still the file open as `fd`."""
+    try:
+        st, mine = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _open_locked(path: Path) -> tuple[int, bool]:

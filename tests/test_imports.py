@@ -352,3 +352,9 @@ def test_each_allowed_package_edge_still_exists():
     graph = package_graph(allowed={})
     gone = [edge for edge in PACKAGE_EDGES_ALLOWED if edge[1] not in graph[edge[0]]]
     assert not gone, gone
+
+
+def test_launch_killed_loads_no_torch():
+    # It describes a dead worker from files; the plan it quotes is imported only then.
+    seen, outside, via = loaded_by({"fsdprun.launch.killed"})
+    assert "torch" not in outside, path_to("torch", via)

@@ -10,7 +10,9 @@ only the trainable adapters: its frozen base is rebuilt from the source the mani
 A save that fails on any rank (a full disk, a file-size limit, an unwritable folder) fails on
 every rank at the same point with the same one-line reason (`SaveFailed`): the ranks exchange
 their outcome after writing, rank 0 removes the partial folder, and earlier checkpoints are
-never touched. What the run does next (checkpoint.on_save_error) is the training loop's call.
+never touched. A RUN_DIR that no longer names the run's directory (deleted, moved) is found by
+every rank together before a save writes anything and as it finishes (`RunDirVanished`). What
+the run does next (checkpoint.on_save_error) is the training loop's call.
 
 Never imports the training loop, the engines or the launcher; loading lives in `restore`.
 """
@@ -42,7 +44,7 @@ from fsdprun.checkpoint.restore import move_aside
 from fsdprun.config import CheckpointConfig
 from fsdprun.errors import describe_os_error, find_os_error
 from fsdprun.report.console import fmt_bytes
-from fsdprun.rundir import checkpoint_root, step_dir
+from fsdprun.rundir import RunDirVanished, RunDirWatch, checkpoint_root, step_dir
 
 
 def json_tensor(data: dict[str, Any]) -> torch.Tensor:
@@ -237,6 +239,7 @@ class Checkpointer:
     recipe: dict[str, Any]
     process_group: Any = None  # the dedicated group of async saves
     warn: Callable[[str], None] | None = None  # rank 0: says when the next save may not fit
+    watch: RunDirWatch | None = None  # RUN_DIR as the run found it: saves go nowhere else
     records: list[SaveRecord] = field(default_factory=list)
     _pending: _Pending | None = None
     _space_warned: bool = False
@@ -275,12 +278,18 @@ class Checkpointer:
         """
         self.wait()  # at most one save in flight
         path = step_dir(self.run_dir, step)
+        # DCP creates the folder with its parents: a RUN_DIR deleted (or replaced) under the run
+        # would be recreated. Every rank looks, and all agree, before anyone writes.
+        vanished = self.watch is not None and self.watch.vanished()
         # Only rank 0 looks (another rank's DCP writer may already be creating the folder when a
         # rank checks), and nobody starts writing before an old folder is moved aside.
-        if self.rank == 0:
+        if self.rank == 0 and not vanished:
             self._check_space(f"checkpoint {path.name}")
             move_aside(path)
-        dist.barrier()
+        gone: list[bool] = [False] * self.world_size
+        dist.all_gather_object(gone, vanished)  # also the barrier after move_aside
+        if any(gone):
+            raise RunDirVanished(step)
         started = time.perf_counter()
         record = SaveRecord(step, str(path), 0.0, async_save=self.cfg.async_save)
         estimate = _state_bytes(state, self.world_size) if self.rank == 0 else 0
@@ -344,9 +353,12 @@ class Checkpointer:
         # the manifest, or gives up on the folder, and tells every rank which: a rank whose
         # write failed never leaves the others waiting in a collective.
         mine = {"checksums": pending.checksums or {},
-                "error": None if error is None else _error_text(error)}  # fmt: skip
+                "error": None if error is None else _error_text(error),
+                "vanished": self.watch is not None and self.watch.vanished()}  # fmt: skip
         gathered: list[dict[str, Any]] = [{}] * self.world_size
         dist.all_gather_object(gathered, mine)
+        if any(g["vanished"] for g in gathered):
+            raise RunDirVanished(record.step)  # no manifest, no clean-up under RUN_DIR
         outcome: list[str | None] = [None]
         if self.rank == 0:
             failed = {rank: g["error"] for rank, g in enumerate(gathered) if g["error"]}

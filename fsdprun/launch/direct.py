@@ -24,9 +24,9 @@ from pathlib import Path
 
 from fsdprun.config import ResolvedRecipe, load_recipe
 from fsdprun.data.preflight import check_data
-from fsdprun.errors import UserError
+from fsdprun.errors import StorageError, UserError
 from fsdprun.launch.elastic import check_tracker_folders, prepare_run_dir
-from fsdprun.rundir import agent_path
+from fsdprun.rundir import RunDirWatch, agent_path
 from fsdprun.runlock import hold_run_dir
 from fsdprun.train.guard import restart_count
 from fsdprun.train.worker import run
@@ -122,4 +122,7 @@ def run_as_worker(recipe: str, overrides: list[str]) -> None:
     with hold_run_dir(run_dir) if rank0 else contextlib.nullcontext():
         if rank0:
             claim_run_dir(run_dir, resolved)
-        run(run_dir, render=True, recipe_name=resolved.name, cfg=resolved.config)
+            watch = RunDirWatch(run_dir)
+        result = run(run_dir, render=True, recipe_name=resolved.name, cfg=resolved.config)
+    if rank0 and result and result.get("vanished"):  # rank 0 speaks for the run, as it renders
+        raise StorageError(watch.message(**result["vanished"]))

@@ -28,12 +28,14 @@ from fsdprun.config import RecipeConfig, ResolvedRecipe
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, memory_per_rank, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
-from fsdprun.errors import UserError
+from fsdprun.errors import StorageError, UserError
+from fsdprun.launch.killed import describe_sigkill, is_sigkill
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.launch.rendezvous import RendezvousProgress
 from fsdprun.report.console import MetricsFollower, Reporter
 from fsdprun.report.trackers import tracker_folder_errors
 from fsdprun.rundir import (
+    RunDirWatch,
     checkpoint_root,
     earlier_recipe_path,
     logs_dir,
@@ -63,8 +65,8 @@ class _StopOnSignal:
     """SIGINT/SIGTERM to the launcher: the first asks the workers to save a checkpoint at the
     next step and stop (they agree on the step); the second aborts at once."""
 
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: Path, watch: RunDirWatch):
+        self.run_dir, self.watch = run_dir, watch
         self.signum: int | None = None
 
     def __enter__(self) -> _StopOnSignal:
@@ -81,6 +83,16 @@ class _StopOnSignal:
             # The agent then kills the workers with SIGKILL: no grace period.
             raise SignalException(f"second {name}: aborting", sigval=signal.SIGKILL)
         self.signum = signum
+        if self.watch.vanished():
+            # No STOP file under a vanished (or recreated) RUN_DIR: the workers find it gone
+            # themselves at their next step and stop there.
+            print(
+                f"{name}: the run directory {self.run_dir} is gone; the workers stop at the next "
+                f"step ({name} again aborts at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         request_stop(self.run_dir, name)
         print(
             f"{name}: saving a checkpoint at the end of this step, then stopping "
@@ -213,7 +225,9 @@ def start_method(device_kind: str) -> str:
     return chosen
 
 
-def describe_failure(err: ChildFailedError, run_dir: Path) -> WorkerFailed:
+def describe_failure(
+    err: ChildFailedError, run_dir: Path, *, cfg: RecipeConfig | None = None, device_kind="cpu"
+) -> WorkerFailed:
     verdict = read_verdict(run_dir)
     if verdict is not None:
         # A rank found others unresponsive: that is the cause, whichever rank the agent saw
@@ -222,6 +236,15 @@ def describe_failure(err: ChildFailedError, run_dir: Path) -> WorkerFailed:
         where = f"; log: {log}" if log and Path(log).exists() else ""
         return WorkerFailed(f"rank {verdict['rank']} failed: {verdict['message']}{where}",
                             user_error=False)  # fmt: skip
+    killed = [(r, f) for r, f in err.failures.items() if is_sigkill(f.exitcode)]
+    if killed:
+        # A rank killed by SIGKILL (the OOM killer, most often) left no error file; the others
+        # only lost their connection to it, and may have been seen to fail first.
+        rank, failure = min(killed, key=lambda item: item[1].timestamp)
+        return WorkerFailed(describe_sigkill(
+            run_dir, rank=rank, pid=failure.pid, local_rank=failure.local_rank, cfg=cfg,
+            device_kind=device_kind,
+        ), user_error=False)  # fmt: skip
     rank, failure = err.get_first_failure()
     message = failure.message
     if isinstance(message, dict):  # what @record wrote: {"message": ..., "extraInfo": ...}
@@ -343,6 +366,7 @@ def _launch(
         write_recipe(run_dir, resolved)
         if cfg.launch.node_rank == 0:  # one node does it (the run directory is shared)
             _set_aside_abandoned(run_dir, resume_from)
+    watch = RunDirWatch(run_dir)  # the directory this run writes to, and only that one
     plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method)
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
     os.environ.update(plan.env)
@@ -361,7 +385,7 @@ def _launch(
     waiting = _waiting(cfg, plan)
     try:
         with (
-            _StopOnSignal(run_dir) as stop,
+            _StopOnSignal(run_dir, watch) as stop,
             MetricsFollower(run_dir / cfg.output.metrics_file, reporter),
             waiting or contextlib.nullcontext(),
         ):
@@ -369,9 +393,12 @@ def _launch(
                 str(run_dir), resolved.name, str(resume_from) if resume_from else None
             )
     except ChildFailedError as err:
-        raise describe_failure(err, run_dir) from err
+        raise describe_failure(err, run_dir, cfg=cfg, device_kind=kind) from err
     except RendezvousError as err:
         raise _rendezvous_failed(err, cfg, plan, waiting) from err
+    vanished = next((r["vanished"] for r in results.values() if r and r.get("vanished")), None)
+    if vanished is not None:
+        raise StorageError(watch.message(**vanished))
     summary = results.get(0)
     # Rank 0 may run on another node: any local rank's result tells that the run stopped.
     stopped = next((r["stopped"] for r in results.values() if r and r.get("stopped")), None)

@@ -8,13 +8,22 @@ Each configuration is an ordinary `fsdprun train` run in its own process and run
 and one that fails (out of memory, a bad knob) shows its error in its column while the others
 still run. Figures come from each run's metrics.jsonl summary.
 
+Each run dies with compare: a kill -9 of compare takes its current `fsdprun train` with it
+(PR_SET_PDEATHSIG, Linux), and that run's workers die with their launcher in turn. SIGTERM or
+SIGINT to compare is forwarded to the current run, which stops at a checkpoint as `fsdprun train`
+does; compare then runs no further configuration and exits 128 + signal (a second signal aborts
+the run at once). The runs have their own process group, so a terminal's Ctrl-C reaches them
+once, through compare.
+
 Never imports torch: each configuration runs as an `fsdprun train` subprocess.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -106,14 +115,76 @@ def _fsdprun_command() -> list[str]:
     return [sys.executable, "-m", "fsdprun"]
 
 
+class Interrupted(Exception):
+    """SIGTERM/SIGINT stopped compare (forwarded to the run in progress); one line, and the exit
+    code 128 + signal."""
+
+    def __init__(self, message: str, *, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int, libc) -> None:
+    """In the child between fork and exec: SIGKILL when compare dies (the setting survives exec),
+    and exit at once if compare already died before it was set."""
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class _Runs:
+    """The run in progress, and the signals forwarded to it."""
+
+    def __init__(self):
+        self.child: subprocess.Popen | None = None
+        self.signum: int | None = None
+        # Loaded here, not in the child: the child between fork and exec only calls it.
+        self.libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+    def __enter__(self) -> _Runs:
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signum = self.signum or signum
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)  # a first one stops it at a checkpoint, a second aborts
+
+    def run(self, cmd: list[str]) -> subprocess.CompletedProcess:
+        parent = os.getpid()
+        libc = self.libc
+        self.child = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
+            # Its own process group: a terminal's Ctrl-C reaches it once, forwarded by compare.
+            process_group=0,
+            preexec_fn=(lambda: _die_with_parent(parent, libc)) if libc is not None else None,
+        )  # fmt: skip
+        try:
+            out, err = self.child.communicate()
+        finally:
+            code, self.child = self.child.wait(), None
+        return subprocess.CompletedProcess(cmd, code, out, err)
+
+
 def run_config(
-    recipe: str, overrides: list[str], config: CompareConfig, run_dir: Path
+    recipe: str,
+    overrides: list[str],
+    config: CompareConfig,
+    run_dir: Path,
+    runs: _Runs | None = None,
 ) -> CompareResult:
     """One `fsdprun train` run of `config`; its figures, or its error."""
     all_overrides = [*overrides, *config.overrides]
     cmd = [*_fsdprun_command(), "train", recipe, *all_overrides, "--run-dir", str(run_dir)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    proc = (runs or _Runs()).run(cmd)
     wall = time.perf_counter() - start
     run_dir.mkdir(parents=True, exist_ok=True)
     compare_log_path(run_dir).write_text(proc.stdout + proc.stderr)
@@ -164,8 +235,10 @@ def compare(
     results = []
     # Each configuration's run locks its own directory; this lock keeps a second compare out of
     # the whole set.
-    with hold_run_dir(out_dir):
+    with hold_run_dir(out_dir), _Runs() as runs:
         for config in configs:
+            if runs.signum is not None:
+                break
             run_dir = out_dir / config.label.replace(":", "-")
             try:
                 load_recipe(recipe, [*overrides, *config.overrides])
@@ -173,10 +246,13 @@ def compare(
                 result = CompareResult(config.label, [*overrides, *config.overrides],
                                        str(run_dir), ok=False, error=str(e))  # fmt: skip
             else:
-                result = run_config(recipe, overrides, config, run_dir)
+                result = run_config(recipe, overrides, config, run_dir, runs)
             results.append(result)
-            if on_result is not None:
+            if on_result is not None and runs.signum is None:  # else the last line says it
                 on_result(result)
+        if runs.signum is not None:
+            raise Interrupted(_interrupted(runs.signum, results, configs, out_dir),
+                              exit_code=128 + runs.signum)  # fmt: skip
     cfg = resolved.config
     return {
         "recipe": resolved.name,
@@ -187,6 +263,18 @@ def compare(
         "run_dir": str(out_dir),
         "results": [asdict(r) for r in results],
     }
+
+
+def _interrupted(
+    signum: int, results: list[CompareResult], configs: list[CompareConfig], out_dir: Path
+) -> str:
+    """The line compare ends with after a forwarded SIGTERM/SIGINT."""
+    name = signal.Signals(signum).name
+    last = results[-1] if results else None
+    during = f" during {last.label} ({last.error})" if last is not None and not last.ok else ""
+    left = [c.label for c in configs[len(results) :]]
+    not_run = f"; not run: {', '.join(left)}" if left else ""
+    return f"compare stopped by {name}{during}{not_run}; runs in {out_dir}"
 
 
 ROWS = (

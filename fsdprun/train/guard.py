@@ -28,7 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdprun.rundir import heartbeat_dir, heartbeat_path, stop_path, verdict_path
+from fsdprun.rundir import (
+    RunDirWatch,
+    heartbeat_dir,
+    heartbeat_path,
+    stop_path,
+    verdict_path,
+)
 
 
 def request_stop(run_dir: Path, reason: str) -> None:
@@ -65,12 +71,14 @@ class Agreement:
     stop: bool
     nonfinite: bool
     saves_done: bool
+    vanished: bool = False  # RUN_DIR is gone on some rank: nothing more may be written
 
 
 class StepAgreement:
     """The per-step decisions every rank must take together.
 
-    Stop requests and "my async save is done" travel in one small all-reduce (MAX) started at
+    Stop requests, "my async save is done" and "RUN_DIR vanished" travel in one small all-reduce
+    (MAX) started at
     the beginning of a step and awaited at its end, so it overlaps the step's compute. Whether
     the step's loss or gradients are non-finite needs no extra collective: the clipped global
     gradient norm is already reduced over all ranks, and a non-finite loss on any rank makes it
@@ -78,8 +86,11 @@ class StepAgreement:
     the loss counts, and that takes one more (blocking) all-reduce.
     """
 
-    def __init__(self, *, stop: bool, save_done: bool, device: torch.device):
-        self.flags = torch.tensor([float(stop), 0.0 if save_done else 1.0], device=device)
+    def __init__(
+        self, *, stop: bool, save_done: bool, device: torch.device, vanished: bool = False
+    ):
+        flags = [float(stop), 0.0 if save_done else 1.0, float(vanished)]
+        self.flags = torch.tensor(flags, device=device)
         self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
 
     def finish(
@@ -94,9 +105,11 @@ class StepAgreement:
             bad = (~norm.isfinite()).float().reshape(1)
         # The step's one read of device values on a non-logging step (a CPU-GPU sync): whether to
         # apply the optimizer step (non-finite) and whether to stop must be known on the host
-        # now, the same on every rank. Three flags, one small copy.
-        stop, not_done, nonfinite = torch.cat([self.flags, bad.to(self.flags.device)]).tolist()
-        return Agreement(stop > 0, nonfinite > 0, not_done == 0)
+        # now, the same on every rank. Four flags, one small copy.
+        stop, not_done, vanished, nonfinite = torch.cat(
+            [self.flags, bad.to(self.flags.device)]
+        ).tolist()
+        return Agreement(stop > 0, nonfinite > 0, not_done == 0, vanished > 0)
 
 
 class Heartbeat:
@@ -111,8 +124,12 @@ class Heartbeat:
     across hosts: clocks must agree to within `stale_after_s` (NTP keeps them far closer).
     """
 
-    def __init__(self, run_dir: Path, rank: int, *, world_size: int, timeout_s: float):
+    def __init__(
+        self, run_dir: Path, rank: int, *, world_size: int, timeout_s: float,
+        watch: RunDirWatch | None = None,
+    ):  # fmt: skip
         self.run_dir, self.dir = run_dir, heartbeat_dir(run_dir)
+        self.run_dir_watch = watch
         self.dir.mkdir(exist_ok=True)
         self.path = heartbeat_path(run_dir, rank)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
@@ -121,7 +138,7 @@ class Heartbeat:
         self.interval_s = min(max(timeout_s / 10, 0.2), 10.0)
         self.stale_after_s = max(2.5 * self.interval_s, timeout_s / 2)
         self.state = {"step": 0, "phase": "start", "seq": 0, "pid": os.getpid(),
-                      "host": socket.gethostname()}  # fmt: skip
+                      "host": socket.gethostname(), "log": _stderr_file()}  # fmt: skip
         self._lock = threading.Lock()
         if rank == 0:
             clear_verdict(run_dir)  # an earlier attempt's
@@ -131,6 +148,8 @@ class Heartbeat:
     def _write(self, **change: Any) -> None:
         with self._lock:  # the main thread and the pulse thread share the file
             self.state.update(change)
+            if self.run_dir_watch is not None and self.run_dir_watch.vanished():
+                return  # never into a folder recreated at RUN_DIR; the loop stops the run
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps({**self.state, "time": time.time()}))
             tmp.replace(self.path)
@@ -234,11 +253,7 @@ class Heartbeat:
         sees that rank die of a signal, perhaps before this one exits, so it takes the line from
         RUN_DIR/heartbeat/verdict.json rather than from whichever failure it saw first.
         """
-        try:
-            log = os.readlink("/proc/self/fd/2")  # this rank's stderr.log under the agent
-        except OSError:
-            log = None
-        verdict = {"rank": self.rank, "message": message, "log": log}
+        verdict = {"rank": self.rank, "message": message, "log": self.state["log"]}
         tmp = self.dir / f"verdict.{self.rank}.tmp"
         with contextlib.suppress(OSError):
             tmp.write_text(json.dumps(verdict))
@@ -246,6 +261,16 @@ class Heartbeat:
         for rec in silent.values():
             if rec and rec["stale_s"] and rec["host"] == self.state["host"]:
                 _kill_sibling(rec["pid"])
+
+
+def _stderr_file() -> str | None:
+    """The file this rank's stderr goes to (its stderr.log under the elastic agent), if a file:
+    a rank killed by SIGKILL cannot say where its log is, so its heartbeat does."""
+    try:
+        target = os.readlink("/proc/self/fd/2")
+    except OSError:
+        return None
+    return target if os.path.isfile(target) else None
 
 
 def read_verdict(run_dir: Path) -> dict | None:

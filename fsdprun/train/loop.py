@@ -37,6 +37,7 @@ from fsdprun.engines.float8 import precompute_scales
 from fsdprun.engines.weights import model_state_bytes
 from fsdprun.loss import num_targets as count_targets
 from fsdprun.report.metrics import MetricsLog
+from fsdprun.rundir import RunDirVanished, RunDirWatch
 from fsdprun.train.guard import (
     Agreement,
     Heartbeat,
@@ -240,6 +241,7 @@ class LoopResult:
     model_state_bytes: dict[str, int] | None  # after the first step the optimizer took
     stopped: dict[str, Any] | None  # the `stopped` event after an agreed stop
     trained_tokens: list[int]  # per step of step_times_s: the global count of trained targets
+    vanished_at: int | None = None  # the step at which every rank found RUN_DIR gone
 
 
 class _Faults:
@@ -276,12 +278,12 @@ class TrainLoop:
         self, cfg: RecipeConfig, trainable: Trainable, *, run_dir: Path, rank: int,
         device: Device, data: Dataset, val_data: Dataset | None, layout: BatchLayout,
         events: Events, checkpointer: Checkpointer, heartbeat: Heartbeat,
-        stop_signals: StopSignals, skipped_steps: int,
+        stop_signals: StopSignals, skipped_steps: int, watch: RunDirWatch | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.t, self.run_dir, self.rank = cfg, trainable, run_dir, rank
         self.device, self.data, self.val_data, self.layout = device, data, val_data, layout
         self.events, self.checkpointer = events, checkpointer
-        self.heartbeat, self.stop_signals = heartbeat, stop_signals
+        self.heartbeat, self.stop_signals, self.watch = heartbeat, stop_signals, watch
         self.saves = Saves(
             checkpointer, events, trainable, rank=rank,
             go_on_after_error=cfg.checkpoint.on_save_error.value == "continue",
@@ -305,23 +307,39 @@ class TrainLoop:
         profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=self.rank,
                                 world_size=self.layout.world_size, device_kind=self.device.kind,
                                 warn=self.events.warn if self.rank == 0 else None)  # fmt: skip
-        for step in range(start_step, cfg.train.steps):
-            done = step + 1
-            result = self._step(step)
-            self._save_if_due(done, stop=result.agreed.stop, saves_done=result.agreed.saves_done)
-            if done % cfg.output.log_every == 0 or done == cfg.train.steps or result.agreed.stop:
-                self._log(done, result)
-            if cfg.eval.every_steps and (
-                done % cfg.eval.every_steps == 0 or done == cfg.train.steps
-            ):
-                self._evaluate(done)
-            profiler.step()
-            if result.agreed.stop:
-                stopped = self._stop(done)
-                break
+        try:
+            for step in range(start_step, cfg.train.steps):
+                done = step + 1
+                result = self._step(step)
+                if result.agreed.vanished:
+                    raise RunDirVanished(done)
+                self._save_if_due(
+                    done, stop=result.agreed.stop, saves_done=result.agreed.saves_done
+                )
+                if (
+                    done % cfg.output.log_every == 0
+                    or done == cfg.train.steps
+                    or result.agreed.stop
+                ):
+                    self._log(done, result)
+                if cfg.eval.every_steps and (
+                    done % cfg.eval.every_steps == 0 or done == cfg.train.steps
+                ):
+                    self._evaluate(done)
+                profiler.step()
+                if result.agreed.stop:
+                    stopped = self._stop(done)
+                    break
+            self.saves.wait(last=True)  # the end waits for a save
+        except RunDirVanished as e:
+            # Every rank raised it at the same step (agreed, or found by the save's own check):
+            # no save, no trace, no summary under a path that may now be someone else's folder.
+            self.batches.close()
+            return LoopResult(self.step_times, self.loss, self.val_loss, self.skipped_total,
+                              self.model_state, None, as_counts(self.trained),
+                              vanished_at=e.step)  # fmt: skip
         self.batches.close()
         profiler.stop()
-        self.saves.wait(last=True)  # the end waits for a save
         if cfg.train.steps + 1 in self.faults.fail:
             raise RuntimeError("injected failure after the last step (FSDPRUN_FAIL_AT)")
         return LoopResult(self.step_times, self.loss, self.val_loss, self.skipped_total,
@@ -342,6 +360,7 @@ class TrainLoop:
                 stop=self.stop_signals.requested is not None,
                 save_done=self.checkpointer.in_flight_done(),
                 device=self.device.torch_device,
+                vanished=self.watch is not None and self.watch.vanished(),  # one stat a step
             )
             batches = self.batches.load_step(step)  # and the next step's start loading
             num_targets = step_num_targets(batches, tokens_per_step=self.tokens_per_step,

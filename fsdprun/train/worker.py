@@ -57,7 +57,7 @@ from fsdprun.models.lora import apply_lora
 from fsdprun.report.console import Reporter
 from fsdprun.report.metrics import MetricsLog, drop_steps_after, peak_flops, throughput
 from fsdprun.report.trackers import close_on_failure, open_trackers
-from fsdprun.rundir import recipe_path
+from fsdprun.rundir import RunDirWatch, recipe_path
 from fsdprun.train.guard import Heartbeat, StopSignals, die_with_launcher, restart_count
 from fsdprun.train.loop import Events, LoopResult, Trainable, TrainLoop
 from fsdprun.train.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
@@ -115,7 +115,8 @@ def run(
     resume_from: Path | None = None,
 ) -> dict[str, Any] | None:
     """Train one rank. Returns the summary event on rank 0 (elsewhere {"stopped": ...} after a
-    stop, else None).
+    stop, else None); on every rank {"vanished": {"step", "checkpoint"}} when RUN_DIR was
+    deleted or moved under the run (it stopped there, saving nothing).
 
     Args:
         run_dir: holds recipe.yaml (written by the launcher) and receives metrics.
@@ -288,9 +289,11 @@ def _train(
     """Build, restore, run the loop, and report how the run ended."""
     wall_start = time.perf_counter()
     stop_signals = StopSignals(run_dir)
+    watch = RunDirWatch(run_dir)  # nothing is written once RUN_DIR names another folder
     heartbeat = Heartbeat(
-        run_dir, ranks.rank, world_size=ranks.world_size, timeout_s=cfg.launch.timeout_s
-    )
+        run_dir, ranks.rank, world_size=ranks.world_size, timeout_s=cfg.launch.timeout_s,
+        watch=watch,
+    )  # fmt: skip
     trainable, num_ac = _build(cfg, ranks, device)
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, ranks.world_size)
     data, val_data = build_datasets(
@@ -306,13 +309,21 @@ def _train(
         run_dir=run_dir, cfg=cfg.checkpoint, rank=ranks.rank, world_size=ranks.world_size,
         recipe=config_to_dict(cfg),
         process_group=new_checkpoint_group(cfg.checkpoint.async_save), warn=events.warn,
+        watch=watch,
     )  # fmt: skip
     start_step, skipped_steps = _restore(cfg, resume_from, trainable, ranks, device, events)
     result = TrainLoop(
         cfg, trainable, run_dir=run_dir, rank=ranks.rank, device=device, data=data,
         val_data=val_data, layout=layout, events=events, checkpointer=checkpointer,
-        heartbeat=heartbeat, stop_signals=stop_signals, skipped_steps=skipped_steps,
+        heartbeat=heartbeat, stop_signals=stop_signals, skipped_steps=skipped_steps, watch=watch,
     ).run(start_step)  # fmt: skip
+    if result.vanished_at is not None:
+        # Every rank stopped at the same step; the launcher (or rank 0 under torchrun) says it
+        # in one line. Its error files would have gone under the vanished RUN_DIR.
+        close_on_failure()
+        records = checkpointer.records
+        last = records[-1].path if records else (str(resume_from) if resume_from else None)
+        return {"vanished": {"step": result.vanished_at, "checkpoint": last}}
     ranks_info: list[dict[str, Any]] = [{}] * ranks.world_size
     mine = {"rank": ranks.rank, "model_state_bytes": result.model_state_bytes,
             **device.peak_memory()}  # fmt: skip
