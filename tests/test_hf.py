@@ -92,6 +92,7 @@ def test_first_loss_matches_transformers_and_training_lowers_it(hf_dir, hf_run):
     _, events = hf_run
     start = next(e for e in events if e["event"] == "start")
     assert start["fsdp_units"] == ["hf.model.layers.0", "hf.model.layers.1", "<root>"]
+    assert start["weights"] == f"pretrained, read from {hf_dir}"  # the header's weights line
     losses = [e["loss"] for e in events if e["event"] == "step"]
     # The 8 samples of global step 0, exactly as the workers load them.
     cfg = load_recipe("debug", [f"model.hf_path={hf_dir}"]).config
@@ -131,6 +132,8 @@ def test_random_init_of_hf_model(hf_dir, hf_run, tmp_path):
     _, events = _train(tmp_path, "run", f"model.hf_path={hf_dir}", "model.init=random",
                        "train.steps=1", "schedule.warmup_steps=0")  # fmt: skip
     first = [e["loss"] for e in events if e["event"] == "step"][0]
+    start = next(e for e in events if e["event"] == "start")
+    assert start["weights"] == "random init (model.init=random, train.seed=0)"
     pretrained = [e["loss"] for e in hf_run[1] if e["event"] == "step"][0]
     assert torch.isfinite(torch.tensor(first)) and abs(first - pretrained) > 1e-4
 

@@ -30,6 +30,7 @@ from fsdprun.models.lora import (
     peft_adapter_config,
     peft_state_dict,
 )
+from fsdprun.report.console import fmt_count
 from fsdprun.report.metrics import read_events
 from fsdprun.tools.plan import plan_memory
 from fsdprun.train.optim import build_optimizer
@@ -253,6 +254,19 @@ def test_two_rank_fully_shard_run_trains_adapters_and_holds_what_plan_says(tmp_p
     losses = [e["loss"] for e in events if e["event"] == "step"]
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.1, losses
     summary = next(e for e in events if e["event"] == "summary")
+    # The header: LoRA's settings and the adapters' share, counted here from the shapes.
+    m = load_recipe("debug", overrides).config.model
+    kv, head = m.n_kv_heads * (m.dim // m.n_heads), m.dim
+    shapes = [(m.dim, head), (m.dim, kv), (m.dim, kv), (head, m.dim),
+              (m.dim, m.ffn_dim), (m.ffn_dim, m.dim), (m.dim, m.ffn_dim)]  # fmt: skip
+    adapters = m.n_layers * sum(8 * (fan_in + fan_out) for fan_in, fan_out in shapes)
+    start = next(e for e in events if e["event"] == "start")
+    total = start["num_params"] + adapters
+    assert start["num_trainable_params"] == adapters
+    assert (f"  LoRA: rank 8, alpha 16 (scale 2), dropout 0, on {7 * m.n_layers} Linears (wq, wk, "
+            f"wv, wo, w1, w2, w3); trainable {fmt_count(adapters)} of {fmt_count(total)} params "
+            f"({100 * adapters / total:.2f}%)\n") in proc.stdout  # fmt: skip
+    assert "  weights: random init (train.seed=0)\n" in proc.stdout
     plan = plan_memory(load_recipe("debug", overrides).config)
     planned = plan.strategies["full"]
     assert plan.world_size == 2
@@ -268,6 +282,8 @@ def test_pretrained_hf_model_with_lora_starts_at_the_base_loss_and_resumes(tmp_p
     # their seeded init (B = 0), so step 1's loss is the pretrained model's own. A full (non-LoRA)
     # checkpoint as checkpoint.load_from gives LoRA its base weights, and such a run resumes. (A
     # LoRA run on the pretrained base resuming: test_lora_checkpoint.py.)
+    headers = {}
+
     def train(name: str, *extra: str, command: str = "train") -> list[float]:
         run_dir = tmp_path / name
         args = [command, str(run_dir)] if command == "resume" else [
@@ -276,6 +292,7 @@ def test_pretrained_hf_model_with_lora_starts_at_the_base_loss_and_resumes(tmp_p
         ]  # fmt: skip
         proc = run_fsdprun(*args, *extra, cwd=tmp_path, timeout=180)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        headers[command, name] = [ln for ln in proc.stdout.splitlines() if "weights:" in ln]
         events = read_events(run_dir / "metrics.jsonl")
         return [e["loss"] for e in events if e["event"] == "step"]
 
@@ -292,6 +309,14 @@ def test_pretrained_hf_model_with_lora_starts_at_the_base_loss_and_resumes(tmp_p
     # pretrained base would give other losses) and continues exactly.
     resumed = train("tuned", "--step", "2", command="resume")
     assert resumed[4:] == pytest.approx(tuned[2:], abs=1e-5), (resumed, tuned)
+    # The header names where each run's weights came from.
+    hf = load_recipe("hf-finetune-demo").config.model.hf_path
+    assert headers["train", "lora"] == [f"  weights: pretrained, read from {hf}"]
+    assert headers["train", "tuned"] == [f"  weights: loaded from {ckpt} (checkpoint.load_from)"]
+    assert headers["resume", "tuned"] == [
+        f"  weights: loaded from {ckpt} (checkpoint.load_from); adapters resumed from "
+        f"{tmp_path / 'tuned' / 'checkpoints' / 'step-00000002'}"
+    ]
     # The merged export reads the base from the load_from checkpoint too: a tensor without an
     # adapter is the fine-tuned base's, an adapted one differs from it.
     out = tmp_path / "export"

@@ -12,6 +12,7 @@ shipped sft-demo recipe learns.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -161,5 +162,11 @@ def test_the_shipped_sft_demo_learns(runs):
     assert len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 0.3, losses
     val = [e["val_loss"] for e in run.events if e["event"] == "eval"]
     assert len(val) == 2 and val[1] < val[0]
+    # The header names the data and counts its examples and rows, train and validation.
+    [data] = [ln for ln in run.proc.stdout.splitlines() if ln.startswith("  data: ")]
+    train, val = data.removeprefix("  data: ").split("; validation: ")
+    for words in (train, val):
+        assert words.startswith("chat (all assistant turns): 1 file(s)"), data
+        assert re.search(r": \d+ examples, \d+ kept, .*; \d+ rows of 257 tokens \(packed\)$", words)
     # The log line and the summary show trained tokens/s beside the tokens processed.
     assert "trained tok/s" in run.proc.stdout and "trained tokens/s" in run.proc.stdout

@@ -97,6 +97,9 @@ def test_trackers_follow_an_elastic_restart_and_a_resume(tmp_path):
         "--run-dir", str(run_dir), cwd=tmp_path, env=fsdprun_env(FSDPRUN_FAIL_AT="1:5"),
     )  # fmt: skip
     Run(proc, run_dir).check()
+    # The header says where both write.
+    assert (f"  trackers: TensorBoard -> {run_dir}/tensorboard/; W&B offline run run -> "
+            f"{run_dir}/wandb/\n") in proc.stdout  # fmt: skip
     # Then a resume from step 6 (7 and 8 are logged again) to step 10.
     proc = run_fsdprun(
         "resume", str(run_dir), "--step", "6", "train.steps=10", *common, cwd=tmp_path

@@ -34,6 +34,10 @@ def test_debug_recipe_end_to_end(world2_micro1: Run):
                  "model state", "step 6 | loss"):  # fmt: skip
         assert text in out, text
     assert world2_micro1.proc.stderr.strip() == ""
+    # The header: a seeded init, the data; no LoRA, no tracker (neither is on).
+    assert "\n  weights: random init (train.seed=0)\n" in out
+    assert "\n  data: synthetic (noise " in out and "LoRA:" not in out and "trackers:" not in out
+    assert world2_micro1.start["num_trainable_params"] == world2_micro1.start["num_params"]
     assert [e["step"] for e in world2_micro1.steps] == [1, 2, 3, 4, 5, 6]
     step = world2_micro1.steps[0]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "memory"} <= step.keys()

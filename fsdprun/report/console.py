@@ -102,6 +102,19 @@ class Cell:
         yield text
 
 
+def _lora_line(lora: dict[str, Any], num_base_params: int, num_trainable: int) -> str:
+    """The header's LoRA line: its settings and how many parameters train (the adapters) of all
+    (the frozen base and the adapters)."""
+    total = num_base_params + num_trainable
+    return (
+        f"LoRA: rank {lora['rank']}, alpha {lora['alpha']:g} (scale "
+        f"{lora['alpha'] / lora['rank']:g}), dropout {lora['dropout']:g}, on "
+        f"{lora['num_modules']} Linears ({', '.join(lora['targets'])}); trainable "
+        f"{fmt_count(num_trainable)} of {fmt_count(total)} params "
+        f"({100 * num_trainable / total:.2f}%)"
+    )
+
+
 class Reporter:
     """Turns metrics events into console output (call from one thread)."""
 
@@ -179,6 +192,10 @@ class Reporter:
             f"world size {e['world_size']} ({e['nnodes']} node(s)), {e['device_name']}, "
             f"backend {e['backend']}"
         )
+        if e.get("weights"):
+            c.print(f"  weights: {e['weights']}", soft_wrap=True)
+        if e.get("lora"):
+            c.print(f"  {_lora_line(e['lora'], e['num_params'], e['num_trainable_params'])}")
         units = f"{len(e['fsdp_units'])} FSDP units" if e["fsdp_units"] else "no FSDP units"
         c.print(
             f"  engine {e['engine']}, {units}, "
@@ -205,7 +222,9 @@ class Reporter:
                 c.print(f"    {k['key']}={k['value']} [dim]->[/dim] {k['applied']}", soft_wrap=True)
         if e.get("data"):
             val = f"; validation: {e['val_data']}" if e.get("val_data") else ""
-            c.print(f"  data: {e['data']}{val}")
+            c.print(f"  data: {e['data']}{val}", soft_wrap=True)  # paths stay whole
+        if e.get("trackers"):
+            c.print(f"  trackers: {'; '.join(e['trackers'])}", soft_wrap=True)
         if self.live:
             self.progress = Progress(
                 TextColumn("[progress.description]{task.description}"),

@@ -168,9 +168,7 @@ class WandbTracker:
         self.last = self.floor
         try:
             self.run = wandb.init(
-                project=settings.get("project", "fsdprun"),
-                name=settings.get("name", run_dir.name),
-                mode=settings.get("mode", "offline"),
+                **wandb_settings(run_dir, settings),
                 id=run_id,
                 resume="allow",
                 dir=str(run_dir),
@@ -320,6 +318,32 @@ def open_trackers(
         except Exception as e:  # the folder cannot be written after all (a full disk)
             warnings.append(stopped_writing(key, folder, e, "at its start"))
     return Trackers(trackers, resume_step=resume_step, warnings=warnings)
+
+
+def wandb_settings(run_dir: Path, settings: dict[str, str]) -> dict[str, str]:
+    """output.wandb with its defaults filled in: project, name and mode of the W&B run."""
+    return {
+        "project": settings.get("project", "fsdprun"),
+        "name": settings.get("name", run_dir.name),
+        "mode": settings.get("mode", "offline"),
+    }
+
+
+def describe_trackers(
+    run_dir: Path, *, tensorboard: bool, wandb: dict[str, str] | None
+) -> list[str]:
+    """Where each tracker the recipe turns on writes, one phrase each (the run header's line)."""
+    out = []
+    if tensorboard:
+        out.append(f"TensorBoard -> {tensorboard_dir(run_dir)}/")
+    if wandb is not None:
+        w = wandb_settings(run_dir, wandb)
+        if w["mode"] == "disabled":
+            out.append("W&B disabled (output.wandb.mode)")
+        else:
+            online = f" and project {w['project']}" if w["mode"] == "online" else ""
+            out.append(f"W&B {w['mode']} run {w['name']} -> {wandb_dir(run_dir)}/{online}")
+    return out
 
 
 def tracker_errors(*, tensorboard: bool, wandb: dict[str, str] | None) -> list[str]:

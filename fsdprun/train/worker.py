@@ -53,10 +53,10 @@ from fsdprun.errors import UserError
 from fsdprun.launch.loopback import worker_store_args
 from fsdprun.loss import describe_loss
 from fsdprun.models import build_model, model_spec
-from fsdprun.models.lora import apply_lora
+from fsdprun.models.lora import apply_lora, num_trainable_params
 from fsdprun.report.console import Reporter
 from fsdprun.report.metrics import MetricsLog, drop_steps_after, peak_flops, throughput
-from fsdprun.report.trackers import close_on_failure, open_trackers
+from fsdprun.report.trackers import close_on_failure, describe_trackers, open_trackers
 from fsdprun.rundir import RunDirWatch, recipe_path
 from fsdprun.train.guard import Heartbeat, StopSignals, die_with_launcher, restart_count
 from fsdprun.train.loop import Events, LoopResult, Trainable, TrainLoop
@@ -209,14 +209,25 @@ def _check_same_recipe(cfg: RecipeConfig) -> None:
         )
 
 
-def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, int]:
+@dataclass(frozen=True)
+class BuildFacts:
+    """What the build did, for the run header."""
+
+    num_ac_blocks: int  # blocks under activation checkpointing
+    lora_paths: list[str]  # the Linears LoRA adapted ([]: LoRA off)
+    num_trainable_params: int  # counted on the unsharded (meta) model, a tied tensor once
+
+
+def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, BuildFacts]:
     """The wrapped, initialized model (an `Engine`), its optimizer, schedule and (fp16) grad
-    scaler; and the number of blocks under activation checkpointing."""
+    scaler; and what the header says of the build."""
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = build_model(cfg.model)
     # LoRA first: the adapters are then checkpointed, compiled and sharded with their blocks.
-    apply_lora(model, cfg=cfg.lora)
+    lora_paths = apply_lora(model, cfg=cfg.lora)
+    # Counted before sharding: an FSDP1 model's parameters are then views of the local shard.
+    num_trainable = num_trainable_params(model)
     # float8 converts Linears before checkpointing, compile and sharding wrap them (torchao).
     check_float8(cfg.precision.float8.value, device.kind)
     apply_float8(model, mode=cfg.precision.float8.value)
@@ -238,7 +249,9 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     scheduler = build_lr_scheduler(optimizer, cfg=cfg.schedule, total_steps=cfg.train.steps)
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
     scaler = engine.grad_scaler() if cfg.precision.param_dtype is Dtype.fp16 else None
-    return Trainable(engine, optimizer, scheduler, scaler), num_ac
+    return Trainable(engine, optimizer, scheduler, scaler), BuildFacts(
+        num_ac, lora_paths, num_trainable
+    )
 
 
 def _model_counts(cfg: ModelConfig, seq_len: int) -> tuple[int, int]:
@@ -294,7 +307,7 @@ def _train(
         run_dir, ranks.rank, world_size=ranks.world_size, timeout_s=cfg.launch.timeout_s,
         watch=watch,
     )  # fmt: skip
-    trainable, num_ac = _build(cfg, ranks, device)
+    trainable, facts = _build(cfg, ranks, device)
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, ranks.world_size)
     data, val_data = build_datasets(
         cfg.data, vocab_size=trainable.engine.inner.args.vocab_size, seq_len=cfg.train.seq_len,
@@ -303,8 +316,9 @@ def _train(
     counts = _model_counts(cfg.model, cfg.train.seq_len)
     resume_from = _restart_checkpoint(run_dir, resume_from)
     events = _open_events(cfg, run_dir, ranks, render=render, resume_from=resume_from)
-    events.emit("start", **_start_fields(cfg, run_dir, ranks, device, trainable.engine, num_ac,
-                                         layout, data, val_data, recipe_name, counts))  # fmt: skip
+    events.emit("start", **_start_fields(cfg, run_dir, ranks, device, trainable.engine, facts,
+                                         layout, data, val_data, recipe_name, counts,
+                                         resume_from))  # fmt: skip
     checkpointer = Checkpointer(
         run_dir=run_dir, cfg=cfg.checkpoint, rank=ranks.rank, world_size=ranks.world_size,
         recipe=config_to_dict(cfg),
@@ -346,9 +360,9 @@ def _train(
 
 
 def _start_fields(
-    cfg: RecipeConfig, run_dir: Path, ranks: Ranks, device: Device, engine, num_ac: int,
+    cfg: RecipeConfig, run_dir: Path, ranks: Ranks, device: Device, engine, facts: BuildFacts,
     layout: BatchLayout, data: Dataset, val_data: Dataset | None, recipe_name: str | None,
-    counts: tuple[int, int],
+    counts: tuple[int, int], resume_from: Path | None,
 ) -> dict[str, Any]:  # fmt: skip
     """The `start` event: what the header shows and metrics.jsonl keeps about the run."""
     num_params_, flops_per_token_ = counts
@@ -368,13 +382,18 @@ def _start_fields(
         "param_dtype": cfg.precision.param_dtype.value,
         "reduce_dtype": cfg.precision.reduce_dtype.value,
         "activation_checkpointing": (
-            f"{cfg.activation_checkpointing.mode.value} ({num_ac} blocks)"
+            f"{cfg.activation_checkpointing.mode.value} ({facts.num_ac_blocks} blocks)"
         ),
         "compile": "off" if not compile_.enabled else (
             "per block" if compile_.per_block else "whole model"),
         "loss": describe_loss(cfg.train),
         "float8": describe_float8(cfg.precision.float8.value, engine.inner),
         "num_params": num_params_,
+        "weights": _describe_weights(cfg, resume_from),
+        "num_trainable_params": facts.num_trainable_params,
+        "lora": None if not facts.lora_paths else {
+            "rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "dropout": cfg.lora.dropout,
+            "targets": list(cfg.lora.targets), "num_modules": len(facts.lora_paths)},
         "param_bytes": num_params_ * 4,
         "param_shard_bytes": model_state_bytes(engine.model, None)["params"],
         "global_batch_size": cfg.train.global_batch_size,
@@ -391,7 +410,26 @@ def _start_fields(
         "attempt": restart_count(),
         "data": data.description,
         "val_data": val_data.description if val_data is not None else None,
+        "trackers": describe_trackers(
+            run_dir, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb),
     }  # fmt: skip
+
+
+def _describe_weights(cfg: RecipeConfig, resume_from: Path | None) -> str:
+    """Where the weights the run starts from come from (the run header's line)."""
+    if cfg.checkpoint.load_from:
+        base = f"loaded from {cfg.checkpoint.load_from} (checkpoint.load_from)"
+    elif cfg.model.hf_path is None:
+        base = f"random init (train.seed={cfg.train.seed})"
+    elif cfg.model.init is ModelInit.pretrained:
+        base = f"pretrained, read from {cfg.model.hf_path}"
+    else:
+        base = f"random init (model.init=random, train.seed={cfg.train.seed})"
+    if resume_from is None:
+        return base
+    if cfg.lora.rank > 0:  # a LoRA checkpoint holds the adapters only: the base is rebuilt
+        return f"{base}; adapters resumed from {resume_from}"
+    return f"resumed from {resume_from}"
 
 
 def _restore(
