@@ -109,7 +109,7 @@ def test_prune_with_the_plan_and_the_knob_table(recipe):
     assert "limit_all_gathers does nothing under fsdp2" in why["limit_ag=false"]
     assert "device memory" in why["mb=8"] and "10% margin" in why["mb=8"]
     # Offload is only tried where nothing else fits: mb=1 fits without it.
-    assert why["offload=true"].startswith("fsdp.cpu_offload=true is not needed: c0")
+    assert why["offload=true"] == "fsdp.cpu_offload=true not needed: c0 (without) fits"
     # mb=8 with offload: its planned device peak leaves out the offloaded model state.
     assert plans[8, True][0] < plans[8, False][0]
     assert cands[0].status == "kept"
@@ -182,8 +182,10 @@ def test_select_needs_more_than_the_noise():
     sel = T.select(base + noisy)
     assert sel.winner == "c0" and not sel.beats_noise and sel.gain > 0
     assert "within the measured noise" in sel.verdict and "stays" in sel.verdict
-    # No good baseline trial: nothing to compare with, the baseline stays.
-    assert T.select([trial("c0", 0, 0, [], "failed"), *fast]).winner == "c0"
+    # The starting recipe never ran (out of memory): the fastest candidate that ran wins.
+    sel = T.select([trial("c0", 0, 0, [], "oom"), *close, *fast])
+    assert sel.winner == "c1" and "no trial of the starting recipe succeeded" in sel.verdict
+    assert T.select([trial("c0", 0, 0, [], "oom"), *failed]).winner == "c0"
 
 
 def test_select_is_a_function_of_the_log():
