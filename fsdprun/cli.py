@@ -763,6 +763,10 @@ def tune_cmd(
     node_rank: NodeRankOpt = None,
     rdzv_endpoint: EndpointOpt = None,
     standalone: StandaloneOpt = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print the space, the pruning and the order; run nothing."),
+    ] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
     plot_: Annotated[
         Path | None,
@@ -794,12 +798,17 @@ def tune_cmd(
         launch_flags=flags, out_dir=out, budget_s=parse_duration(budget, "--budget"),
         device_memory_bytes=memory, space=list(space or []), allow_numerics=allow_numerics,
         steps=steps, repeats=repeats, finalists=finalists, trial_timeout_s=trial_timeout,
+        dry_run=dry_run,
     )  # fmt: skip
 
     def say(text: str) -> None:
         err_console.print(text, markup=False)
 
     report = tune(args, say=None if json_ else say)
+    if dry_run:
+        if json_:
+            sys.stdout.write(json.dumps(report, indent=1) + "\n")
+        return
     if json_:
         sys.stdout.write(json.dumps(report, indent=1) + "\n")
     else:

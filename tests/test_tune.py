@@ -372,3 +372,85 @@ def test_tune_refuses_cpu_without_device_memory(tmp_path, recipe):
                                  "train.seq_len=32,64"), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2 and "train.seq_len: not a tuning knob" in proc.stderr
     assert os.listdir(tmp_path) == [recipe.name]
+
+
+def test_tune_dry_run_prints_the_space_pruning_and_order(tmp_path, recipe):
+    args = tune_cmd(
+        recipe,
+        tmp_path / "o",
+        "--device-memory",
+        "6MiB",
+        "--dry-run",
+        "--space",
+        "train.micro_batch_size=1,2,4,8",
+        "--space",
+        "fsdp.limit_all_gathers=true,false",
+    )
+    proc = run_fsdprun(*args, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = proc.stderr
+    assert text.index("space (8 candidates)") < text.index("pruned 5:") < text.index("order (3)")
+    assert "fsdp.limit_all_gathers does nothing under fsdp2 (knob table)" in text
+    assert "c6 mb=8: planned peak" in text and "device memory 6.00 MiB" in text
+    doc = json.loads(run_fsdprun(*args, "--json", cwd=tmp_path).stdout)
+    assert doc["order"] == ["c0", "c4", "c2"]
+    assert [(r["num_candidates"], r["repeats"]) for r in doc["rounds"]] == [(3, 2)]
+    assert not (tmp_path / "o").exists()
+
+
+def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypatch):
+    # The scheduler alone: trials replaced by records whose speed is a function of the
+    # candidate, time by a clock each trial advances by its wall time.
+    clock = [0.0]
+    ran: list[str] = []
+
+    def fake_trial(recipe, overrides, cand, *, tid, round_, warmup, out_dir, timeout_s):
+        ran.append(tid)
+        step_s = 1.0 / (1 + cand.index)  # c5 is the fastest
+        clock[0] += 10 + round_.measured_steps * step_s
+        times = [step_s * (1 + 0.01 * k) for k in range(round_.measured_steps)]
+        return {"event": "trial", "id": tid, "candidate": cand.id, "label": cand.label,
+                "round": round_.index, "status": "ok", "wall_s": 10 + sum(times),
+                "step_times_s": times, "tokens_per_step": 100,
+                "losses": [5.0, 4.9, 4.8]}  # fmt: skip
+
+    monkeypatch.setattr(T, "run_trial", fake_trial)
+    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
+    cands = [T.Candidate(i, {"k": str(i)}, {"k": str(i)} if i else {}) for i in range(6)]
+
+    def search(budget_s: float, out: Path):
+        out.mkdir(exist_ok=True)
+        args = T.TuneArgs(recipe="r", overrides=[], launch_overrides=[], launch_flags=[],
+                          out_dir=out, budget_s=budget_s, steps=2, repeats=2,
+                          finalists=1)  # fmt: skip
+        log = T.TrialLog(out / "trials.jsonl", {"event": "tune", "search": "s"})
+        start = clock[0]
+        stop, left = T._search(args, log, cands, warmup=1, rtol=1e-4, started=start, say=print)
+        return stop, left, log, clock[0] - start
+
+    # Enough budget: 6 candidates x 2 steps, the best 2 (baseline + c5) for 4 steps x 2.
+    stop, left, log, spent = search(1e4, tmp_path / "a")
+    assert stop is None and left == {}
+    assert ran == [f"r0-c{i}-0" for i in range(6)] + ["r1-c0-0", "r1-c5-0", "r1-c0-1", "r1-c5-1"]
+    assert T.select(log.records).winner == "c5"
+    # A budget for 3 candidates' schedule (3 x 12 s, then 2 x 2 x 14 s): the first round is cut
+    # after the first trial, within the budget plus one trial.
+    ran.clear()
+    stop, left, log, spent = search(95, tmp_path / "b")
+    assert set(left) == {"c3", "c4", "c5"} and "covers the schedule of 3" in left["c3"]
+    assert ran == ["r0-c0-0", "r0-c1-0", "r0-c2-0", "r1-c0-0", "r1-c2-0", "r1-c0-1", "r1-c2-1"]
+    assert stop is None and spent <= 95
+    # Cut to 2: the first round becomes the last one, with its repeats.
+    ran.clear()
+    stop, left, log, spent = search(60, tmp_path / "b2")
+    assert ran == ["r0-c0-0", "r0-c1-0", "r0-c0-1", "r0-c1-1"] and len(left) == 4
+    assert spent <= 60
+    # A budget spent mid-search stops before the next trial; the rerun repeats nothing.
+    ran.clear()
+    stop, _, log, spent = search(35, tmp_path / "c")
+    assert stop and "spent" in stop and spent <= 35 + 12
+    done = list(ran)
+    ran.clear()
+    stop, _, log, _ = search(1e4, tmp_path / "c")
+    assert stop is None and not set(ran) & set(done)
+    assert len({r["id"] for r in log.records}) == len(log.records)

@@ -775,6 +775,7 @@ class TuneArgs:
     finalists: int = DEFAULT_FINALISTS
     trial_timeout_s: float | None = None
     margin: float = DEFAULT_MARGIN
+    dry_run: bool = False  # print the space, the pruning and the order; run nothing
 
 
 def probe_device(cfg: RecipeConfig) -> dict[str, Any]:
@@ -871,6 +872,18 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     param_dtype = cfg.precision.param_dtype.value
     rtol = LOSS_RTOL[param_dtype]
     _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol)
+    if args.dry_run:
+        rounds = halving_schedule(len(order), steps=args.steps, finalists=args.finalists,
+                                  repeats=args.repeats)  # fmt: skip
+        return {
+            "recipe": resolved.name, "device_memory_bytes": memory, "margin": args.margin,
+            "space": [asdict(k) for k in space],
+            "order": [c.id for c in order],
+            "rounds": [asdict(r) for r in rounds],
+            "candidates": [{"candidate": c.id, "label": c.label, "overrides": c.overrides,
+                            "status": c.status, "reason": c.reason,
+                            "planned_peak_bytes": c.planned_peak_bytes} for c in candidates],
+        }  # fmt: skip
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any]
@@ -946,7 +959,8 @@ def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None
                     args.repeats if final else 1)  # fmt: skip
         say(f"round {rnd.index}: {rnd.num_candidates} candidates x {rnd.repeats} trials of "
             f"{rnd.measured_steps} measured steps")  # fmt: skip
-        for rep in range(rnd.repeats):
+        rep = 0
+        while rep < rnd.repeats:
             i = 0
             while i < len(alive):
                 cand = alive[i]
@@ -975,7 +989,12 @@ def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None
                         alive = alive[:n]
                         say(f"  the budget covers {n} candidates: {len(left_out)} left out")
                         if len(alive) <= args.finalists + 1:
-                            break
+                            # Few enough for the last round: this one becomes it, with repeats.
+                            final = True
+                            rnd = Round(rnd.index, len(alive), rnd.measured_steps, args.repeats)
+                            say(f"round {rnd.index} is the last: {rnd.num_candidates} candidates "
+                                f"x {rnd.repeats} trials")  # fmt: skip
+            rep += 1
         if final:
             return None, left_out
         scores = {c.id: round_stats(records, c.id, rnd.index) for c in alive}
