@@ -787,8 +787,10 @@ def tune_cmd(
         check_png_target(plot_, "--plot")
     launch = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint,
                                standalone=standalone)  # fmt: skip
-    flags = [f"--{k.split('.', 1)[1].replace('_', '-')} {v}" for k, v in
-             (item.split("=", 1) for item in launch) if v != ""]  # fmt: skip
+    given = (("--nproc-per-node", nproc_per_node), ("--nnodes", nnodes),
+             ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv_endpoint))  # fmt: skip
+    flags = [f"{flag} {value}" for flag, value in given if value is not None]
+    flags += ["--standalone"] if standalone else []
     memory = None
     if device_memory:
         memory = parse_size(device_memory, option="--device-memory",

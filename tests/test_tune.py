@@ -454,3 +454,35 @@ def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypat
     stop, _, log, _ = search(1e4, tmp_path / "c")
     assert stop is None and not set(ran) & set(done)
     assert len({r["id"] for r in log.records}) == len(log.records)
+
+
+def test_tune_command_hands_the_train_launch_flags_to_tune(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from fsdprun.cli import app
+
+    seen = {}
+
+    def fake_tune(args, *, say=None):
+        seen["args"] = args
+        return {"dry": True}
+
+    monkeypatch.setattr(T, "tune", fake_tune)
+    monkeypatch.delenv("RANK", raising=False)
+    result = CliRunner().invoke(app, [
+        "tune", "debug", "optim.lr=0.001", "--out", str(tmp_path / "o"), "--budget", "90s",
+        "--nproc_per_node", "2", "--standalone", "--device-memory", "8GB", "--space",
+        "train.micro_batch_size=1,2", "--space", "defaults", "--dry-run",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    args = seen["args"]
+    assert args.recipe == "debug" and args.overrides == ["optim.lr=0.001"]
+    assert args.launch_overrides == ["launch.nproc_per_node=2", "launch.nnodes=1",
+                                     "launch.node_rank=0", "launch.rdzv_endpoint="]  # fmt: skip
+    assert args.launch_flags == ["--nproc-per-node 2", "--standalone"]
+    assert args.budget_s == 90 and args.device_memory_bytes == 8 * 10**9 and args.dry_run
+    assert args.space == ["train.micro_batch_size=1,2", "defaults"]
+    help_ = CliRunner().invoke(app, ["tune", "--help"], env={"COLUMNS": "200"})
+    for flag in ("--budget", "--device-memory", "--space", "--allow-numerics", "--nproc-per-node",
+                 "--rdzv-endpoint", "--trial-timeout", "--json", "--plot"):  # fmt: skip
+        assert flag in help_.stdout
