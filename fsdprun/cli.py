@@ -755,7 +755,7 @@ def tune_cmd(
         typer.Option(
             "--trial-timeout",
             help="Seconds before a trial counts as hung and is "
-            "killed (default: 4x the expected trial time, at least 60).",
+            "killed (default: 4x the expected trial time, at least 300; x2 with compile).",
         ),
     ] = None,  # fmt: skip
     nproc_per_node: NprocOpt = None,

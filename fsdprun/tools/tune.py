@@ -106,6 +106,7 @@ DEFAULT_STEPS = 4  # measured steps per trial in the first round
 DEFAULT_REPEATS = 2  # trials per finalist in the last round
 DEFAULT_FINALISTS = 2  # challengers that reach the last round beside the baseline
 FIRST_TRIAL_TIMEOUT_S = 1200.0  # before any trial has finished, nothing to scale from
+MIN_TIMEOUT_S = 300.0  # then 4x the expected trial time, at least this (x2 with compile)
 FAULT_ENV = "FSDPRUN_TUNE_FAULT"  # drills: TRIAL_ID:NAME=VALUE[;...] into one trial's environment
 FAULT_NAMES = ("FSDPRUN_FAIL_AT", "FSDPRUN_HANG_AT", "FSDPRUN_FREEZE_AT", "FSDPRUN_NONFINITE_AT")
 LOG_FILE = "trials.jsonl"
@@ -944,10 +945,12 @@ def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None
         c = costs()
         return None if c is None else c[0] + steps * c[1]
 
-    def timeout(steps: int) -> float:
+    def timeout(steps: int, cand: Candidate) -> float:
         est = estimate(steps)
+        # Generous: a slow candidate is not a hung one (compile's first steps take minutes).
+        compiled = 2 if cand.knobs.get("compile.enabled") == "true" else 1
         limit = args.trial_timeout_s or (
-            FIRST_TRIAL_TIMEOUT_S if est is None else max(60.0, 4 * est)
+            FIRST_TRIAL_TIMEOUT_S if est is None else compiled * max(MIN_TIMEOUT_S, 4 * est)
         )  # fmt: skip
         # Never past the budget by more than one trial's length.
         return min(limit, max(args.budget_s - elapsed(), 0) + (est or limit))
@@ -975,7 +978,7 @@ def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None
                         return (f"--budget {args.budget_s:.0f} s spent after {elapsed():.0f} s: "
                                 f"{tid} and later trials not run"), left_out  # fmt: skip
                     _trial(args, log, cand, base, tid=tid, rnd=rnd, warmup=warmup, rtol=rtol,
-                           timeout_s=timeout(rnd.measured_steps), say=say)  # fmt: skip
+                           timeout_s=timeout(rnd.measured_steps, cand), say=say)  # fmt: skip
                 if round_index == 0 and not final and not fitted and (c := costs()):
                     # Once one trial has run: as many candidates as the budget's schedule covers.
                     fitted = True
