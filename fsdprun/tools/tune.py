@@ -1036,6 +1036,7 @@ def _report(args, resolved, cfg, candidates, records, memory, memory_source, sto
     hardware = _hardware(records, cfg)
     rows = []
     ranked_ids = set()
+    last_round = max((x["round"] for x in records), default=0)
     for r in sel.ranking:
         c = by_id.get(r.candidate)
         if c is None:
@@ -1064,7 +1065,10 @@ def _report(args, resolved, cfg, candidates, records, memory, memory_source, sto
             "candidate": c.id, "label": c.label, "overrides": c.overrides,
             "numerics": c.numerics,
             "status": "ok" if ok and not bad else (bad[-1]["status"] if bad else "not run"),
-            "reason": bad[-1]["reason"] if bad else None,
+            "reason": bad[-1]["reason"] if bad else (
+                f"dropped after round {max(x['round'] for x in mine)} (successive halving)"
+                if max(x["round"] for x in mine) < last_round else None
+            ),
             "round": r.round, "num_trials": len(mine),
             "tokens_per_s": r.stats.median if r.stats else None,
             "spread": r.stats.spread if r.stats else None,
