@@ -344,6 +344,25 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     left = subprocess.run(["pgrep", "-f", str(out / "trials")], capture_output=True, text=True)
     assert left.stdout.strip() == "", "a trial outlived its tune"
 
+    # Ctrl-C in the same trial, run again: exit 130, the trial goes with tune, the log as it was.
+    began = time.time()
+    popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path,
+                             env=fsdprun_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    trial_log = out / "logs" / "r0-c0-1.log"
+    while time.monotonic() < deadline + 120 and not (
+        trial_log.exists() and trial_log.stat().st_mtime > began
+    ):  # fmt: skip
+        time.sleep(0.2)
+    time.sleep(2)
+    popen.send_signal(signal.SIGINT)
+    _, err = popen.communicate(timeout=60)
+    assert popen.returncode == 130 and "aborted" in err, err[-2000:]
+    assert trials_of(out) == killed
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(out / "trials")], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "a trial outlived its tune"
+
     # Again: the interrupted trial runs again, the finished ones do not; one that hangs is killed
     # at its timeout, recorded, and the search still ends with a report.
     env = fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c1-1:FSDPRUN_HANG_AT=0:2")
