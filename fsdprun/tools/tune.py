@@ -1146,46 +1146,57 @@ def _write_tuned(args: TuneArgs, report: dict[str, Any], candidates: list[Candid
 
 
 def render(report: dict[str, Any], console: Console) -> None:
-    """The ranked table, the verdict and the command that trains the tuned layer."""
+    """The ranked table, each candidate's reason or plan disagreement below it (one line each,
+    so the table fits 80 columns), the verdict and the command that trains the tuned layer."""
     from rich.table import Table
 
     from fsdprun.report.console import fmt_bytes
 
     def pair(measured: int | None, planned: int | None) -> str:
-        return (fmt_bytes(measured) if measured else "-") + " / " + (
+        return (fmt_bytes(measured) if measured else "-") + "\n/ " + (
             fmt_bytes(planned) if planned else "-"
         )  # fmt: skip
 
     kind = next((r["memory_kind"] for r in report["candidates"] if r.get("memory_kind")), "")
     table = Table(title=f"fsdprun tune {report['recipe']}: {report['hardware']}, "
                   f"{report['num_trials']} trials in {report['elapsed_s']:.0f} s")  # fmt: skip
-    columns = ("#", "candidate", "status", "round", "tokens/s", "vs base", "MFU",
-               f"peak {kind} / planned", "model state / planned", "first step", "note")  # fmt: skip
+    # MFU only where a device's peak is known (never on CPU): a column of n/a costs the width.
+    mfu = any(r.get("mfu") is not None for r in report["candidates"])
+    columns = ("#", "knobs", "status", "tokens/s", "gain", *(["MFU"] if mfu else []),
+               f"peak {kind}\n/ plan", "model state\n/ plan", "1st step")  # fmt: skip
     for col in columns:
-        table.add_column(col, justify="left" if col in ("candidate", "status", "note") else "right")
+        if col == "knobs":
+            table.add_column(col, overflow="fold")
+        else:
+            table.add_column(col, justify="left" if col == "status" else "right")
+    notes = []
     for row in report["candidates"]:
         tps = row.get("tokens_per_s")
         mark = " *" if row.get("numerics") else ""
         win = " ✓" if row["candidate"] == report["winner"] else ""
-        note = "; ".join(filter(None, [row.get("reason"), *row.get("plan_flags", [])]))
+        for note in filter(None, [row.get("reason"), *row.get("plan_flags", [])]):
+            notes.append(f"{row['candidate']} {row['label']}: {note}")
+        status = row["status"] + (f" r{row['round']}" if row.get("round") is not None else "")
+        status += win
         table.add_row(
-            row["candidate"] + win, row["label"] + mark, row["status"],
-            str(row["round"]) if row.get("round") is not None else "-",
-            f"{tps:,.0f} ±{row['spread']:.1%}" if tps else "-",
+            row["candidate"], row["label"] + mark, status,
+            f"{tps:,.0f}\n±{row['spread']:.1%}" if tps else "-",
             f"{row['gain']:+.1%}" if row.get("gain") is not None else "-",
-            f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a",
+            *([f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a"] if mfu else []),
             pair(row.get("peak_bytes"), row.get("planned_peak_bytes")),
             pair(row.get("model_state_bytes"), row.get("planned_model_state_bytes")),
             f"{row['time_to_first_step_s']:.1f} s" if row.get("time_to_first_step_s") else "-",
-            note,
         )  # fmt: skip
     console.print(table)
     console.print(
         "tokens/s: median of every measured step in the last round the candidate shared with the "
-        "baseline (round), ± half the interquartile range; first step: launch to the end of "
-        "step 1 (start-up, build, compile, warm-up); planned: `fsdprun plan` (peak per rank on "
-        "the device; on CPU the RSS also holds the torch runtime); * changes the numerics"
+        "baseline (rN), ± half the interquartile range; 1st step: launch to the end of step 1 "
+        "(start-up, build, compile, warm-up); ✓ the winner; plan: `fsdprun plan` (peak per rank "
+        "on the device; on CPU the RSS also holds the torch runtime); * changes the numerics"
+        + ("" if mfu else "; MFU: no peak figure for this device (output.peak_tflops)")
     )
+    for note in notes:
+        console.print(f"  {note}")
     if report["stopped_early"]:
         console.print(f"stopped early: {report['stopped_early']}")
     console.print(report["verdict"])
