@@ -269,7 +269,7 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     out = tmp_path / "out"
     proc = run_fsdprun(
         *tune_cmd(recipe, out, "--space", "train.micro_batch_size=1,4,8", "--device-memory",
-                  "6MiB", "--steps", "3", "--repeats", "2", "--budget", "10m", "--json",
+                  "6MiB", "--steps", "8", "--repeats", "2", "--budget", "10m", "--json",
                   "--plot", str(tmp_path / "tune.png")),
         cwd=tmp_path,
     )  # fmt: skip
@@ -290,7 +290,7 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     records = trials_of(out)
     assert [r["id"] for r in records] == ["r0-c0-0", "r0-c1-0", "r0-c0-1", "r0-c1-1"]
     assert all(r["status"] == "ok" and r.get("loss_checked", True) for r in records)
-    assert all(len(r["step_times_s"]) == r["measured_steps"] == 3 for r in records)
+    assert all(len(r["step_times_s"]) == r["measured_steps"] == 8 for r in records)
     # tuned.yaml: only allowed knobs, and it trains with the original's fp32 losses.
     tuned = yaml.safe_load((out / "tuned.yaml").read_text())
     assert tuned.pop("extends") == str(recipe.resolve())
@@ -515,3 +515,16 @@ def test_tune_command_hands_the_train_launch_flags_to_tune(monkeypatch, tmp_path
     for flag in ("--budget", "--device-memory", "--space", "--allow-numerics", "--nproc-per-node",
                  "--rdzv-endpoint", "--trial-timeout", "--json", "--plot"):  # fmt: skip
         assert flag in help_.stdout
+
+
+def test_the_noise_shrinks_with_more_measured_steps():
+    # The same step-to-step spread (steps of 0.8 and 1.2 s) and a 25% gain: not shown by 4 steps
+    # a side, shown by 64 (the standard error of a median falls as 1/sqrt(steps); the spread of
+    # the steps, an interquartile range, would not).
+    def steps(mean, n):
+        return [mean * (0.8 + 0.4 * (k % 2)) for k in range(n)]
+
+    for n, wins in ((4, False), (64, True)):
+        sel = T.select([trial("c0", 0, 0, steps(1.0, n)), trial("c1", 0, 0, steps(1 / 1.25, n))])
+        assert sel.gain == pytest.approx(0.25, abs=0.01)
+        assert (sel.winner == "c1") is wins, (n, sel.verdict)

@@ -23,9 +23,9 @@ measured trials decide, the winner comes out as a recipe layer.
    so drift of the machine hits every candidate alike.
 4. Selection (`select`, a pure function of the trial log): candidates are compared at the
    highest round both they and the baseline reached, on the per-step tokens/s of all their
-   trials there; the best one wins only if its interquartile range lies wholly above the
-   baseline's (it beats the baseline by more than the measured noise). Otherwise the starting
-   recipe stays.
+   trials there; the best one wins only if its gain over the baseline's median exceeds the
+   measured noise, two standard errors of the difference of the medians (from each side's
+   interquartile range and number of steps). Otherwise the starting recipe stays.
 5. Safety: a trial that fails, runs out of memory, hangs past its timeout (its whole process group
    is killed) or whose first losses disagree with the baseline's (LOSS_RTOL) is recorded with a
    one-line reason and the search goes on. OUT/trials.jsonl gets one record per finished trial,
@@ -618,6 +618,21 @@ class Stats:
         """Half the interquartile range, relative to the median."""
         return (self.q3 - self.q1) / 2 / self.median if self.median else math.nan
 
+    @property
+    def median_error(self) -> float:
+        """Standard error of the median, relative to it: 1.2533 sigma / sqrt(n), sigma estimated
+        robustly as IQR / 1.349 (so one slow step does not inflate it). It shrinks as a trial
+        measures more steps, as the step-to-step spread does not."""
+        sigma = (self.q3 - self.q1) / 1.349
+        return 1.2533 * sigma / math.sqrt(self.num_steps) / self.median if self.median else math.nan
+
+
+def noise_of(candidate: Stats, baseline: Stats) -> float:
+    """The measured noise of a gain: two standard errors of the difference of the two medians
+    (about 95% confidence), relative to the baseline's median."""
+    return 2 * math.hypot(candidate.median_error * candidate.median / baseline.median,
+                          baseline.median_error)  # fmt: skip
+
 
 def step_rates(record: dict[str, Any]) -> list[float]:
     return [record["tokens_per_step"] / t for t in record.get("step_times_s", []) if t > 0]
@@ -656,8 +671,8 @@ class Selection:
 def select(records: list[dict[str, Any]], baseline: str = "c0") -> Selection:
     """The winner from the trial log alone (deterministic): each candidate is compared with the
     baseline at the highest round both have good trials in; ranked by that round, then median
-    tokens/s, then id. The top challenger wins only if its interquartile range lies above the
-    baseline's (beats it by more than the measured noise)."""
+    tokens/s, then id. The top challenger wins only if its gain exceeds the measured noise
+    (`noise_of`: two standard errors of the difference of the medians)."""
     ids = sorted({r["candidate"] for r in records}, key=lambda c: int(c[1:]))
     ranking = []
     for cid in ids:
@@ -689,21 +704,19 @@ def select(records: list[dict[str, Any]], baseline: str = "c0") -> Selection:
         return Selection(ran.candidate, ranking, True, None, None,
                          f"no trial of the starting recipe succeeded; {ran.candidate} "
                          f"({labels[ran.candidate]}) is the fastest that ran")  # fmt: skip
-    noise = top.baseline.spread
+    noise = noise_of(top.stats, top.baseline)
     if top.candidate == baseline:
         return Selection(baseline, ranking, False, 0.0, noise,
                          "the starting recipe is the fastest: it stays")  # fmt: skip
-    beats = top.stats.q1 > top.baseline.q3
-    if not beats:
+    if not top.gain > noise:
         return Selection(
             baseline, ranking, False, top.gain, noise,
             f"{top.candidate} ({labels[top.candidate]}) is {top.gain:+.1%} but within the "
-            "measured noise (its interquartile range overlaps the baseline's): the starting "
-            "recipe stays",
+            f"measured noise (±{noise:.1%}): the starting recipe stays",
         )  # fmt: skip
     return Selection(top.candidate, ranking, True, top.gain, noise,
                      f"{top.candidate} ({labels[top.candidate]}) beats the starting recipe by "
-                     f"{top.gain:+.1%} (noise ±{noise:.1%})")  # fmt: skip
+                     f"{top.gain:+.1%}, more than the measured noise (±{noise:.1%})")  # fmt: skip
 
 
 def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
