@@ -795,6 +795,127 @@ def compare_cmd(
         raise typer.Exit(1)
 
 
+@app.command("tune")
+@guarded
+def tune_cmd(
+    recipe: Recipe,
+    overrides: Overrides = None,
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            help="Folder for trials.jsonl, the trials and tuned.yaml; the same "
+            "--out again continues a search without repeating finished trials.",
+        ),
+    ] = ...,  # fmt: skip
+    budget: Annotated[
+        str, typer.Option("--budget", help="Time for the whole search (20m, 90s, 1h).")
+    ] = "20m",
+    device_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--device-memory",
+            help="Memory of one device for pruning (80GB, 24GiB); "
+            "default: the accelerator's free memory, measured; required on CPU.",
+        ),
+    ] = None,  # fmt: skip
+    space: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--space",
+            help="KEY=V1,V2 (repeatable): search these knobs only; add "
+            "`--space defaults` to change only these knobs of the default space.",
+        ),
+    ] = None,  # fmt: skip
+    allow_numerics: Annotated[
+        bool,
+        typer.Option(
+            "--allow-numerics",
+            help="Also search knobs that change the numerics "
+            "(precision.*); their candidates are marked.",
+        ),
+    ] = False,  # fmt: skip
+    steps: Annotated[
+        int, typer.Option("--steps", help="Measured steps per trial in the first round.")
+    ] = 4,
+    repeats: Annotated[
+        int, typer.Option("--repeats", help="Trials of each finalist in the last round.")
+    ] = 2,
+    finalists: Annotated[
+        int, typer.Option("--finalists", help="Challengers that reach the last round.")
+    ] = 2,
+    trial_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--trial-timeout",
+            help="Seconds before a trial counts as hung and is "
+            "killed (default: 4x the expected trial time, at least 300; x2 with compile).",
+        ),
+    ] = None,  # fmt: skip
+    nproc_per_node: NprocOpt = None,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_endpoint: EndpointOpt = None,
+    standalone: StandaloneOpt = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print the space, the pruning and the order; run nothing."),
+    ] = False,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    plot_: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Also draw tokens/s against peak memory, the Pareto front marked, into this PNG.",
+        ),
+    ] = None,  # fmt: skip
+) -> None:
+    """Choose the FSDP knobs on this hardware: plan prunes, short measured trials decide, the
+    winner is written as a recipe layer (OUT/tuned.yaml)."""
+    from fsdprun.config import parse_size
+    from fsdprun.tools.tune import TuneArgs, parse_duration, render, tune
+
+    if plot_ is not None:
+        from fsdprun.report.plot import check_png_target
+
+        check_png_target(plot_, "--plot")
+    launch = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint,
+                               standalone=standalone)  # fmt: skip
+    given = (("--nproc-per-node", nproc_per_node), ("--nnodes", nnodes),
+             ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv_endpoint))  # fmt: skip
+    flags = [f"{flag} {value}" for flag, value in given if value is not None]
+    flags += ["--standalone"] if standalone else []
+    memory = None
+    if device_memory:
+        memory = parse_size(device_memory, option="--device-memory",
+                            expected="a size such as 80GB or 24GiB", bare_unit="GB")  # fmt: skip
+    args = TuneArgs(
+        recipe=recipe, overrides=list(overrides or []), launch_overrides=launch,
+        launch_flags=flags, out_dir=out, budget_s=parse_duration(budget, "--budget"),
+        device_memory_bytes=memory, space=list(space or []), allow_numerics=allow_numerics,
+        steps=steps, repeats=repeats, finalists=finalists, trial_timeout_s=trial_timeout,
+        dry_run=dry_run,
+    )  # fmt: skip
+
+    def say(text: str) -> None:
+        err_console.print(text, markup=False)
+
+    report = tune(args, say=None if json_ else say)
+    if dry_run:
+        if json_:
+            sys.stdout.write(json.dumps(report, indent=1) + "\n")
+        return
+    if json_:
+        sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    else:
+        render(report, Console(highlight=False))
+    if plot_ is not None:
+        from fsdprun.report.plot import DPI, tune_figure
+
+        tune_figure(report).savefig(plot_, dpi=DPI)
+        err_console.print(f"wrote {plot_}")
+
+
 def main() -> None:
     from fsdprun.limits import ensure_open_file_limit
 

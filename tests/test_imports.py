@@ -265,6 +265,13 @@ def test_engines_never_import_the_training_loop_nor_the_launcher():
     assert not bad, bad
 
 
+def test_tune_loads_without_torch():
+    # tune launches every trial as an `fsdprun train` subprocess: loading it (for the command,
+    # and while the trials run) never loads torch; plan is imported when it prunes.
+    _, outside, via = loaded_by({"fsdprun.tools.tune"})
+    assert "torch" not in outside, path_to("torch", via)
+
+
 def test_launch_never_imports_models_nor_engines():
     allowed = ("fsdprun.engines.float8",)  # the device check before workers start
     bad = direct_violations(area("launch"), ("fsdprun.models", "fsdprun.engines"), allowed=allowed)

@@ -349,3 +349,37 @@ def plan_figure(plan: dict[str, Any]):
     ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",
               bbox_to_anchor=(1.01, 1.0), fontsize="small")  # fmt: skip
     return fig
+
+
+# `fsdprun tune --plot`: every measured candidate's tokens/s against its peak memory per rank.
+TUNE_SIZE_IN = (9.0, 6.0)  # 900 x 600 pixels
+
+
+def tune_figure(report: dict[str, Any]):
+    """A `tune` report (its JSON document) as points of tokens/s against peak memory per rank,
+    each labelled with its candidate; the Pareto front (report["pareto"]: no candidate has both
+    less memory and more tokens/s) joined by a line, the winner circled."""
+    fig = _figure(TUNE_SIZE_IN, "fsdprun tune --plot")
+    ax = fig.subplots()
+    rows = [r for r in report["candidates"] if r.get("peak_bytes") and r.get("tokens_per_s")]
+    kind = rows[0]["memory_kind"] if rows else "memory"
+    unit_name, unit = byte_unit(max((r["peak_bytes"] for r in rows), default=0))
+    ax.set_title(f"fsdprun tune {report['recipe']}: {report['hardware']}")
+    ax.set_xlabel(f"peak {kind} per rank ({unit_name}, max over ranks)")
+    ax.set_ylabel("tokens/s (median, all ranks)")
+    ax.grid(True, alpha=0.3)
+    front = set(report["pareto"])
+    for r in rows:
+        x, y = r["peak_bytes"] / unit, r["tokens_per_s"]
+        on_front = r["candidate"] in front
+        ax.scatter([x], [y], color="C3" if on_front else "C0", zorder=3)
+        if r["candidate"] == report["winner"]:
+            ax.scatter([x], [y], s=300, facecolors="none", edgecolors="C2", zorder=4)
+        ax.annotate(f"{r['candidate']} {r['label']}", (x, y), textcoords="offset points",
+                    xytext=(5, 5), fontsize="small")  # fmt: skip
+    pts = sorted((r["peak_bytes"] / unit, r["tokens_per_s"]) for r in rows
+                 if r["candidate"] in front)  # fmt: skip
+    if pts:
+        ax.plot(*zip(*pts, strict=True), color="C3", label="Pareto front", zorder=2)
+        ax.legend(loc="lower right")
+    return fig

@@ -1,0 +1,1216 @@
+"""`fsdprun tune`: choose the FSDP knobs on the user's own hardware — `plan` prunes, short
+measured trials decide, the winner comes out as a recipe layer.
+
+    fsdprun tune my.yaml --nproc-per-node 8 --budget 20m --out tune-my
+    fsdprun train tune-my/tuned.yaml --nproc-per-node 8
+
+1. The space: knobs that leave the training math unchanged (MATH_KNOBS; the global batch, lr,
+   schedule, seq_len, model, data and seed never change; micro_batch_size moves with the
+   accumulation derived from the global batch). Knobs that change the numerics (NUMERICS_KNOBS)
+   only with --allow-numerics, and marked. `--space KEY=V1,V2` replaces the default space by the
+   knobs given (`--space defaults` keeps the defaults and changes only the knobs given).
+2. Pruning, before any launch, from `fsdprun plan`: a candidate the recipe's checks refuse, one
+   whose planned peak per rank plus the margin exceeds the device memory, one that differs from
+   another only in a knob the engine's knob table says does nothing (limit_all_gathers under
+   fsdp2), and one that uses a memory knob (cpu_offload always; activation checkpointing and
+   the chunked loss in the default space) where the same candidate without it fits.
+3. Trials: each an ordinary `fsdprun train` run in its own processes (its own run directory
+   under OUT/trials/), so one trial's memory never reaches the next. Throughput is end to end:
+   the step times of the run's metrics.jsonl (each step the real forward, backward and optimizer
+   step on the real data) after the warm-up steps, which are reported separately. Successive
+   halving: every candidate for a few steps, the best third (the baseline always kept) for twice
+   as many, ..., then the finalists repeated, every round interleaved (candidate A, B, C, A, B, C)
+   so drift of the machine hits every candidate alike.
+4. Selection (`select`, a pure function of the trial log): candidates are compared at the
+   highest round both they and the baseline reached, on the per-step tokens/s of all their
+   trials there; the best one wins only if its gain over the baseline's median exceeds the
+   measured noise, two standard errors of the difference of the medians (from each side's
+   interquartile range and number of steps). Otherwise the starting recipe stays.
+5. Safety: a trial that fails, runs out of memory, hangs past its timeout (its whole process group
+   is killed) or whose first losses disagree with the baseline's (LOSS_RTOL) is recorded with a
+   one-line reason and the search goes on. OUT/trials.jsonl gets one record per finished trial,
+   appended and fsynced; a rerun with the same --out replays it and runs only what is missing.
+
+Imports neither the training loop nor the launcher: trials are `fsdprun train` subprocesses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import datetime as dt
+import enum
+import hashlib
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from fsdprun.config import load_recipe
+from fsdprun.data.preflight import check_data
+from fsdprun.errors import UserError
+from fsdprun.launch.rundir import metrics_path
+from fsdprun.launch.runlock import hold_run_dir
+from fsdprun.report.metrics import percentile, read_events
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from fsdprun.config import RecipeConfig
+
+# Knobs that leave the training math unchanged (up to floating-point summation order).
+MATH_KNOBS = (
+    "fsdp.engine", "fsdp.sharding", "fsdp.shard_group_size", "fsdp.wrap", "fsdp.min_num_params",
+    "fsdp.reshard_after_forward", "fsdp.forward_prefetch", "fsdp.backward_prefetch",
+    "fsdp.limit_all_gathers", "fsdp.use_orig_params", "fsdp.accumulate_unsharded",
+    "fsdp.cpu_offload", "activation_checkpointing.mode", "activation_checkpointing.every_n",
+    "compile.enabled", "compile.per_block", "compile.mode", "train.micro_batch_size",
+    "train.loss", "train.loss_chunk_size", "optim.implementation",
+)  # fmt: skip
+# Knobs that change the numerics: searched only with --allow-numerics, and marked.
+NUMERICS_KNOBS = ("precision.param_dtype", "precision.reduce_dtype", "precision.float8")
+# Memory knobs and the value that costs nothing: a candidate that sets another value is tried
+# only where the same candidate with this value does not fit.
+MEMORY_KNOBS = {
+    "fsdp.cpu_offload": "false",
+    "activation_checkpointing.mode": "none",
+    "train.loss": "plain",
+}
+# cpu_offload is only tried where nothing else fits, whatever the space says.
+ALWAYS_DOMINATED = ("fsdp.cpu_offload",)
+SHORT = {
+    "train.micro_batch_size": "mb", "fsdp.engine": "engine", "fsdp.sharding": "shard",
+    "fsdp.forward_prefetch": "fwd_prefetch", "fsdp.backward_prefetch": "bwd_prefetch",
+    "fsdp.limit_all_gathers": "limit_ag", "fsdp.reshard_after_forward": "reshard",
+    "activation_checkpointing.mode": "ac", "compile.enabled": "compile", "train.loss": "loss",
+    "fsdp.cpu_offload": "offload", "fsdp.wrap": "wrap",
+}  # fmt: skip
+
+DEFAULT_MARGIN = 0.10  # planned peak x (1 + margin) must fit the device memory
+MODEL_STATE_RTOL = 0.05  # plan's stated agreement with measured model state (test_memory_contract)
+LOSS_STEPS = 3  # the loss check compares this many first steps with the baseline's
+LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}  # by param_dtype
+ETA = 3  # successive halving keeps the best 1/ETA of each round; steps double
+DEFAULT_STEPS = 4  # measured steps per trial in the first round
+DEFAULT_REPEATS = 2  # trials per finalist in the last round
+DEFAULT_FINALISTS = 2  # challengers that reach the last round beside the baseline
+FIRST_TRIAL_TIMEOUT_S = 1200.0  # before any trial has finished, nothing to scale from
+MIN_TIMEOUT_S = 300.0  # then 4x the expected trial time, at least this (x2 with compile)
+FAULT_ENV = "FSDPRUN_TUNE_FAULT"  # drills: TRIAL_ID:NAME=VALUE[;...] into one trial's environment
+FAULT_NAMES = ("FSDPRUN_FAIL_AT", "FSDPRUN_HANG_AT", "FSDPRUN_FREEZE_AT", "FSDPRUN_NONFINITE_AT")
+LOG_FILE = "trials.jsonl"
+TUNED_FILE = "tuned.yaml"
+# What every trial changes beside its knobs: no checkpoints, evaluations, trackers or profiler
+# (not the training step), every step logged.
+TRIAL_OVERRIDES = (
+    "checkpoint.save_final=false", "checkpoint.every_steps=0", "eval.every_steps=0",
+    "output.log_every=1", "output.tensorboard=false", "output.wandb=null",
+    "profile.enabled=false", "launch.max_restarts=0",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The space
+
+
+@dataclass(frozen=True)
+class SpaceKnob:
+    key: str
+    values: tuple[str, ...]
+    numerics: bool = False
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    return str(value.value if hasattr(value, "value") else value)
+
+
+def current_value(cfg: RecipeConfig, key: str) -> str:
+    section, name = key.split(".", 1)
+    return _text(getattr(getattr(cfg, section), name))
+
+
+def micro_batch_choices(cfg: RecipeConfig) -> list[str]:
+    """Every micro-batch size that divides one rank's share of the global batch."""
+    per_rank = cfg.train.global_batch_size // cfg.world_size
+    return [str(d) for d in range(1, per_rank + 1) if per_rank % d == 0]
+
+
+def default_space(cfg: RecipeConfig, *, accelerator: bool) -> list[SpaceKnob]:
+    """What an engineer tuning FSDP by hand tries first, from the recipe's own values.
+
+    compile is searched on accelerators only (a CPU's inductor build costs more than short trials
+    can win back); hybrid sharding only across several nodes."""
+    shardings = ["full", "grad_op"] + (["hybrid", "hybrid_zero2"] if cfg.launch.nnodes > 1 else [])
+    space = [
+        ("fsdp.engine", ["fsdp2", "fsdp1"] if cfg.lora.rank == 0 else ["fsdp2"]),
+        ("fsdp.sharding", shardings),
+        ("fsdp.forward_prefetch", ["0", "1"]),
+        ("fsdp.limit_all_gathers", ["true", "false"]),
+        ("activation_checkpointing.mode", ["none", "selective", "full"]),
+        ("train.micro_batch_size", micro_batch_choices(cfg)),
+        ("train.loss", ["plain", "chunked"]),
+        ("fsdp.cpu_offload", ["false", "true"]),
+    ]
+    if accelerator:
+        space.append(("compile.enabled", ["false", "true"]))
+    if cfg.fsdp.engine.value == "ddp":
+        space = [(k, v) for k, v in space if not k.startswith("fsdp.")]
+    return [SpaceKnob(key, _with(values, current_value(cfg, key))) for key, values in space]
+
+
+def _with(values: list[str], baseline: str) -> tuple[str, ...]:
+    # The recipe's own value is always a candidate value (the baseline must be in the space).
+    return tuple(values if baseline in values else [baseline, *values])
+
+
+def parse_space(
+    items: list[str], cfg: RecipeConfig, *, accelerator: bool, allow_numerics: bool
+) -> tuple[list[SpaceKnob], bool]:
+    """--space items → the space, and whether it is the default one (memory knobs dominated).
+
+    Raises:
+        UserError: a key that is not a tuning knob, a numerics knob without --allow-numerics,
+            an item without values.
+    """
+    defaults = not items or "defaults" in items
+    knobs = {k.key: k for k in default_space(cfg, accelerator=accelerator)} if defaults else {}
+    for item in items:
+        if item == "defaults":
+            continue
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or not values.strip():
+            raise UserError(
+                f"--space {item!r}: give KEY=V1,V2 (e.g. train.micro_batch_size=1,2,4), or "
+                "`defaults`"
+            )
+        numerics = key in NUMERICS_KNOBS
+        if numerics and not allow_numerics:
+            raise UserError(
+                f"--space {key}: changes the numerics of training; add --allow-numerics to "
+                "search it (the report marks such candidates)"
+            )
+        if key not in MATH_KNOBS and not numerics:
+            raise UserError(
+                f"--space {key}: not a tuning knob (tune never changes the model, data, batch, "
+                f"lr, schedule or seed); knobs: {', '.join(MATH_KNOBS)}"
+            )
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        knobs[key] = SpaceKnob(key, _with(list(dict.fromkeys(vals)), current_value(cfg, key)),
+                               numerics)  # fmt: skip
+    return list(knobs.values()), defaults
+
+
+@dataclass
+class Candidate:
+    index: int  # c0 is the baseline
+    knobs: dict[str, str]  # key -> value, every knob of the space
+    diff: dict[str, str]  # the knobs that differ from the baseline
+    numerics: bool = False
+    status: str = "kept"  # kept | pruned
+    reason: str | None = None
+    planned_peak_bytes: int | None = None
+    planned_model_state_bytes: int | None = None
+
+    @property
+    def id(self) -> str:
+        return f"c{self.index}"
+
+    @property
+    def label(self) -> str:
+        if not self.diff:
+            return "baseline"
+        return " ".join(f"{SHORT.get(k, k)}={v}" for k, v in self.diff.items())
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.diff.items()]
+
+
+def enumerate_candidates(space: list[SpaceKnob], baseline: dict[str, str]) -> list[Candidate]:
+    """Every combination of the space's values; the baseline (the recipe's own values) first."""
+    numerics_keys = {k.key for k in space if k.numerics}
+    out = [Candidate(0, dict(baseline), {})]
+    for combo in itertools.product(*(k.values for k in space)):
+        knobs = dict(zip((k.key for k in space), combo, strict=True))
+        diff = {k: v for k, v in knobs.items() if v != baseline[k]}
+        if not diff:
+            continue
+        out.append(Candidate(len(out), knobs, diff, numerics=bool(numerics_keys & set(diff))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Pruning with the plan
+
+
+def _planned(cfg: RecipeConfig) -> tuple[int, int, list[str]]:
+    """Planned peak bytes per device, model state bytes, and the keys the knob table says do
+    nothing, for one resolved candidate."""
+    from fsdprun.engines import translate
+    from fsdprun.tools.plan import plan_memory
+
+    plan = plan_memory(cfg)
+    s = plan.strategies[plan.recipe_strategy]
+    state = s.params + s.grads + s.optimizer + s.accumulation
+    # CPU offload keeps the shards, gradients and optimizer state in host memory: the plan counts
+    # them on the device, the device holds only the gathered buffers and activations.
+    peak = s.total - (s.params + s.grads + s.optimizer) if cfg.fsdp.cpu_offload else s.total
+    inert = [k.key for k in translate(cfg) if k.applied.startswith("no effect")]
+    return peak, state, inert
+
+
+def prune(
+    candidates: list[Candidate],
+    recipe: str,
+    overrides: list[str],
+    *,
+    device_memory_bytes: int,
+    margin: float,
+    dominate_memory_knobs: bool,
+    planner=None,
+) -> None:
+    """Mark candidates pruned, each with one reason (in place); the baseline is never pruned
+    (it is the reference: one that does not fit is reported, not dropped).
+
+    Candidates are visited by their number of changed knobs, so a candidate's twin with one knob
+    back at the baseline's (or free) value is decided first: a candidate that the twin's knob
+    table makes a duplicate, or that a fitting twin makes unnecessary, is pruned without
+    resolving its recipe (resolving costs a tenth of a second; the default space has hundreds)."""
+    from fsdprun.report.console import fmt_bytes
+
+    planner = planner or _planned
+    by_knobs = {tuple(sorted(c.knobs.items())): c for c in candidates}
+    inert_of: dict[str, list[str]] = {}
+    engine_of: dict[str, str] = {}
+    base = candidates[0]
+
+    def twin_of(c: Candidate, key: str, value: str) -> Candidate | None:
+        twin = by_knobs.get(tuple(sorted(dict(c.knobs, **{key: value}).items())))
+        return twin if twin is not c else None
+
+    def fits(c: Candidate | None) -> bool:
+        return c is not None and c.planned_peak_bytes is not None and (
+            c.planned_peak_bytes * (1 + margin) <= device_memory_bytes
+        )  # fmt: skip
+
+    def same_as(c: Candidate, twin: Candidate, keys: list[str]) -> None:
+        c.status = "pruned"
+        c.reason = (f"same as {twin.id}: {', '.join(keys)} does nothing under "
+                    f"{engine_of[twin.id]} (knob table)")  # fmt: skip
+        c.planned_peak_bytes, c.planned_model_state_bytes = (
+            twin.planned_peak_bytes, twin.planned_model_state_bytes
+        )  # fmt: skip
+        inert_of[c.id], engine_of[c.id] = inert_of[twin.id], engine_of[twin.id]
+
+    for c in sorted(candidates, key=lambda c: (len(c.diff), c.index)):
+        if c is not base:
+            # The twin with every memory knob this candidate may drop back at its free value.
+            heavy = {key: free for key, free in MEMORY_KNOBS.items()
+                     if c.knobs.get(key, free) != free
+                     and (dominate_memory_knobs or key in ALWAYS_DOMINATED)}  # fmt: skip
+            twin = by_knobs.get(tuple(sorted(dict(c.knobs, **heavy).items()))) if heavy else None
+            dominated = fits(twin) and twin is not c
+            if dominated:
+                c.status = "pruned"
+                names = ", ".join(f"{key}={c.knobs[key]}" for key in heavy)
+                c.reason = f"{names} not needed: {twin.id} (without) fits"
+            if dominated:
+                continue
+            twins = [(k, twin_of(c, k, base.knobs[k])) for k in c.diff]
+            hit = next(((k, t) for k, t in twins if t is not None and k in inert_of.get(t.id, [])),
+                       None)  # fmt: skip
+            if hit is not None:
+                same_as(c, hit[1], [hit[0]])
+                continue
+        try:
+            cfg = load_recipe(recipe, [*overrides, *c.overrides]).config
+        except UserError as e:
+            c.status, c.reason = "pruned", f"the recipe's checks refuse it: {e}"
+            continue
+        c.planned_peak_bytes, c.planned_model_state_bytes, inert_of[c.id] = planner(cfg)
+        engine_of[c.id] = cfg.fsdp.engine.value
+        if c is base:
+            continue
+        inert = [k for k in c.diff if k in inert_of[c.id]]
+        twin = next((t for k in inert if (t := twin_of(c, k, base.knobs[k])) is not None), None)
+        if twin is not None and twin.id in engine_of:
+            same_as(c, twin, inert)
+            continue
+        if not fits(c):
+            c.status = "pruned"
+            c.reason = (
+                f"planned peak {fmt_bytes(c.planned_peak_bytes)} + {margin:.0%} margin > "
+                f"device memory {fmt_bytes(device_memory_bytes)}"
+            )
+
+
+_AC_COST = {"none": 0, "selective": 1, "every_n": 2, "full": 3}
+
+
+def prior_order(candidates: list[Candidate]) -> list[Candidate]:
+    """The order of the first round (and of the cut when the budget cannot cover every
+    candidate): the baseline, then less recomputation and offload first, larger micro-batches
+    first, fewer changes first."""
+    kept = [c for c in candidates[1:] if c.status == "kept"]
+
+    def key(c: Candidate) -> tuple:
+        return (
+            c.knobs.get("fsdp.cpu_offload") == "true",
+            _AC_COST.get(c.knobs.get("activation_checkpointing.mode", "none"), 0),
+            -int(c.knobs.get("train.micro_batch_size", "1")),
+            len(c.diff),
+            c.index,
+        )
+
+    return [candidates[0], *sorted(kept, key=key)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule
+
+
+@dataclass(frozen=True)
+class Round:
+    index: int
+    num_candidates: int  # the baseline included
+    measured_steps: int
+    repeats: int
+
+
+def halving_schedule(
+    num_candidates: int, *, steps: int, finalists: int, repeats: int, eta: int = ETA
+) -> list[Round]:
+    """Successive halving: all candidates for `steps` measured steps, then the best 1/eta (at
+    least the baseline and `finalists` challengers) for twice the steps, ..., the last round with
+    `repeats` trials of each."""
+    rounds, n, s = [], num_candidates, steps
+    while True:
+        final = n <= finalists + 1
+        rounds.append(Round(len(rounds), n, s, repeats if final else 1))
+        if final:
+            return rounds
+        n, s = max(finalists + 1, math.ceil(n / eta)), s * 2
+
+
+def schedule_cost_s(rounds: list[Round], *, overhead_s: float, step_s: float) -> float:
+    """Estimated seconds of a schedule: each trial its start-up and warm-up (`overhead_s`) plus
+    its measured steps."""
+    return sum(r.num_candidates * r.repeats * (overhead_s + r.measured_steps * step_s)
+               for r in rounds)  # fmt: skip
+
+
+def fit_to_budget(
+    num_candidates: int, budget_s: float, *, overhead_s: float, step_s: float, steps: int,
+    finalists: int, repeats: int,
+) -> int:  # fmt: skip
+    """The most candidates (the baseline included; at least 2 when there are 2) whose whole
+    schedule the budget covers."""
+    for n in range(num_candidates, 2, -1):
+        rounds = halving_schedule(n, steps=steps, finalists=finalists, repeats=repeats)
+        if schedule_cost_s(rounds, overhead_s=overhead_s, step_s=step_s) <= budget_s:
+            return n
+    return min(num_candidates, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trials
+
+
+def trial_id(round_index: int, cand: Candidate, rep: int) -> str:
+    return f"r{round_index}-{cand.id}-{rep}"
+
+
+def _fsdprun_command() -> list[str]:
+    return [sys.executable, "-m", "fsdprun"]
+
+
+def _die_with_parent() -> None:
+    # A tune killed with SIGKILL must not leave its trial (and so its workers) running: the trial
+    # launcher gets SIGKILL when tune dies (its workers die with it, see train/guard.py).
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _fault_env(tid: str) -> dict[str, str]:
+    """The fault-injection variables FSDPRUN_TUNE_FAULT gives trial `tid` (drills and tests)."""
+    out = {}
+    for item in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
+        target, _, assignment = item.partition(":")
+        name, _, value = assignment.partition("=")
+        if target == tid and name in FAULT_NAMES:
+            out[name] = value
+    return out
+
+
+def _error_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if line.lower().startswith("error:"):
+            return line[len("error:") :].strip()
+    return lines[-1] if lines else "failed without output"
+
+
+def run_trial(
+    recipe: str, overrides: list[str], cand: Candidate, *, tid: str, round_: Round, warmup: int,
+    out_dir: Path, timeout_s: float,
+) -> dict[str, Any]:  # fmt: skip
+    """One `fsdprun train` of `cand` in its own process group; its trial record."""
+    run_dir = out_dir / "trials" / tid
+    log = out_dir / "logs" / f"{tid}.log"
+    if run_dir.exists():  # left by a tune killed during this trial: its result was never logged
+        shutil.rmtree(run_dir)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    total_steps = warmup + round_.measured_steps
+    cmd = [
+        *_fsdprun_command(), "train", recipe, *overrides, *cand.overrides, *TRIAL_OVERRIDES,
+        f"train.steps={total_steps}", f"output.timing_warmup_steps={warmup}",
+        "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    env = dict(os.environ, **_fault_env(tid))
+    env.pop(FAULT_ENV, None)
+    record: dict[str, Any] = {
+        "event": "trial", "id": tid, "candidate": cand.id, "label": cand.label,
+        "overrides": cand.overrides, "round": round_.index, "measured_steps": round_.measured_steps,
+        "warmup_steps": warmup, "run_dir": str(run_dir),
+    }  # fmt: skip
+    start = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            record["status"] = "timeout"
+        except BaseException:  # Ctrl-C: the trial goes with tune, and is never logged
+            _kill_group(proc)
+            raise
+    record["wall_s"] = time.perf_counter() - start
+    events = read_events(metrics_path(run_dir)) if metrics_path(run_dir).exists() else []
+    steps = [e for e in events if e["event"] == "step"]
+    summary = events[-1] if events and events[-1]["event"] == "summary" else None
+    start_event = next((e for e in events if e["event"] == "start"), {})
+    record["losses"] = [e["loss"] for e in steps]
+    record["device_name"] = start_event.get("device_name")
+    if record.get("status") == "timeout":
+        last = steps[-1]["step"] if steps else 0
+        record["reason"] = f"hung: no result within {timeout_s:.0f} s (killed after step {last})"
+        return record
+    if proc.returncode != 0 or summary is None:
+        text = log.read_text(errors="replace")
+        line = _error_line(text)
+        record["status"] = "oom" if "out of memory" in text.lower() else "failed"
+        record["reason"] = f"exit {proc.returncode}: {line}"
+        return record
+    times = summary["step_times_s"]
+    tokens = start_event.get("tokens_per_step") or 0
+    ranks = summary["ranks"]
+    gpu = "peak_allocated_bytes" in ranks[0]
+    record.update(
+        status="ok",
+        step_times_s=times[warmup:],
+        tokens_per_step=tokens,
+        time_to_first_step_s=record["wall_s"] - sum(times[1:]),
+        warmup_s=sum(times[:warmup]),
+        mfu=summary["throughput"].get("mfu"),
+        peak_bytes=max(r["peak_allocated_bytes" if gpu else "peak_rss_bytes"] for r in ranks),
+        memory_kind="allocated" if gpu else "RSS",
+        model_state_bytes=max(r["model_state_bytes"]["total"] for r in ranks),
+    )
+    return record
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def loss_problem(losses: list[float], reference: list[float], rtol: float) -> str | None:
+    """Why a trial's first losses disagree with the baseline's of the same round, or None."""
+    n = min(LOSS_STEPS, len(reference))
+    if len(losses) < n:
+        return f"loss check: only {len(losses)} steps logged"
+    for step, (got, want) in enumerate(zip(losses[:n], reference[:n], strict=True), start=1):
+        if not math.isfinite(got) or abs(got - want) > rtol * max(abs(want), 1e-12):
+            return f"loss check: step {step} loss {got:.6g} vs baseline {want:.6g} (rtol {rtol:g})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The trial log
+
+
+class TrialLog:
+    """OUT/trials.jsonl: a header naming the search, then one record per finished trial. Each
+    record is appended and fsynced, so a killed tune leaves whole records only; a torn last line
+    (a kill inside the write) is cut off when the log is opened again."""
+
+    def __init__(self, path: Path, header: dict[str, Any]):
+        self.path, self.records = path, []
+        if path.exists():
+            good, lines = 0, path.read_bytes().split(b"\n")
+            docs = []
+            for line in lines:
+                try:
+                    docs.append(json.loads(line))
+                except ValueError:
+                    break
+                good += len(line) + 1
+            if good < path.stat().st_size:
+                with path.open("r+b") as f:
+                    f.truncate(good)
+            if docs:
+                if docs[0].get("search") != header["search"]:
+                    raise UserError(
+                        f"--out {path.parent}: holds a tune of another search (recipe, "
+                        "overrides, space or launch differ); give a new --out, or the same "
+                        "arguments to continue it"
+                    )
+                self.records = [d for d in docs[1:] if d.get("event") == "trial"]
+                return
+        self._append(header)
+
+    def _append(self, doc: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(doc) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def add(self, record: dict[str, Any]) -> None:
+        self._append(record)
+        self.records.append(record)
+
+    def get(self, tid: str) -> dict[str, Any] | None:
+        return next((r for r in self.records if r["id"] == tid), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection
+
+
+@dataclass
+class Stats:
+    median: float
+    q1: float
+    q3: float
+    num_trials: int
+    num_steps: int
+
+    @property
+    def spread(self) -> float:
+        """Half the interquartile range, relative to the median."""
+        return (self.q3 - self.q1) / 2 / self.median if self.median else math.nan
+
+    @property
+    def median_error(self) -> float:
+        """Standard error of the median, relative to it: 1.2533 sigma / sqrt(n), sigma estimated
+        robustly as IQR / 1.349 (so one slow step does not inflate it). It shrinks as a trial
+        measures more steps, as the step-to-step spread does not."""
+        sigma = (self.q3 - self.q1) / 1.349
+        return 1.2533 * sigma / math.sqrt(self.num_steps) / self.median if self.median else math.nan
+
+
+def noise_of(candidate: Stats, baseline: Stats) -> float:
+    """The measured noise of a gain: two standard errors of the difference of the two medians
+    (about 95% confidence), relative to the baseline's median."""
+    return 2 * math.hypot(candidate.median_error * candidate.median / baseline.median,
+                          baseline.median_error)  # fmt: skip
+
+
+def step_rates(record: dict[str, Any]) -> list[float]:
+    return [record["tokens_per_step"] / t for t in record.get("step_times_s", []) if t > 0]
+
+
+def round_stats(records: list[dict[str, Any]], cand_id: str, round_index: int) -> Stats | None:
+    """Tokens/s of one candidate in one round: every measured step of its good trials."""
+    mine = [r for r in records if r["candidate"] == cand_id and r["round"] == round_index
+            and r["status"] == "ok"]  # fmt: skip
+    samples = [x for r in mine for x in step_rates(r)]
+    if not samples:
+        return None
+    return Stats(percentile(samples, 50), percentile(samples, 25), percentile(samples, 75),
+                 len(mine), len(samples))  # fmt: skip
+
+
+@dataclass
+class Ranked:
+    candidate: str
+    round: int | None  # the round it is compared at (highest with the baseline)
+    stats: Stats | None
+    baseline: Stats | None
+    gain: float | None  # median / baseline median - 1
+
+
+@dataclass
+class Selection:
+    winner: str  # a candidate id; "c0" = the baseline stays
+    ranking: list[Ranked]
+    beats_noise: bool
+    gain: float | None
+    noise: float | None  # the baseline's relative spread at the compared round
+    verdict: str
+
+
+def select(records: list[dict[str, Any]], baseline: str = "c0") -> Selection:
+    """The winner from the trial log alone (deterministic): each candidate is compared with the
+    baseline at the highest round both have good trials in; ranked by that round, then median
+    tokens/s, then id. The top challenger wins only if its gain exceeds the measured noise
+    (`noise_of`: two standard errors of the difference of the medians)."""
+    ids = sorted({r["candidate"] for r in records}, key=lambda c: int(c[1:]))
+    ranking = []
+    for cid in ids:
+        rounds = sorted({r["round"] for r in records if r["candidate"] == cid}, reverse=True)
+        best = None
+        for ri in rounds:
+            mine, base = round_stats(records, cid, ri), round_stats(records, baseline, ri)
+            if mine is not None and base is not None:
+                best = Ranked(cid, ri, mine, base, mine.median / base.median - 1)
+                break
+        if best is None:
+            mine = next((s for ri in rounds if (s := round_stats(records, cid, ri))), None)
+            best = Ranked(cid, None, mine, None, None)
+        ranking.append(best)
+
+    def key(r: Ranked) -> tuple:
+        return (r.round is None, -(r.round or 0), -(r.stats.median if r.stats else -1),
+                int(r.candidate[1:]))  # fmt: skip
+
+    ranking.sort(key=key)
+    labels = {r["candidate"]: r.get("label", r["candidate"]) for r in records}
+    top = next((r for r in ranking if r.round is not None), None)
+    if top is None:
+        # The starting recipe never ran (out of memory, say): any candidate that ran is better.
+        ran = next((r for r in ranking if r.stats is not None and r.candidate != baseline), None)
+        if ran is None:
+            return Selection(baseline, ranking, False, None, None,
+                             "no trial succeeded: the starting recipe stays")  # fmt: skip
+        return Selection(ran.candidate, ranking, True, None, None,
+                         f"no trial of the starting recipe succeeded; {ran.candidate} "
+                         f"({labels[ran.candidate]}) is the fastest that ran")  # fmt: skip
+    noise = noise_of(top.stats, top.baseline)
+    if top.candidate == baseline:
+        return Selection(baseline, ranking, False, 0.0, noise,
+                         "the starting recipe is the fastest: it stays")  # fmt: skip
+    if not top.gain > noise:
+        return Selection(
+            baseline, ranking, False, top.gain, noise,
+            f"{top.candidate} ({labels[top.candidate]}) is {top.gain:+.1%} but within the "
+            f"measured noise (±{noise:.1%}): the starting recipe stays",
+        )  # fmt: skip
+    return Selection(top.candidate, ranking, True, top.gain, noise,
+                     f"{top.candidate} ({labels[top.candidate]}) beats the starting recipe by "
+                     f"{top.gain:+.1%}, more than the measured noise (±{noise:.1%})")  # fmt: skip
+
+
+def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
+    """Ids of the (id, peak bytes, tokens/s) points no other point beats on both (less memory
+    and more tokens/s)."""
+    front = []
+    for pid, mem, tps in points:
+        if not any((m <= mem and t >= tps) and (m < mem or t > tps) for _, m, t in points):
+            front.append(pid)
+    return front
+
+
+# ---------------------------------------------------------------------------------------------
+# The tuned layer
+
+
+def tuned_layer(
+    recipe_ref: str, overrides: list[str], winner: Candidate, *, verdict: str, hardware: str,
+    command: str,
+) -> str:  # fmt: skip
+    """tuned.yaml: extends the user's recipe and sets only the winning knobs (plus the user's own
+    command-line overrides, which are part of the recipe that was tuned)."""
+    from fsdprun.config import parse_overrides, schema_fields
+
+    tree: dict[str, Any] = {"extends": recipe_ref}
+
+    def put(key: str, value: Any) -> None:
+        section, name = key.split(".", 1)
+        value = value.value if isinstance(value, enum.Enum) else value
+        tree.setdefault(section, {})[name] = value
+
+    user = [o for o in overrides if not o.lstrip("~").startswith("launch.")]
+    values, drops = parse_overrides(user)
+    fields = schema_fields()
+    for key in drops:  # ~key: back to the schema's default, which a layer spells out
+        f = fields[key]
+        put(key, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    for key, value in values.items():
+        put(key, value)
+    for key, value in parse_overrides(winner.overrides)[0].items():
+        put(key, value)
+    today = dt.date.today().isoformat()
+    header = [
+        f"# {command}",
+        f"# Tuned by fsdprun tune on {today}, {hardware}.",
+        f"# {verdict}.",
+        "# This layer sets only the winning knobs"
+        + (" (and the command line's overrides of the tuned recipe)." if overrides else "."),
+    ]
+    return "\n".join(header) + "\n" + yaml.safe_dump(tree, sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+
+@dataclass
+class TuneArgs:
+    recipe: str
+    overrides: list[str]  # the user's key=value overrides
+    launch_overrides: list[str]  # from the launch flags
+    launch_flags: list[str]  # the same flags as typed, for the printed train command
+    out_dir: Path
+    budget_s: float
+    device_memory_bytes: int | None = None
+    space: list[str] = field(default_factory=list)
+    allow_numerics: bool = False
+    steps: int = DEFAULT_STEPS
+    repeats: int = DEFAULT_REPEATS
+    finalists: int = DEFAULT_FINALISTS
+    trial_timeout_s: float | None = None
+    margin: float = DEFAULT_MARGIN
+    dry_run: bool = False  # print the space, the pruning and the order; run nothing
+
+
+def probe_device(cfg: RecipeConfig) -> dict[str, Any]:
+    """The accelerator's kind, name and free memory, measured in a subprocess so that this
+    process never holds a device context while trials run."""
+    if cfg.launch.device.value == "cpu":
+        return {"kind": "cpu"}
+    code = (
+        "import json, torch\n"
+        "d = {'kind': 'cpu'}\n"
+        "if torch.cuda.is_available():\n"
+        "    free, total = torch.cuda.mem_get_info()\n"
+        "    d = {'kind': 'cuda', 'name': torch.cuda.get_device_name(), 'free': free,"
+        " 'total': total}\n"
+        "print(json.dumps(d))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"kind": "cpu"}
+
+
+def _search_key(args: TuneArgs, space: list[SpaceKnob]) -> str:
+    doc = json.dumps([args.recipe, args.overrides, args.launch_overrides,
+                      [asdict(k) for k in space], args.steps, args.repeats,
+                      args.finalists], sort_keys=True)  # fmt: skip
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def parse_duration(text: str, option: str) -> float:
+    """'20m', '90s', '1h', '45' (seconds) → seconds.
+
+    Raises:
+        UserError: not a positive duration.
+    """
+    units = {"s": 1, "m": 60, "h": 3600}
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        value = -1
+    if not value > 0:
+        raise UserError(f"{option} {text!r}: give a duration such as 20m, 90s or 1h")
+    return value
+
+
+def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
+    """The whole search; returns the report (its JSON document).
+
+    Raises:
+        UserError: the recipe is invalid, --device-memory missing on CPU, a bad --space, or
+            --out holds another search.
+    """
+    say = say or (lambda text: None)
+    started = time.perf_counter()
+    for option, value in (("--steps", args.steps), ("--repeats", args.repeats),
+                          ("--finalists", args.finalists)):  # fmt: skip
+        if value < 1:
+            raise UserError(f"{option} must be >= 1 (got {value})")
+    base_overrides = [*args.overrides, *args.launch_overrides]
+    resolved = load_recipe(args.recipe, base_overrides)
+    cfg = resolved.config
+    problems = check_data(cfg)
+    if problems:
+        raise UserError("; ".join(problems))
+    if cfg.launch.nnodes > 1 or "RANK" in os.environ:
+        # Every node's tune would have to run the same trials in the same order, and only node 0
+        # sees the measurements that choose them.
+        raise UserError(
+            f"fsdprun tune runs on one node for now (launch.nnodes={cfg.launch.nnodes}"
+            + (", or under torchrun/srun" if "RANK" in os.environ else "")
+            + "): tune at one node's world size, then train the tuned layer on all nodes"
+        )
+    device = probe_device(cfg)
+    accelerator = device["kind"] != "cpu"
+    if args.device_memory_bytes is None and device["kind"] == "cpu":
+        raise UserError(
+            "--device-memory is required on CPU (no accelerator memory to measure); e.g. "
+            "--device-memory 8GB"
+        )
+    memory = args.device_memory_bytes or int(device["free"])
+    memory_source = "--device-memory" if args.device_memory_bytes else (
+        f"free memory of {device.get('name', 'the device')} measured now"
+    )  # fmt: skip
+    space, defaults = parse_space(args.space, cfg, accelerator=accelerator,
+                                  allow_numerics=args.allow_numerics)  # fmt: skip
+    baseline = {k.key: current_value(cfg, k.key) for k in space}
+    candidates = enumerate_candidates(space, baseline)
+    prune(candidates, args.recipe, base_overrides, device_memory_bytes=memory,
+          margin=args.margin, dominate_memory_knobs=defaults)  # fmt: skip
+    order = prior_order(candidates)
+    warmup = max(cfg.output.timing_warmup_steps, 1)
+    param_dtype = cfg.precision.param_dtype.value
+    rtol = LOSS_RTOL[param_dtype]
+    _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol)
+    if args.dry_run:
+        rounds = halving_schedule(len(order), steps=args.steps, finalists=args.finalists,
+                                  repeats=args.repeats)  # fmt: skip
+        return {
+            "recipe": resolved.name, "device_memory_bytes": memory, "margin": args.margin,
+            "space": [asdict(k) for k in space],
+            "order": [c.id for c in order],
+            "rounds": [asdict(r) for r in rounds],
+            "candidates": [{"candidate": c.id, "label": c.label, "overrides": c.overrides,
+                            "status": c.status, "reason": c.reason,
+                            "planned_peak_bytes": c.planned_peak_bytes} for c in candidates],
+        }  # fmt: skip
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any]
+    with hold_run_dir(args.out_dir):
+        header = {"event": "tune", "search": _search_key(args, space), "recipe": resolved.name,
+                  "overrides": base_overrides}  # fmt: skip
+        log = TrialLog(args.out_dir / LOG_FILE, header)
+        if log.records:
+            say(f"continuing {args.out_dir}: {len(log.records)} finished trials in {LOG_FILE}")
+        stop, left_out = _search(args, log, order, warmup=warmup, rtol=rtol, started=started,
+                                 say=say)  # fmt: skip
+        for c in candidates:
+            if c.id in left_out:
+                c.reason = left_out[c.id]
+        report = _report(args, resolved, cfg, candidates, log.records, memory, memory_source,
+                         stop, started, rtol)  # fmt: skip
+        _write_tuned(args, report, candidates)
+    return report
+
+
+def _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol):
+    from fsdprun.report.console import fmt_bytes
+
+    say(f"space ({len(candidates)} candidates):")
+    for k in space:
+        mark = "  [numerics: changes the math]" if k.numerics else ""
+        say(f"  {k.key}: {', '.join(k.values)}{mark}")
+    say(f"device memory {fmt_bytes(memory)} ({memory_source}); margin {args.margin:.0%} over "
+        "the planned peak per rank")  # fmt: skip
+    pruned = [c for c in candidates if c.status == "pruned"]
+    say(f"pruned {len(pruned)}:")
+    for c in pruned:
+        say(f"  {c.id} {c.label}: {c.reason}")
+    say(f"order ({len(order)}): " + ", ".join(f"{c.id} {c.label}" for c in order))
+    say(f"each trial: {warmup} warm-up steps (time to first step), then {args.steps} measured "
+        f"steps in round 0, doubling each round; loss check: first {LOSS_STEPS} losses within "
+        f"rtol {rtol:g} of the baseline's")  # fmt: skip
+
+
+def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None, dict]:
+    """Run the rounds. Returns why the search stopped early (the budget) or None, and the
+    candidates the budget left out of the first round (id -> reason)."""
+    records = log.records
+    base = order[0]
+
+    def elapsed() -> float:
+        return time.perf_counter() - started
+
+    def costs() -> tuple[float, float] | None:
+        """Median start-up + warm-up seconds of a trial, and median seconds of a measured step."""
+        ok = [r for r in records if r["status"] == "ok"]
+        if not ok:
+            return None
+        overhead = percentile([r["wall_s"] - sum(r["step_times_s"]) for r in ok], 50)
+        return overhead, percentile([t for r in ok for t in r["step_times_s"]], 50)
+
+    def estimate(steps: int) -> float | None:
+        c = costs()
+        return None if c is None else c[0] + steps * c[1]
+
+    def timeout(steps: int, cand: Candidate) -> float:
+        est = estimate(steps)
+        # Generous: a slow candidate is not a hung one (compile's first steps take minutes).
+        compiled = 2 if cand.knobs.get("compile.enabled") == "true" else 1
+        limit = args.trial_timeout_s or (
+            FIRST_TRIAL_TIMEOUT_S if est is None else compiled * max(MIN_TIMEOUT_S, 4 * est)
+        )  # fmt: skip
+        # Never past the budget by more than one trial's length.
+        return min(limit, max(args.budget_s - elapsed(), 0) + (est or limit))
+
+    alive, left_out, fitted = list(order), {}, False
+    for round_index in itertools.count():
+        final = len(alive) <= args.finalists + 1
+        rnd = Round(round_index, len(alive), args.steps * 2**round_index,
+                    args.repeats if final else 1)  # fmt: skip
+        say(f"round {rnd.index}: {rnd.num_candidates} candidates x {rnd.repeats} trials of "
+            f"{rnd.measured_steps} measured steps")  # fmt: skip
+        rep = 0
+        while rep < rnd.repeats:
+            i = 0
+            while i < len(alive):
+                cand = alive[i]
+                i += 1
+                tid = trial_id(rnd.index, cand, rep)
+                if log.get(tid) is None:
+                    est = estimate(rnd.measured_steps)
+                    if records and (
+                        elapsed() >= args.budget_s
+                        or (est is not None and elapsed() + est > args.budget_s)
+                    ):
+                        return (f"--budget {args.budget_s:.0f} s spent after {elapsed():.0f} s: "
+                                f"{tid} and later trials not run"), left_out  # fmt: skip
+                    _trial(args, log, cand, base, tid=tid, rnd=rnd, warmup=warmup, rtol=rtol,
+                           timeout_s=timeout(rnd.measured_steps, cand), say=say)  # fmt: skip
+                if round_index == 0 and not final and not fitted and (c := costs()):
+                    # Once one trial has run: as many candidates as the budget's schedule covers.
+                    fitted = True
+                    n = fit_to_budget(len(alive), args.budget_s - elapsed() + c[0] + c[1] * rnd.
+                                      measured_steps, overhead_s=c[0], step_s=c[1],
+                                      steps=args.steps, finalists=args.finalists,
+                                      repeats=args.repeats)  # fmt: skip
+                    if n < len(alive):
+                        reason = f"not tried: --budget covers the schedule of {n} candidates"
+                        left_out = {c.id: reason for c in alive[n:]}
+                        alive = alive[:n]
+                        say(f"  the budget covers {n} candidates: {len(left_out)} left out")
+                        if len(alive) <= args.finalists + 1:
+                            # Few enough for the last round: this one becomes it, with repeats.
+                            final = True
+                            rnd = Round(rnd.index, len(alive), rnd.measured_steps, args.repeats)
+                            say(f"round {rnd.index} is the last: {rnd.num_candidates} candidates "
+                                f"x {rnd.repeats} trials")  # fmt: skip
+            rep += 1
+        if final:
+            return None, left_out
+        scores = {c.id: round_stats(records, c.id, rnd.index) for c in alive}
+        challengers = sorted((c for c in alive[1:] if scores[c.id] is not None),
+                             key=lambda c: (-scores[c.id].median, c.index))  # fmt: skip
+        keep = max(args.finalists, math.ceil(len(alive) / ETA) - 1)
+        alive = [base, *challengers[:keep]]
+        if len(alive) == 1:
+            return None, left_out
+    raise AssertionError("unreachable")
+
+
+def _trial(args, log, cand, base, *, tid, rnd, warmup, rtol, timeout_s, say) -> None:
+    """Run one trial, check its losses against the baseline's of the same round, log it."""
+    records = log.records
+    rec = run_trial(args.recipe, [*args.overrides, *args.launch_overrides], cand, tid=tid,
+                    round_=rnd, warmup=warmup, out_dir=args.out_dir,
+                    timeout_s=timeout_s)  # fmt: skip
+    ref = next((r for r in records if r["candidate"] == base.id and r["round"] == rnd.index
+                and r["status"] == "ok"), None)  # fmt: skip
+    if rec["status"] == "ok" and ref is not None and cand is not base:
+        rec["loss_checked"] = not cand.numerics
+        problem = loss_problem(rec["losses"], ref["losses"], rtol)
+        if problem and not cand.numerics:
+            rec["status"], rec["reason"] = "loss", problem
+    rec["finished_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    log.add(rec)
+    extra = f": {rec['reason']}" if rec.get("reason") else ""
+    say(f"  {tid} {cand.label}: {rec['status']} ({rec['wall_s']:.1f} s){extra}")
+
+
+def _report(args, resolved, cfg, candidates, records, memory, memory_source, stop, started,
+            rtol) -> dict[str, Any]:  # fmt: skip
+    sel = select(records)
+    by_id = {c.id: c for c in candidates}
+    hardware = _hardware(records, cfg)
+    rows = []
+    ranked_ids = set()
+    last_round = max((x["round"] for x in records), default=0)
+    for r in sel.ranking:
+        c = by_id.get(r.candidate)
+        if c is None:
+            continue
+        ranked_ids.add(c.id)
+        mine = [x for x in records if x["candidate"] == c.id]
+        ok = [x for x in mine if x["status"] == "ok"]
+        bad = [x for x in mine if x["status"] != "ok"]
+        peak = max((x["peak_bytes"] for x in ok), default=None)
+        state = max((x["model_state_bytes"] for x in ok), default=None)
+        flags = []
+        if state and c.planned_model_state_bytes:
+            ratio = state / c.planned_model_state_bytes
+            if abs(ratio - 1) > MODEL_STATE_RTOL:
+                flags.append(f"model state measured {ratio:.2f}x the plan (beyond its "
+                             f"{MODEL_STATE_RTOL:.0%}): a bug in plan")  # fmt: skip
+        kind = ok[0]["memory_kind"] if ok else None
+        if (
+            peak
+            and kind == "allocated"
+            and c.planned_peak_bytes
+            and (peak > c.planned_peak_bytes * (1 + args.margin))
+        ):
+            flags.append(f"peak allocated {peak / c.planned_peak_bytes:.2f}x the plan")
+        rows.append({
+            "candidate": c.id, "label": c.label, "overrides": c.overrides,
+            "numerics": c.numerics,
+            "status": "ok" if ok and not bad else (bad[-1]["status"] if bad else "not run"),
+            "reason": bad[-1]["reason"] if bad else (
+                f"dropped after round {max(x['round'] for x in mine)} (successive halving)"
+                if max(x["round"] for x in mine) < last_round else None
+            ),
+            "round": r.round, "num_trials": len(mine),
+            "tokens_per_s": r.stats.median if r.stats else None,
+            "spread": r.stats.spread if r.stats else None,
+            "gain": r.gain,
+            "mfu": percentile([x["mfu"] for x in ok if x.get("mfu") is not None], 50)
+            if any(x.get("mfu") is not None for x in ok) else None,
+            "peak_bytes": peak, "memory_kind": kind,
+            "planned_peak_bytes": c.planned_peak_bytes,
+            "model_state_bytes": state,
+            "planned_model_state_bytes": c.planned_model_state_bytes,
+            "time_to_first_step_s": percentile([x["time_to_first_step_s"] for x in ok], 50)
+            if ok else None,
+            "plan_flags": flags,
+        })  # fmt: skip
+    for c in candidates:
+        if c.id in ranked_ids:
+            continue
+        rows.append({"candidate": c.id, "label": c.label, "overrides": c.overrides,
+                     "numerics": c.numerics,
+                     "status": "pruned" if c.status == "pruned" else "not run",
+                     "reason": c.reason or (stop and "not reached within --budget")
+                     or "dropped by successive halving",
+                     "planned_peak_bytes": c.planned_peak_bytes})  # fmt: skip
+    # A candidate dropped after round 0 keeps its round-0 figures; say why it stopped.
+    winner = by_id[sel.winner]
+    ref = _recipe_ref(args.recipe)
+    tuned = args.out_dir / TUNED_FILE
+    command = " ".join(["fsdprun", "train", str(tuned), *args.launch_flags])
+    points = [(row["candidate"], row["peak_bytes"], row["tokens_per_s"]) for row in rows
+              if row.get("peak_bytes") and row.get("tokens_per_s")]  # fmt: skip
+    return {
+        "recipe": resolved.name, "recipe_ref": ref, "overrides": args.overrides,
+        "world_size": cfg.world_size, "hardware": hardware,
+        "device_memory_bytes": memory, "device_memory_source": memory_source,
+        "margin": args.margin, "loss_rtol": rtol, "budget_s": args.budget_s,
+        "elapsed_s": time.perf_counter() - started, "stopped_early": stop,
+        "num_trials": len(records),
+        "winner": winner.id, "winner_label": winner.label, "winner_overrides": winner.overrides,
+        "gain": sel.gain if sel.beats_noise else 0.0, "best_gain": sel.gain,
+        "noise": sel.noise, "beats_noise": sel.beats_noise, "verdict": sel.verdict,
+        "tuned_yaml": str(tuned), "command": command,
+        "pareto": pareto_front(points),
+        "candidates": rows,
+    }  # fmt: skip
+
+
+def _hardware(records: list[dict[str, Any]], cfg: RecipeConfig) -> str:
+    names = sorted({r["device_name"] for r in records if r.get("device_name")})
+    device = names[0] if names else cfg.launch.device.value
+    return f"{cfg.world_size} x {device} ({cfg.launch.nnodes} node(s))"
+
+
+def _recipe_ref(recipe: str) -> str:
+    """How tuned.yaml names the user's recipe: an absolute path for a file, else the built-in
+    name."""
+    path = Path(recipe)
+    return str(path.resolve()) if path.is_file() else recipe
+
+
+def _write_tuned(args: TuneArgs, report: dict[str, Any], candidates: list[Candidate]) -> None:
+    winner = next(c for c in candidates if c.id == report["winner"])
+    verdict = report["verdict"]
+    if report["stopped_early"]:
+        verdict += f" ({report['stopped_early']})"
+    text = tuned_layer(report["recipe_ref"], args.overrides, winner, verdict=verdict,
+                       hardware=report["hardware"], command=report["command"])  # fmt: skip
+    path = Path(report["tuned_yaml"])
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    """The ranked table, each candidate's reason or plan disagreement below it (one line each,
+    so the table fits 80 columns), the verdict and the command that trains the tuned layer."""
+    from rich.table import Table
+
+    from fsdprun.report.console import fmt_bytes
+
+    def pair(measured: int | None, planned: int | None) -> str:
+        return (fmt_bytes(measured) if measured else "-") + "\n/ " + (
+            fmt_bytes(planned) if planned else "-"
+        )  # fmt: skip
+
+    kind = next((r["memory_kind"] for r in report["candidates"] if r.get("memory_kind")), "")
+    table = Table(title=f"fsdprun tune {report['recipe']}: {report['hardware']}, "
+                  f"{report['num_trials']} trials in {report['elapsed_s']:.0f} s")  # fmt: skip
+    # MFU only where a device's peak is known (never on CPU): a column of n/a costs the width.
+    mfu = any(r.get("mfu") is not None for r in report["candidates"])
+    columns = ("#", "knobs", "status", "tokens/s", "gain", *(["MFU"] if mfu else []),
+               f"peak {kind}\n/ plan", "model state\n/ plan", "1st step")  # fmt: skip
+    for col in columns:
+        if col == "knobs":
+            table.add_column(col, overflow="fold")
+        else:
+            table.add_column(col, justify="left" if col == "status" else "right")
+    notes = []
+    for row in report["candidates"]:
+        tps = row.get("tokens_per_s")
+        mark = " *" if row.get("numerics") else ""
+        win = " ✓" if row["candidate"] == report["winner"] else ""
+        for note in filter(None, [row.get("reason"), *row.get("plan_flags", [])]):
+            notes.append(f"{row['candidate']} {row['label']}: {note}")
+        status = row["status"] + (f" r{row['round']}" if row.get("round") is not None else "")
+        status += win
+        table.add_row(
+            row["candidate"], row["label"] + mark, status,
+            f"{tps:,.0f}\n±{row['spread']:.1%}" if tps else "-",
+            f"{row['gain']:+.1%}" if row.get("gain") is not None else "-",
+            *([f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a"] if mfu else []),
+            pair(row.get("peak_bytes"), row.get("planned_peak_bytes")),
+            pair(row.get("model_state_bytes"), row.get("planned_model_state_bytes")),
+            f"{row['time_to_first_step_s']:.1f} s" if row.get("time_to_first_step_s") else "-",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        "tokens/s: median of every measured step in the last round the candidate shared with the "
+        "baseline (rN), ± half the interquartile range; 1st step: launch to the end of step 1 "
+        "(start-up, build, compile, warm-up); ✓ the winner; plan: `fsdprun plan` (peak per rank "
+        "on the device; on CPU the RSS also holds the torch runtime); * changes the numerics"
+        + ("" if mfu else "; MFU: no peak figure for this device (output.peak_tflops)")
+    )
+    for note in notes:
+        console.print(f"  {note}")
+    if report["stopped_early"]:
+        console.print(f"stopped early: {report['stopped_early']}")
+    console.print(report["verdict"])
+    console.print(f"wrote {report['tuned_yaml']}; train it with:\n  {report['command']}")

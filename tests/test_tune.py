@@ -1,0 +1,530 @@
+"""`fsdprun tune`: the pure logic (space, pruning, halving schedule, selection with noise, the
+trial log, tuned.yaml) without launches, then two real searches on CPU (gloo, 2 ranks, each trial
+a real `fsdprun train`): one that must move the debug model's 1 x 8 accumulation to a larger
+micro-batch that fits the device memory and whose tuned layer trains with the same fp32 losses,
+and one that survives a failing trial, a hanging one, a spent budget and a kill -9 of tune.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdprun.config import load_recipe
+from fsdprun.errors import UserError
+from fsdprun.tools import tune as T
+from tests.conftest import FSDPRUN, fsdprun_env, run_fsdprun
+
+RECIPE = "extends: debug\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 1\n"
+
+
+@pytest.fixture
+def recipe(tmp_path: Path) -> Path:
+    path = tmp_path / "mb1.yaml"
+    path.write_text(RECIPE)
+    return path
+
+
+def cfg_of(recipe: Path, *overrides: str):
+    return load_recipe(str(recipe), list(overrides)).config
+
+
+# ---------------------------------------------------------------------------------------------
+# The space
+
+
+def test_space_keeps_the_math_and_marks_numerics(recipe):
+    cfg = cfg_of(recipe)
+    with pytest.raises(UserError, match="optim.lr: not a tuning knob"):
+        T.parse_space(["optim.lr=1e-3,3e-3"], cfg, accelerator=False, allow_numerics=False)
+    with pytest.raises(UserError, match="--allow-numerics"):
+        T.parse_space(["precision.param_dtype=bf16"], cfg, accelerator=False, allow_numerics=False)
+    with pytest.raises(UserError, match="KEY=V1,V2"):
+        T.parse_space(["train.micro_batch_size"], cfg, accelerator=False, allow_numerics=False)
+    space, default = T.parse_space(
+        ["train.micro_batch_size=2,4", "precision.param_dtype=bf16"], cfg, accelerator=False,
+        allow_numerics=True,
+    )  # fmt: skip
+    assert not default
+    # The recipe's own value always joins (the baseline is a candidate).
+    assert [(k.key, k.values, k.numerics) for k in space] == [
+        ("train.micro_batch_size", ("1", "2", "4"), False),
+        ("precision.param_dtype", ("fp32", "bf16"), True),
+    ]
+    cands = T.enumerate_candidates(space, {"train.micro_batch_size": "1",
+                                           "precision.param_dtype": "fp32"})  # fmt: skip
+    assert cands[0].diff == {} and cands[0].label == "baseline"
+    assert len(cands) == 6 and len({tuple(c.overrides) for c in cands}) == 6
+    assert [c.numerics for c in cands] == [False, True, False, True, False, True]
+
+
+def test_default_space_searches_math_knobs_only(recipe):
+    cfg = cfg_of(recipe)
+    space, default = T.parse_space([], cfg, accelerator=False, allow_numerics=False)
+    assert default and {k.key for k in space} <= set(T.MATH_KNOBS)
+    mb = next(k for k in space if k.key == "train.micro_batch_size")
+    assert mb.values == ("1", "2", "4", "8")  # every divisor of 16 / 2 ranks
+    assert "compile.enabled" not in {k.key for k in space}  # CPU: no compile by default
+    gpu, _ = T.parse_space(["defaults", "fsdp.wrap=block,none"], cfg, accelerator=True,
+                           allow_numerics=False)  # fmt: skip
+    keys = {k.key for k in gpu}
+    assert "compile.enabled" in keys and "fsdp.wrap" in keys and len(gpu) == len(space) + 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Pruning with the plan
+
+
+def test_prune_with_the_plan_and_the_knob_table(recipe):
+    cfg = cfg_of(recipe)
+    space, _ = T.parse_space(
+        ["train.micro_batch_size=1,3,8", "fsdp.limit_all_gathers=true,false",
+         "fsdp.cpu_offload=false,true"],
+        cfg, accelerator=False, allow_numerics=False,
+    )  # fmt: skip
+    base = {k.key: T.current_value(cfg, k.key) for k in space}
+    cands = T.enumerate_candidates(space, base)
+    plans = {}
+
+    def planner(c):  # the real plan, remembered for the assertions
+        plans[c.train.micro_batch_size, c.fsdp.cpu_offload] = T._planned(c)
+        return plans[c.train.micro_batch_size, c.fsdp.cpu_offload]
+
+    mb8 = T._planned(cfg_of(recipe, "train.micro_batch_size=8"))[0]
+    mb1 = T._planned(cfg)[0]
+    memory = int((mb1 + mb8) / 2)  # mb=1 fits with the margin, mb=8 does not
+    assert mb1 * 1.1 < memory < mb8 * 1.1
+    T.prune(cands, str(recipe), [], device_memory_bytes=memory, margin=0.1,
+            dominate_memory_knobs=False, planner=planner)  # fmt: skip
+    why = {c.label: c.reason for c in cands}
+    assert all(c.reason for c in cands[1:]), why
+    assert "refuse" in why["mb=3"] and "global_batch_size" in why["mb=3"]
+    assert "limit_all_gathers does nothing under fsdp2" in why["limit_ag=false"]
+    assert "device memory" in why["mb=8"] and "10% margin" in why["mb=8"]
+    # Offload is only tried where nothing else fits: mb=1 fits without it.
+    assert why["offload=true"] == "fsdp.cpu_offload=true not needed: c0 (without) fits"
+    # mb=8 with offload: its planned device peak leaves out the offloaded model state.
+    assert plans[8, True][0] < plans[8, False][0]
+    assert cands[0].status == "kept"
+    order = T.prior_order(cands)
+    assert order == [cands[0]]
+
+
+def test_prior_order_prefers_big_micro_batches_without_recompute():
+    def cand(i, **knobs):
+        full = {"train.micro_batch_size": "1", "activation_checkpointing.mode": "none", **knobs}
+        return T.Candidate(i, full, {k: v for k, v in knobs.items()})
+
+    cands = [cand(0), cand(1, **{"train.micro_batch_size": "2"}),
+             cand(2, **{"activation_checkpointing.mode": "full", "train.micro_batch_size": "8"}),
+             cand(3, **{"train.micro_batch_size": "4"})]  # fmt: skip
+    assert [c.index for c in T.prior_order(cands)] == [0, 3, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule
+
+
+def test_halving_schedule_and_budget():
+    rounds = T.halving_schedule(20, steps=4, finalists=2, repeats=3)
+    assert [(r.num_candidates, r.measured_steps, r.repeats) for r in rounds] == [
+        (20, 4, 1), (7, 8, 1), (3, 16, 3),
+    ]  # fmt: skip
+    assert T.halving_schedule(3, steps=2, finalists=2, repeats=2) == [T.Round(0, 3, 2, 2)]
+    cost = T.schedule_cost_s(rounds, overhead_s=10, step_s=1)
+    assert cost == 20 * 14 + 7 * 18 + 9 * 26
+    assert T.fit_to_budget(20, cost, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3) == 20
+    n = T.fit_to_budget(20, cost / 2, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3)
+    assert 3 <= n < 20
+    fits = T.halving_schedule(n, steps=4, finalists=2, repeats=3)
+    assert T.schedule_cost_s(fits, overhead_s=10, step_s=1) <= cost / 2
+    assert T.fit_to_budget(20, 1, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3) == 2
+
+
+def test_parse_duration():
+    assert T.parse_duration("20m", "--budget") == 1200
+    assert T.parse_duration("90s", "--budget") == 90
+    assert T.parse_duration("1.5h", "--budget") == 5400
+    assert T.parse_duration("45", "--budget") == 45
+    for bad in ("", "0", "-3m", "soon"):
+        with pytest.raises(UserError, match="--budget"):
+            T.parse_duration(bad, "--budget")
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection
+
+
+def trial(cand, rnd, rep, times, status="ok", tokens=1000):
+    return {"id": f"r{rnd}-{cand}-{rep}", "candidate": cand, "label": cand, "round": rnd,
+            "status": status, "step_times_s": times, "tokens_per_step": tokens}  # fmt: skip
+
+
+def test_select_needs_more_than_the_noise():
+    base = [trial("c0", 0, 0, [1.0, 1.1, 0.9, 1.0]), trial("c0", 1, 0, [1.0, 1.05, 0.95, 1.0])]
+    fast = [trial("c1", 0, 0, [0.5, 0.55, 0.5, 0.45]), trial("c1", 1, 0, [0.5, 0.5, 0.52, 0.48])]
+    close = [trial("c2", 0, 0, [0.98, 1.1, 0.9, 0.97])]
+    failed = [trial("c3", 0, 0, [], status="oom")]
+    sel = T.select(base + fast + close + failed)
+    assert sel.winner == "c1" and sel.beats_noise and sel.gain == pytest.approx(1.0, rel=0.05)
+    # Ranked: the finalists of round 1 first, then round 0, then the ones with no good trial.
+    assert [r.candidate for r in sel.ranking] == ["c1", "c0", "c2", "c3"]
+    assert sel.ranking[1].round == 1 and sel.ranking[2].round == 0 and sel.ranking[3].round is None
+    # A candidate faster in the median but inside the noise does not replace the baseline.
+    noisy = [trial("c1", 1, 0, [0.7, 1.3, 0.6, 1.2])]
+    sel = T.select(base + noisy)
+    assert sel.winner == "c0" and not sel.beats_noise and sel.gain > 0
+    assert "within the measured noise" in sel.verdict and "stays" in sel.verdict
+    # The starting recipe never ran (out of memory): the fastest candidate that ran wins.
+    sel = T.select([trial("c0", 0, 0, [], "oom"), *close, *fast])
+    assert sel.winner == "c1" and "no trial of the starting recipe succeeded" in sel.verdict
+    assert T.select([trial("c0", 0, 0, [], "oom"), *failed]).winner == "c0"
+
+
+def test_select_is_a_function_of_the_log():
+    import random
+
+    rng = random.Random(0)
+    records = [trial(f"c{c}", r, k, [rng.uniform(0.5, 1.5) for _ in range(4)])
+               for c in range(5) for r in range(2) for k in range(2)]  # fmt: skip
+    first = T.select(records)
+    for _ in range(5):
+        rng.shuffle(records)
+        again = T.select([dict(r) for r in records])
+        assert again.winner == first.winner and again.verdict == first.verdict
+        assert [r.candidate for r in again.ranking] == [r.candidate for r in first.ranking]
+
+
+def test_pareto_front_and_loss_check():
+    assert T.pareto_front([("a", 1, 10), ("b", 2, 20), ("c", 2, 15), ("d", 3, 20)]) == ["a", "b"]
+    assert T.loss_problem([5.0, 4.9, 4.8, 1.0], [5.0, 4.9, 4.8 * (1 + 5e-5), 9.0], 1e-4) is None
+    assert "step 2" in T.loss_problem([5.0, 4.8, 4.8], [5.0, 4.9, 4.8], 1e-4)
+    assert "step 1" in T.loss_problem([float("nan")], [5.0], 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trial log and the tuned layer
+
+
+def test_trial_log_survives_a_torn_write_and_refuses_another_search(tmp_path):
+    path = tmp_path / "trials.jsonl"
+    header = {"event": "tune", "search": "abc"}
+    log = T.TrialLog(path, header)
+    log.add({"event": "trial", "id": "r0-c0-0"})
+    with path.open("a") as f:
+        f.write('{"event": "trial", "id": "r0-c1')  # killed inside the write
+    again = T.TrialLog(path, header)
+    assert [r["id"] for r in again.records] == ["r0-c0-0"]
+    again.add({"event": "trial", "id": "r0-c1-0"})
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [d.get("id") for d in lines] == [None, "r0-c0-0", "r0-c1-0"]
+    with pytest.raises(UserError, match="another search"):
+        T.TrialLog(path, {"event": "tune", "search": "other"})
+
+
+def test_tuned_layer_sets_only_the_winning_knobs(tmp_path, recipe):
+    winner = T.Candidate(3, {}, {"train.micro_batch_size": "4", "fsdp.forward_prefetch": "1"})
+    text = T.tuned_layer(str(recipe.resolve()), ["optim.lr=0.001", "~train.seed"], winner,
+                         verdict="c3 beats it by +50%", hardware="2 x CPU",
+                         command="fsdprun train x")  # fmt: skip
+    assert text.startswith("# fsdprun train x\n# Tuned by fsdprun tune on ")
+    assert "2 x CPU" in text and "+50%" in text
+    doc = yaml.safe_load(text)
+    assert doc == {"extends": str(recipe.resolve()), "optim": {"lr": 1e-3}, "train": {"seed": 0,
+                   "micro_batch_size": 4}, "fsdp": {"forward_prefetch": 1}}  # fmt: skip
+    layer = tmp_path / "sub" / "tuned.yaml"
+    layer.parent.mkdir()
+    layer.write_text(text)
+    cfg = load_recipe(str(layer)).config
+    assert cfg.train.micro_batch_size == 4 and cfg.train.global_batch_size == 16
+    assert cfg.optim.lr == 1e-3 and cfg.fsdp.forward_prefetch == 1
+    builtin = yaml.safe_load(T.tuned_layer("debug", [], winner, verdict="v", hardware="h",
+                                           command="c"))  # fmt: skip
+    assert builtin["extends"] == "debug"
+
+
+# ---------------------------------------------------------------------------------------------
+# Real searches
+
+
+def tune_cmd(recipe: Path, out: Path, *args: str) -> list[str]:
+    return ["tune", str(recipe), "--out", str(out), "--nproc-per-node", "2", *args]
+
+
+def trials_of(out: Path) -> list[dict]:
+    lines = (out / "trials.jsonl").read_text().splitlines()
+    return [d for d in map(json.loads, lines) if d["event"] == "trial"]
+
+
+def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
+    # 1 x 8 accumulation against 4 x 2: a quarter of the micro-steps (and their collectives),
+    # a margin that survives a loaded machine; mb=8 plans over the device memory.
+    out = tmp_path / "out"
+    proc = run_fsdprun(
+        *tune_cmd(recipe, out, "--space", "train.micro_batch_size=1,4,8", "--device-memory",
+                  "6MiB", "--steps", "8", "--repeats", "2", "--budget", "10m", "--json",
+                  "--plot", str(tmp_path / "tune.png")),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    rows = {r["label"]: r for r in report["candidates"]}
+    # mb=8 plans over the device memory and is pruned before any launch.
+    assert rows["mb=8"]["status"] == "pruned" and "device memory" in rows["mb=8"]["reason"]
+    assert not (out / "trials" / "r0-c2-0").exists()
+    assert report["beats_noise"], report["verdict"]
+    assert report["winner_label"] == "mb=4", report["verdict"]
+    winner = rows["mb=4"]
+    # The winner fits: measured model state per rank, and its plan with the margin.
+    assert winner["model_state_bytes"] <= report["device_memory_bytes"]
+    assert winner["planned_peak_bytes"] * 1.1 <= report["device_memory_bytes"]
+    assert not winner["plan_flags"]  # measured model state within 5% of the plan
+    # Two candidates: the first round is the last, repeated and interleaved.
+    records = trials_of(out)
+    assert [r["id"] for r in records] == ["r0-c0-0", "r0-c1-0", "r0-c0-1", "r0-c1-1"]
+    assert all(r["status"] == "ok" and r.get("loss_checked", True) for r in records)
+    assert all(len(r["step_times_s"]) == r["measured_steps"] == 8 for r in records)
+    # tuned.yaml: only allowed knobs, and it trains with the original's fp32 losses.
+    tuned = yaml.safe_load((out / "tuned.yaml").read_text())
+    assert tuned.pop("extends") == str(recipe.resolve())
+    keys = {f"{s}.{k}" for s, d in tuned.items() for k in d}
+    assert keys == {"train.micro_batch_size"} <= set(T.MATH_KNOBS)
+    assert report["command"] == f"fsdprun train {out / 'tuned.yaml'} --nproc-per-node 2"
+    base = next(r for r in records if r["id"] == "r0-c0-0")
+    steps = len(base["losses"])
+    run = run_fsdprun("train", str(out / "tuned.yaml"), f"train.steps={steps}",
+                      "checkpoint.save_final=false", "output.log_every=1", "--nproc-per-node",
+                      "2", "--run-dir", str(tmp_path / "check"), cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "check/metrics.jsonl").open()]
+    start = next(e for e in events if e["event"] == "start")
+    assert start["micro_batch_size"] > 1 and start["global_batch_size"] == 16
+    losses = [e["loss"] for e in events if e["event"] == "step"]
+    assert losses == pytest.approx(base["losses"], abs=1e-5)
+    assert (tmp_path / "tune.png").stat().st_size > 10_000
+
+
+def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
+    out = tmp_path / "out"
+    args = tune_cmd(recipe, out, "--space", "train.micro_batch_size=1,2", "--device-memory",
+                    "1GB", "--steps", "2", "--repeats", "2")  # fmt: skip
+    # A budget that the first trial spends: one trial, then it stops, past the budget by less
+    # than that trial's length (plus the planning before it).
+    proc = run_fsdprun(*args, "--budget", "1s", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    first = trials_of(out)
+    assert [r["id"] for r in first] == ["r0-c0-0"]
+    assert "--budget 1 s spent" in report["stopped_early"]
+    assert report["elapsed_s"] <= 1 + first[0]["wall_s"] + 15
+    assert report["winner"] == "c0"
+
+    # Continue with a failing trial, and kill -9 tune in the trial after it.
+    env = fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c1-0:FSDPRUN_FAIL_AT=0:2")
+    popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(trials_of(out)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # r0-c0-1 is running
+    popen.send_signal(signal.SIGKILL)
+    popen.wait()
+    killed = trials_of(out)
+    assert [r["id"] for r in killed] == ["r0-c0-0", "r0-c1-0"]
+    assert killed[0] == first[0]
+    assert killed[1]["status"] == "failed" and "FSDPRUN_FAIL_AT" in killed[1]["reason"]
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(out / "trials")], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "a trial outlived its tune"
+
+    # Ctrl-C in the same trial, run again: exit 130, the trial goes with tune, the log as it was.
+    began = time.time()
+    popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path,
+                             env=fsdprun_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    trial_log = out / "logs" / "r0-c0-1.log"
+    while time.monotonic() < deadline + 120 and not (
+        trial_log.exists() and trial_log.stat().st_mtime > began
+    ):  # fmt: skip
+        time.sleep(0.2)
+    time.sleep(2)
+    popen.send_signal(signal.SIGINT)
+    _, err = popen.communicate(timeout=60)
+    assert popen.returncode == 130 and "aborted" in err, err[-2000:]
+    assert trials_of(out) == killed
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(out / "trials")], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "a trial outlived its tune"
+
+    # Again: the interrupted trial runs again, the finished ones do not; one that hangs is killed
+    # at its timeout, recorded, and the search still ends with a report.
+    env = fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c1-1:FSDPRUN_HANG_AT=0:2")
+    proc = subprocess.run([FSDPRUN, *args, "--budget", "10m", "--trial-timeout", "45"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=400)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "continuing" in proc.stderr and "2 finished trials" in proc.stderr
+    final = trials_of(out)
+    ids = [r["id"] for r in final]
+    assert ids == ["r0-c0-0", "r0-c1-0", "r0-c0-1", "r0-c1-1"]
+    assert final[:2] == killed
+    assert final[2]["status"] == "ok"
+    assert final[3]["status"] == "timeout" and final[3]["reason"].startswith("hung")
+    assert final[3]["wall_s"] < 45 + 15
+    assert "c0" in proc.stdout and "hung" in proc.stdout
+    assert yaml.safe_load((out / "tuned.yaml").read_text()) == {"extends": str(recipe.resolve())}
+
+
+def test_tune_refuses_cpu_without_device_memory(tmp_path, recipe):
+    proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--budget", "1m"), cwd=tmp_path)
+    assert proc.returncode == 2 and "--device-memory is required on CPU" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
+    proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--budget", "soon"), cwd=tmp_path)
+    assert proc.returncode == 2 and "--budget 'soon'" in proc.stderr
+    proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB", "--space",
+                                 "train.seq_len=32,64"), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2 and "train.seq_len: not a tuning knob" in proc.stderr
+    assert os.listdir(tmp_path) == [recipe.name]
+
+
+def test_tune_dry_run_prints_the_space_pruning_and_order(tmp_path, recipe):
+    args = tune_cmd(
+        recipe,
+        tmp_path / "o",
+        "--device-memory",
+        "6MiB",
+        "--dry-run",
+        "--space",
+        "train.micro_batch_size=1,2,4,8",
+        "--space",
+        "fsdp.limit_all_gathers=true,false",
+    )
+    proc = run_fsdprun(*args, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = proc.stderr
+    assert text.index("space (8 candidates)") < text.index("pruned 5:") < text.index("order (3)")
+    assert "fsdp.limit_all_gathers does nothing under fsdp2 (knob table)" in text
+    assert "c6 mb=8: planned peak" in text and "device memory 6.00 MiB" in text
+    doc = json.loads(run_fsdprun(*args, "--json", cwd=tmp_path).stdout)
+    assert doc["order"] == ["c0", "c4", "c2"]
+    assert [(r["num_candidates"], r["repeats"]) for r in doc["rounds"]] == [(3, 2)]
+    assert not (tmp_path / "o").exists()
+
+
+def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypatch):
+    # The scheduler alone: trials replaced by records whose speed is a function of the
+    # candidate, time by a clock each trial advances by its wall time.
+    clock = [0.0]
+    ran: list[str] = []
+
+    def fake_trial(recipe, overrides, cand, *, tid, round_, warmup, out_dir, timeout_s):
+        ran.append(tid)
+        step_s = 1.0 / (1 + cand.index)  # c5 is the fastest
+        clock[0] += 10 + round_.measured_steps * step_s
+        times = [step_s * (1 + 0.01 * k) for k in range(round_.measured_steps)]
+        return {"event": "trial", "id": tid, "candidate": cand.id, "label": cand.label,
+                "round": round_.index, "status": "ok", "wall_s": 10 + sum(times),
+                "step_times_s": times, "tokens_per_step": 100,
+                "losses": [5.0, 4.9, 4.8], "peak_bytes": 2**20, "model_state_bytes": 2**10,
+                "memory_kind": "RSS", "mfu": None, "time_to_first_step_s": 3.0}  # fmt: skip
+
+    monkeypatch.setattr(T, "run_trial", fake_trial)
+    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
+    cands = [T.Candidate(i, {"k": str(i)}, {"k": str(i)} if i else {}) for i in range(6)]
+
+    def search(budget_s: float, out: Path):
+        out.mkdir(exist_ok=True)
+        args = T.TuneArgs(recipe="r", overrides=[], launch_overrides=[], launch_flags=[],
+                          out_dir=out, budget_s=budget_s, steps=2, repeats=2,
+                          finalists=1)  # fmt: skip
+        log = T.TrialLog(out / "trials.jsonl", {"event": "tune", "search": "s"})
+        start = clock[0]
+        stop, left = T._search(args, log, cands, warmup=1, rtol=1e-4, started=start, say=print)
+        return stop, left, log, clock[0] - start
+
+    # Enough budget: 6 candidates x 2 steps, the best 2 (baseline + c5) for 4 steps x 2.
+    stop, left, log, spent = search(1e4, tmp_path / "a")
+    assert stop is None and left == {}
+    assert ran == [f"r0-c{i}-0" for i in range(6)] + ["r1-c0-0", "r1-c5-0", "r1-c0-1", "r1-c5-1"]
+    assert T.select(log.records).winner == "c5"
+    resolved = load_recipe("debug")
+    args = T.TuneArgs(recipe="debug", overrides=[], launch_overrides=[], launch_flags=[],
+                      out_dir=tmp_path / "a", budget_s=1e4)  # fmt: skip
+    report = T._report(args, resolved, resolved.config, cands, log.records, 10**9, "given",
+                       None, 0.0, 1e-4)  # fmt: skip
+    reasons = {r["candidate"]: r["reason"] for r in report["candidates"]}
+    assert report["winner"] == "c5" and reasons["c5"] is None and reasons["c0"] is None
+    assert {reasons[f"c{i}"] for i in range(1, 5)} == {"dropped after round 0 (successive halving)"}
+    # A budget for 3 candidates' schedule (3 x 12 s, then 2 x 2 x 14 s): the first round is cut
+    # after the first trial, within the budget plus one trial.
+    ran.clear()
+    stop, left, log, spent = search(95, tmp_path / "b")
+    assert set(left) == {"c3", "c4", "c5"} and "covers the schedule of 3" in left["c3"]
+    assert ran == ["r0-c0-0", "r0-c1-0", "r0-c2-0", "r1-c0-0", "r1-c2-0", "r1-c0-1", "r1-c2-1"]
+    assert stop is None and spent <= 95
+    # Cut to 2: the first round becomes the last one, with its repeats.
+    ran.clear()
+    stop, left, log, spent = search(60, tmp_path / "b2")
+    assert ran == ["r0-c0-0", "r0-c1-0", "r0-c0-1", "r0-c1-1"] and len(left) == 4
+    assert spent <= 60
+    # A budget spent mid-search stops before the next trial; the rerun repeats nothing.
+    ran.clear()
+    stop, _, log, spent = search(35, tmp_path / "c")
+    assert stop and "spent" in stop and spent <= 35 + 12
+    done = list(ran)
+    ran.clear()
+    stop, _, log, _ = search(1e4, tmp_path / "c")
+    assert stop is None and not set(ran) & set(done)
+    assert len({r["id"] for r in log.records}) == len(log.records)
+
+
+def test_tune_command_hands_the_train_launch_flags_to_tune(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from fsdprun.cli import app
+
+    seen = {}
+
+    def fake_tune(args, *, say=None):
+        seen["args"] = args
+        return {"dry": True}
+
+    monkeypatch.setattr(T, "tune", fake_tune)
+    monkeypatch.delenv("RANK", raising=False)
+    result = CliRunner().invoke(app, [
+        "tune", "debug", "optim.lr=0.001", "--out", str(tmp_path / "o"), "--budget", "90s",
+        "--nproc_per_node", "2", "--standalone", "--device-memory", "8GB", "--space",
+        "train.micro_batch_size=1,2", "--space", "defaults", "--dry-run",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    args = seen["args"]
+    assert args.recipe == "debug" and args.overrides == ["optim.lr=0.001"]
+    assert args.launch_overrides == ["launch.nproc_per_node=2", "launch.nnodes=1",
+                                     "launch.node_rank=0", "launch.rdzv_endpoint="]  # fmt: skip
+    assert args.launch_flags == ["--nproc-per-node 2", "--standalone"]
+    assert args.budget_s == 90 and args.device_memory_bytes == 8 * 10**9 and args.dry_run
+    assert args.space == ["train.micro_batch_size=1,2", "defaults"]
+    help_ = CliRunner().invoke(app, ["tune", "--help"], env={"COLUMNS": "200"})
+    for flag in ("--budget", "--device-memory", "--space", "--allow-numerics", "--nproc-per-node",
+                 "--rdzv-endpoint", "--trial-timeout", "--json", "--plot"):  # fmt: skip
+        assert flag in help_.stdout
+
+
+def test_the_noise_shrinks_with_more_measured_steps():
+    # The same step-to-step spread (steps of 0.8 and 1.2 s) and a 25% gain: not shown by 4 steps
+    # a side, shown by 64 (the standard error of a median falls as 1/sqrt(steps); the spread of
+    # the steps, an interquartile range, would not).
+    def steps(mean, n):
+        return [mean * (0.8 + 0.4 * (k % 2)) for k in range(n)]
+
+    for n, wins in ((4, False), (64, True)):
+        sel = T.select([trial("c0", 0, 0, steps(1.0, n)), trial("c1", 0, 0, steps(1 / 1.25, n))])
+        assert sel.gain == pytest.approx(0.25, abs=0.01)
+        assert (sel.winner == "c1") is wins, (n, sel.verdict)
