@@ -60,9 +60,9 @@ import yaml
 from fsdprun.config import load_recipe
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
-from fsdprun.launch.rundir import metrics_path
-from fsdprun.launch.runlock import hold_run_dir
 from fsdprun.report.metrics import percentile, read_events
+from fsdprun.rundir import metrics_path
+from fsdprun.runlock import hold_run_dir
 
 if TYPE_CHECKING:
     from rich.console import Console
