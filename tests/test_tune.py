@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdprun.config import load_recipe
+from fsdprun.config import DeviceKind, launch_device_problem, load_recipe
 from fsdprun.errors import UserError
 from fsdprun.tools import tune as T
 from tests.conftest import FSDPRUN, fsdprun_env, run_fsdprun
@@ -391,6 +391,11 @@ def test_tune_refuses_cpu_without_device_memory(tmp_path, recipe):
     proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB", "--space",
                                  "train.seq_len=32,64"), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2 and "train.seq_len: not a tuning knob" in proc.stderr
+    if launch_device_problem(DeviceKind.accelerator):  # a CPU machine, as in CI
+        # A recipe for accelerators: every trial would be refused the same way, so tune is.
+        proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB",
+                                     "launch.device=accelerator"), cwd=tmp_path)  # fmt: skip
+        assert proc.returncode == 2 and "launch.device=cpu forces" in proc.stderr, proc.stderr
     assert os.listdir(tmp_path) == [recipe.name]
 
 

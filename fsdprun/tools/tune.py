@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fsdprun.config import load_recipe
+from fsdprun.config import launch_device_problem, load_recipe
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.report.metrics import percentile, read_events
@@ -856,6 +856,9 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     problems = check_data(cfg)
     if problems:
         raise UserError("; ".join(problems))
+    device_problem = None if args.dry_run else launch_device_problem(cfg.launch.device)
+    if device_problem:  # every trial would be refused the same way: say it once, up front
+        raise UserError(device_problem)
     if cfg.launch.nnodes > 1 or "RANK" in os.environ:
         # Every node's tune would have to run the same trials in the same order, and only node 0
         # sees the measurements that choose them.
