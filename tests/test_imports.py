@@ -2,7 +2,8 @@
 
 Each rule is what a module's opening docstring promises: config never imports torch nor the
 packages that run training, models never import torch.distributed, report never imports the
-engines or the training loop, checkpoint never imports the training loop nor the launcher, data
+engines or the training loop, checkpoint never imports the training loop nor the launcher (and
+reads a checkpoint folder without torch), data
 never imports engines, train, launch or models, tools read and never run (no training loop, no
 launcher), launch builds nothing itself (no models, no engines), and no fsdprun modules import
 each other in a circle at load time.
@@ -205,6 +206,17 @@ def test_checkpoint_never_imports_train_nor_launch():
         area("checkpoint"), ("fsdprun.train", "fsdprun.launch"), allowed=("fsdprun.launch.rundir",)
     )
     assert not bad, bad
+
+
+def test_reading_a_checkpoint_folder_loads_no_torch():
+    """Completeness and inspection (manifest, dcp_metadata, inspect) read DCP's `.metadata`
+    with fsdprun's own unpickler: loading them loads no torch, and no saving or loading side
+    (the package re-exports those names lazily)."""
+    for module in ("checkpoint.dcp_metadata", "checkpoint.manifest", "checkpoint.inspect"):
+        seen, outside, via = loaded_by({f"fsdprun.{module}"})
+        assert "torch" not in outside, path_to("torch", via)
+        heavy = sorted(seen & {"fsdprun.checkpoint.save", "fsdprun.checkpoint.restore"})
+        assert not heavy, [path_to(m, via) for m in heavy]
 
 
 def test_data_never_imports_engines_train_launch_or_models():

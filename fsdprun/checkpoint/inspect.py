@@ -25,9 +25,8 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from fsdprun.checkpoint.dcp_metadata import Metadata, TensorStorageMetadata, read_metadata
 from fsdprun.checkpoint.manifest import (
     CheckpointStatus,
     check_checkpoint,
@@ -240,7 +239,7 @@ def describe_checkpoint(path: Path, *, tensors: str | None = None) -> dict[str, 
     doc: dict[str, Any] = {"kind": "checkpoint", **_status_doc(status)}
     if not status.complete:
         return doc
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = read_metadata(path)
     manifest = status.manifest or {}
     groups = {name: {"tensors": 0, "objects": 0, "bytes": 0} for name in GROUP_NAMES}
     listed = []
@@ -301,8 +300,8 @@ def diff_checkpoints(path: Path, other: Path, *, tensors: str | None = None) -> 
     status = check_checkpoint(other)
     if not status.complete:
         return {"other": str(other), "complete": False, "reason": status.reason}
-    a = _entries(FileSystemReader(str(path)).read_metadata(), tensors)
-    b = _entries(FileSystemReader(str(other)).read_metadata(), tensors)
+    a = _entries(read_metadata(path), tensors)
+    b = _entries(read_metadata(other), tensors)
     return {
         "other": str(other),
         "complete": True,
