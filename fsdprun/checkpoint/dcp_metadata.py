@@ -6,7 +6,8 @@ loaded machine) and trusting the pickle. `read_metadata` unpickles it with plain
 instead: DCP's metadata records become `Record`s with the same attribute names
 (`state_dict_metadata`, `storage_data`, `size`, `chunks`, `properties.dtype`, `relative_path`,
 `offset`, `length`, ...), `torch.Size` a tuple, a dtype a `DType` with its name and item size.
-Any other class named in the file is refused (`MetadataError`): reading a tampered `.metadata`
+A record of another torch version's DCP becomes a `Record` too; any class outside DCP (but
+`pathlib` paths and `OrderedDict`) is refused (`MetadataError`): reading a tampered `.metadata`
 runs no code. Completeness checks (`manifest.check_checkpoint`) and `fsdprun inspect-checkpoint`
 read it this way; loading a checkpoint still goes through DCP.
 
@@ -21,7 +22,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 METADATA_FILE = ".metadata"
-DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+DCP_PACKAGE = "torch.distributed.checkpoint"  # its classes become Records
 # Bytes per element of torch's dtypes by name; a name not listed takes the bits in its name.
 _ITEMSIZE = {"bool": 1, "bfloat16": 2, "half": 2, "float": 4, "double": 8, "cfloat": 8,
              "cdouble": 16, "chalf": 4, "long": 8, "int": 4, "short": 2}  # fmt: skip
@@ -94,11 +95,11 @@ def _name(value: Any) -> Any:
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in DCP_MODULES:
-            if name in _RECORDS:
-                return _RECORDS[name]
+        if module == DCP_PACKAGE or module.startswith(f"{DCP_PACKAGE}."):
             if name == "_MEM_FORMAT_ENCODING":  # an Enum, rebuilt from its value
                 return _name
+            # A record another torch version adds is kept as one too: inert, and unused here.
+            return _RECORDS.get(name) or type(name, (Record,), {})
         elif module == "torch":
             if name == "Size":
                 return _size
@@ -106,6 +107,8 @@ class _Unpickler(pickle.Unpickler):
                 return DType(name)
         elif (module, name) == ("torch.serialization", "_get_layout"):
             return _name
+        elif (module, name) == ("collections", "OrderedDict"):
+            return dict
         elif (module, name) in (("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):
             return PurePosixPath
         elif (module, name) in (("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")):
