@@ -124,3 +124,32 @@ def test_launching_commands_refuse_mistakes_before_torch_loads(tmp_path):
         assert code == 2, (args, tail)
         assert word in tail and tail.strip().startswith("error:"), (args, tail)
         assert not torch_loaded, (args, tail)
+
+
+def test_inspect_checkpoint_reads_dcp_metadata_without_torch_distributed(fsdprun_runs, tmp_path):
+    """DCP's `.metadata` is read by fsdprun's own restricted unpickler: inspecting a checkpoint
+    loads neither torch.distributed.checkpoint nor the saving and loading side (torch itself
+    still comes with the model family's description of the model row)."""
+    run = fsdprun_runs.train("train.steps=6", "output.log_every=1", "train.micro_batch_size=1")
+    ckpt = run.check().run_dir / "checkpoints" / "step-00000006"
+    probe = (
+        "import json, sys\nfrom typer.testing import CliRunner\nfrom fsdprun.cli import app\n"
+        "out = [CliRunner().invoke(app, args).exit_code for args in json.loads(sys.argv[1])]\n"
+        "heavy = ('torch.distributed.checkpoint', 'fsdprun.checkpoint.save',\n"
+        "         'fsdprun.checkpoint.restore')\n"
+        "print(json.dumps([out, [m for m in heavy if m in sys.modules]]))\n"
+    )
+    commands = [
+        ["inspect-checkpoint", str(ckpt)],
+        ["inspect-checkpoint", str(ckpt), "--json", "--tensors", "model.*"],
+        ["inspect-checkpoint", str(run.run_dir)],
+        ["inspect-checkpoint", str(ckpt), "--diff", str(ckpt)],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, json.dumps(commands)],
+        cwd=tmp_path, env=fsdprun_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    codes, loaded = json.loads(proc.stdout)
+    assert codes == [0, 0, 0, 0]
+    assert loaded == []

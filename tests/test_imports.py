@@ -4,7 +4,8 @@ Each rule is what a module's opening docstring promises: the ground floor (error
 run directory's names and lock, the loss functions, the family names) imports nothing of fsdprun
 above it, so every package may import it; config never imports torch, models nor the packages
 that run training, models never import torch.distributed, report never imports the engines, the
-training loop nor the launcher, checkpoint never imports the training loop nor the launcher,
+training loop nor the launcher, checkpoint never imports the training loop nor the launcher (and
+reads a checkpoint folder without torch),
 data never imports engines, train, launch or models, tools read and never run and engines never
 drive (no training loop, no launcher), launch builds nothing itself (no models, no engines), and
 neither fsdprun modules nor its packages import each other in a circle at load time.
@@ -244,6 +245,17 @@ def test_checkpoint_never_imports_train_nor_launch():
     # inspect and export read a folder offline; the run directory's names are the ground floor's.
     bad = direct_violations(area("checkpoint"), ("fsdprun.train", "fsdprun.launch"))
     assert not bad, bad
+
+
+def test_reading_a_checkpoint_folder_loads_no_torch():
+    """Completeness and inspection (manifest, dcp_metadata, inspect) read DCP's `.metadata`
+    with fsdprun's own unpickler: loading them loads no torch, and no saving or loading side
+    (the package re-exports those names lazily)."""
+    for module in ("checkpoint.dcp_metadata", "checkpoint.manifest", "checkpoint.inspect"):
+        seen, outside, via = loaded_by({f"fsdprun.{module}"})
+        assert "torch" not in outside, path_to("torch", via)
+        heavy = sorted(seen & {"fsdprun.checkpoint.save", "fsdprun.checkpoint.restore"})
+        assert not heavy, [path_to(m, via) for m in heavy]
 
 
 def test_data_never_imports_engines_train_launch_or_models():

@@ -9,6 +9,8 @@ Run with `pytest tests/test_inspect_export.py`.
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import shutil
 import warnings
@@ -25,6 +27,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from typer.testing import CliRunner
 
+from fsdprun.checkpoint.dcp_metadata import DType, read_metadata
+from fsdprun.checkpoint.dcp_metadata import TensorStorageMetadata as LightTensorMetadata
 from fsdprun.checkpoint.export import exported_tensors, safetensors_header, split_shards
 from fsdprun.checkpoint.manifest import manifest_problem
 from fsdprun.cli import app
@@ -243,6 +247,55 @@ def test_inspect_not_a_checkpoint_exits_2(tmp_path):
     )
     assert "not a checkpoint" in one_line_error(invoke("inspect-checkpoint", tmp_path / "empty"), 2)
     assert "no such file" in one_line_error(invoke("inspect-checkpoint", tmp_path / "nope"), 2)
+
+
+def test_dcp_metadata_reader_reads_what_dcp_reads(ckpt):
+    """fsdprun's torch-free reader of `.metadata` gives DCP's own keys, shapes, dtypes, chunks
+    and storage records."""
+    light = read_metadata(ckpt)
+    real = FileSystemReader(str(ckpt)).read_metadata()
+    assert list(light.state_dict_metadata) == list(real.state_dict_metadata)
+    for key, md in real.state_dict_metadata.items():
+        ours = light.state_dict_metadata[key]
+        assert isinstance(ours, LightTensorMetadata) == isinstance(md, TensorStorageMetadata)
+        if isinstance(md, TensorStorageMetadata):
+            assert ours.size == tuple(md.size), key
+            assert str(ours.properties.dtype) == str(md.properties.dtype), key
+            assert ours.properties.dtype.itemsize == md.properties.dtype.itemsize, key
+            assert [(c.offsets, c.sizes) for c in ours.chunks] == [
+                (tuple(c.offsets), tuple(c.sizes)) for c in md.chunks
+            ], key
+
+    def storage(metadata):
+        return sorted((i.relative_path, i.offset, i.length) for i in metadata.storage_data.values())
+
+    assert storage(light) == storage(real)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8,
+                  torch.bool, torch.float8_e4m3fn, torch.complex64, torch.float64):  # fmt: skip
+        assert DType(str(dtype).removeprefix("torch.")).itemsize == dtype.itemsize
+
+
+class _Payload:
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+@pytest.mark.parametrize(
+    "payload", [(os.system, "touch {mark}"), (exec, "open({mark!r}, 'w').close()")]
+)
+def test_a_tampered_metadata_runs_no_code(ckpt, tmp_path, payload):
+    """`.metadata` is a pickle; inspect reads it without running what it names."""
+    copy = shutil.copytree(ckpt, tmp_path / "ckpt")
+    mark = tmp_path / "ran"
+    func, arg = payload
+    (copy / ".metadata").write_bytes(pickle.dumps(_Payload(func, arg.format(mark=str(mark)))))
+    assert ".metadata unreadable (MetadataError)" in one_line_error(
+        invoke("inspect-checkpoint", copy), 1
+    )
+    assert not mark.exists()
 
 
 # --------------------------------------------------------------------------------------------

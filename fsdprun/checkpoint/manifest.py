@@ -17,8 +17,8 @@ rebuild: a pretrained HF folder, a `checkpoint.load_from` checkpoint, or the
 seeded init (reproducible from the recipe's seed: nothing to keep), and what that base was (its
 fingerprint: `fsdprun.checkpoint.fingerprint`; absent from older manifests).
 
-Reads files only: never imports torch.distributed's process-group or collective APIs (inspect
-and export use this without a process group), nor anything of saving or loading tensors.
+Reads files only: never imports torch at load (`inspect-checkpoint` uses this without it, DCP's
+`.metadata` read by `dcp_metadata`), nor anything of saving or loading tensors.
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint import FileSystemReader
-
 from fsdprun import __version__
+from fsdprun.checkpoint.dcp_metadata import read_metadata
 from fsdprun.rundir import checkpoint_root, manifest_path, step_of
 
 FORMAT_VERSION = 1
@@ -204,7 +202,7 @@ def write_manifest(
     manifest = {
         "format_version": FORMAT_VERSION,
         "fsdprun_version": __version__,
-        "torch_version": torch.__version__,
+        "torch_version": _torch_version(),
         "step": step,
         "world_size": world_size,
         "mesh": mesh,
@@ -227,13 +225,19 @@ def write_manifest(
     return sum(files.values())
 
 
+def _torch_version() -> str:
+    import torch  # loaded already: only a saving rank writes a manifest
+
+    return torch.__version__
+
+
 def check_checkpoint(path: Path) -> CheckpointStatus:
     """Whether `path` is a complete checkpoint, from metadata and file sizes alone."""
     step = step_of(path)
     if not (path / ".metadata").is_file():
         return CheckpointStatus(path, step, False, "no .metadata (the save did not finish)")
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = read_metadata(path)
     except Exception as e:  # a truncated or garbled pickle raises anything
         return CheckpointStatus(path, step, False, f".metadata unreadable ({type(e).__name__})")
     if not manifest_path(path).is_file():

@@ -13,9 +13,10 @@ unit plan and build). FSDP2 shards dim 0 and pads it to a multiple of the shard 
 holds ceil(dim0 / N) rows (the shape `model_state_bytes` measures in a run); FSDP1 flattens each
 unit into one flat parameter (aligned and padded as FSDP1 does) and rank 0 holds its first 1/N.
 This module only builds the model, collects the rows and estimates activations. An 8B or 70B
-recipe plans in about a second. A fake process group is not needed: the shard shapes follow from
-the shapes alone. tests/test_memory_contract.py holds the plan to what ranks measure at 8 and 64
-ranks (fake process group) for every engine and sharding, within 5%.
+recipe plans in about 4 s on a 2-core CPU VM: loading torch, and torch._dynamo, which torch's
+Python meta kernels (weight init, RoPE tables) load. A fake process group is not needed: the
+shard shapes follow from the shapes alone. tests/test_memory_contract.py holds the plan to what
+ranks measure at 8 and 64 ranks (fake process group) for every engine and sharding, within 5%.
 
 Model state follows the ZeRO paper's mixed-precision Adam accounting, as fsdprun keeps it:
 fp32 master parameters (4 B), fp32 gradients (4 B), two fp32 Adam moments (8 B) = 16 B/param,
