@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from fsdprun import __version__
 from fsdprun.cli import app
-from fsdprun.config import CLI_SOURCE, ResolvedRecipe, builtin_recipes
+from fsdprun.config import CLI_SOURCE, ResolvedRecipe, builtin_recipes, load_recipe
 
 runner = CliRunner()
 
@@ -211,6 +211,9 @@ def test_train_takes_torchrun_spellings_of_the_launch_flags(launches):
 def test_resume_takes_max_restarts_and_standalone(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr("fsdprun.cli._resume", lambda *args, **kw: calls.append(args[2]))
+    # A run directory as resume checks it before anything loads: its recipe and a checkpoint.
+    (tmp_path / "recipe.yaml").write_text(load_recipe("debug").to_yaml())
+    (tmp_path / "checkpoints" / "step-00000004").mkdir(parents=True)
     args = ["resume", str(tmp_path), "--max_restarts", "2", "--standalone", "--nproc_per_node", "1"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
