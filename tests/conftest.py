@@ -6,6 +6,7 @@ machine. `fsdprun_runs` caches training runs for the session so several tests ca
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -32,10 +33,89 @@ def fsdprun_env(**extra: str) -> dict[str, str]:
 
 
 def run_fsdprun(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300):
+    """`fsdprun ARGS` to its end, as subprocess.run reports it. The command is forked from the
+    suite's warm zygote (tests/zygote.py: torch and the launcher already imported, about 3 s of
+    CPU less per command) unless its environment changes what torch reads when it loads, or
+    FSDPRUN_TEST_NO_ZYGOTE=1; either way it is the real command in a process of its own."""
+    env = env or fsdprun_env()
+    if not os.environ.get("FSDPRUN_TEST_NO_ZYGOTE") and not _import_time_env_differs(env):
+        return _zygote().run(list(args), cwd=cwd, env=env, timeout=timeout)
     return subprocess.run(
-        [FSDPRUN, *args], cwd=cwd, env=env or fsdprun_env(), capture_output=True, text=True,
-        timeout=timeout,
+        [FSDPRUN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
+
+
+# Variables read when torch (or the interpreter) loads: a command that sets them differently
+# from the zygote's environment needs a fresh interpreter.
+IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "MKL_", "LD_", "PYTHON", "_FSDPRUN_QUIET")
+
+
+def _import_time_env_differs(env: dict[str, str]) -> bool:
+    base = fsdprun_env()
+    keys = {k for k in (*env, *base) if k.startswith(IMPORT_TIME_PREFIXES)}
+    return any(env.get(k) != base.get(k) for k in keys)
+
+
+class Zygote:
+    """The client side of tests/zygote.py: one server for the session, started on first use."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.path = str(root / "zygote.sock")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("zygote.py")), self.path],
+            env=fsdprun_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", f"the test zygote did not start: {line!r}"
+        self.count = 0
+
+    def run(self, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float):
+        import json
+        import signal
+        import time
+
+        self.count += 1
+        out, err = (self.root / f"cmd{self.count}.{k}" for k in ("out", "err"))
+        request = {"argv": args, "cwd": str(cwd), "env": env, "stdout": str(out),
+                   "stderr": str(err)}  # fmt: skip
+        deadline = time.monotonic() + timeout
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(self.path)
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            reader = conn.makefile("rb")
+            pid = json.loads(reader.readline())["pid"]
+            conn.settimeout(max(deadline - time.monotonic(), 0.01))
+            try:
+                code = json.loads(reader.readline())["code"]
+            except (TimeoutError, OSError) as e:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # the command and its workers
+                raise subprocess.TimeoutExpired([FSDPRUN, *args], timeout) from e
+        stdout, stderr = (p.read_text(errors="replace") for p in (out, err))
+        out.unlink()
+        err.unlink()
+        return subprocess.CompletedProcess([FSDPRUN, *args], code, stdout, stderr)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+_ZYGOTE: list[Zygote] = []
+
+
+def _zygote() -> Zygote:
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        import tempfile
+
+        _ZYGOTE[:] = [Zygote(Path(tempfile.mkdtemp(prefix="fsdprun-zygote-")))]
+    return _ZYGOTE[0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for z in _ZYGOTE:
+        z.close()
 
 
 class Run:

@@ -1,0 +1,132 @@
+"""A warm parent for the suite's `fsdprun` commands: imported once, forked per command.
+
+A real `fsdprun train` spends about 3 s of CPU importing torch, torch.distributed and fsdprun's
+launcher and worker before it does anything (the workers are forked from the launcher, so they
+pay nothing more). The suite runs a few hundred such commands. This process imports those
+modules once, as `main()` would (TORCH_CPP_LOG_LEVEL set before torch loads), then listens on a
+Unix socket; for each command it forks a child that takes the command's working directory,
+environment, argv and output files and runs `fsdprun.cli.main()` exactly as the console script
+does, in a session of its own. What the child does from there on is the real command: its own
+process, its own launcher, workers, rendezvous, process groups and exit status.
+
+What a fork cannot show, the suite tests with real processes: startup and import behaviour
+(tests/test_cli_startup.py probes fresh interpreters), and every test that signals or watches an
+`fsdprun` process starts it with Popen. A command whose environment changes what torch reads when
+it loads (TORCH_*, PYTORCH_*, OMP_*, MKL_*, LD_*, PYTHON*) is run as a real process by the
+client (tests/conftest.py), and FSDPRUN_TEST_NO_ZYGOTE=1 runs every command that way.
+
+Protocol, one connection per command: the client sends one JSON line {argv, cwd, env, stdout,
+stderr}; the zygote answers {"pid": N} once the child runs, then {"code": C} when it ends (C as
+subprocess reports it: negative for a signal).
+
+    python tests/zygote.py SOCKET_PATH    # prints "ready" when it listens
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # The zygote lives as long as the pytest process that started it, not longer.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _warm_up() -> None:
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ and not os.environ.get("FSDPRUN_DEBUG"):
+        # As fsdprun.cli.main does before its first torch import.
+        from fsdprun.cli import CPP_LOG_MARK
+
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+        os.environ[CPP_LOG_MARK] = "1"
+    import fsdprun.cli  # noqa: F401
+    import fsdprun.launch.elastic  # noqa: F401
+    import fsdprun.train.worker  # noqa: F401
+
+
+def _child(request: dict) -> None:
+    """Become the command: never returns."""
+    code = 1
+    try:
+        os.setsid()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        fds = [os.open(os.devnull, os.O_RDONLY)]
+        fds += [os.open(request[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                for k in ("stdout", "stderr")]  # fmt: skip
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.argv = ["fsdprun", *request["argv"]]
+        from fsdprun.cli import main
+
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:  # sys.exit("message"), as the interpreter does it
+                print(e.code, file=sys.stderr)
+                code = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+OPEN: set[socket.socket] = set()  # connections of commands still running
+
+
+def _wait_and_answer(conn: socket.socket, pid: int) -> None:
+    with conn:
+        _, status = os.waitpid(pid, 0)
+        answer = json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n"
+        with contextlib.suppress(OSError):  # the client gave up (a timeout): nobody listens
+            conn.sendall(answer)
+        OPEN.discard(conn)
+
+
+def serve(path: str) -> None:
+    _die_with_parent()
+    _warm_up()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    print("ready", flush=True)
+    while True:
+        conn, _ = server.accept()
+        request = json.loads(conn.makefile("rb").readline())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for s in (server, conn, *OPEN):  # the command holds no other command's socket
+                s.close()
+            _child(request)
+        OPEN.add(conn)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        threading.Thread(target=_wait_and_answer, args=(conn, pid), daemon=True).start()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
