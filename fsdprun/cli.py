@@ -709,15 +709,8 @@ def plan(
     result = plan_recipe(
         recipe, overrides or [], world_size=world_size, nnodes=nnodes, device_memory_bytes=memory
     ).to_dict()
-    if json_:
-        sys.stdout.write(json.dumps(result, indent=1) + "\n")
-    else:
-        render_plan(result, Console(highlight=False))
-    if plot_ is not None:
-        from fsdprun.report.plot import DPI, plan_figure
-
-        plan_figure(result).savefig(plot_, dpi=DPI)
-        err_console.print(f"wrote {plot_}")
+    _show(result, json_=json_, render=lambda c: render_plan(result, c), plot=plot_,
+          figure="plan_figure")  # fmt: skip
 
 
 @app.command("compare")
@@ -780,17 +773,10 @@ def compare_cmd(
     except Interrupted as e:  # SIGTERM/SIGINT, forwarded to the run in progress
         err_console.print(str(e))
         raise typer.Exit(e.exit_code) from None
-    if json_:
-        sys.stdout.write(json.dumps(report, indent=1) + "\n")
-    elif markdown_:
+    if markdown_ and not json_:
         sys.stdout.write(markdown(report))
-    else:
-        render(report, name, Console(highlight=False))
-    if plot_ is not None:
-        from fsdprun.report.plot import DPI, compare_figure
-
-        compare_figure(report).savefig(plot_, dpi=DPI)
-        err_console.print(f"wrote {plot_}")
+    _show(report, json_=json_, render=None if markdown_ else lambda c: render(report, name, c),
+          plot=plot_, figure="compare_figure")  # fmt: skip
     if any(not r["ok"] for r in report["results"]):
         raise typer.Exit(1)
 
@@ -905,15 +891,22 @@ def tune_cmd(
         if json_:
             sys.stdout.write(json.dumps(report, indent=1) + "\n")
         return
-    if json_:
-        sys.stdout.write(json.dumps(report, indent=1) + "\n")
-    else:
-        render(report, Console(highlight=False))
-    if plot_ is not None:
-        from fsdprun.report.plot import DPI, tune_figure
+    _show(report, json_=json_, render=lambda c: render(report, c), plot=plot_,
+          figure="tune_figure")  # fmt: skip
 
-        tune_figure(report).savefig(plot_, dpi=DPI)
-        err_console.print(f"wrote {plot_}")
+
+def _show(document: dict, *, json_: bool, render, plot: Path | None, figure: str) -> None:
+    """A command's document on stdout, as JSON or through `render(console)` (None: printed
+    already), and its figure (`fsdprun.report.plot.<figure>`) drawn into `plot`."""
+    if json_:
+        sys.stdout.write(json.dumps(document, indent=1) + "\n")
+    elif render is not None:
+        render(Console(highlight=False))
+    if plot is not None:
+        from fsdprun.report import plot as plots
+
+        getattr(plots, figure)(document).savefig(plot, dpi=plots.DPI)
+        err_console.print(f"wrote {plot}")
 
 
 def main() -> None:

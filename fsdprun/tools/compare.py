@@ -102,7 +102,7 @@ class CompareResult:
     losses: list[float] = field(default_factory=list)
 
 
-def _error_line(text: str) -> str:
+def error_line(text: str) -> str:
     """The one line `fsdprun train` printed to say why it failed."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for line in reversed(lines):
@@ -193,7 +193,7 @@ def run_config(
     events = read_events(metrics) if metrics.exists() else []
     summary = events[-1] if events and events[-1]["event"] == "summary" else None
     if proc.returncode != 0 or summary is None:
-        result.error = _error_line(proc.stderr or proc.stdout)
+        result.error = error_line(proc.stderr or proc.stdout)
         return result
     ranks = summary["ranks"]
     gpu = "peak_allocated_bytes" in ranks[0]

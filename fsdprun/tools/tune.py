@@ -63,6 +63,7 @@ from fsdprun.errors import UserError
 from fsdprun.report.metrics import percentile, read_events
 from fsdprun.rundir import metrics_path
 from fsdprun.runlock import hold_run_dir
+from fsdprun.tools.compare import error_line
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -458,14 +459,6 @@ def _fault_env(tid: str) -> dict[str, str]:
     return out
 
 
-def _error_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for line in reversed(lines):
-        if line.lower().startswith("error:"):
-            return line[len("error:") :].strip()
-    return lines[-1] if lines else "failed without output"
-
-
 def run_trial(
     recipe: str, overrides: list[str], cand: Candidate, *, tid: str, round_: Round, warmup: int,
     out_dir: Path, timeout_s: float,
@@ -514,7 +507,7 @@ def run_trial(
         return record
     if proc.returncode != 0 or summary is None:
         text = log.read_text(errors="replace")
-        line = _error_line(text)
+        line = error_line(text)
         record["status"] = "oom" if "out of memory" in text.lower() else "failed"
         record["reason"] = f"exit {proc.returncode}: {line}"
         return record
