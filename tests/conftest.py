@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,29 @@ import pytest
 from fsdprun.report.metrics import read_events
 
 FSDPRUN = str(Path(sys.executable).parent / "fsdprun")
+
+# FSDPRUN_TEST_LAUNCH_LOG=FILE: one tab-separated line per subprocess a test starts (test id,
+# wall seconds, command), appended when it is reaped, to see where the suite's time goes. Off
+# unless set; it wraps subprocess.Popen for the session, nothing else changes.
+_LAUNCH_LOG = os.environ.get("FSDPRUN_TEST_LAUNCH_LOG")
+if _LAUNCH_LOG:
+    _popen_init, _popen_wait = subprocess.Popen.__init__, subprocess.Popen.wait
+
+    def _logged_init(self, args, *a, **kw):
+        self._launch_log = (os.environ.get("PYTEST_CURRENT_TEST", "?"), time.monotonic())
+        _popen_init(self, args, *a, **kw)
+
+    def _logged_wait(self, timeout=None):
+        code = _popen_wait(self, timeout)
+        entry = self.__dict__.pop("_launch_log", None)
+        if entry is not None:
+            test, started = entry
+            cmd = self.args if isinstance(self.args, str) else " ".join(map(str, self.args))
+            with open(_LAUNCH_LOG, "a") as f:
+                f.write(f"{test.rsplit(' ', 1)[0]}\t{time.monotonic() - started:.2f}\t{cmd}\n")
+        return code
+
+    subprocess.Popen.__init__, subprocess.Popen.wait = _logged_init, _logged_wait
 
 
 def free_port() -> int:
