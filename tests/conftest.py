@@ -23,7 +23,8 @@ FSDPRUN = str(Path(sys.executable).parent / "fsdprun")
 # wall seconds, command), appended when it is reaped, to see where the suite's time goes. Off
 # unless set; it wraps subprocess.Popen for the session, nothing else changes.
 _LAUNCH_LOG = os.environ.get("FSDPRUN_TEST_LAUNCH_LOG")
-if _LAUNCH_LOG:
+# (once: this file is imported both as `conftest` and as `tests.conftest`)
+if _LAUNCH_LOG and not hasattr(subprocess.Popen, "_launch_logged"):
     _popen_init, _popen_wait = subprocess.Popen.__init__, subprocess.Popen.wait
 
     def _logged_init(self, args, *a, **kw):
@@ -41,6 +42,7 @@ if _LAUNCH_LOG:
         return code
 
     subprocess.Popen.__init__, subprocess.Popen.wait = _logged_init, _logged_wait
+    subprocess.Popen._launch_logged = True
 
 
 def free_port() -> int:
@@ -164,3 +166,14 @@ def _join_rows(lines: list[list[str]], new_row) -> list[list[str]]:
                 prev = rows[-1][c]
                 rows[-1][c] = prev + part if not prev or prev[-1] in ".:" else f"{prev} {part}"
     return rows
+
+
+@pytest.fixture(scope="session")
+def gloo_pool(tmp_path_factory):
+    """Two ranks in one persistent gloo process group for the session (tests/gloo_pool.py):
+    engine-level tests train in it instead of launching `fsdprun train` each."""
+    from gloo_pool import GlooPool
+
+    pool = GlooPool(2, tmp_path_factory.mktemp("gloo-pool"))
+    yield pool
+    pool.close()
