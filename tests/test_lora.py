@@ -238,14 +238,18 @@ def test_a_target_matching_no_linear_names_the_available_ones():
     ]
 
 
-def test_two_rank_fully_shard_run_trains_adapters_and_holds_what_plan_says(gloo_pool):
+def test_two_rank_fully_shard_run_trains_adapters_and_holds_what_plan_says(tmp_path):
     # fsdp2, one unit per block (frozen base and trainable adapters in the same unit), bf16
-    # compute with fp32 master weights and reduction. Two ranks of the session's gloo process
-    # group (tests/gloo_pool.py) train it as launched ranks would.
+    # compute with fp32 master weights and reduction.
     overrides = ["lora.rank=8", "lora.targets=[wq, wk, wv, wo, w1, w2, w3]", "optim.lr=1e-2",
                  "precision.param_dtype=bf16", "train.steps=10", "output.log_every=1",
                  "checkpoint.save_final=false"]  # fmt: skip
-    events = gloo_pool.train(*overrides).events
+    run_dir = tmp_path / "run"
+    proc = run_fsdprun("train", "debug", *overrides, "--run-dir", str(run_dir), cwd=tmp_path,
+                       timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    events = read_events(run_dir / "metrics.jsonl")
     losses = [e["loss"] for e in events if e["event"] == "step"]
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.1, losses
     summary = next(e for e in events if e["event"] == "summary")
