@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,31 @@ import pytest
 from fsdprun.report.metrics import read_events
 
 FSDPRUN = str(Path(sys.executable).parent / "fsdprun")
+
+# FSDPRUN_TEST_LAUNCH_LOG=FILE: one tab-separated line per subprocess a test starts (test id,
+# wall seconds, command), appended when it is reaped, to see where the suite's time goes. Off
+# unless set; it wraps subprocess.Popen for the session, nothing else changes.
+_LAUNCH_LOG = os.environ.get("FSDPRUN_TEST_LAUNCH_LOG")
+# (once: this file is imported both as `conftest` and as `tests.conftest`)
+if _LAUNCH_LOG and not hasattr(subprocess.Popen, "_launch_logged"):
+    _popen_init, _popen_wait = subprocess.Popen.__init__, subprocess.Popen.wait
+
+    def _logged_init(self, args, *a, **kw):
+        self._launch_log = (os.environ.get("PYTEST_CURRENT_TEST", "?"), time.monotonic())
+        _popen_init(self, args, *a, **kw)
+
+    def _logged_wait(self, timeout=None):
+        code = _popen_wait(self, timeout)
+        entry = self.__dict__.pop("_launch_log", None)
+        if entry is not None:
+            test, started = entry
+            cmd = self.args if isinstance(self.args, str) else " ".join(map(str, self.args))
+            with open(_LAUNCH_LOG, "a") as f:
+                f.write(f"{test.rsplit(' ', 1)[0]}\t{time.monotonic() - started:.2f}\t{cmd}\n")
+        return code
+
+    subprocess.Popen.__init__, subprocess.Popen.wait = _logged_init, _logged_wait
+    subprocess.Popen._launch_logged = True
 
 
 def free_port() -> int:
@@ -220,3 +246,14 @@ def _join_rows(lines: list[list[str]], new_row) -> list[list[str]]:
                 prev = rows[-1][c]
                 rows[-1][c] = prev + part if not prev or prev[-1] in ".:" else f"{prev} {part}"
     return rows
+
+
+@pytest.fixture(scope="session")
+def gloo_pool(tmp_path_factory):
+    """Two ranks in one persistent gloo process group for the session (tests/gloo_pool.py):
+    engine-level tests train in it instead of launching `fsdprun train` each."""
+    from gloo_pool import GlooPool
+
+    pool = GlooPool(2, tmp_path_factory.mktemp("gloo-pool"))
+    yield pool
+    pool.close()

@@ -21,7 +21,6 @@ from fsdprun.config import load_recipe
 from fsdprun.device import resolve_device_kind
 from fsdprun.engines import Engine, translate
 from fsdprun.errors import UserError
-from fsdprun.report.metrics import read_events
 from fsdprun.tools.compare import cells, markdown, parse_configs, render
 from fsdprun.tools.plan import plan_memory
 
@@ -334,14 +333,12 @@ def test_fsdp1_refuses_a_tied_pretrained_folder_before_wrapping(tmp_path):
     ],
     ids=["ddp-autocast-bf16-fp16-compress-hook", "fsdp1-fp16-grad-scaler", "fsdp1-hybrid-1-node"],
 )
-def test_low_precision_trains_under_each_engine(tmp_path, overrides):
-    proc = run_fsdprun(
-        "train", "debug", *overrides, "train.steps=8", "output.log_every=1",
-        "checkpoint.save_final=false", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    losses = [e["loss"] for e in read_events(tmp_path / "run" / "metrics.jsonl") if
-              e["event"] == "step"]  # fmt: skip
+def test_low_precision_trains_under_each_engine(gloo_pool, overrides):
+    # Engine-level: trained in the session's gloo process group (tests/gloo_pool.py).
+    run = gloo_pool.train(
+        *overrides, "train.steps=8", "output.log_every=1", "checkpoint.save_final=false"
+    )
+    losses = run.losses
     assert len(losses) == 8 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
 
 
@@ -365,19 +362,19 @@ def test_ddp_bf16_reduction_on_gloo_is_a_user_error(tmp_path):
     assert "precision.reduce_dtype=bf16 with fsdp.engine=ddp needs NCCL or XCCL" in proc.stderr
 
 
-def test_tied_embeddings_train_the_same_model_under_every_engine(fsdprun_runs):
+def test_tied_embeddings_train_the_same_model_under_every_engine(fsdprun_runs, gloo_pool):
     # Issue 10 item 4: ddp and fsdp1 materialize with to_empty, which unties the output projection
-    # from the embedding unless it is tied again: more parameters, other losses.
-    runs = {
-        engine: fsdprun_runs.train(
-            f"fsdp.engine={engine}", "model.tie_embeddings=true", "train.steps=5",
-            "output.log_every=1",
-        ).check()
-        for engine in ("fsdp2", "fsdp1", "ddp")
-    }  # fmt: skip
+    # from the embedding unless it is tied again: more parameters, other losses. The fsdp2 run is
+    # launched (test_inspect_export.py reads its checkpoint); ddp and fsdp1 train in the session's
+    # gloo process group (tests/gloo_pool.py).
+    args = ("model.tie_embeddings=true", "train.steps=5", "output.log_every=1")
+    runs = {"fsdp2": fsdprun_runs.train("fsdp.engine=fsdp2", *args).check()}
+    for engine in ("fsdp1", "ddp"):
+        runs[engine] = gloo_pool.train(f"fsdp.engine={engine}", *args)
     num_params = runs["fsdp2"].start["num_params"]
     assert num_params == 115_008  # the debug model with one 256 x 64 matrix for both
     for engine, run in runs.items():
+        assert run.start["num_params"] == num_params, engine
         held = [r["model_state_bytes"]["params"] for r in run.summary["ranks"]]
         # ddp holds the whole model on each rank; fsdp1 and fsdp2 shard it over the 2 ranks
         # (its shapes are even: no padding).

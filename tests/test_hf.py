@@ -215,9 +215,11 @@ def demo_runs(tmp_path_factory) -> Runs:
 
 
 @pytest.fixture(scope="module")
-def demo_reference(demo_runs) -> list[float]:
-    """fsdp2, full sharding, 2 ranks; its first loss is transformers' own forward of the folder."""
-    losses = demo_runs.train(*DEMO, recipe="hf-finetune-demo").check().losses
+def demo_reference(gloo_pool) -> list[float]:
+    """fsdp2, full sharding, 2 ranks; its first loss is transformers' own forward of the folder.
+    (Runs of 2 ranks that check the weights, not the launch, train in the session's gloo
+    process group: tests/gloo_pool.py.)"""
+    losses = gloo_pool.train(*DEMO, recipe="hf-finetune-demo").losses
     cfg = load_recipe("hf-finetune-demo").config
     data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0)
     batch = load_batch(data, range(cfg.train.global_batch_size), torch.device("cpu"))
@@ -255,10 +257,10 @@ def test_pretrained_weights_load_under_every_engine_and_sharding(
         assert abs(got - want) < TOL, (run.losses, demo_reference)
 
 
-def test_bf16_folder_trains_fp32_master_weights(demo_runs, demo_reference, tmp_path):
+def test_bf16_folder_trains_fp32_master_weights(gloo_pool, demo_reference, tmp_path):
     # Most Llama releases say bfloat16: the weights and AdamW's state must still be fp32.
     folder = _hf_copy(tmp_path / "bf16", torch_dtype="bfloat16")
-    run = demo_runs.train(*DEMO, f"model.hf_path={folder}", recipe="hf-finetune-demo").check()
+    run = gloo_pool.train(*DEMO, f"model.hf_path={folder}", recipe="hf-finetune-demo")
     for got, want in zip(run.losses, demo_reference, strict=True):
         assert abs(got - want) < TOL, (run.losses, demo_reference)
     state = flatten(consolidate(run.run_dir / "checkpoints" / "step-00000002", tmp_path / "a.pt"))
@@ -269,13 +271,13 @@ def test_bf16_folder_trains_fp32_master_weights(demo_runs, demo_reference, tmp_p
 
 
 @pytest.fixture(scope="module")
-def dropout_run(demo_runs, tmp_path_factory):
+def dropout_run(gloo_pool, tmp_path_factory):
     """One step of the shipped folder with attention dropout and no special tokens in its
-    config.json, evaluated and saved after the step."""
+    config.json, evaluated and saved after the step (in the session's gloo process group)."""
     folder = _hf_copy(tmp_path_factory.mktemp("dropout") / "hf", attention_dropout=0.5,
                       drop=("bos_token_id", "eos_token_id"))  # fmt: skip
-    run = demo_runs.train("train.steps=1", "eval.every_steps=1", f"model.hf_path={folder}",
-                          recipe="hf-finetune-demo").check()  # fmt: skip
+    run = gloo_pool.train("train.steps=1", "eval.every_steps=1", f"model.hf_path={folder}",
+                          recipe="hf-finetune-demo")  # fmt: skip
     out = tmp_path_factory.mktemp("dropout_export") / "hf"
     _export(run.run_dir / "checkpoints" / "step-00000001", out, "hf")
     return run, _load_hf(out)

@@ -277,7 +277,7 @@ def test_two_rank_fully_shard_run_trains_adapters_and_holds_what_plan_says(tmp_p
         ), rank["rank"]  # fmt: skip
 
 
-def test_pretrained_hf_model_with_lora_starts_at_the_base_loss_and_resumes(tmp_path):
+def test_pretrained_hf_model_with_lora_starts_at_the_base_loss_and_resumes(tmp_path, gloo_pool):
     # The worker's pretrained path: HFWeights reads the base weights only, the adapters get
     # their seeded init (B = 0), so step 1's loss is the pretrained model's own. A full (non-LoRA)
     # checkpoint as checkpoint.load_from gives LoRA its base weights, and such a run resumes. (A
@@ -297,7 +297,12 @@ def test_pretrained_hf_model_with_lora_starts_at_the_base_loss_and_resumes(tmp_p
         return [e["loss"] for e in events if e["event"] == "step"]
 
     base = train("base")
-    lora = train("lora", "lora.rank=8")
+    # The LoRA run's first two steps are all it shows: trained in the session's gloo process
+    # group (tests/gloo_pool.py), two ranks as launched.
+    lora = gloo_pool.train(
+        "train.steps=2", "output.log_every=1", "eval.every_steps=0", "lora.rank=8",
+        "checkpoint.save_final=false", recipe="hf-finetune-demo",
+    ).losses  # fmt: skip
     assert lora[0] == pytest.approx(base[0], abs=1e-6)
     assert lora[1] != pytest.approx(base[1], abs=1e-4)  # then the adapters train (and only they)
     ckpt = tmp_path / "base" / "checkpoints" / "step-00000004"

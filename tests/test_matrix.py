@@ -11,9 +11,9 @@ own business). `REFUSED` lists pairs fsdprun refuses, with the words the refusal
 covering set of trained cells avoids them, and one cell per rule checks the refusal itself.
 
 The cells run under the `matrix` marker (part of the default run and of CI; deselect with
-`-m "not matrix"` while iterating). A session fixture launches every cell and every distinct
-reference (one world-1 fsdp2 fp32 run per model, data and tying) two at a time; each cell's test
-checks its own result.
+`-m "not matrix"` while iterating). A session fixture launches every cell two at a time and
+trains every distinct reference (one world-1 fsdp2 fp32 run per model, data and tying) in a
+persistent one-rank gloo process group; each cell's test checks its own result.
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def _reference_args(cell: dict, hf_bf16: Path) -> tuple[str, ...]:
 
 def _launches(cells: list[dict]) -> int:
     """What a covering set costs: a launch per cell (two for a resumed one) and one per distinct
-    reference run."""
+    reference run (not a launch now, but still a run)."""
     refs = {_reference_args(c, Path("hf-bf16")) for c in cells}
     return len(refs) + sum(1 + (c["resume"] != "none") for c in cells)
 
@@ -293,31 +293,38 @@ def _run_cell(cell: dict, hf_bf16: Path, root: Path) -> tuple[list, Path]:
 
 @pytest.fixture(scope="session")
 def matrix(tmp_path_factory, hf_bf16_folder) -> dict:
-    """Every cell and every distinct reference run, two at a time: a launch spends much of its
-    few seconds starting processes and waiting on sockets, so two side by side on the 2-core CI
-    machine take far less than two in a row. Each cell's test then checks its own result."""
-    root = tmp_path_factory.mktemp("matrix")
-    refs = {_reference_args(c, hf_bf16_folder) for c in CELLS}
-    ref_dirs = {args: root / f"ref{i}" for i, args in enumerate(sorted(refs))}
+    """Every cell, two at a time: a launch spends much of its few seconds starting processes and
+    waiting on sockets, so two side by side on the 2-core CI machine take far less than two in a
+    row. The distinct references train one after another in a one-rank persistent gloo process
+    group (tests/gloo_pool.py: the worker's own `_train`, as a launched rank trains; what is
+    compared is the training, the launches are the cells'). Each cell's test then checks its
+    own result."""
+    from gloo_pool import GlooPool
 
-    def reference(args: tuple[str, ...]) -> Run:
-        run_dir = ref_dirs[args]
-        proc = run_fsdprun("train", "debug", *args, "--nproc-per-node", "1", "--run-dir",
-                           str(run_dir), cwd=root)  # fmt: skip
-        return Run(proc, run_dir)
+    root = tmp_path_factory.mktemp("matrix")
+    refs = sorted({_reference_args(c, hf_bf16_folder) for c in CELLS})
+    pool = GlooPool(1, root / "pool")
+    (root / "pool").mkdir()
+
+    def references() -> dict[tuple[str, ...], Run]:
+        try:
+            return {args: pool.train(*args) for args in refs}
+        finally:
+            pool.close()
 
     # The longest first (a resumed cell launches twice, a hybrid one starts 4 ranks), the
     # one-rank references last: neither thread idles long at the end.
     longest = sorted(
         range(len(CELLS)), key=lambda i: (CELLS[i]["resume"] == "none", -_world(CELLS[i]))
     )
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=2) as threads:
         cell_futures = {
-            i: pool.submit(_run_cell, CELLS[i], hf_bf16_folder, root / f"cell{i}") for i in longest
+            i: threads.submit(_run_cell, CELLS[i], hf_bf16_folder, root / f"cell{i}")
+            for i in longest
         }
-        ref_futures = {args: pool.submit(reference, args) for args in ref_dirs}
+        ref_future = threads.submit(references)
         return {
-            "refs": {args: f.result() for args, f in ref_futures.items()},
+            "refs": ref_future.result(),
             "cells": [cell_futures[i].result() for i in range(len(CELLS))],
         }
 

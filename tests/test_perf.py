@@ -39,8 +39,9 @@ def plain(fsdprun_runs) -> Run:
     return fsdprun_runs.train(*BASE, nproc=2).check()
 
 
-def test_selective_checkpointing_keeps_the_losses(plain: Run, fsdprun_runs):
-    run = fsdprun_runs.train(*BASE, "activation_checkpointing.mode=selective", nproc=2).check()
+def test_selective_checkpointing_keeps_the_losses(plain: Run, gloo_pool):
+    # Trained in the session's gloo process group (tests/gloo_pool.py), as a launched rank trains.
+    run = gloo_pool.train(*BASE, "activation_checkpointing.mode=selective")
     assert run.start["activation_checkpointing"] == "selective (2 blocks)"
     assert_same_losses(plain, run, 1e-6)
 
@@ -130,10 +131,11 @@ def test_plan_selective_block_bytes_match_what_selective_checkpointing_keeps():
     assert kept + block_input == selective_block_bytes(cfg)
 
 
-def test_chunked_loss_through_ddp_and_fsdp1(plain: Run, fsdprun_runs):
-    # The head travels as a forward kwarg through DDP's and FSDP1's wrappers too.
+def test_chunked_loss_through_ddp_and_fsdp1(plain: Run, gloo_pool):
+    # The head travels as a forward kwarg through DDP's and FSDP1's wrappers too (trained in the
+    # session's gloo process group, tests/gloo_pool.py).
     for engine in ("ddp", "fsdp1"):
-        run = fsdprun_runs.train(
+        run = gloo_pool.train(
             *BASE, f"fsdp.engine={engine}", "train.loss=chunked", "train.loss_chunk_size=50"
-        ).check()
+        )
         assert_same_losses(plain, run, 1e-5)

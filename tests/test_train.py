@@ -1,7 +1,9 @@
 """Training end to end through the real `fsdprun train` command: CPU, gloo, 1-2 ranks.
 
 Losses must not depend on the world size, the accumulation split, or the FSDP knobs (fp32):
-the same global step sees the same samples and the same initial weights everywhere.
+the same global step sees the same samples and the same initial weights everywhere. Checks of
+what an engine or a knob does (not of the launch) train two ranks in the session's persistent
+gloo process group instead (tests/gloo_pool.py: the worker's own `_train`, no launcher).
 """
 
 from __future__ import annotations
@@ -77,21 +79,28 @@ def test_gradient_accumulation_matches_one_big_batch(world2_micro1: Run, fsdprun
     ids=["fsdp1-reduce-scatter-every-micro-step", "fsdp2-hybrid-2x2-all-reduce-on-the-last",
          "fsdp2-accumulate-unsharded"],
 )  # fmt: skip
-def test_accumulation_matches_one_big_batch_under_each_engine(fsdprun_runs, overrides, nproc):
+def test_accumulation_matches_one_big_batch_under_each_engine(
+    fsdprun_runs, gloo_pool, overrides, nproc
+):
     # fp32: gradients reduce-scattered into their shards on every micro-step (the default) or
-    # kept whole until the last (the opt-in knob) give the losses of one big batch.
+    # kept whole until the last (the opt-in knob) give the losses of one big batch. Two ranks
+    # train in the session's gloo process group (tests/gloo_pool.py); four are launched.
     big_batch = fsdprun_runs.train(*BASE, "train.micro_batch_size=4", nproc=2).check()
-    run = fsdprun_runs.train(*BASE, "train.micro_batch_size=1", *overrides, nproc=nproc).check()
+    run = (
+        gloo_pool.train(*BASE, "train.micro_batch_size=1", *overrides)
+        if nproc == gloo_pool.world
+        else fsdprun_runs.train(*BASE, "train.micro_batch_size=1", *overrides, nproc=nproc)
+    ).check()
     assert run.start["grad_accum_steps"] == 8 // nproc
     assert_same_losses(run, big_batch)
 
 
-def test_fsdp_knobs_keep_the_math(world2_micro1: Run, fsdprun_runs):
-    knobs = fsdprun_runs.train(
+def test_fsdp_knobs_keep_the_math(world2_micro1: Run, gloo_pool):
+    knobs = gloo_pool.train(
         *BASE, "train.micro_batch_size=1", "activation_checkpointing.mode=full",
         "fsdp.forward_prefetch=1", "fsdp.backward_prefetch=2", "fsdp.reshard_after_forward=false",
-        "fsdp.wrap=size", "fsdp.min_num_params=40000", nproc=2,
-    ).check()  # fmt: skip
+        "fsdp.wrap=size", "fsdp.min_num_params=40000",
+    )  # fmt: skip
     assert knobs.start["activation_checkpointing"] == "full (2 blocks)"
     # size policy, post-order: a feed-forward (37K params) is under 40K, a block (49K) is not;
     # the embedding and output projection (16K each) stay in the root
@@ -99,19 +108,17 @@ def test_fsdp_knobs_keep_the_math(world2_micro1: Run, fsdprun_runs):
     assert_same_losses(world2_micro1, knobs)
 
 
-def test_bf16_trains(fsdprun_runs):
-    run = fsdprun_runs.train(
-        "train.steps=12", "output.log_every=1", "precision.param_dtype=bf16", nproc=2
-    ).check()
+def test_bf16_trains(gloo_pool):
+    run = gloo_pool.train("train.steps=12", "output.log_every=1", "precision.param_dtype=bf16")
     assert run.start["param_dtype"] == "bf16"
     assert run.losses[-1] < run.losses[0] - 0.3
 
 
-def test_fp16_with_grad_scaler_cpu_offload_and_tied_embeddings(fsdprun_runs):
-    run = fsdprun_runs.train(
+def test_fp16_with_grad_scaler_cpu_offload_and_tied_embeddings(fsdprun_runs, gloo_pool):
+    run = gloo_pool.train(
         "train.steps=8", "output.log_every=1", "precision.param_dtype=fp16",
-        "fsdp.cpu_offload=true", "model.tie_embeddings=true", nproc=2,
-    ).check()  # fmt: skip
+        "fsdp.cpu_offload=true", "model.tie_embeddings=true",
+    )  # fmt: skip
     assert run.losses[-1] < run.losses[0]
     untied = run.start["num_params"] + 256 * 64  # the debug vocab x dim output projection
     assert untied == fsdprun_runs.train(*BASE, "train.micro_batch_size=1").start["num_params"]
