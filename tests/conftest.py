@@ -99,13 +99,13 @@ class Zygote:
     def run(self, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float):
         import json
         import signal
-        import time
 
         self.count += 1
         out, err = (self.root / f"cmd{self.count}.{k}" for k in ("out", "err"))
         request = {"argv": args, "cwd": str(cwd), "env": env, "stdout": str(out),
                    "stderr": str(err)}  # fmt: skip
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(self.path)
             conn.sendall(json.dumps(request).encode() + b"\n")
@@ -118,6 +118,12 @@ class Zygote:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)  # the command and its workers
                 raise subprocess.TimeoutExpired([FSDPRUN, *args], timeout) from e
+        if _LAUNCH_LOG:  # as the Popen wrapper above logs an exec'd command
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+            with open(_LAUNCH_LOG, "a") as f:
+                f.write(
+                    f"{test}\t{time.monotonic() - started:.2f}\tzygote: fsdprun {' '.join(args)}\n"
+                )
         stdout, stderr = (p.read_text(errors="replace") for p in (out, err))
         out.unlink()
         err.unlink()
