@@ -61,25 +61,15 @@ def fsdprun_env(**extra: str) -> dict[str, str]:
 def run_fsdprun(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300):
     """`fsdprun ARGS` to its end, as subprocess.run reports it. The command is forked from the
     suite's warm zygote (tests/zygote.py: torch and the launcher already imported, about 3 s of
-    CPU less per command) unless its environment changes what torch reads when it loads, or
-    FSDPRUN_TEST_NO_ZYGOTE=1; either way it is the real command in a process of its own."""
+    CPU less per command), which execs it afresh when its environment changes what torch reads
+    when it loads; FSDPRUN_TEST_NO_ZYGOTE=1 execs every command. Either way it is the real
+    command in a process of its own."""
     env = env or fsdprun_env()
-    if not os.environ.get("FSDPRUN_TEST_NO_ZYGOTE") and not _import_time_env_differs(env):
+    if not os.environ.get("FSDPRUN_TEST_NO_ZYGOTE"):  # it execs what needs a fresh interpreter
         return _zygote().run(list(args), cwd=cwd, env=env, timeout=timeout)
     return subprocess.run(
         [FSDPRUN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
-
-
-# Variables read when torch (or the interpreter) loads: a command that sets them differently
-# from the zygote's environment needs a fresh interpreter.
-IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "MKL_", "LD_", "PYTHON", "_FSDPRUN_QUIET")
-
-
-def _import_time_env_differs(env: dict[str, str]) -> bool:
-    base = fsdprun_env()
-    keys = {k for k in (*env, *base) if k.startswith(IMPORT_TIME_PREFIXES)}
-    return any(env.get(k) != base.get(k) for k in keys)
 
 
 class Zygote:
@@ -135,6 +125,21 @@ class Zygote:
 
 
 _ZYGOTE: list[Zygote] = []
+
+
+def zygote_fsdprun(root: Path) -> Path | None:
+    """An `fsdprun` for shell lines (tests/test_docs.py): a script in `root` that runs each
+    command through the zygote with the shell's stdin, stdout and stderr; None when
+    FSDPRUN_TEST_NO_ZYGOTE=1."""
+    if os.environ.get("FSDPRUN_TEST_NO_ZYGOTE"):
+        return None
+    script = root / "fsdprun"
+    server = Path(__file__).with_name("zygote.py")
+    script.write_text(
+        f'#!/bin/sh\nexec "{sys.executable}" "{server}" --client "{_zygote().path}" "$@"\n'
+    )
+    script.chmod(0o755)
+    return script
 
 
 def _zygote() -> Zygote:

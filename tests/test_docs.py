@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import fsdprun_env
+from conftest import fsdprun_env, zygote_fsdprun
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,18 +159,19 @@ def make_workspace(root: Path) -> Path:
 
 
 def _env(root: Path) -> dict[str, str]:
-    """This environment's `fsdprun` and `python` first on PATH, and torch's `torchrun` (which
-    a venv that finds torch through a .pth file lacks: then the same entry point by hand)."""
+    """This environment's `fsdprun` and `python` first on PATH (`fsdprun` through the suite's
+    warm zygote, see tests/zygote.py), and torch's `torchrun` (which a venv that finds torch
+    through a .pth file lacks: then the same entry point by hand)."""
     env = fsdprun_env()
     bin_dir = Path(sys.executable).parent
-    path = [str(bin_dir)]
+    shims = root / ".bin"
+    shims.mkdir(exist_ok=True)
+    zygote_fsdprun(shims)
     if not (bin_dir / "torchrun").exists():
-        shim = root / ".bin" / "torchrun"
-        shim.parent.mkdir(exist_ok=True)
+        shim = shims / "torchrun"
         shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
         shim.chmod(0o755)
-        path.append(str(shim.parent))
-    env["PATH"] = os.pathsep.join([*path, env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([str(shims), str(bin_dir), env.get("PATH", "")])
     env.pop("FSDPRUN_DEBUG", None)
     return env
 

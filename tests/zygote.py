@@ -20,6 +20,10 @@ stderr}; the zygote answers {"pid": N} once the child runs, then {"code": C} whe
 subprocess reports it: negative for a signal).
 
     python tests/zygote.py SOCKET_PATH    # prints "ready" when it listens
+    python tests/zygote.py --client SOCKET_PATH ARGS...   # `fsdprun ARGS` through it
+
+The client form passes its own stdin, stdout and stderr (SCM_RIGHTS) instead of file names:
+tests/test_docs.py puts it on PATH as `fsdprun`, so the docs' shell lines run through it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+# Variables read when torch or the interpreter loads (the zygote has loaded them already).
+IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "MKL_", "LD_", "PYTHON", "_FSDPRUN_QUIET")
+STARTED_WITH = dict(os.environ)
+
+
+def _import_time_env_differs(env: dict[str, str]) -> bool:
+    keys = {k for k in (*env, *STARTED_WITH) if k.startswith(IMPORT_TIME_PREFIXES)}
+    return any(env.get(k) != STARTED_WITH.get(k) for k in keys)
+
+
 def _warm_up() -> None:
     if "TORCH_CPP_LOG_LEVEL" not in os.environ and not os.environ.get("FSDPRUN_DEBUG"):
         # As fsdprun.cli.main does before its first torch import.
@@ -62,15 +76,19 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        fds = [os.open(os.devnull, os.O_RDONLY)]
-        fds += [os.open(request[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                for k in ("stdout", "stderr")]  # fmt: skip
+        fds = request.get("fds") or [os.open(os.devnull, os.O_RDONLY)] + [
+            os.open(request[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            for k in ("stdout", "stderr")
+        ]
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         sys.argv = ["fsdprun", *request["argv"]]
+        if _import_time_env_differs(request["env"]):  # the command needs a fresh interpreter
+            script = os.path.join(os.path.dirname(sys.executable), "fsdprun")
+            os.execve(script, [script, *request["argv"]], request["env"])
         from fsdprun.cli import main
 
         try:
@@ -94,6 +112,34 @@ def _child(request: dict) -> None:
         os._exit(code)
 
 
+def _receive(conn: socket.socket) -> dict:
+    """One JSON line, and the stdin/stdout/stderr a `--client` passed along with it."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    while not data.endswith(b"\n"):
+        more = conn.recv(1 << 20)
+        if not more:
+            break
+        data += more
+    request = json.loads(data)
+    request["fds"] = list(fds)
+    return request
+
+
+def client(path: str, argv: list[str]) -> int:
+    """`fsdprun ARGV` through the zygote with this process's stdin, stdout and stderr, as a
+    shell runs it: the exit status, 128 + N for signal N. SIGINT/SIGTERM reach the command."""
+    request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(path)
+        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+        reader = conn.makefile("rb")
+        pid = json.loads(reader.readline())["pid"]
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda n, f: os.kill(pid, n))
+        code = json.loads(reader.readline())["code"]
+    return code if code >= 0 else 128 - code
+
+
 OPEN: set[socket.socket] = set()  # connections of commands still running
 
 
@@ -115,7 +161,7 @@ def serve(path: str) -> None:
     print("ready", flush=True)
     while True:
         conn, _ = server.accept()
-        request = json.loads(conn.makefile("rb").readline())
+        request = _receive(conn)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -123,10 +169,14 @@ def serve(path: str) -> None:
             for s in (server, conn, *OPEN):  # the command holds no other command's socket
                 s.close()
             _child(request)
+        for fd in request["fds"]:
+            os.close(fd)
         OPEN.add(conn)
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         threading.Thread(target=_wait_and_answer, args=(conn, pid), daemon=True).start()
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--client":
+        sys.exit(client(sys.argv[2], sys.argv[3:]))
     serve(sys.argv[1])
