@@ -316,7 +316,7 @@ def test_pretrained_hf_model_with_lora_starts_at_the_base_loss_and_resumes(tmp_p
     assert resumed[4:] == pytest.approx(tuned[2:], abs=1e-5), (resumed, tuned)
     # The header names where each run's weights came from.
     hf = load_recipe("hf-finetune-demo").config.model.hf_path
-    assert headers["train", "lora"] == [f"  weights: pretrained, read from {hf}"]
+    assert headers["train", "base"] == [f"  weights: pretrained, read from {hf}"]
     assert headers["train", "tuned"] == [f"  weights: loaded from {ckpt} (checkpoint.load_from)"]
     assert headers["resume", "tuned"] == [
         f"  weights: loaded from {ckpt} (checkpoint.load_from); adapters resumed from "
