@@ -66,10 +66,19 @@ def run_fsdprun(*args: str, cwd: Path, env: dict[str, str] | None = None, timeou
     command in a process of its own."""
     env = env or fsdprun_env()
     if not os.environ.get("FSDPRUN_TEST_NO_ZYGOTE"):  # it execs what needs a fresh interpreter
-        return _zygote().run(list(args), cwd=cwd, env=env, timeout=timeout)
+        try:
+            return _zygote().run(list(args), cwd=cwd, env=env, timeout=timeout)
+        except ZygoteGone:  # once more with a new zygote: the command had not started
+            _ZYGOTE[0].close()
+            _ZYGOTE.clear()
+            return _zygote().run(list(args), cwd=cwd, env=env, timeout=timeout)
     return subprocess.run(
         [FSDPRUN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
+
+
+class ZygoteGone(Exception):
+    """The zygote could not take a command (it is not there any more)."""
 
 
 class Zygote:
@@ -97,10 +106,13 @@ class Zygote:
         started = time.monotonic()
         deadline = started + timeout
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(self.path)
-            conn.sendall(json.dumps(request).encode() + b"\n")
-            reader = conn.makefile("rb")
-            pid = json.loads(reader.readline())["pid"]
+            try:
+                conn.connect(self.path)
+                conn.sendall(json.dumps(request).encode() + b"\n")
+                reader = conn.makefile("rb")
+                pid = json.loads(reader.readline())["pid"]
+            except (OSError, ValueError) as e:  # the command never started
+                raise ZygoteGone(str(e)) from e
             conn.settimeout(max(deadline - time.monotonic(), 0.01))
             try:
                 code = json.loads(reader.readline())["code"]

@@ -29,21 +29,27 @@ tests/test_docs.py puts it on PATH as `fsdprun`, so the docs' shell lines run th
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
 import socket
 import sys
 import threading
-
-PR_SET_PDEATHSIG = 1
+import time
 
 
 def _die_with_parent() -> None:
-    # The zygote lives as long as the pytest process that started it, not longer.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    """The zygote lives as long as the pytest process that started it, not longer. Not
+    PR_SET_PDEATHSIG: that fires when the parent *thread* ends, and a test may start the zygote
+    from a thread of its own."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 # Variables read when torch or the interpreter loads (the zygote has loaded them already).
@@ -161,7 +167,12 @@ def serve(path: str) -> None:
     print("ready", flush=True)
     while True:
         conn, _ = server.accept()
-        request = _receive(conn)
+        try:
+            request = _receive(conn)
+        except (OSError, ValueError) as e:  # a client that went away: the next one is served
+            print(f"zygote: unreadable request ({e})", file=sys.stderr, flush=True)
+            conn.close()
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -172,7 +183,8 @@ def serve(path: str) -> None:
         for fd in request["fds"]:
             os.close(fd)
         OPEN.add(conn)
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        with contextlib.suppress(OSError):  # a client gone: the waiter still reaps the command
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         threading.Thread(target=_wait_and_answer, args=(conn, pid), daemon=True).start()
 
 
