@@ -10,7 +10,7 @@ when it lets go, so it stays only after a holder that was killed (naming that la
 Each node's launcher of a multi-node run locks its own file (`.lock` on node 0,
 `.lock.node-N` on node N), so nodes that share RUN_DIR do not refuse one another, while a
 second launch of the same node does. flock is advisory (it stops fsdprun, not other programs)
-and only as good as the filesystem's locks across hosts (see README).
+and only as good as the filesystem's locks across hosts (see docs/faults.md).
 
 No torch here: `fsdprun status` imports this module.
 """
