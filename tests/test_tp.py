@@ -235,6 +235,23 @@ def test_tp2_dp2_trains_as_fsdp2_on_4_ranks_and_1_rank(trained, tmp_path):
     assert [e["trained_tokens"] for e in tp.steps] == [8 * 64] * LAST
     speed = tp.summary["throughput"]
     assert speed["tokens_per_s_per_device"] == pytest.approx(speed["tokens_per_s"] / 4)
+    # The run header and knob table show the mesh and every module's plan.
+    header = _header(start)
+    assert "mesh: 2 dp_shard x 2 tp" in header
+    assert "micro 1 x 2 dp ranks x 4 accumulation" in header
+    assert "layers.*.attention.wq: colwise" in header and "output: output" in header
+    assert "parallel.tp=2 -> device mesh 2 dp_shard x 2 tp" in header
+    assert "fully_shard over the 2 dp_shard dims of the mesh" in header
+
+
+def _header(start: dict) -> str:
+    from rich.console import Console
+
+    from fsdprun.report.console import Reporter
+
+    console = Console(record=True, width=200, highlight=False)
+    Reporter(console, live=False).handle(start)
+    return console.export_text()
 
 
 @pytest.mark.parametrize(
