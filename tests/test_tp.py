@@ -300,3 +300,15 @@ def test_hf_folder_tp2_dp2_trains_as_one_rank(trained, hf_dir, tmp_path, monkeyp
     tp = trained.run(4, "parallel.tp=2", f"model.hf_path={hf_dir}")
     assert ["hf.model.layers.0.self_attn.q_proj", "colwise"] in tp.start["tp_plan"]
     _assert_same(tp, trained.run(1, f"model.hf_path={hf_dir}"), tmp_path)
+
+
+def test_compare_accepts_tp_configurations():
+    from fsdprun.tools.compare import parse_configs
+
+    configs = {c.label: c.overrides for c in parse_configs("fsdp2,fsdp2:full:tp2,fsdp2:tp4")}
+    assert configs["fsdp2:full:tp2"] == ("fsdp.engine=fsdp2", "fsdp.sharding=full", "parallel.tp=2")
+    assert configs["fsdp2:tp4"] == ("fsdp.engine=fsdp2", "parallel.tp=4")
+    for bad, phrase in [("ddp:tp2", "needs fsdp2; use fsdp2:tp2"),
+                        ("fsdp2:tp2:tp4", "engine[:sharding][:tpN]")]:  # fmt: skip
+        with pytest.raises(UserError, match=phrase.replace("[", r"\[").replace("]", r"\]")):
+            parse_configs(bad)
