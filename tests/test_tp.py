@@ -385,3 +385,22 @@ def test_gradients_after_the_reduction_equal_the_plain_models(pools, sharding):
         assert result["grad_error"] <= 1e-6 * max(result["grad_scale"], 1.0), result
         assert result["all_reduce_avg_error"] <= 1e-6, result
         assert result["reduce_scatter_avg_error"] <= 1e-6, result
+
+
+def test_hf_export_of_a_tp_checkpoint_is_ordinary_unsharded_weights(trained, tmp_path):
+    """`export --format hf` of a checkpoint saved on the tp 2 x dp 2 mesh: transformers loads
+    it, and its weights are the trained ones, whole."""
+    import transformers
+
+    from fsdprun.checkpoint.export import export_checkpoint
+    from fsdprun.models.llama import hf_llama_name
+
+    tp = trained.run(4, "parallel.tp=2", "activation_checkpointing.mode=full")
+    out = tmp_path / "hf"
+    export_checkpoint(_ckpt(tp, LAST), out, fmt="hf")
+    loaded = dict(transformers.AutoModelForCausalLM.from_pretrained(out).named_parameters())
+    saved = _model(tp, LAST, tmp_path)
+    assert len(loaded) == len(saved)
+    for name, value in saved.items():
+        hf = loaded[hf_llama_name(name.removeprefix("model."))]
+        assert hf.shape == value.shape and (hf.detach() == value).all(), name
