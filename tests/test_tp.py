@@ -404,3 +404,19 @@ def test_hf_export_of_a_tp_checkpoint_is_ordinary_unsharded_weights(trained, tmp
     for name, value in saved.items():
         hf = loaded[hf_llama_name(name.removeprefix("model."))]
         assert hf.shape == value.shape and (hf.detach() == value).all(), name
+
+
+def test_chat_rows_with_masked_targets_train_and_evaluate_as_one_rank(trained, tmp_path):
+    """Packed chat rows (document masks, restarted positions, prompt tokens not trained) under
+    tp 2 x dp 2: the trained targets are counted once per TP group, so the losses, the
+    validation loss and the trained-target counts equal one rank's."""
+    data = Path(__file__).resolve().parents[1] / "recipes" / "data"
+    chat = ("data.source=chat", f"data.paths=[{data / 'chat.jsonl'}]",
+            f"data.tokenizer={data / 'tiny-llama-hf'}", "data.truncate=truncate",
+            "model.vocab_size=258", "data.val_fraction=0.2", f"eval.every_steps={LAST}",
+            "eval.batches=1")  # fmt: skip
+    tp, one = trained.run(4, "parallel.tp=2", *chat), trained.run(1, *chat)
+    counts = [e["trained_tokens"] for e in tp.steps]
+    assert counts == [e["trained_tokens"] for e in one.steps] and counts[0] < 8 * 64
+    _assert_same(tp, one, tmp_path)
+    assert tp.summary["final_val_loss"] == pytest.approx(one.summary["final_val_loss"], abs=TOL)
