@@ -313,7 +313,8 @@ def apply_fsdp(
     modules = dict(model.named_modules())
     units: list[FsdpUnit] = []
     # Parameters an earlier unit took (not "already a DTensor": tensor parallel makes every
-    # parameter one before FSDP); counted at their full size.
+    # parameter one before FSDP); counted at their full size. fully_shard replaces a unit's
+    # parameters by new DTensor ones, whose ids are taken too.
     taken: set[int] = set()
 
     def own(module: nn.Module) -> int:
@@ -325,6 +326,7 @@ def apply_fsdp(
         module = modules[row.path]
         before = own(module)
         fully_shard(module, reshard_after_forward=row.reshard_after_forward, **common)
+        taken.update(id(p) for p in module.parameters())
         units.append(FsdpUnit(row.path, before, row.reshard_after_forward))
     root_params = own(model)
     # FSDP2 keeps the root gathered after forward whatever its flag (backward needs it first).
