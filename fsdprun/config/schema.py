@@ -261,6 +261,16 @@ class FsdpConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tp: int = _f(
+        1,
+        "Tensor-parallel degree: each block's matmuls are split over this many ranks of one "
+        "node (the last dim of the device mesh [dp_replicate?, dp_shard, tp]); FSDP shards over "
+        "the data-parallel ranks, world size / tp. 1 = off.",
+    )
+
+
+@dataclass
 class ActivationCheckpointingConfig:
     mode: CheckpointMode = _f(
         CheckpointMode.none,
@@ -575,6 +585,7 @@ class RecipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig
     )
