@@ -399,9 +399,8 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     c.print(_plan_verdict(plan))
 
 
-def _mesh_text(mesh: dict[str, int]) -> str:
-    dims = [f"{k} {n}" for k, n in mesh.items() if n > 1 or k == "dp_shard"]
-    return "[" + " x ".join(dims) + "]"
+def _mesh_text(mesh: list[list]) -> str:
+    return "[" + " x ".join(f"{name} {n}" for name, n in mesh) + "]"
 
 
 def _plan_tp_table(plan: dict[str, Any]) -> Table:

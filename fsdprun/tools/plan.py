@@ -39,7 +39,6 @@ Gathered buffers and activations are estimates; `ACTIVATION_FORMULA` says how th
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -58,11 +57,18 @@ from fsdprun.config import (
 from fsdprun.engines import DTYPE_BYTES, ParamShape, rank_memory, translate, unit_plan
 from fsdprun.engines.float8 import MFU_CONVENTION, float8_linears
 from fsdprun.engines.float8 import describe as describe_float8
-from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding
+from fsdprun.engines.mesh import (
+    backward_prefetch_depth,
+    effective_sharding,
+    mesh_dims,
+    shard_group_size,
+    tp_errors,
+)
+from fsdprun.engines.tp import plan_rows
 from fsdprun.engines.units import plan_units
 from fsdprun.errors import UserError
 from fsdprun.loss import describe_loss
-from fsdprun.models import model_spec
+from fsdprun.models import TPPlan, model_spec
 from fsdprun.models.lora import apply_lora, num_trainable_params
 
 ACTIVATION_FORMULA = (
@@ -148,7 +154,7 @@ class MemoryPlan:
     engine: str = "fsdp2"
     num_trainable_params: int | None = None  # < num_params under LoRA
     knobs: list[dict] = field(default_factory=list)
-    mesh: dict = field(default_factory=dict)  # PlannedMesh of the recipe's strategy
+    mesh: list[tuple[str, int]] = field(default_factory=list)  # the recipe's: (dim, size)
     tp: int = 1
     tp_degrees: list[dict] = field(default_factory=list)  # TpOption at each degree, side by side
     activation_formula: str = ACTIVATION_FORMULA
@@ -193,29 +199,18 @@ def _unit_params(
 # The TP degrees `plan` puts side by side (with the recipe's own): TP spans one node's ranks.
 TP_DEGREES = (1, 2, 4, 8)
 
-# What each parallel style shards, by the module it is applied to (torch's ColwiseParallel and
-# RowwiseParallel): a Linear's weight is (out, in), an Embedding's (vocab, dim). Column-wise
-# splits the outputs (a Linear's dim 0 and its bias; an Embedding's dim), row-wise the inputs
-# (a Linear's dim 1, its bias replicated; an Embedding's vocab). Every other style
-# (sequence parallel on the norms) leaves its parameters replicated on the TP ranks.
-_STYLE_DIMS: dict[tuple[str, type], dict[str, int]] = {
-    ("colwise", nn.Linear): {"weight": 0, "bias": 0},
-    ("colwise", nn.Embedding): {"weight": 1},
-    ("rowwise", nn.Linear): {"weight": 1},
-    ("rowwise", nn.Embedding): {"weight": 0},
+# What each style of a family's TP plan (`fsdprun.models.TP_STYLES`, applied as torch's
+# ParallelStyles by `fsdprun.engines.tp`) shards: a Linear's weight is (out, in), an Embedding's
+# (vocab, dim). Column-wise (and the vocab-sharded output) splits a Linear's outputs: dim 0 and
+# its bias; row-wise its inputs: dim 1, the bias replicated; the embedding its vocab rows. The
+# norms (and `block_input`, which owns no parameter) keep their parameters whole on every TP
+# rank.
+_STYLE_DIMS: dict[str, dict[str, int]] = {
+    "colwise": {"weight": 0, "bias": 0},
+    "output": {"weight": 0, "bias": 0},
+    "rowwise": {"weight": 1},
+    "embedding": {"weight": 0},
 }
-
-
-def tp_styles(model: nn.Module) -> dict[str, str]:
-    """The TP plan of `model`'s family: module path pattern -> parallel style."""
-    if hasattr(model, "layers"):  # fsdprun's Llama
-        block = {"attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise",
-                 "attention.wo": "rowwise", "feed_forward.w1": "colwise",
-                 "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
-                 "attention_norm": "sequence", "ffn_norm": "sequence"}  # fmt: skip
-        head = {"tok_embeddings": "rowwise", "norm": "sequence", "output": "colwise"}
-        return {**head, **{f"layers.*.{k}": v for k, v in block.items()}}
-    return {}
 
 
 def tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
@@ -226,23 +221,15 @@ def tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[in
     return (*shape[:dim], math.ceil(shape[dim] / tp), *shape[dim + 1 :])
 
 
-def _matches(path: str, pattern: str) -> bool:
-    # parallelize_module's rule: atom by atom, each an fnmatch pattern ("layers.*.attention.wq").
-    atoms, want = path.split("."), pattern.split(".")
-    return len(atoms) == len(want) and all(
-        fnmatch.fnmatchcase(a, w) for a, w in zip(atoms, want, strict=True)
-    )
-
-
-def tp_shard_dims(model: nn.Module, styles: dict[str, str]) -> dict[int, int]:
-    """Parameter id -> the dim the TP plan `styles` (module path pattern -> style) shards it on;
-    parameters not listed are replicated on the TP ranks."""
+def tp_shard_dims(model: nn.Module, plan: TPPlan | None) -> dict[int, int]:
+    """Parameter id -> the dim the family's TP `plan` shards it on (as `apply_tp` applies it:
+    `plan_rows`); the parameters it does not list are replicated on the TP ranks."""
     dims: dict[int, int] = {}
-    for path, module in model.named_modules():
-        style = next((v for k, v in styles.items() if path and _matches(path, k)), None)
-        kind = next((t for t in (nn.Linear, nn.Embedding) if isinstance(module, t)), None)
-        rule = _STYLE_DIMS.get((style, kind), {}) if style and kind else {}
-        for name, p in module.named_parameters(recurse=False):
+    if plan is None:
+        return dims
+    for path, style in plan_rows(model.block_paths(), plan):
+        rule = _STYLE_DIMS.get(style, {})
+        for name, p in model.get_submodule(path).named_parameters(recurse=False):
             if name in rule:
                 dims[id(p)] = rule[name]
     return dims
@@ -272,9 +259,11 @@ class _TokenDims:
 def _token_dims(cfg: RecipeConfig) -> _TokenDims:
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
     head_dim = m.dim // m.n_heads
+    plan = model_spec(m).tp_plan
+    seq_shards = tp if plan is not None and plan.sequence_parallel else 1
     return _TokenDims(
         tokens=t.seq_len * t.micro_batch_size,
-        seq_tokens=math.ceil(t.seq_len / tp) * t.micro_batch_size,
+        seq_tokens=math.ceil(t.seq_len / seq_shards) * t.micro_batch_size,
         dim=math.ceil(m.n_heads / tp) * head_dim,
         kv_dim=math.ceil((m.n_kv_heads or m.n_heads) / tp) * head_dim,
         ffn=math.ceil(m.ffn_dim / tp),
@@ -346,51 +335,24 @@ def activation_bytes(cfg: RecipeConfig) -> int:
     return kept + recompute + loss_bytes(cfg)
 
 
-@dataclass(frozen=True)
-class PlannedMesh:
-    """The device mesh of one strategy: [dp_replicate, dp_shard, tp], world = their product.
-    FSDP shards over dp_shard (and replicates over dp_replicate); TP splits each block."""
-
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-
-    def describe(self) -> str:
-        dims = [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
-        shown = [f"{name} {n}" for name, n in dims if n > 1 or name == "dp_shard"]
-        return "[" + " x ".join(shown) + "]"
+def _with_sharding(cfg: RecipeConfig, sharding: Sharding) -> RecipeConfig:
+    fsdp = dataclasses.replace(cfg.fsdp, sharding=sharding, reshard_after_forward=None)
+    return dataclasses.replace(cfg, fsdp=fsdp)
 
 
-def plan_mesh(
-    cfg: RecipeConfig, sharding: Sharding, *, engine: Engine | None = None
-) -> PlannedMesh:
-    """The mesh `cfg` trains on under `sharding`: TP inside a node, the data-parallel ranks
-    (world / tp) split into shard groups of fsdp.shard_group_size data-parallel ranks (default:
-    one node's, nproc_per_node / tp) for the hybrid modes, all of them for full and grad_op,
-    one (replicas only) for none and ddp."""
-    tp = cfg.parallel.tp
-    dp = cfg.world_size // tp
-    if (engine or cfg.fsdp.engine) is Engine.ddp or sharding is Sharding.none:
-        shard = 1
-    elif sharding in (Sharding.hybrid, Sharding.hybrid_zero2):
-        shard = cfg.fsdp.shard_group_size or max(min(cfg.launch.nproc_per_node // tp, dp), 1)
-    else:
-        shard = dp
-    return PlannedMesh(dp // shard, shard, tp)
+def mesh_text(dims: list[tuple[str, int]]) -> str:
+    """A mesh's dims as `plan` prints them: [dp_shard 8 x tp 8]."""
+    return "[" + " x ".join(f"{name} {n}" for name, n in dims) + "]"
 
 
-def tp_problem(cfg: RecipeConfig, tp: int) -> str | None:
-    """Why `cfg`'s model and launch cannot take TP degree `tp` (None: they can): it must divide
-    the heads, the kv heads, the ffn dim and the vocab, the world size, and fit in a node."""
+def tp_problem(cfg: RecipeConfig) -> str | None:
+    """Why `cfg` cannot train at its parallel.tp (None: it can): what the recipe checks refuse
+    (`engines.mesh.tp_errors`), for the model's own shape (an HF folder's: its config.json)."""
     m = cfg.model
-    if tp > cfg.launch.nproc_per_node:
-        return f"more than the {cfg.launch.nproc_per_node} ranks per node"
-    if cfg.world_size % tp:
-        return f"does not divide the world size {cfg.world_size}"
-    dims = {"n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads or m.n_heads,
-            "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size}  # fmt: skip
-    bad = [f"{k} {v}" for k, v in dims.items() if v % tp]
-    return f"does not divide {', '.join(bad)}" if bad else None
+    shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads or m.n_heads,
+             "model.ffn_dim": m.ffn_dim, "model.vocab_size": m.vocab_size}  # fmt: skip
+    errors = tp_errors(cfg, world_size=cfg.world_size, shape=shape, tied=m.tie_embeddings)
+    return "; ".join(errors) or None
 
 
 @dataclass
@@ -425,7 +387,7 @@ def plan_memory(
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
     paths = plan_units(model, cfg=cfg.fsdp)
     float8 = cfg.precision.float8 is Float8.tensorwise
-    tp_dims = tp_shard_dims(model, tp_styles(model))
+    tp_dims = tp_shard_dims(model, spec.tp_plan)
     units = _unit_params(model, paths, float8=float8, tp_dims=tp_dims, tp=cfg.parallel.tp)
     recipe_strategy, strategies = _strategies(cfg, units)
     tp_degrees = []
@@ -437,7 +399,6 @@ def plan_memory(
     if device_memory_bytes is not None:
         for s in [*strategies.values(), *(o.memory for o in tp_degrees if o.memory)]:
             s.fits = s.total <= device_memory_bytes
-    sharding = effective_sharding(cfg.fsdp)
     return MemoryPlan(
         recipe=recipe,
         world_size=cfg.world_size,
@@ -452,7 +413,7 @@ def plan_memory(
         device_memory_bytes=device_memory_bytes,
         units=_planned_units(cfg, units, paths, _full_counts(model, paths)),
         strategies=strategies,
-        mesh=asdict(plan_mesh(cfg, sharding)),
+        mesh=mesh_dims(cfg),
         tp=cfg.parallel.tp,
         tp_degrees=[asdict(o) for o in tp_degrees],
         notes=_notes(cfg, model, num_adapted=len(adapted), tp_dims=tp_dims),
@@ -476,7 +437,7 @@ def _planned_units(
     units, one bucketed all-reduce over the whole model) with each unit's bytes (TP-local)."""
     sharding = effective_sharding(cfg.fsdp)
     memory = rank_memory(
-        cfg, units, sharding=sharding, shards=plan_mesh(cfg, sharding).dp_shard,
+        cfg, units, sharding=sharding, shards=shard_group_size(cfg),
         engine=_sharded_engine(cfg),
     )  # fmt: skip
     return [
@@ -496,8 +457,9 @@ def _planned_units(
 def _strategy_memory(
     cfg: RecipeConfig, units: list[list[ParamShape]], strategy: Sharding, engine: Engine
 ) -> StrategyMemory:
-    """Rank 0's memory under `strategy`: FSDP shards the (TP-local) `units` over dp_shard."""
-    shards = plan_mesh(cfg, strategy, engine=engine).dp_shard
+    """Rank 0's memory under `strategy`: FSDP shards the (TP-local) `units` over its shard
+    group of data-parallel ranks (dp_shard; ddp: none)."""
+    shards = 1 if engine is Engine.ddp else shard_group_size(_with_sharding(cfg, strategy))
     m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
     return StrategyMemory(
         shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
@@ -531,16 +493,21 @@ def _tp_degrees(cfg: RecipeConfig, units_at) -> list[TpOption]:
     sharding = effective_sharding(cfg.fsdp)
     if cfg.fsdp.engine is Engine.ddp:
         sharding = Sharding.full  # a ddp recipe's TP columns: what fsdp2 would hold
+    # TP composes with fsdp2 only: an fsdp1 or ddp recipe's columns are what fsdp2 would hold.
+    fsdp2 = dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, engine=Engine.fsdp2))
     options = []
     for tp in sorted({*TP_DEGREES, cfg.parallel.tp}):
-        at = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp))
-        problem = tp_problem(at, tp) if tp > 1 else None
+        at = _with_sharding(
+            dataclasses.replace(fsdp2, parallel=dataclasses.replace(cfg.parallel, tp=tp)),
+            sharding,
+        )
+        problem = tp_problem(at) if tp > 1 else None
         if problem is not None:
             options.append(TpOption(tp, missing=problem))
             continue
-        mesh = plan_mesh(at, sharding, engine=Engine.fsdp2)
+        mesh = mesh_dims(at)
         memory = _strategy_memory(at, units_at(tp), sharding, Engine.fsdp2)
-        options.append(TpOption(tp, mesh=mesh.describe(), memory=memory))
+        options.append(TpOption(tp, mesh=mesh_text(mesh), memory=memory))
     return options
 
 
