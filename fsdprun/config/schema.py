@@ -264,9 +264,17 @@ class FsdpConfig:
 class ParallelConfig:
     tp: int = _f(
         1,
-        "Tensor-parallel degree: each block's matmuls are split over this many ranks of one "
-        "node (the last dim of the device mesh [dp_replicate?, dp_shard, tp]); FSDP shards over "
-        "the data-parallel ranks, world size / tp. 1 = off.",
+        "Tensor-parallel degree: shard each block's matmuls over this many ranks (column-wise "
+        "q/k/v and gate/up, row-wise o and down, sequence parallel on the norms, a vocab-sharded "
+        "embedding and output with loss parallel), FSDP2 sharding over the other ranks. The mesh "
+        "is [dp_replicate, dp_shard, tp] with tp the fastest dim (ranks inside a node); the "
+        "data-parallel size is world size / tp. Must divide the heads, kv heads, ffn dim, vocab "
+        "and train.seq_len; needs fsdp.engine=fsdp2. 1 = off. See docs/tensor-parallel.md.",
+    )
+    tp_across_nodes: bool = _f(
+        False,
+        "Allow a parallel.tp larger than launch.nproc_per_node (TP groups spanning nodes, whose "
+        "per-layer collectives then cross the slower inter-node links); false = refused.",
     )
 
 
@@ -604,6 +612,12 @@ class RecipeConfig:
     @property
     def world_size(self) -> int:
         return self.launch.nproc_per_node * self.launch.nnodes
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks: the world size over the tensor-parallel degree (ranks of one TP
+        group see the same batch)."""
+        return self.world_size // max(self.parallel.tp, 1)
 
 
 def schema_fields() -> dict[str, dataclasses.Field]:

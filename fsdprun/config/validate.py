@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import math
 import re
 from pathlib import Path
@@ -101,11 +102,14 @@ def _model_errors(cfg: RecipeConfig) -> list[str]:
 def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     t = cfg.train
     errors = _model_errors(cfg)
-    per_step = t.micro_batch_size * ws
+    tp = cfg.parallel.tp
+    dp = ws // tp if tp >= 1 and ws % tp == 0 else ws
+    per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
+        ranks = f"{dp}" if tp == 1 else f"{dp} = world size / parallel.tp"
         errors.append(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-            f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({ws}) = "
+            f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({ranks}) = "
             f"{per_step}; change one of them"
         )
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
@@ -255,10 +259,13 @@ def _string_errors(cfg: RecipeConfig) -> list[str]:
 def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     # The engines package imports the schema, which runs this package's __init__ and so this
     # module: imported when called, the two packages load in either order.
-    from fsdprun.engines.mesh import sharding_errors
+    from fsdprun.engines.mesh import sharding_errors, tp_errors
 
     f = cfg.fsdp
-    errors = sharding_errors(f, world_size=ws, nproc_per_node=cfg.launch.nproc_per_node)
+    tp = cfg.parallel.tp if cfg.parallel.tp >= 1 and ws % cfg.parallel.tp == 0 else 1
+    errors = sharding_errors(f, world_size=ws, nproc_per_node=cfg.launch.nproc_per_node, tp=tp)
+    shape, tied = _tp_shape(cfg)
+    errors += tp_errors(cfg, world_size=ws, shape=shape, tied=tied)
     if f.engine is Engine.fsdp1 and f.cpu_offload and _runs_on_cpu(cfg.launch.device):
         # FSDP1's CPUOffload pins host memory, which needs an accelerator; FSDP2's policy can
         # leave it unpinned.
@@ -276,6 +283,32 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
                 "tensors; set optim.weight_decay=0 or keep use_orig_params=true"
             )
     return errors
+
+
+def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
+    """The model dims parallel.tp must divide and whether the embeddings are tied: the
+    recipe's, or model.hf_path's config.json (read as JSON: no transformers, no torch); no
+    dims when that file is unreadable (refused on its own)."""
+    m = cfg.model
+    if cfg.parallel.tp <= 1:
+        return None, False
+    if m.hf_path is None:
+        n_kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
+        shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": n_kv,
+                 "model.ffn_dim": m.ffn_dim, "model.vocab_size": m.vocab_size}  # fmt: skip
+        return shape, m.tie_embeddings
+    try:
+        hf = json.loads((Path(m.hf_path) / "config.json").read_text())
+        heads = int(hf["num_attention_heads"])
+        shape = {
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(hf.get("num_key_value_heads") or heads),
+            "intermediate_size": int(hf["intermediate_size"]),
+            "vocab_size": int(hf["vocab_size"]),
+        }
+        return shape, bool(hf.get("tie_word_embeddings", False))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, False
 
 
 # Device nodes that accelerator drivers create: NVIDIA, WSL2's GPU bridge, AMD ROCm, Intel and

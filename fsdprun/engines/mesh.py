@@ -1,7 +1,13 @@
 """Sharding rules: what `fsdp.sharding` means once fsdp2's reshard_after_forward override is
 applied, how many ranks share one copy of the model state (the shard group: one dimension of the
-device mesh, the replicas being the other), the backward prefetch depth, and which combinations
-each engine accepts.
+device mesh, the replicas being the other), the backward prefetch depth, which combinations
+each engine accepts, and the device mesh's named dimensions with tensor parallelism.
+
+The mesh, outermost dim first: `dp_replicate` (hybrid sharding's replicas), `dp_shard` (FSDP's
+shard groups), `cp` (context parallel: reserved, always 1, not built), `tp` (tensor parallel,
+innermost: consecutive ranks, so a TP group sits inside a node on the fastest links). Pipeline
+parallel would be one more dim outside `dp_replicate`. Without TP (`parallel.tp: 1`) the mesh is
+what it always was: 1-D for full/grad_op, `replicate x shard` otherwise.
 
 The engines, `fsdprun plan` and the recipe checks (`fsdprun.config.validate`) all read these,
 so a rule changes in one place. Plain functions of the recipe: never imports torch, nor any
@@ -33,19 +39,149 @@ def effective_sharding(fsdp: FsdpConfig) -> Sharding:
     return {Sharding.grad_op: Sharding.full, Sharding.hybrid_zero2: Sharding.hybrid}.get(s, s)
 
 
-def shard_group_size(cfg: RecipeConfig, world_size: int | None = None) -> int:
-    """Ranks that share one copy of the model state under the effective sharding."""
+# The mesh's dim names, outermost first (see the module docstring); `cp` is reserved.
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+CP_SIZE = 1  # context parallel is not built: its dim is always 1 (and left out of the mesh)
+
+
+def tp_degree(cfg: RecipeConfig) -> int:
+    """parallel.tp: ranks per tensor-parallel group (1 = off)."""
+    return cfg.parallel.tp
+
+
+def dp_size(cfg: RecipeConfig, world_size: int | None = None) -> int:
+    """Data-parallel ranks: the world size over tp (each TP group reads one share of the batch)."""
     ws = world_size if world_size is not None else cfg.world_size
+    return ws // max(tp_degree(cfg), 1)
+
+
+def dp_rank(rank: int, tp: int) -> int:
+    """The data-parallel rank of global `rank`: tp is the innermost mesh dim, so the ranks of
+    one TP group are consecutive and share it."""
+    return rank // tp
+
+
+def shard_group_size(cfg: RecipeConfig, world_size: int | None = None) -> int:
+    """Data-parallel ranks that share one copy of the model state under the effective sharding
+    (with TP each of them holds 1/tp of that copy's tensors besides)."""
+    dp = dp_size(cfg, world_size)
     sharding = effective_sharding(cfg.fsdp)
     if cfg.fsdp.engine is Engine.ddp or sharding is Sharding.none:
         return 1
     if sharding in (Sharding.hybrid, Sharding.hybrid_zero2):
-        return cfg.fsdp.shard_group_size or min(cfg.launch.nproc_per_node, ws)
-    return ws
+        per_node = max(cfg.launch.nproc_per_node // tp_degree(cfg), 1)
+        return cfg.fsdp.shard_group_size or min(per_node, dp)
+    return dp
 
 
-def sharding_errors(fsdp: FsdpConfig, *, world_size: int, nproc_per_node: int) -> list[str]:
-    """What the engine and mesh refuse in the `fsdp:` section, one message per problem."""
+def mesh_dims(cfg: RecipeConfig, world_size: int | None = None) -> list[tuple[str, int]]:
+    """The device mesh as (dim name, size), outermost first, as the fsdp2 engine builds it.
+
+    parallel.tp > 1: `dp_shard x tp` for full/grad_op, `dp_replicate x dp_shard x tp` for the
+    hybrid modes and none (cp, always 1, is left out). Without TP: `dp` alone for full/grad_op
+    (a 1-D mesh, unnamed in torch), `replicate x shard` otherwise (the names checkpoints of
+    earlier versions recorded).
+    """
+    ws = world_size if world_size is not None else cfg.world_size
+    tp, group = tp_degree(cfg), shard_group_size(cfg, ws)
+    one_d = effective_sharding(cfg.fsdp) in (Sharding.full, Sharding.grad_op)
+    if tp == 1:
+        return [("dp", ws)] if one_d else [("replicate", ws // group), ("shard", group)]
+    dp = ws // tp
+    dims = [("dp_shard", dp)] if one_d else [("dp_replicate", dp // group), ("dp_shard", group)]
+    return [*dims, ("tp", tp)]
+
+
+def tp_errors(
+    cfg: RecipeConfig, *, world_size: int, shape: dict[str, int] | None, tied: bool
+) -> list[str]:
+    """What parallel.tp refuses, one message per problem.
+
+    Args:
+        shape: the model's heads, kv heads, ffn dim and vocab size by the keys that set them
+            (None: unknown, e.g. an unreadable model.hf_path, which is refused on its own).
+        tied: the model ties its embedding to its output projection.
+    """
+    tp = tp_degree(cfg)
+    if tp < 1:
+        return [f"parallel.tp must be >= 1 (got {tp})"]
+    if tp == 1:
+        return []
+    errors = []
+    if world_size % tp:
+        errors.append(
+            f"parallel.tp ({tp}) must divide the world size ({world_size}); the data-parallel "
+            "size is world size / tp"
+        )
+    per_node = cfg.launch.nproc_per_node
+    if tp > per_node and not cfg.parallel.tp_across_nodes:
+        errors.append(
+            f"parallel.tp ({tp}) exceeds launch.nproc_per_node ({per_node}): TP groups would "
+            "span nodes; lower parallel.tp or set parallel.tp_across_nodes=true"
+        )
+    elif tp <= per_node and per_node % tp:
+        errors.append(
+            f"parallel.tp ({tp}) must divide launch.nproc_per_node ({per_node}), so that no TP "
+            "group straddles two nodes"
+        )
+    for key, value in (shape or {}).items():
+        if value % tp:
+            errors.append(
+                f"parallel.tp ({tp}) does not divide the model's {key} ({value}); choose a tp "
+                f"that divides it"
+            )
+    if cfg.train.seq_len % tp:
+        errors.append(
+            f"parallel.tp ({tp}) does not divide train.seq_len ({cfg.train.seq_len}): sequence "
+            "parallel shards the activations between blocks on the sequence"
+        )
+    refused = (
+        (
+            cfg.fsdp.engine is not Engine.fsdp2,
+            f"fsdp.engine={cfg.fsdp.engine.value} cannot shard DTensor (tensor-parallel) "
+            "parameters; use fsdp.engine=fsdp2",
+        ),
+        (
+            cfg.precision.float8.value != "off",
+            f"precision.float8={cfg.precision.float8.value} needs torchao's float8 TP styles, "
+            "which fsdprun does not apply; set precision.float8=off",
+        ),
+        (
+            cfg.lora.rank > 0,
+            f"lora.rank={cfg.lora.rank}: LoRA's adapted layers are not nn.Linear, which the "
+            "column/row-wise plans shard; set lora.rank=0 or parallel.tp=1",
+        ),
+        (
+            cfg.train.loss.value == "chunked",
+            "train.loss=chunked: under TP the loss is computed on vocab-sharded logits (loss "
+            "parallel), so the whole logits never exist anyway; set train.loss=plain",
+        ),
+        (
+            tied,
+            "tied embeddings (model.tie_embeddings, or tie_word_embeddings in model.hf_path's "
+            "config.json): the embedding (row-wise) and output (column-wise) "
+            "would be sharded as two tensors, untying them; use a model without tied embeddings",
+        ),
+        (
+            cfg.compile.enabled and not cfg.compile.per_block,
+            "compile.per_block=false compiles the whole model around the TP collectives; "
+            "set compile.per_block=true",
+        ),
+        (
+            cfg.fsdp.cpu_offload,
+            "fsdp.cpu_offload=true: FSDP2's offload of tensor-parallel (2-D) parameters is "
+            "not supported by fsdprun; set fsdp.cpu_offload=false or parallel.tp=1",
+        ),
+    )
+    errors += [f"parallel.tp={tp} with {why}" for refuse, why in refused if refuse]
+    return errors
+
+
+def sharding_errors(
+    fsdp: FsdpConfig, *, world_size: int, nproc_per_node: int, tp: int = 1
+) -> list[str]:
+    """What the engine and mesh refuse in the `fsdp:` section, one message per problem (`tp`:
+    parallel.tp, whose groups the shard groups are made of)."""
     errors = []
     value = str(fsdp.backward_prefetch)
     if value not in BACKWARD_PREFETCH_MODES and not (value.isdigit() and int(value) >= 1):
@@ -57,15 +193,15 @@ def sharding_errors(fsdp: FsdpConfig, *, world_size: int, nproc_per_node: int) -
             f"fsdp.reshard_after_forward is an fsdp2 knob; with fsdp.engine={fsdp.engine.value} "
             "set fsdp.sharding (full = reshard, grad_op = keep) instead"
         )
+    # With TP, shard groups are counted in data-parallel ranks (world size / tp).
+    what = "the world size" if tp == 1 else "the data-parallel size (world size / parallel.tp)"
+    dp, per_node = world_size // tp, max(nproc_per_node // tp, 1)
     if fsdp.shard_group_size is not None:
-        if fsdp.shard_group_size < 1 or world_size % fsdp.shard_group_size:
+        if fsdp.shard_group_size < 1 or dp % fsdp.shard_group_size:
             errors.append(
-                f"fsdp.shard_group_size ({fsdp.shard_group_size}) must divide the world size "
-                f"({world_size})"
+                f"fsdp.shard_group_size ({fsdp.shard_group_size}) must divide {what} ({dp})"
             )
-    elif fsdp.sharding in (Sharding.hybrid, Sharding.hybrid_zero2) and world_size % min(
-        nproc_per_node, world_size
-    ):
+    elif fsdp.sharding in (Sharding.hybrid, Sharding.hybrid_zero2) and dp % min(per_node, dp):
         errors.append(
             f"fsdp.sharding={fsdp.sharding.value}: launch.nproc_per_node ({nproc_per_node}) "
             f"must divide the world size ({world_size}); set fsdp.shard_group_size"

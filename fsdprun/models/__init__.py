@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,39 @@ if TYPE_CHECKING:
     from torch import nn
 
     from fsdprun.config import ModelConfig
+
+
+# The tensor-parallel styles a `TPPlan` names (`fsdprun.engines.tp` turns each into torch's
+# ParallelStyle; `models` never imports torch.distributed, so a plan is plain data here).
+TP_STYLES = {
+    "colwise": "ColwiseParallel: output features sharded (q/k/v, gate/up)",
+    "rowwise": "RowwiseParallel: input features sharded; output reduce-scattered on the "
+    "sequence (sequence parallel) or all-reduced",
+    "norm": "SequenceParallel: weight replicated, activations sharded on the sequence; "
+    "without sequence parallel, a replicated weight on whole activations",
+    "block_input": "PrepareModuleInput: all-gather the sequence-sharded input (first argument)",
+    "embedding": "RowwiseParallel: vocab rows sharded; output sharded on the sequence (or "
+    "replicated)",
+    "output": "ColwiseParallel: vocab sharded, logits left sharded for loss parallel",
+}
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """How a family's model is tensor-parallelized: a style of `TP_STYLES` per module path.
+
+    `blocks`: paths inside each decoder block (relative to it); `top`: paths from the model's
+    root (embedding, final norm, output). `sequence_parallel`: the activations between blocks
+    are sharded on the sequence (dim 1), gathered by each `block_input` module; without it they
+    are whole on every TP rank (the family's forward cannot take sequence-sharded activations).
+    `block_inputs`: how many positional arguments each `block_input` module takes (layouts are
+    given per argument); 0 = its input is the keyword `hidden_states`.
+    """
+
+    blocks: dict[str, str]
+    top: dict[str, str]
+    sequence_parallel: bool = True
+    block_inputs: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -60,6 +93,8 @@ class ModelSpec:
     hf_name: Callable[[str], str]
     hf_config: Callable[[ModelConfig, torch.dtype], dict[str, Any]]
     hf_files: Callable[[ModelConfig], list[Path]]
+    # parallel.tp: the family's tensor-parallel plan (None: the family cannot be split).
+    tp_plan: TPPlan | None = None
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:

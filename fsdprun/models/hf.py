@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fsdprun.errors import UserError
-from fsdprun.models import ModelSpec
+from fsdprun.models import ModelSpec, TPPlan
 from fsdprun.models.attention import document_causal_mask
 from fsdprun.models.llama import ModelArgs
 
@@ -279,6 +279,23 @@ def _hf_files(cfg: ModelConfig) -> list[Path]:
     ]  # fmt: skip
 
 
+# HuggingFace Llama-family module names (Llama, Mistral, Qwen2, ...: transformers' own
+# `base_model_tp_plan` splits them the same way). No sequence parallel: transformers' decoder
+# derives positions, the causal mask and the rotary table from the activations' sequence length,
+# so the activations between blocks stay whole (replicated over the TP group) and the norms run
+# on them with replicated weights. The attention reshapes with -1 heads, so column-sharded
+# q/k/v give it the local heads.
+TP_PLAN = TPPlan(
+    blocks={
+        "input_layernorm": "norm", "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+        "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
+        "post_attention_layernorm": "norm", "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+    },
+    top={"hf.model.embed_tokens": "embedding", "hf.model.norm": "norm", "hf.lm_head": "output"},
+    sequence_parallel=False,
+)  # fmt: skip
+
 SPEC = ModelSpec(
     name="hf",
     build=lambda cfg: HFCausalLM.from_folder(cfg.hf_path),
@@ -292,4 +309,5 @@ SPEC = ModelSpec(
     hf_name=lambda name: name.removeprefix(HF_PREFIX),
     hf_config=_hf_config,
     hf_files=_hf_files,
+    tp_plan=TP_PLAN,
 )

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdprun.errors import UserError
-from fsdprun.models import ModelSpec
+from fsdprun.models import ModelSpec, TPPlan
 from fsdprun.models.attention import AttentionMask, attend, build_attention_mask
 
 if TYPE_CHECKING:
@@ -100,9 +100,11 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: torch.Tensor, attn_mask: AttentionMask = None
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism wq/wk/wv are column-sharded and this rank holds
+        # n_heads / tp query heads and n_kv_heads / tp kv heads (the ratio is kept).
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = attend(q, k, v, attn_mask, enable_gqa=self.n_kv_heads != self.n_heads)
@@ -318,6 +320,23 @@ def _tied_params(cfg: ModelConfig) -> dict[str, str]:
     return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
 
 
+# Megatron's split with sequence parallel (torchtitan's Llama plan): between blocks the
+# activations are sharded on the sequence; each norm works on its shard; the attention and
+# feed-forward inputs are all-gathered (`block_input`), their first matmuls column-sharded and
+# their last row-sharded, reduce-scattered back onto the sequence. The output stays
+# vocab-sharded for loss parallel: the whole logits are never gathered.
+TP_PLAN = TPPlan(
+    blocks={
+        "attention_norm": "norm", "attention": "block_input", "attention.wq": "colwise",
+        "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+        "ffn_norm": "norm", "feed_forward": "block_input", "feed_forward.w1": "colwise",
+        "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+    },
+    top={"tok_embeddings": "embedding", "norm": "norm", "output": "output"},
+    # Attention takes (x, rope, attn_mask), the feed-forward (x).
+    block_inputs={"attention": 3, "feed_forward": 1},
+)  # fmt: skip
+
 SPEC = ModelSpec(
     name="llama",
     build=lambda cfg: Transformer(build_model_args(cfg)),
@@ -329,4 +348,5 @@ SPEC = ModelSpec(
     hf_name=hf_llama_name,
     hf_config=hf_llama_config,
     hf_files=lambda cfg: [],
+    tp_plan=TP_PLAN,
 )

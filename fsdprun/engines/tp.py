@@ -1,0 +1,175 @@
+"""Tensor parallelism (`parallel.tp`): the device mesh with its `tp` dim, the family's plan
+(`ModelSpec.tp_plan`, beside each model) applied with torch's public ParallelStyles, and the
+loss-parallel context the training step runs in.
+
+Order of a build (the worker's `_build`, torchtitan's): `apply_tp` on the meta model, then
+activation checkpointing, then per-block compile, then FSDP2's `fully_shard` over the
+data-parallel dims (`dp_mesh`), then materialization. Every tensor-parallel parameter is then a
+DTensor on the root mesh (FSDP's shard dims x tp), which DCP saves with its placements, so a
+checkpoint reshards to any other tp or dp size on load.
+
+The rules (which degrees are refused, the mesh's dims) are torch-free, in `fsdprun.engines.mesh`;
+`plan_rows` is torch-free too. The other functions import torch where they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+from fsdprun.config import RecipeConfig
+from fsdprun.engines.mesh import mesh_dims, tp_degree
+from fsdprun.models import TP_STYLES, TPPlan
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+# The mesh dims FSDP2 shards over, outermost first (those the mesh has).
+DP_DIMS = ("dp_replicate", "dp_shard")
+
+
+def plan_rows(block_paths: list[str], plan: TPPlan) -> list[tuple[str, str]]:
+    """(module path, style) of every module `apply_tp` parallelizes, in application order:
+    the top-level modules, then each block's (what the run header and `plan` print)."""
+    rows = list(plan.top.items())
+    for block in block_paths:
+        rows += [(f"{block}.{rel}", style) for rel, style in plan.blocks.items()]
+    return rows
+
+
+def describe_style(style: str, plan: TPPlan) -> str:
+    """One line for a style of `plan` (the knob table's and plan's text)."""
+    text = TP_STYLES[style]
+    if not plan.sequence_parallel and style in ("rowwise", "embedding"):
+        return text.split(";")[0] + ": output all-reduced (whole on every TP rank)"
+    return text
+
+
+def build_device_mesh(cfg: RecipeConfig, device_kind: str, world_size: int) -> DeviceMesh:
+    """The recipe's device mesh with named dims (`fsdprun.engines.mesh.mesh_dims`): with
+    parallel.tp > 1, [dp_replicate,] dp_shard, tp; tp innermost, so a TP group is consecutive
+    ranks (one node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = mesh_dims(cfg, world_size)
+    if len(dims) == 1:
+        return init_device_mesh(device_kind, (world_size,))
+    names = tuple(name for name, _ in dims)
+    return init_device_mesh(device_kind, tuple(n for _, n in dims), mesh_dim_names=names)
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dims of a TP mesh, what `fully_shard` shards over: dp_shard alone
+    (full, grad_op) or dp_replicate x dp_shard (hybrid, hybrid_zero2, none)."""
+    names = tuple(n for n in DP_DIMS if n in (mesh.mesh_dim_names or ()))
+    return mesh[names[0]] if len(names) == 1 else mesh[names]
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The `tp` dim of the mesh: one TP group per data-parallel rank."""
+    return mesh["tp"]
+
+
+def _replicate_module(module: nn.Module, mesh: DeviceMesh) -> None:
+    # Without sequence parallel a norm sees whole activations: its weight becomes a replicated
+    # DTensor (so FSDP shards it over the same mesh as every other parameter, and the gradient
+    # norm is taken over one mesh), its input is taken as replicated and its output handed on
+    # as a plain tensor. Its gradient is computed whole on each TP rank: no communication.
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def inputs_fn(mod, inputs, device_mesh):
+        return tuple(
+            DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+            for x in inputs
+        )  # fmt: skip
+
+    def outputs_fn(mod, outputs, device_mesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    distribute_module(module, mesh, input_fn=inputs_fn, output_fn=outputs_fn)
+
+
+def _style(style: str, plan: TPPlan, path: str):
+    """torch's ParallelStyle for one style name of `plan` (None: `norm` without sequence
+    parallel, which `_replicate_module` applies)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    sp = plan.sequence_parallel
+    between = Shard(1) if sp else Replicate()  # the activations between blocks
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=between)
+    if style == "norm":
+        return SequenceParallel() if sp else None
+    if style == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if style == "output":
+        # Logits stay vocab-sharded DTensors: cross-entropy under loss_parallel never gathers
+        # them (each rank holds batch x seq x vocab / tp).
+        return ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
+                               use_local_output=False)  # fmt: skip
+    if style == "block_input":
+        n = plan.block_inputs[path.rsplit(".", 1)[-1]] if plan.block_inputs else 0
+        if n == 0:
+            return PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            )
+        rest = (None,) * (n - 1)
+        return PrepareModuleInput(input_layouts=(Shard(1), *rest),
+                                  desired_input_layouts=(Replicate(), *rest))  # fmt: skip
+    raise AssertionError(f"unknown TP style {style!r}")
+
+
+def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan) -> list[tuple[str, str]]:
+    """Parallelize `model` (on the meta device or materialized, before checkpointing, compile
+    and FSDP) over `tp_mesh` with the family's `plan`, in place; parameter names do not change.
+
+    Returns:
+        (module path, style) of every module parallelized, as `plan_rows` lists them.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    rows = plan_rows(model.block_paths(), plan)
+    for path, style in rows:
+        module = model.get_submodule(path)
+        parallel_style = _style(style, plan, path)
+        if parallel_style is None:
+            _replicate_module(module, tp_mesh)
+        else:
+            parallelize_module(module, tp_mesh, parallel_style)
+    return rows
+
+
+def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """torch's loss_parallel around forward and backward of a micro-batch (and eval's forward):
+    cross-entropy of the vocab-sharded logits, computed with one all-reduce of the per-token
+    max and sum instead of gathering the logits. Not re-entrant (torch's context is not)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The replicated DTensor loss of loss parallel as a plain tensor (the same value on every
+    rank of the TP group; differentiable), which the training loop sums and all-reduces."""
+    from torch.distributed.tensor import DTensor
+
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def is_tp(cfg: RecipeConfig) -> bool:
+    return tp_degree(cfg) > 1
