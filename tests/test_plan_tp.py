@@ -82,18 +82,20 @@ def test_plan_counts_the_shards_torch_makes(world, tp, sharding):
     dp_shard = dict(plan.mesh)["dp_shard"]
     assert measured["bytes"]["norm.weight"] == 4 * -(-96 // dp_shard)
     assert "Replicate()" in measured["placements"]["norm.weight"]
-    assert measured["bytes"]["layers.0.feed_forward.w1.weight"] == 4 * -(-200 // tp // dp_shard) * 96
-    assert measured["bytes"]["layers.0.feed_forward.w2.weight"] == 4 * -(-96 // dp_shard) * (200 // tp)
+    assert (
+        measured["bytes"]["layers.0.feed_forward.w1.weight"] == 4 * -(-200 // tp // dp_shard) * 96
+    )
+    assert measured["bytes"]["layers.0.feed_forward.w2.weight"] == 4 * -(-96 // dp_shard) * (
+        200 // tp
+    )
     # AdamW: two fp32 moments per element of the shard, a 4-byte step per tensor; no more.
     assert s.optimizer == 2 * s.params + 4 * len(measured["bytes"])
     # FSDP gathers over the dp dims only: a block's gathered copy is 1/tp of the whole block
-    # (its norms whole), in param_dtype, padded to the shard group.
+    # (its norms whole), in param_dtype (this recipe's: fp32), padded to the shard group.
     block = [u for u in plan.units if u.path == "layers.0"][0]
     dims = block_dims(cfg.model)
-    gathered = sum(
-        -(-rows // dp_shard) * dp_shard * cols for rows, cols in _local_rows(dims, tp)
-    )
-    assert block.unsharded_bytes == 2 * gathered  # bf16
+    gathered = sum(-(-rows // dp_shard) * dp_shard * cols for rows, cols in _local_rows(dims, tp))
+    assert cfg.precision.param_dtype.value == "fp32" and block.unsharded_bytes == 4 * gathered
 
 
 def block_dims(m) -> dict[str, int]:
@@ -103,10 +105,14 @@ def block_dims(m) -> dict[str, int]:
 def _local_rows(d: dict[str, int], tp: int) -> list[tuple[int, int]]:
     """(dim 0, the rest) of each of a block's parameters on one TP rank."""
     return [
-        (d["dim"], 1), (d["dim"], 1),  # the two norms: whole
-        (d["q"] // tp, d["dim"]), (d["kv"] // tp, d["dim"]), (d["kv"] // tp, d["dim"]),  # wq wk wv
+        (d["dim"], 1),
+        (d["dim"], 1),  # the two norms: whole
+        (d["q"] // tp, d["dim"]),
+        (d["kv"] // tp, d["dim"]),
+        (d["kv"] // tp, d["dim"]),  # wq wk wv
         (d["dim"], d["q"] // tp),  # wo: row-wise
-        (d["ffn"] // tp, d["dim"]), (d["ffn"] // tp, d["dim"]),  # w1 w3
+        (d["ffn"] // tp, d["dim"]),
+        (d["ffn"] // tp, d["dim"]),  # w1 w3
         (d["dim"], d["ffn"] // tp),  # w2: row-wise
     ]
 
@@ -181,7 +187,7 @@ def test_plan_says_why_a_tp_degree_is_missing():
     # 6 heads and 2 kv heads: tp 4 and 8 divide neither; 2 ranks per node: tp 4 and 8 span nodes.
     result = runner.invoke(
         app, ["plan", "debug", "model.n_heads=6", "model.dim=96", "model.n_kv_heads=2",
-              "--world-size", "8", "--json"],
+              "train.global_batch_size=16", "--world-size", "8", "--json"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     options = {o["tp"]: o for o in json.loads(result.output)["tp_degrees"]}
@@ -189,7 +195,8 @@ def test_plan_says_why_a_tp_degree_is_missing():
     assert "model.n_kv_heads (2)" in options[4]["missing"]
     assert "model.n_heads (6)" in options[4]["missing"]
     two = runner.invoke(
-        app, ["plan", "debug", "launch.nproc_per_node=2", "--world-size", "8"],
+        app, ["plan", "debug", "launch.nproc_per_node=2", "train.global_batch_size=16",
+              "--world-size", "8"],
         env={"COLUMNS": "200"},
     )  # fmt: skip
     out = " ".join(two.output.split())
@@ -198,8 +205,8 @@ def test_plan_says_why_a_tp_degree_is_missing():
 
 def test_recipe_at_tp_shows_its_mesh_and_no_ddp_column():
     result = runner.invoke(
-        app, ["plan", "llama-70b", "parallel.tp=8", "fsdp.sharding=hybrid", "fsdp.shard_group_size=2",
-              "--world-size", "64", "--json"],
+        app, ["plan", "llama-70b", "parallel.tp=8", "fsdp.sharding=hybrid",
+              "fsdp.shard_group_size=2", "--world-size", "64", "--json"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)

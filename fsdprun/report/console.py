@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
+from rich.markup import escape
 from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -378,7 +379,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     c.print(
         f"[bold]fsdprun plan[/bold] {plan['recipe']}: {fmt_count(plan['num_params'])} params, "
         f"world size {plan['world_size']} ({plan['nnodes']} node(s) x "
-        f"{plan['nproc_per_node']}), mesh {_mesh_text(plan['mesh'])}, param dtype "
+        f"{plan['nproc_per_node']}), mesh {escape(_mesh_text(plan['mesh']))}, param dtype "
         f"{plan['param_dtype']}"
     )
     c.print(_plan_units_table(plan))
@@ -395,7 +396,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         c.print(_plan_tp_table(plan))
         for o in plan["tp_degrees"]:
             if o["missing"]:
-                c.print(f"  tp {o['tp']}: not possible, {o['missing']}.")
+                c.print(f"  tp {o['tp']}: not possible, {escape(o['missing'])}.")
     c.print(_plan_verdict(plan))
 
 

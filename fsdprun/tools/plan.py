@@ -335,8 +335,13 @@ def activation_bytes(cfg: RecipeConfig) -> int:
     return kept + recompute + loss_bytes(cfg)
 
 
-def _with_sharding(cfg: RecipeConfig, sharding: Sharding) -> RecipeConfig:
-    fsdp = dataclasses.replace(cfg.fsdp, sharding=sharding, reshard_after_forward=None)
+def _with_sharding(
+    cfg: RecipeConfig, sharding: Sharding, engine: Engine | None = None
+) -> RecipeConfig:
+    """`cfg` under another sharding (and engine: a ddp recipe's sharded columns are fsdp2's)."""
+    fsdp = dataclasses.replace(
+        cfg.fsdp, sharding=sharding, reshard_after_forward=None, engine=engine or cfg.fsdp.engine
+    )
     return dataclasses.replace(cfg, fsdp=fsdp)
 
 
@@ -459,7 +464,7 @@ def _strategy_memory(
 ) -> StrategyMemory:
     """Rank 0's memory under `strategy`: FSDP shards the (TP-local) `units` over its shard
     group of data-parallel ranks (dp_shard; ddp: none)."""
-    shards = 1 if engine is Engine.ddp else shard_group_size(_with_sharding(cfg, strategy))
+    shards = shard_group_size(_with_sharding(cfg, strategy, engine))
     m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
     return StrategyMemory(
         shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
