@@ -2,8 +2,11 @@
 a fixed range of sample indices, so a step sees the same samples at any world size and the data
 position is a single global sample index (what a checkpoint stores).
 
-Global step g reads samples [g*B, (g+1)*B) for global batch B; within it, micro-step m of rank r
-reads the `micro_batch_size` samples starting at g*B + (m*world_size + r)*micro_batch_size.
+Global step g reads samples [g*B, (g+1)*B) for global batch B; within it, micro-step m of
+data-parallel rank r reads the `micro_batch_size` samples starting at
+g*B + (m*world_size + r)*micro_batch_size, world_size being the data-parallel ranks. With tensor
+parallelism (`parallel.tp`) the tp consecutive ranks of one TP group are one data-parallel rank
+(r = rank // tp) and read the same samples.
 
 Sources (`data.source`): `synthetic` (no files), `tokens` (pre-tokenized .bin/.npy files, see
 `files`), `text` (.txt/.jsonl tokenized at start, see `text`); token and text data become
@@ -59,11 +62,22 @@ class Dataset(Protocol):
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """How a global batch splits over ranks and micro-steps."""
+    """How a global batch splits over data-parallel ranks (`world_size` of them) and
+    micro-steps; `tp` ranks (a tensor-parallel group) share each data-parallel rank's samples."""
 
     global_batch_size: int
     micro_batch_size: int
     world_size: int
+    tp: int = 1
+
+    @property
+    def num_ranks(self) -> int:
+        """Every rank of the run: data-parallel ranks x tp."""
+        return self.world_size * self.tp
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel rank of global `rank` (tp is the innermost mesh dim)."""
+        return rank // self.tp
 
     @property
     def grad_accum_steps(self) -> int:

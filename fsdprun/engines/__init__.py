@@ -36,6 +36,7 @@ from fsdprun.engines.base import (
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
     from fsdprun.engines.hf_weights import HFWeights
 
@@ -90,6 +91,8 @@ def build_engine(
     device_kind: str,
     world_size: int,
     weights: HFWeights | None = None,
+    mesh: DeviceMesh | None = None,
+    tp_plan: list[tuple[str, str]] | None = None,
 ) -> Engine:
     """Wrap a meta-device model (checkpointing and compile already applied) with the recipe's
     engine and materialize it on `device`.
@@ -98,6 +101,10 @@ def build_engine(
         weights: pretrained weights (`model.hf_path`) instead of the seeded initial ones: read
             shard-wise into fsdp2's shards, whole into ddp's model before wrapping, and unit by
             unit as FSDP1 materializes each unit before flattening it.
+        mesh: the device mesh `fsdprun.engines.tp.build_device_mesh` built for a model that
+            `apply_tp` already split (parallel.tp > 1; fsdp2 only): fully_shard shards over
+            its data-parallel dims. None: the engine builds its own.
+        tp_plan: what `apply_tp` returned (the run header's plan).
     """
     import functools
 
@@ -107,6 +114,7 @@ def build_engine(
     from fsdprun.loss import chunked_cross_entropy, cross_entropy
 
     compiled = cfg.compile.enabled
+    tp = mesh is not None and "tp" in (mesh.mesh_dim_names or ())
     chunked = None
     if cfg.train.loss is LossKind.chunked:
         chunked = functools.partial(
@@ -115,9 +123,12 @@ def build_engine(
     common = {"kind": cfg.fsdp.engine, "inner": model, "knobs": translate(cfg, world_size),
               "matrix_names": frozenset(n for n, p in model.named_parameters() if p.ndim >= 2),
               "device_type": device.type, "chunked_loss": chunked, "tied": tied_names(model),
-              "loss": torch.compile(cross_entropy) if compiled else cross_entropy,
-              "accumulation": accumulation_mode(cfg)}  # fmt: skip
+              # Under TP the loss runs eagerly on DTensor logits, under loss parallel.
+              "loss": torch.compile(cross_entropy) if compiled and not tp else cross_entropy,
+              "accumulation": accumulation_mode(cfg), "loss_parallel": tp,
+              "tp_plan": tp_plan or []}  # fmt: skip
+    extra = {"mesh": mesh} if mesh is not None else {}
     return engine_module(cfg.fsdp.engine).build(
         model, cfg, device=device, device_kind=device_kind, world_size=world_size,
-        weights=weights, common=common,
+        weights=weights, common=common, **extra,
     )  # fmt: skip

@@ -196,6 +196,10 @@ class Engine:
     # Tied weights of the unwrapped model: name → the name it shares its tensor with (a checkpoint
     # stores both; its manifest says which, so inspect and export count the tensor once).
     tied: dict[str, str] = field(default_factory=dict)
+    # parallel.tp > 1: the logits are vocab-sharded DTensors and the loss is loss parallel's.
+    loss_parallel: bool = False
+    # parallel.tp > 1: (module path, TP style) of every module the family's plan split.
+    tp_plan: list[tuple[str, str]] = field(default_factory=list)
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """The SUM of the token losses of one micro-batch over its trained targets (not -100):
@@ -207,6 +211,12 @@ class Engine:
         if batch.positions is not None:
             model_kwargs = {"positions": batch.positions, "doc_ids": batch.doc_ids}
         targets = batch.targets
+        if self.loss_parallel:
+            from fsdprun.engines.tp import local_loss
+
+            # A replicated DTensor (the same sum on every rank of the TP group) as a tensor.
+            logits = self.model(batch.inputs, **model_kwargs)
+            return local_loss(self.loss(logits, targets, reduction="sum"))
         if self.chunked_loss is None:
             return self.loss(self.model(batch.inputs, **model_kwargs), targets, reduction="sum")
         head = functools.partial(self.chunked_loss, targets=targets, reduction="sum")
@@ -225,6 +235,15 @@ class Engine:
         if self.accumulation == REDUCE:
             return contextlib.nullcontext()
         return engine_module(self.kind).micro_step(self, sync)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Around forward and backward of a micro-batch: loss parallel under tensor
+        parallelism (its backward needs it too), else nothing."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from fsdprun.engines.tp import loss_context
+
+        return loss_context(True)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:

@@ -278,7 +278,6 @@ def apply_fsdp(
         The units in forward order, the root last.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
 
     from fsdprun.engines.units import plan_units
     from fsdprun.engines.weights import TORCH_DTYPES
@@ -294,12 +293,21 @@ def apply_fsdp(
     rows = unit_plan(plan_units(model, cfg=cfg), cfg)
     modules = dict(model.named_modules())
     units: list[FsdpUnit] = []
+    # Parameters an earlier unit took (not "already a DTensor": tensor parallel makes every
+    # parameter one before FSDP); counted at their full size.
+    taken: set[int] = set()
+
+    def own(module: nn.Module) -> int:
+        mine = [p for p in module.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in mine)
+        return sum(p.numel() for p in mine)
+
     for row in rows[:-1]:
         module = modules[row.path]
-        before = sum(p.numel() for p in module.parameters() if not isinstance(p, DTensor))
+        before = own(module)
         fully_shard(module, reshard_after_forward=row.reshard_after_forward, **common)
         units.append(FsdpUnit(row.path, before, row.reshard_after_forward))
-    root_params = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
+    root_params = own(model)
     # FSDP2 keeps the root gathered after forward whatever its flag (backward needs it first).
     reshard_root = reshards_after_forward(effective_sharding(cfg))
     fully_shard(model, reshard_after_forward=reshard_root, **common)
@@ -326,15 +334,19 @@ def build(
     world_size: int,
     weights: HFWeights | None,
     common: dict,
+    mesh: DeviceMesh | None = None,
 ) -> Engine:
     """Shard the meta `model`, then fill each rank's shards: pretrained `weights` read shard-wise,
-    or the seeded initial values."""
+    or the seeded initial values. `mesh`: the tensor-parallel mesh the model was split over
+    (`fsdprun.engines.tp`); fully_shard shards over its data-parallel dims."""
     from fsdprun.engines.adapters import init_adapters
+    from fsdprun.engines.tp import dp_mesh
     from fsdprun.engines.units import build_mesh
     from fsdprun.engines.weights import init_weights
 
+    fsdp_mesh = dp_mesh(mesh) if mesh is not None else build_mesh(cfg, device_kind, world_size)
     units = apply_fsdp(
-        model, mesh=build_mesh(cfg, device_kind, world_size), cfg=cfg.fsdp,
+        model, mesh=fsdp_mesh, cfg=cfg.fsdp,
         param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,
         pin_memory=device_kind != "cpu",
     )  # fmt: skip

@@ -58,7 +58,7 @@ def micro_loss(engine, batch: Batch) -> torch.Tensor:
 
 
 def step_num_targets(
-    batches: StepBatches, *, tokens_per_step: int, device: torch.device
+    batches: StepBatches, *, tokens_per_step: int, device: torch.device, tp: int = 1
 ) -> int | torch.Tensor:
     """N, the global count of the step's trained targets: what the step's summed token losses
     are divided by, so that the loss is the global token mean whatever the masks.
@@ -67,13 +67,15 @@ def step_num_targets(
     without reading or communicating. Fine-tuning data: this rank's count over its micro-batches
     (read on the host, no device sync), all-reduced (SUM) once per step, before the first
     backward. At least 1: a step without any trained target adds zero gradients, not 0/0.
+    The `tp` ranks of a tensor-parallel group hold the same batch: the sum over all ranks counts
+    each target tp times.
     """
     if batches.every_target_trains:
         return tokens_per_step
     # int64: exact at any batch size (fp32 counts round beyond 2**24 tokens a step).
     count = torch.tensor(batches.num_targets(), dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.SUM)
-    return count.clamp(min=1)
+    return (count // tp).clamp(min=1)
 
 
 def forward_backward(
@@ -99,8 +101,9 @@ def forward_backward(
     num_micro = len(batches.host)
     for micro in range(num_micro):
         # The last micro-step completes the reduction; what earlier ones reduce is the engine's
-        # accumulation mode (sharded engines reduce-scatter every micro-step).
-        with engine.micro_step(sync=micro == num_micro - 1):
+        # accumulation mode (sharded engines reduce-scatter every micro-step). Tensor parallel:
+        # forward and backward of the loss run under loss parallel.
+        with engine.micro_step(sync=micro == num_micro - 1), engine.loss_context():
             loss = micro_loss(engine, batches.load(micro))
             if poison:
                 loss = loss * float("inf")
@@ -123,7 +126,8 @@ def evaluate(
     totals = torch.zeros(2, device=device.torch_device, dtype=torch.float32)  # loss sum, count
     # Eval mode: no dropout (HuggingFace configs may set it); no_grad keeps activations unsaved.
     engine.model.eval()
-    with torch.no_grad():
+    # Tensor parallel: every rank of a TP group adds the same sums, which leaves their ratio.
+    with torch.no_grad(), engine.loss_context():
         for index in range(num_batches):
             for micro in range(layout.grad_accum_steps):
                 batch = load_batch(data, layout.indices(index, micro, rank), device.torch_device)
@@ -297,7 +301,10 @@ class TrainLoop:
         self.loss, self.val_loss = float("nan"), None
         self.last_logged, self.window_start = 0, 0.0
         self.faults = _Faults(rank)
-        self.batches = BatchLoader(data, layout, rank, device.torch_device, steps=cfg.train.steps)
+        # Data by data-parallel rank: the ranks of a tensor-parallel group read the same samples.
+        self.data_rank = layout.data_rank(rank)
+        self.batches = BatchLoader(data, layout, self.data_rank, device.torch_device,
+                                   steps=cfg.train.steps)  # fmt: skip
 
     def run(self, start_step: int) -> LoopResult:
         cfg = self.cfg
@@ -305,7 +312,7 @@ class TrainLoop:
         self.last_logged, self.window_start = start_step, time.perf_counter()
         stopped = None
         profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=self.rank,
-                                world_size=self.layout.world_size, device_kind=self.device.kind,
+                                world_size=self.layout.num_ranks, device_kind=self.device.kind,
                                 warn=self.events.warn if self.rank == 0 else None)  # fmt: skip
         try:
             for step in range(start_step, cfg.train.steps):
@@ -364,7 +371,8 @@ class TrainLoop:
             )
             batches = self.batches.load_step(step)  # and the next step's start loading
             num_targets = step_num_targets(batches, tokens_per_step=self.tokens_per_step,
-                                           device=self.device.torch_device)  # fmt: skip
+                                           device=self.device.torch_device,
+                                           tp=self.layout.tp)  # fmt: skip
             loss_sum, grad_norm = forward_backward(
                 t.engine, t.optimizer, t.scaler, batches, num_targets=num_targets,
                 world_size=self.layout.world_size, grad_clip=self.cfg.train.grad_clip,
@@ -445,7 +453,7 @@ class TrainLoop:
         t, train = self.t, self.cfg.train
         return TrainState.at_step(
             step, global_batch_size=train.global_batch_size, seq_len=train.seq_len,
-            world_size=self.layout.world_size, skipped_steps=self.skipped_total,
+            world_size=self.layout.num_ranks, skipped_steps=self.skipped_total,
             scheduler=t.scheduler.state_dict(),
             grad_scaler=t.scaler.state_dict() if t.scaler is not None else None,
             tied_params=t.engine.tied,
@@ -458,7 +466,8 @@ class TrainLoop:
         targets (fewer with fine-tuning data)."""
         with self.heartbeat.watch(done, "step"):
             dist.all_reduce(result.loss_sum, op=dist.ReduceOp.SUM)
-        self.loss = float(result.loss_sum / result.num_targets)
+        # Each TP group's ranks computed the same loss (once per group): count it once.
+        self.loss = float(result.loss_sum / self.layout.tp / result.num_targets)
         norm = result.grad_norm
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         window_s = time.perf_counter() - self.window_start
@@ -488,7 +497,7 @@ class TrainLoop:
         with self.heartbeat.watch(done, "eval"):
             self.faults.freeze_at(done, "eval")
             self.val_loss = evaluate(self.t.engine, self.val_data, self.layout,
-                                     num_batches=self.cfg.eval.batches, rank=self.rank,
+                                     num_batches=self.cfg.eval.batches, rank=self.data_rank,
                                      device=self.device)  # fmt: skip
         self.events.emit(
             "eval", step=done, val_loss=self.val_loss, eval_time_s=time.perf_counter() - eval_start,

@@ -47,6 +47,8 @@ from fsdprun.device import (
 from fsdprun.engines import build_engine
 from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8
 from fsdprun.engines.float8 import describe as describe_float8
+from fsdprun.engines.mesh import mesh_dims, tp_degree
+from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
 from fsdprun.engines.weights import model_state_bytes
 from fsdprun.errors import UserError
@@ -231,6 +233,12 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     # float8 converts Linears before checkpointing, compile and sharding wrap them (torchao).
     check_float8(cfg.precision.float8.value, device.kind)
     apply_float8(model, mode=cfg.precision.float8.value)
+    # Tensor parallel first of the parallelisms (torchtitan's order): TP, then activation
+    # checkpointing, then per-block compile, then FSDP over the mesh's data-parallel dims.
+    mesh, tp_rows = None, []
+    if tp_degree(cfg) > 1:
+        mesh = build_device_mesh(cfg, device.kind, ranks.world_size)
+        tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan)
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     weights = None
@@ -241,7 +249,7 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         weights = HFWeights(Path(cfg.model.hf_path), model)
     engine = build_engine(
         model, cfg, device=device.torch_device, device_kind=device.kind,
-        world_size=ranks.world_size, weights=weights,
+        world_size=ranks.world_size, weights=weights, mesh=mesh, tp_plan=tp_rows,
     )  # fmt: skip
     optimizer = build_optimizer(
         engine.model, cfg=cfg.optim, device_kind=device.kind, is_matrix=engine.is_matrix
@@ -308,7 +316,9 @@ def _train(
         watch=watch,
     )  # fmt: skip
     trainable, facts = _build(cfg, ranks, device)
-    layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, ranks.world_size)
+    tp = tp_degree(cfg)  # the ranks of a TP group read the same batch
+    layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                         ranks.world_size // tp, tp)  # fmt: skip
     data, val_data = build_datasets(
         cfg.data, vocab_size=trainable.engine.inner.args.vocab_size, seq_len=cfg.train.seq_len,
         seed=cfg.train.seed, with_val=cfg.eval.every_steps > 0,
@@ -379,6 +389,10 @@ def _start_fields(
         "engine": engine.kind.value,
         "engine_knobs": [dataclasses.asdict(k) for k in engine.knobs],
         "fsdp_units": [u.path or "<root>" for u in engine.units],
+        # The device mesh (dim name, size), outermost first, and the TP plan of every module.
+        "mesh": [list(dim) for dim in mesh_dims(cfg, ranks.world_size)],
+        "tp": tp_degree(cfg),
+        "tp_plan": [list(row) for row in engine.tp_plan],
         "param_dtype": cfg.precision.param_dtype.value,
         "reduce_dtype": cfg.precision.reduce_dtype.value,
         "activation_checkpointing": (
