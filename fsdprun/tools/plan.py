@@ -171,6 +171,7 @@ def _unit_params(
     *,
     float8: bool,
     tp_dims: dict[int, int] | None = None,
+    whole_grads: frozenset[int] = frozenset(),
     tp: int = 1,
 ) -> list[list[ParamShape]]:
     """Each unit's own parameters, as the engines take them: not yet taken, forward order, root
@@ -189,7 +190,8 @@ def _unit_params(
         own = [p for p in root.parameters() if id(p) not in taken]
         taken.update(id(p) for p in own)
         units.append([ParamShape(tp_local_shape(tuple(p.shape), tp_dims.get(id(p)), tp),
-                                 p.requires_grad, id(p) in matmul, id(p) in f8)
+                                 p.requires_grad, id(p) in matmul, id(p) in f8,
+                                 p.numel() if tp > 1 and id(p) in whole_grads else None)
                       for p in own])  # fmt: skip
     return units
 
@@ -211,6 +213,11 @@ _STYLE_DIMS: dict[str, dict[str, int]] = {
     "rowwise": {"weight": 1},
     "embedding": {"weight": 0},
 }
+# torch's backward of the vocab-sharded embedding (RowwiseParallel on nn.Embedding) gives a
+# replicated, whole gradient; FSDP redistributes it to the vocab shard only when it reduces it.
+# Kept between micro-steps (fsdp.accumulate_unsharded), it is the whole table on every rank
+# (measured: tests/test_memory_contract.py, its unsharded tp8 cell).
+_WHOLE_GRAD_STYLES = ("embedding",)
 
 
 def tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
@@ -219,6 +226,17 @@ def tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[in
     if dim is None or tp == 1:
         return shape
     return (*shape[:dim], math.ceil(shape[dim] / tp), *shape[dim + 1 :])
+
+
+def tp_whole_grads(model: nn.Module, plan: TPPlan | None) -> frozenset[int]:
+    """Ids of the parameters whose unsharded gradient is whole under TP (_WHOLE_GRAD_STYLES)."""
+    if plan is None:
+        return frozenset()
+    return frozenset(
+        id(p) for path, style in plan_rows(model.block_paths(), plan)
+        if style in _WHOLE_GRAD_STYLES
+        for p in model.get_submodule(path).parameters(recurse=False)
+    )  # fmt: skip
 
 
 def tp_shard_dims(model: nn.Module, plan: TPPlan | None) -> dict[int, int]:
@@ -393,12 +411,16 @@ def plan_memory(
     paths = plan_units(model, cfg=cfg.fsdp)
     float8 = cfg.precision.float8 is Float8.tensorwise
     tp_dims = tp_shard_dims(model, spec.tp_plan)
-    units = _unit_params(model, paths, float8=float8, tp_dims=tp_dims, tp=cfg.parallel.tp)
+    whole = tp_whole_grads(model, spec.tp_plan)
+
+    def units_at(tp: int) -> list[list[ParamShape]]:
+        return _unit_params(model, paths, float8=float8, tp_dims=tp_dims, whole_grads=whole, tp=tp)
+
+    units = units_at(cfg.parallel.tp)
     recipe_strategy, strategies = _strategies(cfg, units)
     tp_degrees = []
     if cfg.world_size > 1:
-        tp_degrees = _tp_degrees(cfg, lambda tp: _unit_params(
-            model, paths, float8=float8, tp_dims=tp_dims, tp=tp))  # fmt: skip
+        tp_degrees = _tp_degrees(cfg, units_at)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
     if device_memory_bytes is not None:
