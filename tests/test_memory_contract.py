@@ -17,6 +17,14 @@ Rank 0's bytes are read from the storages themselves, so padding and flat parame
 
 ddp cannot run on the fake group (its reducer waits for the all-reduce's result) and holds the
 same at any world size, as the plan says: it is measured on 2 real gloo ranks.
+
+Tensor parallel (`parallel.tp`, the TP_CELLS): the model is split by the family's TP plan
+(`engines.tp.apply_tp`, as the worker does) on the [dp_replicate?, dp_shard, tp] mesh before
+`build_engine` shards it over the data-parallel dims. Every collective TP needs (the sequence
+all-gathers and reduce-scatters, loss parallel's all-reduces, the 2-D gradient-norm reductions)
+runs on the fake group, so TP is measured like the rest; a DTensor counts by its local tensor
+(the wrapper's own storage reports the global size and holds nothing), and DTensor's functional
+all-gathers of activations are not gathered parameters.
 """
 
 from __future__ import annotations
@@ -75,14 +83,47 @@ DDP_CELLS: dict[str, list[str]] = {
     "ddp:bf16": ["fsdp.engine=ddp", *BF16],
     "ddp:lora": ["fsdp.engine=ddp", *LORA],
 }
+# Tensor parallel (issue 22): fsdp2 over the data-parallel dims of [dp_replicate?, dp_shard, tp].
+# Its model's heads, kv heads, ffn dim, vocab and sequence divide 8 (TP refuses them otherwise),
+# and the TP-local dims (25 ffn rows at tp 8, vocab 33, 6 heads of 4) divide no data-parallel
+# size, so FSDP pads them. HYBRID_TP: shard groups of half the data-parallel ranks.
+TP_MODEL = ["model.dim=96", "model.n_heads=24", "model.n_kv_heads=8", "model.ffn_dim=200",
+            "model.vocab_size=264"]  # fmt: skip
+HYBRID_TP = "fsdp.shard_group_size=HALF_DP"
+TP_CELLS: dict[int, dict[str, list[str]]] = {
+    8: {
+        "fsdp2:full:tp2": ["parallel.tp=2"],
+        "fsdp2:hybrid:tp2": ["parallel.tp=2", "fsdp.sharding=hybrid", HYBRID_TP],
+        "fsdp2:grad_op:bf16:tp2": ["parallel.tp=2", "fsdp.sharding=grad_op", *BF16],
+    },
+    64: {
+        "fsdp2:full:tp2": ["parallel.tp=2"],
+        "fsdp2:hybrid:tp2": ["parallel.tp=2", "fsdp.sharding=hybrid", HYBRID_TP],
+        "fsdp2:full:tp8": ["parallel.tp=8"],
+        "fsdp2:hybrid:bf16:unsharded:tp8": [
+            "parallel.tp=8",
+            "fsdp.sharding=hybrid",
+            HYBRID_TP,
+            *BF16,
+            *UNSHARDED,
+        ],
+    },
+}
 WORLDS = (8, 64)
 DDP_WORLD = 2  # real gloo ranks
 PARTS = ("params", "grads", "grads_between_micro_steps", "optimizer", "gathered_buffers")
 
 
+def _tp(cell: list[str]) -> int:
+    return next((int(o.split("=")[1]) for o in cell if o.startswith("parallel.tp=")), 1)
+
+
 def overrides(cell: list[str], world: int) -> list[str]:
-    launch = [f"launch.nproc_per_node={world}", f"train.global_batch_size={2 * world}"]
-    return [*MODEL, *launch, *(o.replace("HALF", str(world // 2)) for o in cell)]
+    dp = world // _tp(cell)  # 2 micro-steps on each data-parallel rank
+    launch = [f"launch.nproc_per_node={world}", f"train.global_batch_size={2 * dp}"]
+    model = [*MODEL, *TP_MODEL] if _tp(cell) > 1 else MODEL
+    cell = [o.replace("HALF_DP", str(dp // 2)).replace("HALF", str(world // 2)) for o in cell]
+    return [*model, *launch, *cell]
 
 
 # ---- the measurement (runs in the subprocess) ----
@@ -101,7 +142,8 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     from fsdprun.data.prefetch import BatchLoader
     from fsdprun.device import Device
     from fsdprun.engines import build_engine
-    from fsdprun.models import build_model
+    from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh
+    from fsdprun.models import build_model, model_spec
     from fsdprun.models.lora import apply_lora
     from fsdprun.train.loop import forward_backward
     from fsdprun.train.optim import build_optimizer
@@ -124,7 +166,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
             self.peak_gathered = 0
 
         def add_gathered(self, t: torch.Tensor) -> None:
-            s = t.untyped_storage()
+            s = storage(t)
             if s._cdata not in self.param_keys:
                 self.gathered[s._cdata] = weakref.ref(s)
 
@@ -134,23 +176,29 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            # A DTensor (TP, FSDP2's shards) by its local tensor's storage: the wrapper's own
+            # reports the global size and holds nothing.
             inputs = {
-                t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                storage(t)._cdata for t in tree_leaves((args, kwargs))
                 if isinstance(t, torch.Tensor)
             }  # fmt: skip
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    s = t.untyped_storage()
+                    s = storage(t)
                     if s._cdata not in inputs:  # not a view of, or in place on, an input
                         self.created[s._cdata] = weakref.ref(s)
             name = func.name()
-            if "allgather" in name or "all_gather_into_tensor" in name:
+            # FSDP's all-gathers (c10d's); under TP, DTensor's functional all-gathers of the
+            # activations on the sequence are not parameters.
+            if ("allgather" in name or "all_gather_into_tensor" in name) and (
+                func.namespace != "_c10d_functional"
+            ):
                 for t in tree_leaves(args[0]):  # the output buffer: a unit's gathered params
                     self.add_gathered(t)
             elif (
                 self.autocast_copies
                 and func is torch.ops.aten._to_copy.default
-                and args[0].untyped_storage()._cdata in self.param_keys
+                and storage(args[0])._cdata in self.param_keys
             ):
                 self.add_gathered(out)
             self.peak_gathered = max(self.peak_gathered, total(self.alive(self.gathered)))
@@ -162,12 +210,16 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     with torch.device("meta"):
         model = build_model(cfg.model)
     apply_lora(model, cfg=cfg.lora)  # as the worker does; nothing without lora.rank
+    tp, mesh = cfg.parallel.tp, None
+    if tp > 1:  # as the worker's _build: TP first, then fully_shard over the dp dims
+        mesh = build_device_mesh(cfg, "cpu", world)
+        apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan)
     engine = build_engine(model, cfg, device=device.torch_device, device_kind="cpu",
-                          world_size=world)  # fmt: skip
+                          world_size=world, mesh=mesh)  # fmt: skip
     optimizer = build_optimizer(
         engine.model, cfg=cfg.optim, device_kind="cpu", is_matrix=engine.is_matrix
     )
-    layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, world)
+    layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, world // tp, tp)
     assert layout.grad_accum_steps == 2
     data, _ = build_datasets(cfg.data, vocab_size=engine.inner.args.vocab_size,
                              seq_len=cfg.train.seq_len, seed=0)  # fmt: skip
@@ -258,6 +310,17 @@ def _fake_world(world: int) -> dict[str, dict]:
         finally:
             gc.collect()  # FSDP's state goes before its process group (FSDP-ON-CPU.md, trap 1)
             dist.destroy_process_group()
+    # The TP cells share one group: DTensor caches its redistribution plans by placements and
+    # mesh shape, and a plan cached in a destroyed group's cell would name that group's
+    # (freed) sub-groups in the next one.
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        for label, cell in TP_CELLS[world].items():
+            results[label] = _measure(cell, world)
+            gc.collect()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
     return results
 
 
@@ -343,7 +406,8 @@ def test_accumulation_holds_the_gradient_shard_not_the_model(measured, world):
     # Issue 10 item 1: with gradient sync off on the first micro-step, FSDP kept the whole
     # model's unsharded gradients (8x the shard at 8 ranks) until the last one.
     results = {label: r["measured"] for label, r in measured(str(world)).items()}
-    for label in ("fsdp2:full", "fsdp2:hybrid", "fsdp1:full", "fsdp1:hybrid"):
+    for label in ("fsdp2:full", "fsdp2:hybrid", "fsdp1:full", "fsdp1:hybrid", "fsdp2:full:tp2",
+                  "fsdp2:hybrid:tp2"):  # fmt: skip
         r = results[label]
         assert r["grads_between_micro_steps"] == pytest.approx(r["params"], rel=0.01), label
     # The opt-in knob trades exactly that memory for fewer reduce-scatters: the whole model

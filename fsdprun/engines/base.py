@@ -110,10 +110,18 @@ class ParamShape:
     trainable: bool = True  # False: frozen (the base under LoRA): no gradient, no AdamW state
     matmul: bool = False  # a Linear's weight: autocast keeps a param_dtype copy of it
     float8: bool = False  # a converted Linear's weight: all-gathered in float8 (1 byte)
+    # Elements of its unsharded gradient where that is not `shape`'s: under tensor parallel the
+    # embedding's (torch's backward of a vocab-sharded embedding gives a replicated gradient).
+    unsharded_grad_numel: int | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def grad_numel(self) -> int:
+        """Elements of the gradient before FSDP reduce-scatters it into its shard."""
+        return self.numel if self.unsharded_grad_numel is None else self.unsharded_grad_numel
 
 
 @dataclass(frozen=True)
@@ -131,9 +139,10 @@ class RankMemory:
 
 
 def accumulation_steps(cfg: RecipeConfig) -> int:
-    """Micro-steps per optimizer step at the recipe's world size."""
+    """Micro-steps per optimizer step at the recipe's world size: the batch splits over the
+    data-parallel ranks (world size / parallel.tp; a TP group shares its micro-batches)."""
     t = cfg.train
-    return t.global_batch_size // (t.micro_batch_size * cfg.world_size)
+    return t.global_batch_size // (t.micro_batch_size * cfg.dp_world_size)
 
 
 def gathered_bytes(units: list[list[ParamShape]], elems: list[int], param_bytes: int) -> list[int]:

@@ -273,7 +273,7 @@ def memory(
     unsharded_grads = 0
     if accumulation(cfg) == LOCAL and accumulation_steps(cfg) > 1 and shards > 1:
         # Every trained parameter's whole gradient, in reduce_dtype, until the last micro-step.
-        trained = sum(p.numel for own in units for p in own if p.trainable)
+        trained = sum(p.grad_numel for own in units for p in own if p.trainable)
         unsharded_grads = trained * DTYPE_BYTES[cfg.precision.reduce_dtype]
     return RankMemory(
         shard_bytes=[MASTER_BYTES * n for n in shard], gathered_bytes=sizes,

@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
+from rich.markup import escape
 from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -401,7 +402,8 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     c.print(
         f"[bold]fsdprun plan[/bold] {plan['recipe']}: {fmt_count(plan['num_params'])} params, "
         f"world size {plan['world_size']} ({plan['nnodes']} node(s) x "
-        f"{plan['nproc_per_node']}), param dtype {plan['param_dtype']}"
+        f"{plan['nproc_per_node']}), mesh {escape(_mesh_text(plan['mesh']))}, param dtype "
+        f"{plan['param_dtype']}"
     )
     c.print(_plan_units_table(plan))
     c.print(f"{plan['engine']} knobs:")
@@ -413,7 +415,40 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     c.print(f"  activations, one micro-batch: {plan['activation_formula']}.")
     for note in plan["notes"]:
         c.print(f"  {note}.")
+    if plan["tp_degrees"]:
+        c.print(_plan_tp_table(plan))
+        for o in plan["tp_degrees"]:
+            if o["missing"]:
+                c.print(f"  tp {o['tp']}: not possible, {escape(o['missing'])}.")
     c.print(_plan_verdict(plan))
+
+
+def _mesh_text(mesh: list[list]) -> str:
+    return "[" + " x ".join(f"{name} {n}" for name, n in mesh) + "]"
+
+
+def _plan_tp_table(plan: dict[str, Any]) -> Table:
+    """The recipe's sharding at each possible TP degree, same world size, side by side."""
+    options = [o for o in plan["tp_degrees"] if o["memory"] is not None]
+    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
+    table = Table(
+        title=f"Tensor parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0)",
+        title_justify="left",
+    )
+    table.add_column("component")
+    for o in options:
+        mark = " (recipe)" if o["tp"] == plan["tp"] else ""
+        table.add_column(f"tp {o['tp']}{mark}", justify="right")
+    table.add_row("mesh", *(Cell.whole(o["mesh"]) for o in options))
+    for label, key in (
+        ("parameters", "params"), ("gradients", "grads"), ("unsharded grads", "accumulation"),
+        ("optimizer state", "optimizer"), ("gathered buffers *", "gathered_buffers"),
+        ("activations *", "activations"), ("total", "total"),
+    ):  # fmt: skip
+        table.add_row(label, *(Cell.whole(fmt_bytes(o["memory"][key])) for o in options))
+    if plan["device_memory_bytes"] is not None:
+        table.add_row("fits", *("yes" if o["memory"]["fits"] else "no" for o in options))
+    return table
 
 
 def _plan_units_table(plan: dict[str, Any]) -> Table:

@@ -39,6 +39,7 @@ Gathered buffers and activations are estimates; `ACTIVATION_FORMULA` says how th
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -56,11 +57,18 @@ from fsdprun.config import (
 from fsdprun.engines import DTYPE_BYTES, ParamShape, rank_memory, translate, unit_plan
 from fsdprun.engines.float8 import MFU_CONVENTION, float8_linears
 from fsdprun.engines.float8 import describe as describe_float8
-from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding, shard_group_size
+from fsdprun.engines.mesh import (
+    backward_prefetch_depth,
+    effective_sharding,
+    mesh_dims,
+    shard_group_size,
+    tp_errors,
+)
+from fsdprun.engines.tp import plan_rows
 from fsdprun.engines.units import plan_units
 from fsdprun.errors import UserError
 from fsdprun.loss import describe_loss
-from fsdprun.models import model_spec
+from fsdprun.models import TPPlan, model_spec
 from fsdprun.models.lora import apply_lora, num_trainable_params
 
 ACTIVATION_FORMULA = (
@@ -78,6 +86,13 @@ ACTIVATION_FORMULA = (
     "train.loss=chunked replaces the logits by seq*micro*dim*c + vocab*dim*(c + 4) (the "
     "gradients of the hidden states and the output weight, its fp32 accumulator) + "
     "chunk*vocab*(c + 12) (one chunk's logits, log-probabilities and their gradient)"
+)
+TP_ACTIVATION_FORMULA = (
+    "Activations under TP (sequence parallel): the norms' fp32 inputs and their values before "
+    "the weight, the blocks' inputs (all a checkpointed block keeps) hold seq/tp tokens; the "
+    "norm outputs are all-gathered on the sequence before q/k/v and gate/up, which keep that "
+    "full copy; q, k, v and the attention output hold the local heads, gate/up and their "
+    "products ffn/tp columns, for every token; the logits vocab/tp (loss parallel)"
 )
 BUFFER_FORMULA = (
     "unsharded params in param_dtype, padded as the engine pads them. fsdp2: the peak over forward "
@@ -139,6 +154,9 @@ class MemoryPlan:
     engine: str = "fsdp2"
     num_trainable_params: int | None = None  # < num_params under LoRA
     knobs: list[dict] = field(default_factory=list)
+    mesh: list[tuple[str, int]] = field(default_factory=list)  # the recipe's: (dim, size)
+    tp: int = 1
+    tp_degrees: list[dict] = field(default_factory=list)  # TpOption at each degree, side by side
     activation_formula: str = ACTIVATION_FORMULA
     buffer_formula: str = BUFFER_FORMULA
     notes: list[str] = field(default_factory=list)
@@ -147,65 +165,176 @@ class MemoryPlan:
         return asdict(self)
 
 
-def _unit_params(model: nn.Module, paths: list[str], *, float8: bool) -> list[list[ParamShape]]:
+def _unit_params(
+    model: nn.Module,
+    paths: list[str],
+    *,
+    float8: bool,
+    tp_dims: dict[int, int] | None = None,
+    whole_grads: frozenset[int] = frozenset(),
+    tp: int = 1,
+) -> list[list[ParamShape]]:
     """Each unit's own parameters, as the engines take them: not yet taken, forward order, root
-    last; marked trainable, a Linear's weight, gathered in float8 (`float8`: tensorwise)."""
+    last; marked trainable, a Linear's weight, gathered in float8 (`float8`: tensorwise). Under
+    tensor parallel (`tp` > 1) each shape is tensor-parallel rank 0's local shard: the dim in
+    `tp_dims` (parameter id -> dim the TP plan shards) cut to ceil(n / tp), as DTensor's
+    Shard(dim) chunks it; a parameter the plan does not shard (the norms) is whole on every TP
+    rank. FSDP then shards that local tensor over the data-parallel ranks."""
     modules = dict(model.named_modules())
     matmul = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     f8 = {id(modules[path].weight) for path in float8_linears(model)[0]} if float8 else set()
+    tp_dims = tp_dims or {}
     taken: set[int] = set()
     units = []
     for root in [*(modules[path] for path in paths), model]:
         own = [p for p in root.parameters() if id(p) not in taken]
         taken.update(id(p) for p in own)
-        units.append([ParamShape(tuple(p.shape), p.requires_grad, id(p) in matmul, id(p) in f8)
+        units.append([ParamShape(tp_local_shape(tuple(p.shape), tp_dims.get(id(p)), tp),
+                                 p.requires_grad, id(p) in matmul, id(p) in f8,
+                                 p.numel() if tp > 1 and id(p) in whole_grads else None)
                       for p in own])  # fmt: skip
     return units
 
 
+# ---- tensor parallel (parallel.tp) ----
+
+# The TP degrees `plan` puts side by side (with the recipe's own): TP spans one node's ranks.
+TP_DEGREES = (1, 2, 4, 8)
+
+# What each style of a family's TP plan (`fsdprun.models.TP_STYLES`, applied as torch's
+# ParallelStyles by `fsdprun.engines.tp`) shards: a Linear's weight is (out, in), an Embedding's
+# (vocab, dim). Column-wise (and the vocab-sharded output) splits a Linear's outputs: dim 0 and
+# its bias; row-wise its inputs: dim 1, the bias replicated; the embedding its vocab rows. The
+# norms (and `block_input`, which owns no parameter) keep their parameters whole on every TP
+# rank.
+_STYLE_DIMS: dict[str, dict[str, int]] = {
+    "colwise": {"weight": 0, "bias": 0},
+    "output": {"weight": 0, "bias": 0},
+    "rowwise": {"weight": 1},
+    "embedding": {"weight": 0},
+}
+# torch's backward of the vocab-sharded embedding (RowwiseParallel on nn.Embedding) gives a
+# replicated, whole gradient; FSDP redistributes it to the vocab shard only when it reduces it.
+# Kept between micro-steps (fsdp.accumulate_unsharded), it is the whole table on every rank
+# (measured: tests/test_memory_contract.py, its unsharded tp8 cell).
+_WHOLE_GRAD_STYLES = ("embedding",)
+
+
+def tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+    """Tensor-parallel rank 0's local shape of a parameter of `shape` sharded on `dim` (None:
+    replicated) over `tp` ranks: Shard(dim) chunks as torch.chunk does, ceil(n / tp) first."""
+    if dim is None or tp == 1:
+        return shape
+    return (*shape[:dim], math.ceil(shape[dim] / tp), *shape[dim + 1 :])
+
+
+def tp_whole_grads(model: nn.Module, plan: TPPlan | None) -> frozenset[int]:
+    """Ids of the parameters whose unsharded gradient is whole under TP (_WHOLE_GRAD_STYLES)."""
+    if plan is None:
+        return frozenset()
+    return frozenset(
+        id(p) for path, style in plan_rows(model.block_paths(), plan)
+        if style in _WHOLE_GRAD_STYLES
+        for p in model.get_submodule(path).parameters(recurse=False)
+    )  # fmt: skip
+
+
+def tp_shard_dims(model: nn.Module, plan: TPPlan | None) -> dict[int, int]:
+    """Parameter id -> the dim the family's TP `plan` shards it on (as `apply_tp` applies it:
+    `plan_rows`); the parameters it does not list are replicated on the TP ranks."""
+    dims: dict[int, int] = {}
+    if plan is None:
+        return dims
+    for path, style in plan_rows(model.block_paths(), plan):
+        rule = _STYLE_DIMS.get(style, {})
+        for name, p in model.get_submodule(path).named_parameters(recurse=False):
+            if name in rule:
+                dims[id(p)] = rule[name]
+    return dims
+
+
+@dataclass(frozen=True)
+class _TokenDims:
+    """What one rank's activations are made of under tensor parallel degree tp (1 = none).
+
+    Under sequence parallel the norms and the residual stream between blocks hold seq / tp
+    tokens (`seq_tokens`); inside attention and the feed-forward every token is there, with the
+    local heads (`dim`, `kv_dim`: the q/attention-output and k/v widths) and ffn / tp columns
+    (`ffn`); the norm outputs are all-gathered on the sequence before the column-wise matmuls,
+    which keep that full-sequence copy (`tokens` x dim) for backward; the row-wise matmuls
+    (o, down) compute full-sequence partial sums before their reduce-scatter; the logits are
+    vocab / tp wide (loss parallel). Rank 0's shares: ceil."""
+
+    tokens: int  # seq x micro
+    seq_tokens: int  # ceil(seq / tp) x micro
+    dim: int  # ceil(n_heads / tp) x head_dim
+    kv_dim: int
+    ffn: int
+    heads: int
+    vocab: int
+
+
+def _token_dims(cfg: RecipeConfig) -> _TokenDims:
+    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
+    head_dim = m.dim // m.n_heads
+    plan = model_spec(m).tp_plan
+    seq_shards = tp if plan is not None and plan.sequence_parallel else 1
+    return _TokenDims(
+        tokens=t.seq_len * t.micro_batch_size,
+        seq_tokens=math.ceil(t.seq_len / seq_shards) * t.micro_batch_size,
+        dim=math.ceil(m.n_heads / tp) * head_dim,
+        kv_dim=math.ceil((m.n_kv_heads or m.n_heads) / tp) * head_dim,
+        ffn=math.ceil(m.ffn_dim / tp),
+        heads=math.ceil(m.n_heads / tp),
+        vocab=math.ceil(m.vocab_size / tp),
+    )
+
+
 def block_activation_bytes(cfg: RecipeConfig) -> int:
     """Bytes one transformer block saves for backward for one micro-batch, not checkpointed
-    (see ACTIVATION_FORMULA)."""
-    m, t = cfg.model, cfg.train
-    c = DTYPE_BYTES[cfg.precision.param_dtype]
-    kv_dim = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
+    (see ACTIVATION_FORMULA; under parallel.tp, TP_ACTIVATION_FORMULA)."""
+    dim, c, d = cfg.model.dim, DTYPE_BYTES[cfg.precision.param_dtype], _token_dims(cfg)
     if cfg.compile.enabled:
-        per_token = c * (6 * m.dim + 2 * kv_dim + 3 * m.ffn_dim) + 4 * (m.n_heads + 2)
-    else:
-        per_token = 8 * m.dim + c * (6 * m.dim + 4 * m.ffn_dim + 2 * kv_dim)
-    return t.seq_len * t.micro_batch_size * per_token
+        # Sequence-sharded: the block input, h, the two fp32 norm statistics; the rest as eager.
+        return d.seq_tokens * (2 * c * dim + 8) + d.tokens * (
+            c * (2 * dim + 2 * d.dim + 2 * d.kv_dim + 3 * d.ffn) + 4 * d.heads
+        )
+    # Sequence-sharded: each norm's fp32 input and its value before the weight.
+    return d.seq_tokens * (8 * dim + 2 * c * dim) + d.tokens * c * (
+        2 * dim + 2 * d.dim + 2 * d.kv_dim + 4 * d.ffn
+    )
 
 
 def selective_block_bytes(cfg: RecipeConfig) -> int:
     """Bytes one block keeps under selective checkpointing for one micro-batch (see
-    ACTIVATION_FORMULA)."""
-    m, t = cfg.model, cfg.train
-    c = DTYPE_BYTES[cfg.precision.param_dtype]
-    kv_dim = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
-    per_token = c * (5 * m.dim + 2 * kv_dim + 2 * m.ffn_dim) + 4 * m.n_heads
-    return t.seq_len * t.micro_batch_size * per_token
+    ACTIVATION_FORMULA): the block input (sequence-sharded under TP), o's and down's outputs
+    (whole: before their reduce-scatter), q, k, v, attention, gate and up outputs (local
+    heads and columns) and attention's fp32 logsumexp."""
+    dim, c, d = cfg.model.dim, DTYPE_BYTES[cfg.precision.param_dtype], _token_dims(cfg)
+    return d.seq_tokens * c * dim + d.tokens * (
+        c * (2 * dim + 2 * d.dim + 2 * d.kv_dim + 2 * d.ffn) + 4 * d.heads
+    )
 
 
 def loss_bytes(cfg: RecipeConfig) -> int:
     """Bytes the loss keeps for one micro-batch: the logits (plain) or the chunked loss's saved
-    gradients plus one chunk (see ACTIVATION_FORMULA)."""
+    gradients plus one chunk (see ACTIVATION_FORMULA); vocab / tp wide under loss parallel."""
     m, t = cfg.model, cfg.train
-    c = DTYPE_BYTES[cfg.precision.param_dtype]
-    tokens = t.seq_len * t.micro_batch_size
+    c, d = DTYPE_BYTES[cfg.precision.param_dtype], _token_dims(cfg)
+    tokens, vocab = d.tokens, d.vocab
     if t.loss is LossKind.chunked:
         chunk = min(t.loss_chunk_size, tokens)
-        return tokens * m.dim * c + m.vocab_size * m.dim * (c + 4) + chunk * m.vocab_size * (c + 12)
+        return tokens * m.dim * c + vocab * m.dim * (c + 4) + chunk * vocab * (c + 12)
     if cfg.compile.enabled:  # the compiled loss keeps the logits and two fp32 values per token
-        return tokens * (m.vocab_size * c + 8)
-    return tokens * m.vocab_size * (c + 8)
+        return tokens * (vocab * c + 8)
+    return tokens * vocab * (c + 8)
 
 
 def activation_bytes(cfg: RecipeConfig) -> int:
     """Activations one rank keeps for backward for one micro-batch (estimate; see
     ACTIVATION_FORMULA)."""
-    m, t = cfg.model, cfg.train
+    m = cfg.model
     c = DTYPE_BYTES[cfg.precision.param_dtype]
-    tokens = t.seq_len * t.micro_batch_size
     block = block_activation_bytes(cfg)
     ac = cfg.activation_checkpointing
     checkpointed = {
@@ -214,12 +343,50 @@ def activation_bytes(cfg: RecipeConfig) -> int:
         CheckpointMode.selective: m.n_layers,
         CheckpointMode.every_n: len(range(0, m.n_layers, max(ac.every_n, 1))),
     }[ac.mode]
-    per_checkpointed = (
-        selective_block_bytes(cfg) if ac.mode is CheckpointMode.selective else tokens * m.dim * c
+    per_checkpointed = (  # a fully checkpointed block keeps its (sequence-sharded) input
+        selective_block_bytes(cfg)
+        if ac.mode is CheckpointMode.selective
+        else _token_dims(cfg).seq_tokens * m.dim * c
     )
     kept = checkpointed * per_checkpointed + (m.n_layers - checkpointed) * block
     recompute = block if checkpointed else 0  # one block's activations while it is recomputed
     return kept + recompute + loss_bytes(cfg)
+
+
+def _with_sharding(
+    cfg: RecipeConfig, sharding: Sharding, engine: Engine | None = None
+) -> RecipeConfig:
+    """`cfg` under another sharding (and engine: a ddp recipe's sharded columns are fsdp2's)."""
+    fsdp = dataclasses.replace(
+        cfg.fsdp, sharding=sharding, reshard_after_forward=None, engine=engine or cfg.fsdp.engine
+    )
+    return dataclasses.replace(cfg, fsdp=fsdp)
+
+
+def mesh_text(dims: list[tuple[str, int]]) -> str:
+    """A mesh's dims as `plan` prints them: [dp_shard 8 x tp 8]."""
+    return "[" + " x ".join(f"{name} {n}" for name, n in dims) + "]"
+
+
+def tp_problem(cfg: RecipeConfig) -> str | None:
+    """Why `cfg` cannot train at its parallel.tp (None: it can): what the recipe checks refuse
+    (`engines.mesh.tp_errors`), for the model's own shape (an HF folder's: its config.json)."""
+    m = cfg.model
+    shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads or m.n_heads,
+             "model.ffn_dim": m.ffn_dim, "model.vocab_size": m.vocab_size}  # fmt: skip
+    errors = tp_errors(cfg, world_size=cfg.world_size, shape=shape, tied=m.tie_embeddings)
+    return "; ".join(errors) or None
+
+
+@dataclass
+class TpOption:
+    """The recipe at one TP degree, same world size: its mesh and rank 0's memory, or why the
+    degree is not possible (`missing`)."""
+
+    tp: int
+    mesh: str | None = None
+    memory: StrategyMemory | None = None
+    missing: str | None = None
 
 
 def plan_memory(
@@ -242,12 +409,22 @@ def plan_memory(
     # The activation estimates read the model's shape: an HF folder's comes from its config.json.
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
     paths = plan_units(model, cfg=cfg.fsdp)
-    units = _unit_params(model, paths, float8=cfg.precision.float8 is Float8.tensorwise)
+    float8 = cfg.precision.float8 is Float8.tensorwise
+    tp_dims = tp_shard_dims(model, spec.tp_plan)
+    whole = tp_whole_grads(model, spec.tp_plan)
+
+    def units_at(tp: int) -> list[list[ParamShape]]:
+        return _unit_params(model, paths, float8=float8, tp_dims=tp_dims, whole_grads=whole, tp=tp)
+
+    units = units_at(cfg.parallel.tp)
     recipe_strategy, strategies = _strategies(cfg, units)
+    tp_degrees = []
+    if cfg.world_size > 1:
+        tp_degrees = _tp_degrees(cfg, units_at)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
     if device_memory_bytes is not None:
-        for s in strategies.values():
+        for s in [*strategies.values(), *(o.memory for o in tp_degrees if o.memory)]:
             s.fits = s.total <= device_memory_bytes
     return MemoryPlan(
         recipe=recipe,
@@ -261,10 +438,18 @@ def plan_memory(
         engine=cfg.fsdp.engine.value,
         knobs=[asdict(k) for k in translate(cfg)],
         device_memory_bytes=device_memory_bytes,
-        units=_planned_units(cfg, units, paths),
+        units=_planned_units(cfg, units, paths, _full_counts(model, paths)),
         strategies=strategies,
-        notes=_notes(cfg, model, num_adapted=len(adapted)),
+        mesh=mesh_dims(cfg),
+        tp=cfg.parallel.tp,
+        tp_degrees=[asdict(o) for o in tp_degrees],
+        notes=_notes(cfg, model, num_adapted=len(adapted), tp_dims=tp_dims),
     )
+
+
+def _full_counts(model: nn.Module, paths: list[str]) -> list[int]:
+    """Each unit's own parameter count, unsharded (the units' shapes are TP-local)."""
+    return [sum(p.numel for p in own) for own in _unit_params(model, paths, float8=False)]
 
 
 def _sharded_engine(cfg: RecipeConfig) -> Engine:
@@ -273,18 +458,19 @@ def _sharded_engine(cfg: RecipeConfig) -> Engine:
 
 
 def _planned_units(
-    cfg: RecipeConfig, units: list[list[ParamShape]], paths: list[str]
+    cfg: RecipeConfig, units: list[list[ParamShape]], paths: list[str], counts: list[int]
 ) -> list[PlannedUnit]:
     """The engine's own unit plan (reshard and prefetch as its build applies them; ddp: no
-    units, one bucketed all-reduce over the whole model) with each unit's bytes."""
+    units, one bucketed all-reduce over the whole model) with each unit's bytes (TP-local)."""
+    sharding = effective_sharding(cfg.fsdp)
     memory = rank_memory(
-        cfg, units, sharding=effective_sharding(cfg.fsdp), shards=shard_group_size(cfg),
+        cfg, units, sharding=sharding, shards=shard_group_size(cfg),
         engine=_sharded_engine(cfg),
     )  # fmt: skip
     return [
         PlannedUnit(
             path=row.path,
-            num_params=sum(p.numel for p in units[i]),
+            num_params=counts[i],
             unsharded_bytes=memory.gathered_bytes[i],
             shard_bytes=memory.shard_bytes[i],
             reshard_after_forward=row.reshard_after_forward,
@@ -295,44 +481,81 @@ def _planned_units(
     ]
 
 
+def _strategy_memory(
+    cfg: RecipeConfig, units: list[list[ParamShape]], strategy: Sharding, engine: Engine
+) -> StrategyMemory:
+    """Rank 0's memory under `strategy`: FSDP shards the (TP-local) `units` over its shard
+    group of data-parallel ranks (dp_shard; ddp: none)."""
+    shards = shard_group_size(_with_sharding(cfg, strategy, engine))
+    m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
+    return StrategyMemory(
+        shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
+        gathered_buffers=m.buffers, activations=activation_bytes(cfg), accumulation=m.accumulation,
+    )  # fmt: skip
+
+
 def _strategies(
     cfg: RecipeConfig, units: list[list[ParamShape]]
 ) -> tuple[str, dict[str, StrategyMemory]]:
     """The recipe's strategy, and rank 0's memory under it and under ddp, full, grad_op and
-    hybrid (one node's shard groups) to compare."""
-    world, fsdp = cfg.world_size, cfg.fsdp
-    group = shard_group_size(cfg)
-    hybrid_group = fsdp.shard_group_size or min(cfg.launch.nproc_per_node, world)
-    acts = activation_bytes(cfg)
-
-    def memory(strategy: Sharding, shards: int, engine: Engine) -> StrategyMemory:
-        m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
-        return StrategyMemory(
-            shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
-            gathered_buffers=m.buffers, activations=acts, accumulation=m.accumulation,
-        )  # fmt: skip
-
-    sharded = _sharded_engine(cfg)
-    strategies = {
-        "ddp": memory(Sharding.none, 1, Engine.ddp),
-        "full": memory(Sharding.full, world, sharded),
-        "grad_op": memory(Sharding.grad_op, world, sharded),
-        "hybrid": memory(Sharding.hybrid, hybrid_group, sharded),
-    }
+    hybrid (one node's shard groups) to compare. Under TP there is no ddp column (DDP cannot
+    hold DTensor shards): `none` there is FSDP2 replicating over the data-parallel ranks."""
+    fsdp, sharded = cfg.fsdp, _sharded_engine(cfg)
+    strategies = {} if cfg.parallel.tp > 1 else {
+        "ddp": _strategy_memory(cfg, units, Sharding.none, Engine.ddp)
+    }  # fmt: skip
+    for s in (Sharding.full, Sharding.grad_op, Sharding.hybrid):
+        strategies[s.value] = _strategy_memory(cfg, units, s, sharded)
     recipe_strategy = "ddp" if fsdp.engine is Engine.ddp else effective_sharding(fsdp).value
-    if recipe_strategy == "hybrid_zero2":
-        strategies["hybrid_zero2"] = memory(Sharding.hybrid_zero2, group, sharded)
-    elif recipe_strategy == "none":
-        strategies["none"] = memory(Sharding.none, 1, sharded)
-    elif recipe_strategy == "hybrid" and group != hybrid_group:
-        strategies["hybrid"] = memory(Sharding.hybrid, group, sharded)
+    if recipe_strategy in ("hybrid_zero2", "none"):
+        strategies[recipe_strategy] = _strategy_memory(
+            cfg, units, Sharding(recipe_strategy), sharded
+        )
     return recipe_strategy, strategies
 
 
-def _notes(cfg: RecipeConfig, model: nn.Module, *, num_adapted: int) -> list[str]:
+def _tp_degrees(cfg: RecipeConfig, units_at) -> list[TpOption]:
+    """The recipe at TP_DEGREES and its own degree, at its world size, under its sharding with
+    fsdp2 (the engine TP composes with); `units_at(tp)` gives the units at a degree."""
+    sharding = effective_sharding(cfg.fsdp)
+    if cfg.fsdp.engine is Engine.ddp:
+        sharding = Sharding.full  # a ddp recipe's TP columns: what fsdp2 would hold
+    # TP composes with fsdp2 only: an fsdp1 or ddp recipe's columns are what fsdp2 would hold.
+    fsdp2 = dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, engine=Engine.fsdp2))
+    options = []
+    for tp in sorted({*TP_DEGREES, cfg.parallel.tp}):
+        at = _with_sharding(
+            dataclasses.replace(fsdp2, parallel=dataclasses.replace(cfg.parallel, tp=tp)),
+            sharding,
+        )
+        problem = tp_problem(at) if tp > 1 else None
+        if problem is not None:
+            options.append(TpOption(tp, missing=problem))
+            continue
+        mesh = mesh_dims(at)
+        memory = _strategy_memory(at, units_at(tp), sharding, Engine.fsdp2)
+        options.append(TpOption(tp, mesh=mesh_text(mesh), memory=memory))
+    return options
+
+
+def _notes(
+    cfg: RecipeConfig, model: nn.Module, *, num_adapted: int, tp_dims: dict[int, int]
+) -> list[str]:
     """What the plan counts and how, and what it leaves out."""
     fsdp = cfg.fsdp
-    notes = [
+    notes = []
+    if cfg.parallel.tp > 1:
+        replicated = [n for n, p in model.named_parameters() if id(p) not in tp_dims]
+        whole = sum(p.numel() for p in model.parameters() if id(p) not in tp_dims)
+        notes.append(
+            f"tensor parallel {cfg.parallel.tp}: each parameter is TP rank 0's local shard "
+            "(column-wise q/k/v and gate/up, row-wise o and down, the embedding and output on "
+            f"the vocab), then FSDP's over dp_shard; {len(replicated)} tensors ({whole:,} "
+            "params: the norms) are whole on every TP rank, so they divide by dp_shard only. "
+            f"Gathered buffers are 1/tp of each unit (FSDP gathers over the dp dims only). "
+            f"{TP_ACTIVATION_FORMULA}"
+        )
+    notes += [
         "model state: fp32 params 4 B + fp32 grads 4 B + Adam moments 8 B per param "
         "(+ 4 B step per tensor), from each parameter's rank-0 shard of ceil(dim0 / N) rows "
         "(fsdp2) or the first 1/N of each unit's padded flat parameter (fsdp1)",
