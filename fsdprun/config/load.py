@@ -251,9 +251,13 @@ def _resolve_path(ref: str, base: Path | None) -> tuple[str, str]:
     text = _builtin_text(name) if "/" not in ref else None
     if text is not None:
         return f"builtin:{name}", text
-    builtins = ", ".join(builtin_recipes())
+    names = list(builtin_recipes())
+    # A misspelt built-in name (`debugg`) is the common case: suggest the nearest, as for keys.
+    match = difflib.get_close_matches(name, names, n=1, cutoff=0.6) if "/" not in ref else []
+    hint = f"; did you mean '{match[0]}'?" if match else ""
     raise UserError(
-        f"recipe '{ref}' is neither a file nor a built-in recipe (built-ins: {builtins})"
+        f"recipe '{ref}' is neither a file nor a built-in recipe{hint} (built-ins: "
+        f"{', '.join(names)})"
     )
 
 
