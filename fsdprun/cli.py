@@ -46,11 +46,21 @@ def _dashes(token: str) -> str:
     return token.replace("_", "-")
 
 
+def _flag_type(self, ctx):
+    # typer 0.29's rich help prints a type beside every option, `<bool>` beside a flag too, as if
+    # `--verify` took a value; a flag (`--x/--no-x`) takes none, so its type column stays empty.
+    return None if self.is_flag and not self.count else _option_type(self, ctx)
+
+
+_option_type = typer.core.TyperOption.display_type_rich
+typer.core.TyperOption.display_type_rich = _flag_type
+
+
 app = typer.Typer(
     help="Train LLMs with PyTorch FSDP from layered YAML recipes.\n\nOptions also take "
     "torchrun's spellings (--nproc_per_node, --node_rank, --rdzv_endpoint, --max_restarts).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     # torchrun's spellings work too (--nproc_per_node for --nproc-per-node, ...), as in torchrun
     # itself: a torchrun user's fingers should just work. Normalizing the option names keeps one
@@ -59,7 +69,18 @@ app = typer.Typer(
 )
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
-Recipe = Annotated[str, typer.Argument(help="A recipe YAML path or a built-in recipe name.")]
+
+def _complete_recipe(incomplete: str) -> list[str]:
+    # Built-in names here; the shell's own file completion (`complete -o default`) adds paths.
+    return [name for name in builtin_recipes() if name.startswith(incomplete)]
+
+
+Recipe = Annotated[
+    str,
+    typer.Argument(
+        help="A recipe YAML path or a built-in recipe name.", autocompletion=_complete_recipe
+    ),
+]
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="KEY=VALUE overrides (dotted keys, e.g. optim.lr=3e-4); ~KEY drops a key "
@@ -87,7 +108,8 @@ MaxRestartsOpt = Annotated[
 StandaloneOpt = Annotated[
     bool,
     typer.Option(
-        "--standalone",
+        "--standalone/--no-standalone",
+        show_default=False,
         help="One node with a local rendezvous on a free port, whatever the recipe says "
         "(launch.nnodes=1, no rdzv_endpoint), as torchrun --standalone.",
     ),
@@ -97,7 +119,8 @@ StandaloneOpt = Annotated[
 AcceptBaseOpt = Annotated[
     bool,
     typer.Option(
-        "--accept-base-change",
+        "--accept-base-change/--no-accept-base-change",
+        show_default=False,
         help="Use a LoRA checkpoint's base although it is not the one it was trained on (its "
         "recorded fingerprint differs); without it that is refused.",
     ),
@@ -289,7 +312,8 @@ def resume(
     verify: Annotated[
         bool,
         typer.Option(
-            "--verify",
+            "--verify/--no-verify",
+            show_default=False,
             help="Check every file's sha256 against the manifest before loading (reads the "
             "whole checkpoint); a mismatch falls back to the previous complete checkpoint. A "
             "LoRA base's files are read and hashed again too.",
@@ -377,7 +401,10 @@ def config_cmd(
     recipe: Recipe,
     overrides: Overrides = None,
     explain_: Annotated[
-        bool, typer.Option("--explain", help="Show which layer set each key.")
+        bool,
+        typer.Option(
+            "--explain/--no-explain", show_default=False, help="Show which layer set each key."
+        ),
     ] = False,
     nproc_per_node: NprocOpt = None,
     nnodes: NnodesOpt = None,
@@ -403,10 +430,18 @@ def recipes() -> None:
 def status(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
     json_: Annotated[
-        bool, typer.Option("--json", help="Print one JSON document instead of lines.")
+        bool,
+        typer.Option(
+            "--json/--no-json", show_default=False, help="Print one JSON document instead of lines."
+        ),
     ] = False,
     watch: Annotated[
-        bool, typer.Option("--watch", help="Redraw every --interval seconds until the run ends.")
+        bool,
+        typer.Option(
+            "--watch/--no-watch",
+            show_default=False,
+            help="Redraw every --interval seconds until the run ends.",
+        ),
     ] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between redraws.")] = 5.0,
 ) -> None:
@@ -472,7 +507,12 @@ def inspect_checkpoint(
         ),
     ],
     json_: Annotated[
-        bool, typer.Option("--json", help="Print one JSON document instead of tables.")
+        bool,
+        typer.Option(
+            "--json/--no-json",
+            show_default=False,
+            help="Print one JSON document instead of tables.",
+        ),
     ] = False,
     tensors: Annotated[
         str | None,
@@ -491,7 +531,8 @@ def inspect_checkpoint(
     verify: Annotated[
         bool,
         typer.Option(
-            "--verify",
+            "--verify/--no-verify",
+            show_default=False,
             help="Also read every file and compare it with the manifest's sha256 (exit 1 on a "
             "mismatch).",
         ),
@@ -687,7 +728,12 @@ def plan(
         ),
     ] = None,
     json_: Annotated[
-        bool, typer.Option("--json", help="Print one JSON document instead of tables.")
+        bool,
+        typer.Option(
+            "--json/--no-json",
+            show_default=False,
+            help="Print one JSON document instead of tables.",
+        ),
     ] = False,
     plot_: PlotOpt = None,
 ) -> None:
@@ -737,9 +783,14 @@ def compare_cmd(
             "(default runs/compare-<recipe>-<time>).",
         ),
     ] = None,
-    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    json_: Annotated[
+        bool, typer.Option("--json/--no-json", show_default=False, help="Print one JSON document.")
+    ] = False,
     markdown_: Annotated[
-        bool, typer.Option("--markdown", help="Print the table as Markdown.")
+        bool,
+        typer.Option(
+            "--markdown/--no-markdown", show_default=False, help="Print the table as Markdown."
+        ),
     ] = False,
     plot_: PlotOpt = None,
 ) -> None:
@@ -816,7 +867,8 @@ def tune_cmd(
     allow_numerics: Annotated[
         bool,
         typer.Option(
-            "--allow-numerics",
+            "--allow-numerics/--no-allow-numerics",
+            show_default=False,
             help="Also search knobs that change the numerics "
             "(precision.*); their candidates are marked.",
         ),
@@ -845,9 +897,15 @@ def tune_cmd(
     standalone: StandaloneOpt = False,
     dry_run: Annotated[
         bool,
-        typer.Option("--dry-run", help="Print the space, the pruning and the order; run nothing."),
+        typer.Option(
+            "--dry-run/--no-dry-run",
+            show_default=False,
+            help="Print the space, the pruning and the order; run nothing.",
+        ),
     ] = False,
-    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    json_: Annotated[
+        bool, typer.Option("--json/--no-json", show_default=False, help="Print one JSON document.")
+    ] = False,
     plot_: Annotated[
         Path | None,
         typer.Option(
