@@ -418,11 +418,16 @@ def config_cmd(
 
 @app.command()
 def recipes() -> None:
-    """List the built-in recipes."""
-    entries = builtin_recipes()
-    width = max(map(len, entries), default=0)
-    for name, desc in entries.items():
-        print(f"{name:<{width}}  {desc}")
+    """List the built-in recipes: where each runs (launch.device, nproc_per_node, nnodes), its
+    model's parameter count and what it is for."""
+    from fsdprun.config.reference import builtin_recipe_cards
+    from fsdprun.report.console import fmt_count
+
+    rows = [(c.name, c.runs_on, fmt_count(c.num_params) if c.num_params else "?", c.description)
+            for c in builtin_recipe_cards()]  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for name, where, params, desc in rows:
+        print(f"{name:<{widths[0]}}  {where:<{widths[1]}}  {params:>{widths[2]}}  {desc}")
 
 
 @app.command()

@@ -104,3 +104,30 @@ def test_completion_scripts_for_other_shells(tmp_path, shell):
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert "_FSDPRUN_COMPLETE" in shown.stdout
+
+
+def test_recipes_lists_where_each_runs_its_computed_size_and_whole_sentences():
+    from fsdprun.config import builtin_recipes, load_recipe
+    from fsdprun.report.console import fmt_count
+    from fsdprun.tools.plan import plan_recipe
+
+    result = runner.invoke(app, ["recipes"])
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0]: line for line in result.stdout.splitlines()}
+    assert set(lines) == set(builtin_recipes())
+    for name, description in builtin_recipes().items():
+        # A whole sentence, however many comment lines it takes in the recipe.
+        assert description.endswith("."), (name, description)
+        assert lines[name].endswith(f"  {description}")
+    assert builtin_recipes()["lora-demo"].endswith("have optimizer state and are checkpointed.")
+    # Counted as the model is built (plan builds it on the meta device), not as written.
+    for name in ("debug", "llama-1b", "sft-demo"):
+        assert f"  {fmt_count(plan_recipe(name, []).num_params)}  " in lines[name], lines[name]
+    assert " 886.11M " in lines["llama-1b"] and "1.1B" not in lines["llama-1b"]
+    # Where it runs, from its launch.* section.
+    assert lines["debug"].split()[1:4] == ["2", "CPU", "ranks"]
+    assert " 1 GPU " in lines["llama-1b"]
+    assert " 8 GPUs " in lines["llama-8b"]
+    assert " 4 nodes x 8 GPUs " in lines["llama-70b"]
+    cfg = load_recipe("llama-70b", []).config
+    assert (cfg.launch.nnodes, cfg.launch.nproc_per_node) == (4, 8)
