@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import inspect
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ from rich.markup import escape
 from fsdprun import __version__
 from fsdprun.config import builtin_recipes, explain, launch_device_problem, load_recipe
 from fsdprun.errors import StorageError, UserError
+from fsdprun.launch.flags import LaunchFlags, launch_overrides
 from fsdprun.rundir import (
     RECIPE_FILE,
     checkpoint_root,
@@ -46,11 +48,21 @@ def _dashes(token: str) -> str:
     return token.replace("_", "-")
 
 
+def _flag_type(self, ctx):
+    # typer 0.29's rich help prints a type beside every option, `<bool>` beside a flag too, as if
+    # `--verify` took a value; a flag (`--x/--no-x`) takes none, so its type column stays empty.
+    return None if self.is_flag and not self.count else _option_type(self, ctx)
+
+
+_option_type = typer.core.TyperOption.display_type_rich
+typer.core.TyperOption.display_type_rich = _flag_type
+
+
 app = typer.Typer(
     help="Train LLMs with PyTorch FSDP from layered YAML recipes.\n\nOptions also take "
     "torchrun's spellings (--nproc_per_node, --node_rank, --rdzv_endpoint, --max_restarts).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     # torchrun's spellings work too (--nproc_per_node for --nproc-per-node, ...), as in torchrun
     # itself: a torchrun user's fingers should just work. Normalizing the option names keeps one
@@ -59,45 +71,113 @@ app = typer.Typer(
 )
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
-Recipe = Annotated[str, typer.Argument(help="A recipe YAML path or a built-in recipe name.")]
+
+def _complete_recipe(incomplete: str) -> list[str]:
+    # Built-in names here; the shell's own file completion (`complete -o default`) adds paths.
+    return [name for name in builtin_recipes() if name.startswith(incomplete)]
+
+
+Recipe = Annotated[
+    str,
+    typer.Argument(
+        help="A recipe YAML path or a built-in recipe name.", autocompletion=_complete_recipe
+    ),
+]
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="KEY=VALUE overrides (dotted keys, e.g. optim.lr=3e-4); ~KEY drops a key "
                    "back to its default.", show_default=False),
 ]  # fmt: skip
-NprocOpt = Annotated[int | None, typer.Option("--nproc-per-node", help="Workers on this node.")]
 PlotOpt = Annotated[
     Path | None,
     typer.Option("--plot", help="Also draw the result as bars into this PNG (pip install "
                  "'fsdprun[plot]')."),
 ]  # fmt: skip
-NnodesOpt = Annotated[int | None, typer.Option("--nnodes", help="Number of nodes.")]
-NodeRankOpt = Annotated[int | None, typer.Option("--node-rank", help="This node's rank.")]
-EndpointOpt = Annotated[
-    str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (node 0).")
-]
-MaxRestartsOpt = Annotated[
-    int | None,
+NprocOpt = Annotated[
+    str | None,
     typer.Option(
-        "--max-restarts",
-        help="Restart the workers this many times after a failure, resuming from the newest "
-        "complete checkpoint (launch.max_restarts).",
+        "--nproc-per-node",
+        help="Workers on this node: a number, or auto, cpu, gpu, xpu (counted as torchrun "
+        "counts them).",
     ),
 ]
-StandaloneOpt = Annotated[
-    bool,
-    typer.Option(
-        "--standalone",
-        help="One node with a local rendezvous on a free port, whatever the recipe says "
-        "(launch.nnodes=1, no rdzv_endpoint), as torchrun --standalone.",
-    ),
+NnodesOpt = Annotated[
+    str | None,
+    typer.Option("--nnodes", help="Number of nodes (torchrun's MIN:MAX only with MIN = MAX)."),
 ]
+_PANEL = "Launch (torchrun's flags, also as --nproc_per_node, ...)"
+
+
+def _opt(*names: str, help: str) -> typer.models.OptionInfo:
+    return typer.Option(*names, help=help, rich_help_panel=_PANEL)
+
+
+# The launching commands' torchrun flags (fsdprun.launch.flags turns them into launch.* keys):
+# parameter name -> (its annotation, its default).
+_LAUNCH_PARAMS = {
+    "nproc_per_node": (str | None, _opt("--nproc-per-node", help="Workers on this node: a "
+                       "number, or auto, cpu, gpu, xpu (counted as torchrun counts them).")),
+    "nnodes": (str | None, _opt("--nnodes", help="Number of nodes (torchrun's MIN:MAX only with "
+               "MIN = MAX: a run's world size is fixed; resume reshards).")),
+    "node_rank": (int | None, _opt("--node-rank", help="This node's rank.")),
+    "rdzv_endpoint": (str | None, _opt("--rdzv-endpoint", help="HOST:PORT of the c10d "
+                      "rendezvous (node 0).")),
+    "master_addr": (str | None, _opt("--master-addr", help="torchrun's name for node 0's host: "
+                    "the rendezvous is at MASTER_ADDR:MASTER_PORT.")),
+    "master_port": (int | None, _opt("--master-port", help="With --master-addr (default 29500).")),
+    "rdzv_backend": (str | None, _opt("--rdzv-backend", help="c10d, the only one fsdprun uses; "
+                     "others are refused.")),
+    "rdzv_id": (str | None, _opt("--rdzv-id", help="The job's id, the same on every node "
+                "(launch.rdzv_id).")),
+    "rdzv_conf": (str | None, _opt("--rdzv-conf", help="KEY=VALUE,... rendezvous settings "
+                  "(launch.rdzv_conf; join_timeout sets launch.rdzv_timeout_s).")),
+    "max_restarts": (int | None, _opt("--max-restarts", help="Restart the workers this many "
+                     "times after a failure, resuming from the newest complete checkpoint "
+                     "(launch.max_restarts).")),
+    "monitor_interval": (float | None, _opt("--monitor-interval", help="Seconds between the "
+                         "agent's checks of its workers (launch.monitor_interval_s).")),
+    "role": (str | None, _opt("--role", help="The workers' role name (launch.role).")),
+    "log_dir": (Path | None, _opt("--log-dir", help="Folder for the ranks' stdout.log and "
+                "stderr.log (default RUN_DIR/logs).")),
+    "redirects": (str | None, _opt("--redirects", "-r", help="Ranks' streams to their log "
+                  "files only: 0-3 or LOCAL_RANK:0-3,... (default 3, both).")),
+    "tee": (str | None, _opt("--tee", "-t", help="Ranks' streams to their log files and this "
+            "console: 0-3 or LOCAL_RANK:0-3,...")),
+    "local_ranks_filter": (str | None, _opt("--local-ranks-filter", help="Local ranks whose "
+                           "lines reach the console, e.g. 0 (with --tee or --redirects 0).")),
+    "standalone": (bool, typer.Option("--standalone/--no-standalone", show_default=False,
+                   rich_help_panel=_PANEL, help="One node with a local rendezvous on a free "
+                   "port, whatever the recipe says (launch.nnodes=1, no rdzv_endpoint), as "
+                   "torchrun --standalone.")),
+}  # fmt: skip
+
+
+def launch_options(fn):
+    """Give a command torchrun's launch flags; they reach it as `launch: LaunchFlags`."""
+    signature = inspect.signature(fn, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "launch"]
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, info],
+                          default=False if kind is bool else None)
+        for name, (kind, info) in _LAUNCH_PARAMS.items()
+    ]  # fmt: skip
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        flags = LaunchFlags(**{name: kwargs.pop(name) for name in _LAUNCH_PARAMS})
+        return fn(*args, launch=flags, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*own, *added])
+    wrapper.__annotations__ = {p.name: p.annotation for p in [*own, *added]}
+    return wrapper
+
 
 # A LoRA checkpoint's base (resume and export): see fsdprun.checkpoint.fingerprint.
 AcceptBaseOpt = Annotated[
     bool,
     typer.Option(
-        "--accept-base-change",
+        "--accept-base-change/--no-accept-base-change",
+        show_default=False,
         help="Use a LoRA checkpoint's base although it is not the one it was trained on (its "
         "recorded fingerprint differs); without it that is refused.",
     ),
@@ -160,47 +240,6 @@ def guarded(fn):
     return wrapper
 
 
-def _launch_overrides(
-    nproc_per_node: int | None,
-    nnodes: int | None,
-    node_rank: int | None,
-    rdzv_endpoint: str | None,
-    run_dir: Path | None = None,
-    *,
-    max_restarts: int | None = None,
-    standalone: bool = False,
-) -> list[str]:
-    """Launch flags as overrides applied after the recipe's own (flags win).
-
-    Raises:
-        UserError: --standalone with flags for several nodes.
-    """
-    if standalone:
-        clash = [
-            flag for flag, given in (
-                (f"--nnodes {nnodes}", nnodes not in (None, 1)),
-                (f"--node-rank {node_rank}", node_rank not in (None, 0)),
-                (f"--rdzv-endpoint {rdzv_endpoint}", rdzv_endpoint is not None),
-            ) if given
-        ]  # fmt: skip
-        if clash:
-            raise UserError(
-                f"--standalone is one node with a local rendezvous and cannot go with "
-                f"{', '.join(clash)}: drop --standalone for a multi-node run, or drop "
-                f"{' and '.join(f.split()[0] for f in clash)}"
-            )
-        nnodes, node_rank, rdzv_endpoint = 1, 0, ""
-    pairs = {
-        "launch.nproc_per_node": nproc_per_node,
-        "launch.nnodes": nnodes,
-        "launch.node_rank": node_rank,
-        "launch.rdzv_endpoint": rdzv_endpoint,
-        "launch.max_restarts": max_restarts,
-        "output.run_dir": run_dir,
-    }
-    return [f"{k}={v}" for k, v in pairs.items() if v is not None]
-
-
 def _version(value: bool) -> None:
     if value:
         # From the package metadata: importing torch for its version string takes seconds.
@@ -223,29 +262,22 @@ def _root(
 
 @app.command()
 @guarded
+@launch_options
 def train(
     recipe: Recipe,
     overrides: Overrides = None,
-    nproc_per_node: NprocOpt = None,
-    nnodes: NnodesOpt = None,
-    node_rank: NodeRankOpt = None,
-    rdzv_endpoint: EndpointOpt = None,
-    max_restarts: MaxRestartsOpt = None,
-    standalone: StandaloneOpt = False,
     run_dir: Annotated[
         Path | None, typer.Option("--run-dir", help="Run directory (default runs/<recipe>-<time>).")
     ] = None,
+    *,
+    launch: LaunchFlags,
 ) -> None:
     """Train a recipe: launch the workers, print throughput and memory tables."""
-    extra = _launch_overrides(
-        nproc_per_node, nnodes, node_rank, rdzv_endpoint, run_dir,
-        max_restarts=max_restarts, standalone=standalone,
-    )  # fmt: skip
-    all_overrides = [*(overrides or []), *extra]
+    all_overrides = [*(overrides or []), *launch_overrides(launch, run_dir)]
     from fsdprun.launch.slurm import srun_env
 
     # A task of an srun step is a worker too, unless it is its node's launcher (--nnodes).
-    os.environ.update(srun_env(os.environ, nnodes=nnodes))
+    os.environ.update(srun_env(os.environ, nnodes=launch.num_nodes))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
         from fsdprun.launch.direct import run_as_worker
 
@@ -280,6 +312,7 @@ def _check_before_launch(cfg) -> None:
 
 @app.command()
 @guarded
+@launch_options
 def resume(
     run_dir: Annotated[Path, typer.Argument(help="The run directory to continue.")],
     overrides: Overrides = None,
@@ -289,7 +322,8 @@ def resume(
     verify: Annotated[
         bool,
         typer.Option(
-            "--verify",
+            "--verify/--no-verify",
+            show_default=False,
             help="Check every file's sha256 against the manifest before loading (reads the "
             "whole checkpoint); a mismatch falls back to the previous complete checkpoint. A "
             "LoRA base's files are read and hashed again too.",
@@ -297,19 +331,15 @@ def resume(
     ] = False,
     accept_base_change: AcceptBaseOpt = False,
     base: BaseOpt = None,
-    nproc_per_node: NprocOpt = None,
-    nnodes: NnodesOpt = None,
-    node_rank: NodeRankOpt = None,
-    rdzv_endpoint: EndpointOpt = None,
-    max_restarts: MaxRestartsOpt = None,
-    standalone: StandaloneOpt = False,
+    *,
+    launch: LaunchFlags,
 ) -> None:
     """Continue a run from its newest complete checkpoint (any world size)."""
     from fsdprun.launch.slurm import srun_env
     from fsdprun.rundir import recipe_path
     from fsdprun.runlock import hold_run_dir
 
-    if "RANK" in os.environ or srun_env(os.environ, nnodes=nnodes):
+    if "RANK" in os.environ or srun_env(os.environ, nnodes=launch.num_nodes):
         # Every rank would start a launcher of its own on the same run directory.
         raise UserError(
             "fsdprun resume starts its own launcher: run it once per node, not under torchrun "
@@ -317,15 +347,12 @@ def resume(
             "themselves)"
         )
 
-    extra = _launch_overrides(
-        nproc_per_node, nnodes, node_rank, rdzv_endpoint,
-        max_restarts=max_restarts, standalone=standalone,
-    )  # fmt: skip
+    extra = launch_overrides(launch)
     _precheck_resume(run_dir, [*(overrides or []), *extra])
     # Locked before choosing the checkpoint: a run still writing would make the choice stale.
     # Only a run directory gets a lock file (resolve_resume refuses anything else).
     with (
-        hold_run_dir(run_dir, node_rank=node_rank or 0)
+        hold_run_dir(run_dir, node_rank=launch.node_rank or 0)
         if recipe_path(run_dir).is_file()
         else contextlib.nullcontext()
     ):
@@ -377,13 +404,16 @@ def config_cmd(
     recipe: Recipe,
     overrides: Overrides = None,
     explain_: Annotated[
-        bool, typer.Option("--explain", help="Show which layer set each key.")
+        bool,
+        typer.Option(
+            "--explain/--no-explain", show_default=False, help="Show which layer set each key."
+        ),
     ] = False,
     nproc_per_node: NprocOpt = None,
     nnodes: NnodesOpt = None,
 ) -> None:
     """Print the fully resolved recipe as YAML (exit 2 with the error if it is invalid)."""
-    extra = _launch_overrides(nproc_per_node, nnodes, None, None)
+    extra = launch_overrides(LaunchFlags(nproc_per_node=nproc_per_node, nnodes=nnodes))
     resolved = load_recipe(recipe, [*(overrides or []), *extra])
     _check_data(resolved.config)
     sys.stdout.write(explain(resolved) if explain_ else resolved.to_yaml())
@@ -391,11 +421,16 @@ def config_cmd(
 
 @app.command()
 def recipes() -> None:
-    """List the built-in recipes."""
-    entries = builtin_recipes()
-    width = max(map(len, entries), default=0)
-    for name, desc in entries.items():
-        print(f"{name:<{width}}  {desc}")
+    """List the built-in recipes: where each runs (launch.device, nproc_per_node, nnodes), its
+    model's parameter count and what it is for."""
+    from fsdprun.config.reference import builtin_recipe_cards
+    from fsdprun.report.console import fmt_count
+
+    rows = [(c.name, c.runs_on, fmt_count(c.num_params) if c.num_params else "?", c.description)
+            for c in builtin_recipe_cards()]  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for name, where, params, desc in rows:
+        print(f"{name:<{widths[0]}}  {where:<{widths[1]}}  {params:>{widths[2]}}  {desc}")
 
 
 @app.command()
@@ -403,10 +438,18 @@ def recipes() -> None:
 def status(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
     json_: Annotated[
-        bool, typer.Option("--json", help="Print one JSON document instead of lines.")
+        bool,
+        typer.Option(
+            "--json/--no-json", show_default=False, help="Print one JSON document instead of lines."
+        ),
     ] = False,
     watch: Annotated[
-        bool, typer.Option("--watch", help="Redraw every --interval seconds until the run ends.")
+        bool,
+        typer.Option(
+            "--watch/--no-watch",
+            show_default=False,
+            help="Redraw every --interval seconds until the run ends.",
+        ),
     ] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between redraws.")] = 5.0,
 ) -> None:
@@ -472,7 +515,12 @@ def inspect_checkpoint(
         ),
     ],
     json_: Annotated[
-        bool, typer.Option("--json", help="Print one JSON document instead of tables.")
+        bool,
+        typer.Option(
+            "--json/--no-json",
+            show_default=False,
+            help="Print one JSON document instead of tables.",
+        ),
     ] = False,
     tensors: Annotated[
         str | None,
@@ -491,7 +539,8 @@ def inspect_checkpoint(
     verify: Annotated[
         bool,
         typer.Option(
-            "--verify",
+            "--verify/--no-verify",
+            show_default=False,
             help="Also read every file and compare it with the manifest's sha256 (exit 1 on a "
             "mismatch).",
         ),
@@ -677,7 +726,7 @@ def plan(
             "recipe's nproc_per_node is kept when it divides, else one node.",
         ),
     ] = None,
-    nnodes: NnodesOpt = None,
+    nnodes: Annotated[int | None, typer.Option("--nnodes", help="Number of nodes.")] = None,
     device_memory: Annotated[
         str | None,
         typer.Option(
@@ -687,7 +736,12 @@ def plan(
         ),
     ] = None,
     json_: Annotated[
-        bool, typer.Option("--json", help="Print one JSON document instead of tables.")
+        bool,
+        typer.Option(
+            "--json/--no-json",
+            show_default=False,
+            help="Print one JSON document instead of tables.",
+        ),
     ] = False,
     plot_: PlotOpt = None,
 ) -> None:
@@ -715,6 +769,7 @@ def plan(
 
 @app.command("compare")
 @guarded
+@launch_options
 def compare_cmd(
     recipe: Recipe,
     overrides: Overrides = None,
@@ -728,7 +783,6 @@ def compare_cmd(
         ),
     ] = "ddp,fsdp1,fsdp2",
     steps: Annotated[int | None, typer.Option("--steps", help="train.steps for every run.")] = None,
-    nproc_per_node: NprocOpt = None,
     run_dir: Annotated[
         Path | None,
         typer.Option(
@@ -737,15 +791,29 @@ def compare_cmd(
             "(default runs/compare-<recipe>-<time>).",
         ),
     ] = None,
-    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    json_: Annotated[
+        bool, typer.Option("--json/--no-json", show_default=False, help="Print one JSON document.")
+    ] = False,
     markdown_: Annotated[
-        bool, typer.Option("--markdown", help="Print the table as Markdown.")
+        bool,
+        typer.Option(
+            "--markdown/--no-markdown", show_default=False, help="Print the table as Markdown."
+        ),
     ] = False,
     plot_: PlotOpt = None,
+    *,
+    launch: LaunchFlags,
 ) -> None:
     """Run a recipe under several engines/shardings (same seed and data) and compare them side
     by side: tokens/s, step time, peak memory, model state per rank, final loss."""
     from fsdprun.tools.compare import Interrupted, compare, markdown, parse_configs, render
+
+    if launch.num_nodes not in (None, 1) or launch.node_rank not in (None, 0):
+        # Each configuration is a run of its own, under a run directory named here.
+        raise UserError(
+            "compare runs its configurations on this node only: drop --nnodes/--node-rank, or "
+            "compare across nodes with `fsdprun train` of each configuration on every node"
+        )
 
     chosen = parse_configs(configs)
     if plot_ is not None:
@@ -753,7 +821,7 @@ def compare_cmd(
 
         check_png_target(plot_, "--plot")  # before the runs, not after them
     extra = [f"train.steps={steps}"] if steps is not None else []
-    extra += _launch_overrides(nproc_per_node, None, None, None)
+    extra += launch_overrides(launch)
     all_overrides = [*(overrides or []), *extra]
     resolved = load_recipe(recipe, all_overrides)
     _check_before_launch(resolved.config)  # before "comparing ...": a refusal is one line
@@ -783,6 +851,7 @@ def compare_cmd(
 
 @app.command("tune")
 @guarded
+@launch_options
 def tune_cmd(
     recipe: Recipe,
     overrides: Overrides = None,
@@ -816,7 +885,8 @@ def tune_cmd(
     allow_numerics: Annotated[
         bool,
         typer.Option(
-            "--allow-numerics",
+            "--allow-numerics/--no-allow-numerics",
+            show_default=False,
             help="Also search knobs that change the numerics "
             "(precision.*); their candidates are marked.",
         ),
@@ -838,16 +908,17 @@ def tune_cmd(
             "killed (default: 4x the expected trial time, at least 300; x2 with compile).",
         ),
     ] = None,  # fmt: skip
-    nproc_per_node: NprocOpt = None,
-    nnodes: NnodesOpt = None,
-    node_rank: NodeRankOpt = None,
-    rdzv_endpoint: EndpointOpt = None,
-    standalone: StandaloneOpt = False,
     dry_run: Annotated[
         bool,
-        typer.Option("--dry-run", help="Print the space, the pruning and the order; run nothing."),
+        typer.Option(
+            "--dry-run/--no-dry-run",
+            show_default=False,
+            help="Print the space, the pruning and the order; run nothing.",
+        ),
     ] = False,
-    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    json_: Annotated[
+        bool, typer.Option("--json/--no-json", show_default=False, help="Print one JSON document.")
+    ] = False,
     plot_: Annotated[
         Path | None,
         typer.Option(
@@ -855,6 +926,8 @@ def tune_cmd(
             help="Also draw tokens/s against peak memory, the Pareto front marked, into this PNG.",
         ),
     ] = None,  # fmt: skip
+    *,
+    launch: LaunchFlags,
 ) -> None:
     """Choose the FSDP knobs on this hardware: plan prunes, short measured trials decide, the
     winner is written as a recipe layer (OUT/tuned.yaml)."""
@@ -865,19 +938,13 @@ def tune_cmd(
         from fsdprun.report.plot import check_png_target
 
         check_png_target(plot_, "--plot")
-    launch = _launch_overrides(nproc_per_node, nnodes, node_rank, rdzv_endpoint,
-                               standalone=standalone)  # fmt: skip
-    given = (("--nproc-per-node", nproc_per_node), ("--nnodes", nnodes),
-             ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv_endpoint))  # fmt: skip
-    flags = [f"{flag} {value}" for flag, value in given if value is not None]
-    flags += ["--standalone"] if standalone else []
     memory = None
     if device_memory:
         memory = parse_size(device_memory, option="--device-memory",
                             expected="a size such as 80GB or 24GiB", bare_unit="GB")  # fmt: skip
     args = TuneArgs(
-        recipe=recipe, overrides=list(overrides or []), launch_overrides=launch,
-        launch_flags=flags, out_dir=out, budget_s=parse_duration(budget, "--budget"),
+        recipe=recipe, overrides=list(overrides or []), launch_overrides=launch_overrides(launch),
+        launch_flags=launch.typed(), out_dir=out, budget_s=parse_duration(budget, "--budget"),
         device_memory_bytes=memory, space=list(space or []), allow_numerics=allow_numerics,
         steps=steps, repeats=repeats, finalists=finalists, trial_timeout_s=trial_timeout,
         dry_run=dry_run,

@@ -64,8 +64,10 @@ def metrics_path(run_dir: Path) -> Path:
     return run_dir / name
 
 
-def logs_dir(run_dir: Path) -> Path:
-    return run_dir / "logs"
+def logs_dir(run_dir: Path, log_dir: str | None = None) -> Path:
+    """Where the elastic agent writes each rank's stdout.log and stderr.log: launch.log_dir when
+    set (torchrun --log-dir), else RUN_DIR/logs."""
+    return Path(log_dir) if log_dir else run_dir / "logs"
 
 
 def checkpoint_root(run_dir: Path) -> Path:

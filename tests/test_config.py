@@ -405,6 +405,24 @@ def test_missing_recipe(tmp_path, monkeypatch):
     assert "debug" in message
 
 
+@pytest.mark.parametrize(
+    ("typo", "suggested"),
+    [("debugg", "debug"), ("lama-8b", "llama-8b"), ("sft_demo", "sft-demo"),
+     ("text-demo.yml", "text-demo")],
+)  # fmt: skip
+def test_recipe_name_typo_is_suggested(tmp_path, monkeypatch, typo, suggested):
+    monkeypatch.chdir(tmp_path)
+    message = one_line_error(typo)
+    assert f"'{typo}' is neither a file nor a built-in recipe; did you mean '{suggested}'?" in (
+        message
+    )
+
+
+def test_recipe_far_from_every_name_gets_no_suggestion(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "did you mean" not in one_line_error("zzzzzz")
+
+
 def test_extends_must_be_names(tmp_path):
     recipe = write(tmp_path / "r.yaml", "extends: [1, 2]\n")
     assert "'extends' must be a recipe name or path" in one_line_error(recipe)

@@ -71,17 +71,31 @@ class ResolvedRecipe:
 
 
 def builtin_recipes() -> dict[str, str]:
-    """Built-in recipe names → the first comment line (what it is for)."""
+    """Built-in recipe names → what each is for: the first sentence of its opening comment (after
+    the line with the command that runs it), whole however many lines it takes."""
     out = {}
     for entry in sorted(resources.files("fsdprun.recipes").iterdir(), key=lambda p: p.name):
         if entry.name.endswith(".yaml"):
-            desc = ""
-            for line in entry.read_text().splitlines():
-                if line.startswith("#") and not line.lstrip("# ").startswith("fsdprun "):
-                    desc = line.lstrip("# ").strip()
-                    break
-            out[entry.name[: -len(".yaml")]] = desc
+            out[entry.name[: -len(".yaml")]] = _first_sentence(entry.read_text())
     return out
+
+
+def _first_sentence(text: str) -> str:
+    words: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        line = line.lstrip("# ").strip()
+        if line.startswith("fsdprun ") and not words:
+            continue
+        if line.startswith("Made with:"):
+            break
+        words += line.split()
+    for i, word in enumerate(words):
+        # A sentence ends at a full stop closing a word (not `e.g.`, not a file name's dot).
+        if word.endswith(".") and word not in ("e.g.", "i.e.", "etc."):
+            return " ".join(words[: i + 1])
+    return " ".join(words)
 
 
 def _builtin_text(name: str) -> str | None:
@@ -251,9 +265,13 @@ def _resolve_path(ref: str, base: Path | None) -> tuple[str, str]:
     text = _builtin_text(name) if "/" not in ref else None
     if text is not None:
         return f"builtin:{name}", text
-    builtins = ", ".join(builtin_recipes())
+    names = list(builtin_recipes())
+    # A misspelt built-in name (`debugg`) is the common case: suggest the nearest, as for keys.
+    match = difflib.get_close_matches(name, names, n=1, cutoff=0.6) if "/" not in ref else []
+    hint = f"; did you mean '{match[0]}'?" if match else ""
     raise UserError(
-        f"recipe '{ref}' is neither a file nor a built-in recipe (built-ins: {builtins})"
+        f"recipe '{ref}' is neither a file nor a built-in recipe{hint} (built-ins: "
+        f"{', '.join(names)})"
     )
 
 

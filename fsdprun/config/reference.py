@@ -1,6 +1,7 @@
 """The recipe reference: every schema key with its type, default and help text as one Markdown
-table. docs/recipes.md embeds it (scripts/update_docs.py) and a test keeps the two equal. Never
-imports torch.
+table. docs/recipes.md embeds it (scripts/update_docs.py) and a test keeps the two equal. And
+the built-in recipes' cards for `fsdprun recipes`: where each runs and its parameter count, read
+from the recipe itself. Never imports torch.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import enum
 import yaml
 
 from fsdprun.config import schema
-from fsdprun.config.load import config_to_dict
-from fsdprun.config.schema import RecipeConfig, schema_fields
+from fsdprun.config.load import builtin_recipes, config_to_dict, load_recipe
+from fsdprun.config.schema import DeviceKind, LaunchConfig, RecipeConfig, schema_fields
+from fsdprun.config.sizes import model_num_params
 
 
 def _type_name(f: dataclasses.Field) -> str:
@@ -43,3 +45,30 @@ def recipe_reference() -> str:
             choices = " One of: " + ", ".join(f"`{m.value}`" for m in type(f.default)) + "."
         rows.append(f"| `{key}` | {_type_name(f)} | `{text}` | {f.metadata['help']}{choices} |")
     return "\n".join(rows) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeCard:
+    name: str
+    runs_on: str  # "2 CPU ranks", "1 GPU", "4 nodes x 8 GPUs"
+    num_params: int | None  # None: a model folder that cannot be read here
+    description: str
+
+
+def runs_on(launch: LaunchConfig) -> str:
+    """Where a recipe's launch.* runs it: CPU, GPU (accelerator) or either, how many, nodes."""
+    kind = {DeviceKind.cpu: "CPU rank", DeviceKind.auto: "rank"}.get(launch.device, "GPU")
+    n = launch.nproc_per_node
+    per_node = f"{n} {kind}{'s' if n > 1 else ''}"
+    return per_node if launch.nnodes == 1 else f"{launch.nnodes} nodes x {per_node}"
+
+
+def builtin_recipe_cards() -> list[RecipeCard]:
+    """The built-in recipes with where they run and their model's parameter count, as resolved
+    (an `extends` parent's values included)."""
+    cards = []
+    for name, description in builtin_recipes().items():
+        cfg = load_recipe(name, [], check=False).config
+        cards.append(RecipeCard(name, runs_on(cfg.launch), model_num_params(cfg.model),
+                                description))  # fmt: skip
+    return cards

@@ -491,7 +491,49 @@ class LaunchConfig:
         "HOST:PORT of the c10d rendezvous; required with nnodes > 1. Empty = 127.0.0.1 with a "
         "free port (single node).",
     )
-    rdzv_timeout_s: int = _f(300, "Seconds to wait for all nodes to join the rendezvous.")
+    rdzv_timeout_s: int = _f(
+        300,
+        "Seconds to wait for all nodes to join the rendezvous (torchrun's --rdzv-conf "
+        "join_timeout).",
+    )
+    rdzv_id: str = _f(
+        "fsdprun",
+        "The rendezvous' job id (torchrun --rdzv-id): the same on every node of a job; jobs that "
+        "share an endpoint need different ones. Names the logs' folder too.",
+    )
+    rdzv_conf: dict[str, str] = _f(
+        {},
+        "More settings of torch's c10d rendezvous (torchrun --rdzv-conf KEY=VALUE,...): "
+        "read_timeout, last_call_timeout, close_timeout, heartbeat_timeout (seconds), "
+        "keep_alive_interval, keep_alive_max_attempt, is_host, store_type; join_timeout is "
+        "launch.rdzv_timeout_s.",
+    )
+    monitor_interval_s: float = _f(
+        0.1,
+        "Seconds between the elastic agent's checks of its workers (torchrun --monitor-interval).",
+    )
+    role: str = _f("default", "The workers' role name (torchrun --role): prefixes teed lines.")
+    log_dir: str | None = _f(
+        None,
+        "Folder for each rank's stdout.log and stderr.log, as torchrun --log-dir lays it out "
+        "(LOG_DIR/<rdzv_id>_<random>/attempt_N/LOCAL_RANK/); null = RUN_DIR/logs.",
+    )
+    redirects: str = _f(
+        "3",
+        "Workers' streams into their log files only (torchrun --redirects): 0 none, 1 stdout, 2 "
+        "stderr, 3 both; or per local rank, e.g. `0:3,1:0`. fsdprun's own report is printed by "
+        "the launcher either way.",
+    )
+    tee: str = _f(
+        "0",
+        "Workers' streams into their log files and also on this console, each line prefixed "
+        "[role rank] (torchrun --tee): values as for launch.redirects.",
+    )
+    local_ranks_filter: list[int] = _f(
+        [],
+        "Local ranks whose teed or unredirected lines reach the console (torchrun "
+        "--local-ranks-filter); [] = every rank. The log files keep every rank's.",
+    )
     max_restarts: int = _f(
         0,
         "Times the elastic agent restarts the workers after a failure; a restarted group resumes "

@@ -1,11 +1,16 @@
 """Sizes as people write them on the command line ('80GB', '2GiB', '500MB'): one parser for
-`plan --device-memory` and `export --max-shard-size`. Never imports torch, nor any fsdprun
-module other than the error types.
+`plan --device-memory` and `export --max-shard-size`; and the parameter count of a recipe's
+model without building it (`fsdprun recipes`): the Llama family's from its shape (the formula
+`fsdprun.models.llama` counts with), a HuggingFace folder's from its safetensors headers.
+Never imports torch, nor any fsdprun module other than the error types.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import struct
+from pathlib import Path
 
 from fsdprun.errors import UserError
 
@@ -35,3 +40,49 @@ def parse_size(
     if not match or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
         raise UserError(f"{option} {text!r}: expected {expected}")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def llama_num_params(
+    *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int,
+    tie_embeddings: bool,
+) -> int:  # fmt: skip
+    """All trainable parameters of a Llama shape (the tied output projection counted once)."""
+    kv = n_kv_heads * (dim // n_heads)
+    block = 2 * dim * dim + 2 * dim * kv + 3 * dim * ffn_dim + 2 * dim
+    head = 0 if tie_embeddings else vocab_size * dim
+    return vocab_size * dim + n_layers * block + dim + head
+
+
+def safetensors_num_params(folder: Path) -> int | None:
+    """Elements of every tensor in a HuggingFace folder's *.safetensors files, read from their
+    JSON headers alone (a tied weight is stored once); None without a readable one."""
+    total, found = 0, False
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with path.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+        except (OSError, ValueError, struct.error):
+            return None
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for n in entry["shape"]:
+                    count *= n
+                total += count
+        found = True
+    return total if found else None
+
+
+def model_num_params(model) -> int | None:
+    """A recipe's model parameters (`model`: its ModelConfig) without building it: the Llama
+    family's from its shape, a HuggingFace folder's from its safetensors headers (None when the
+    folder cannot be read)."""
+    if model.hf_path is None:
+        return llama_num_params(
+            dim=model.dim, n_layers=model.n_layers, n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads if model.n_kv_heads is not None else model.n_heads,
+            ffn_dim=model.ffn_dim, vocab_size=model.vocab_size,
+            tie_embeddings=model.tie_embeddings,
+        )  # fmt: skip
+    return safetensors_num_params(Path(model.hf_path))

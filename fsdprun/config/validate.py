@@ -12,6 +12,7 @@ device nodes.
 
 from __future__ import annotations
 
+import difflib
 import glob
 import importlib.util
 import json
@@ -40,6 +41,7 @@ POSITIVE_KEYS = (
     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
     "launch.nproc_per_node", "launch.nnodes", "output.log_every", "fsdp.min_num_params",
     "launch.rdzv_timeout_s", "launch.timeout_s", "eval.batches", "data.max_line_bytes",
+    "launch.monitor_interval_s",
 )  # fmt: skip
 NON_NEGATIVE_KEYS = (
     "optim.weight_decay", "train.grad_clip", "schedule.warmup_steps", "launch.max_restarts",
@@ -143,6 +145,7 @@ def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
         )
     if cfg.launch.rdzv_endpoint and not re.fullmatch(r"[^:\s]+:\d+", cfg.launch.rdzv_endpoint):
         errors.append(f"launch.rdzv_endpoint '{cfg.launch.rdzv_endpoint}' must look like HOST:PORT")
+    errors += launch_stream_errors(cfg.launch)
     if cfg.launch.device_memory_gb is not None and not cfg.launch.device_memory_gb > 0:
         errors.append(f"launch.device_memory_gb must be > 0 (got {cfg.launch.device_memory_gb})")
     if cfg.output.peak_tflops is not None and cfg.output.peak_tflops <= 0:
@@ -201,11 +204,60 @@ STRING_KEYS: dict[str, tuple[str, str]] = {
     "data.eos_token": ("name", "a token of data.tokenizer, null (found) or none (no separator)"),
     "checkpoint.load_from": ("folder", "a checkpoint folder (RUN_DIR/checkpoints/step-N), or null"),
     "launch.rdzv_endpoint": ("endpoint", "HOST:PORT, or empty for one node"),
+    "launch.rdzv_id": ("name", "a job id, the same on every node"),
+    "launch.role": ("name", "a role name"),
+    "launch.log_dir": ("folder", "a folder for the ranks' logs, or null for RUN_DIR/logs"),
+    "launch.redirects": ("name", "0, 1, 2, 3 or LOCAL_RANK:0-3 pairs"),
+    "launch.tee": ("name", "0, 1, 2, 3 or LOCAL_RANK:0-3 pairs"),
     "output.run_dir": ("folder", "a folder, or null for runs/<recipe>-<time>"),
     "output.metrics_file": ("run_file", "a .jsonl file name in the run directory (metrics.jsonl)"),
     "lora.targets": ("name", "Linear layer names such as q_proj or wq, or path patterns"),
 }
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+# torch's c10d rendezvous settings (dynamic_rendezvous, c10d_rendezvous_backend): whole seconds
+# or counts, or a flag, or the store's type.
+RDZV_CONF_INTS = ("read_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                  "keep_alive_interval", "keep_alive_max_attempt")  # fmt: skip
+RDZV_CONF_KEYS = (*RDZV_CONF_INTS, "is_host", "store_type")
+# torch.distributed.elastic.multiprocessing.api.Std.from_str's grammar: 0-3, or RANK:0-3,...
+_STD = re.compile(r"[0-3]|\d+:[0-3](,\d+:[0-3])*")
+
+
+def launch_stream_errors(launch) -> list[str]:
+    """launch.redirects, launch.tee, launch.local_ranks_filter and launch.rdzv_conf as torchrun
+    reads them (checked before torch loads: the agent only raises later, with a traceback)."""
+    errors = []
+    for key in ("redirects", "tee"):
+        value = getattr(launch, key)
+        if not _STD.fullmatch(value):
+            errors.append(
+                f"launch.{key}: {value!r} is not a stream choice; expected 0 (none), 1 (stdout), "
+                "2 (stderr), 3 (both), or LOCAL_RANK:0-3 pairs such as 0:3,1:0"
+            )
+    bad_ranks = [r for r in launch.local_ranks_filter if not 0 <= r < launch.nproc_per_node]
+    if bad_ranks:
+        errors.append(
+            f"launch.local_ranks_filter {bad_ranks} are not local ranks of this node "
+            f"(0..{launch.nproc_per_node - 1})"
+        )
+    for key, value in launch.rdzv_conf.items():
+        if key == "join_timeout":
+            errors.append("launch.rdzv_conf: join_timeout is launch.rdzv_timeout_s; set that")
+        elif key not in RDZV_CONF_KEYS:
+            hint = difflib.get_close_matches(key, RDZV_CONF_KEYS, n=1)
+            errors.append(
+                f"launch.rdzv_conf: '{key}' is not a c10d rendezvous setting"
+                + (
+                    f"; did you mean '{hint[0]}'?"
+                    if hint
+                    else f" (they are {', '.join(RDZV_CONF_KEYS)})"
+                )
+            )
+        elif key in RDZV_CONF_INTS and not str(value).isdigit():
+            errors.append(f"launch.rdzv_conf: {key}={value!r} must be a whole number")
+    return errors
 
 
 def _string_problem(kind: str, value: str, run_dir: str | None) -> str | None:

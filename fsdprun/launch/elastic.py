@@ -180,6 +180,7 @@ def build_launch_plan(
     if launch.nnodes > 1:
         # Node 0 hosts the rendezvous store; the others only connect to it.
         rdzv_configs["is_host"] = launch.node_rank == 0
+    rdzv_configs.update(launch.rdzv_conf)  # the user's --rdzv-conf settles what it names
     # A single node binds the rendezvous to loopback with a free port, and everything else of the
     # run to loopback too (fsdprun.launch.loopback): nothing listens outside.
     endpoint = launch.rdzv_endpoint or f"{LOOPBACK_ADDR}:0"
@@ -190,15 +191,23 @@ def build_launch_plan(
         min_nodes=launch.nnodes,
         max_nodes=launch.nnodes,
         nproc_per_node=launch.nproc_per_node,
-        run_id="fsdprun",
+        run_id=launch.rdzv_id,
+        role=launch.role,
         rdzv_backend=RDZV_BACKEND if local else "c10d",
         rdzv_endpoint=endpoint,
         local_addr=endpoint.rpartition(":")[0] if local else None,
         rdzv_configs=rdzv_configs,
         max_restarts=launch.max_restarts,
         start_method=method or start_method(device_kind),
-        monitor_interval=0.1,
-        logs_specs=DefaultLogsSpecs(log_dir=str(logs_dir(run_dir)), redirects=Std.ALL),
+        monitor_interval=launch.monitor_interval_s,
+        # As torchrun --log-dir/--redirects/--tee/--local-ranks-filter: by default every rank's
+        # streams go to its files only, and the console shows the launcher's report alone.
+        logs_specs=DefaultLogsSpecs(
+            log_dir=str(logs_dir(run_dir, launch.log_dir)),
+            redirects=Std.from_str(launch.redirects),
+            tee=Std.from_str(launch.tee),
+            local_ranks_filter=set(launch.local_ranks_filter) or None,
+        ),
         # fsdprun handles SIGINT/SIGTERM itself (stop at a checkpoint); the agent keeps the others.
         signals_to_handle="SIGHUP,SIGQUIT",
     )

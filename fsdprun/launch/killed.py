@@ -61,11 +61,12 @@ def planned_peak_bytes(cfg) -> int | None:
         return None
 
 
-def _agent_log(run_dir: Path, local_rank: int) -> Path | None:
+def _agent_log(run_dir: Path, local_rank: int, cfg) -> Path | None:
     """The newest stderr.log the elastic agent keeps for `local_rank` (logs/<id>/attempt_N/R/)."""
-    logs = [
-        p for p in logs_dir(run_dir).glob(f"*/attempt_*/{local_rank}/stderr.log") if p.is_file()
-    ]
+    root = logs_dir(run_dir, cfg.launch.log_dir if cfg is not None else None)
+    # The agent names each job's folder <rdzv_id>_<random>: a shared --log-dir holds others' too.
+    job = f"{cfg.launch.rdzv_id}_*" if cfg is not None else "*"
+    logs = [p for p in root.glob(f"{job}/attempt_*/{local_rank}/stderr.log") if p.is_file()]
     return max(logs, key=lambda p: p.stat().st_mtime, default=None)
 
 
@@ -77,7 +78,7 @@ def describe_sigkill(
     from fsdprun.report.console import fmt_bytes
 
     found = _heartbeat_of(run_dir, pid)
-    log = _agent_log(run_dir, local_rank)
+    log = _agent_log(run_dir, local_rank, cfg)
     where = ""
     if found is not None:
         rank, beat = found

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdprun.config.sizes import llama_num_params
 from fsdprun.errors import UserError
 from fsdprun.models import ModelSpec, TPPlan
 from fsdprun.models.attention import AttentionMask, attend, build_attention_mask
@@ -210,11 +211,12 @@ class Transformer(nn.Module):
 
 
 def num_params(args: ModelArgs) -> int:
-    """All trainable parameters (the tied output projection counted once)."""
-    kv = args.n_kv_heads * args.head_dim
-    block = 2 * args.dim * args.dim + 2 * args.dim * kv + 3 * args.dim * args.ffn_dim + 2 * args.dim
-    head = 0 if args.tie_embeddings else args.vocab_size * args.dim
-    return args.vocab_size * args.dim + args.n_layers * block + args.dim + head
+    """All trainable parameters (the tied output projection counted once); the formula is
+    config's, so that `fsdprun recipes` counts without torch."""
+    return llama_num_params(
+        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+        ffn_dim=args.ffn_dim, vocab_size=args.vocab_size, tie_embeddings=args.tie_embeddings,
+    )  # fmt: skip
 
 
 def num_matmul_params(args: ModelArgs) -> int:
