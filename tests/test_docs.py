@@ -5,7 +5,8 @@ The fenced `bash`/`sh` blocks of README.md, then of docs/*.md in name order, run
 all of them and in document order, as a reader who follows the docs from the top would run
 them: a walkthrough (train, resume, inspect the run's checkpoints, export them) runs in
 sequence, and a later section may use what an earlier one made. A command that appears again
-(the docs repeat the README's examples) runs once. `fsdprun` and `python` are this
+(the docs repeat the README's examples), with the same exit status and whatever its comment
+says, runs once. `fsdprun` and `python` are this
 environment's. Each command must exit 0, or with the status its comment names, `(exit N)`.
 
 Markers, in a command's trailing comment: `needs: gpu`, `needs: nodes` (several machines),
@@ -131,6 +132,14 @@ def parse_blocks(path: Path) -> list[Block]:
 BLOCKS = [block for path in DOCS for block in parse_blocks(path)]
 
 
+def _same_key(command: Command) -> tuple[str, int]:
+    """What makes two commands the same run: the words before the comment, and the exit
+    status."""
+    comment = _comment(command.text)
+    bare = command.text[: len(command.text) - len(comment)] if comment else command.text
+    return bare.rstrip().removesuffix("#").rstrip(), command.exit_code
+
+
 def _skipped(command: Command) -> bool:
     words = shlex.join(shlex.split(command.text, comments=True))
     return any(pattern.search(words) for pattern in SKIPPED)
@@ -197,18 +206,19 @@ def doc_run(tmp_path_factory) -> dict[str, Result]:
     cwd = make_workspace(tmp_path_factory.mktemp("docs"))
     env = _env(cwd)
     results: dict[str, Result] = {}
-    first: dict[str, str] = {}
+    first: dict[tuple[str, int], str] = {}
     for block in BLOCKS:
         for command in block.commands:
             if command.needs or _skipped(command):
                 continue
-            if command.text in first:
-                earlier = results[first[command.text]]
+            key = _same_key(command)
+            if key in first:
+                earlier = results[first[key]]
                 results[command.where] = Result(
-                    earlier.returncode, earlier.output, 0.0, same_as=first[command.text]
+                    earlier.returncode, earlier.output, 0.0, same_as=first[key]
                 )
                 continue
-            first[command.text] = command.where
+            first[key] = command.where
             began, cpu = time.perf_counter(), _children_cpu_s()
             proc = subprocess.run(
                 ["bash", "-c", command.text], cwd=cwd, env=env, capture_output=True, text=True,
@@ -338,6 +348,15 @@ def test_parser_reads_markers_exits_and_continuations(tmp_path):
     joined = "FSDPRUN_FAIL_AT=0:7 fsdprun train debug train.steps=8   # fails (exit 1)"
     assert block.commands[1].text == joined
     assert config_args(_fsdprun_args(block.commands[0].text)) == ["config", "llama-1b"]
+    # The same command with another comment is the same run; another exit status is not.
+    again = Command(
+        "y.md", 1, "FSDPRUN_FAIL_AT=0:7 fsdprun train debug train.steps=8  # (exit 1)", exit_code=1
+    )
+    assert _same_key(again) == _same_key(block.commands[1])
+    assert _same_key(Command("y.md", 1, "echo '# not a comment'  # x")) == _same_key(
+        block.commands[2]
+    )
+    assert _same_key(Command("y.md", 1, again.text, exit_code=0)) != _same_key(again)
     assert config_args(
         ["train", "llama-70b", "--nnodes", "4", "--node_rank", "1", "--rdzv-endpoint", "h:1",
          "optim.lr=1", "~x.y"]

@@ -9,11 +9,20 @@ environment, argv and output files and runs `fsdprun.cli.main()` exactly as the 
 does, in a session of its own. What the child does from there on is the real command: its own
 process, its own launcher, workers, rendezvous, process groups and exit status.
 
+The `fsdprun train` runs that `compare` and `tune` start for each configuration or trial (as
+`python -m fsdprun`) come through the zygote too: in a forked command, the function that names
+that child command (`_fsdprun_command` of fsdprun/tools/compare.py and tune.py) names this file's
+client instead, so each run skips the same 3 s of imports. The client is still compare's or tune's
+child process, with its own process group, signals forwarded, and its exit status; and a command
+whose client dies (compare or tune killed, a trial killed at its timeout) is killed with its
+process group, as the real child would die with its parent.
+
 What a fork cannot show, the suite tests with real processes: startup and import behaviour
 (tests/test_cli_startup.py probes fresh interpreters), and every test that signals or watches an
-`fsdprun` process starts it with Popen. A command whose environment changes what torch reads when
-it loads (TORCH_*, PYTORCH_*, OMP_*, MKL_*, LD_*, PYTHON*) is run as a real process by the
-client (tests/conftest.py), and FSDPRUN_TEST_NO_ZYGOTE=1 runs every command that way.
+`fsdprun` process starts it with Popen (its compare or tune children then run exec'd as well).
+A command whose environment changes what torch reads when it loads (TORCH_*, PYTORCH_*, OMP_*,
+MKL_*, LD_*, PYTHON*) is run as a real process by the client (tests/conftest.py), and
+FSDPRUN_TEST_NO_ZYGOTE=1 runs every command that way.
 
 Protocol, one connection per command: the client sends one JSON line {argv, cwd, env, stdout,
 stderr}; the zygote answers {"pid": N} once the child runs, then {"code": C} when it ends (C as
@@ -58,8 +67,25 @@ STARTED_WITH = dict(os.environ)
 
 
 def _import_time_env_differs(env: dict[str, str]) -> bool:
+    from fsdprun.cli import CPP_LOG_MARK
+
+    if env.get(CPP_LOG_MARK) == "1" and env.get("TORCH_CPP_LOG_LEVEL") == "FATAL":
+        # What fsdprun.cli.main sets before torch loads, as the zygote did (a compare's or
+        # tune's `fsdprun train` child inherits it): the state the zygote is in.
+        env = {k: v for k, v in env.items() if k not in (CPP_LOG_MARK, "TORCH_CPP_LOG_LEVEL")}
     keys = {k for k in (*env, *STARTED_WITH) if k.startswith(IMPORT_TIME_PREFIXES)}
     return any(env.get(k) != STARTED_WITH.get(k) for k in keys)
+
+
+SOCKET: list[str] = []  # the path this zygote listens on
+
+
+def _children_through_the_zygote() -> None:
+    """compare's and tune's `fsdprun train` children as clients of this zygote (module doc)."""
+    from fsdprun.tools import compare, tune
+
+    client = [sys.executable, os.path.abspath(__file__), "--client", SOCKET[0]]
+    compare._fsdprun_command = tune._fsdprun_command = lambda: list(client)
 
 
 def _warm_up() -> None:
@@ -71,6 +97,8 @@ def _warm_up() -> None:
         os.environ[CPP_LOG_MARK] = "1"
     import fsdprun.cli  # noqa: F401
     import fsdprun.launch.elastic  # noqa: F401
+    import fsdprun.tools.compare  # noqa: F401
+    import fsdprun.tools.tune  # noqa: F401
     import fsdprun.train.worker  # noqa: F401
 
 
@@ -95,6 +123,7 @@ def _child(request: dict) -> None:
         if _import_time_env_differs(request["env"]):  # the command needs a fresh interpreter
             script = os.path.join(os.path.dirname(sys.executable), "fsdprun")
             os.execve(script, [script, *request["argv"]], request["env"])
+        _children_through_the_zygote()
         from fsdprun.cli import main
 
         try:
@@ -150,15 +179,36 @@ OPEN: set[socket.socket] = set()  # connections of commands still running
 
 
 def _wait_and_answer(conn: socket.socket, pid: int) -> None:
+    ended = threading.Lock()  # held by whoever settles the command's end first
+    threading.Thread(
+        target=_kill_when_the_client_goes, args=(conn, pid, ended), daemon=True
+    ).start()
     with conn:
+        # Not reaped yet (WNOWAIT): while the watcher may still kill it, its pid is not free.
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        ended.acquire()
         _, status = os.waitpid(pid, 0)
         answer = json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n"
         with contextlib.suppress(OSError):  # the client gave up (a timeout): nobody listens
             conn.sendall(answer)
+            conn.shutdown(socket.SHUT_RDWR)  # wakes the watcher
         OPEN.discard(conn)
 
 
+def _kill_when_the_client_goes(conn: socket.socket, pid: int, ended: threading.Lock) -> None:
+    """A client never writes after its request: end of file while the command runs means the
+    client died (SIGKILL of compare's child, tune's timeout), and the command goes with it."""
+    with contextlib.suppress(OSError):
+        while conn.recv(1 << 10):
+            pass
+    if ended.acquire(blocking=False):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # the command, its launcher's workers with it
+        ended.release()
+
+
 def serve(path: str) -> None:
+    SOCKET[:] = [os.path.abspath(path)]
     _die_with_parent()
     _warm_up()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
