@@ -20,6 +20,7 @@ import yaml
 from fsdprun.config import DeviceKind, launch_device_problem, load_recipe
 from fsdprun.errors import UserError
 from fsdprun.tools import tune as T
+from fsdprun.tools import tune_nodes as T_nodes
 from tests.conftest import FSDPRUN, fsdprun_env, run_fsdprun
 
 RECIPE = "extends: debug\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 1\n"
@@ -533,3 +534,173 @@ def test_the_noise_shrinks_with_more_measured_steps():
         sel = T.select([trial("c0", 0, 0, steps(1.0, n)), trial("c1", 0, 0, steps(1 / 1.25, n))])
         assert sel.gain == pytest.approx(0.25, abs=0.01)
         assert (sel.winner == "c1") is wins, (n, sel.verdict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several nodes
+
+
+def test_merge_takes_rank0s_figures_from_any_node_and_names_a_failing_node():
+    here = {"status": "ok", "wall_s": 5.0, "losses": [], "world_size": None}
+    there = {"status": "ok", "wall_s": 6.0, "losses": [5.0], "step_times_s": [0.1],
+             "tokens_per_step": 64, "world_size": 2, "node_rank": 1}  # fmt: skip
+    merged = T_nodes.merge_records([here, there])
+    assert merged["status"] == "ok" and merged["step_times_s"] == [0.1] and merged["wall_s"] == 6
+    assert "node_rank" not in merged
+    hung = {"status": "timeout", "wall_s": 9.0, "reason": "hung: no result within 9 s"}
+    lost = {"status": "failed", "wall_s": 9.0, "reason": "exit 1: peer closed"}
+    merged = T_nodes.merge_records([lost, hung])
+    assert merged["status"] == "timeout" and merged["reason"].startswith("node 1: hung")
+    assert "step_times_s" not in merged
+    nowhere = T_nodes.merge_records([here, dict(here)])
+    assert nowhere["status"] == "failed" and "metrics" in nowhere["reason"]
+
+
+def test_nodes_protocol_follower_runs_node0s_trials_and_refuses_other_arguments():
+    """In one process, over a real TCPStore: node 0 publishes two trials, the follower runs
+    each (and here holds global rank 0's figures), node 0 merges them, the stop carries the
+    report; a follower with other arguments is refused; a node 0 that goes away stops it."""
+    import threading
+
+    from tests.conftest import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    leader = T_nodes.Leader(endpoint, nnodes=2, search="key", timeout_s=20)
+    with pytest.raises(UserError, match="other arguments"):
+        T_nodes.follow(endpoint, node_rank=1, search="other", timeout_s=20,
+                       run_here=None, say=print)  # fmt: skip
+    seen, result = [], {}
+
+    def run_there(trial, alive):
+        seen.append((trial["tid"], trial["overrides"], trial["endpoint"]))
+        assert alive()
+        return {"status": "ok", "wall_s": 1.0, "step_times_s": [0.5], "losses": [4.0]}
+
+    def follower():
+        result["report"] = T_nodes.follow(endpoint, node_rank=1, search="key", timeout_s=20,
+                                          run_here=run_there, say=print)  # fmt: skip
+
+    thread = threading.Thread(target=follower)
+    thread.start()
+    leader.wait_for_nodes(print)
+    merged = [leader.run({"tid": f"r0-c{i}-0", "overrides": [f"train.micro_batch_size={i + 1}"]},
+                         lambda t: {"status": "ok", "wall_s": 2.0, "losses": []})
+              for i in range(2)]  # fmt: skip
+    leader.finish({"report": {"winner": "c1"}})
+    thread.join(timeout=20)
+    assert result["report"] == {"winner": "c1"}
+    assert [s[:2] for s in seen] == [("r0-c0-0", ["train.micro_batch_size=1"]),
+                                     ("r0-c1-0", ["train.micro_batch_size=2"])]  # fmt: skip
+    assert len({s[2] for s in seen}) == 2  # a fresh rendezvous endpoint for each trial
+    assert all(m["status"] == "ok" and m["step_times_s"] == [0.5] for m in merged)
+
+    # Node 0 goes away while a follower waits for the next trial: one line, not a hang.
+    endpoint = f"127.0.0.1:{free_port()}"
+    leader = T_nodes.Leader(endpoint, nnodes=2, search="key", timeout_s=20)
+    errors = []
+
+    def orphan():
+        try:
+            T_nodes.follow(endpoint, node_rank=1, search="key", timeout_s=20,
+                           run_here=run_there, say=print)  # fmt: skip
+        except T_nodes.NodeLost as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=orphan)
+    thread.start()
+    leader.wait_for_nodes(print)
+    del leader  # the store's server goes with node 0's process
+    thread.join(timeout=30)
+    assert not thread.is_alive() and errors and "went away" in errors[0], errors
+
+
+def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recipe):
+    """Two `fsdprun tune` processes on this machine, one CPU rank each, over one endpoint (as
+    two nodes would run it): every trial is one job of world size 2 across both, the follower
+    runs node 0's trials in node 0's order, both print node 0's report, and only node 0 writes
+    trials.jsonl and tuned.yaml."""
+    from tests.conftest import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(
+        [FSDPRUN, "tune", str(recipe), "--out", str(tmp_path / f"o{n}"), "--nnodes", "2",
+         "--node-rank", str(n), "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+         "--space", "train.micro_batch_size=1,2", "--steps", "2", "--repeats", "1",
+         "--finalists", "1", "--device-memory", "1GB", "--budget", "5m", "--json"],
+        cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    ) for n in (0, 1)]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-2000:] + err[-2000:]
+    node0, node1 = (json.loads(out) for out, _ in outs)
+    o0, o1 = tmp_path / "o0", tmp_path / "o1"
+    records = trials_of(o0)
+    assert [r["id"] for r in records] == ["r0-c0-0", "r0-c1-0"]
+    assert all(r["status"] == "ok" and r["world_size"] == 2 for r in records), records
+    assert node1.pop("node_rank") == 1 and node1 == node0  # the follower prints node 0's report
+    assert node0["nnodes"] == 2 and "(2 node(s))" in node0["hardware"]
+    assert (o0 / "tuned.yaml").exists()
+    assert sorted(p.name for p in o1.iterdir()) == ["node-1"]  # nothing of node 0's there
+    for r in records:  # node 1's part of each trial ran the same candidate
+        ran = yaml.safe_load((o1 / "node-1" / "trials" / r["id"] / "recipe.yaml").read_text())
+        mine = yaml.safe_load((Path(r["run_dir"]) / "recipe.yaml").read_text())
+        assert ran["train"] == mine["train"] and ran["launch"]["node_rank"] == 1
+
+
+def test_a_search_continues_from_another_endpoint_and_its_nodes_agree_but_node_rank():
+    def args(*launch: str):
+        return T.TuneArgs(recipe="r", overrides=["optim.lr=1"], launch_overrides=list(launch),
+                          launch_flags=[], out_dir=Path("o"), budget_s=60)  # fmt: skip
+
+    node0 = args("launch.nnodes=2", "launch.node_rank=0", "launch.rdzv_endpoint=h0:29500")
+    node1 = args("launch.nnodes=2", "launch.node_rank=1", "launch.rdzv_endpoint=h0:29500")
+    requeued = args("launch.nnodes=2", "launch.node_rank=0", "launch.rdzv_endpoint=h7:29500")
+    three = args("launch.nnodes=3", "launch.node_rank=0", "launch.rdzv_endpoint=h0:29500")
+    space = [T.SpaceKnob("train.micro_batch_size", ("1", "2"))]
+    assert T._nodes_key(node0) == T._nodes_key(node1) != T._nodes_key(three)
+    assert T._search_key(node0, space) == T._search_key(requeued, space)
+    assert T._search_key(node0, space) != T._search_key(three, space)
+
+
+def test_slurm_steps_map_to_tune_as_to_train(monkeypatch, tmp_path):
+    """One task per node with --nnodes: each task is its node's tune, the flags become the same
+    launch overrides as train's, and its trials (whose `train` gets --nnodes as an override)
+    are launchers too, not workers. A task of a multi-task step is a worker: refused, one line."""
+    from typer.testing import CliRunner
+
+    from fsdprun.cli import app
+    from fsdprun.launch.slurm import srun_env
+
+    per_node = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
+                "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_ID": "7",
+                "SLURM_STEP_NODELIST": "node[0-1]"}  # fmt: skip
+    saved = dict(os.environ)
+    try:
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k, None)
+        os.environ.update(per_node)
+        seen = {}
+        monkeypatch.setattr(T, "tune", lambda args, say=None: seen.setdefault("args", args))
+        result = CliRunner().invoke(app, [
+            "tune", "debug", "--out", str(tmp_path / "o"), "--nnodes", "2", "--node-rank", "1",
+            "--nproc-per-node", "1", "--rdzv-endpoint", "node0:29500", "--dry-run",
+        ])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert "RANK" not in os.environ
+        assert seen["args"].launch_overrides == [
+            "launch.nproc_per_node=1", "launch.nnodes=2", "launch.node_rank=1",
+            "launch.rdzv_endpoint=node0:29500",
+        ]  # fmt: skip
+        assert srun_env(os.environ) != {}  # a bare `fsdprun train` here would be a worker
+        assert srun_env(T.trial_env("r0-c0-0")) == {}  # a trial's train is its node's launcher
+        monkeypatch.undo()
+        os.environ.update(SLURM_STEP_TASKS_PER_NODE="2", SLURM_LOCALID="1")  # 2 tasks, 1 node
+        result = CliRunner().invoke(app, ["tune", "debug", "--out", str(tmp_path / "o"),
+                                          "--device-memory", "1GB", "--dry-run"])  # fmt: skip
+        assert result.exit_code == 2
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "not as a worker" in lines[0], result.output
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

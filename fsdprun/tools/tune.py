@@ -459,11 +459,27 @@ def _fault_env(tid: str) -> dict[str, str]:
     return out
 
 
+def trial_env(tid: str) -> dict[str, str]:
+    """The environment of trial `tid`'s `fsdprun train`: this one, its fault drills, and never a
+    SLURM step's marks, so that the trial is its node's launcher as tune is (inside an srun step
+    of one task per node its `train` gets --nnodes as an override, not as the flag that tells
+    srun_env so)."""
+    env = dict(os.environ, **_fault_env(tid))
+    env.pop(FAULT_ENV, None)
+    env.pop("SLURM_STEP_ID", None)
+    return env
+
+
 def run_trial(
     recipe: str, overrides: list[str], cand: Candidate, *, tid: str, round_: Round, warmup: int,
-    out_dir: Path, timeout_s: float,
+    out_dir: Path, timeout_s: float, multi_node: bool = False, alive=None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One `fsdprun train` of `cand` in its own process group; its trial record."""
+    """One `fsdprun train` of `cand` in its own process group; its trial record.
+
+    `multi_node`: this is one node's part of a multi-node trial, whose metrics only the node of
+    global rank 0 writes: a part that ends well without them is "ok" without measurements (see
+    tune_nodes.merge_records). `alive()` is polled while the trial runs; once it is False (node 0
+    of a multi-node tune is gone) the trial is killed."""
     run_dir = out_dir / "trials" / tid
     log = out_dir / "logs" / f"{tid}.log"
     if run_dir.exists():  # left by a tune killed during this trial: its result was never logged
@@ -475,8 +491,7 @@ def run_trial(
         f"train.steps={total_steps}", f"output.timing_warmup_steps={warmup}",
         "--run-dir", str(run_dir),
     ]  # fmt: skip
-    env = dict(os.environ, **_fault_env(tid))
-    env.pop(FAULT_ENV, None)
+    env = trial_env(tid)
     record: dict[str, Any] = {
         "event": "trial", "id": tid, "candidate": cand.id, "label": cand.label,
         "overrides": cand.overrides, "round": round_.index, "measured_steps": round_.measured_steps,
@@ -487,10 +502,15 @@ def run_trial(
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
         try:
-            proc.wait(timeout=timeout_s)
+            _wait_trial(proc, timeout_s, alive)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             record["status"] = "timeout"
+        except _Abandoned:
+            _kill_group(proc)
+            record["status"], record["reason"] = "failed", "node 0 went away"
+            record["wall_s"] = time.perf_counter() - start
+            return record
         except BaseException:  # Ctrl-C: the trial goes with tune, and is never logged
             _kill_group(proc)
             raise
@@ -501,9 +521,13 @@ def run_trial(
     start_event = next((e for e in events if e["event"] == "start"), {})
     record["losses"] = [e["loss"] for e in steps]
     record["device_name"] = start_event.get("device_name")
+    record["world_size"] = start_event.get("world_size")
     if record.get("status") == "timeout":
         last = steps[-1]["step"] if steps else 0
         record["reason"] = f"hung: no result within {timeout_s:.0f} s (killed after step {last})"
+        return record
+    if multi_node and proc.returncode == 0 and not events:
+        record["status"] = "ok"  # global rank 0 ran on another node: its part has the figures
         return record
     if proc.returncode != 0 or summary is None:
         text = log.read_text(errors="replace")
@@ -527,6 +551,24 @@ def run_trial(
         model_state_bytes=max(r["model_state_bytes"]["total"] for r in ranks),
     )
     return record
+
+
+class _Abandoned(Exception):
+    """The trial's `alive()` turned False."""
+
+
+def _wait_trial(proc: subprocess.Popen, timeout_s: float, alive) -> None:
+    if alive is None:
+        proc.wait(timeout=timeout_s)
+        return
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        if not alive():
+            raise _Abandoned
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -806,8 +848,17 @@ def probe_device(cfg: RecipeConfig) -> dict[str, Any]:
         return {"kind": "cpu"}
 
 
+# Launch values that name where a node runs, not what is measured: a search continues with
+# another rendezvous endpoint (a requeued job's first host), and its nodes differ in node_rank.
+PLACE_KEYS = ("launch.node_rank=", "launch.rdzv_endpoint=")
+
+
+def _measured_launch(args: TuneArgs) -> list[str]:
+    return [o for o in args.launch_overrides if not o.startswith(PLACE_KEYS)]
+
+
 def _search_key(args: TuneArgs, space: list[SpaceKnob]) -> str:
-    doc = json.dumps([args.recipe, args.overrides, args.launch_overrides,
+    doc = json.dumps([args.recipe, args.overrides, _measured_launch(args),
                       [asdict(k) for k in space], args.steps, args.repeats,
                       args.finalists], sort_keys=True)  # fmt: skip
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
@@ -831,11 +882,15 @@ def parse_duration(text: str, option: str) -> float:
 
 
 def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
-    """The whole search; returns the report (its JSON document).
+    """The whole search; returns the report (its JSON document). With launch.nnodes > 1 every
+    node calls this with the same arguments: node 0 searches, the others run its trials with it
+    (fsdprun.tools.tune_nodes) and return its report.
 
     Raises:
-        UserError: the recipe is invalid, --device-memory missing on CPU, a bad --space, or
-            --out holds another search.
+        UserError: the recipe is invalid, --device-memory missing on CPU, a bad --space, --out
+            holds another search, or a multi-node tune without --rdzv-endpoint or under
+            torchrun/srun as a worker.
+        NodeLost: another node of a multi-node tune went away.
     """
     say = say or (lambda text: None)
     started = time.perf_counter()
@@ -852,14 +907,83 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     device_problem = None if args.dry_run else launch_device_problem(cfg.launch.device)
     if device_problem:  # every trial would be refused the same way: say it once, up front
         raise UserError(device_problem)
-    if cfg.launch.nnodes > 1 or "RANK" in os.environ:
-        # Every node's tune would have to run the same trials in the same order, and only node 0
-        # sees the measurements that choose them.
+    if "RANK" in os.environ:
+        # Each trial is a launch of its own: tune is a node's launcher, never one of its workers.
         raise UserError(
-            f"fsdprun tune runs on one node for now (launch.nnodes={cfg.launch.nnodes}"
-            + (", or under torchrun/srun" if "RANK" in os.environ else "")
-            + "): tune at one node's world size, then train the tuned layer on all nodes"
+            "fsdprun tune runs as each node's launcher, not as a worker of torchrun or of a "
+            "multi-task srun step: run one tune per node (srun --ntasks-per-node 1 ... with "
+            "--nnodes, --node-rank and --rdzv-endpoint, as for fsdprun train)"
         )
+    launch = cfg.launch
+    if launch.nnodes > 1 and not launch.rdzv_endpoint:
+        raise UserError(
+            f"launch.nnodes is {launch.nnodes}: pass --rdzv-endpoint HOST:PORT (node 0's "
+            "address) and --node-rank on every node"
+        )
+    if launch.nnodes > 1 and launch.node_rank > 0 and not args.dry_run:
+        return _follow(args, cfg, say)
+    leader = None
+    if launch.nnodes > 1 and not args.dry_run:
+        from fsdprun.tools.tune_nodes import Leader
+
+        # Up before the plan prunes (seconds for a large space), so the other nodes join now.
+        leader = Leader(launch.rdzv_endpoint, nnodes=launch.nnodes, search=_nodes_key(args),
+                        timeout_s=launch.rdzv_timeout_s)  # fmt: skip
+    try:
+        report = _lead(args, resolved, cfg, started, say, leader)
+    except BaseException as e:
+        if leader is not None:
+            why = (str(e).strip().splitlines() or [""])[0]
+            leader.finish({"error": why if isinstance(e, UserError) else
+                           f"{type(e).__name__}{': ' + why if why else ''}"})  # fmt: skip
+        raise
+    if leader is not None:
+        leader.finish({"report": report})
+    return report
+
+
+def _nodes_key(args: TuneArgs) -> str:
+    """What every node of a multi-node tune must agree on: the arguments but --node-rank."""
+    doc = json.dumps([args.recipe, args.overrides, _measured_launch(args), args.space,
+                      args.allow_numerics, args.steps, args.repeats, args.finalists],
+                     sort_keys=True)  # fmt: skip
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def _follow(args: TuneArgs, cfg: RecipeConfig, say) -> dict[str, Any]:
+    """A node but node 0: run node 0's trials with it; its trial folders are OUT/node-N/ (OUT
+    may be shared with node 0's)."""
+    from fsdprun.tools.tune_nodes import REPORT_SLACK_S, follow
+
+    node = cfg.launch.node_rank
+    out = args.out_dir / f"node-{node}"
+    overrides = [*args.overrides, *args.launch_overrides]
+
+    def run_here(trial: dict[str, Any], alive) -> dict[str, Any]:
+        diff = dict(o.split("=", 1) for o in trial["overrides"])
+        cand = Candidate(int(trial["candidate"][1:]), diff, diff)
+        # Node 0 kills its part at the timeout, and this part then loses its peers: the slack
+        # keeps this node from cutting a trial that node 0 still counts.
+        rec = run_trial(args.recipe, [*overrides, f"launch.rdzv_endpoint={trial['endpoint']}"],
+                        cand, tid=trial["tid"], round_=Round(**trial["round"]),
+                        warmup=trial["warmup"], out_dir=out,
+                        timeout_s=trial["timeout_s"] + REPORT_SLACK_S / 2, multi_node=True,
+                        alive=alive)  # fmt: skip
+        say(f"  {trial['tid']} {cand.label}: this node's part {rec['status']} "
+            f"({rec['wall_s']:.1f} s)")  # fmt: skip
+        return rec
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    with hold_run_dir(args.out_dir, node_rank=node):
+        report = follow(cfg.launch.rdzv_endpoint, node_rank=node, search=_nodes_key(args),
+                        timeout_s=cfg.launch.rdzv_timeout_s, run_here=run_here,
+                        say=say)  # fmt: skip
+    return dict(report, node_rank=node)
+
+
+def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
+    """One node's search, or node 0's of several (each trial through `leader`)."""
+    base_overrides = [*args.overrides, *args.launch_overrides]
     device = probe_device(cfg)
     accelerator = device["kind"] != "cpu"
     if args.device_memory_bytes is None and device["kind"] == "cpu":
@@ -903,8 +1027,10 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
         log = TrialLog(args.out_dir / LOG_FILE, header)
         if log.records:
             say(f"continuing {args.out_dir}: {len(log.records)} finished trials in {LOG_FILE}")
+        if leader is not None:
+            leader.wait_for_nodes(say)
         stop, left_out = _search(args, log, order, warmup=warmup, rtol=rtol, started=started,
-                                 say=say)  # fmt: skip
+                                 say=say, leader=leader)  # fmt: skip
         for c in candidates:
             if c.id in left_out:
                 c.reason = left_out[c.id]
@@ -933,7 +1059,9 @@ def _print_space(say, space, candidates, order, memory, memory_source, args, war
         f"rtol {rtol:g} of the baseline's")  # fmt: skip
 
 
-def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None, dict]:
+def _search(
+    args, log, order, *, warmup, rtol, started, say, leader=None
+) -> tuple[str | None, dict]:
     """Run the rounds. Returns why the search stopped early (the budget) or None, and the
     candidates the budget left out of the first round (id -> reason)."""
     records = log.records
@@ -987,7 +1115,8 @@ def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None
                         return (f"--budget {args.budget_s:.0f} s spent after {elapsed():.0f} s: "
                                 f"{tid} and later trials not run"), left_out  # fmt: skip
                     _trial(args, log, cand, base, tid=tid, rnd=rnd, warmup=warmup, rtol=rtol,
-                           timeout_s=timeout(rnd.measured_steps, cand), say=say)  # fmt: skip
+                           timeout_s=timeout(rnd.measured_steps, cand), say=say,
+                           leader=leader)  # fmt: skip
                 if round_index == 0 and not final and not fitted and (c := costs()):
                     # Once one trial has run: as many candidates as the budget's schedule covers.
                     fitted = True
@@ -1019,12 +1148,22 @@ def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None
     raise AssertionError("unreachable")
 
 
-def _trial(args, log, cand, base, *, tid, rnd, warmup, rtol, timeout_s, say) -> None:
-    """Run one trial, check its losses against the baseline's of the same round, log it."""
+def _trial(args, log, cand, base, *, tid, rnd, warmup, rtol, timeout_s, say, leader) -> None:
+    """Run one trial (on every node, through `leader`, when there are several), check its
+    losses against the baseline's of the same round, log it."""
     records = log.records
-    rec = run_trial(args.recipe, [*args.overrides, *args.launch_overrides], cand, tid=tid,
-                    round_=rnd, warmup=warmup, out_dir=args.out_dir,
-                    timeout_s=timeout_s)  # fmt: skip
+    overrides = [*args.overrides, *args.launch_overrides]
+    if leader is None:
+        rec = run_trial(args.recipe, overrides, cand, tid=tid, round_=rnd, warmup=warmup,
+                        out_dir=args.out_dir, timeout_s=timeout_s)  # fmt: skip
+    else:
+        doc = {"tid": tid, "candidate": cand.id, "overrides": cand.overrides,
+               "round": asdict(rnd), "warmup": warmup, "timeout_s": timeout_s}  # fmt: skip
+        rec = leader.run(doc, lambda t: run_trial(
+            args.recipe, [*overrides, f"launch.rdzv_endpoint={t['endpoint']}"], cand, tid=tid,
+            round_=rnd, warmup=warmup, out_dir=args.out_dir, timeout_s=timeout_s,
+            multi_node=True,
+        ))  # fmt: skip
     ref = next((r for r in records if r["candidate"] == base.id and r["round"] == rnd.index
                 and r["status"] == "ok"), None)  # fmt: skip
     if rec["status"] == "ok" and ref is not None and cand is not base:
@@ -1110,7 +1249,7 @@ def _report(args, resolved, cfg, candidates, records, memory, memory_source, sto
               if row.get("peak_bytes") and row.get("tokens_per_s")]  # fmt: skip
     return {
         "recipe": resolved.name, "recipe_ref": ref, "overrides": args.overrides,
-        "world_size": cfg.world_size, "hardware": hardware,
+        "world_size": cfg.world_size, "nnodes": cfg.launch.nnodes, "hardware": hardware,
         "device_memory_bytes": memory, "device_memory_source": memory_source,
         "margin": args.margin, "loss_rtol": rtol, "budget_s": args.budget_s,
         "elapsed_s": time.perf_counter() - started, "stopped_early": stop,
@@ -1209,4 +1348,9 @@ def render(report: dict[str, Any], console: Console) -> None:
     if report["stopped_early"]:
         console.print(f"stopped early: {report['stopped_early']}")
     console.print(report["verdict"])
-    console.print(f"wrote {report['tuned_yaml']}; train it with:\n  {report['command']}")
+    node = report.get("node_rank", 0)
+    who = "wrote" if node == 0 else f"node 0 wrote (on its machine; --out holds node-{node}/ here)"
+    console.print(f"{who} {report['tuned_yaml']}; train it with:\n  {report['command']}")
+    if report.get("nnodes", 1) > 1:
+        console.print(f"  (on every node, each with its own --node-rank; {TUNED_FILE} and the "
+                      "recipe at the same path there)")  # fmt: skip
