@@ -79,6 +79,65 @@ def test_default_space_searches_math_knobs_only(recipe):
     assert "compile.enabled" in keys and "fsdp.wrap" in keys and len(gpu) == len(space) + 2
 
 
+def test_the_recipes_tune_section_narrows_widens_and_the_command_line_wins(tmp_path, recipe):
+    section = tmp_path / "section.yaml"
+    knobs = ["train.micro_batch_size: [2, 4]", "fsdp.wrap: [block, none]",
+             "fsdp.limit_all_gathers: [True]"]  # fmt: skip
+    section.write_text(RECIPE + "tune:\n  space:\n" + "".join(f"    {k}\n" for k in knobs))
+
+    def space(path, items=(), **over):
+        cfg = cfg_of(path, *(f"tune.{k}={v}" for k, v in over.items()))
+        knobs, default = T.parse_space(list(items), cfg, accelerator=False, allow_numerics=False)
+        return {k.key: k.values for k in knobs}, default, T.space_sources(list(items), cfg)
+
+    full, _, _ = space(recipe)
+    narrowed, default, said = space(section)
+    assert default and set(narrowed) == set(full) | {"fsdp.wrap"}  # fsdp.wrap widens it
+    assert narrowed["train.micro_batch_size"] == ("1", "2", "4")  # narrowed; baseline joins
+    assert narrowed["fsdp.limit_all_gathers"] == ("true",)  # YAML's True is the recipe's true
+    assert said == ("the default space, then the recipe's tune.space (train.micro_batch_size, "
+                    "fsdp.wrap, fsdp.limit_all_gathers)")  # fmt: skip
+    only, default, said = space(section, defaults="false")
+    assert not default and set(only) == {"train.micro_batch_size", "fsdp.wrap",
+                                         "fsdp.limit_all_gathers"}  # fmt: skip
+    assert said.startswith("the recipe's tune.space")
+    changed, _, said = space(section, ["defaults", "train.micro_batch_size=8"])
+    assert changed["train.micro_batch_size"] == ("1", "8") and "fsdp.wrap" in changed
+    assert said.endswith("then --space (train.micro_batch_size)")
+    replaced, default, said = space(section, ["train.micro_batch_size=8"])
+    assert replaced == {"train.micro_batch_size": ("1", "8")} and not default
+    assert said == "--space (train.micro_batch_size), which replaces the rest"
+    with pytest.raises(UserError, match="nothing to search"):
+        space(recipe, defaults="false")
+    with pytest.raises(UserError, match="--space: fsdp.engine value 'fsdp3' is not a valid"):
+        space(recipe, ["fsdp.engine=fsdp3"])
+    numerics = tmp_path / "numerics.yaml"
+    numerics.write_text(RECIPE + "tune:\n  space:\n    precision.param_dtype: [bf16]\n")
+    with pytest.raises(UserError, match="tune.space precision.param_dtype: .*--allow-numerics"):
+        space(numerics)
+
+
+def test_a_bad_tune_section_is_refused_like_any_recipe_key(tmp_path):
+    """By the loader every command uses, in one line; `fsdprun train` exits 2 with it."""
+    cases = {
+        "tune:\n  space:\n    optim.lr: [1e-3]\n": "tune.space: 'optim.lr' is not a tuning knob",
+        "tune:\n  space:\n    activation_checkpointing.mode: [some]\n":
+            "activation_checkpointing.mode value 'some' is not a valid",
+        "tune:\n  space:\n    train.micro_batch_size: []\n": "has no values",
+        "tune:\n  spaces: {}\n": "unknown key 'tune.spaces'",
+        "tune:\n  defaults: maybe\n": "tune.defaults",
+    }  # fmt: skip
+    for n, (text, want) in enumerate(cases.items()):
+        path = tmp_path / f"bad{n}.yaml"
+        path.write_text(RECIPE + text)
+        with pytest.raises(UserError) as e:
+            load_recipe(str(path), [])
+        assert want in str(e.value) and "\n" not in str(e.value), (text, str(e.value))
+    proc = run_fsdprun("train", str(tmp_path / "bad0.yaml"), cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "not a tuning knob" in lines[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Pruning with the plan
 
@@ -618,15 +677,19 @@ def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recip
     """Two `fsdprun tune` processes on this machine, one CPU rank each, over one endpoint (as
     two nodes would run it): every trial is one job of world size 2 across both, the follower
     runs node 0's trials in node 0's order, both print node 0's report, and only node 0 writes
-    trials.jsonl and tuned.yaml."""
+    trials.jsonl and tuned.yaml. The space is the recipe's tune: section, which the trials'
+    training ignores."""
     from tests.conftest import free_port
+
+    recipe.write_text(RECIPE + "tune:\n  defaults: false\n  space:\n    "
+                      "train.micro_batch_size: [1, 2]\n")  # fmt: skip
 
     endpoint = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(
         [FSDPRUN, "tune", str(recipe), "--out", str(tmp_path / f"o{n}"), "--nnodes", "2",
          "--node-rank", str(n), "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
-         "--space", "train.micro_batch_size=1,2", "--steps", "2", "--repeats", "1",
-         "--finalists", "1", "--device-memory", "1GB", "--budget", "5m", "--json"],
+         "--steps", "2", "--repeats", "1", "--finalists", "1", "--device-memory", "1GB",
+         "--budget", "5m", "--json"],
         cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     ) for n in (0, 1)]  # fmt: skip
@@ -640,7 +703,11 @@ def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recip
     assert all(r["status"] == "ok" and r["world_size"] == 2 for r in records), records
     assert node1.pop("node_rank") == 1 and node1 == node0  # the follower prints node 0's report
     assert node0["nnodes"] == 2 and "(2 node(s))" in node0["hardware"]
-    assert (o0 / "tuned.yaml").exists()
+    tuned = load_recipe(str(o0 / "tuned.yaml"), []).config  # trains: the section is inert
+    assert "tune" not in yaml.safe_load((o0 / "tuned.yaml").read_text())
+    assert [f"train.micro_batch_size={tuned.train.micro_batch_size}"] == (
+        node0["winner_overrides"] or ["train.micro_batch_size=1"]
+    )  # fmt: skip
     assert sorted(p.name for p in o1.iterdir()) == ["node-1"]  # nothing of node 0's there
     for r in records:  # node 1's part of each trial ran the same candidate
         ran = yaml.safe_load((o1 / "node-1" / "trials" / r["id"] / "recipe.yaml").read_text())

@@ -23,6 +23,8 @@ from fsdprun.config.load import (
 from fsdprun.config.reference import recipe_reference
 from fsdprun.config.schema import (
     CHAT_ROLES,
+    TUNE_KNOBS,
+    TUNE_NUMERICS_KNOBS,
     ActivationCheckpointingConfig,
     ChatTurns,
     CheckpointConfig,
@@ -56,6 +58,7 @@ from fsdprun.config.schema import (
     TokenDtype,
     TrainConfig,
     Truncate,
+    TuneConfig,
     WrapPolicy,
     schema_fields,
 )
@@ -73,8 +76,9 @@ __all__ = [
     "DataSource", "Decay", "DeviceKind", "Dtype", "Engine", "EvalConfig", "Float8", "FsdpConfig",
     "LaunchConfig", "LoraConfig", "LossKind", "ModelConfig", "ModelInit", "NonFinite",
     "OnSaveError", "OptimConfig", "OptimImpl", "OutputConfig", "PrecisionConfig", "ProfileConfig",
-    "RecipeConfig", "ResolvedRecipe", "ScheduleConfig", "Sharding", "TokenDtype", "TrainConfig",
-    "Truncate", "WrapPolicy", "accelerator_device_nodes", "builtin_recipes", "config_to_dict",
+    "RecipeConfig", "ResolvedRecipe", "ScheduleConfig", "Sharding", "TUNE_KNOBS",
+    "TUNE_NUMERICS_KNOBS", "TokenDtype", "TrainConfig", "Truncate", "TuneConfig", "WrapPolicy",
+    "accelerator_device_nodes", "builtin_recipes", "config_to_dict",
     "dump_config", "explain", "launch_device_problem", "load_recipe", "parse_overrides",
     "parse_size", "recipe_reference", "schema_fields", "validate",
 ]  # fmt: skip

@@ -57,7 +57,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fsdprun.config import launch_device_problem, load_recipe
+from fsdprun.config import TUNE_KNOBS, TUNE_NUMERICS_KNOBS, launch_device_problem, load_recipe
+from fsdprun.config.validate import tune_space_errors
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.report.metrics import percentile, read_events
@@ -70,17 +71,11 @@ if TYPE_CHECKING:
 
     from fsdprun.config import RecipeConfig
 
-# Knobs that leave the training math unchanged (up to floating-point summation order).
-MATH_KNOBS = (
-    "fsdp.engine", "fsdp.sharding", "fsdp.shard_group_size", "fsdp.wrap", "fsdp.min_num_params",
-    "fsdp.reshard_after_forward", "fsdp.forward_prefetch", "fsdp.backward_prefetch",
-    "fsdp.limit_all_gathers", "fsdp.use_orig_params", "fsdp.accumulate_unsharded",
-    "fsdp.cpu_offload", "activation_checkpointing.mode", "activation_checkpointing.every_n",
-    "compile.enabled", "compile.per_block", "compile.mode", "train.micro_batch_size",
-    "train.loss", "train.loss_chunk_size", "optim.implementation",
-)  # fmt: skip
-# Knobs that change the numerics: searched only with --allow-numerics, and marked.
-NUMERICS_KNOBS = ("precision.param_dtype", "precision.reduce_dtype", "precision.float8")
+# Knobs that leave the training math unchanged (up to floating-point summation order), and those
+# that change the numerics (searched only with --allow-numerics, and marked): the recipe schema's
+# list, which tune.space is checked against.
+MATH_KNOBS = TUNE_KNOBS
+NUMERICS_KNOBS = TUNE_NUMERICS_KNOBS
 # Memory knobs and the value that costs nothing: a candidate that sets another value is tried
 # only where the same candidate with this value does not fit.
 MEMORY_KNOBS = {
@@ -179,42 +174,83 @@ def _with(values: list[str], baseline: str) -> tuple[str, ...]:
     return tuple(values if baseline in values else [baseline, *values])
 
 
+def canonical(value: Any) -> str:
+    """A knob value as tune compares it with the recipe's (`current_value`): YAML's spellings of
+    true, false and null (True, FALSE, ~) as one."""
+    text = str(value).strip()
+    return {"true": "true", "false": "false", "null": "null", "none": "null", "~": "null"}.get(
+        text.lower(), text
+    )
+
+
 def parse_space(
     items: list[str], cfg: RecipeConfig, *, accelerator: bool, allow_numerics: bool
 ) -> tuple[list[SpaceKnob], bool]:
-    """--space items → the space, and whether it is the default one (memory knobs dominated).
+    """The space from the recipe's `tune:` section and the --space items; and whether it is the
+    default one (then memory knobs are dominated: tried only where the same candidate without
+    them does not fit).
+
+    The command line wins: --space items without `defaults` are the whole space; with
+    `defaults` they change only their knobs of the recipe's space, which is the default space
+    (tune.defaults) with tune.space's knobs set.
 
     Raises:
         UserError: a key that is not a tuning knob, a numerics knob without --allow-numerics,
-            an item without values.
+            an item without values or with a value its key refuses, or an empty space.
     """
-    defaults = not items or "defaults" in items
+    replace = bool(items) and "defaults" not in items
+    defaults = not replace and cfg.tune.defaults
     knobs = {k.key: k for k in default_space(cfg, accelerator=accelerator)} if defaults else {}
+    given: list[tuple[str, str, list[str]]] = []
+    if not replace:
+        given += [("tune.space", key, list(vals)) for key, vals in cfg.tune.space.items()]
     for item in items:
         if item == "defaults":
             continue
         key, sep, values = item.partition("=")
-        key = key.strip()
         if not sep or not values.strip():
             raise UserError(
                 f"--space {item!r}: give KEY=V1,V2 (e.g. train.micro_batch_size=1,2,4), or "
                 "`defaults`"
             )
+        given.append(("--space", key.strip(), [v for v in values.split(",") if v.strip()]))
+    for where, key, vals in given:
         numerics = key in NUMERICS_KNOBS
         if numerics and not allow_numerics:
             raise UserError(
-                f"--space {key}: changes the numerics of training; add --allow-numerics to "
+                f"{where} {key}: changes the numerics of training; add --allow-numerics to "
                 "search it (the report marks such candidates)"
             )
         if key not in MATH_KNOBS and not numerics:
             raise UserError(
-                f"--space {key}: not a tuning knob (tune never changes the model, data, batch, "
+                f"{where} {key}: not a tuning knob (tune never changes the model, data, batch, "
                 f"lr, schedule or seed); knobs: {', '.join(MATH_KNOBS)}"
             )
-        vals = [v.strip() for v in values.split(",") if v.strip()]
+        problems = tune_space_errors({key: vals}, where=where)
+        if problems:
+            raise UserError(problems[0])
+        vals = [canonical(v) for v in vals]
         knobs[key] = SpaceKnob(key, _with(list(dict.fromkeys(vals)), current_value(cfg, key)),
                                numerics)  # fmt: skip
+    if not knobs:
+        raise UserError(
+            "nothing to search: tune.defaults is false and tune.space is empty; list knobs in "
+            "tune.space or give --space KEY=V1,V2"
+        )
     return list(knobs.values()), defaults
+
+
+def space_sources(items: list[str], cfg: RecipeConfig) -> str:
+    """Where the space comes from, in words (printed above it)."""
+    replace = bool(items) and "defaults" not in items
+    parts = [] if replace or not cfg.tune.defaults else ["the default space"]
+    if not replace and cfg.tune.space:
+        parts.append(f"the recipe's tune.space ({', '.join(cfg.tune.space)})")
+    named = [i.partition("=")[0] for i in items if i != "defaults"]
+    if named:
+        rest = ", which replaces the rest" if replace else ""
+        parts.append(f"--space ({', '.join(named)}){rest}")
+    return ", then ".join(parts)
 
 
 @dataclass
@@ -783,7 +819,9 @@ def tuned_layer(
         value = value.value if isinstance(value, enum.Enum) else value
         tree.setdefault(section, {})[name] = value
 
-    user = [o for o in overrides if not o.lstrip("~").startswith("launch.")]
+    # Not the launch (the train command names it) nor the search's own tune.* (training
+    # ignores them; a tune of the layer starts from the recipe's section again).
+    user = [o for o in overrides if not o.lstrip("~").startswith(("launch.", "tune."))]
     values, drops = parse_overrides(user)
     fields = schema_fields()
     for key in drops:  # ~key: back to the schema's default, which a layer spells out
@@ -1005,7 +1043,7 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
     warmup = max(cfg.output.timing_warmup_steps, 1)
     param_dtype = cfg.precision.param_dtype.value
     rtol = LOSS_RTOL[param_dtype]
-    _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol)
+    _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg)
     if args.dry_run:
         rounds = halving_schedule(len(order), steps=args.steps, finalists=args.finalists,
                                   repeats=args.repeats)  # fmt: skip
@@ -1040,10 +1078,10 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
     return report
 
 
-def _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol):
+def _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg):
     from fsdprun.report.console import fmt_bytes
 
-    say(f"space ({len(candidates)} candidates):")
+    say(f"space ({len(candidates)} candidates) from {space_sources(args.space, cfg)}:")
     for k in space:
         mark = "  [numerics: changes the math]" if k.numerics else ""
         say(f"  {k.key}: {', '.join(k.values)}{mark}")
