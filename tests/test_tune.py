@@ -177,6 +177,41 @@ def test_prune_with_the_plan_and_the_knob_table(recipe):
     assert order == [cands[0]]
 
 
+def test_several_nodes_search_hybrid_and_its_shard_group_only_where_it_acts(recipe):
+    launch = ["launch.nnodes=4", "launch.nproc_per_node=1", "launch.rdzv_endpoint=h:1"]
+    cfg = cfg_of(recipe, *launch)
+    space = {k.key: k.values for k in T.default_space(cfg, accelerator=False)}
+    assert space["fsdp.sharding"] == ("full", "grad_op", "hybrid", "hybrid_zero2")
+    assert space["fsdp.shard_group_size"] == ("null", "2")  # one node's ranks, or two nodes'
+    assert "fsdp.shard_group_size" not in {k.key for k in T.default_space(
+        cfg_of(recipe), accelerator=False)}  # fmt: skip
+    knobs, _ = T.parse_space(["fsdp.sharding=full,hybrid", "fsdp.shard_group_size=null,2"], cfg,
+                             accelerator=False, allow_numerics=False)  # fmt: skip
+    cands = T.enumerate_candidates(knobs, {k.key: T.current_value(cfg, k.key) for k in knobs})
+    T.prune(cands, str(recipe), launch, device_memory_bytes=10**10, margin=0.1,
+            dominate_memory_knobs=False)  # fmt: skip
+    why = {c.label: (c.status, c.reason) for c in cands}
+    assert why["fsdp.shard_group_size=2"] == (
+        "pruned",
+        "same as c0: fsdp.shard_group_size does nothing under fsdp.sharding=full",
+    )
+    assert why["shard=hybrid fsdp.shard_group_size=2"] == ("kept", None)
+
+
+def test_plan_disagreements_are_flagged_either_way():
+    cand = T.Candidate(1, {}, {"k": "v"}, planned_peak_bytes=100, planned_model_state_bytes=100)
+
+    def rec(state, peak, kind="allocated"):
+        return {"model_state_bytes": state, "peak_bytes": peak, "memory_kind": kind}
+
+    assert T.plan_flags(cand, [rec(103, 108)], margin=0.1) == []
+    over = T.plan_flags(cand, [rec(110, 120)], margin=0.1)
+    assert "model state measured 1.10x" in over[0] and "peak allocated 1.20x" in over[1]
+    under = T.plan_flags(cand, [rec(90, 50)], margin=0.1)  # a plan that overstates prunes wrongly
+    assert "0.90x" in under[0] and "peak allocated 0.50x the plan" in under[1]
+    assert T.plan_flags(cand, [rec(100, 500, kind="RSS")], margin=0.1) == []  # RSS holds torch
+
+
 def test_prior_order_prefers_big_micro_batches_without_recompute():
     def cand(i, **knobs):
         full = {"train.micro_batch_size": "1", "activation_checkpointing.mode": "none", **knobs}

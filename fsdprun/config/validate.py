@@ -408,7 +408,7 @@ def tune_space_errors(space: dict[str, list[str]], *, where: str) -> list[str]:
         node = OmegaConf.structured(kind.default_factory)
         for value in values:
             try:
-                setattr(node, name, _yaml_value(value))
+                OmegaConf.merge(node, {name: _yaml_value(value)})
             except Exception:  # noqa: BLE001 - omegaconf's ValidationError and its subclasses
                 default = getattr(kind.default_factory(), name)
                 choices = (f" (one of {', '.join(m.value for m in type(default))})"

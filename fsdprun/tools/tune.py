@@ -152,9 +152,13 @@ def default_space(cfg: RecipeConfig, *, accelerator: bool) -> list[SpaceKnob]:
     compile is searched on accelerators only (a CPU's inductor build costs more than short trials
     can win back); hybrid sharding only across several nodes."""
     shardings = ["full", "grad_op"] + (["hybrid", "hybrid_zero2"] if cfg.launch.nnodes > 1 else [])
+    nproc, nnodes = cfg.launch.nproc_per_node, cfg.launch.nnodes
+    # Hybrid's shard groups: one node (null), or several nodes' ranks (fewer replicas).
+    groups = ["null", *(str(nproc * k) for k in range(2, nnodes) if nnodes % k == 0)]
     space = [
         ("fsdp.engine", ["fsdp2", "fsdp1"] if cfg.lora.rank == 0 else ["fsdp2"]),
         ("fsdp.sharding", shardings),
+        *([("fsdp.shard_group_size", groups)] if len(groups) > 1 else []),
         ("fsdp.forward_prefetch", ["0", "1"]),
         ("fsdp.limit_all_gathers", ["true", "false"]),
         ("activation_checkpointing.mode", ["none", "selective", "full"]),
@@ -356,6 +360,15 @@ def prune(
         inert_of[c.id], engine_of[c.id] = inert_of[twin.id], engine_of[twin.id]
 
     for c in sorted(candidates, key=lambda c: (len(c.diff), c.index)):
+        if c is not base and (inert := _inert_here(c)) is not None:
+            twin = twin_of(c, inert, base.knobs[inert])
+            if twin is not None:
+                c.status = "pruned"
+                c.reason = (f"same as {twin.id}: {inert} does nothing under fsdp.sharding="
+                            f"{c.knobs.get('fsdp.sharding')}")  # fmt: skip
+                c.planned_peak_bytes = twin.planned_peak_bytes
+                c.planned_model_state_bytes = twin.planned_model_state_bytes
+                continue
         if c is not base:
             # The twin with every memory knob this candidate may drop back at its free value.
             heavy = {key: free for key, free in MEMORY_KNOBS.items()
@@ -395,6 +408,20 @@ def prune(
                 f"planned peak {fmt_bytes(c.planned_peak_bytes)} + {margin:.0%} margin > "
                 f"device memory {fmt_bytes(device_memory_bytes)}"
             )
+
+
+# Knobs that matter only beside certain values of another knob (where the knob table still
+# describes them): fsdp.shard_group_size sizes hybrid's shard groups only.
+ONLY_WITH = {"fsdp.shard_group_size": ("fsdp.sharding", ("hybrid", "hybrid_zero2"))}
+
+
+def _inert_here(c: Candidate) -> str | None:
+    """A knob this candidate changes that its other knobs make do nothing (ONLY_WITH; judged
+    only where the space holds the other knob too)."""
+    for key, (other, values) in ONLY_WITH.items():
+        if key in c.diff and other in c.knobs and c.knobs[other] not in values:
+            return key
+    return None
 
 
 _AC_COST = {"none": 0, "selective": 1, "every_n": 2, "full": 3}
@@ -1233,20 +1260,8 @@ def _report(args, resolved, cfg, candidates, records, memory, memory_source, sto
         bad = [x for x in mine if x["status"] != "ok"]
         peak = max((x["peak_bytes"] for x in ok), default=None)
         state = max((x["model_state_bytes"] for x in ok), default=None)
-        flags = []
-        if state and c.planned_model_state_bytes:
-            ratio = state / c.planned_model_state_bytes
-            if abs(ratio - 1) > MODEL_STATE_RTOL:
-                flags.append(f"model state measured {ratio:.2f}x the plan (beyond its "
-                             f"{MODEL_STATE_RTOL:.0%}): a bug in plan")  # fmt: skip
         kind = ok[0]["memory_kind"] if ok else None
-        if (
-            peak
-            and kind == "allocated"
-            and c.planned_peak_bytes
-            and (peak > c.planned_peak_bytes * (1 + args.margin))
-        ):
-            flags.append(f"peak allocated {peak / c.planned_peak_bytes:.2f}x the plan")
+        flags = plan_flags(c, ok, margin=args.margin)
         rows.append({
             "candidate": c.id, "label": c.label, "overrides": c.overrides,
             "numerics": c.numerics,
@@ -1299,6 +1314,27 @@ def _report(args, resolved, cfg, candidates, records, memory, memory_source, sto
         "pareto": pareto_front(points),
         "candidates": rows,
     }  # fmt: skip
+
+
+def plan_flags(c: Candidate, ok: list[dict[str, Any]], *, margin: float) -> list[str]:
+    """Where a candidate's measured memory disagrees with its plan beyond what the plan states
+    (each a bug in `plan`, either way): model state per rank beyond MODEL_STATE_RTOL, and the
+    peak allocated on an accelerator beyond the pruning margin (a CPU's RSS also holds the
+    torch runtime, which the plan does not count)."""
+    flags = []
+    state = max((x["model_state_bytes"] for x in ok), default=None)
+    if state and c.planned_model_state_bytes:
+        ratio = state / c.planned_model_state_bytes
+        if abs(ratio - 1) > MODEL_STATE_RTOL:
+            flags.append(f"model state measured {ratio:.2f}x the plan (beyond its "
+                         f"{MODEL_STATE_RTOL:.0%}): a bug in plan")  # fmt: skip
+    peak = max((x["peak_bytes"] for x in ok if x["memory_kind"] == "allocated"), default=None)
+    if peak and c.planned_peak_bytes:
+        ratio = peak / c.planned_peak_bytes
+        if abs(ratio - 1) > margin:
+            flags.append(f"peak allocated {ratio:.2f}x the plan (beyond the {margin:.0%} "
+                         "margin): a bug in plan")  # fmt: skip
+    return flags
 
 
 def _hardware(records: list[dict[str, Any]], cfg: RecipeConfig) -> str:
