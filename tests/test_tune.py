@@ -806,3 +806,22 @@ def test_slurm_steps_map_to_tune_as_to_train(monkeypatch, tmp_path):
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_the_gpu_benchmark_starts_from_recipes_that_load(tmp_path):
+    """scripts/bench_tune.py --gpu has not run on a GPU yet: its starting recipes at least load,
+    pass the checks and start eager at 1 x 8 accumulation (`fsdprun plan` puts them at 18 and
+    39 GiB per GPU: planning them here would cost seconds)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_tune.py"
+    spec = importlib.util.spec_from_file_location("bench_tune", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert set(bench.GPU_CASES) == {"llama-1b", "llama-8b-layers"}
+    for name, text in bench.GPU_CASES.items():
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(text)
+        cfg = cfg_of(recipe, "launch.nproc_per_node=1")  # the benchmark's --nproc-per-node 1
+        assert (cfg.train.micro_batch_size, cfg.world_size) == (1, 1)
+        assert cfg.train.global_batch_size == 8 and not cfg.compile.enabled
