@@ -133,9 +133,13 @@ def test_a_bad_tune_section_is_refused_like_any_recipe_key(tmp_path):
         with pytest.raises(UserError) as e:
             load_recipe(str(path), [])
         assert want in str(e.value) and "\n" not in str(e.value), (text, str(e.value))
-    proc = run_fsdprun("train", str(tmp_path / "bad0.yaml"), cwd=tmp_path)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "not a tuning knob" in lines[0]
+    from typer.testing import CliRunner
+
+    from fsdprun.cli import app
+
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "bad0.yaml")])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and "not a tuning knob" in lines[0]
 
 
 # ---------------------------------------------------------------------------------------------

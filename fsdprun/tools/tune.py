@@ -999,8 +999,11 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     except BaseException as e:
         if leader is not None:
             why = (str(e).strip().splitlines() or [""])[0]
-            leader.finish({"error": why if isinstance(e, UserError) else
-                           f"{type(e).__name__}{': ' + why if why else ''}"})  # fmt: skip
+            if isinstance(e, UserError):
+                leader.finish({"error": why})
+            else:  # Ctrl-C (or a bug): no waiting for the others on the way out
+                leader.finish({"error": f"{type(e).__name__}{': ' + why if why else ''}"},
+                              wait_s=0)  # fmt: skip
         raise
     if leader is not None:
         leader.finish({"report": report})

@@ -158,10 +158,11 @@ class Leader:
             records.append(json.loads(raw))
         return merge_records(records)
 
-    def finish(self, doc: dict[str, Any]) -> None:
-        """Publish the stop (the report, or an error) and wait briefly for the others to read it."""
+    def finish(self, doc: dict[str, Any], *, wait_s: float = DONE_WAIT_S) -> None:
+        """Publish the stop (the report, or an error) and wait up to `wait_s` for the others to
+        read it (after that, or at once, they find the store gone and say node 0 went away)."""
         self.store.set(f"trial/{self.count}", json.dumps(dict(doc, stop=True)))
-        deadline = time.monotonic() + DONE_WAIT_S
+        deadline = time.monotonic() + wait_s
         while self.store.add("done", 0) < self.nnodes - 1 and time.monotonic() < deadline:
             time.sleep(POLL_S)
 
