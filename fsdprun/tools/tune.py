@@ -8,7 +8,8 @@ measured trials decide, the winner comes out as a recipe layer.
    schedule, seq_len, model, data and seed never change; micro_batch_size moves with the
    accumulation derived from the global batch). Knobs that change the numerics (NUMERICS_KNOBS)
    only with --allow-numerics, and marked. `--space KEY=V1,V2` replaces the default space by the
-   knobs given (`--space defaults` keeps the defaults and changes only the knobs given).
+   knobs given (`--space defaults` keeps the defaults and changes only the knobs given); the
+   recipe's `tune:` section does the same from the recipe, and --space wins (parse_space).
 2. Pruning, before any launch, from `fsdprun plan`: a candidate the recipe's checks refuse, one
    whose planned peak per rank plus the margin exceeds the device memory, one that differs from
    another only in a knob the engine's knob table says does nothing (limit_all_gathers under
@@ -30,6 +31,9 @@ measured trials decide, the winner comes out as a recipe layer.
    is killed) or whose first losses disagree with the baseline's (LOSS_RTOL) is recorded with a
    one-line reason and the search goes on. OUT/trials.jsonl gets one record per finished trial,
    appended and fsynced; a rerun with the same --out replays it and runs only what is missing.
+6. Several nodes (launch.nnodes > 1): every node runs tune with the same arguments; node 0 does
+   all of the above and runs each trial on every node through fsdprun.tools.tune_nodes, the
+   others run its trials with it and print its report.
 
 Imports neither the training loop nor the launcher: trials are `fsdprun train` subprocesses.
 """
