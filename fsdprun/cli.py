@@ -933,11 +933,17 @@ def tune_cmd(
     winner is written as a recipe layer (OUT/tuned.yaml)."""
     from fsdprun.config import parse_size
     from fsdprun.tools.tune import TuneArgs, parse_duration, render, tune
+    from fsdprun.tools.tune_nodes import NodeLost
 
     if plot_ is not None:
         from fsdprun.report.plot import check_png_target
 
         check_png_target(plot_, "--plot")
+    from fsdprun.launch.slurm import srun_env
+
+    # As for train: a task of a multi-task srun step is a worker (which tune refuses to be),
+    # one task per node with --nnodes is that node's launcher.
+    os.environ.update(srun_env(os.environ, nnodes=launch.num_nodes))
     memory = None
     if device_memory:
         memory = parse_size(device_memory, option="--device-memory",
@@ -953,7 +959,12 @@ def tune_cmd(
     def say(text: str) -> None:
         err_console.print(text, markup=False)
 
-    report = tune(args, say=None if json_ else say)
+    try:
+        report = tune(args, say=None if json_ else say)
+    except NodeLost as e:  # another node of a multi-node tune went away: nothing of ours lost
+        if os.environ.get("FSDPRUN_DEBUG"):
+            raise
+        raise _fail(str(e), 1) from None
     if dry_run:
         if json_:
             sys.stdout.write(json.dumps(report, indent=1) + "\n")

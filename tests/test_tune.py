@@ -20,6 +20,7 @@ import yaml
 from fsdprun.config import DeviceKind, launch_device_problem, load_recipe
 from fsdprun.errors import UserError
 from fsdprun.tools import tune as T
+from fsdprun.tools import tune_nodes as T_nodes
 from tests.conftest import FSDPRUN, fsdprun_env, run_fsdprun
 
 RECIPE = "extends: debug\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 1\n"
@@ -78,6 +79,69 @@ def test_default_space_searches_math_knobs_only(recipe):
     assert "compile.enabled" in keys and "fsdp.wrap" in keys and len(gpu) == len(space) + 2
 
 
+def test_the_recipes_tune_section_narrows_widens_and_the_command_line_wins(tmp_path, recipe):
+    section = tmp_path / "section.yaml"
+    knobs = ["train.micro_batch_size: [2, 4]", "fsdp.wrap: [block, none]",
+             "fsdp.limit_all_gathers: [True]"]  # fmt: skip
+    section.write_text(RECIPE + "tune:\n  space:\n" + "".join(f"    {k}\n" for k in knobs))
+
+    def space(path, items=(), **over):
+        cfg = cfg_of(path, *(f"tune.{k}={v}" for k, v in over.items()))
+        knobs, default = T.parse_space(list(items), cfg, accelerator=False, allow_numerics=False)
+        return {k.key: k.values for k in knobs}, default, T.space_sources(list(items), cfg)
+
+    full, _, _ = space(recipe)
+    narrowed, default, said = space(section)
+    assert default and set(narrowed) == set(full) | {"fsdp.wrap"}  # fsdp.wrap widens it
+    assert narrowed["train.micro_batch_size"] == ("1", "2", "4")  # narrowed; baseline joins
+    assert narrowed["fsdp.limit_all_gathers"] == ("true",)  # YAML's True is the recipe's true
+    assert said == ("the default space, then the recipe's tune.space (train.micro_batch_size, "
+                    "fsdp.wrap, fsdp.limit_all_gathers)")  # fmt: skip
+    only, default, said = space(section, defaults="false")
+    assert not default and set(only) == {"train.micro_batch_size", "fsdp.wrap",
+                                         "fsdp.limit_all_gathers"}  # fmt: skip
+    assert said.startswith("the recipe's tune.space")
+    changed, _, said = space(section, ["defaults", "train.micro_batch_size=8"])
+    assert changed["train.micro_batch_size"] == ("1", "8") and "fsdp.wrap" in changed
+    assert said.endswith("then --space (train.micro_batch_size)")
+    replaced, default, said = space(section, ["train.micro_batch_size=8"])
+    assert replaced == {"train.micro_batch_size": ("1", "8")} and not default
+    assert said == "--space (train.micro_batch_size), which replaces the rest"
+    with pytest.raises(UserError, match="nothing to search"):
+        space(recipe, defaults="false")
+    with pytest.raises(UserError, match="--space: fsdp.engine value 'fsdp3' is not a valid"):
+        space(recipe, ["fsdp.engine=fsdp3"])
+    numerics = tmp_path / "numerics.yaml"
+    numerics.write_text(RECIPE + "tune:\n  space:\n    precision.param_dtype: [bf16]\n")
+    with pytest.raises(UserError, match="tune.space precision.param_dtype: .*--allow-numerics"):
+        space(numerics)
+
+
+def test_a_bad_tune_section_is_refused_like_any_recipe_key(tmp_path):
+    """By the loader every command uses, in one line; `fsdprun train` exits 2 with it."""
+    cases = {
+        "tune:\n  space:\n    optim.lr: [1e-3]\n": "tune.space: 'optim.lr' is not a tuning knob",
+        "tune:\n  space:\n    activation_checkpointing.mode: [some]\n":
+            "activation_checkpointing.mode value 'some' is not a valid",
+        "tune:\n  space:\n    train.micro_batch_size: []\n": "has no values",
+        "tune:\n  spaces: {}\n": "unknown key 'tune.spaces'",
+        "tune:\n  defaults: maybe\n": "tune.defaults",
+    }  # fmt: skip
+    for n, (text, want) in enumerate(cases.items()):
+        path = tmp_path / f"bad{n}.yaml"
+        path.write_text(RECIPE + text)
+        with pytest.raises(UserError) as e:
+            load_recipe(str(path), [])
+        assert want in str(e.value) and "\n" not in str(e.value), (text, str(e.value))
+    from typer.testing import CliRunner
+
+    from fsdprun.cli import app
+
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "bad0.yaml")])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and "not a tuning knob" in lines[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Pruning with the plan
 
@@ -115,6 +179,41 @@ def test_prune_with_the_plan_and_the_knob_table(recipe):
     assert cands[0].status == "kept"
     order = T.prior_order(cands)
     assert order == [cands[0]]
+
+
+def test_several_nodes_search_hybrid_and_its_shard_group_only_where_it_acts(recipe):
+    launch = ["launch.nnodes=4", "launch.nproc_per_node=1", "launch.rdzv_endpoint=h:1"]
+    cfg = cfg_of(recipe, *launch)
+    space = {k.key: k.values for k in T.default_space(cfg, accelerator=False)}
+    assert space["fsdp.sharding"] == ("full", "grad_op", "hybrid", "hybrid_zero2")
+    assert space["fsdp.shard_group_size"] == ("null", "2")  # one node's ranks, or two nodes'
+    assert "fsdp.shard_group_size" not in {k.key for k in T.default_space(
+        cfg_of(recipe), accelerator=False)}  # fmt: skip
+    knobs, _ = T.parse_space(["fsdp.sharding=full,hybrid", "fsdp.shard_group_size=null,2"], cfg,
+                             accelerator=False, allow_numerics=False)  # fmt: skip
+    cands = T.enumerate_candidates(knobs, {k.key: T.current_value(cfg, k.key) for k in knobs})
+    T.prune(cands, str(recipe), launch, device_memory_bytes=10**10, margin=0.1,
+            dominate_memory_knobs=False)  # fmt: skip
+    why = {c.label: (c.status, c.reason) for c in cands}
+    assert why["fsdp.shard_group_size=2"] == (
+        "pruned",
+        "same as c0: fsdp.shard_group_size does nothing under fsdp.sharding=full",
+    )
+    assert why["shard=hybrid fsdp.shard_group_size=2"] == ("kept", None)
+
+
+def test_plan_disagreements_are_flagged_either_way():
+    cand = T.Candidate(1, {}, {"k": "v"}, planned_peak_bytes=100, planned_model_state_bytes=100)
+
+    def rec(state, peak, kind="allocated"):
+        return {"model_state_bytes": state, "peak_bytes": peak, "memory_kind": kind}
+
+    assert T.plan_flags(cand, [rec(103, 108)], margin=0.1) == []
+    over = T.plan_flags(cand, [rec(110, 120)], margin=0.1)
+    assert "model state measured 1.10x" in over[0] and "peak allocated 1.20x" in over[1]
+    under = T.plan_flags(cand, [rec(90, 50)], margin=0.1)  # a plan that overstates prunes wrongly
+    assert "0.90x" in under[0] and "peak allocated 0.50x the plan" in under[1]
+    assert T.plan_flags(cand, [rec(100, 500, kind="RSS")], margin=0.1) == []  # RSS holds torch
 
 
 def test_prior_order_prefers_big_micro_batches_without_recompute():
@@ -547,3 +646,200 @@ def test_the_noise_shrinks_with_more_measured_steps():
         sel = T.select([trial("c0", 0, 0, steps(1.0, n)), trial("c1", 0, 0, steps(1 / 1.25, n))])
         assert sel.gain == pytest.approx(0.25, abs=0.01)
         assert (sel.winner == "c1") is wins, (n, sel.verdict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several nodes
+
+
+def test_merge_takes_rank0s_figures_from_any_node_and_names_a_failing_node():
+    here = {"status": "ok", "wall_s": 5.0, "losses": [], "world_size": None}
+    there = {"status": "ok", "wall_s": 6.0, "losses": [5.0], "step_times_s": [0.1],
+             "tokens_per_step": 64, "world_size": 2, "node_rank": 1}  # fmt: skip
+    merged = T_nodes.merge_records([here, there])
+    assert merged["status"] == "ok" and merged["step_times_s"] == [0.1] and merged["wall_s"] == 6
+    assert "node_rank" not in merged
+    hung = {"status": "timeout", "wall_s": 9.0, "reason": "hung: no result within 9 s"}
+    lost = {"status": "failed", "wall_s": 9.0, "reason": "exit 1: peer closed"}
+    merged = T_nodes.merge_records([lost, hung])
+    assert merged["status"] == "timeout" and merged["reason"].startswith("node 1: hung")
+    assert "step_times_s" not in merged
+    nowhere = T_nodes.merge_records([here, dict(here)])
+    assert nowhere["status"] == "failed" and "metrics" in nowhere["reason"]
+
+
+def test_nodes_protocol_follower_runs_node0s_trials_and_refuses_other_arguments():
+    """In one process, over a real TCPStore: node 0 publishes two trials, the follower runs
+    each (and here holds global rank 0's figures), node 0 merges them, the stop carries the
+    report; a follower with other arguments is refused; a node 0 that goes away stops it."""
+    import threading
+
+    from tests.conftest import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    leader = T_nodes.Leader(endpoint, nnodes=2, search="key", timeout_s=20)
+    with pytest.raises(UserError, match="other arguments"):
+        T_nodes.follow(endpoint, node_rank=1, search="other", timeout_s=20,
+                       run_here=None, say=print)  # fmt: skip
+    seen, result = [], {}
+
+    def run_there(trial, alive):
+        seen.append((trial["tid"], trial["overrides"], trial["endpoint"]))
+        assert alive()
+        return {"status": "ok", "wall_s": 1.0, "step_times_s": [0.5], "losses": [4.0]}
+
+    def follower():
+        result["report"] = T_nodes.follow(endpoint, node_rank=1, search="key", timeout_s=20,
+                                          run_here=run_there, say=print)  # fmt: skip
+
+    thread = threading.Thread(target=follower)
+    thread.start()
+    leader.wait_for_nodes(print)
+    merged = [leader.run({"tid": f"r0-c{i}-0", "overrides": [f"train.micro_batch_size={i + 1}"]},
+                         lambda t: {"status": "ok", "wall_s": 2.0, "losses": []})
+              for i in range(2)]  # fmt: skip
+    leader.finish({"report": {"winner": "c1"}})
+    thread.join(timeout=20)
+    assert result["report"] == {"winner": "c1"}
+    assert [s[:2] for s in seen] == [("r0-c0-0", ["train.micro_batch_size=1"]),
+                                     ("r0-c1-0", ["train.micro_batch_size=2"])]  # fmt: skip
+    assert len({s[2] for s in seen}) == 2  # a fresh rendezvous endpoint for each trial
+    assert all(m["status"] == "ok" and m["step_times_s"] == [0.5] for m in merged)
+
+    # Node 0 goes away while a follower waits for the next trial: one line, not a hang.
+    endpoint = f"127.0.0.1:{free_port()}"
+    leader = T_nodes.Leader(endpoint, nnodes=2, search="key", timeout_s=20)
+    errors = []
+
+    def orphan():
+        try:
+            T_nodes.follow(endpoint, node_rank=1, search="key", timeout_s=20,
+                           run_here=run_there, say=print)  # fmt: skip
+        except T_nodes.NodeLost as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=orphan)
+    thread.start()
+    leader.wait_for_nodes(print)
+    del leader  # the store's server goes with node 0's process
+    thread.join(timeout=30)
+    assert not thread.is_alive() and errors and "went away" in errors[0], errors
+
+
+def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recipe):
+    """Two `fsdprun tune` processes on this machine, one CPU rank each, over one endpoint (as
+    two nodes would run it): every trial is one job of world size 2 across both, the follower
+    runs node 0's trials in node 0's order, both print node 0's report, and only node 0 writes
+    trials.jsonl and tuned.yaml. The space is the recipe's tune: section, which the trials'
+    training ignores."""
+    from tests.conftest import free_port
+
+    recipe.write_text(RECIPE + "tune:\n  defaults: false\n  space:\n    "
+                      "train.micro_batch_size: [1, 2]\n")  # fmt: skip
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(
+        [FSDPRUN, "tune", str(recipe), "--out", str(tmp_path / f"o{n}"), "--nnodes", "2",
+         "--node-rank", str(n), "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+         "--steps", "2", "--repeats", "1", "--finalists", "1", "--device-memory", "1GB",
+         "--budget", "5m", "--json"],
+        cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    ) for n in (0, 1)]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-2000:] + err[-2000:]
+    node0, node1 = (json.loads(out) for out, _ in outs)
+    o0, o1 = tmp_path / "o0", tmp_path / "o1"
+    records = trials_of(o0)
+    assert [r["id"] for r in records] == ["r0-c0-0", "r0-c1-0"]
+    assert all(r["status"] == "ok" and r["world_size"] == 2 for r in records), records
+    assert node1.pop("node_rank") == 1 and node1 == node0  # the follower prints node 0's report
+    assert node0["nnodes"] == 2 and "(2 node(s))" in node0["hardware"]
+    tuned = load_recipe(str(o0 / "tuned.yaml"), []).config  # trains: the section is inert
+    assert "tune" not in yaml.safe_load((o0 / "tuned.yaml").read_text())
+    assert [f"train.micro_batch_size={tuned.train.micro_batch_size}"] == (
+        node0["winner_overrides"] or ["train.micro_batch_size=1"]
+    )  # fmt: skip
+    assert sorted(p.name for p in o1.iterdir()) == ["node-1"]  # nothing of node 0's there
+    for r in records:  # node 1's part of each trial ran the same candidate
+        ran = yaml.safe_load((o1 / "node-1" / "trials" / r["id"] / "recipe.yaml").read_text())
+        mine = yaml.safe_load((Path(r["run_dir"]) / "recipe.yaml").read_text())
+        assert ran["train"] == mine["train"] and ran["launch"]["node_rank"] == 1
+
+
+def test_a_search_continues_from_another_endpoint_and_its_nodes_agree_but_node_rank():
+    def args(*launch: str):
+        return T.TuneArgs(recipe="r", overrides=["optim.lr=1"], launch_overrides=list(launch),
+                          launch_flags=[], out_dir=Path("o"), budget_s=60)  # fmt: skip
+
+    node0 = args("launch.nnodes=2", "launch.node_rank=0", "launch.rdzv_endpoint=h0:29500")
+    node1 = args("launch.nnodes=2", "launch.node_rank=1", "launch.rdzv_endpoint=h0:29500")
+    requeued = args("launch.nnodes=2", "launch.node_rank=0", "launch.rdzv_endpoint=h7:29500")
+    three = args("launch.nnodes=3", "launch.node_rank=0", "launch.rdzv_endpoint=h0:29500")
+    space = [T.SpaceKnob("train.micro_batch_size", ("1", "2"))]
+    assert T._nodes_key(node0) == T._nodes_key(node1) != T._nodes_key(three)
+    assert T._search_key(node0, space) == T._search_key(requeued, space)
+    assert T._search_key(node0, space) != T._search_key(three, space)
+
+
+def test_slurm_steps_map_to_tune_as_to_train(monkeypatch, tmp_path):
+    """One task per node with --nnodes: each task is its node's tune, the flags become the same
+    launch overrides as train's, and its trials (whose `train` gets --nnodes as an override)
+    are launchers too, not workers. A task of a multi-task step is a worker: refused, one line."""
+    from typer.testing import CliRunner
+
+    from fsdprun.cli import app
+    from fsdprun.launch.slurm import srun_env
+
+    per_node = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
+                "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_ID": "7",
+                "SLURM_STEP_NODELIST": "node[0-1]"}  # fmt: skip
+    saved = dict(os.environ)
+    try:
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k, None)
+        os.environ.update(per_node)
+        seen = {}
+        monkeypatch.setattr(T, "tune", lambda args, say=None: seen.setdefault("args", args))
+        result = CliRunner().invoke(app, [
+            "tune", "debug", "--out", str(tmp_path / "o"), "--nnodes", "2", "--node-rank", "1",
+            "--nproc-per-node", "1", "--rdzv-endpoint", "node0:29500", "--dry-run",
+        ])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert "RANK" not in os.environ
+        assert seen["args"].launch_overrides == [
+            "launch.nproc_per_node=1", "launch.nnodes=2", "launch.node_rank=1",
+            "launch.rdzv_endpoint=node0:29500",
+        ]  # fmt: skip
+        assert srun_env(os.environ) != {}  # a bare `fsdprun train` here would be a worker
+        assert srun_env(T.trial_env("r0-c0-0")) == {}  # a trial's train is its node's launcher
+        monkeypatch.undo()
+        os.environ.update(SLURM_STEP_TASKS_PER_NODE="2", SLURM_LOCALID="1")  # 2 tasks, 1 node
+        result = CliRunner().invoke(app, ["tune", "debug", "--out", str(tmp_path / "o"),
+                                          "--device-memory", "1GB", "--dry-run"])  # fmt: skip
+        assert result.exit_code == 2
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "not as a worker" in lines[0], result.output
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_the_gpu_benchmark_starts_from_recipes_that_load(tmp_path):
+    """scripts/bench_tune.py --gpu has not run on a GPU yet: its starting recipes at least load,
+    pass the checks and start eager at 1 x 8 accumulation (`fsdprun plan` puts them at 18 and
+    39 GiB per GPU: planning them here would cost seconds)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_tune.py"
+    spec = importlib.util.spec_from_file_location("bench_tune", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert set(bench.GPU_CASES) == {"llama-1b", "llama-8b-layers"}
+    for name, text in bench.GPU_CASES.items():
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(text)
+        cfg = cfg_of(recipe, "launch.nproc_per_node=1")  # the benchmark's --nproc-per-node 1
+        assert (cfg.train.micro_batch_size, cfg.world_size) == (1, 1)
+        assert cfg.train.global_batch_size == 8 and not cfg.compile.enabled

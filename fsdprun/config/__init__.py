@@ -23,6 +23,8 @@ from fsdprun.config.load import (
 from fsdprun.config.reference import recipe_reference
 from fsdprun.config.schema import (
     CHAT_ROLES,
+    TUNE_KNOBS,
+    TUNE_NUMERICS_KNOBS,
     ActivationCheckpointingConfig,
     ChatTurns,
     CheckpointConfig,
@@ -57,6 +59,7 @@ from fsdprun.config.schema import (
     TokenDtype,
     TrainConfig,
     Truncate,
+    TuneConfig,
     WrapPolicy,
     schema_fields,
 )
@@ -71,11 +74,12 @@ from fsdprun.config.validate import (
 __all__ = [
     "CHAT_ROLES", "CLI_SOURCE", "DEFAULT_SOURCE", "STRING_KEYS", "ActivationCheckpointingConfig",
     "ChatTurns", "CheckpointConfig", "CheckpointMode", "CompileConfig", "CompileMode",
-    "DataConfig", "DataSource", "Decay", "DeviceKind", "Dtype", "Engine", "EvalConfig", "Float8",
-    "FsdpConfig", "LaunchConfig", "LoraConfig", "LossKind", "ModelConfig", "ModelInit",
-    "NonFinite", "OnSaveError", "OptimConfig", "OptimImpl", "OutputConfig", "ParallelConfig",
-    "PrecisionConfig", "ProfileConfig", "RecipeConfig", "ResolvedRecipe", "ScheduleConfig",
-    "Sharding", "TokenDtype", "TrainConfig", "Truncate", "WrapPolicy", "accelerator_device_nodes",
+    "DataConfig", "DataSource", "Decay", "DeviceKind", "Dtype", "Engine", "EvalConfig",
+    "Float8", "FsdpConfig", "LaunchConfig", "LoraConfig", "LossKind", "ModelConfig",
+    "ModelInit", "NonFinite", "OnSaveError", "OptimConfig", "OptimImpl", "OutputConfig",
+    "ParallelConfig", "PrecisionConfig", "ProfileConfig", "RecipeConfig", "ResolvedRecipe",
+    "ScheduleConfig", "Sharding", "TUNE_KNOBS", "TUNE_NUMERICS_KNOBS", "TokenDtype",
+    "TrainConfig", "Truncate", "TuneConfig", "WrapPolicy", "accelerator_device_nodes",
     "builtin_recipes", "config_to_dict", "dump_config", "explain", "launch_device_problem",
     "load_recipe", "parse_overrides", "parse_size", "recipe_reference", "schema_fields",
     "validate",

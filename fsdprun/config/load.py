@@ -209,6 +209,9 @@ def _check_plain(key: str, value: Any, source: str) -> None:
     container here keeps a deep nest away from OmegaConf, which recurses through it."""
     if isinstance(value, list | dict):
         items = value.values() if isinstance(value, dict) else value
+        if schema_fields()[key].type.startswith("dict[str, list[") and isinstance(value, dict):
+            # A mapping of flat lists (tune.space: knob -> values): one level deeper, no more.
+            items = [x for v in items for x in (v if isinstance(v, list) else [v])]
         inner = next((v for v in items if isinstance(v, list | dict)), None)
         if inner is not None:
             raise UserError(

@@ -630,6 +630,41 @@ class LoraConfig:
     )
 
 
+# The knobs `fsdprun tune` may search (tune.space, --space): those that leave the training math
+# unchanged (up to floating-point summation order; micro_batch_size moves with the accumulation
+# derived from the global batch), and those that change the numerics (only with
+# --allow-numerics).
+TUNE_KNOBS = (
+    "fsdp.engine", "fsdp.sharding", "fsdp.shard_group_size", "fsdp.wrap", "fsdp.min_num_params",
+    "fsdp.reshard_after_forward", "fsdp.forward_prefetch", "fsdp.backward_prefetch",
+    "fsdp.limit_all_gathers", "fsdp.use_orig_params", "fsdp.accumulate_unsharded",
+    "fsdp.cpu_offload", "activation_checkpointing.mode", "activation_checkpointing.every_n",
+    "compile.enabled", "compile.per_block", "compile.mode", "train.micro_batch_size",
+    "train.loss", "train.loss_chunk_size", "optim.implementation",
+)  # fmt: skip
+TUNE_NUMERICS_KNOBS = ("precision.param_dtype", "precision.reduce_dtype", "precision.float8")
+
+
+@dataclass
+class TuneConfig:
+    space: dict[str, list[str]] = _f(
+        {},
+        "What `fsdprun tune` searches (training ignores this section): knob -> the values to "
+        "try, e.g. `{train.micro_batch_size: [2, 4, 8], fsdp.engine: [fsdp2]}`. A knob is one "
+        "that leaves the training math unchanged (fsdp.*, activation_checkpointing.*, "
+        "compile.*, train.micro_batch_size, train.loss, train.loss_chunk_size, "
+        "optim.implementation) or, only with --allow-numerics, precision.param_dtype, "
+        "reduce_dtype or float8. The recipe's own value is always tried. On the command line "
+        "`--space` wins: without `defaults` it replaces this space, with `--space defaults` it "
+        "changes only the knobs it names.",
+    )
+    defaults: bool = _f(
+        True,
+        "`true`: tune.space changes the default space (narrows a knob to fewer values, widens "
+        "it to more, adds a knob); `false`: tune searches tune.space's knobs only.",
+    )
+
+
 @dataclass
 class RecipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -650,6 +685,7 @@ class RecipeConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
     @property
     def world_size(self) -> int:

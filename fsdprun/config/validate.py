@@ -12,7 +12,9 @@ device nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import enum
 import glob
 import importlib.util
 import json
@@ -20,8 +22,13 @@ import math
 import re
 from pathlib import Path
 
+import yaml
+from omegaconf import OmegaConf
+
 from fsdprun.config.schema import (
     CHAT_ROLES,
+    TUNE_KNOBS,
+    TUNE_NUMERICS_KNOBS,
     CheckpointMode,
     DataSource,
     DeviceKind,
@@ -153,6 +160,7 @@ def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     errors += tracker_errors(tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb)
     errors += _profile_errors(cfg.profile, cfg.launch.device, ws)
     errors += _lora_errors(cfg)
+    errors += tune_space_errors(cfg.tune.space, where="tune.space")
     return errors
 
 
@@ -463,3 +471,39 @@ def _lora_errors(cfg: RecipeConfig) -> list[str]:
             f"{cfg.precision.float8.value}; set precision.float8=off"
         )
     return errors
+
+
+def tune_space_errors(space: dict[str, list[str]], *, where: str) -> list[str]:
+    """The tuning space's problems (tune.space, or --space as `where`): a key that is not a
+    tuning knob, a knob without values, a value its key's type refuses."""
+    errors = []
+    for key, values in space.items():
+        if key not in TUNE_KNOBS + TUNE_NUMERICS_KNOBS:
+            errors.append(
+                f"{where}: {key!r} is not a tuning knob (tune never changes the model, data, "
+                f"batch, lr, schedule or seed); knobs: {', '.join(TUNE_KNOBS)}; with "
+                f"--allow-numerics also {', '.join(TUNE_NUMERICS_KNOBS)}"
+            )
+            continue
+        if not values:
+            errors.append(f"{where}: {key} has no values; give a list such as [v1, v2]")
+            continue
+        section, name = key.split(".", 1)
+        kind = next(f for f in dataclasses.fields(RecipeConfig) if f.name == section)
+        node = OmegaConf.structured(kind.default_factory)
+        for value in values:
+            try:
+                OmegaConf.merge(node, {name: _yaml_value(value)})
+            except Exception:  # noqa: BLE001 - omegaconf's ValidationError and its subclasses
+                default = getattr(kind.default_factory(), name)
+                choices = (f" (one of {', '.join(m.value for m in type(default))})"
+                           if isinstance(default, enum.Enum) else "")  # fmt: skip
+                errors.append(f"{where}: {key} value {value!r} is not a valid {key}{choices}")
+    return errors
+
+
+def _yaml_value(text: str):
+    try:
+        return yaml.safe_load(str(text))
+    except yaml.YAMLError:
+        return text

@@ -8,7 +8,8 @@ measured trials decide, the winner comes out as a recipe layer.
    schedule, seq_len, model, data and seed never change; micro_batch_size moves with the
    accumulation derived from the global batch). Knobs that change the numerics (NUMERICS_KNOBS)
    only with --allow-numerics, and marked. `--space KEY=V1,V2` replaces the default space by the
-   knobs given (`--space defaults` keeps the defaults and changes only the knobs given).
+   knobs given (`--space defaults` keeps the defaults and changes only the knobs given); the
+   recipe's `tune:` section does the same from the recipe, and --space wins (parse_space).
 2. Pruning, before any launch, from `fsdprun plan`: a candidate the recipe's checks refuse, one
    whose planned peak per rank plus the margin exceeds the device memory, one that differs from
    another only in a knob the engine's knob table says does nothing (limit_all_gathers under
@@ -30,6 +31,9 @@ measured trials decide, the winner comes out as a recipe layer.
    is killed) or whose first losses disagree with the baseline's (LOSS_RTOL) is recorded with a
    one-line reason and the search goes on. OUT/trials.jsonl gets one record per finished trial,
    appended and fsynced; a rerun with the same --out replays it and runs only what is missing.
+6. Several nodes (launch.nnodes > 1): every node runs tune with the same arguments; node 0 does
+   all of the above and runs each trial on every node through fsdprun.tools.tune_nodes, the
+   others run its trials with it and print its report.
 
 Imports neither the training loop nor the launcher: trials are `fsdprun train` subprocesses.
 """
@@ -57,7 +61,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fsdprun.config import launch_device_problem, load_recipe
+from fsdprun.config import TUNE_KNOBS, TUNE_NUMERICS_KNOBS, launch_device_problem, load_recipe
+from fsdprun.config.validate import tune_space_errors
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.report.metrics import percentile, read_events
@@ -70,17 +75,11 @@ if TYPE_CHECKING:
 
     from fsdprun.config import RecipeConfig
 
-# Knobs that leave the training math unchanged (up to floating-point summation order).
-MATH_KNOBS = (
-    "fsdp.engine", "fsdp.sharding", "fsdp.shard_group_size", "fsdp.wrap", "fsdp.min_num_params",
-    "fsdp.reshard_after_forward", "fsdp.forward_prefetch", "fsdp.backward_prefetch",
-    "fsdp.limit_all_gathers", "fsdp.use_orig_params", "fsdp.accumulate_unsharded",
-    "fsdp.cpu_offload", "activation_checkpointing.mode", "activation_checkpointing.every_n",
-    "compile.enabled", "compile.per_block", "compile.mode", "train.micro_batch_size",
-    "train.loss", "train.loss_chunk_size", "optim.implementation",
-)  # fmt: skip
-# Knobs that change the numerics: searched only with --allow-numerics, and marked.
-NUMERICS_KNOBS = ("precision.param_dtype", "precision.reduce_dtype", "precision.float8")
+# Knobs that leave the training math unchanged (up to floating-point summation order), and those
+# that change the numerics (searched only with --allow-numerics, and marked): the recipe schema's
+# list, which tune.space is checked against.
+MATH_KNOBS = TUNE_KNOBS
+NUMERICS_KNOBS = TUNE_NUMERICS_KNOBS
 # Memory knobs and the value that costs nothing: a candidate that sets another value is tried
 # only where the same candidate with this value does not fit.
 MEMORY_KNOBS = {
@@ -157,9 +156,13 @@ def default_space(cfg: RecipeConfig, *, accelerator: bool) -> list[SpaceKnob]:
     compile is searched on accelerators only (a CPU's inductor build costs more than short trials
     can win back); hybrid sharding only across several nodes."""
     shardings = ["full", "grad_op"] + (["hybrid", "hybrid_zero2"] if cfg.launch.nnodes > 1 else [])
+    nproc, nnodes = cfg.launch.nproc_per_node, cfg.launch.nnodes
+    # Hybrid's shard groups: one node (null), or several nodes' ranks (fewer replicas).
+    groups = ["null", *(str(nproc * k) for k in range(2, nnodes) if nnodes % k == 0)]
     space = [
         ("fsdp.engine", ["fsdp2", "fsdp1"] if cfg.lora.rank == 0 else ["fsdp2"]),
         ("fsdp.sharding", shardings),
+        *([("fsdp.shard_group_size", groups)] if len(groups) > 1 else []),
         ("fsdp.forward_prefetch", ["0", "1"]),
         ("fsdp.limit_all_gathers", ["true", "false"]),
         ("activation_checkpointing.mode", ["none", "selective", "full"]),
@@ -179,42 +182,83 @@ def _with(values: list[str], baseline: str) -> tuple[str, ...]:
     return tuple(values if baseline in values else [baseline, *values])
 
 
+def canonical(value: Any) -> str:
+    """A knob value as tune compares it with the recipe's (`current_value`): YAML's spellings of
+    true, false and null (True, FALSE, ~) as one."""
+    text = str(value).strip()
+    return {"true": "true", "false": "false", "null": "null", "none": "null", "~": "null"}.get(
+        text.lower(), text
+    )
+
+
 def parse_space(
     items: list[str], cfg: RecipeConfig, *, accelerator: bool, allow_numerics: bool
 ) -> tuple[list[SpaceKnob], bool]:
-    """--space items → the space, and whether it is the default one (memory knobs dominated).
+    """The space from the recipe's `tune:` section and the --space items; and whether it is the
+    default one (then memory knobs are dominated: tried only where the same candidate without
+    them does not fit).
+
+    The command line wins: --space items without `defaults` are the whole space; with
+    `defaults` they change only their knobs of the recipe's space, which is the default space
+    (tune.defaults) with tune.space's knobs set.
 
     Raises:
         UserError: a key that is not a tuning knob, a numerics knob without --allow-numerics,
-            an item without values.
+            an item without values or with a value its key refuses, or an empty space.
     """
-    defaults = not items or "defaults" in items
+    replace = bool(items) and "defaults" not in items
+    defaults = not replace and cfg.tune.defaults
     knobs = {k.key: k for k in default_space(cfg, accelerator=accelerator)} if defaults else {}
+    given: list[tuple[str, str, list[str]]] = []
+    if not replace:
+        given += [("tune.space", key, list(vals)) for key, vals in cfg.tune.space.items()]
     for item in items:
         if item == "defaults":
             continue
         key, sep, values = item.partition("=")
-        key = key.strip()
         if not sep or not values.strip():
             raise UserError(
                 f"--space {item!r}: give KEY=V1,V2 (e.g. train.micro_batch_size=1,2,4), or "
                 "`defaults`"
             )
+        given.append(("--space", key.strip(), [v for v in values.split(",") if v.strip()]))
+    for where, key, vals in given:
         numerics = key in NUMERICS_KNOBS
         if numerics and not allow_numerics:
             raise UserError(
-                f"--space {key}: changes the numerics of training; add --allow-numerics to "
+                f"{where} {key}: changes the numerics of training; add --allow-numerics to "
                 "search it (the report marks such candidates)"
             )
         if key not in MATH_KNOBS and not numerics:
             raise UserError(
-                f"--space {key}: not a tuning knob (tune never changes the model, data, batch, "
+                f"{where} {key}: not a tuning knob (tune never changes the model, data, batch, "
                 f"lr, schedule or seed); knobs: {', '.join(MATH_KNOBS)}"
             )
-        vals = [v.strip() for v in values.split(",") if v.strip()]
+        problems = tune_space_errors({key: vals}, where=where)
+        if problems:
+            raise UserError(problems[0])
+        vals = [canonical(v) for v in vals]
         knobs[key] = SpaceKnob(key, _with(list(dict.fromkeys(vals)), current_value(cfg, key)),
                                numerics)  # fmt: skip
+    if not knobs:
+        raise UserError(
+            "nothing to search: tune.defaults is false and tune.space is empty; list knobs in "
+            "tune.space or give --space KEY=V1,V2"
+        )
     return list(knobs.values()), defaults
+
+
+def space_sources(items: list[str], cfg: RecipeConfig) -> str:
+    """Where the space comes from, in words (printed above it)."""
+    replace = bool(items) and "defaults" not in items
+    parts = [] if replace or not cfg.tune.defaults else ["the default space"]
+    if not replace and cfg.tune.space:
+        parts.append(f"the recipe's tune.space ({', '.join(cfg.tune.space)})")
+    named = [i.partition("=")[0] for i in items if i != "defaults"]
+    if named:
+        rest = ", which replaces the rest" if replace else ""
+        parts.append(f"--space ({', '.join(named)}){rest}")
+    return ", then ".join(parts)
 
 
 @dataclass
@@ -320,6 +364,15 @@ def prune(
         inert_of[c.id], engine_of[c.id] = inert_of[twin.id], engine_of[twin.id]
 
     for c in sorted(candidates, key=lambda c: (len(c.diff), c.index)):
+        if c is not base and (inert := _inert_here(c)) is not None:
+            twin = twin_of(c, inert, base.knobs[inert])
+            if twin is not None:
+                c.status = "pruned"
+                c.reason = (f"same as {twin.id}: {inert} does nothing under fsdp.sharding="
+                            f"{c.knobs.get('fsdp.sharding')}")  # fmt: skip
+                c.planned_peak_bytes = twin.planned_peak_bytes
+                c.planned_model_state_bytes = twin.planned_model_state_bytes
+                continue
         if c is not base:
             # The twin with every memory knob this candidate may drop back at its free value.
             heavy = {key: free for key, free in MEMORY_KNOBS.items()
@@ -359,6 +412,20 @@ def prune(
                 f"planned peak {fmt_bytes(c.planned_peak_bytes)} + {margin:.0%} margin > "
                 f"device memory {fmt_bytes(device_memory_bytes)}"
             )
+
+
+# Knobs that matter only beside certain values of another knob (where the knob table still
+# describes them): fsdp.shard_group_size sizes hybrid's shard groups only.
+ONLY_WITH = {"fsdp.shard_group_size": ("fsdp.sharding", ("hybrid", "hybrid_zero2"))}
+
+
+def _inert_here(c: Candidate) -> str | None:
+    """A knob this candidate changes that its other knobs make do nothing (ONLY_WITH; judged
+    only where the space holds the other knob too)."""
+    for key, (other, values) in ONLY_WITH.items():
+        if key in c.diff and other in c.knobs and c.knobs[other] not in values:
+            return key
+    return None
 
 
 _AC_COST = {"none": 0, "selective": 1, "every_n": 2, "full": 3}
@@ -459,11 +526,27 @@ def _fault_env(tid: str) -> dict[str, str]:
     return out
 
 
+def trial_env(tid: str) -> dict[str, str]:
+    """The environment of trial `tid`'s `fsdprun train`: this one, its fault drills, and never a
+    SLURM step's marks, so that the trial is its node's launcher as tune is (inside an srun step
+    of one task per node its `train` gets --nnodes as an override, not as the flag that tells
+    srun_env so)."""
+    env = dict(os.environ, **_fault_env(tid))
+    env.pop(FAULT_ENV, None)
+    env.pop("SLURM_STEP_ID", None)
+    return env
+
+
 def run_trial(
     recipe: str, overrides: list[str], cand: Candidate, *, tid: str, round_: Round, warmup: int,
-    out_dir: Path, timeout_s: float,
+    out_dir: Path, timeout_s: float, multi_node: bool = False, alive=None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One `fsdprun train` of `cand` in its own process group; its trial record."""
+    """One `fsdprun train` of `cand` in its own process group; its trial record.
+
+    `multi_node`: this is one node's part of a multi-node trial, whose metrics only the node of
+    global rank 0 writes: a part that ends well without them is "ok" without measurements (see
+    tune_nodes.merge_records). `alive()` is polled while the trial runs; once it is False (node 0
+    of a multi-node tune is gone) the trial is killed."""
     run_dir = out_dir / "trials" / tid
     log = out_dir / "logs" / f"{tid}.log"
     if run_dir.exists():  # left by a tune killed during this trial: its result was never logged
@@ -475,8 +558,7 @@ def run_trial(
         f"train.steps={total_steps}", f"output.timing_warmup_steps={warmup}",
         "--run-dir", str(run_dir),
     ]  # fmt: skip
-    env = dict(os.environ, **_fault_env(tid))
-    env.pop(FAULT_ENV, None)
+    env = trial_env(tid)
     record: dict[str, Any] = {
         "event": "trial", "id": tid, "candidate": cand.id, "label": cand.label,
         "overrides": cand.overrides, "round": round_.index, "measured_steps": round_.measured_steps,
@@ -487,10 +569,15 @@ def run_trial(
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
         try:
-            proc.wait(timeout=timeout_s)
+            _wait_trial(proc, timeout_s, alive)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             record["status"] = "timeout"
+        except _Abandoned:
+            _kill_group(proc)
+            record["status"], record["reason"] = "failed", "node 0 went away"
+            record["wall_s"] = time.perf_counter() - start
+            return record
         except BaseException:  # Ctrl-C: the trial goes with tune, and is never logged
             _kill_group(proc)
             raise
@@ -501,9 +588,13 @@ def run_trial(
     start_event = next((e for e in events if e["event"] == "start"), {})
     record["losses"] = [e["loss"] for e in steps]
     record["device_name"] = start_event.get("device_name")
+    record["world_size"] = start_event.get("world_size")
     if record.get("status") == "timeout":
         last = steps[-1]["step"] if steps else 0
         record["reason"] = f"hung: no result within {timeout_s:.0f} s (killed after step {last})"
+        return record
+    if multi_node and proc.returncode == 0 and not events:
+        record["status"] = "ok"  # global rank 0 ran on another node: its part has the figures
         return record
     if proc.returncode != 0 or summary is None:
         text = log.read_text(errors="replace")
@@ -527,6 +618,24 @@ def run_trial(
         model_state_bytes=max(r["model_state_bytes"]["total"] for r in ranks),
     )
     return record
+
+
+class _Abandoned(Exception):
+    """The trial's `alive()` turned False."""
+
+
+def _wait_trial(proc: subprocess.Popen, timeout_s: float, alive) -> None:
+    if alive is None:
+        proc.wait(timeout=timeout_s)
+        return
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        if not alive():
+            raise _Abandoned
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -741,7 +850,9 @@ def tuned_layer(
         value = value.value if isinstance(value, enum.Enum) else value
         tree.setdefault(section, {})[name] = value
 
-    user = [o for o in overrides if not o.lstrip("~").startswith("launch.")]
+    # Not the launch (the train command names it) nor the search's own tune.* (training
+    # ignores them; a tune of the layer starts from the recipe's section again).
+    user = [o for o in overrides if not o.lstrip("~").startswith(("launch.", "tune."))]
     values, drops = parse_overrides(user)
     fields = schema_fields()
     for key in drops:  # ~key: back to the schema's default, which a layer spells out
@@ -806,8 +917,17 @@ def probe_device(cfg: RecipeConfig) -> dict[str, Any]:
         return {"kind": "cpu"}
 
 
+# Launch values that name where a node runs, not what is measured: a search continues with
+# another rendezvous endpoint (a requeued job's first host), and its nodes differ in node_rank.
+PLACE_KEYS = ("launch.node_rank=", "launch.rdzv_endpoint=")
+
+
+def _measured_launch(args: TuneArgs) -> list[str]:
+    return [o for o in args.launch_overrides if not o.startswith(PLACE_KEYS)]
+
+
 def _search_key(args: TuneArgs, space: list[SpaceKnob]) -> str:
-    doc = json.dumps([args.recipe, args.overrides, args.launch_overrides,
+    doc = json.dumps([args.recipe, args.overrides, _measured_launch(args),
                       [asdict(k) for k in space], args.steps, args.repeats,
                       args.finalists], sort_keys=True)  # fmt: skip
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
@@ -831,11 +951,15 @@ def parse_duration(text: str, option: str) -> float:
 
 
 def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
-    """The whole search; returns the report (its JSON document).
+    """The whole search; returns the report (its JSON document). With launch.nnodes > 1 every
+    node calls this with the same arguments: node 0 searches, the others run its trials with it
+    (fsdprun.tools.tune_nodes) and return its report.
 
     Raises:
-        UserError: the recipe is invalid, --device-memory missing on CPU, a bad --space, or
-            --out holds another search.
+        UserError: the recipe is invalid, --device-memory missing on CPU, a bad --space, --out
+            holds another search, or a multi-node tune without --rdzv-endpoint or under
+            torchrun/srun as a worker.
+        NodeLost: another node of a multi-node tune went away.
     """
     say = say or (lambda text: None)
     started = time.perf_counter()
@@ -852,14 +976,86 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     device_problem = None if args.dry_run else launch_device_problem(cfg.launch.device)
     if device_problem:  # every trial would be refused the same way: say it once, up front
         raise UserError(device_problem)
-    if cfg.launch.nnodes > 1 or "RANK" in os.environ:
-        # Every node's tune would have to run the same trials in the same order, and only node 0
-        # sees the measurements that choose them.
+    if "RANK" in os.environ:
+        # Each trial is a launch of its own: tune is a node's launcher, never one of its workers.
         raise UserError(
-            f"fsdprun tune runs on one node for now (launch.nnodes={cfg.launch.nnodes}"
-            + (", or under torchrun/srun" if "RANK" in os.environ else "")
-            + "): tune at one node's world size, then train the tuned layer on all nodes"
+            "fsdprun tune runs as each node's launcher, not as a worker of torchrun or of a "
+            "multi-task srun step: run one tune per node (srun --ntasks-per-node 1 ... with "
+            "--nnodes, --node-rank and --rdzv-endpoint, as for fsdprun train)"
         )
+    launch = cfg.launch
+    if launch.nnodes > 1 and not launch.rdzv_endpoint:
+        raise UserError(
+            f"launch.nnodes is {launch.nnodes}: pass --rdzv-endpoint HOST:PORT (node 0's "
+            "address) and --node-rank on every node"
+        )
+    if launch.nnodes > 1 and launch.node_rank > 0 and not args.dry_run:
+        return _follow(args, cfg, say)
+    leader = None
+    if launch.nnodes > 1 and not args.dry_run:
+        from fsdprun.tools.tune_nodes import Leader
+
+        # Up before the plan prunes (seconds for a large space), so the other nodes join now.
+        leader = Leader(launch.rdzv_endpoint, nnodes=launch.nnodes, search=_nodes_key(args),
+                        timeout_s=launch.rdzv_timeout_s)  # fmt: skip
+    try:
+        report = _lead(args, resolved, cfg, started, say, leader)
+    except BaseException as e:
+        if leader is not None:
+            why = (str(e).strip().splitlines() or [""])[0]
+            if isinstance(e, UserError):
+                leader.finish({"error": why})
+            else:  # Ctrl-C (or a bug): no waiting for the others on the way out
+                leader.finish({"error": f"{type(e).__name__}{': ' + why if why else ''}"},
+                              wait_s=0)  # fmt: skip
+        raise
+    if leader is not None:
+        leader.finish({"report": report})
+    return report
+
+
+def _nodes_key(args: TuneArgs) -> str:
+    """What every node of a multi-node tune must agree on: the arguments but --node-rank."""
+    doc = json.dumps([args.recipe, args.overrides, _measured_launch(args), args.space,
+                      args.allow_numerics, args.steps, args.repeats, args.finalists],
+                     sort_keys=True)  # fmt: skip
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def _follow(args: TuneArgs, cfg: RecipeConfig, say) -> dict[str, Any]:
+    """A node but node 0: run node 0's trials with it; its trial folders are OUT/node-N/ (OUT
+    may be shared with node 0's)."""
+    from fsdprun.tools.tune_nodes import REPORT_SLACK_S, follow
+
+    node = cfg.launch.node_rank
+    out = args.out_dir / f"node-{node}"
+    overrides = [*args.overrides, *args.launch_overrides]
+
+    def run_here(trial: dict[str, Any], alive) -> dict[str, Any]:
+        diff = dict(o.split("=", 1) for o in trial["overrides"])
+        cand = Candidate(int(trial["candidate"][1:]), diff, diff)
+        # Node 0 kills its part at the timeout, and this part then loses its peers: the slack
+        # keeps this node from cutting a trial that node 0 still counts.
+        rec = run_trial(args.recipe, [*overrides, f"launch.rdzv_endpoint={trial['endpoint']}"],
+                        cand, tid=trial["tid"], round_=Round(**trial["round"]),
+                        warmup=trial["warmup"], out_dir=out,
+                        timeout_s=trial["timeout_s"] + REPORT_SLACK_S / 2, multi_node=True,
+                        alive=alive)  # fmt: skip
+        say(f"  {trial['tid']} {cand.label}: this node's part {rec['status']} "
+            f"({rec['wall_s']:.1f} s)")  # fmt: skip
+        return rec
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    with hold_run_dir(args.out_dir, node_rank=node):
+        report = follow(cfg.launch.rdzv_endpoint, node_rank=node, search=_nodes_key(args),
+                        timeout_s=cfg.launch.rdzv_timeout_s, run_here=run_here,
+                        say=say)  # fmt: skip
+    return dict(report, node_rank=node)
+
+
+def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
+    """One node's search, or node 0's of several (each trial through `leader`)."""
+    base_overrides = [*args.overrides, *args.launch_overrides]
     device = probe_device(cfg)
     accelerator = device["kind"] != "cpu"
     if args.device_memory_bytes is None and device["kind"] == "cpu":
@@ -881,7 +1077,7 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     warmup = max(cfg.output.timing_warmup_steps, 1)
     param_dtype = cfg.precision.param_dtype.value
     rtol = LOSS_RTOL[param_dtype]
-    _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol)
+    _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg)
     if args.dry_run:
         rounds = halving_schedule(len(order), steps=args.steps, finalists=args.finalists,
                                   repeats=args.repeats)  # fmt: skip
@@ -903,8 +1099,10 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
         log = TrialLog(args.out_dir / LOG_FILE, header)
         if log.records:
             say(f"continuing {args.out_dir}: {len(log.records)} finished trials in {LOG_FILE}")
+        if leader is not None:
+            leader.wait_for_nodes(say)
         stop, left_out = _search(args, log, order, warmup=warmup, rtol=rtol, started=started,
-                                 say=say)  # fmt: skip
+                                 say=say, leader=leader)  # fmt: skip
         for c in candidates:
             if c.id in left_out:
                 c.reason = left_out[c.id]
@@ -914,10 +1112,10 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     return report
 
 
-def _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol):
+def _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg):
     from fsdprun.report.console import fmt_bytes
 
-    say(f"space ({len(candidates)} candidates):")
+    say(f"space ({len(candidates)} candidates) from {space_sources(args.space, cfg)}:")
     for k in space:
         mark = "  [numerics: changes the math]" if k.numerics else ""
         say(f"  {k.key}: {', '.join(k.values)}{mark}")
@@ -933,7 +1131,9 @@ def _print_space(say, space, candidates, order, memory, memory_source, args, war
         f"rtol {rtol:g} of the baseline's")  # fmt: skip
 
 
-def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None, dict]:
+def _search(
+    args, log, order, *, warmup, rtol, started, say, leader=None
+) -> tuple[str | None, dict]:
     """Run the rounds. Returns why the search stopped early (the budget) or None, and the
     candidates the budget left out of the first round (id -> reason)."""
     records = log.records
@@ -987,7 +1187,8 @@ def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None
                         return (f"--budget {args.budget_s:.0f} s spent after {elapsed():.0f} s: "
                                 f"{tid} and later trials not run"), left_out  # fmt: skip
                     _trial(args, log, cand, base, tid=tid, rnd=rnd, warmup=warmup, rtol=rtol,
-                           timeout_s=timeout(rnd.measured_steps, cand), say=say)  # fmt: skip
+                           timeout_s=timeout(rnd.measured_steps, cand), say=say,
+                           leader=leader)  # fmt: skip
                 if round_index == 0 and not final and not fitted and (c := costs()):
                     # Once one trial has run: as many candidates as the budget's schedule covers.
                     fitted = True
@@ -1019,12 +1220,22 @@ def _search(args, log, order, *, warmup, rtol, started, say) -> tuple[str | None
     raise AssertionError("unreachable")
 
 
-def _trial(args, log, cand, base, *, tid, rnd, warmup, rtol, timeout_s, say) -> None:
-    """Run one trial, check its losses against the baseline's of the same round, log it."""
+def _trial(args, log, cand, base, *, tid, rnd, warmup, rtol, timeout_s, say, leader) -> None:
+    """Run one trial (on every node, through `leader`, when there are several), check its
+    losses against the baseline's of the same round, log it."""
     records = log.records
-    rec = run_trial(args.recipe, [*args.overrides, *args.launch_overrides], cand, tid=tid,
-                    round_=rnd, warmup=warmup, out_dir=args.out_dir,
-                    timeout_s=timeout_s)  # fmt: skip
+    overrides = [*args.overrides, *args.launch_overrides]
+    if leader is None:
+        rec = run_trial(args.recipe, overrides, cand, tid=tid, round_=rnd, warmup=warmup,
+                        out_dir=args.out_dir, timeout_s=timeout_s)  # fmt: skip
+    else:
+        doc = {"tid": tid, "candidate": cand.id, "overrides": cand.overrides,
+               "round": asdict(rnd), "warmup": warmup, "timeout_s": timeout_s}  # fmt: skip
+        rec = leader.run(doc, lambda t: run_trial(
+            args.recipe, [*overrides, f"launch.rdzv_endpoint={t['endpoint']}"], cand, tid=tid,
+            round_=rnd, warmup=warmup, out_dir=args.out_dir, timeout_s=timeout_s,
+            multi_node=True,
+        ))  # fmt: skip
     ref = next((r for r in records if r["candidate"] == base.id and r["round"] == rnd.index
                 and r["status"] == "ok"), None)  # fmt: skip
     if rec["status"] == "ok" and ref is not None and cand is not base:
@@ -1056,20 +1267,8 @@ def _report(args, resolved, cfg, candidates, records, memory, memory_source, sto
         bad = [x for x in mine if x["status"] != "ok"]
         peak = max((x["peak_bytes"] for x in ok), default=None)
         state = max((x["model_state_bytes"] for x in ok), default=None)
-        flags = []
-        if state and c.planned_model_state_bytes:
-            ratio = state / c.planned_model_state_bytes
-            if abs(ratio - 1) > MODEL_STATE_RTOL:
-                flags.append(f"model state measured {ratio:.2f}x the plan (beyond its "
-                             f"{MODEL_STATE_RTOL:.0%}): a bug in plan")  # fmt: skip
         kind = ok[0]["memory_kind"] if ok else None
-        if (
-            peak
-            and kind == "allocated"
-            and c.planned_peak_bytes
-            and (peak > c.planned_peak_bytes * (1 + args.margin))
-        ):
-            flags.append(f"peak allocated {peak / c.planned_peak_bytes:.2f}x the plan")
+        flags = plan_flags(c, ok, margin=args.margin)
         rows.append({
             "candidate": c.id, "label": c.label, "overrides": c.overrides,
             "numerics": c.numerics,
@@ -1110,7 +1309,7 @@ def _report(args, resolved, cfg, candidates, records, memory, memory_source, sto
               if row.get("peak_bytes") and row.get("tokens_per_s")]  # fmt: skip
     return {
         "recipe": resolved.name, "recipe_ref": ref, "overrides": args.overrides,
-        "world_size": cfg.world_size, "hardware": hardware,
+        "world_size": cfg.world_size, "nnodes": cfg.launch.nnodes, "hardware": hardware,
         "device_memory_bytes": memory, "device_memory_source": memory_source,
         "margin": args.margin, "loss_rtol": rtol, "budget_s": args.budget_s,
         "elapsed_s": time.perf_counter() - started, "stopped_early": stop,
@@ -1122,6 +1321,27 @@ def _report(args, resolved, cfg, candidates, records, memory, memory_source, sto
         "pareto": pareto_front(points),
         "candidates": rows,
     }  # fmt: skip
+
+
+def plan_flags(c: Candidate, ok: list[dict[str, Any]], *, margin: float) -> list[str]:
+    """Where a candidate's measured memory disagrees with its plan beyond what the plan states
+    (each a bug in `plan`, either way): model state per rank beyond MODEL_STATE_RTOL, and the
+    peak allocated on an accelerator beyond the pruning margin (a CPU's RSS also holds the
+    torch runtime, which the plan does not count)."""
+    flags = []
+    state = max((x["model_state_bytes"] for x in ok), default=None)
+    if state and c.planned_model_state_bytes:
+        ratio = state / c.planned_model_state_bytes
+        if abs(ratio - 1) > MODEL_STATE_RTOL:
+            flags.append(f"model state measured {ratio:.2f}x the plan (beyond its "
+                         f"{MODEL_STATE_RTOL:.0%}): a bug in plan")  # fmt: skip
+    peak = max((x["peak_bytes"] for x in ok if x["memory_kind"] == "allocated"), default=None)
+    if peak and c.planned_peak_bytes:
+        ratio = peak / c.planned_peak_bytes
+        if abs(ratio - 1) > margin:
+            flags.append(f"peak allocated {ratio:.2f}x the plan (beyond the {margin:.0%} "
+                         "margin): a bug in plan")  # fmt: skip
+    return flags
 
 
 def _hardware(records: list[dict[str, Any]], cfg: RecipeConfig) -> str:
@@ -1209,4 +1429,9 @@ def render(report: dict[str, Any], console: Console) -> None:
     if report["stopped_early"]:
         console.print(f"stopped early: {report['stopped_early']}")
     console.print(report["verdict"])
-    console.print(f"wrote {report['tuned_yaml']}; train it with:\n  {report['command']}")
+    node = report.get("node_rank", 0)
+    who = "wrote" if node == 0 else f"node 0 wrote (on its machine; --out holds node-{node}/ here)"
+    console.print(f"{who} {report['tuned_yaml']}; train it with:\n  {report['command']}")
+    if report.get("nnodes", 1) > 1:
+        console.print(f"  (on every node, each with its own --node-rank; {TUNED_FILE} and the "
+                      "recipe at the same path there)")  # fmt: skip
