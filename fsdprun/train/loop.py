@@ -306,6 +306,7 @@ class TrainLoop:
         stopped = None
         profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=self.rank,
                                 world_size=self.layout.world_size, device_kind=self.device.kind,
+                                start_step=start_step,
                                 warn=self.events.warn if self.rank == 0 else None)  # fmt: skip
         try:
             for step in range(start_step, cfg.train.steps):
