@@ -39,6 +39,7 @@ from fsdprun.rundir import (
     checkpoint_root,
     earlier_recipe_path,
     logs_dir,
+    recipe_header,
     recipe_path,
     stop_path,
 )
@@ -140,7 +141,7 @@ def write_recipe(run_dir: Path, resolved: ResolvedRecipe) -> None:
             while earlier_recipe_path(run_dir, n).exists():
                 n += 1
             target.rename(earlier_recipe_path(run_dir, n))
-        target.write_text(f"# resolved by fsdprun from '{resolved.name}'\n{resolved.to_yaml()}")
+        target.write_text(f"{recipe_header(resolved.name)}\n{resolved.to_yaml()}")
     except OSError as e:
         raise UserError(f"cannot write the run directory {run_dir}: {e.strerror}") from e
 
