@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from fsdprun import __version__
 from fsdprun.config import builtin_recipes, explain, launch_device_problem, load_recipe
 from fsdprun.errors import StorageError, UserError
+from fsdprun.report.output import output_console
 from fsdprun.rundir import (
     RECIPE_FILE,
     checkpoint_root,
@@ -57,7 +57,7 @@ app = typer.Typer(
     # name per option in the help, which stays readable at 80 columns.
     context_settings={"token_normalize_func": _dashes},
 )
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+err_console = output_console(stderr=True, highlight=False, soft_wrap=True)
 
 Recipe = Annotated[str, typer.Argument(help="A recipe YAML path or a built-in recipe name.")]
 Overrides = Annotated[
@@ -509,7 +509,7 @@ def inspect_checkpoint(
     if json_:
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     elif doc["kind"] == "run" or doc["complete"]:
-        render(doc, Console(highlight=False))
+        render(doc, output_console(highlight=False))
     if reason:
         raise _fail(reason, 1)
     if changed := base_problem(doc):
@@ -901,7 +901,7 @@ def _show(document: dict, *, json_: bool, render, plot: Path | None, figure: str
     if json_:
         sys.stdout.write(json.dumps(document, indent=1) + "\n")
     elif render is not None:
-        render(Console(highlight=False))
+        render(output_console(highlight=False))
     if plot is not None:
         from fsdprun.report import plot as plots
 

@@ -402,11 +402,18 @@ def _launch(
         raise StorageError(watch.message(**vanished))
     summary = results.get(0)
     # Rank 0 may run on another node: any local rank's result tells that the run stopped.
-    stopped = next((r["stopped"] for r in results.values() if r and r.get("stopped")), None)
-    if stopped:
-        raise Stopped(
-            f"stopped at step {stopped['step']} ({stopped['reason']}); checkpoint "
-            f"{stopped['checkpoint']}; continue with: fsdprun resume {run_dir}",
-            exit_code=128 + (stop.signum or signal.SIGTERM),
+    stops = [r["stopped"] for r in results.values() if r and r.get("stopped")]
+    if stops:
+        signum = stop.signum or next(
+            (signal.Signals[s["signal"]] for s in stops if s.get("signal")), None
         )
+        message = (
+            f"stopped at step {stops[0]['step']} ({stops[0]['reason']}); checkpoint "
+            f"{stops[0]['checkpoint']}; continue with: fsdprun resume {run_dir}"
+        )
+        # A signal ends the command as a signal does (128 + signal: what a shell and SLURM
+        # expect of a job they terminated); a STOP file is a stop the user asked for, with
+        # everything saved: a success (exit 0), and the report says where it stopped.
+        if signum is not None:
+            raise Stopped(message, exit_code=128 + signum)
     return summary

@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fsdprun.report.metrics import read_events
+from fsdprun.report.output import output_console
 
 GIB = 1024**3
 
@@ -119,7 +120,7 @@ class Reporter:
     """Turns metrics events into console output (call from one thread)."""
 
     def __init__(self, console: Console | None = None, *, live: bool = True):
-        self.console = console or Console()
+        self.console = console or output_console()
         self.live = live and self.console.is_terminal
         self.progress: Progress | None = None
         self.task = None
@@ -322,6 +323,16 @@ class Reporter:
                 "what the rank holds after an optimizer step."
             )
         val = e.get("final_val_loss")
+        stopped = e.get("stopped")
+        if stopped:  # an agreed stop: not the end of the run, which goes on with resume
+            val_text = f"; val loss {val:.4f}" if val is not None else ""
+            self.console.print(
+                f"stopped at step {stopped['step']} of {e['steps']} ({stopped['reason']}; "
+                f"checkpoint {stopped['checkpoint']}); loss {e['final_loss']:.4f}{val_text}; "
+                f"continue with: fsdprun resume {stopped.get('run_dir', '<run dir>')}; "
+                f"metrics in {e['metrics_file']}; wall time {e['wall_time_s']:.1f} s"
+            )
+            return
         val_text = f"; final val loss {val:.4f}" if val is not None else ""
         self.console.print(
             f"final loss {e['final_loss']:.4f}{val_text}; metrics in {e['metrics_file']}; "

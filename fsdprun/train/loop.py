@@ -504,6 +504,10 @@ class TrainLoop:
             "step": done,
             "checkpoint": str(step_dir(self.run_dir, done)),
             "reason": self.stop_signals.requested or "another rank was asked to stop",
+            # A signal this rank received itself (SLURM signals every process), or None: a STOP
+            # file, which the launcher also writes on its own SIGTERM/SIGINT (it knows that one).
+            "signal": self.stop_signals.signal_name,
+            "run_dir": str(self.run_dir),
         }
         self.events.emit("stopped", **stopped)
         return stopped
