@@ -60,6 +60,16 @@ def test_plot_overlays_runs_with_their_values(fsdprun_runs, tmp_path):
     heights = [round(p.get_height() * GIB) for p in memory.patches]
     want = [r["peak_rss_bytes"] for run in runs for r in run.summary["ranks"]]
     assert heights == want and memory.get_ylabel() == "peak RSS (GiB)"
+    # The title names the recipe, the run folders and the day they started (their start event).
+    day = runs[0].start["started_at"][:10]
+    assert fig.get_suptitle() == (
+        f"fsdprun debug: 2 runs, {runs[0].run_dir}, {runs[1].run_dir} ({day})"
+    )
+    # Two runs: every panel holds two lines (or two runs' bars) and names them.
+    for ax in fig.axes:
+        assert [t.get_text() for t in ax.get_legend().get_texts()][-1].startswith(
+            runs[1].run_dir.name
+        ), ax.get_title()
 
 
 def _write_metrics(run_dir: Path, events: list[dict]) -> Path:
@@ -86,6 +96,50 @@ def test_a_step_logged_again_after_a_resume_is_drawn_once_with_its_latest_value(
     assert by_step.lines[0].get_xydata().tolist() == [[1, 5.0], [2, 4.0], [3, 3.0], [4, 2.0]]
     assert [line.get_xdata()[0] for line in by_step.lines[1:]] == [2]  # where it resumed
     assert [p.get_height() for p in memory.patches] == [1.0]  # rank 0, from the step events
+
+
+def test_every_panel_is_labelled_with_its_unit_and_resumes_and_restarts_are_named(tmp_path):
+    # One run: resumed from step 2, then restarted by the elastic agent from step 3; evaluated.
+    started = "2026-12-02T04:05:06+00:00"
+    run_dir = _write_metrics(tmp_path / "run", [
+        {"event": "start", "recipe": "llama-1b", "started_at": started}, _step(1, 5.0),
+        _step(2, 4.0), {"event": "eval", "step": 2, "val_loss": 4.5}, {"event": "start"},
+        {"event": "resume", "step": 2, "attempt": 0}, _step(3, 3.0),
+        {"event": "restart", "step": 3, "attempt": 1}, _step(4, 2.0),
+    ])  # fmt: skip
+    fig = plot_runs([run_dir], tmp_path / "p.png")
+    assert fig.get_suptitle() == f"fsdprun llama-1b: {run_dir} (started 2026-12-02 04:05 UTC)"
+    assert [ax.get_title() for ax in fig.axes] == PANELS
+    ylabels = [ax.get_ylabel() for ax in fig.axes]
+    assert ylabels == [
+        "loss (cross-entropy, nats/token)", "loss (cross-entropy, nats/token)",
+        "learning rate (no unit)", "grad norm (global L2, before clipping)",
+        "tokens/s (all ranks)", "peak RSS (GiB)",
+    ]  # fmt: skip
+    by_step, by_tokens, lr, norm, speed, memory = fig.axes
+    markers = ["resumed at step 2", "restart 1 at step 3"]
+    legends = {
+        ax.get_title(): [t.get_text() for t in ax.get_legend().get_texts()]
+        for ax in fig.axes
+        if ax.get_legend() is not None
+    }
+    assert legends == {
+        "loss by step": ["train", "val", *markers],
+        "learning rate": ["learning rate", *markers],
+        "grad norm": ["grad norm", *markers],
+        "tokens/s": ["tokens/s", *markers],
+    }
+    # A panel without a legend holds one line (or one run's bars) only.
+    assert len(by_tokens.lines) == 1 and memory.get_legend() is None
+    for ax in (by_step, lr, norm, speed):
+        assert [line.get_xdata()[0] for line in ax.lines[-2:]] == [2, 3]  # the markers
+        ax.figure.canvas.draw()  # tick positions as drawn
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+    assert [t.get_text().strip() for t in by_step.texts] == ["resumed", "restart 1"]
+    # A run of an older version has no start time: dated by its metrics file, said as such.
+    old = _write_metrics(tmp_path / "old", [{"event": "start", "recipe": "debug"}, _step(1, 5.0)])
+    assert f"{old} (metrics last written 20" in plot_runs([old], tmp_path / "o.png").get_suptitle()
 
 
 def test_plot_command_errors_are_one_line_and_it_needs_no_torch(tmp_path, monkeypatch):

@@ -54,7 +54,13 @@ class RunCurves:
     label: str
     steps: list[dict[str, Any]]  # {"step": int, **STEP_VALUES}, one per step, in step order
     evals: list[dict[str, Any]]  # {"step": int, "val_loss": float}
-    sessions: list[int] = field(default_factory=list)  # steps where a resume/restart began
+    # Where a later session began: (what, step), what = "resumed" or "restart N" (the elastic
+    # agent's N-th restart of the workers), step = the checkpoint's step it continued from.
+    sessions: list[tuple[str, int]] = field(default_factory=list)
+    recipe: str | None = None  # the first session's start event
+    run_dir: str = ""
+    # "started 2026-12-02 04:00 UTC" (the start event's), else "metrics last written ..."
+    started_at: str | None = None
     memory: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> memory figures
     skipped: str | None = None  # one line on what could not be read, when something could not
 
@@ -135,54 +141,121 @@ def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
     if value.gaps:
         skipped.append(f"{value.gaps} value{'s' if value.gaps != 1 else ''} missing, not a "
                        "number or not finite (drawn as gaps)")  # fmt: skip
+    start = next((e for e in read.events if e["event"] == "start"), {})
     return RunCurves(
         label=label or run_dir.name,
         steps=curves,
         evals=val,
-        sessions=[e["step"] for e in read.events
+        sessions=[(_session_name(e), e["step"]) for e in read.events
                   if e["event"] in ("resume", "restart") and integer(e.get("step")) is not None],
         memory=memory,
         skipped=f"{metrics}: skipped " + ", ".join(skipped) if skipped else None,
+        recipe=start.get("recipe") if isinstance(start.get("recipe"), str) else None,
+        run_dir=str(run_dir),
+        started_at=_started_at(start.get("started_at"), metrics),
     )  # fmt: skip
 
 
+def _session_name(event: dict[str, Any]) -> str:
+    attempt = integer(event.get("attempt"))
+    return f"restart {attempt}" if event["event"] == "restart" and attempt else "resumed"
+
+
+def _started_at(value: Any, metrics: Path) -> str:
+    """'started YYYY-MM-DD HH:MM UTC' from the start event; a run that did not record it (an
+    older version) is dated by its metrics file's last write, said as such."""
+    from datetime import datetime, timezone
+
+    if isinstance(value, str):
+        try:
+            return (
+                datetime.fromisoformat(value)
+                .astimezone(timezone.utc)
+                .strftime("started %Y-%m-%d %H:%M UTC")
+            )
+        except ValueError:
+            pass
+    written = datetime.fromtimestamp(metrics.stat().st_mtime, timezone.utc)
+    return f"metrics last written {written:%Y-%m-%d %H:%M UTC}"
+
+
+# Each panel's y label names its unit (the loss is the mean cross-entropy of the trained
+# targets, in nats; the learning rate is a plain number; the grad norm is the global L2 norm of
+# all gradients, which clip_grad_norm_ returns before it clips).
+LOSS_LABEL = "loss (cross-entropy, nats/token)"
+Y_LABELS = (
+    LOSS_LABEL, LOSS_LABEL, "learning rate (no unit)", "grad norm (global L2, before clipping)",
+    "tokens/s (all ranks)",
+)  # fmt: skip
+
+
+def figure_title(runs: list[RunCurves]) -> str:
+    """What the figure shows: the recipe(s), the run folder(s) and when they started."""
+    recipes = list(dict.fromkeys(r.recipe or "recipe unknown" for r in runs))
+    if len(runs) == 1:
+        run = runs[0]
+        return f"fsdprun {recipes[0]}: {run.run_dir} ({run.started_at})"
+    days = (r.started_at.split()[-3] if r.started_at else "date unknown" for r in runs)
+    dates = list(dict.fromkeys(days))
+    return (f"fsdprun {' vs '.join(recipes)}: {len(runs)} runs, "
+            f"{', '.join(r.run_dir for r in runs)} ({', '.join(dates)})")  # fmt: skip
+
+
 def build_figure(runs: list[RunCurves]):
-    """One matplotlib Figure with the six panels of TITLES, the runs overlaid."""
+    """One matplotlib Figure with the six panels of TITLES, the runs overlaid: a title naming
+    the recipe, run folder(s) and date, a y label with its unit on every panel, integer step
+    ticks, resumes and restarts as named dotted lines, and a legend on each panel that holds
+    more than one line (or more than one run's bars)."""
     try:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError as e:
         raise UserError("fsdprun plot needs matplotlib: pip install 'fsdprun[plot]'") from e
 
     # A Figure made without pyplot: no GUI backend, no global state; savefig renders with Agg.
     fig = Figure(figsize=FIGURE_SIZE_IN, dpi=DPI, layout="constrained")
+    fig.suptitle(figure_title(runs))
     axes = fig.subplots(2, 3).flatten()
     by_step, by_tokens, lr, norm, speed, mem = axes
     for ax, title in zip(axes, TITLES, strict=True):
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
-    for ax in (by_step, lr, norm, speed):
+    for ax, ylabel in zip(axes, Y_LABELS, strict=False):
+        ax.set_ylabel(ylabel)
+    step_axes = (by_step, lr, norm, speed)
+    for ax in step_axes:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5
     by_tokens.set_xlabel("tokens seen")
-    by_step.set_ylabel("loss")
-    speed.set_ylabel("tokens/s (all ranks)")
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
+        # Several runs are told apart by their label; a single run needs none on its curves.
+        name = f"{run.label} " if len(runs) > 1 else ""
         x = [s["step"] for s in run.steps]
-        by_step.plot(x, [s["loss"] for s in run.steps], color=color, label=f"{run.label} train")
+        by_step.plot(x, [s["loss"] for s in run.steps], color=color, label=f"{name}train")
         if run.evals:
             val_x = [e["step"] for e in run.evals]
             by_step.plot(val_x, [e["val_loss"] for e in run.evals], color=color, ls="--",
-                         marker="o", ms=3, label=f"{run.label} val")  # fmt: skip
+                         marker="o", ms=3, label=f"{name}val")  # fmt: skip
         tokens = [s["tokens_seen"] for s in run.steps]
-        by_tokens.plot(tokens, [s["loss"] for s in run.steps], color=color, label=run.label)
-        lr.plot(x, [s["lr"] for s in run.steps], color=color)
-        norm.plot(x, [s["grad_norm"] for s in run.steps], color=color)
-        speed.plot(x, [s["tokens_per_s"] for s in run.steps], color=color)
-        for i, step in enumerate(run.sessions):
-            label = f"{run.label} resumed" if i == 0 else None
-            by_step.axvline(step, color=color, ls=":", lw=1, label=label)
+        by_tokens.plot(tokens, [s["loss"] for s in run.steps], color=color,
+                       label=f"{name}train")  # fmt: skip
+        for ax, key, what in ((lr, "lr", "learning rate"), (norm, "grad_norm", "grad norm"),
+                              (speed, "tokens_per_s", "tokens/s")):  # fmt: skip
+            ax.plot(x, [s[key] for s in run.steps], color=color, label=name.strip() or what)
+        for what, step in run.sessions:
+            for ax in step_axes:
+                ax.axvline(step, color=color, ls=":" if what == "resumed" else "-.", lw=1.2,
+                           label=f"{name}{what} at step {step}")  # fmt: skip
+            # Named on the loss panel itself too, beside its line.
+            by_step.annotate(f" {name}{what}", (step, 1.0), xycoords=("data", "axes fraction"),
+                             rotation=90, va="top", ha="left", fontsize="small",
+                             color=color)  # fmt: skip
     _memory_bars(mem, runs, colors)
-    by_step.legend(fontsize="small")
+    for ax in axes:
+        drawn = [h for h in ax.get_legend_handles_labels()[1] if not h.startswith("_")]
+        if len(drawn) > 1:
+            ax.legend(fontsize="small")
     return fig
 
 
