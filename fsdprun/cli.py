@@ -707,8 +707,9 @@ def plan(
             device_memory, option="--device-memory", expected=expected, bare_unit="GB"
         )
     result = plan_recipe(
-        recipe, overrides or [], world_size=world_size, nnodes=nnodes, device_memory_bytes=memory
-    ).to_dict()
+        recipe, overrides or [], world_size=world_size, nnodes=nnodes, device_memory_bytes=memory,
+        device_memory_text=device_memory.strip() if device_memory else None,
+    ).to_dict()  # fmt: skip
     _show(result, json_=json_, render=lambda c: render_plan(result, c), plot=plot_,
           figure="plan_figure")  # fmt: skip
 

@@ -183,7 +183,13 @@ def test_plan_plot_stacks_each_strategys_memory_under_the_device_line(tmp_path):
     assert ax.get_title().startswith(f"{PLAN_TITLE}: llama-70b, 64 ranks (8 x 8)")
     names = list(doc["strategies"])
     assert {"ddp", "full", "grad_op", "hybrid"} <= set(names)
-    assert [t.get_text() for t in ax.get_xticklabels()] == names
+    # The recipe's own strategy is named under its bar, and outlined.
+    assert doc["recipe_strategy"] == "full"
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "full\n(recipe)" if n == "full" else n for n in names
+    ]
+    [outline] = [c for c in ax.containers if c.get_label() == "the recipe's strategy (full)"]
+    assert outline[0].get_height() == pytest.approx(doc["strategies"]["full"]["total"] / GIB)
     # One stacked segment per component (none drawn for one that is zero everywhere), each
     # starting where the one below ended, the stack adding up to the plan's total.
     drawn = {
@@ -201,7 +207,28 @@ def test_plan_plot_stacks_each_strategys_memory_under_the_device_line(tmp_path):
         tops = [t + w for t, w in zip(tops, want, strict=True)]
     assert tops == pytest.approx([doc["strategies"][n]["total"] / GIB for n in names])
     [line] = ax.lines
-    assert list(line.get_ydata()) == [80e9 / GIB] * 2 and "74.5 GiB" in line.get_label()
+    # The device line says the size as typed and in the axis' unit (80 GB is 74.5 GiB).
+    assert list(line.get_ydata()) == [80e9 / GIB] * 2
+    assert line.get_label() == "device memory 80GB = 74.5 GiB"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[:2] == ["device memory 80GB = 74.5 GiB", "the recipe's strategy (full)"]
+    [percent] = ax.child_axes  # a right-hand axis in percent of the device memory
+    assert percent.get_ylabel() == "% of device memory"
+    # ddp's 1.2 TiB does not flatten the others: the axis ends a little above the tallest bar
+    # within 4x the device memory (grad_op), ddp's bar is cut there with its total written on it.
+    totals = {n: doc["strategies"][n]["total"] / GIB for n in names}
+    top = ax.get_ylim()[1]
+    assert totals["ddp"] > 1000 and top == pytest.approx(1.12 * totals["grad_op"])
+    assert totals["full"] / top > 0.2
+    [cut] = [t.get_text() for t in ax.texts if "\u2191" in t.get_text()]
+    labels = [t.get_text() for t in ax.texts if t.get_text() and "\u2191" not in t.get_text()]
+    assert labels == [f"{totals[n]:,.1f} GiB" for n in names if n != "ddp"]
+    assert (
+        cut == f"\u2191 {totals['ddp']:,.1f} GiB\n({totals['ddp'] * GIB / 80e9:,.1f}x the device)"
+    )
+    # The unit of the axis given as such: no second spelling.
+    doc24 = {**doc, "device_memory_bytes": 24 * GIB, "device_memory_text": "24GiB"}
+    assert plan_figure(doc24).axes[0].lines[0].get_label() == "device memory 24GiB"
     # Without a device memory there is no line; a bad --plot path is refused before planning.
     assert not plan_figure({**doc, "device_memory_bytes": None}).axes[0].lines
     bad = CliRunner().invoke(app, ["plan", "debug", "--plot", str(tmp_path / "plan.svg")])

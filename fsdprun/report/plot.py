@@ -386,18 +386,41 @@ PLAN_COMPONENTS = (
 )  # fmt: skip
 
 
+# Bars up to this many times the reference (the device memory, else the recipe strategy's total)
+# set the height of the axes; a taller one (ddp's full replica of a large model) is cut at the top
+# edge with its total written there, so it does not flatten the bars that matter.
+PLAN_CLIP_FACTOR = 4.0
+
+
+def device_memory_label(plan: dict[str, Any], unit_name: str, unit: int) -> str:
+    """'device memory 80GB = 74.5 GiB': the size as the user gave it, and in the axis' unit."""
+    device = plan["device_memory_bytes"]
+    given = plan.get("device_memory_text") or f"{device / 1e9:g}GB"
+    in_unit = f"{device / unit:,.1f} {unit_name}"
+    same_unit = given.upper().rstrip().endswith(unit_name.upper())  # 24GiB on a GiB axis
+    return f"device memory {given}" + ("" if same_unit else f" = {in_unit}")
+
+
 def plan_figure(plan: dict[str, Any]):
     """Stacked bars of a `plan` document (MemoryPlan.to_dict()): one bar per strategy, one
     segment per component of PLAN_COMPONENTS (in the unit of byte_unit), each bar topped by its
-    total; the device memory, when known, is a horizontal line."""
+    total, the recipe's own strategy outlined and named under its bar. The device memory, when
+    known, is a horizontal line labelled as given (80GB) and in the axis' unit (74.5 GiB), with
+    a right-hand axis in percent of it. A bar more than PLAN_CLIP_FACTOR times the device memory
+    (or the recipe strategy's total) is cut at the top, its total written there."""
     fig = _figure(PLAN_SIZE_IN, "fsdprun plan --plot")
     ax = fig.subplots()
     ax.set_title(f"{PLAN_TITLE}: {plan['recipe']}, {plan['world_size']} ranks "
                  f"({plan['nnodes']} x {plan['nproc_per_node']})")  # fmt: skip
     names = list(plan["strategies"])
     strategies = [plan["strategies"][n] for n in names]
+    totals = [s["total"] for s in strategies]
     device = plan.get("device_memory_bytes")
-    unit_name, unit = byte_unit(max([*(s["total"] for s in strategies), device or 0]))
+    reference = device or plan["strategies"][plan["recipe_strategy"]]["total"]
+    shown = [t for t in totals if t <= PLAN_CLIP_FACTOR * reference]
+    top_bytes = 1.12 * max([*shown, reference])
+    unit_name, unit = byte_unit(top_bytes)
+    top = top_bytes / unit
     ax.set_ylabel(f"{unit_name} per rank (rank 0)")
     ax.grid(True, axis="y", alpha=0.3)
     bottoms = [0.0] * len(names)
@@ -407,20 +430,37 @@ def plan_figure(plan: dict[str, Any]):
             continue  # e.g. no unsharded grads kept: no empty legend entry
         ax.bar(names, heights, bottom=bottoms, label=label, color=f"C{i}")
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    totals = ax.bar(names, [0.0] * len(names), bottom=bottoms)  # zero-height: labels only
-    ax.bar_label(totals, [f"{s['total'] / unit:,.1f} {unit_name}" for s in strategies],
-                 fontsize="small")  # fmt: skip
+    mine = names.index(plan["recipe_strategy"])
+    ax.bar([names[mine]], [min(bottoms[mine], top)], fill=False, edgecolor="black", lw=2,
+           label=f"the recipe's strategy ({plan['recipe_strategy']})")  # fmt: skip
+    texts = [f"{t / unit:,.1f} {unit_name}" for t in totals]
+    cut = [i for i, b in enumerate(bottoms) if b > top]
+    # Zero-height bars: the labels of the totals that fit, on top of their stacks.
+    marks = ax.bar(names, [0.0] * len(names), bottom=[min(b, top) for b in bottoms])
+    ax.bar_label(marks, ["" if i in cut else t for i, t in enumerate(texts)], fontsize="small")
+    for i in cut:
+        times = f"{totals[i] / device:,.1f}x the device" if device else "off the scale"
+        ax.annotate(f"\u2191 {texts[i]}\n({times})", (i, top), xytext=(0, -4),
+                    textcoords="offset points", ha="center", va="top", fontsize="small",
+                    bbox={"boxstyle": "round", "fc": "white", "ec": "0.5"})  # fmt: skip
+    ax.set_xticks(range(len(names)), [f"{n}\n(recipe)" if i == mine else n
+                                      for i, n in enumerate(names)])  # fmt: skip
+    ax.get_xticklabels()[mine].set_fontweight("bold")
     if device:
         ax.axhline(device / unit, color="red", ls="--", lw=1.5,
-                   label=f"device memory {device / unit:,.1f} {unit_name}")  # fmt: skip
-    # Set by hand: the zero-height label bars pin autoscaling's top edge to the tallest total.
-    ax.set_ylim(0, max([*bottoms, (device or 0) / unit]) * 1.1)
+                   label=device_memory_label(plan, unit_name, unit))  # fmt: skip
+        percent = ax.secondary_yaxis(
+            "right",
+            functions=(lambda y: y * unit / device * 100, lambda p: p * device / unit / 100),
+        )
+        percent.set_ylabel("% of device memory")
+    ax.set_ylim(0, top)
     # Outside the axes, top segment first as in the stack: no bar or total hidden under it.
     handles, labels = ax.get_legend_handles_labels()
     line = [i for i, h in enumerate(handles) if not hasattr(h, "patches")]
     order = line + [i for i in reversed(range(len(handles))) if i not in line]
     ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), fontsize="small")  # fmt: skip
+              bbox_to_anchor=(1.1 if device else 1.01, 1.0), fontsize="small")  # fmt: skip
     return fig
 
 
