@@ -323,11 +323,15 @@ def _figure(size_in: tuple[float, float], what: str):
 
 
 # `fsdprun compare --plot`: the side-by-side table's rows as bars, one bar per configuration.
-COMPARE_SIZE_IN = (15.0, 5.0)  # 1500 x 500 pixels
+COMPARE_SIZE_IN = (15.0, 9.0)  # 1500 x 900 pixels
+# (title, result key, y label, how a bar is compared with the first configuration's). Speed on
+# the first row (and the final loss: a configuration must learn the same), memory on the second.
 COMPARE_PANELS = (
-    ("tokens/s", "tokens_per_s", "tokens/s (all ranks)"),
-    ("peak memory per rank", "peak_memory_bytes", "max over ranks"),
-    ("model state per rank", "model_state_bytes", "max over ranks"),
+    ("tokens/s", "tokens_per_s", "tokens/s (all ranks)", "ratio"),
+    ("step time", "step_time_p50_s", "ms per step (median)", "ratio"),
+    ("final loss", "final_loss", "loss (cross-entropy, nats/token)", "difference"),
+    ("peak memory per rank", "peak_memory_bytes", "max over ranks", "ratio"),
+    ("model state per rank", "model_state_bytes", "max over ranks", "ratio"),
 )
 BYTE_UNITS = (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1))
 
@@ -338,10 +342,25 @@ def byte_unit(largest: float) -> tuple[str, int]:
     return next(((name, size) for name, size in BYTE_UNITS if largest >= size), BYTE_UNITS[-1])
 
 
+def _bar_text(value: float, base: float | None, *, key: str, scaled: float, how: str) -> str:
+    if key == "final_loss":
+        text = f"{value:.4f}"
+    elif key == "step_time_p50_s":
+        text = f"{scaled:,.1f} ms"
+    else:
+        text = f"{scaled:,.0f}" if key == "tokens_per_s" else f"{scaled:,.4g}"
+    if base is None:
+        return text
+    if how == "difference":
+        return f"{text}\n{round(value - base, 4) or 0.0:+.4f}"  # never "-0.0000"
+    return f"{text}\n{value / base:.2f}x" if base else text
+
+
 def compare_figure(report: dict[str, Any]):
-    """The bars of a `compare` report (its JSON document): one panel per row of COMPARE_PANELS,
-    each bar labelled with its value and its ratio to the first configuration that ran, as in
-    the table; a configuration that failed keeps its place, marked "failed"."""
+    """The bars of a `compare` report (its JSON document): one panel per row of COMPARE_PANELS
+    (tokens/s, step time and final loss above, memory below), each bar labelled with its value
+    and, as in the table, its ratio to the first configuration that ran (the final loss: its
+    difference); a configuration that failed keeps its place, marked "failed"."""
     fig = _figure(COMPARE_SIZE_IN, "fsdprun compare --plot")
     results = report["results"]
     base = next((r for r in results if r["ok"]), None)
@@ -349,8 +368,11 @@ def compare_figure(report: dict[str, Any]):
     fig.suptitle(f"fsdprun compare {report['recipe']} (world size {report['world_size']}, "
                  f"{report['steps']} steps)")  # fmt: skip
     labels = [r["label"] for r in results]
-    for ax, (title, key, ylabel) in zip(fig.subplots(1, 3), COMPARE_PANELS, strict=True):
-        unit = 1
+    grid = fig.add_gridspec(2, 6)
+    slots = [grid[0, 0:2], grid[0, 2:4], grid[0, 4:6], grid[1, 0:3], grid[1, 3:6]]
+    for slot, (title, key, ylabel, how) in zip(slots, COMPARE_PANELS, strict=True):
+        ax = fig.add_subplot(slot)
+        unit = 1e-3 if key == "step_time_p50_s" else 1
         if key.endswith("_bytes"):
             name, unit = byte_unit(max((r[key] for r in results if r["ok"]), default=0))
             if key == "peak_memory_bytes" and kind:
@@ -359,20 +381,17 @@ def compare_figure(report: dict[str, Any]):
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
-        heights = [r[key] / unit if r["ok"] else 0.0 for r in results]
+        ok = [r["ok"] and r.get(key) is not None for r in results]
+        heights = [r[key] / unit if good else 0.0 for r, good in zip(results, ok, strict=True)]
         bars = ax.bar(labels, heights, color=[f"C{i % 10}" for i in range(len(results))])
-        texts = []
-        for r, height in zip(results, heights, strict=True):
-            if not r["ok"]:
-                texts.append("failed")
-                continue
-            text = f"{height:,.0f}" if unit == 1 else f"{height:,.4g}"
-            if r is not base and base[key]:
-                text += f"\n{r[key] / base[key]:.2f}x"
-            texts.append(text)
+        texts = [
+            _bar_text(r[key], None if r is base else base[key], key=key, scaled=h, how=how)
+            if good else "failed"
+            for r, h, good in zip(results, heights, ok, strict=True)
+        ]  # fmt: skip
         ax.bar_label(bars, texts, fontsize="small")
-        ax.margins(y=0.15)  # room for the labels above the tallest bar
-        ax.tick_params(axis="x", labelrotation=30 if len(results) > 4 else 0)
+        ax.margins(y=0.2)  # room for the labels above the tallest bar
+        ax.tick_params(axis="x", labelrotation=30 if len(results) > 3 else 0)
     return fig
 
 
