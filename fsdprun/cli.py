@@ -496,6 +496,13 @@ def inspect_checkpoint(
             "mismatch).",
         ),
     ] = False,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help="List every tensor (by default: a summary, and the tensors --tensors matches).",
+        ),  # fmt: skip
+    ] = False,
 ) -> None:
     """Show what a checkpoint holds and whether it is complete, from its metadata alone.
 
@@ -509,7 +516,7 @@ def inspect_checkpoint(
     if json_:
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     elif doc["kind"] == "run" or doc["complete"]:
-        render(doc, output_console(highlight=False))
+        render(doc, output_console(highlight=False), full=full or tensors is not None)
     if reason:
         raise _fail(reason, 1)
     if changed := base_problem(doc):
@@ -690,6 +697,14 @@ def plan(
         bool, typer.Option("--json", help="Print one JSON document instead of tables.")
     ] = False,
     plot_: PlotOpt = None,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help="Also print the table of FSDP units and the engine's knobs (by "
+            "default: a one-line summary of the units).",
+        ),  # fmt: skip
+    ] = False,
 ) -> None:
     """Plan FSDP units and per-rank memory (full, grad_op, hybrid, ddp); allocates no model."""
     from fsdprun.config import parse_size
@@ -710,7 +725,7 @@ def plan(
         recipe, overrides or [], world_size=world_size, nnodes=nnodes, device_memory_bytes=memory,
         device_memory_text=device_memory.strip() if device_memory else None,
     ).to_dict()  # fmt: skip
-    _show(result, json_=json_, render=lambda c: render_plan(result, c), plot=plot_,
+    _show(result, json_=json_, render=lambda c: render_plan(result, c, full=full), plot=plot_,
           figure="plan_figure")  # fmt: skip
 
 

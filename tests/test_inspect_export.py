@@ -119,6 +119,18 @@ def test_inspect_shows_the_checkpoint(ckpt):
     assert re.search(r"^mesh +2 dp *$", out, re.MULTILINE), out  # fsdp2 full: 1-D
     assert "llama: dim 64, 2 layers" in out and "global batch 8 × seq 64" in out
     assert "optimizer" in out and "referenced by .metadata" in out
+    # A summary by default: the tensors are counted, and listed with --full.
+    doc = json.loads(invoke("inspect-checkpoint", ckpt, "--json").stdout)
+    total = sum(g["tensors"] for g in doc["groups"].values())
+    assert total > 20 and "model.layers.0.attention.wq.weight" not in out
+    assert out.rstrip().splitlines()[-1] == (
+        f"{total} tensors; --full lists them all, --tensors GLOB those matching "
+        "(e.g. 'model.layers.0.*')"
+    )
+    full = invoke("inspect-checkpoint", ckpt, "--full")
+    assert full.exit_code == 0 and full.stdout.startswith(out.rsplit("\n", 2)[0])
+    out = full.stdout
+    assert f"Tensors ({total} of {total})" in out
     row = next(line for line in out.splitlines() if "model.layers.0.attention.wq.weight" in line)
     cells = [cell.strip() for cell in row.split("│")]
     assert cells[1:6] == [

@@ -53,7 +53,7 @@ def test_run_report_tables_at_80_columns():
 
 def test_plan_tables_at_80_columns():
     plan = plan_recipe("llama-8b", [], world_size=16).to_dict()
-    text = render80(lambda c: render_plan(plan, c))
+    text = render80(lambda c: render_plan(plan, c, full=True))
     tables = read_tables(text, key=1)
     header, rows = next(t for title, t in tables.items() if title.startswith("FSDP units"))
     assert header == ["unit", "params", "gathered", "shard", "reshard", "fwd pf", "bwd pf"]
@@ -94,7 +94,7 @@ def test_torchrun_spellings_in_a_real_run_and_its_tables_at_80_columns(tmp_path)
         fmt_bytes(ckpt["bytes_on_disk"]),
     ]  # fmt: skip
     doc = inspect_path(tmp_path / "run" / "checkpoints" / "step-00000003")
-    tables = read_tables(render80(lambda c: render(doc, c)), key=1)
+    tables = read_tables(render80(lambda c: render(doc, c, full=True)), key=1)
     header, rows = next(t for title, t in tables.items() if title.startswith("Tensors"))
     assert header == ["name", "shape", "dtype", "bytes", "shards"]
     assert [row[0] for row in rows] == [t["name"] for t in doc["tensors"]]

@@ -371,12 +371,14 @@ def _shape(shape: list[int] | None) -> str:
     return "×".join(map(str, shape)) if shape else "scalar"
 
 
-def render(doc: dict[str, Any], console: Console) -> None:
-    """Draw an `inspect_path` document (a complete checkpoint, or a run's listing)."""
+def render(doc: dict[str, Any], console: Console, *, full: bool = False) -> None:
+    """Draw an `inspect_path` document (a complete checkpoint, or a run's listing). A checkpoint
+    is summed up (what it is, bytes per group); `full` lists its tensors too (a 70B checkpoint
+    holds thousands: model, and the optimizer's two moments of each)."""
     if doc["kind"] == "run":
         _render_run(doc, console)
     else:
-        _render_checkpoint(doc, console)
+        _render_checkpoint(doc, console, full=full)
 
 
 def _render_run(doc: dict[str, Any], console: Console) -> None:
@@ -401,7 +403,7 @@ def _render_run(doc: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
-def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
+def _render_checkpoint(doc: dict[str, Any], console: Console, *, full: bool) -> None:
     recipe = doc["recipe"]
     precision = recipe["precision"]
     groups = doc["groups"]
@@ -455,6 +457,12 @@ def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
         _render_diff(doc["diff"], console)
         return
     total = sum(g["tensors"] for g in groups.values())
+    if not full:
+        console.print(
+            f"{total} tensors; --full lists them all, --tensors GLOB those matching "
+            "(e.g. 'model.layers.0.*')"
+        )
+        return
     pattern = doc["tensor_filter"]
     title = f"Tensors matching {pattern!r}" if pattern else "Tensors"
     table = Table(title=f"{title} ({len(doc['tensors'])} of {total})", title_justify="left")
