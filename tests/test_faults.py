@@ -5,17 +5,20 @@ corrupted checkpoint caught by its checksums."""
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import FSDPRUN, Run, consolidate, flatten, fsdprun_env, run_fsdprun
 
 from fsdprun.checkpoint import list_checkpoints, step_dir, verify_checkpoint
+from fsdprun.tools.compare import CompareConfig, run_config
 
 # Long enough for the signal tests to interrupt it mid-way.
 BASE = ("train.steps=40", "checkpoint.every_steps=3", "output.log_every=1")
@@ -163,6 +166,13 @@ def test_a_stop_file_stops_at_a_checkpoint_exits_0_and_piped_lines_stay_whole(
     )
     status = run_fsdprun("status", str(run_dir), cwd=tmp_path, env=env)
     assert f"stopped at step {stop_step} (stop file)" in status.stdout, status.stdout
+    # compare takes such a run (exit 0, a summary) for what it is: not a measured configuration.
+    copy = shutil.copytree(run_dir, tmp_path / "copy")
+    done = subprocess.CompletedProcess([], 0, out, err)
+    result = run_config(
+        "debug", [], CompareConfig("fsdp2", ()), copy, SimpleNamespace(run=lambda cmd: done)
+    )
+    assert not result.ok and result.error == f"stopped at step {stop_step} of 40 (stop file)"
     # Resume continues exactly; its closing line, also whole, says the run finished.
     proc = run_fsdprun("resume", str(run_dir), cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
