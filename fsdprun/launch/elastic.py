@@ -404,8 +404,11 @@ def _launch(
     # Rank 0 may run on another node: any local rank's result tells that the run stopped.
     stops = [r["stopped"] for r in results.values() if r and r.get("stopped")]
     if stops:
+        # The signal this launcher got, a rank got itself, or (another node's launcher wrote
+        # its name in the STOP file) that node's launcher got: every node exits alike.
+        names = [s.get("signal") or s["reason"] for s in stops]
         signum = stop.signum or next(
-            (signal.Signals[s["signal"]] for s in stops if s.get("signal")), None
+            (signal.Signals[n] for n in names if n in signal.Signals.__members__), None
         )
         message = (
             f"stopped at step {stops[0]['step']} ({stops[0]['reason']}); checkpoint "
