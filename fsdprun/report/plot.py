@@ -225,7 +225,7 @@ def build_figure(runs: list[RunCurves]):
     step_axes = (by_step, lr, norm, speed)
     for ax in step_axes:
         ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # no 2.5
     by_tokens.set_xlabel("tokens seen")
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
