@@ -325,11 +325,12 @@ class Reporter:
         val = e.get("final_val_loss")
         stopped = e.get("stopped")
         if stopped:  # an agreed stop: not the end of the run, which goes on with resume
+            loss = f"loss {e['final_loss']:.4f}" if e["final_loss"] is not None else "no step"
             val_text = f"; val loss {val:.4f}" if val is not None else ""
             self.console.print(
                 f"stopped at step {stopped['step']} of {e['steps']} ({stopped['reason']}; "
-                f"checkpoint {stopped['checkpoint']}); loss {e['final_loss']:.4f}{val_text}; "
-                f"continue with: fsdprun resume {stopped.get('run_dir', '<run dir>')}; "
+                f"checkpoint {stopped['checkpoint']}); {loss}{val_text}; "
+                f"continue with: fsdprun resume {stopped['run_dir']}; "
                 f"metrics in {e['metrics_file']}; wall time {e['wall_time_s']:.1f} s"
             )
             return
