@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from fsdprun import __version__
 from fsdprun.config import builtin_recipes, explain, launch_device_problem, load_recipe
 from fsdprun.errors import StorageError, UserError
 from fsdprun.launch.flags import LaunchFlags, launch_overrides
+from fsdprun.report.output import output_console
 from fsdprun.rundir import (
     RECIPE_FILE,
     checkpoint_root,
@@ -69,7 +69,7 @@ app = typer.Typer(
     # name per option in the help, which stays readable at 80 columns.
     context_settings={"token_normalize_func": _dashes},
 )
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+err_console = output_console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _complete_recipe(incomplete: str) -> list[str]:
@@ -545,6 +545,13 @@ def inspect_checkpoint(
             "mismatch).",
         ),
     ] = False,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help="List every tensor (by default: a summary, and the tensors --tensors matches).",
+        ),  # fmt: skip
+    ] = False,
 ) -> None:
     """Show what a checkpoint holds and whether it is complete, from its metadata alone.
 
@@ -558,7 +565,7 @@ def inspect_checkpoint(
     if json_:
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     elif doc["kind"] == "run" or doc["complete"]:
-        render(doc, Console(highlight=False))
+        render(doc, output_console(highlight=False), full=full or tensors is not None)
     if reason:
         raise _fail(reason, 1)
     if changed := base_problem(doc):
@@ -744,6 +751,14 @@ def plan(
         ),
     ] = False,
     plot_: PlotOpt = None,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help="Also print the table of FSDP units and the engine's knobs (by "
+            "default: a one-line summary of the units).",
+        ),  # fmt: skip
+    ] = False,
 ) -> None:
     """Plan FSDP units and per-rank memory (full, grad_op, hybrid, ddp); allocates no model."""
     from fsdprun.config import parse_size
@@ -761,9 +776,10 @@ def plan(
             device_memory, option="--device-memory", expected=expected, bare_unit="GB"
         )
     result = plan_recipe(
-        recipe, overrides or [], world_size=world_size, nnodes=nnodes, device_memory_bytes=memory
-    ).to_dict()
-    _show(result, json_=json_, render=lambda c: render_plan(result, c), plot=plot_,
+        recipe, overrides or [], world_size=world_size, nnodes=nnodes, device_memory_bytes=memory,
+        device_memory_text=device_memory.strip() if device_memory else None,
+    ).to_dict()  # fmt: skip
+    _show(result, json_=json_, render=lambda c: render_plan(result, c, full=full), plot=plot_,
           figure="plan_figure")  # fmt: skip
 
 
@@ -979,7 +995,7 @@ def _show(document: dict, *, json_: bool, render, plot: Path | None, figure: str
     if json_:
         sys.stdout.write(json.dumps(document, indent=1) + "\n")
     elif render is not None:
-        render(Console(highlight=False))
+        render(output_console(highlight=False))
     if plot is not None:
         from fsdprun.report import plot as plots
 

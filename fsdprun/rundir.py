@@ -48,6 +48,25 @@ def recipe_path(run_dir: Path) -> Path:
     return run_dir / RECIPE_FILE
 
 
+def recipe_header(name: str) -> str:
+    """recipe.yaml's first line: the recipe it was resolved from (a name or a file's stem)."""
+    return f"# resolved by fsdprun from '{name}'"
+
+
+_RECIPE_HEADER = re.compile(r"# resolved by fsdprun from '(.+)'")
+
+
+def recipe_name(run_dir: Path) -> str | None:
+    """The recipe a run was started from, as its recipe.yaml's first line records it (a resume
+    writes the same name again), or None for a file without that line."""
+    try:
+        with recipe_path(run_dir).open() as f:
+            match = _RECIPE_HEADER.fullmatch(f.readline().rstrip("\n"))
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
 def earlier_recipe_path(run_dir: Path, n: int) -> Path:
     """Where the n-th earlier session's recipe.yaml is kept (a resumed run writes a new one)."""
     return run_dir / f"recipe.{n}.yaml"

@@ -12,6 +12,7 @@ from conftest import Run, consolidate, flatten, fsdprun_env, run_fsdprun
 
 from fsdprun.checkpoint import find_resume_checkpoint, list_checkpoints, step_dir
 from fsdprun.config import load_recipe
+from fsdprun.rundir import recipe_name
 from fsdprun.train.optim import lr_factor
 
 # 8 steps, a checkpoint every 4, global batch 8 with micro batch 1.
@@ -59,6 +60,12 @@ def resume_copy(crashed: Path, tmp_path: Path, *args: str) -> tuple:
 def test_resume_continues_exactly(straight: Run, crashed: Path, tmp_path):
     proc, run_dir = resume_copy(crashed, tmp_path)
     assert "resuming" in proc.stdout and "from step-00000004" in proc.stdout
+    # The header names the recipe (debug), not the run folder ("run"), and so does the recipe
+    # the resume wrote, for the next resume.
+    assert "fsdprun debug: " in proc.stdout and "fsdprun run:" not in proc.stdout
+    starts = [e for e in Run(proc, run_dir).events if e["event"] == "start"]
+    assert [e["recipe"] for e in starts] == ["debug", "debug"]
+    assert recipe_name(run_dir) == "debug"
     want, got = losses_by_step(straight.run_dir), losses_by_step(run_dir)
     for step in range(1, 9):
         assert got[step] == pytest.approx(want[step], abs=1e-6), step

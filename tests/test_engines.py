@@ -115,25 +115,35 @@ def test_compare_plot_draws_the_table_as_bars(compared, tmp_path):
     report, results = compared
     fig = compare_figure(report)
     fig.savefig(tmp_path / "cmp.png", dpi=DPI)
-    assert png_size(tmp_path / "cmp.png") == (1500, 500)
-    tokens, memory, state = fig.axes
+    assert png_size(tmp_path / "cmp.png") == (1500, 900)
+    tokens, step_time, loss, memory, state = fig.axes
     assert [ax.get_title() for ax in fig.axes] == [
-        "tokens/s", "peak RSS per rank", "model state per rank"
+        "tokens/s", "step time", "final loss", "peak RSS per rank", "model state per rank"
     ]  # fmt: skip
     labels = CONFIGS.split(",")
-    units = {"tokens/s": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    units = {"tokens/s": 1, "ms": 1e-3, "loss": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    assert step_time.get_ylabel() == "ms per step (median)"
+    assert loss.get_ylabel() == "loss (cross-entropy, nats/token)"
     assert memory.get_ylabel() == "MiB (peak RSS, max over ranks)"  # the debug model: MiB
     assert state.get_ylabel().startswith(("KiB", "MiB"))
-    for ax, key in ((tokens, "tokens_per_s"), (memory, "peak_memory_bytes"),
+    for ax, key in ((tokens, "tokens_per_s"), (step_time, "step_time_p50_s"),
+                    (loss, "final_loss"), (memory, "peak_memory_bytes"),
                     (state, "model_state_bytes")):  # fmt: skip
         unit = units[ax.get_ylabel().split()[0]]
         assert [t.get_text() for t in ax.get_xticklabels()] == labels
         heights = [bar.get_height() for bar in ax.patches]
         assert heights == pytest.approx([results[k][key] / unit for k in labels], rel=1e-9)
-    # The table's ratios to the first configuration label the bars.
+    # The table's ratios to the first configuration label the bars; the final loss its
+    # difference (every engine learns the same: +0.0000).
     texts = [t.get_text() for t in state.texts]
     ratio = results["fsdp1"]["model_state_bytes"] / results["ddp"]["model_state_bytes"]
     assert texts[labels.index("fsdp1")].endswith(f"{ratio:.2f}x") and "x" not in texts[0]
+    ms = results["fsdp1"]["step_time_p50_s"] * 1e3
+    ratio = results["fsdp1"]["step_time_p50_s"] / results["ddp"]["step_time_p50_s"]
+    assert step_time.texts[1].get_text() == f"{ms:,.1f} ms\n{ratio:.2f}x"
+    assert [t.get_text() for t in loss.texts] == [
+        f"{results[k]['final_loss']:.4f}" + ("" if k == "ddp" else "\n+0.0000") for k in labels
+    ]
 
 
 def test_a_configuration_that_fails_shows_its_error_and_the_others_still_run(tmp_path):
@@ -144,7 +154,7 @@ def test_a_configuration_that_fails_shows_its_error_and_the_others_still_run(tmp
         "output.log_every=1", "--run-dir", str(tmp_path / "cmp"), "--json", *plot, cwd=tmp_path,
     )  # fmt: skip
     if plot:  # drawn although a configuration failed
-        assert png_size(tmp_path / "cmp.png") == (1500, 500)
+        assert png_size(tmp_path / "cmp.png") == (1500, 900)
         assert f"wrote {tmp_path / 'cmp.png'}" in proc.stderr
     assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)

@@ -5,17 +5,20 @@ corrupted checkpoint caught by its checksums."""
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import FSDPRUN, Run, consolidate, flatten, fsdprun_env, run_fsdprun
 
 from fsdprun.checkpoint import list_checkpoints, step_dir, verify_checkpoint
+from fsdprun.tools.compare import CompareConfig, run_config
 
 # Long enough for the signal tests to interrupt it mid-way.
 BASE = ("train.steps=40", "checkpoint.every_steps=3", "output.log_every=1")
@@ -126,6 +129,56 @@ def test_sigterm_saves_an_agreed_checkpoint_and_resume_continues(straight: Run, 
     proc = run_fsdprun("resume", str(tmp_path / "run"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     want, got = losses(straight.run_dir), losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 41))
+    for step in range(1, 41):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), step
+
+
+def test_a_stop_file_stops_at_a_checkpoint_exits_0_and_piped_lines_stay_whole(
+    straight: Run, tmp_path
+):
+    # stdout is a pipe and COLUMNS unset, as in a CI log, `| tee` or a SLURM output file: rich
+    # would break every line at 80 columns, the run directory's path among them.
+    run_dir = tmp_path / ("a-folder-whose-name-alone-is-longer-than-forty-columns" * 2) / "run"
+    env = {k: v for k, v in fsdprun_env().items() if k != "COLUMNS"}
+    proc = subprocess.Popen(
+        [FSDPRUN, "train", "debug", *BASE, "--run-dir", str(run_dir)], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait_for_step(run_dir, 2, proc)
+    (run_dir / "STOP").write_text("")
+    out, err = proc.communicate(timeout=120)
+    # Before: exit 143 (as if killed by SIGTERM), then "final loss" as if the run had finished.
+    assert proc.returncode == 0, err
+    assert "final loss" not in out
+    [line] = [line for line in out.splitlines() if line.startswith("stopped at step")]
+    stop_step = int(line.split()[3])
+    assert 2 <= stop_step < 40 and f"stopped at step {stop_step} of 40 (stop file; " in line
+    assert f"checkpoint {step_dir(run_dir, stop_step)})" in line
+    assert f"continue with: fsdprun resume {run_dir};" in line
+    assert f"metrics in {run_dir / 'metrics.jsonl'};" in line
+    assert any(f"run dir {run_dir}" in line for line in out.splitlines())  # the header's
+    # Tables keep a readable width; the lines (longer than 200 columns) are whole.
+    tables = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+    assert tables and all(len(line) <= 120 for line in tables)
+    assert (
+        list_checkpoints(run_dir)[-1].complete and list_checkpoints(run_dir)[-1].step == stop_step
+    )
+    status = run_fsdprun("status", str(run_dir), cwd=tmp_path, env=env)
+    assert f"stopped at step {stop_step} (stop file)" in status.stdout, status.stdout
+    # compare takes such a run (exit 0, a summary) for what it is: not a measured configuration.
+    copy = shutil.copytree(run_dir, tmp_path / "copy")
+    done = subprocess.CompletedProcess([], 0, out, err)
+    result = run_config(
+        "debug", [], CompareConfig("fsdp2", ()), copy, SimpleNamespace(run=lambda cmd: done)
+    )
+    assert not result.ok and result.error == f"stopped at step {stop_step} of 40 (stop file)"
+    # Resume continues exactly; its closing line, also whole, says the run finished.
+    proc = run_fsdprun("resume", str(run_dir), cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"metrics in {run_dir / 'metrics.jsonl'}; wall time" in proc.stdout
+    assert "final loss" in proc.stdout and "stopped at step" not in proc.stdout
+    want, got = losses(straight.run_dir), losses(run_dir)
     assert sorted(got) == list(range(1, 41))
     for step in range(1, 41):
         assert got[step] == pytest.approx(want[step], abs=1e-6), step

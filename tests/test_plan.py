@@ -177,6 +177,29 @@ def test_70b_at_8_ranks_does_not_fit_80gb():
     assert "layers.0..78 (x79)" in out and "estimate" in out
 
 
+def test_plan_prints_a_summary_and_the_full_tables_with_full():
+    args = ["plan", "llama-70b", "--world-size", "64", "--device-memory", "80GB"]
+    summary = runner.invoke(app, args, env={"COLUMNS": "120"})
+    full = runner.invoke(app, [*args, "--full"], env={"COLUMNS": "120"})
+    assert summary.exit_code == 0 and full.exit_code == 0, summary.output + full.output
+    lines = summary.output.splitlines()
+    # The summary: the header, the units in one line, the memory table, the verdict.
+    assert lines[1] == (
+        "81 FSDP units (layers.0..78 (x79), layers.79, (root)); the largest gathers 3.91 GiB in "
+        "bf16; --full lists each unit's shard and prefetch, and what the fsdp2 engine does with "
+        "each knob"
+    )
+    assert "Memory per rank (rank 0)" in summary.output and "FSDP units (root" not in summary.output
+    assert "fsdp2 knobs:" not in summary.output and "activations, one micro-batch" not in lines
+    assert lines[-1].startswith("fits: full needs 41.")
+    assert len(lines) < 20 < len(full.output.splitlines())
+    # --full: the units' table, the knobs and how each row is counted, around the same table.
+    for text in ("FSDP units (root last", "fsdp2 knobs:", "fsdp.sharding=full",
+                 "activations, one micro-batch:", "not counted:"):  # fmt: skip
+        assert text in full.output, text
+    assert full.output.splitlines()[-1] == lines[-1]
+
+
 def test_fits_from_the_recipe_key_and_bad_input():
     result = runner.invoke(app, ["plan", "debug", "launch.device_memory_gb=1", "--json"])
     doc = json.loads(result.output)

@@ -60,6 +60,16 @@ def test_plot_overlays_runs_with_their_values(fsdprun_runs, tmp_path):
     heights = [round(p.get_height() * GIB) for p in memory.patches]
     want = [r["peak_rss_bytes"] for run in runs for r in run.summary["ranks"]]
     assert heights == want and memory.get_ylabel() == "peak RSS (GiB)"
+    # The title names the recipe, the run folders and the day they started (their start event).
+    day = runs[0].start["started_at"][:10]
+    assert fig.get_suptitle() == (
+        f"fsdprun debug: 2 runs, {runs[0].run_dir}, {runs[1].run_dir} ({day})"
+    )
+    # Two runs: every panel holds two lines (or two runs' bars) and names them.
+    for ax in fig.axes:
+        assert [t.get_text() for t in ax.get_legend().get_texts()][-1].startswith(
+            runs[1].run_dir.name
+        ), ax.get_title()
 
 
 def _write_metrics(run_dir: Path, events: list[dict]) -> Path:
@@ -86,6 +96,50 @@ def test_a_step_logged_again_after_a_resume_is_drawn_once_with_its_latest_value(
     assert by_step.lines[0].get_xydata().tolist() == [[1, 5.0], [2, 4.0], [3, 3.0], [4, 2.0]]
     assert [line.get_xdata()[0] for line in by_step.lines[1:]] == [2]  # where it resumed
     assert [p.get_height() for p in memory.patches] == [1.0]  # rank 0, from the step events
+
+
+def test_every_panel_is_labelled_with_its_unit_and_resumes_and_restarts_are_named(tmp_path):
+    # One run: resumed from step 2, then restarted by the elastic agent from step 3; evaluated.
+    started = "2026-12-02T04:05:06+00:00"
+    run_dir = _write_metrics(tmp_path / "run", [
+        {"event": "start", "recipe": "llama-1b", "started_at": started}, _step(1, 5.0),
+        _step(2, 4.0), {"event": "eval", "step": 2, "val_loss": 4.5}, {"event": "start"},
+        {"event": "resume", "step": 2, "attempt": 0}, _step(3, 3.0),
+        {"event": "restart", "step": 3, "attempt": 1}, _step(4, 2.0),
+    ])  # fmt: skip
+    fig = plot_runs([run_dir], tmp_path / "p.png")
+    assert fig.get_suptitle() == f"fsdprun llama-1b: {run_dir} (started 2026-12-02 04:05 UTC)"
+    assert [ax.get_title() for ax in fig.axes] == PANELS
+    ylabels = [ax.get_ylabel() for ax in fig.axes]
+    assert ylabels == [
+        "loss (cross-entropy, nats/token)", "loss (cross-entropy, nats/token)",
+        "learning rate (no unit)", "grad norm (global L2, before clipping)",
+        "tokens/s (all ranks)", "peak RSS (GiB)",
+    ]  # fmt: skip
+    by_step, by_tokens, lr, norm, speed, memory = fig.axes
+    markers = ["resumed at step 2", "restart 1 at step 3"]
+    legends = {
+        ax.get_title(): [t.get_text() for t in ax.get_legend().get_texts()]
+        for ax in fig.axes
+        if ax.get_legend() is not None
+    }
+    assert legends == {
+        "loss by step": ["train", "val", *markers],
+        "learning rate": ["learning rate", *markers],
+        "grad norm": ["grad norm", *markers],
+        "tokens/s": ["tokens/s", *markers],
+    }
+    # A panel without a legend holds one line (or one run's bars) only.
+    assert len(by_tokens.lines) == 1 and memory.get_legend() is None
+    for ax in (by_step, lr, norm, speed):
+        assert [line.get_xdata()[0] for line in ax.lines[-2:]] == [2, 3]  # the markers
+        ax.figure.canvas.draw()  # tick positions as drawn
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+    assert [t.get_text().strip() for t in by_step.texts] == ["resumed", "restart 1"]
+    # A run of an older version has no start time: dated by its metrics file, said as such.
+    old = _write_metrics(tmp_path / "old", [{"event": "start", "recipe": "debug"}, _step(1, 5.0)])
+    assert f"{old} (metrics last written 20" in plot_runs([old], tmp_path / "o.png").get_suptitle()
 
 
 def test_plot_command_errors_are_one_line_and_it_needs_no_torch(tmp_path, monkeypatch):
@@ -129,7 +183,13 @@ def test_plan_plot_stacks_each_strategys_memory_under_the_device_line(tmp_path):
     assert ax.get_title().startswith(f"{PLAN_TITLE}: llama-70b, 64 ranks (8 x 8)")
     names = list(doc["strategies"])
     assert {"ddp", "full", "grad_op", "hybrid"} <= set(names)
-    assert [t.get_text() for t in ax.get_xticklabels()] == names
+    # The recipe's own strategy is named under its bar, and outlined.
+    assert doc["recipe_strategy"] == "full"
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "full\n(recipe)" if n == "full" else n for n in names
+    ]
+    [outline] = [c for c in ax.containers if c.get_label() == "the recipe's strategy (full)"]
+    assert outline[0].get_height() == pytest.approx(doc["strategies"]["full"]["total"] / GIB)
     # One stacked segment per component (none drawn for one that is zero everywhere), each
     # starting where the one below ended, the stack adding up to the plan's total.
     drawn = {
@@ -147,7 +207,28 @@ def test_plan_plot_stacks_each_strategys_memory_under_the_device_line(tmp_path):
         tops = [t + w for t, w in zip(tops, want, strict=True)]
     assert tops == pytest.approx([doc["strategies"][n]["total"] / GIB for n in names])
     [line] = ax.lines
-    assert list(line.get_ydata()) == [80e9 / GIB] * 2 and "74.5 GiB" in line.get_label()
+    # The device line says the size as typed and in the axis' unit (80 GB is 74.5 GiB).
+    assert list(line.get_ydata()) == [80e9 / GIB] * 2
+    assert line.get_label() == "device memory 80GB = 74.5 GiB"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[:2] == ["device memory 80GB = 74.5 GiB", "the recipe's strategy (full)"]
+    [percent] = ax.child_axes  # a right-hand axis in percent of the device memory
+    assert percent.get_ylabel() == "% of device memory"
+    # ddp's 1.2 TiB does not flatten the others: the axis ends a little above the tallest bar
+    # within 4x the device memory (grad_op), ddp's bar is cut there with its total written on it.
+    totals = {n: doc["strategies"][n]["total"] / GIB for n in names}
+    top = ax.get_ylim()[1]
+    assert totals["ddp"] > 1000 and top == pytest.approx(1.12 * totals["grad_op"])
+    assert totals["full"] / top > 0.2
+    [cut] = [t.get_text() for t in ax.texts if "\u2191" in t.get_text()]
+    labels = [t.get_text() for t in ax.texts if t.get_text() and "\u2191" not in t.get_text()]
+    assert labels == [f"{totals[n]:,.1f} GiB" for n in names if n != "ddp"]
+    assert (
+        cut == f"\u2191 {totals['ddp']:,.1f} GiB\n({totals['ddp'] * GIB / 80e9:,.1f}x the device)"
+    )
+    # The unit of the axis given as such: no second spelling.
+    doc24 = {**doc, "device_memory_bytes": 24 * GIB, "device_memory_text": "24GiB"}
+    assert plan_figure(doc24).axes[0].lines[0].get_label() == "device memory 24GiB"
     # Without a device memory there is no line; a bad --plot path is refused before planning.
     assert not plan_figure({**doc, "device_memory_bytes": None}).axes[0].lines
     bad = CliRunner().invoke(app, ["plan", "debug", "--plot", str(tmp_path / "plan.svg")])

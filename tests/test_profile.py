@@ -29,9 +29,10 @@ def test_profiled_steps_are_traced_on_each_chosen_rank(tmp_path):
     for rank, path in enumerate(traces):
         trace = json.loads(path.read_text())
         names = {e.get("name", "") for e in trace["traceEvents"]}
-        # The profiler numbers the steps it saw from 0: wait=1 leaves #0 out, then 2 recorded.
+        # The trace numbers steps as the log does (from 1): wait=1 leaves step 1 out, then 2
+        # recorded, the steps the final report names.
         assert sorted(n for n in names if n.startswith("ProfilerStep#")) == [
-            "ProfilerStep#1", "ProfilerStep#2"
+            "ProfilerStep#2", "ProfilerStep#3"
         ]  # fmt: skip
         assert "FSDP::all_gather" in names  # the trace is of FSDP training
         assert trace["distributedInfo"]["rank"] == rank

@@ -7,6 +7,8 @@ Each check renders to a fixed-width recording console and reads the table back f
 
 from __future__ import annotations
 
+import io
+
 import yaml
 from conftest import Run, fsdprun_env, read_tables, run_fsdprun
 from rich.console import Console
@@ -53,7 +55,7 @@ def test_run_report_tables_at_80_columns():
 
 def test_plan_tables_at_80_columns():
     plan = plan_recipe("llama-8b", [], world_size=16).to_dict()
-    text = render80(lambda c: render_plan(plan, c))
+    text = render80(lambda c: render_plan(plan, c, full=True))
     tables = read_tables(text, key=1)
     header, rows = next(t for title, t in tables.items() if title.startswith("FSDP units"))
     assert header == ["unit", "params", "gathered", "shard", "reshard", "fwd pf", "bwd pf"]
@@ -94,8 +96,36 @@ def test_torchrun_spellings_in_a_real_run_and_its_tables_at_80_columns(tmp_path)
         fmt_bytes(ckpt["bytes_on_disk"]),
     ]  # fmt: skip
     doc = inspect_path(tmp_path / "run" / "checkpoints" / "step-00000003")
-    tables = read_tables(render80(lambda c: render(doc, c)), key=1)
+    tables = read_tables(render80(lambda c: render(doc, c, full=True)), key=1)
     header, rows = next(t for title, t in tables.items() if title.startswith("Tensors"))
     assert header == ["name", "shape", "dtype", "bytes", "shards"]
     assert [row[0] for row in rows] == [t["name"] for t in doc["tensors"]]
     assert max(map(len, (t["name"] for t in doc["tensors"]))) > 45  # some did have to fold
+
+
+def test_output_off_a_terminal_never_wraps_lines_and_lays_tables_out_for_columns(monkeypatch):
+    from fsdprun.report.output import LOG_TABLE_WIDTH, output_console
+
+    path = "/scratch/" + "a-long-folder-name/" * 12 + "metrics.jsonl"  # 240 columns
+    for columns, width in ((None, LOG_TABLE_WIDTH), ("90", 90)):
+        if columns is None:
+            monkeypatch.delenv("COLUMNS", raising=False)
+        else:
+            monkeypatch.setenv("COLUMNS", columns)
+        console = output_console(record=True, highlight=False, file=io.StringIO())  # a log
+        assert not console.is_terminal and console.width == width
+        console.print(f"final loss 4.2977; metrics in {path}; wall time 3.6 s")
+        console.print(_wide_table())
+        lines = console.export_text().splitlines()
+        assert lines[0] == f"final loss 4.2977; metrics in {path}; wall time 3.6 s"
+        assert max(len(line) for line in lines[1:]) <= width
+
+
+def _wide_table():
+    from rich.table import Table
+
+    table = Table(title="wider than any width")
+    table.add_column("name")
+    table.add_column("value")
+    table.add_row("x " * 100, "1")
+    return table

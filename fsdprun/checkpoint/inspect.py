@@ -316,19 +316,41 @@ def _entries(metadata: Metadata, pattern: str | None) -> dict[str, dict[str, Any
     }
 
 
+# Stored items that are not tensors of the model: `train_state` is JSON in a uint8 tensor (see
+# checkpoint/save.py), whose length changes with every step's numbers. A diff compares what it
+# holds (the manifest's copy) instead of its byte length.
+INTERNAL_KEYS = frozenset({"train_state"})
+
+
+def _train_state_changes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """The train state's numbers (step, tokens seen, world size, ...) that differ."""
+    sa, sb = a.get("train_state") or {}, b.get("train_state") or {}
+    return [
+        {"key": k, "from": sa.get(k), "to": sb.get(k)}
+        for k in sorted(sa.keys() | sb.keys())
+        if not isinstance(sa.get(k, sb.get(k)), dict | list) and sa.get(k) != sb.get(k)
+    ]
+
+
 def diff_checkpoints(path: Path, other: Path, *, tensors: str | None = None) -> dict[str, Any]:
-    """Keys added in `other`, removed from it, and changed in shape or dtype (metadata only).
+    """Keys added in `other`, removed from it, and changed in shape or dtype (metadata only),
+    and the train state's numbers that differ (from the manifests).
 
     `path` must be complete; an incomplete `other` gives {"complete": False, "reason": ...}.
     """
     status = check_checkpoint(other)
     if not status.complete:
         return {"other": str(other), "complete": False, "reason": status.reason}
-    a = _entries(read_metadata(path), tensors)
-    b = _entries(read_metadata(other), tensors)
+    a, b = (
+        {k: v for k, v in _entries(read_metadata(p), tensors).items() if k not in INTERNAL_KEYS}
+        for p in (path, other)
+    )
     return {
         "other": str(other),
         "complete": True,
+        "train_state": _train_state_changes(
+            check_checkpoint(path).manifest or {}, status.manifest or {}
+        ),
         "added": [{"name": k, **b[k]} for k in sorted(b.keys() - a.keys())],
         "removed": [{"name": k, **a[k]} for k in sorted(a.keys() - b.keys())],
         "changed": [
@@ -349,12 +371,14 @@ def _shape(shape: list[int] | None) -> str:
     return "×".join(map(str, shape)) if shape else "scalar"
 
 
-def render(doc: dict[str, Any], console: Console) -> None:
-    """Draw an `inspect_path` document (a complete checkpoint, or a run's listing)."""
+def render(doc: dict[str, Any], console: Console, *, full: bool = False) -> None:
+    """Draw an `inspect_path` document (a complete checkpoint, or a run's listing). A checkpoint
+    is summed up (what it is, bytes per group); `full` lists its tensors too (a 70B checkpoint
+    holds thousands: model, and the optimizer's two moments of each)."""
     if doc["kind"] == "run":
         _render_run(doc, console)
     else:
-        _render_checkpoint(doc, console)
+        _render_checkpoint(doc, console, full=full)
 
 
 def _render_run(doc: dict[str, Any], console: Console) -> None:
@@ -379,7 +403,7 @@ def _render_run(doc: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
-def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
+def _render_checkpoint(doc: dict[str, Any], console: Console, *, full: bool) -> None:
     recipe = doc["recipe"]
     precision = recipe["precision"]
     groups = doc["groups"]
@@ -433,6 +457,12 @@ def _render_checkpoint(doc: dict[str, Any], console: Console) -> None:
         _render_diff(doc["diff"], console)
         return
     total = sum(g["tensors"] for g in groups.values())
+    if not full:
+        console.print(
+            f"{total} tensors; --full lists them all, --tensors GLOB those matching "
+            "(e.g. 'model.layers.0.*')"
+        )
+        return
     pattern = doc["tensor_filter"]
     title = f"Tensors matching {pattern!r}" if pattern else "Tensors"
     table = Table(title=f"{title} ({len(doc['tensors'])} of {total})", title_justify="left")
@@ -458,6 +488,14 @@ def _mesh_text(mesh: dict[str, list]) -> str:
 def _render_diff(diff: dict[str, Any], console: Console) -> None:
     if not diff["complete"]:
         return  # the command reports the reason
+    state = diff.get("train_state") or []
+    if state:
+        console.print(
+            "train state: "
+            + ", ".join(f"{e['key']} {e['from']} -> {e['to']}" for e in state)
+            + f" (this checkpoint -> {diff['other']})",
+            soft_wrap=True,
+        )
     if not (diff["added"] or diff["removed"] or diff["changed"]):
         console.print(f"no differences in tensor names, shapes or dtypes with {diff['other']}")
         return

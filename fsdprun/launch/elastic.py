@@ -39,6 +39,7 @@ from fsdprun.rundir import (
     checkpoint_root,
     earlier_recipe_path,
     logs_dir,
+    recipe_header,
     recipe_path,
     stop_path,
 )
@@ -140,7 +141,7 @@ def write_recipe(run_dir: Path, resolved: ResolvedRecipe) -> None:
             while earlier_recipe_path(run_dir, n).exists():
                 n += 1
             target.rename(earlier_recipe_path(run_dir, n))
-        target.write_text(f"# resolved by fsdprun from '{resolved.name}'\n{resolved.to_yaml()}")
+        target.write_text(f"{recipe_header(resolved.name)}\n{resolved.to_yaml()}")
     except OSError as e:
         raise UserError(f"cannot write the run directory {run_dir}: {e.strerror}") from e
 
@@ -410,11 +411,21 @@ def _launch(
         raise StorageError(watch.message(**vanished))
     summary = results.get(0)
     # Rank 0 may run on another node: any local rank's result tells that the run stopped.
-    stopped = next((r["stopped"] for r in results.values() if r and r.get("stopped")), None)
-    if stopped:
-        raise Stopped(
-            f"stopped at step {stopped['step']} ({stopped['reason']}); checkpoint "
-            f"{stopped['checkpoint']}; continue with: fsdprun resume {run_dir}",
-            exit_code=128 + (stop.signum or signal.SIGTERM),
+    stops = [r["stopped"] for r in results.values() if r and r.get("stopped")]
+    if stops:
+        # The signal this launcher got, a rank got itself, or (another node's launcher wrote
+        # its name in the STOP file) that node's launcher got: every node exits alike.
+        names = [s.get("signal") or s["reason"] for s in stops]
+        signum = stop.signum or next(
+            (signal.Signals[n] for n in names if n in signal.Signals.__members__), None
         )
+        message = (
+            f"stopped at step {stops[0]['step']} ({stops[0]['reason']}); checkpoint "
+            f"{stops[0]['checkpoint']}; continue with: fsdprun resume {run_dir}"
+        )
+        # A signal ends the command as a signal does (128 + signal: what a shell and SLURM
+        # expect of a job they terminated); a STOP file is a stop the user asked for, with
+        # everything saved: a success (exit 0), and the report says where it stopped.
+        if signum is not None:
+            raise Stopped(message, exit_code=128 + signum)
     return summary

@@ -22,7 +22,7 @@ from fsdprun.checkpoint.manifest import lora_base
 from fsdprun.config import ResolvedRecipe, config_to_dict, load_recipe, validate
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
-from fsdprun.rundir import RECIPE_FILE, recipe_path
+from fsdprun.rundir import RECIPE_FILE, recipe_name, recipe_path
 from fsdprun.train.optim import lr_factor
 
 # Keys (or prefixes) a resumed run may change.
@@ -111,7 +111,8 @@ def resolve_resume(
     if base is not None:
         overrides = [*overrides, _base_override(checkpoint, base)]
     resolved = load_recipe(str(recipe), overrides, check=False)
-    resolved.name = run_dir.name
+    # The header names the recipe the run was started from; a hand-written recipe.yaml, the folder.
+    resolved.name = recipe_name(run_dir) or run_dir.name
     cfg = resolved.config
     cfg.output.run_dir = str(run_dir)
     notes = []

@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fsdprun.report.metrics import read_events
+from fsdprun.report.output import output_console
 
 GIB = 1024**3
 
@@ -135,7 +136,7 @@ class Reporter:
     """Turns metrics events into console output (call from one thread)."""
 
     def __init__(self, console: Console | None = None, *, live: bool = True):
-        self.console = console or Console()
+        self.console = console or output_console()
         self.live = live and self.console.is_terminal
         self.progress: Progress | None = None
         self.task = None
@@ -346,6 +347,17 @@ class Reporter:
                 "what the rank holds after an optimizer step."
             )
         val = e.get("final_val_loss")
+        stopped = e.get("stopped")
+        if stopped:  # an agreed stop: not the end of the run, which goes on with resume
+            loss = f"loss {e['final_loss']:.4f}" if e["final_loss"] is not None else "no step"
+            val_text = f"; val loss {val:.4f}" if val is not None else ""
+            self.console.print(
+                f"stopped at step {stopped['step']} of {e['steps']} ({stopped['reason']}; "
+                f"checkpoint {stopped['checkpoint']}); {loss}{val_text}; "
+                f"continue with: fsdprun resume {stopped['run_dir']}; "
+                f"metrics in {e['metrics_file']}; wall time {e['wall_time_s']:.1f} s"
+            )
+            return
         val_text = f"; final val loss {val:.4f}" if val is not None else ""
         self.console.print(
             f"final loss {e['final_loss']:.4f}{val_text}; metrics in {e['metrics_file']}; "
@@ -395,9 +407,9 @@ def _prefetch_text(value: list[str] | str) -> str:
     return str(len(value)) if value else "-"
 
 
-def render_plan(plan: dict[str, Any], console: Console) -> None:
-    """Print a memory plan (`fsdprun.tools.plan.MemoryPlan.to_dict()`): units, then memory per
-    rank."""
+def render_plan(plan: dict[str, Any], console: Console, *, full: bool = False) -> None:
+    """Print a memory plan (`fsdprun.tools.plan.MemoryPlan.to_dict()`): a line on its units
+    (`full`: their table and the engine's knobs), then memory per rank and the verdict."""
     c = console
     c.print(
         f"[bold]fsdprun plan[/bold] {plan['recipe']}: {fmt_count(plan['num_params'])} params, "
@@ -405,16 +417,22 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         f"{plan['nproc_per_node']}), mesh {escape(_mesh_text(plan['mesh']))}, param dtype "
         f"{plan['param_dtype']}"
     )
-    c.print(_plan_units_table(plan))
-    c.print(f"{plan['engine']} knobs:")
-    for k in plan.get("knobs", []):
-        c.print(f"  {k['key']}={k['value']} [dim]->[/dim] {k['applied']}", soft_wrap=True)
+    if full:
+        c.print(_plan_units_table(plan))
+        c.print(f"{plan['engine']} knobs:")
+        for k in plan.get("knobs", []):
+            c.print(f"  {k['key']}={k['value']} [dim]->[/dim] {k['applied']}", soft_wrap=True)
+    else:
+        c.print(_plan_units_line(plan))
 
     c.print(_plan_memory_table(plan))
-    c.print(f"  * estimates. gathered buffers: {plan['buffer_formula']}.")
-    c.print(f"  activations, one micro-batch: {plan['activation_formula']}.")
-    for note in plan["notes"]:
-        c.print(f"  {note}.")
+    if full:
+        c.print(f"  * estimates. gathered buffers: {plan['buffer_formula']}.")
+        c.print(f"  activations, one micro-batch: {plan['activation_formula']}.")
+        for note in plan["notes"]:
+            c.print(f"  {note}.")
+    else:
+        c.print("  * estimates; --full says how each row is counted and what is left out.")
     if plan["tp_degrees"]:
         c.print(_plan_tp_table(plan))
         for o in plan["tp_degrees"]:
@@ -451,14 +469,26 @@ def _plan_tp_table(plan: dict[str, Any]) -> Table:
     return table
 
 
-def _plan_units_table(plan: dict[str, Any]) -> Table:
-    units = Table(
-        title=f"FSDP units (root last; gathered in {plan['param_dtype']}, shard fp32 on rank 0)",
-        title_justify="left",
+SUMMARY_UNIT_ROWS = 4  # unit rows named in the summary line; --full lists them all
+
+
+def _plan_units_line(plan: dict[str, Any]) -> str:
+    """The units in one line: their rows' names, the largest gathered, where the rest is."""
+    rows = _plan_unit_rows(plan)
+    names = [name for name, _ in rows[:SUMMARY_UNIT_ROWS]]
+    if len(rows) > SUMMARY_UNIT_ROWS:
+        names.append(f"{len(rows) - SUMMARY_UNIT_ROWS} more")
+    gathered = max((u["unsharded_bytes"] for u in plan["units"]), default=0)
+    return (
+        f"{len(plan['units'])} FSDP units ({', '.join(names)}); the largest gathers "
+        f"{fmt_bytes(gathered)} in {plan['param_dtype']}; --full lists each unit's shard and "
+        f"prefetch, and what the {plan['engine']} engine does with each knob"
     )
-    for col in ("unit", "params", "gathered", "shard", "reshard", "fwd pf", "bwd pf"):
-        units.add_column(col, justify="left" if col == "unit" else "right")
-    # Identical consecutive units (the blocks) share one row: a 70B plan stays readable.
+
+
+def _plan_unit_rows(plan: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(row name, its first unit): identical consecutive units (the blocks) share one row, named
+    by their span (`layers.0..78 (x79)`), so a 70B plan stays readable."""
     rows: list[tuple[list[str], tuple]] = []
     for u in plan["units"]:
         key = (
@@ -470,8 +500,8 @@ def _plan_units_table(plan: dict[str, Any]) -> Table:
         else:
             rows.append(([u["path"]], key))
     by_path = {u["path"]: u for u in plan["units"]}
+    named = []
     for paths, _ in rows:
-        u = by_path[paths[0]]
         name = paths[0] or "(root)"
         if len(paths) > 1:
             (head, _, first), (last_head, _, last) = (
@@ -480,6 +510,18 @@ def _plan_units_table(plan: dict[str, Any]) -> Table:
             )
             span = f"{head}.{first}..{last}" if head == last_head else f"{paths[0]} .. {paths[-1]}"
             name = f"{span} (x{len(paths)})"
+        named.append((name, by_path[paths[0]]))
+    return named
+
+
+def _plan_units_table(plan: dict[str, Any]) -> Table:
+    units = Table(
+        title=f"FSDP units (root last; gathered in {plan['param_dtype']}, shard fp32 on rank 0)",
+        title_justify="left",
+    )
+    for col in ("unit", "params", "gathered", "shard", "reshard", "fwd pf", "bwd pf"):
+        units.add_column(col, justify="left" if col == "unit" else "right")
+    for name, u in _plan_unit_rows(plan):
         # Unit paths fold after their dots; the numbers stay whole.
         units.add_row(
             Cell.parts(name), *map(Cell.whole, (

@@ -54,7 +54,13 @@ class RunCurves:
     label: str
     steps: list[dict[str, Any]]  # {"step": int, **STEP_VALUES}, one per step, in step order
     evals: list[dict[str, Any]]  # {"step": int, "val_loss": float}
-    sessions: list[int] = field(default_factory=list)  # steps where a resume/restart began
+    # Where a later session began: (what, step), what = "resumed" or "restart N" (the elastic
+    # agent's N-th restart of the workers), step = the checkpoint's step it continued from.
+    sessions: list[tuple[str, int]] = field(default_factory=list)
+    recipe: str | None = None  # the first session's start event
+    run_dir: str = ""
+    # "started 2026-12-02 04:00 UTC" (the start event's), else "metrics last written ..."
+    started_at: str | None = None
     memory: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> memory figures
     skipped: str | None = None  # one line on what could not be read, when something could not
 
@@ -135,54 +141,121 @@ def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
     if value.gaps:
         skipped.append(f"{value.gaps} value{'s' if value.gaps != 1 else ''} missing, not a "
                        "number or not finite (drawn as gaps)")  # fmt: skip
+    start = next((e for e in read.events if e["event"] == "start"), {})
     return RunCurves(
         label=label or run_dir.name,
         steps=curves,
         evals=val,
-        sessions=[e["step"] for e in read.events
+        sessions=[(_session_name(e), e["step"]) for e in read.events
                   if e["event"] in ("resume", "restart") and integer(e.get("step")) is not None],
         memory=memory,
         skipped=f"{metrics}: skipped " + ", ".join(skipped) if skipped else None,
+        recipe=start.get("recipe") if isinstance(start.get("recipe"), str) else None,
+        run_dir=str(run_dir),
+        started_at=_started_at(start.get("started_at"), metrics),
     )  # fmt: skip
 
 
+def _session_name(event: dict[str, Any]) -> str:
+    attempt = integer(event.get("attempt"))
+    return f"restart {attempt}" if event["event"] == "restart" and attempt else "resumed"
+
+
+def _started_at(value: Any, metrics: Path) -> str:
+    """'started YYYY-MM-DD HH:MM UTC' from the start event; a run that did not record it (an
+    older version) is dated by its metrics file's last write, said as such."""
+    from datetime import datetime, timezone
+
+    if isinstance(value, str):
+        try:
+            return (
+                datetime.fromisoformat(value)
+                .astimezone(timezone.utc)
+                .strftime("started %Y-%m-%d %H:%M UTC")
+            )
+        except ValueError:
+            pass
+    written = datetime.fromtimestamp(metrics.stat().st_mtime, timezone.utc)
+    return f"metrics last written {written:%Y-%m-%d %H:%M UTC}"
+
+
+# Each panel's y label names its unit (the loss is the mean cross-entropy of the trained
+# targets, in nats; the learning rate is a plain number; the grad norm is the global L2 norm of
+# all gradients, which clip_grad_norm_ returns before it clips).
+LOSS_LABEL = "loss (cross-entropy, nats/token)"
+Y_LABELS = (
+    LOSS_LABEL, LOSS_LABEL, "learning rate (no unit)", "grad norm (global L2, before clipping)",
+    "tokens/s (all ranks)",
+)  # fmt: skip
+
+
+def figure_title(runs: list[RunCurves]) -> str:
+    """What the figure shows: the recipe(s), the run folder(s) and when they started."""
+    recipes = list(dict.fromkeys(r.recipe or "recipe unknown" for r in runs))
+    if len(runs) == 1:
+        run = runs[0]
+        return f"fsdprun {recipes[0]}: {run.run_dir} ({run.started_at})"
+    days = (r.started_at.split()[-3] if r.started_at else "date unknown" for r in runs)
+    dates = list(dict.fromkeys(days))
+    return (f"fsdprun {' vs '.join(recipes)}: {len(runs)} runs, "
+            f"{', '.join(r.run_dir for r in runs)} ({', '.join(dates)})")  # fmt: skip
+
+
 def build_figure(runs: list[RunCurves]):
-    """One matplotlib Figure with the six panels of TITLES, the runs overlaid."""
+    """One matplotlib Figure with the six panels of TITLES, the runs overlaid: a title naming
+    the recipe, run folder(s) and date, a y label with its unit on every panel, integer step
+    ticks, resumes and restarts as named dotted lines, and a legend on each panel that holds
+    more than one line (or more than one run's bars)."""
     try:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError as e:
         raise UserError("fsdprun plot needs matplotlib: pip install 'fsdprun[plot]'") from e
 
     # A Figure made without pyplot: no GUI backend, no global state; savefig renders with Agg.
     fig = Figure(figsize=FIGURE_SIZE_IN, dpi=DPI, layout="constrained")
+    fig.suptitle(figure_title(runs))
     axes = fig.subplots(2, 3).flatten()
     by_step, by_tokens, lr, norm, speed, mem = axes
     for ax, title in zip(axes, TITLES, strict=True):
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
-    for ax in (by_step, lr, norm, speed):
+    for ax, ylabel in zip(axes, Y_LABELS, strict=False):
+        ax.set_ylabel(ylabel)
+    step_axes = (by_step, lr, norm, speed)
+    for ax in step_axes:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # no 2.5
     by_tokens.set_xlabel("tokens seen")
-    by_step.set_ylabel("loss")
-    speed.set_ylabel("tokens/s (all ranks)")
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
+        # Several runs are told apart by their label; a single run needs none on its curves.
+        name = f"{run.label} " if len(runs) > 1 else ""
         x = [s["step"] for s in run.steps]
-        by_step.plot(x, [s["loss"] for s in run.steps], color=color, label=f"{run.label} train")
+        by_step.plot(x, [s["loss"] for s in run.steps], color=color, label=f"{name}train")
         if run.evals:
             val_x = [e["step"] for e in run.evals]
             by_step.plot(val_x, [e["val_loss"] for e in run.evals], color=color, ls="--",
-                         marker="o", ms=3, label=f"{run.label} val")  # fmt: skip
+                         marker="o", ms=3, label=f"{name}val")  # fmt: skip
         tokens = [s["tokens_seen"] for s in run.steps]
-        by_tokens.plot(tokens, [s["loss"] for s in run.steps], color=color, label=run.label)
-        lr.plot(x, [s["lr"] for s in run.steps], color=color)
-        norm.plot(x, [s["grad_norm"] for s in run.steps], color=color)
-        speed.plot(x, [s["tokens_per_s"] for s in run.steps], color=color)
-        for i, step in enumerate(run.sessions):
-            label = f"{run.label} resumed" if i == 0 else None
-            by_step.axvline(step, color=color, ls=":", lw=1, label=label)
+        by_tokens.plot(tokens, [s["loss"] for s in run.steps], color=color,
+                       label=f"{name}train")  # fmt: skip
+        for ax, key, what in ((lr, "lr", "learning rate"), (norm, "grad_norm", "grad norm"),
+                              (speed, "tokens_per_s", "tokens/s")):  # fmt: skip
+            ax.plot(x, [s[key] for s in run.steps], color=color, label=name.strip() or what)
+        for what, step in run.sessions:
+            for ax in step_axes:
+                ax.axvline(step, color=color, ls=":" if what == "resumed" else "-.", lw=1.2,
+                           label=f"{name}{what} at step {step}")  # fmt: skip
+            # Named on the loss panel itself too, beside its line.
+            by_step.annotate(f" {name}{what}", (step, 1.0), xycoords=("data", "axes fraction"),
+                             rotation=90, va="top", ha="left", fontsize="small",
+                             color=color)  # fmt: skip
     _memory_bars(mem, runs, colors)
-    by_step.legend(fontsize="small")
+    for ax in axes:
+        drawn = [h for h in ax.get_legend_handles_labels()[1] if not h.startswith("_")]
+        if len(drawn) > 1:
+            ax.legend(fontsize="small")
     return fig
 
 
@@ -250,11 +323,15 @@ def _figure(size_in: tuple[float, float], what: str):
 
 
 # `fsdprun compare --plot`: the side-by-side table's rows as bars, one bar per configuration.
-COMPARE_SIZE_IN = (15.0, 5.0)  # 1500 x 500 pixels
+COMPARE_SIZE_IN = (15.0, 9.0)  # 1500 x 900 pixels
+# (title, result key, y label, how a bar is compared with the first configuration's). Speed on
+# the first row (and the final loss: a configuration must learn the same), memory on the second.
 COMPARE_PANELS = (
-    ("tokens/s", "tokens_per_s", "tokens/s (all ranks)"),
-    ("peak memory per rank", "peak_memory_bytes", "max over ranks"),
-    ("model state per rank", "model_state_bytes", "max over ranks"),
+    ("tokens/s", "tokens_per_s", "tokens/s (all ranks)", "ratio"),
+    ("step time", "step_time_p50_s", "ms per step (median)", "ratio"),
+    ("final loss", "final_loss", "loss (cross-entropy, nats/token)", "difference"),
+    ("peak memory per rank", "peak_memory_bytes", "max over ranks", "ratio"),
+    ("model state per rank", "model_state_bytes", "max over ranks", "ratio"),
 )
 BYTE_UNITS = (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1))
 
@@ -265,10 +342,25 @@ def byte_unit(largest: float) -> tuple[str, int]:
     return next(((name, size) for name, size in BYTE_UNITS if largest >= size), BYTE_UNITS[-1])
 
 
+def _bar_text(value: float, base: float | None, *, key: str, scaled: float, how: str) -> str:
+    if key == "final_loss":
+        text = f"{value:.4f}"
+    elif key == "step_time_p50_s":
+        text = f"{scaled:,.1f} ms"
+    else:
+        text = f"{scaled:,.0f}" if key == "tokens_per_s" else f"{scaled:,.4g}"
+    if base is None:
+        return text
+    if how == "difference":
+        return f"{text}\n{round(value - base, 4) or 0.0:+.4f}"  # never "-0.0000"
+    return f"{text}\n{value / base:.2f}x" if base else text
+
+
 def compare_figure(report: dict[str, Any]):
-    """The bars of a `compare` report (its JSON document): one panel per row of COMPARE_PANELS,
-    each bar labelled with its value and its ratio to the first configuration that ran, as in
-    the table; a configuration that failed keeps its place, marked "failed"."""
+    """The bars of a `compare` report (its JSON document): one panel per row of COMPARE_PANELS
+    (tokens/s, step time and final loss above, memory below), each bar labelled with its value
+    and, as in the table, its ratio to the first configuration that ran (the final loss: its
+    difference); a configuration that failed keeps its place, marked "failed"."""
     fig = _figure(COMPARE_SIZE_IN, "fsdprun compare --plot")
     results = report["results"]
     base = next((r for r in results if r["ok"]), None)
@@ -276,8 +368,11 @@ def compare_figure(report: dict[str, Any]):
     fig.suptitle(f"fsdprun compare {report['recipe']} (world size {report['world_size']}, "
                  f"{report['steps']} steps)")  # fmt: skip
     labels = [r["label"] for r in results]
-    for ax, (title, key, ylabel) in zip(fig.subplots(1, 3), COMPARE_PANELS, strict=True):
-        unit = 1
+    grid = fig.add_gridspec(2, 6)
+    slots = [grid[0, 0:2], grid[0, 2:4], grid[0, 4:6], grid[1, 0:3], grid[1, 3:6]]
+    for slot, (title, key, ylabel, how) in zip(slots, COMPARE_PANELS, strict=True):
+        ax = fig.add_subplot(slot)
+        unit = 1e-3 if key == "step_time_p50_s" else 1
         if key.endswith("_bytes"):
             name, unit = byte_unit(max((r[key] for r in results if r["ok"]), default=0))
             if key == "peak_memory_bytes" and kind:
@@ -286,20 +381,17 @@ def compare_figure(report: dict[str, Any]):
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
-        heights = [r[key] / unit if r["ok"] else 0.0 for r in results]
+        ok = [r["ok"] and r.get(key) is not None for r in results]
+        heights = [r[key] / unit if good else 0.0 for r, good in zip(results, ok, strict=True)]
         bars = ax.bar(labels, heights, color=[f"C{i % 10}" for i in range(len(results))])
-        texts = []
-        for r, height in zip(results, heights, strict=True):
-            if not r["ok"]:
-                texts.append("failed")
-                continue
-            text = f"{height:,.0f}" if unit == 1 else f"{height:,.4g}"
-            if r is not base and base[key]:
-                text += f"\n{r[key] / base[key]:.2f}x"
-            texts.append(text)
+        texts = [
+            _bar_text(r[key], None if r is base else base[key], key=key, scaled=h, how=how)
+            if good else "failed"
+            for r, h, good in zip(results, heights, ok, strict=True)
+        ]  # fmt: skip
         ax.bar_label(bars, texts, fontsize="small")
-        ax.margins(y=0.15)  # room for the labels above the tallest bar
-        ax.tick_params(axis="x", labelrotation=30 if len(results) > 4 else 0)
+        ax.margins(y=0.2)  # room for the labels above the tallest bar
+        ax.tick_params(axis="x", labelrotation=30 if len(results) > 3 else 0)
     return fig
 
 
@@ -313,18 +405,41 @@ PLAN_COMPONENTS = (
 )  # fmt: skip
 
 
+# Bars up to this many times the reference (the device memory, else the recipe strategy's total)
+# set the height of the axes; a taller one (ddp's full replica of a large model) is cut at the top
+# edge with its total written there, so it does not flatten the bars that matter.
+PLAN_CLIP_FACTOR = 4.0
+
+
+def device_memory_label(plan: dict[str, Any], unit_name: str, unit: int) -> str:
+    """'device memory 80GB = 74.5 GiB': the size as the user gave it, and in the axis' unit."""
+    device = plan["device_memory_bytes"]
+    given = plan.get("device_memory_text") or f"{device / 1e9:g}GB"
+    in_unit = f"{device / unit:,.1f} {unit_name}"
+    same_unit = given.upper().rstrip().endswith(unit_name.upper())  # 24GiB on a GiB axis
+    return f"device memory {given}" + ("" if same_unit else f" = {in_unit}")
+
+
 def plan_figure(plan: dict[str, Any]):
     """Stacked bars of a `plan` document (MemoryPlan.to_dict()): one bar per strategy, one
     segment per component of PLAN_COMPONENTS (in the unit of byte_unit), each bar topped by its
-    total; the device memory, when known, is a horizontal line."""
+    total, the recipe's own strategy outlined and named under its bar. The device memory, when
+    known, is a horizontal line labelled as given (80GB) and in the axis' unit (74.5 GiB), with
+    a right-hand axis in percent of it. A bar more than PLAN_CLIP_FACTOR times the device memory
+    (or the recipe strategy's total) is cut at the top, its total written there."""
     fig = _figure(PLAN_SIZE_IN, "fsdprun plan --plot")
     ax = fig.subplots()
     ax.set_title(f"{PLAN_TITLE}: {plan['recipe']}, {plan['world_size']} ranks "
                  f"({plan['nnodes']} x {plan['nproc_per_node']})")  # fmt: skip
     names = list(plan["strategies"])
     strategies = [plan["strategies"][n] for n in names]
+    totals = [s["total"] for s in strategies]
     device = plan.get("device_memory_bytes")
-    unit_name, unit = byte_unit(max([*(s["total"] for s in strategies), device or 0]))
+    reference = device or plan["strategies"][plan["recipe_strategy"]]["total"]
+    shown = [t for t in totals if t <= PLAN_CLIP_FACTOR * reference]
+    top_bytes = 1.12 * max([*shown, reference])
+    unit_name, unit = byte_unit(top_bytes)
+    top = top_bytes / unit
     ax.set_ylabel(f"{unit_name} per rank (rank 0)")
     ax.grid(True, axis="y", alpha=0.3)
     bottoms = [0.0] * len(names)
@@ -334,20 +449,37 @@ def plan_figure(plan: dict[str, Any]):
             continue  # e.g. no unsharded grads kept: no empty legend entry
         ax.bar(names, heights, bottom=bottoms, label=label, color=f"C{i}")
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    totals = ax.bar(names, [0.0] * len(names), bottom=bottoms)  # zero-height: labels only
-    ax.bar_label(totals, [f"{s['total'] / unit:,.1f} {unit_name}" for s in strategies],
-                 fontsize="small")  # fmt: skip
+    mine = names.index(plan["recipe_strategy"])
+    ax.bar([names[mine]], [min(bottoms[mine], top)], fill=False, edgecolor="black", lw=2,
+           label=f"the recipe's strategy ({plan['recipe_strategy']})")  # fmt: skip
+    texts = [f"{t / unit:,.1f} {unit_name}" for t in totals]
+    cut = [i for i, b in enumerate(bottoms) if b > top]
+    # Zero-height bars: the labels of the totals that fit, on top of their stacks.
+    marks = ax.bar(names, [0.0] * len(names), bottom=[min(b, top) for b in bottoms])
+    ax.bar_label(marks, ["" if i in cut else t for i, t in enumerate(texts)], fontsize="small")
+    for i in cut:
+        times = f"{totals[i] / device:,.1f}x the device" if device else "off the scale"
+        ax.annotate(f"\u2191 {texts[i]}\n({times})", (i, top), xytext=(0, -4),
+                    textcoords="offset points", ha="center", va="top", fontsize="small",
+                    bbox={"boxstyle": "round", "fc": "white", "ec": "0.5"})  # fmt: skip
+    ax.set_xticks(range(len(names)), [f"{n}\n(recipe)" if i == mine else n
+                                      for i, n in enumerate(names)])  # fmt: skip
+    ax.get_xticklabels()[mine].set_fontweight("bold")
     if device:
         ax.axhline(device / unit, color="red", ls="--", lw=1.5,
-                   label=f"device memory {device / unit:,.1f} {unit_name}")  # fmt: skip
-    # Set by hand: the zero-height label bars pin autoscaling's top edge to the tallest total.
-    ax.set_ylim(0, max([*bottoms, (device or 0) / unit]) * 1.1)
+                   label=device_memory_label(plan, unit_name, unit))  # fmt: skip
+        percent = ax.secondary_yaxis(
+            "right",
+            functions=(lambda y: y * unit / device * 100, lambda p: p * device / unit / 100),
+        )
+        percent.set_ylabel("% of device memory")
+    ax.set_ylim(0, top)
     # Outside the axes, top segment first as in the stack: no bar or total hidden under it.
     handles, labels = ax.get_legend_handles_labels()
     line = [i for i, h in enumerate(handles) if not hasattr(h, "patches")]
     order = line + [i for i in reversed(range(len(handles))) if i not in line]
     ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), fontsize="small")  # fmt: skip
+              bbox_to_anchor=(1.1 if device else 1.01, 1.0), fontsize="small")  # fmt: skip
     return fig
 
 

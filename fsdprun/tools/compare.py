@@ -212,6 +212,12 @@ def run_config(
     if proc.returncode != 0 or summary is None:
         result.error = error_line(proc.stderr or proc.stdout)
         return result
+    if summary.get("stopped"):  # a STOP file in its run dir: exit 0, but not its whole length
+        stopped = summary["stopped"]
+        result.error = (
+            f"stopped at step {stopped['step']} of {summary['steps']} ({stopped['reason']})"
+        )
+        return result
     ranks = summary["ranks"]
     gpu = "peak_allocated_bytes" in ranks[0]
     key = "peak_allocated_bytes" if gpu else "peak_rss_bytes"

@@ -160,6 +160,8 @@ class MemoryPlan:
     activation_formula: str = ACTIVATION_FORMULA
     buffer_formula: str = BUFFER_FORMULA
     notes: list[str] = field(default_factory=list)
+    # The device memory as the user gave it (`80GB`, `24GiB`; `launch.device_memory_gb` as GB).
+    device_memory_text: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -390,14 +392,16 @@ class TpOption:
 
 
 def plan_memory(
-    cfg: RecipeConfig, *, recipe: str = "", device_memory_bytes: int | None = None
-) -> MemoryPlan:
+    cfg: RecipeConfig, *, recipe: str = "", device_memory_bytes: int | None = None,
+    device_memory_text: str | None = None,
+) -> MemoryPlan:  # fmt: skip
     """Plan units and per-rank memory of `cfg` at its launch.* world size, on the meta device.
 
     Args:
         cfg: a validated recipe (launch.nproc_per_node x launch.nnodes = the world size).
         recipe: its name, for the report.
         device_memory_bytes: memory of one device; None = launch.device_memory_gb, or unknown.
+        device_memory_text: that memory as the user typed it (`80GB`), for the plot's label.
 
     Returns:
         The plan; `strategies[s].fits` is None when the device memory is unknown.
@@ -423,6 +427,7 @@ def plan_memory(
         tp_degrees = _tp_degrees(cfg, units_at)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
+        device_memory_text = f"{cfg.launch.device_memory_gb:g}GB"
     if device_memory_bytes is not None:
         for s in [*strategies.values(), *(o.memory for o in tp_degrees if o.memory)]:
             s.fits = s.total <= device_memory_bytes
@@ -438,6 +443,7 @@ def plan_memory(
         engine=cfg.fsdp.engine.value,
         knobs=[asdict(k) for k in translate(cfg)],
         device_memory_bytes=device_memory_bytes,
+        device_memory_text=device_memory_text if device_memory_bytes is not None else None,
         units=_planned_units(cfg, units, paths, _full_counts(model, paths)),
         strategies=strategies,
         mesh=mesh_dims(cfg),
@@ -592,6 +598,7 @@ def plan_recipe(
     world_size: int | None = None,
     nnodes: int | None = None,
     device_memory_bytes: int | None = None,
+    device_memory_text: str | None = None,
 ) -> MemoryPlan:
     """Resolve `recipe` at the asked world size and plan it.
 
@@ -618,8 +625,9 @@ def plan_recipe(
         launch = [f"launch.nnodes={nnodes}"]
     resolved = load_recipe(recipe, [*overrides, *launch])
     return plan_memory(
-        resolved.config, recipe=resolved.name, device_memory_bytes=device_memory_bytes
-    )
+        resolved.config, recipe=resolved.name, device_memory_bytes=device_memory_bytes,
+        device_memory_text=device_memory_text,
+    )  # fmt: skip
 
 
 # The pre-launch estimate of a step on CPU assumes this many FLOP/s per core: about the bf16

@@ -602,6 +602,11 @@ def run_trial(
         record["status"] = "oom" if "out of memory" in text.lower() else "failed"
         record["reason"] = f"exit {proc.returncode}: {line}"
         return record
+    if summary.get("stopped"):  # a STOP file in the trial's run dir: exit 0, but cut short
+        stopped = summary["stopped"]
+        record["status"] = "failed"
+        record["reason"] = f"stopped at step {stopped['step']} ({stopped['reason']})"
+        return record
     times = summary["step_times_s"]
     tokens = start_event.get("tokens_per_step") or 0
     ranks = summary["ranks"]

@@ -313,6 +313,7 @@ class TrainLoop:
         stopped = None
         profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=self.rank,
                                 world_size=self.layout.num_ranks, device_kind=self.device.kind,
+                                start_step=start_step,
                                 warn=self.events.warn if self.rank == 0 else None)  # fmt: skip
         try:
             for step in range(start_step, cfg.train.steps):
@@ -512,6 +513,10 @@ class TrainLoop:
             "step": done,
             "checkpoint": str(step_dir(self.run_dir, done)),
             "reason": self.stop_signals.requested or "another rank was asked to stop",
+            # A signal this rank received itself (SLURM signals every process), or None: a STOP
+            # file, which the launcher also writes on its own SIGTERM/SIGINT (it knows that one).
+            "signal": self.stop_signals.signal_name,
+            "run_dir": str(self.run_dir),
         }
         self.events.emit("stopped", **stopped)
         return stopped

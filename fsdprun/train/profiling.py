@@ -42,7 +42,8 @@ class StepProfiler:
     (a run that ends inside the active steps writes what it recorded)."""
 
     def __init__(self, cfg: ProfileConfig, *, run_dir: Path, rank: int, world_size: int,
-                 device_kind: str, warn: Callable[[str], None] | None = None):  # fmt: skip
+                 device_kind: str, start_step: int,
+                 warn: Callable[[str], None] | None = None):  # fmt: skip
         self.prof = None
         if not (cfg.enabled and rank in profiled_ranks(cfg, world_size)):
             return
@@ -62,13 +63,22 @@ class StepProfiler:
             activities.append(ProfilerActivity.CUDA)
         if self.snapshot is not None:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
+        # The trace names each step `ProfilerStep#N` after the profiler's own count, which starts
+        # at 0. Starting that count at the run's next step (numbered from 1, as the log and the
+        # `profile` event number them) makes ProfilerStep#3 the log's step 3; the schedule skips
+        # the steps before it so that `wait` still counts steps of this launch.
+        first = start_step + 1
         self.prof = profile(
             activities=activities,
-            schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
+            schedule=schedule(
+                wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1, skip_first=first
+            ),
             on_trace_ready=self._save,
             record_shapes=True,
             profile_memory=True,
         )
+        self.prof.step_num = first
+        self.prof.current_action = self.prof.schedule(first)
         self.prof.start()
 
     def warn(self, message: str) -> None:

@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -379,6 +379,7 @@ def _start_fields(
     compile_ = cfg.compile
     return {
         "recipe": recipe_name or run_dir.name,
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # plot's title
         "fsdprun_version": __version__,
         "torch_version": torch.__version__,
         "run_dir": str(run_dir),
