@@ -6,6 +6,9 @@ cannot do, be refused before anything starts: one line, exit 2, an empty run dir
 never crash mid-run.
 
 The axes are one table (`AXES`): adding an axis is one line there plus what it sets in `_args`.
+Tensor parallelism (`tp`) is a sparse axis: the covering set runs at tp 1, and `TP_CELLS` adds
+two tp-2 cells (4 ranks: tp 2 x dp 2) over different values of the other axes, checked against
+the same plain references; its refusals are `REFUSED` rules like any other.
 `NOT_APPLICABLE` lists value pairs that describe no run (a tied HuggingFace folder is the folder's
 own business). `REFUSED` lists pairs fsdprun refuses, with the words the refusal must contain; the
 covering set of trained cells avoids them, and one cell per rule checks the refusal itself.
@@ -58,8 +61,23 @@ NOT_APPLICABLE = [
     ({"resume": "other_world"}, {"launch": "srun"}),
 ]
 
+# The sparse tp axis: the covering set's cells run at tp 1; these cells at tp 2 (a 4-rank
+# tp 2 x dp 2 mesh), each with other values of the other axes. One resumes on 2 ranks (tp 2 x
+# dp 1, through a checkpoint saved on the 2 x 2 mesh).
+TP_AXIS = [1, 2]
+TP_CELLS = [
+    {"engine": "fsdp2", "sharding": "full", "precision": "fp32", "accum": 2, "tied": False,
+     "model": "builtin", "data": "text", "ac": "full", "offload": False,
+     "resume": "other_world", "launch": "fsdprun", "tp": 2},
+    {"engine": "fsdp2", "sharding": "grad_op", "precision": "bf16", "accum": 1, "tied": False,
+     "model": "builtin", "data": "tokens", "ac": "none", "offload": False, "resume": "none",
+     "launch": "torchrun", "tp": 2},
+]  # fmt: skip
+
 # Value pairs fsdprun refuses before launch, and what the one line must name.
 REFUSED = [
+    (({"engine": "fsdp1"}, {"tp": 2}), "fsdp.engine=fsdp1 cannot shard DTensor"),
+    (({"engine": "ddp"}, {"tp": 2}), "fsdp.engine=ddp cannot shard DTensor"),
     (({"engine": "ddp"}, {"offload": True}), "fsdp.cpu_offload"),
     # FSDP1 pins offloaded parameters, which needs an accelerator.
     (({"engine": "fsdp1"}, {"offload": True}), "fsdp.cpu_offload"),
@@ -127,12 +145,12 @@ def _greedy_cover(axes: dict[str, list], excluded, rng: random.Random) -> list[d
 
 
 def _refusal_cells() -> list[tuple[dict, str]]:
-    base = {n: values[0] for n, values in AXES.items()}
+    base = {**{n: values[0] for n, values in AXES.items()}, "tp": TP_AXIS[0]}
     return [({**base, **a, **b}, words) for (a, b), words in REFUSED]
 
 
 def test_the_covering_set_covers_every_allowed_pair():
-    cells = CELLS
+    cells = PAIRWISE
     for a, b in itertools.combinations(AXES, 2):
         for va, vb in itertools.product(AXES[a], AXES[b]):
             if _excluded({a: va, b: vb}):
@@ -143,8 +161,12 @@ def test_the_covering_set_covers_every_allowed_pair():
     refused = [cell for cell, _ in _refusal_cells()]
     for (a, b), _ in REFUSED:
         assert any(_matches(c, a) and _matches(c, b) for c in refused)
+    # The tp cells are allowed cells, each of both tp values appears.
+    assert not any(_excluded(c) for c in TP_CELLS)
+    assert {c["tp"] for c in CELLS} == set(TP_AXIS)
     # Each launch is seconds of CI time: the cells, resumed ones twice, and their references.
     assert len(cells) <= 20 and _launches(cells) <= 32, (len(cells), _launches(cells))
+    assert _launches(CELLS) <= _launches(cells) + 5
 
 
 STEPS = 4
@@ -156,8 +178,13 @@ def _cell_id(cell: dict) -> str:
 
 
 def _world(cell: dict) -> int:
-    # Hybrid modes get two shard groups of 2 (a 2 x 2 mesh), the rest 2 ranks.
-    return 4 if cell["sharding"] in ("hybrid", "hybrid_zero2") else 2
+    # Hybrid modes get two shard groups of 2 (a 2 x 2 mesh), tp 2 a tp 2 x dp 2 mesh, the rest
+    # 2 ranks.
+    return 4 if cell["sharding"] in ("hybrid", "hybrid_zero2") or cell.get("tp", 1) > 1 else 2
+
+
+def _dp(cell: dict) -> int:
+    return _world(cell) // cell.get("tp", 1)
 
 
 def _resume_world(cell: dict) -> int:
@@ -177,7 +204,9 @@ def hf_bf16_folder(tmp_path_factory) -> Path:
 
 
 def _model_data_args(cell: dict, hf_bf16: Path) -> list[str]:
-    args = ["model.vocab_size=257", f"model.tie_embeddings={str(cell['tied']).lower()}"]
+    # tp 2 must divide the vocabulary: 258 (byte text needs 257).
+    vocab = 258 if cell.get("tp", 1) > 1 else 257
+    args = [f"model.vocab_size={vocab}", f"model.tie_embeddings={str(cell['tied']).lower()}"]
     if cell["model"] == "hf_fp32":
         args += [f"model.hf_path={RECIPES / 'data' / 'tiny-llama-hf'}", "model.init=pretrained"]
     elif cell["model"] == "hf_bf16":
@@ -196,8 +225,7 @@ COMMON = [f"train.steps={STEPS}", "train.global_batch_size=8", "output.log_every
 
 
 def _args(cell: dict, hf_bf16: Path) -> list[str]:
-    world = _world(cell)
-    micro = 8 // (world * cell["accum"])
+    micro = 8 // (_dp(cell) * cell["accum"])
     precision = cell["precision"]
     args = [
         *COMMON,
@@ -212,6 +240,8 @@ def _args(cell: dict, hf_bf16: Path) -> list[str]:
     ]
     if cell["sharding"] in ("hybrid", "hybrid_zero2"):
         args.append("fsdp.shard_group_size=2")
+    if cell["tp"] > 1:
+        args.append(f"parallel.tp={cell['tp']}")
     if cell["resume"] != "none":
         args.append("checkpoint.every_steps=2")
     return args
@@ -271,7 +301,8 @@ def _launches(cells: list[dict]) -> int:
     return len(refs) + sum(1 + (c["resume"] != "none") for c in cells)
 
 
-CELLS = pairwise(AXES, _excluded, _launches)
+PAIRWISE = [{**cell, "tp": 1} for cell in pairwise(AXES, _excluded, _launches)]
+CELLS = PAIRWISE + TP_CELLS
 
 
 def _run_cell(cell: dict, hf_bf16: Path, root: Path) -> tuple[list, Path]:

@@ -41,7 +41,13 @@ from fsdprun.engines.base import (
     reshards_after_forward,
     unsharded_grads_text,
 )
-from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding, shard_group_size
+from fsdprun.engines.mesh import (
+    backward_prefetch_depth,
+    effective_sharding,
+    mesh_dims,
+    shard_group_size,
+    tp_degree,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -91,11 +97,24 @@ def knobs(cfg: RecipeConfig, ws: int, add) -> None:
     """Add what fully_shard does with each `fsdp.*` and precision key at world size `ws`."""
     f, p = cfg.fsdp, cfg.precision
     sharding, group = effective_sharding(f), shard_group_size(cfg, ws)
-    if sharding in _TWO_D:
+    dims = mesh_dims(cfg, ws)
+    if tp_degree(cfg) > 1:
+        dp = [f"{n} {name}" for name, n in dims if name != "tp"]
+        mesh = f"fully_shard over the {' x '.join(dp)} dims of the mesh"
+    elif sharding in _TWO_D:
         mesh = f"2-D mesh ({ws // group} replicate x {group} shard)"
     else:
         mesh = f"1-D mesh of {ws} ranks"
     add("fsdp.engine", "fsdp2", "fully_shard (per-parameter DTensor shards)")
+    if tp_degree(cfg) > 1:
+        shape = " x ".join(f"{n} {name}" for name, n in dims)
+        add(
+            "parallel.tp",
+            tp_degree(cfg),
+            f"device mesh {shape}: parallelize_module with the family's plan over the tp dim "
+            f"(ranks of one TP group read the same batch; loss parallel on vocab-sharded "
+            f"logits), then fully_shard over the data-parallel dims",
+        )
     add(
         "fsdp.sharding",
         f.sharding,
@@ -294,7 +313,8 @@ def apply_fsdp(
     modules = dict(model.named_modules())
     units: list[FsdpUnit] = []
     # Parameters an earlier unit took (not "already a DTensor": tensor parallel makes every
-    # parameter one before FSDP); counted at their full size.
+    # parameter one before FSDP); counted at their full size. fully_shard replaces a unit's
+    # parameters by new DTensor ones, whose ids are taken too.
     taken: set[int] = set()
 
     def own(module: nn.Module) -> int:
@@ -306,6 +326,7 @@ def apply_fsdp(
         module = modules[row.path]
         before = own(module)
         fully_shard(module, reshard_after_forward=row.reshard_after_forward, **common)
+        taken.update(id(p) for p in module.parameters())
         units.append(FsdpUnit(row.path, before, row.reshard_after_forward))
     root_params = own(model)
     # FSDP2 keeps the root gathered after forward whatever its flag (backward needs it first).

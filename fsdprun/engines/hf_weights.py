@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdprun.engines.weights import set_full_value
 from fsdprun.errors import UserError
 from fsdprun.models.hf import HF_PREFIX
 from fsdprun.models.lora import is_adapter_name
@@ -56,6 +57,11 @@ def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     chunk = -(-rows // world_size)
     start = min(rank * chunk, rows)
     return start, min(start + chunk, rows)
+
+
+def _row_sharded(param: DTensor) -> bool:
+    """Whether every placement is a replica or a plain dim-0 shard (FSDP2 without TP)."""
+    return all(p.is_replicate() or (type(p) is Shard and p.dim == 0) for p in param.placements)
 
 
 def shard_rows(param: torch.Tensor) -> tuple[int, int]:
@@ -159,6 +165,12 @@ class HFWeights:
                 setattr(module, attr, tied)
         for name, param in model.named_parameters():
             if name not in self._wanted:
+                continue
+            if isinstance(param, DTensor) and not _row_sharded(param):
+                # Tensor parallel: shards of other dims (row-wise Linears, Shard(1)) or strided
+                # ones (FSDP's dim-0 shard of a column-wise shard): the whole tensor is read and
+                # this rank keeps its part (one full-size temporary per parameter).
+                set_full_value(param, self._slice(name)[:].to(param.dtype))
                 continue
             start, stop = shard_rows(param)
             local = param.to_local() if isinstance(param, DTensor) else param

@@ -116,6 +116,21 @@ def _lora_line(lora: dict[str, Any], num_base_params: int, num_trainable: int) -
     )
 
 
+def mesh_text(mesh: list[list]) -> str:
+    """'2 dp_shard x 2 tp' from the start event's [[name, size], ...], outermost first."""
+    return " x ".join(f"{size} {name}" for name, size in mesh)
+
+
+def tp_plan_lines(rows: list[list[str]]) -> list[tuple[str, str]]:
+    """The TP plan's (module path, style) rows with the blocks' numbers folded into `*`
+    (`layers.*.attention.wq`: each block is split alike), in the plan's order."""
+
+    folded: dict[str, str] = {}
+    for path, style in rows:
+        folded.setdefault(re.sub(r"\.\d+\.", ".*.", path), style)
+    return list(folded.items())
+
+
 class Reporter:
     """Turns metrics events into console output (call from one thread)."""
 
@@ -206,12 +221,20 @@ class Reporter:
         )
         if e.get("loss"):
             c.print(f"  loss: {e['loss']}; float8: {e.get('float8', 'off')}", soft_wrap=True)
+        tp = e.get("tp") or 1
+        ranks = f"{e['world_size']} ranks" if tp == 1 else f"{e['world_size'] // tp} dp ranks"
         c.print(
             f"  batch {e['global_batch_size']} seqs x {e['seq_len']} tokens = "
             f"{fmt_count(e['tokens_per_step'])} tokens/step (micro {e['micro_batch_size']} x "
-            f"{e['world_size']} ranks x {e['grad_accum_steps']} accumulation), "
+            f"{ranks} x {e['grad_accum_steps']} accumulation), "
             f"{e['steps']} steps"
         )
+        if e.get("mesh"):
+            c.print(f"  mesh: {mesh_text(e['mesh'])}")
+        if e.get("tp_plan"):
+            c.print(f"  tensor parallel plan (tp {tp}):")
+            for path, style in tp_plan_lines(e["tp_plan"]):
+                c.print(f"    {path}: {style}")
         c.print(
             f"  parameter shard per rank: {fmt_bytes(e['param_shard_bytes'])} of "
             f"{fmt_bytes(e['param_bytes'])}; run dir {e['run_dir']}"

@@ -2,6 +2,7 @@
 strategies, one after another, in one side-by-side table.
 
     fsdprun compare debug --configs ddp,fsdp1,fsdp2,fsdp2:grad_op --steps 10
+    fsdprun compare debug --configs fsdp2,fsdp2:full:tp2 --nproc-per-node 4 --steps 10
 
 Each configuration is an ordinary `fsdprun train` run in its own process and run directory
 (COMPARE_DIR/<label>/), so one configuration's memory cannot leak into the next one's figures
@@ -44,15 +45,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CompareConfig:
-    label: str  # as given: "ddp", "fsdp2:grad_op"
+    label: str  # as given: "ddp", "fsdp2:grad_op", "fsdp2:full:tp2"
     overrides: tuple[str, ...]
 
 
 def parse_configs(text: str) -> list[CompareConfig]:
-    """'ddp,fsdp1,fsdp2:grad_op' -> configurations (engine[:sharding], comma-separated).
+    """'ddp,fsdp1,fsdp2:grad_op,fsdp2:full:tp2' -> configurations (engine[:sharding][:tpN],
+    comma-separated; tpN sets parallel.tp=N).
 
     Raises:
-        UserError: an unknown engine or sharding, a sharding given to ddp, or a repeat.
+        UserError: an unknown engine, sharding or part, a sharding given to ddp, tensor
+            parallel with another engine than fsdp2, or a repeat.
     """
     engines = [e.value for e in Engine]
     shardings = [s.value for s in Sharding]
@@ -60,7 +63,14 @@ def parse_configs(text: str) -> list[CompareConfig]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        engine, _, sharding = item.partition(":")
+        engine, *parts = item.split(":")
+        tp = [p for p in parts if re.fullmatch(r"tp[1-9]\d*", p)]
+        rest = [p for p in parts if p not in tp]
+        if len(tp) > 1 or len(rest) > 1:
+            raise UserError(
+                f"--configs: '{item}': use engine[:sharding][:tpN], e.g. fsdp2:full:tp2"
+            )
+        sharding = rest[0] if rest else ""
         if engine not in engines:
             raise UserError(
                 f"--configs: '{item}': unknown engine '{engine}'; use {', '.join(engines)} "
@@ -76,6 +86,13 @@ def parse_configs(text: str) -> list[CompareConfig]:
                     f"{', '.join(shardings)}"
                 )
             overrides.append(f"fsdp.sharding={sharding}")
+        if tp:
+            if engine != Engine.fsdp2.value:
+                raise UserError(
+                    f"--configs: '{item}': tensor parallel (parallel.tp) needs fsdp2; use "
+                    f"fsdp2:{':'.join(parts)}"
+                )
+            overrides.append(f"parallel.tp={tp[0][2:]}")
         if any(c.label == item for c in configs):
             raise UserError(f"--configs: '{item}' is listed twice")
         configs.append(CompareConfig(item, tuple(overrides)))
