@@ -434,7 +434,7 @@ def render_plan(plan: dict[str, Any], console: Console, *, full: bool = False) -
     else:
         c.print("  * estimates; --full says how each row is counted and what is left out.")
     if plan["tp_degrees"]:
-        c.print(_plan_tp_table(plan))
+        c.print(_plan_tp_table(plan) if full else _plan_tp_line(plan), soft_wrap=not full)
         for o in plan["tp_degrees"]:
             if o["missing"]:
                 c.print(f"  tp {o['tp']}: not possible, {escape(o['missing'])}.")
@@ -443,6 +443,21 @@ def render_plan(plan: dict[str, Any], console: Console, *, full: bool = False) -
 
 def _mesh_text(mesh: list[list]) -> str:
     return "[" + " x ".join(f"{name} {n}" for name, n in mesh) + "]"
+
+
+def _plan_tp_line(plan: dict[str, Any]) -> str:
+    """The TP degrees' totals per rank in one line (--full: the table, component by component)."""
+    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
+    parts = [
+        f"tp {o['tp']}{' (recipe)' if o['tp'] == plan['tp'] else ''} {o['mesh']} "
+        f"{fmt_bytes(o['memory']['total'])}"
+        for o in plan["tp_degrees"] if o["memory"] is not None
+    ]  # fmt: skip
+    return escape(
+        f"Tensor parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 total): "
+        + ", ".join(parts)
+        + "; --full splits each total"
+    )
 
 
 def _plan_tp_table(plan: dict[str, Any]) -> Table:
