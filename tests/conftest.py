@@ -162,6 +162,22 @@ def _zygote() -> Zygote:
     return _ZYGOTE[0]
 
 
+# The files that take longest (CI's --durations, 2026-12-02), longest first: under
+# `-n 2 --dist loadfile` (pyproject.toml) files are handed to the workers in collection order, and
+# a long one started last would leave one worker alone at the end. The others keep their order.
+LONGEST_FIRST = (
+    "test_matrix.py", "test_docs.py", "test_storage_faults.py", "test_tune.py",
+    "test_memory_contract.py", "test_launch.py", "test_faults.py", "test_lora_checkpoint.py",
+    "test_trackers.py", "test_engines.py", "test_train.py", "test_process_faults.py",
+    "test_unresponsive.py", "test_checkpoint.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
 def pytest_sessionfinish(session, exitstatus):
     for z in _ZYGOTE:
         z.close()
