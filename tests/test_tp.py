@@ -45,7 +45,7 @@ def one_error(*overrides: str) -> str:
         (["lora.rank=4"], "lora.rank=4: LoRA's adapted layers"),
         (["train.loss=chunked"], "train.loss=chunked"),
         (["model.tie_embeddings=true"], "tied embeddings"),
-        (["compile.enabled=true", "compile.per_block=false"], "compile.per_block=false"),
+        (["compile.enabled=true"], "compile.enabled=true: torch.compile of the tensor-parallel"),
         (["fsdp.cpu_offload=true"], "fsdp.cpu_offload=true"),
         (["parallel.tp=8", "launch.nproc_per_node=8"], "model's model.n_kv_heads (2)"),
         (["parallel.tp=4", "launch.nproc_per_node=6", "launch.nnodes=2",
