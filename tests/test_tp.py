@@ -278,6 +278,18 @@ def test_resume_is_exact_across_tp_degrees_and_dp_sizes(trained, tmp_path, saved
     assert dims == (["dp_shard", "tp"] if resumed else ["dp"]), again.start["mesh"]
     (event,) = [e for e in again.events if e["event"] == "resume"]
     assert event["saved_world_size"] == 4 and event["world_size"] == world
+    if saved:  # inspect-checkpoint shows the mesh the checkpoint was saved on
+        assert "mesh        2 dp_shard × 2 tp" in _inspect(_ckpt(whole, 2))
+
+
+def _inspect(checkpoint: Path) -> str:
+    from rich.console import Console
+
+    from fsdprun.checkpoint.inspect import inspect_path, render
+
+    console = Console(record=True, width=120, highlight=False)
+    render(inspect_path(checkpoint), console)
+    return console.export_text()
 
 
 @pytest.fixture(scope="module")
