@@ -307,11 +307,13 @@ def test_plan_units_follow_the_engine():
 
 
 def test_engine_rules_load_without_torch():
-    # config, `plan` and the run header read the knob tables and unit plans; config must be able
-    # to import the engines package without paying for torch.
+    # config, `plan` and the run header read the knob tables and unit plans (and the TP plan's
+    # rows, `engines.tp.plan_rows`); config must be able to import the engines package without
+    # paying for torch.
     code = (
         "import sys, fsdprun.engines, fsdprun.engines.fsdp2, fsdprun.engines.fsdp1, "
-        "fsdprun.engines.ddp; assert 'torch' not in sys.modules, sorted(sys.modules)"
+        "fsdprun.engines.ddp, fsdprun.engines.tp; "
+        "assert 'torch' not in sys.modules, sorted(sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -269,7 +269,8 @@ class ParallelConfig:
         "embedding and output with loss parallel), FSDP2 sharding over the other ranks. The mesh "
         "is [dp_replicate, dp_shard, tp] with tp the fastest dim (ranks inside a node); the "
         "data-parallel size is world size / tp. Must divide the heads, kv heads, ffn dim, vocab "
-        "and train.seq_len; needs fsdp.engine=fsdp2. 1 = off. See docs/tensor-parallel.md.",
+        "and train.seq_len; needs fsdp.engine=fsdp2 (no float8, LoRA, chunked loss, tied "
+        "embeddings, compile or cpu offload). 1 = off. See docs/tensor-parallel.md.",
     )
     tp_across_nodes: bool = _f(
         False,
