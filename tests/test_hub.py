@@ -100,12 +100,12 @@ def test_a_hub_id_not_cached_is_one_line_before_launch(tmp_path):
     for command in (["config", "debug"], ["train", "debug"], ["plan", "debug"]):
         proc = fsdprun(*command, f"model.hf_path={missing}", env=env, cwd=tmp_path)
         line = one_line_error(proc)
-        assert line.startswith(f"error: model.hf_path: '{missing}' is not in the Hugging Face "
-                               f"cache ({tmp_path / 'cache'})"), line  # fmt: skip
+        assert line.startswith(f"error: model.hf_path: '{missing}' is no folder here and not in "
+                               f"the Hugging Face cache ({tmp_path / 'cache'})"), line  # fmt: skip
         assert "HF_HUB_OFFLINE is set" in line and f"`fsdprun download {missing}`" in line
     assert not (tmp_path / "runs").exists()
     line = one_line_error(fsdprun("download", missing, env=env, cwd=tmp_path))
-    assert f"'{missing}' is not in the Hugging Face cache" in line
+    assert f"'{missing}' is no folder here and not in the Hugging Face cache" in line
     # Online, the read-only commands still only look in the cache.
     online = {k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}
     line = one_line_error(fsdprun("config", "debug", f"data.tokenizer={missing}", env=online,
@@ -122,7 +122,7 @@ def test_a_hub_id_not_cached_is_one_line_before_launch(tmp_path):
     assert ok.returncode == 0, ok.stderr
     line = one_line_error(fsdprun("config", "debug", "model.hf_path=tok-org/only-tokenizer",
                                   env=env, cwd=tmp_path))  # fmt: skip
-    assert "'tok-org/only-tokenizer' is not in the Hugging Face cache" in line
+    assert "'tok-org/only-tokenizer' is no folder here and not in the Hugging Face cache" in line
 
 
 def test_a_local_folder_named_like_an_id_stays_a_folder(tmp_path, monkeypatch):

@@ -155,8 +155,9 @@ def hub_folder(hub_id: str, *, key: str, mode: str = "cache", wait_s: float = 60
         return _download(hub_id, key=key, model=model)
     why = "and HF_HUB_OFFLINE is set" if _offline() else "and this command never downloads"
     raise UserError(
-        f"{key}: '{hub_id}' is not in the Hugging Face cache ({_cache_dir()}) {why}; run "
-        f"`fsdprun download {hub_id}` (with a network), or give a local folder"
+        f"{key}: '{hub_id}' is no folder here and not in the Hugging Face cache "
+        f"({_cache_dir()}) {why}; run `fsdprun download {hub_id}` (with a network), or give a "
+        "local folder"
     )
 
 
