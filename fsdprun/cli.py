@@ -284,8 +284,9 @@ def train(
         run_as_worker(recipe, all_overrides)
         return
     # The recipe and its data files are checked before the launcher loads torch (~2 s): a typo
-    # or a missing file is refused as fast as `fsdprun config` refuses it.
-    resolved = load_recipe(recipe, all_overrides)
+    # or a missing file is refused as fast as `fsdprun config` refuses it. A Hub model not yet
+    # cached is downloaded here, once per node, before any worker starts.
+    resolved = load_recipe(recipe, all_overrides, hub="download")
     _check_before_launch(resolved.config)
     from fsdprun.launch.elastic import launch_training
 
@@ -640,8 +641,8 @@ def prepare_data_cmd(
         str,
         typer.Option(
             "--tokenizer",
-            help="`byte` (built in, 257 tokens) or the path of a HuggingFace tokenizer.json "
-            "(needs the tokenizers package).",
+            help="`byte` (built in, 257 tokens), the path of a HuggingFace tokenizer.json "
+            "(needs the tokenizers package) or a Hub model id (ORG/NAME; its tokenizer).",
         ),
     ] = "byte",
     val_fraction: Annotated[
@@ -692,6 +693,11 @@ def prepare_data_cmd(
 ) -> None:
     """Tokenize text into token files (train.bin, val.bin) and data.json for data.source=tokens;
     with --source chat|instruct|hf_dataset, fine-tuning examples with their loss masks."""
+    from fsdprun.config.hub import hub_folder, is_hub_id
+
+    if tokenizer != "byte" and is_hub_id(tokenizer):  # a Hub id: its cached tokenizer files
+        folder = hub_folder(tokenizer, key="--tokenizer", mode="download")
+        tokenizer = str(folder / "tokenizer.json" if source == "text" else folder)
     if source != "text":
         from fsdprun.data.sft import prepare_sft_examples
 
@@ -718,6 +724,38 @@ def prepare_data_cmd(
         f"wrote {desc['num_tokens']:,} {desc['dtype']} tokens (tokenizer {desc['tokenizer']}, "
         f"vocabulary {desc['vocab_size']:,}) to {out}: {files}, data.json"
     )
+
+
+@app.command()
+@guarded
+def download(
+    hub_ids: Annotated[
+        list[str],
+        typer.Argument(
+            help="Hugging Face Hub model ids (ORG/NAME), as model.hf_path or data.tokenizer "
+            "name them.",
+            metavar="HUB_ID",
+            show_default=False,
+        ),
+    ],
+    tokenizer_only: Annotated[
+        bool,
+        typer.Option(
+            "--tokenizer-only/--no-tokenizer-only",
+            show_default=False,
+            help="Only the tokenizer files and chat template (what data.tokenizer reads).",
+        ),
+    ] = False,
+) -> None:
+    """Download models from the Hugging Face Hub into its local cache (HF_HOME, HF_HUB_CACHE)
+    before a run: for a cluster whose nodes train offline (HF_HUB_OFFLINE=1) from one cache."""
+    from fsdprun.config.hub import hub_folder, is_hub_id
+
+    key = "data.tokenizer" if tokenizer_only else "model.hf_path"
+    for hub_id in hub_ids:
+        if not is_hub_id(hub_id):
+            raise UserError(f"{hub_id!r}: not a Hub model id (ORG/NAME), or a local path already")
+        print(f"{hub_id}: {hub_folder(hub_id, key=key, mode='download')}")
 
 
 @app.command()
@@ -839,7 +877,8 @@ def compare_cmd(
     extra = [f"train.steps={steps}"] if steps is not None else []
     extra += launch_overrides(launch)
     all_overrides = [*(overrides or []), *extra]
-    resolved = load_recipe(recipe, all_overrides)
+    # A Hub model is downloaded here, once: each configuration's run then finds it cached.
+    resolved = load_recipe(recipe, all_overrides, hub="download")
     _check_before_launch(resolved.config)  # before "comparing ...": a refusal is one line
     name = resolved.name
     target = run_dir or Path(str(default_run_dir(f"compare-{name}")))
@@ -964,6 +1003,10 @@ def tune_cmd(
     if device_memory:
         memory = parse_size(device_memory, option="--device-memory",
                             expected="a size such as 80GB or 24GiB", bare_unit="GB")  # fmt: skip
+    # A Hub model is downloaded before the search, once: every trial then finds it cached.
+    load_recipe(
+        recipe, [*(overrides or []), *launch_overrides(launch)], check=False, hub="download"
+    )
     args = TuneArgs(
         recipe=recipe, overrides=list(overrides or []), launch_overrides=launch_overrides(launch),
         launch_flags=launch.typed(), out_dir=out, budget_s=parse_duration(budget, "--budget"),

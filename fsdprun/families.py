@@ -25,5 +25,5 @@ def family_problem(family: str, hf_path: str | None) -> str | None:
     if family not in FAMILIES:
         return f"model.family: '{family}' is not known; the families are {', '.join(FAMILIES)}"
     if family == HF_FAMILY and hf_path is None:
-        return "model.family: 'hf' needs model.hf_path (a local HuggingFace model folder)"
+        return "model.family: 'hf' needs model.hf_path (a HuggingFace model folder or Hub id)"
     return None

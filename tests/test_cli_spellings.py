@@ -71,13 +71,17 @@ def _bash_complete(words: str, env: dict[str, str]) -> list[str]:
     return proc.stdout.split()
 
 
+def _in_bash(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    # typer finds the shell to complete for among the command's parent processes (shellingham):
+    # run it from bash, as a user types it.
+    return subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
 def test_shell_completion(tmp_path):
     # A home of its own: --install-completion writes there, never in the real one.
     env = fsdprun_env(HOME=str(tmp_path), SHELL="/bin/bash")
-    shown = subprocess.run(
-        [FSDPRUN, "--show-completion", "bash"], env=env, capture_output=True, text=True,
-        timeout=60,
-    )  # fmt: skip
+    shown = _in_bash(f"{FSDPRUN} --show-completion", env)
     assert shown.returncode == 0, shown.stderr
     assert "complete -o default -F _fsdprun_completion fsdprun" in shown.stdout
     assert "_FSDPRUN_COMPLETE=complete_bash" in shown.stdout
@@ -86,25 +90,11 @@ def test_shell_completion(tmp_path):
     assert _bash_complete("fsdprun train deb", env) == ["debug"]
     assert _bash_complete("fsdprun train llama-", env) == ["llama-1b", "llama-70b", "llama-8b"]
     assert "--nproc-per-node" in _bash_complete("fsdprun train debug --nproc", env)
-    installed = subprocess.run(
-        [FSDPRUN, "--install-completion", "bash"], env=env, capture_output=True, text=True,
-        timeout=60,
-    )  # fmt: skip
+    installed = _in_bash(f"{FSDPRUN} --install-completion", env)
     assert installed.returncode == 0, installed.stderr
     script = tmp_path / ".bash_completions" / "fsdprun.sh"
     assert script.read_text().strip() == shown.stdout.strip()
     assert str(script) in (tmp_path / ".bashrc").read_text()
-
-
-@pytest.mark.parametrize("shell", ["zsh", "fish"])
-def test_completion_scripts_for_other_shells(tmp_path, shell):
-    env = fsdprun_env(HOME=str(tmp_path), SHELL=f"/bin/{shell}")
-    shown = subprocess.run(
-        [FSDPRUN, "--show-completion", shell], env=env, capture_output=True, text=True,
-        timeout=60,
-    )  # fmt: skip
-    assert shown.returncode == 0, shown.stderr
-    assert "_FSDPRUN_COMPLETE" in shown.stdout
 
 
 def test_recipes_lists_where_each_runs_its_computed_size_and_whole_sentences():
@@ -249,7 +239,7 @@ def test_torchrun_flags_set_the_launch(launched, tmp_path, flags, expected, spel
             given = {f for f in flags if f.startswith("--")}
             if "--no-standalone" in given:
                 given -= {"--standalone", "--no-standalone"}
-            assert given <= set(printed), printed
+            assert given <= set(" ".join(printed).split()), printed
         for key, value in expected.items():
             assert getattr(launch, key) == value, (command, typed, key)
 

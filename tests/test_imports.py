@@ -37,6 +37,10 @@ GROUND_FLOOR_LAZY = {
 CONFIG_LAZY_IMPORTS = {
     # Resolving launch.device=auto needs torch, asked only where /dev has accelerator nodes.
     "fsdprun.device": "resolves launch.device=auto on a machine with accelerators",
+    # A recipe naming a Hub id (config.hub) looks it up in the cache, or downloads it.
+    "huggingface_hub": "resolves a Hub id in model.hf_path or data.tokenizer",
+    "huggingface_hub.constants": "the cache folder and offline mode in a Hub id's messages",
+    "huggingface_hub.errors": "a Hub id's gated, unknown or unreachable model as one line",
 }
 
 

@@ -24,6 +24,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fsdprun.config.hub import hub_folder, is_hub_id
 from fsdprun.config.schema import SECTIONS, RecipeConfig, schema_fields
 from fsdprun.config.validate import validate
 from fsdprun.errors import UserError
@@ -281,6 +282,8 @@ def _resolve_path(ref: str, base: Path | None) -> tuple[str, str]:
 # Keys holding file paths: a relative path means relative to the recipe file that set it, so a
 # recipe and its data can move together (and built-in recipes find the data shipped beside them).
 PATH_KEYS = ("data.paths", "data.val_paths", "data.tokenizer", "model.hf_path")
+# Keys that may name a Hugging Face Hub id instead (fsdprun.config.hub).
+HUB_KEYS = ("model.hf_path", "data.tokenizer")
 
 
 def _resolve_paths(values: dict[str, Any], base: Path) -> None:
@@ -291,6 +294,8 @@ def _resolve_paths(values: dict[str, Any], base: Path) -> None:
             return item
         if key == "data.tokenizer" and item == "byte":
             return item
+        if key in HUB_KEYS and is_hub_id(item, base):
+            return item  # a Hub id, resolved to its cached snapshot once the layers are merged
         return str((base / Path(item).expanduser()).resolve())
 
     for key in PATH_KEYS:
@@ -452,6 +457,7 @@ def load_recipe(
     *,
     world_size: int | None = None,
     check: bool = True,
+    hub: str = "cache",
 ) -> ResolvedRecipe:
     """Resolve a recipe reference plus overrides into a validated config.
 
@@ -462,6 +468,9 @@ def load_recipe(
         check: run the cross-field checks (`validate`); the caller runs them itself if False.
             The data files are not read here: the commands that use them call
             `fsdprun.data.preflight.check_data`.
+        hub: how a Hugging Face Hub id in model.hf_path or data.tokenizer becomes a cached
+            snapshot folder: `cache` (never the network), `download` (the launcher, once per
+            node) or `wait` (a worker waiting for its node's local rank 0); see config.hub.
 
     Raises:
         UserError: anything wrong with the recipe, one line.
@@ -479,6 +488,13 @@ def load_recipe(
     for layer in layers:
         for key in layer.values:
             provenance[key] = layer.source
+    for key in HUB_KEYS:
+        section, leaf = key.split(".")
+        value = getattr(getattr(config, section), leaf)
+        if isinstance(value, str) and is_hub_id(value):
+            folder = hub_folder(value, key=key, mode=hub, wait_s=config.launch.timeout_s)
+            setattr(getattr(config, section), leaf, str(folder))
+            provenance[key] = f"{provenance[key]}, Hub id {value}"
     errors = validate(config, world_size=world_size) if check else []
     if errors:
         raise UserError("; ".join(errors))

@@ -157,7 +157,9 @@ class ModelConfig:
         None,
         "A local HuggingFace model folder (config.json + safetensors; needs `pip install "
         "fsdprun[hf]`): the architecture comes from its config.json and the model.* "
-        "architecture keys above are ignored. Relative to the recipe file that sets it.",
+        "architecture keys above are ignored. Relative to the recipe file that sets it. Or a "
+        "Hugging Face Hub id (ORG/NAME), resolved to its snapshot in huggingface_hub's cache "
+        "(downloaded by train/compare/tune when missing; docs/hub.md).",
     )
     init: ModelInit = _f(
         ModelInit.pretrained,
@@ -390,7 +392,8 @@ class DataConfig:
         "Tokenizer of `text` data: `byte` (built in: 256 byte values + end-of-text = 257 "
         "tokens) or the path of a HuggingFace tokenizer.json (needs `pip install tokenizers`). "
         "chat data: a HuggingFace folder holding tokenizer.json and tokenizer_config.json with "
-        "its `chat_template` (e.g. the model.hf_path folder); instruct data: any of these.",
+        "its `chat_template` (e.g. the model.hf_path folder); instruct data: any of these. A "
+        "Hub id (ORG/NAME) names a folder of huggingface_hub's cache, as for model.hf_path.",
     )
     eos_token: str | None = _f(
         None,

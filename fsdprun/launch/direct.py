@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fsdprun.config import ResolvedRecipe, load_recipe
+from fsdprun.config.hub import hub_mode_of_worker
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import StorageError, UserError
 from fsdprun.launch.elastic import check_tracker_folders, prepare_run_dir
@@ -109,7 +110,9 @@ def run_as_worker(recipe: str, overrides: list[str]) -> None:
         )
     world_size = int(os.environ["WORLD_SIZE"])
     overrides = [*overrides, *launch_overrides(os.environ)]
-    resolved = load_recipe(recipe, overrides, world_size=world_size)
+    # A Hub model: each node's local rank 0 downloads it, its other ranks wait for the cache.
+    resolved = load_recipe(recipe, overrides, world_size=world_size,
+                           hub=hub_mode_of_worker(os.environ))  # fmt: skip
     data_problems = check_data(resolved.config)
     if data_problems:
         raise UserError("; ".join(data_problems))

@@ -46,7 +46,8 @@ class LaunchFlags:
     standalone: bool = False
 
     def typed(self) -> list[str]:
-        """The flags given, spelled as fsdprun's help spells them (tune prints them back)."""
+        """The flags given, spelled as fsdprun's help spells them, one `--flag value` string each
+        (tune prints them back in the train command it suggests)."""
         out = []
         for f in fields(self):
             value = getattr(self, f.name)
@@ -54,7 +55,7 @@ class LaunchFlags:
             if value is True:
                 out.append(flag)
             elif value is not None and value is not False:
-                out += [flag, str(value)]
+                out.append(f"{flag} {value}")
         return out
 
     @property
