@@ -549,7 +549,8 @@ def inspect_checkpoint(
     full: Annotated[
         bool,
         typer.Option(
-            "--full",
+            "--full/--no-full",
+            show_default=False,
             help="List every tensor (by default: a summary, and the tensors --tensors matches).",
         ),  # fmt: skip
     ] = False,
@@ -792,7 +793,8 @@ def plan(
     full: Annotated[
         bool,
         typer.Option(
-            "--full",
+            "--full/--no-full",
+            show_default=False,
             help="Also print the table of FSDP units and the engine's knobs (by "
             "default: a one-line summary of the units).",
         ),  # fmt: skip
