@@ -194,7 +194,7 @@ def wait_block_inputs(model: nn.Module) -> None:
         block = model.get_submodule(path)
         compiled = block.forward
 
-        @functools.wraps(compiled)
+        # Not functools.wraps: that would copy torch.compile's attributes onto the wrapper.
         def forward(*args, _compiled=compiled, **kwargs):
             args = tuple(_wait_async(a) for a in args)
             kwargs = {k: _wait_async(v) for k, v in kwargs.items()}
