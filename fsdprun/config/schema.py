@@ -272,7 +272,8 @@ class ParallelConfig:
         "is [dp_replicate, dp_shard, tp] with tp the fastest dim (ranks inside a node); the "
         "data-parallel size is world size / tp. Must divide the heads, kv heads, ffn dim, vocab "
         "and train.seq_len; needs fsdp.engine=fsdp2 (no float8, LoRA, chunked loss, tied "
-        "embeddings, compile or cpu offload). 1 = off. See docs/tensor-parallel.md.",
+        "embeddings or cpu offload; compile per block, without activation checkpointing). "
+        "1 = off. See docs/tensor-parallel.md.",
     )
     tp_across_nodes: bool = _f(
         False,

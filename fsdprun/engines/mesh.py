@@ -16,7 +16,7 @@ fsdprun module other than the config schema.
 
 from __future__ import annotations
 
-from fsdprun.config.schema import Engine, FsdpConfig, RecipeConfig, Sharding
+from fsdprun.config.schema import CheckpointMode, Engine, FsdpConfig, RecipeConfig, Sharding
 
 BACKWARD_PREFETCH_MODES = ("pre", "post", "none")
 
@@ -163,10 +163,16 @@ def tp_errors(
             "would be sharded as two tensors, untying them; use a model without tied embeddings",
         ),
         (
-            cfg.compile.enabled,
-            "compile.enabled=true: torch.compile of the tensor-parallel blocks gave wrong "
-            "gradients in fsdprun's check (torch 2.13, CPU: same loss, another gradient norm); "
-            "set compile.enabled=false",
+            cfg.compile.enabled and cfg.activation_checkpointing.mode is not CheckpointMode.none,
+            f"compile.enabled=true and activation_checkpointing.mode="
+            f"{cfg.activation_checkpointing.mode.value}: torch 2.13's compiled checkpoint of a "
+            "tensor-parallel block fails in its first forward (AOTAutograd saves a DeviceMesh "
+            "for backward); set activation_checkpointing.mode=none or compile.enabled=false",
+        ),
+        (
+            cfg.compile.enabled and not cfg.compile.per_block,
+            "compile.per_block=false: fsdprun checks per-block compile of tensor-parallel "
+            "models only; set compile.per_block=true",
         ),
         (
             cfg.fsdp.cpu_offload,

@@ -15,6 +15,7 @@ The rules (which degrees are refused, the mesh's dims) are torch-free, in `fsdpr
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING
 
 from fsdprun.config import RecipeConfig
@@ -150,6 +151,56 @@ def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan) -> list[tup
         else:
             parallelize_module(module, tp_mesh, parallel_style)
     return rows
+
+
+@functools.cache
+def _wait_function():
+    """A differentiable identity that waits on an AsyncCollectiveTensor and returns its plain
+    inner tensor (the gradient passes through unchanged)."""
+    import torch
+
+    class Wait(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, act):
+            return act.trigger_wait()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    return Wait
+
+
+def _wait_async(x):
+    """`x` as a plain tensor if it is an AsyncCollectiveTensor (the `to_local()` of an async
+    redistribute); any other value as it is."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return _wait_function().apply(x) if isinstance(x, AsyncCollectiveTensor) else x
+
+
+def wait_block_inputs(model: nn.Module) -> None:
+    """Hand each (compiled) block plain tensors instead of AsyncCollectiveTensors, in place.
+
+    The first block's input is the embedding's output, which torch's RowwiseParallel
+    redistributes with `async_op=True` and hands on `to_local()`: an AsyncCollectiveTensor
+    that requires grad around an inner tensor that does not. torch.compile (AOTAutograd,
+    torch 2.13: pytorch#179849 unwraps such inputs with `trigger_wait()`; the re-sync of
+    requires_grad is pytorch#191113) then traces that input as not requiring grad, and the
+    embedding silently gets no gradient. Waiting here, outside the compiled graph, with a
+    differentiable identity keeps the edge; the graph would wait at its first op anyway.
+    """
+    for path in model.block_paths():
+        block = model.get_submodule(path)
+        compiled = block.forward
+
+        # Not functools.wraps: that would copy torch.compile's attributes onto the wrapper.
+        def forward(*args, _compiled=compiled, **kwargs):
+            args = tuple(_wait_async(a) for a in args)
+            kwargs = {k: _wait_async(v) for k, v in kwargs.items()}
+            return _compiled(*args, **kwargs)
+
+        block.forward = forward
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:

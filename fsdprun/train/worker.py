@@ -48,7 +48,7 @@ from fsdprun.engines import build_engine
 from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8
 from fsdprun.engines.float8 import describe as describe_float8
 from fsdprun.engines.mesh import mesh_dims, tp_degree
-from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh
+from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
 from fsdprun.engines.weights import model_state_bytes
 from fsdprun.errors import UserError
@@ -241,6 +241,9 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan)
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
+    if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
+        # The embedding's async redistribute must not reach a compiled block (engines/tp.py).
+        wait_block_inputs(model)
     weights = None
     if cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained:
         # Imported here: it needs safetensors, which comes with the optional hf extra.
