@@ -159,8 +159,11 @@ def test_tp_block_saves_what_the_activation_formula_says():
 
 
 def test_plan_at_64_ranks_shows_tp_1_2_4_8_side_by_side():
+    # Eager (the recipe compiles; TP with compile and checkpointing is refused, so the tp>1
+    # columns of the recipe as shipped are eager: compared below) so every column counts alike.
     result = runner.invoke(
-        app, ["plan", "llama-70b", "--world-size", "64", "--json"], env={"COLUMNS": "160"}
+        app, ["plan", "llama-70b", "compile.enabled=false", "--world-size", "64", "--json"],
+        env={"COLUMNS": "160"},
     )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
@@ -181,6 +184,10 @@ def test_plan_at_64_ranks_shows_tp_1_2_4_8_side_by_side():
     out = table.output
     assert "Tensor parallel at world size 64" in out and "tp 1 (recipe)" in out
     assert "[dp_shard 8 x tp 8]" in out and "mesh [dp 64]" in out
+    # The shipped recipe compiles with full checkpointing, which TP refuses: its tp columns
+    # are the eager run, and say so.
+    assert "tp 8 [dp_shard 8 x tp 8]" in out and "(compile off)" in out
+    assert "tp 1 (recipe) [dp 64]" in out and "[dp 64] 41.50 GiB (compile off)" not in out
 
 
 def test_plan_says_why_a_tp_degree_is_missing():
@@ -205,7 +212,7 @@ def test_plan_says_why_a_tp_degree_is_missing():
 
 def test_recipe_at_tp_shows_its_mesh_and_no_ddp_column():
     result = runner.invoke(
-        app, ["plan", "llama-70b", "parallel.tp=8", "fsdp.sharding=hybrid",
+        app, ["plan", "llama-70b", "parallel.tp=8", "compile.enabled=false", "fsdp.sharding=hybrid",
               "fsdp.shard_group_size=2", "--world-size", "64", "--json"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output

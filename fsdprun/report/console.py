@@ -450,7 +450,7 @@ def _plan_tp_line(plan: dict[str, Any]) -> str:
     strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
     parts = [
         f"tp {o['tp']}{' (recipe)' if o['tp'] == plan['tp'] else ''} {o['mesh']} "
-        f"{fmt_bytes(o['memory']['total'])}"
+        f"{fmt_bytes(o['memory']['total'])}{' (' + o['note'] + ')' if o.get('note') else ''}"
         for o in plan["tp_degrees"] if o["memory"] is not None
     ]  # fmt: skip
     return escape(
@@ -471,6 +471,7 @@ def _plan_tp_table(plan: dict[str, Any]) -> Table:
     table.add_column("component")
     for o in options:
         mark = " (recipe)" if o["tp"] == plan["tp"] else ""
+        mark += f" ({o['note']})" if o.get("note") else ""
         table.add_column(f"tp {o['tp']}{mark}", justify="right")
     table.add_row("mesh", *(Cell.whole(o["mesh"]) for o in options))
     for label, key in (

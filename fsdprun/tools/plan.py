@@ -391,6 +391,7 @@ class TpOption:
     mesh: str | None = None
     memory: StrategyMemory | None = None
     missing: str | None = None
+    note: str | None = None  # what the column changes beside tp (e.g. compile off)
 
 
 def plan_memory(
@@ -537,12 +538,19 @@ def _tp_degrees(cfg: RecipeConfig, units_at) -> list[TpOption]:
             sharding,
         )
         problem = tp_problem(at) if tp > 1 else None
+        note = None
+        if problem is not None and at.compile.enabled:
+            # TP refuses compile only with some other knobs (activation checkpointing): the
+            # degree is possible eagerly, and that is the run such a column describes.
+            eager = dataclasses.replace(at, compile=dataclasses.replace(at.compile, enabled=False))
+            if tp_problem(eager) is None:
+                at, problem, note = eager, None, "compile off"
         if problem is not None:
             options.append(TpOption(tp, missing=problem))
             continue
         mesh = mesh_dims(at)
         memory = _strategy_memory(at, units_at(tp), sharding, Engine.fsdp2)
-        options.append(TpOption(tp, mesh=mesh_text(mesh), memory=memory))
+        options.append(TpOption(tp, mesh=mesh_text(mesh), memory=memory, note=note))
     return options
 
 
