@@ -162,7 +162,8 @@ def test_plan_at_64_ranks_shows_tp_1_2_4_8_side_by_side():
     # Eager (the recipe compiles; TP with compile and checkpointing is refused, so the tp>1
     # columns of the recipe as shipped are eager: compared below) so every column counts alike.
     result = runner.invoke(
-        app, ["plan", "llama-70b", "compile.enabled=false", "--world-size", "64", "--json"],
+        app,
+        ["plan", "llama-70b", "compile.enabled=false", "--world-size", "64", "--json"],
         env={"COLUMNS": "160"},
     )
     assert result.exit_code == 0, result.output
