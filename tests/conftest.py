@@ -46,6 +46,21 @@ if _LAUNCH_LOG and not hasattr(subprocess.Popen, "_launch_logged"):
     subprocess.Popen._launch_logged = True
 
 
+def save_tiny_hf_llama(path: Path) -> Path:
+    """A tiny random HuggingFace Llama saved at `path` (hidden 64, 2 layers, 4 heads, 2 kv heads,
+    vocab 256), seeded, for the tests that need a folder of their own."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

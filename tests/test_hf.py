@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Runs, consolidate, flatten, fsdprun_env, run_fsdprun
+from conftest import Runs, consolidate, flatten, fsdprun_env, run_fsdprun, save_tiny_hf_llama
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -49,13 +49,7 @@ def offline(monkeypatch):
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     """A tiny random Llama (hidden 64, 2 layers, GQA, vocab 256) plus stand-in tokenizer files."""
-    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    path = save_tiny_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
     (path / "tokenizer.json").write_text('{"stand-in": true}')
     (path / "tokenizer_config.json").write_text("{}")
     return path

@@ -312,17 +312,9 @@ def _inspect(checkpoint: Path) -> str:
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     """A tiny random HuggingFace Llama (hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 256)."""
-    import torch
-    import transformers
+    from conftest import save_tiny_hf_llama
 
-    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
 
 
 def test_hf_folder_tp2_dp2_trains_as_one_rank(trained, hf_dir, tmp_path, monkeypatch):
