@@ -327,6 +327,58 @@ def test_hf_folder_tp2_dp2_trains_as_one_rank(trained, hf_dir, tmp_path, monkeyp
     _assert_same(tp, trained.run(1, f"model.hf_path={hf_dir}"), tmp_path)
 
 
+def _hf_sequence_parallel_rank(rank: int, world: int, hf_dir: str) -> dict:
+    """The HF plan on a tp 2 mesh: the sequence length each decoder layer and the final norm
+    see (hooks on the parallelized model), and the logits against the plain model's, for plain
+    rows and packed ones (positions restarting, doc_ids)."""
+    import copy
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from fsdprun.config import load_recipe
+    from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh
+    from fsdprun.models.hf import TP_PLAN, HFCausalLM
+
+    torch.manual_seed(0)  # the same random weights on every rank
+    model = HFCausalLM.from_folder(hf_dir)
+    plain = copy.deepcopy(model)
+    cfg = load_recipe("debug", [f"launch.nproc_per_node={world}", "parallel.tp=2"]).config
+    apply_tp(model, tp_mesh=tp_mesh(build_device_mesh(cfg, "cpu", world)), plan=TP_PLAN)
+    seen: dict[str, list[int]] = {}
+    for path in [*model.block_paths(), "hf.model.norm"]:
+
+        def hook(mod, args, kwargs, path=path):
+            x = args[0] if args else kwargs["hidden_states"]
+            # The norm's SequenceParallel has already made its input a Shard(1) DTensor.
+            x = x.to_local() if isinstance(x, DTensor) else x
+            seen.setdefault(path, []).append(x.shape[1])
+
+        model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(10), torch.arange(6)]).expand(2, -1)
+    doc_ids = torch.cat([torch.zeros(10), torch.ones(6)]).long().expand(2, -1)
+    errors = []
+    for packed in ({}, {"positions": positions, "doc_ids": doc_ids}):
+        got = model(tokens, **packed)
+        want = plain(tokens, **packed)
+        errors.append((got.full_tensor() - want).abs().max().item())
+    return {"seen": seen, "errors": errors}
+
+
+def test_hf_plan_shards_the_activations_between_blocks_on_the_sequence(pools, hf_dir):
+    """Sequence parallel for HF folders: each decoder layer and the final norm get seq / tp
+    positions of the row, and the logits equal the plain model's (plain and packed rows: the
+    positions and the mask cover the whole row although the decoder sees the local slice)."""
+    for result in pools[4].submit(_hf_sequence_parallel_rank, str(hf_dir)):
+        assert result["seen"] == {
+            "hf.model.layers.0": [8, 8],
+            "hf.model.layers.1": [8, 8],
+            "hf.model.norm": [8, 8],
+        }, result
+        assert max(result["errors"]) <= 1e-5, result
+
+
 def test_compare_accepts_tp_configurations():
     from fsdprun.tools.compare import parse_configs
 

@@ -71,7 +71,11 @@ def packed_inputs(
 ) -> dict[str, torch.Tensor]:
     """The keyword inputs of a transformers decoder for (possibly packed) rows.
 
-    Without positions and doc_ids: `input_ids` alone, so transformers takes its own causal path.
+    Without positions and doc_ids: `input_ids` and `position_ids` 0..seq-1, so transformers takes
+    its own causal path (no mask: SDPA's `is_causal`). The positions are passed rather than left
+    to transformers, which would count them from the activations' length: under sequence
+    parallel that is the local slice, while the rotary table must cover the whole row (each
+    attention sees it gathered).
     Otherwise `position_ids` and a boolean 4-D mask (batch, 1, seq, seq) that transformers hands
     to SDPA as it is (masking_utils, transformers >= 4.53): attention causal within each example,
     padding attending to itself. The mask is passed even for positions alone: without one,
@@ -82,7 +86,8 @@ def packed_inputs(
         UserError: transformers older than 4.53 (it wants 4-D masks in another form).
     """
     if positions is None and doc_ids is None:
-        return {"input_ids": tokens}
+        whole = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        return {"input_ids": tokens, "position_ids": whole}
     transformers = import_transformers()
     from packaging.version import Version  # a dependency of transformers
 
@@ -280,20 +285,24 @@ def _hf_files(cfg: ModelConfig) -> list[Path]:
 
 
 # HuggingFace Llama-family module names (Llama, Mistral, Qwen2, ...: transformers' own
-# `base_model_tp_plan` splits them the same way). No sequence parallel: transformers' decoder
-# derives positions, the causal mask and the rotary table from the activations' sequence length,
-# so the activations between blocks stay whole (replicated over the TP group) and the norms run
-# on them with replicated weights. The attention reshapes with -1 heads, so column-sharded
-# q/k/v give it the local heads.
+# `base_model_tp_plan` splits them the same way), with sequence parallel as the built-in Llama:
+# the activations between decoder layers are sharded on the sequence, the norms run on the local
+# slice, and each attention / MLP gathers its input (PrepareModuleInput, Shard(1) -> Replicate).
+# The decoder derives the positions and the causal mask from the activations' (local) length:
+# `packed_inputs` passes whole-row position_ids (so the rotary table covers the row), and the
+# mask is either fsdprun's whole 4-D one (packed rows) or none, SDPA's `is_causal` then applying
+# on the gathered sequence. The attention reshapes with -1 heads, so column-sharded q/k/v give it
+# the local heads. The decoder layer calls self_attn with the keyword `hidden_states`, the MLP
+# with one positional argument.
 TP_PLAN = TPPlan(
     blocks={
-        "input_layernorm": "norm", "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
-        "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
-        "post_attention_layernorm": "norm", "mlp.gate_proj": "colwise",
-        "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+        "input_layernorm": "norm", "self_attn": "block_input", "self_attn.q_proj": "colwise",
+        "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+        "self_attn.o_proj": "rowwise", "post_attention_layernorm": "norm", "mlp": "block_input",
+        "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
     },
     top={"hf.model.embed_tokens": "embedding", "hf.model.norm": "norm", "hf.lm_head": "output"},
-    sequence_parallel=False,
+    block_inputs={"self_attn": 0, "mlp": 1},
 )  # fmt: skip
 
 SPEC = ModelSpec(
