@@ -225,3 +225,23 @@ def test_recipe_at_tp_shows_its_mesh_and_no_ddp_column():
     state = sum(doc["strategies"]["hybrid"][k] for k in ("params", "grads", "optimizer"))
     assert state == pytest.approx(16 * doc["num_params"] / 16, rel=0.005)
     assert any("tensor parallel 8" in n for n in doc["notes"])
+
+
+def test_hf_folder_activations_divide_by_tp_like_the_built_in_llama(tmp_path):
+    # The HF plan has sequence parallel too: an HF folder's block at tp 2 is estimated as the
+    # built-in Llama's of the same shape (seq / tp tokens between blocks and in the norms).
+    import dataclasses
+
+    from conftest import save_tiny_hf_llama
+
+    folder = save_tiny_hf_llama(tmp_path / "tiny-llama")
+    over = ["launch.nproc_per_node=2", "parallel.tp=2", "train.seq_len=32"]
+    hf = load_recipe("debug", [*over, f"model.hf_path={folder}"]).config
+    hf = dataclasses.replace(hf, model=model_spec(hf.model).shape(hf.model))
+    shape = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+             "model.vocab_size=256", "model.n_layers=2"]  # fmt: skip
+    llama = load_recipe("debug", [*over, *shape]).config
+    one = load_recipe("debug", ["train.seq_len=32", f"model.hf_path={folder}"]).config
+    one = dataclasses.replace(one, model=model_spec(one.model).shape(one.model))
+    assert block_activation_bytes(hf) == block_activation_bytes(llama)
+    assert block_activation_bytes(hf) < block_activation_bytes(one) / 1.5

@@ -92,9 +92,9 @@ TP_ACTIVATION_FORMULA = (
     "the weight, the blocks' inputs (all a checkpointed block keeps) hold seq/tp tokens; the "
     "norm outputs are all-gathered on the sequence before q/k/v and gate/up, which keep that "
     "full copy; q, k, v and the attention output hold the local heads, gate/up and their "
-    "products ffn/tp columns, for every token; the logits vocab/tp (loss parallel). A family "
-    "whose plan has no sequence parallel (HF folders) keeps every token between blocks and in "
-    "its norms"
+    "products ffn/tp columns, for every token; the logits vocab/tp (loss parallel). The built-in "
+    "Llama and HF Llama-family folders both shard the sequence; a family whose plan has no "
+    "sequence parallel would keep every token between blocks and in its norms"
 )
 BUFFER_FORMULA = (
     "unsharded params in param_dtype, padded as the engine pads them. fsdp2: the peak over forward "
