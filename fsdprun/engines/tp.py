@@ -42,10 +42,7 @@ def plan_rows(block_paths: list[str], plan: TPPlan) -> list[tuple[str, str]]:
 
 def describe_style(style: str, plan: TPPlan) -> str:
     """One line for a style of `plan` (the knob table's and plan's text)."""
-    text = TP_STYLES[style]
-    if not plan.sequence_parallel and style in ("rowwise", "embedding"):
-        return text.split(";")[0] + ": output all-reduced (whole on every TP rank)"
-    return text
+    return TP_STYLES[style]
 
 
 def build_device_mesh(cfg: RecipeConfig, device_kind: str, world_size: int) -> DeviceMesh:
@@ -73,30 +70,9 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["tp"]
 
 
-def _replicate_module(module: nn.Module, mesh: DeviceMesh) -> None:
-    # Without sequence parallel a norm sees whole activations: its weight becomes a replicated
-    # DTensor (so FSDP shards it over the same mesh as every other parameter, and the gradient
-    # norm is taken over one mesh), its input is taken as replicated and its output handed on
-    # as a plain tensor. Its gradient is computed whole on each TP rank: no communication.
-    import torch
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
-
-    def inputs_fn(mod, inputs, device_mesh):
-        return tuple(
-            DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
-            for x in inputs
-        )  # fmt: skip
-
-    def outputs_fn(mod, outputs, device_mesh):
-        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-    distribute_module(module, mesh, input_fn=inputs_fn, output_fn=outputs_fn)
-
-
 def _style(style: str, plan: TPPlan, path: str):
-    """torch's ParallelStyle for one style name of `plan` (None: `norm` without sequence
-    parallel, which `_replicate_module` applies)."""
+    """torch's ParallelStyle for one style name of `plan` (sequence parallel: the activations
+    between blocks are sharded on the sequence, dim 1)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -105,14 +81,13 @@ def _style(style: str, plan: TPPlan, path: str):
         SequenceParallel,
     )
 
-    sp = plan.sequence_parallel
-    between = Shard(1) if sp else Replicate()  # the activations between blocks
+    between = Shard(1)  # the activations between blocks
     if style == "colwise":
         return ColwiseParallel()
     if style == "rowwise":
         return RowwiseParallel(output_layouts=between)
     if style == "norm":
-        return SequenceParallel() if sp else None
+        return SequenceParallel()
     if style == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if style == "output":
@@ -144,12 +119,7 @@ def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan) -> list[tup
 
     rows = plan_rows(model.block_paths(), plan)
     for path, style in rows:
-        module = model.get_submodule(path)
-        parallel_style = _style(style, plan, path)
-        if parallel_style is None:
-            _replicate_module(module, tp_mesh)
-        else:
-            parallelize_module(module, tp_mesh, parallel_style)
+        parallelize_module(model.get_submodule(path), tp_mesh, _style(style, plan, path))
     return rows
 
 

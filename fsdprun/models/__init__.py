@@ -55,16 +55,14 @@ class TPPlan:
     """How a family's model is tensor-parallelized: a style of `TP_STYLES` per module path.
 
     `blocks`: paths inside each decoder block (relative to it); `top`: paths from the model's
-    root (embedding, final norm, output). `sequence_parallel`: the activations between blocks
-    are sharded on the sequence (dim 1), gathered by each `block_input` module; without it they
-    are whole on every TP rank (the family's forward cannot take sequence-sharded activations).
+    root (embedding, final norm, output). The activations between blocks are sharded on the
+    sequence (dim 1, sequence parallel), gathered by each `block_input` module.
     `block_inputs`: how many positional arguments each `block_input` module takes (layouts are
     given per argument); 0 = its input is the keyword `hidden_states`.
     """
 
     blocks: dict[str, str]
     top: dict[str, str]
-    sequence_parallel: bool = True
     block_inputs: dict[str, int] = field(default_factory=dict)
 
 

@@ -282,7 +282,7 @@ def _token_dims(cfg: RecipeConfig) -> _TokenDims:
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
     head_dim = m.dim // m.n_heads
     plan = model_spec(m).tp_plan
-    seq_shards = tp if plan is not None and plan.sequence_parallel else 1
+    seq_shards = tp if plan is not None else 1  # sequence parallel between blocks
     return _TokenDims(
         tokens=t.seq_len * t.micro_batch_size,
         seq_tokens=math.ceil(t.seq_len / seq_shards) * t.micro_batch_size,
