@@ -40,12 +40,10 @@ if TYPE_CHECKING:
 TP_STYLES = {
     "colwise": "ColwiseParallel: output features sharded (q/k/v, gate/up)",
     "rowwise": "RowwiseParallel: input features sharded; output reduce-scattered on the "
-    "sequence (sequence parallel) or all-reduced",
-    "norm": "SequenceParallel: weight replicated, activations sharded on the sequence; "
-    "without sequence parallel, a replicated weight on whole activations",
+    "sequence (sequence parallel)",
+    "norm": "SequenceParallel: weight replicated, activations sharded on the sequence",
     "block_input": "PrepareModuleInput: all-gather the sequence-sharded input (first argument)",
-    "embedding": "RowwiseParallel: vocab rows sharded; output sharded on the sequence (or "
-    "replicated)",
+    "embedding": "RowwiseParallel: vocab rows sharded; output sharded on the sequence",
     "output": "ColwiseParallel: vocab sharded, logits left sharded for loss parallel",
 }
 
