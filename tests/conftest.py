@@ -162,8 +162,11 @@ def zygote_fsdprun(root: Path) -> Path | None:
         return None
     script = root / "fsdprun"
     server = Path(__file__).with_name("zygote.py")
+    # Python, as the console script is: torchrun runs its script with `python SCRIPT`.
     script.write_text(
-        f'#!/bin/sh\nexec "{sys.executable}" "{server}" --client "{_zygote().path}" "$@"\n'
+        f"#!{sys.executable}\nimport runpy, sys\n"
+        f"sys.argv = [{str(server)!r}, '--client', {_zygote().path!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     script.chmod(0o755)
     return script

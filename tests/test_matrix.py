@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun
+from tests.conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_fsdprun
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -250,6 +250,10 @@ def _args(cell: dict, hf_bf16: Path) -> list[str]:
 def _launch(cell: dict, args: list[str], run_dir: Path, cwd: Path, env: dict) -> list:
     """Start the run as the cell's launch says; returns the completed processes."""
     world = _world(cell)
+    # torchrun's workers and srun's tasks are `fsdprun` commands through the suite's warm zygote
+    # (tests/zygote.py; each its own process, as run_fsdprun's): a torch import less per rank.
+    (cwd / ".bin").mkdir(exist_ok=True)
+    fsdprun = str(zygote_fsdprun(cwd / ".bin") or FSDPRUN)
     if cell["launch"] == "fsdprun":
         return [run_fsdprun("train", "debug", *args, "--nproc-per-node", str(world),
                             "--run-dir", str(run_dir), cwd=cwd, env=env)]  # fmt: skip
@@ -257,7 +261,7 @@ def _launch(cell: dict, args: list[str], run_dir: Path, cwd: Path, env: dict) ->
         torchrun = str(Path(sys.executable).parent / "torchrun")
         return [subprocess.run(
             [torchrun, "--nproc-per-node", str(world), "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", "127.0.0.1:0", FSDPRUN, "train", "debug", *args,
+             "--rdzv-endpoint", "127.0.0.1:0", fsdprun, "train", "debug", *args,
              "--run-dir", str(run_dir)],
             cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
         )]  # fmt: skip
@@ -274,7 +278,7 @@ def _launch(cell: dict, args: list[str], run_dir: Path, cwd: Path, env: dict) ->
                     # Cells run side by side on one host: a free port instead of the job's.
                     "MASTER_PORT": port}  # fmt: skip
         procs.append(subprocess.Popen(
-            [FSDPRUN, "train", "debug", *args, "--run-dir", str(run_dir)], cwd=cwd,
+            [fsdprun, "train", "debug", *args, "--run-dir", str(run_dir)], cwd=cwd,
             env=task_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))  # fmt: skip
     done = []
