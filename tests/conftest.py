@@ -73,22 +73,31 @@ def fsdprun_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_fsdprun(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300):
+def run_fsdprun(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300,
+    fsize_limit: int | None = None,
+):  # fmt: skip
     """`fsdprun ARGS` to its end, as subprocess.run reports it. The command is forked from the
     suite's warm zygote (tests/zygote.py: torch and the launcher already imported, about 3 s of
     CPU less per command), which execs it afresh when its environment changes what torch reads
     when it loads; FSDPRUN_TEST_NO_ZYGOTE=1 execs every command. Either way it is the real
-    command in a process of its own."""
+    command in a process of its own. `fsize_limit`: the command (and its workers) starts under
+    that file-size limit, writes beyond it failing with EFBIG (zygote.file_size_limit)."""
+    from zygote import file_size_limit as _file_size_limit
+
     env = env or fsdprun_env()
     if not os.environ.get("FSDPRUN_TEST_NO_ZYGOTE"):  # it execs what needs a fresh interpreter
-        try:
-            return _zygote().run(list(args), cwd=cwd, env=env, timeout=timeout)
-        except ZygoteGone:  # once more with a new zygote: the command had not started
-            _ZYGOTE[0].close()
-            _ZYGOTE.clear()
-            return _zygote().run(list(args), cwd=cwd, env=env, timeout=timeout)
+        for _ in range(2):
+            try:
+                return _zygote().run(
+                    list(args), cwd=cwd, env=env, timeout=timeout, fsize_limit=fsize_limit
+                )
+            except ZygoteGone:  # once more with a new zygote: the command had not started
+                _ZYGOTE[0].close()
+                _ZYGOTE.clear()
     return subprocess.run(
         [FSDPRUN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        preexec_fn=None if fsize_limit is None else lambda: _file_size_limit(fsize_limit),
     )  # fmt: skip
 
 
@@ -110,14 +119,17 @@ class Zygote:
         assert line.strip() == "ready", f"the test zygote did not start: {line!r}"
         self.count = 0
 
-    def run(self, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float):
+    def run(
+        self, args: list[str], *, cwd: Path, env: dict[str, str], timeout: float,
+        fsize_limit: int | None = None,
+    ):  # fmt: skip
         import json
         import signal
 
         self.count += 1
         out, err = (self.root / f"cmd{self.count}.{k}" for k in ("out", "err"))
         request = {"argv": args, "cwd": str(cwd), "env": env, "stdout": str(out),
-                   "stderr": str(err)}  # fmt: skip
+                   "stderr": str(err), "fsize_limit": fsize_limit}  # fmt: skip
         started = time.monotonic()
         deadline = started + timeout
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

@@ -10,7 +10,7 @@ import json
 
 import pytest
 from conftest import Run, run_fsdprun
-from test_storage_faults import KINDS, file_limit, fsdprun, tmpfs
+from test_storage_faults import KINDS, fsdprun, tmpfs
 
 from fsdprun.checkpoint import check_checkpoint, step_dir
 from fsdprun.config import load_recipe
@@ -68,7 +68,7 @@ def test_a_trace_that_does_not_fit_is_removed_with_one_warning(kind, tmp_path):
             "train", "debug", "train.steps=4", "checkpoint.every_steps=4", "profile.enabled=true",
             "profile.ranks=[0,1]", "profile.wait=1", "profile.warmup=0", "profile.active=1",
             "--run-dir", str(run_dir), cwd=tmp_path,
-            preexec=file_limit(2 << 20) if kind == "rlimit" else None,
+            fsize=(2 << 20) if kind == "rlimit" else None,
         )  # fmt: skip
         run = Run(proc, run_dir).check()
         assert "Traceback" not in proc.stderr and not proc.stderr.strip(), proc.stderr[-3000:]

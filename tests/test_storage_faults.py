@@ -17,11 +17,11 @@ import resource
 import shutil
 import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import FSDPRUN, Run, fsdprun_env, run_fsdprun
+from conftest import Run, run_fsdprun
 
 from fsdprun.checkpoint import check_checkpoint, checkpoint_root, step_dir
 
@@ -60,20 +60,9 @@ def tmpfs(path: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
-def file_limit(limit: int) -> Callable[[], None]:
-    """A preexec_fn: writes beyond `limit` bytes fail with EFBIG (SIGXFSZ, which would kill the
-    process instead, is ignored; the setting is inherited by the workers)."""
-
-    def apply() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return apply
-
-
-def fsdprun(*args: str, cwd: Path, preexec: Callable[[], None] | None = None):
-    return subprocess.run([FSDPRUN, *args], cwd=cwd, env=fsdprun_env(), capture_output=True,
-                          text=True, timeout=300, preexec_fn=preexec)  # fmt: skip
+def fsdprun(*args: str, cwd: Path, fsize: int | None = None):
+    """`fsdprun ARGS`, under a file-size limit of `fsize` bytes if given."""
+    return run_fsdprun(*args, cwd=cwd, fsize_limit=fsize)
 
 
 def one_line(proc: subprocess.CompletedProcess, code: int) -> str:
@@ -92,14 +81,14 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def place(kind: str, tmp_path: Path) -> Iterator[tuple[Path, Callable[[], None] | None]]:
-    """A folder where big writes fail (a small tmpfs or a file-size limit) and the preexec_fn
-    that applies the limit."""
+def place(kind: str, tmp_path: Path) -> Iterator[tuple[Path, int | None]]:
+    """A folder where big writes fail (a small tmpfs or a file-size limit) and the file-size
+    limit to run under."""
     if kind == "tmpfs":
         with tmpfs(tmp_path / "disk", SMALL_DISK) as where:
             yield where, None
     else:
-        yield tmp_path, file_limit(FILE_LIMIT)
+        yield tmp_path, FILE_LIMIT
 
 
 def copy_run_at_step_2(trained: Path, where: Path) -> Path:
@@ -128,12 +117,12 @@ def check_reason(line: str, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_save_that_runs_out_of_space_stops_in_one_line(kind, trained, tmp_path):
-    with place(kind, tmp_path) as (where, preexec):
+    with place(kind, tmp_path) as (where, fsize):
         run_dir = copy_run_at_step_2(trained, where)
         kept = step_dir(run_dir, 2)
         before = snapshot(kept)
         proc = fsdprun("resume", str(run_dir), "train.steps=4", "output.log_every=1", cwd=where,
-                       preexec=preexec)  # fmt: skip
+                       fsize=fsize)  # fmt: skip
         line = one_line(proc, 1)
         assert "checkpoint step-00000004 was not saved" in line, line
         check_reason(line, kind)
@@ -154,13 +143,13 @@ def test_a_save_that_runs_out_of_space_stops_in_one_line(kind, trained, tmp_path
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_on_save_error_continue_trains_on_and_retries_async(kind, trained, tmp_path):
-    with place(kind, tmp_path) as (where, preexec):
+    with place(kind, tmp_path) as (where, fsize):
         run_dir = copy_run_at_step_2(trained, where)
         before = snapshot(step_dir(run_dir, 2))
         proc = fsdprun(
             "resume", str(run_dir), "train.steps=6", "checkpoint.every_steps=2",
             "checkpoint.async_save=true", "checkpoint.on_save_error=continue",
-            "output.log_every=1", cwd=where, preexec=preexec,
+            "output.log_every=1", cwd=where, fsize=fsize,
         )  # fmt: skip
         # Step 4's save fails and training goes on; the final save (step 6) fails too, and a run
         # whose last state is not saved fails.
@@ -179,8 +168,8 @@ def test_on_save_error_continue_trains_on_and_retries_async(kind, trained, tmp_p
 # export and prepare-data
 
 
-def export(ckpt: Path, out: Path, *, preexec=None):
-    return fsdprun("export", str(ckpt), "--out", str(out), cwd=ckpt.parent, preexec=preexec)
+def export(ckpt: Path, out: Path, *, fsize=None):
+    return fsdprun("export", str(ckpt), "--out", str(out), cwd=ckpt.parent, fsize=fsize)
 
 
 def test_export_to_an_unwritable_or_full_place_leaves_nothing(trained, tmp_path):
@@ -192,12 +181,12 @@ def test_export_to_an_unwritable_or_full_place_leaves_nothing(trained, tmp_path)
     assert (tmp_path / "file").read_text() == "x"
     # The ~0.5 MiB model file is over a 256 KiB file-size limit.
     out = tmp_path / "limited"
-    line = one_line(export(ckpt, out, preexec=file_limit(256 * 1024)), 1)
+    line = one_line(export(ckpt, out, fsize=256 * 1024), 1)
     assert "file too large" in line and str(out) in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no out, no temporary
     # An existing empty --out stays as it was.
     out.mkdir()
-    one_line(export(ckpt, out, preexec=file_limit(256 * 1024)), 1)
+    one_line(export(ckpt, out, fsize=256 * 1024), 1)
     assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == [
         "file", "limited"]  # fmt: skip
 
@@ -229,7 +218,7 @@ def test_prepare_data_that_fails_halfway_leaves_nothing_and_can_be_retried(tmp_p
     # A file-size limit under the ~0.6 MB of tokens: EFBIG halfway through train.bin.
     good = _corpus(tmp_path / "good.jsonl", 2000)
     proc = fsdprun("prepare-data", str(good), "--out", str(out), cwd=tmp_path,
-                   preexec=file_limit(256 * 1024))  # fmt: skip
+                   fsize=256 * 1024)  # fmt: skip
     line = one_line(proc, 1)
     assert "file too large" in line and str(out) in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl"]

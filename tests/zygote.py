@@ -20,9 +20,11 @@ process group, as the real child would die with its parent.
 What a fork cannot show, the suite tests with real processes: startup and import behaviour
 (tests/test_cli_startup.py probes fresh interpreters), and every test that signals or watches an
 `fsdprun` process starts it with Popen (its compare or tune children then run exec'd as well).
-A command whose environment changes what torch reads when it loads (TORCH_*, PYTORCH_*, OMP_*,
-MKL_*, LD_*, PYTHON*) is run as a real process by the client (tests/conftest.py), and
-FSDPRUN_TEST_NO_ZYGOTE=1 runs every command that way.
+A command whose environment changes what torch or wandb reads when it loads (TORCH_*, PYTORCH_*,
+OMP_*, MKL_*, LD_*, PYTHON*, WANDB_*) is run as a real process by the client (tests/conftest.py),
+and FSDPRUN_TEST_NO_ZYGOTE=1 runs every command that way. The zygote holds no HuggingFace library
+(transformers and datasets read HF_* when they load, and fsdprun sets HF_HUB_OFFLINE before it
+loads datasets): an HF run imports them in its own processes, as a real one does.
 
 Protocol, one connection per command: the client sends one JSON line {argv, cwd, env, stdout,
 stderr}; the zygote answers {"pid": N} once the child runs, then {"code": C} when it ends (C as
@@ -63,8 +65,9 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-# Variables read when torch or the interpreter loads (the zygote has loaded them already).
-IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "MKL_", "LD_", "PYTHON", "_FSDPRUN_QUIET")
+# Variables read when torch, wandb or the interpreter loads (the zygote has loaded them already).
+IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "MKL_", "LD_", "PYTHON", "_FSDPRUN_QUIET",
+                        "WANDB_")  # fmt: skip
 STARTED_WITH = dict(os.environ)
 
 
@@ -101,14 +104,27 @@ def _warm_up() -> None:
 
     # Every fsdprun module (the CLI, launcher, worker, engines, models, tools), and what commands
     # import as they go, each time otherwise (about 0.9 s of CPU per `train`): torch._dynamo and
-    # numpy.random under the engines, typer's parameter coercion (pydantic, from typer 0.2x on).
+    # numpy.random under the engines, typer's parameter coercion (pydantic, from typer 0.2x on);
+    # and the trackers' libraries (about 3 s in each run that writes to them; neither starts a
+    # thread at import).
     for info in pkgutil.walk_packages(fsdprun.__path__, "fsdprun."):
         if info.name.split(".")[-1] != "__main__":
             importlib.import_module(info.name)
-    for name in ("typer._adapters", "torch._dynamo", "numpy.random", "multiprocessing.popen_fork",
-                 "multiprocessing.queues", "statistics"):  # fmt: skip
+    for name in (
+        "typer._adapters", "torch._dynamo", "numpy.random", "multiprocessing.popen_fork",
+        "multiprocessing.queues", "statistics", "torch.utils.tensorboard", "wandb",
+    ):  # fmt: skip
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+
+
+def file_size_limit(limit: int) -> None:
+    """In a command's process: writes beyond `limit` bytes fail with EFBIG (SIGXFSZ, which would
+    kill the process instead, is ignored; both settings are inherited by the workers)."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 def _child(request: dict) -> None:
@@ -128,6 +144,8 @@ def _child(request: dict) -> None:
             os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if request.get("fsize_limit") is not None:
+            file_size_limit(request["fsize_limit"])
         sys.argv = ["fsdprun", *request["argv"]]
         if _import_time_env_differs(request["env"]):  # the command needs a fresh interpreter
             script = os.path.join(os.path.dirname(sys.executable), "fsdprun")
