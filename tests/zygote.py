@@ -20,11 +20,13 @@ process group, as the real child would die with its parent.
 What a fork cannot show, the suite tests with real processes: startup and import behaviour
 (tests/test_cli_startup.py probes fresh interpreters), and every test that signals or watches an
 `fsdprun` process starts it with Popen (its compare or tune children then run exec'd as well).
-A command whose environment changes what torch or wandb reads when it loads (TORCH_*, PYTORCH_*,
-OMP_*, MKL_*, LD_*, PYTHON*, WANDB_*) is run as a real process by the client (tests/conftest.py),
-and FSDPRUN_TEST_NO_ZYGOTE=1 runs every command that way. The zygote holds no HuggingFace library
-(transformers and datasets read HF_* when they load, and fsdprun sets HF_HUB_OFFLINE before it
-loads datasets): an HF run imports them in its own processes, as a real one does.
+A command whose environment changes what torch, wandb or the HuggingFace libraries read when they
+load (TORCH_*, PYTORCH_*, OMP_*, MKL_*, LD_*, PYTHON*, WANDB_*, HF_*, HUGGINGFACE_*,
+TRANSFORMERS_*, TOKENIZERS_*) is run as a real process by the client (tests/conftest.py), and
+FSDPRUN_TEST_NO_ZYGOTE=1 runs every command that way. One difference stays: the zygote holds
+transformers (with huggingface_hub) but not datasets, so the HF_HUB_OFFLINE that fsdprun sets
+before it loads datasets (`data.source=hf_dataset`) reaches datasets' own settings and not
+huggingface_hub's; with no network in the suite a hub request there would fail, not pass.
 
 Protocol, one connection per command: the client sends one JSON line {argv, cwd, env, stdout,
 stderr}; the zygote answers {"pid": N} once the child runs, then {"code": C} when it ends (C as
@@ -40,6 +42,7 @@ tests/test_docs.py puts it on PATH as `fsdprun`, so the docs' shell lines run th
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -65,9 +68,11 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-# Variables read when torch, wandb or the interpreter loads (the zygote has loaded them already).
-IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "MKL_", "LD_", "PYTHON", "_FSDPRUN_QUIET",
-                        "WANDB_")  # fmt: skip
+# Variables read when the interpreter or a library the zygote holds loads (loaded already here).
+IMPORT_TIME_PREFIXES = (
+    "TORCH_", "PYTORCH_", "OMP_", "MKL_", "LD_", "PYTHON", "_FSDPRUN_QUIET", "WANDB_", "HF_",
+    "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_",
+)  # fmt: skip
 STARTED_WITH = dict(os.environ)
 
 
@@ -116,6 +121,13 @@ def _warm_up() -> None:
     ):  # fmt: skip
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    with contextlib.suppress(ImportError):  # the HF model path (3 s of CPU per process)
+        transformers = importlib.import_module("transformers")
+        for attr in ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "LlamaForCausalLM"):
+            getattr(transformers, attr)
+    # What every command inherits: outside the commands' garbage collections (and the launcher
+    # freezes its own heap before forking workers, fsdprun.launch.elastic).
+    gc.freeze()
 
 
 def file_size_limit(limit: int) -> None:
