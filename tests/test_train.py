@@ -9,10 +9,13 @@ gloo process group instead (tests/gloo_pool.py: the worker's own `_train`, no la
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
 from conftest import Run, free_port, fsdprun_env, run_fsdprun
+
+from fsdprun.train.guard import PEER_LOST
 
 # 6 steps of the debug recipe, logging every step; global batch 8.
 BASE = ("train.steps=6", "output.log_every=1")
@@ -145,6 +148,53 @@ def test_failing_worker_names_rank_error_and_log(tmp_path):
     log = lines[0].split("log: ")[1].strip()
     assert log.endswith("stderr.log") and "injected failure" in Path(log).read_text()
     assert "Traceback" not in proc.stderr
+
+
+def _failure(attempt: Path, rank: int, message: str | None, timestamp: int, exitcode: int = 1):
+    """A failed worker as the elastic agent reads it: the error file @record writes in the
+    attempt's folder (none when `message` is None: a worker that exited without one)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = attempt / str(rank) / "error.json"
+    error_file.parent.mkdir(parents=True, exist_ok=True)
+    error_file.unlink(missing_ok=True)
+    (error_file.parent / "stderr.log").write_text(f"rank {rank}'s traceback\n")
+    if message is not None:
+        info = {"py_callstack": "Traceback ...", "timestamp": str(timestamp)}
+        error_file.write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode,
+                          error_file=str(error_file))  # fmt: skip
+
+
+@pytest.mark.parametrize("lag_s", [0, 1])  # error files carry whole seconds: a tie, and later
+def test_the_rank_that_failed_is_named_before_the_rank_that_lost_it(tmp_path, lag_s):
+    """The agent reports the first worker of a node it finds exited, which may be the one that
+    only lost its connection (the end-to-end test above, on a fast machine), or several with
+    the same whole-second stamps: the rank that failed on its own is named all the same, with
+    its own log."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from fsdprun.launch.elastic import describe_failure
+
+    def described(failures) -> str:
+        return str(describe_failure(ChildFailedError("w", failures), tmp_path))
+
+    attempt = tmp_path / "attempt_0"
+    lost = f"RuntimeError: {PEER_LOST} at step 2 (it exited; its own log says why)"
+    own = "RuntimeError: injected failure at step 2"
+    failures = {0: _failure(attempt, 0, lost, 100), 1: _failure(attempt, 1, own, 100 + lag_s)}
+    assert described(failures) == f"rank 1 failed: {own}; log: {attempt / '1' / 'stderr.log'}"
+    # Only the rank that lost its peer reported: its sibling's error file names the cause.
+    assert described({0: failures[0]}) == described(failures)
+    # Ranks 2 and 3 of the job on this node (local ranks 0 and 1).
+    failure = _failure(attempt, 0, lost, 100)
+    assert described({2: failure}).startswith(f"rank 3 failed: {own}")
+    # A worker that exited without an error file is still the cause, named by its exit code.
+    failures[1] = _failure(attempt, 1, None, 0, exitcode=3)
+    assert described(failures).startswith("rank 1 failed: exit code 3; log: ")
+    # Every rank lost its peer (the cause is elsewhere: another node): the first of them.
+    failures = {0: _failure(attempt, 0, lost, 100 + lag_s), 1: _failure(attempt, 1, lost, 100)}
+    assert described(failures).startswith(f"rank {1 if lag_s else 0} failed: {lost}")
 
 
 def test_existing_run_is_never_overwritten(world2_micro1: Run, tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -47,6 +47,7 @@ from fsdprun.runlock import hold_run_dir
 from fsdprun.tools.plan import hardware_warnings
 from fsdprun.train.guard import (
     LAUNCHER_PID_ENV,
+    PEER_LOST,
     clear_verdict,
     read_verdict,
     request_stop,
@@ -255,19 +256,54 @@ def describe_failure(
             run_dir, rank=rank, pid=failure.pid, local_rank=failure.local_rank, cfg=cfg,
             device_kind=device_kind,
         ), user_error=False)  # fmt: skip
-    rank, failure = err.get_first_failure()
-    message = failure.message
-    if isinstance(message, dict):  # what @record wrote: {"message": ..., "extraInfo": ...}
-        message = message.get("message", "")
-    message = (message or f"exit code {failure.exitcode}").strip().splitlines()[0]
-    log = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
-    where = f"; log: {log}" if log is not None and log.exists() else ""
+    # The first failure, but never a rank that only lost its connection to one that failed on
+    # its own. The agent reports one failed worker of a node, the first it finds exited (which
+    # may be the one that lost its peer, when both exited between two of its polls); the other
+    # workers of the attempt left their error files beside it.
+    failures = {**_siblings(err.failures), **err.failures}
+    messages = {rank: _first_line(f) for rank, f in failures.items()}
+    rank = min(failures, key=lambda r: (PEER_LOST in messages[r], failures[r].timestamp, r))
+    failure, message = failures[rank], messages[rank]
+    # Its log beside its error file; a worker that wrote none has its folder beside the others'.
+    files = [Path(f.error_file) for f in (failure, *failures.values())]
+    folders = [file.parent.parent / str(failure.local_rank) for file in files if file.is_file()]
+    log = next((d / "stderr.log" for d in folders if (d / "stderr.log").is_file()), None)
+    where = f"; log: {log}" if log is not None else ""
     user_error = message.startswith("UserError: ")
     if user_error:
         return WorkerFailed(message.removeprefix("UserError: ") + where, user_error=True)
     if message.startswith("SaveFailed: "):  # every rank failed the save together: no culprit
         return WorkerFailed(message.removeprefix("SaveFailed: ") + where, user_error=False)
     return WorkerFailed(f"rank {rank} failed: {message}{where}", user_error=False)
+
+
+def _siblings(failures: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
+    """The failures of the reported workers' siblings on this node, from the error files that
+    @record wrote in the same attempt's folder (`.../attempt_N/LOCAL_RANK/error.json`)."""
+    found: dict[int, ProcessFailure] = {}
+    for rank, failure in failures.items():
+        error_file = Path(failure.error_file)
+        if not error_file.is_file():
+            continue
+        for folder in error_file.parent.parent.iterdir():
+            sibling = folder / error_file.name
+            if folder.name.isdigit() and sibling != error_file and sibling.is_file():
+                local_rank = int(folder.name)  # a node's ranks are consecutive
+                with contextlib.suppress(Exception):  # a file being written, or not @record's
+                    found[rank - failure.local_rank + local_rank] = ProcessFailure(
+                        local_rank=local_rank, pid=-1, exitcode=1, error_file=str(sibling)
+                    )
+    return found
+
+
+def _first_line(failure: ProcessFailure) -> str:
+    """A failed worker's error, first line: what @record wrote, else its exit code or signal."""
+    if not Path(failure.error_file).is_file() and failure.exitcode >= 0:
+        return f"exit code {failure.exitcode}"  # not torch's "To enable traceback see: ..."
+    message = failure.message
+    if isinstance(message, dict):  # what @record wrote: {"message": ..., "extraInfo": ...}
+        message = message.get("message", "")
+    return (message or f"exit code {failure.exitcode}").strip().splitlines()[0]
 
 
 def _waiting(cfg: RecipeConfig, plan: LaunchPlan) -> RendezvousProgress | None:

@@ -189,9 +189,7 @@ class Heartbeat:
                 self._report(message, silent)
                 raise RuntimeError(message) from e
             if kind == "peer":
-                raise RuntimeError(
-                    f"lost the connection to another rank {where} (it exited; its own log says why)"
-                ) from e
+                raise RuntimeError(f"{PEER_LOST} {where} (it exited; its own log says why)") from e
             raise
         self.beat(*before)
 
@@ -296,6 +294,10 @@ def _kill_sibling(pid: int) -> None:
     except (OSError, ValueError, IndexError):
         pass
 
+
+# How a rank that only lost its peer says so: the launcher names another rank's own error
+# before it (fsdprun.launch.elastic.describe_failure).
+PEER_LOST = "lost the connection to another rank"
 
 # The phases a message names besides a step's own compute and collectives.
 _PHASES = {"start": "while starting", "save": "in the checkpoint save", "eval": "in the evaluation"}
