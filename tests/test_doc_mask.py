@@ -128,9 +128,14 @@ def _packed(model, batch, head=None):
 
 
 def _assert_grads_close(got: dict, expected: dict, tol: float = TOL) -> None:
+    """Close to `tol` of each tensor's own scale: a gradient summed over many tokens (the
+    embedding's reaches 71 here) differs by float32 rounding in its largest terms, which lands
+    on small elements too (4.6e-5 on AVX-512, 2026-12); what packing gets wrong is of the
+    gradient's own size."""
     assert got.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], atol=tol, rtol=tol, msg=name)
+        scale = max(1.0, expected[name].abs().max().item())
+        torch.testing.assert_close(got[name], expected[name], atol=tol * scale, rtol=tol, msg=name)
 
 
 @pytest.mark.parametrize("chunked", [False, True])
