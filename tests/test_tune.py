@@ -479,9 +479,8 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     # least 20 s, so the hung trial costs the suite what a trial is given and no more.
     timeout_s = min(45, max(20, round(3 * first[0]["wall_s"])))
     env = fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c1-1:FSDPRUN_HANG_AT=0:2")
-    proc = subprocess.run([FSDPRUN, *args, "--budget", "10m", "--trial-timeout", str(timeout_s)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=400)  # fmt: skip
+    proc = run_fsdprun(*args, "--budget", "10m", "--trial-timeout", str(timeout_s), cwd=tmp_path,
+                       env=env, timeout=400)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "continuing" in proc.stderr and "2 finished trials" in proc.stderr
     final = trials_of(out)
@@ -732,14 +731,18 @@ def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recip
     runs node 0's trials in node 0's order, both print node 0's report, and only node 0 writes
     trials.jsonl and tuned.yaml. The space is the recipe's tune: section, which the trials'
     training ignores."""
-    from tests.conftest import free_port
+    from tests.conftest import free_port, zygote_fsdprun
 
     recipe.write_text(RECIPE + "tune:\n  defaults: false\n  space:\n    "
                       "train.micro_batch_size: [1, 2]\n")  # fmt: skip
 
     endpoint = f"127.0.0.1:{free_port()}"
+    # Both through the suite's zygote (its own process each, as run_fsdprun's), and so their
+    # trials: side by side, as two nodes run.
+    (tmp_path / ".bin").mkdir()
+    fsdprun = str(zygote_fsdprun(tmp_path / ".bin") or FSDPRUN)
     procs = [subprocess.Popen(
-        [FSDPRUN, "tune", str(recipe), "--out", str(tmp_path / f"o{n}"), "--nnodes", "2",
+        [fsdprun, "tune", str(recipe), "--out", str(tmp_path / f"o{n}"), "--nnodes", "2",
          "--node-rank", str(n), "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
          "--steps", "2", "--repeats", "1", "--finalists", "1", "--device-memory", "1GB",
          "--budget", "5m", "--json"],
