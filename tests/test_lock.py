@@ -4,6 +4,7 @@ naming the holder, touching nothing; `fsdprun status` tells which, without torch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,17 +20,17 @@ from fsdprun.rundir import lock_path
 from fsdprun.runlock import hold_run_dir
 
 
-def _popen(tmp_path: Path, *args: str) -> subprocess.Popen:
+def _popen(tmp_path: Path, *args: str, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [FSDPRUN, *args], cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE,
+        [FSDPRUN, *args], cwd=tmp_path, env=fsdprun_env(**env), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
-def _race(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, subprocess.Popen, str]:
+def _race(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen, subprocess.Popen, str]:
     """Start the same command twice at once; returns (the one holding the run directory, the
     refused one, the refused one's stderr)."""
-    procs = [_popen(tmp_path, *args) for _ in range(2)]
+    procs = [_popen(tmp_path, *args, **env) for _ in range(2)]
     deadline = time.time() + 180
     while time.time() < deadline and all(p.poll() is None for p in procs):
         time.sleep(0.05)
@@ -41,15 +42,31 @@ def _race(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, subprocess.Pope
     return winner, refused, err
 
 
+def _resume_frozen(run_dir: Path, proc: subprocess.Popen) -> None:
+    """SIGCONT rank 0 once FSDPRUN_FREEZE_AT has stopped it."""
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            pid = json.loads((run_dir / "heartbeat" / "rank-0.json").read_text())["pid"]
+            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T":
+                os.kill(pid, signal.SIGCONT)
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"rank 0 never stopped at its step: {proc.poll()}")
+
+
 def test_one_run_per_directory_for_train_and_resume_and_status_tells(tmp_path):
     run_dir = tmp_path / "run"
     host = socket.gethostname()
 
     # Two trains at once: one runs to the end, the other is refused before writing anything.
+    # The one that runs stops itself at step 2 (SIGSTOP) until the other is refused: on a loaded
+    # machine the other may otherwise reach the lock after the 8 steps, to a finished run.
     train = ("train", "debug", "train.steps=8", "checkpoint.every_steps=4", "--run-dir", "run")
-    winner, _, err = _race(tmp_path, *train)
+    winner, _, err = _race(tmp_path, *train, FSDPRUN_FREEZE_AT="0:2")
     assert f"error: run is in use by another fsdprun run: pid {winner.pid} on {host} since " in err
     assert "fsdprun train debug train.steps=8" in err and f"kill -TERM {winner.pid}" in err
+    _resume_frozen(run_dir, winner)
     out, err = winner.communicate(timeout=300)
     assert winner.returncode == 0, err[-3000:]
     run = Run(None, run_dir)
