@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_fsdprun
 from rich.console import Console
 
 from fsdprun.checkpoint import list_checkpoints
@@ -271,11 +271,15 @@ def test_hybrid_shards_within_the_node_an_external_launcher_reports():
 
 def test_torchrun_restarts_resume_and_hybrid_shards_over_the_real_node(fsdprun_runs, tmp_path):
     # 4 ranks on one node; the debug recipe says 2 per node. Rank 1 fails at step 5 and
-    # torchrun restarts the group, which continues from step 4.
+    # torchrun restarts the group, which continues from step 4. Its workers are `fsdprun`
+    # commands through the suite's warm zygote (8 torch imports less; test_runs_as_a_worker_...
+    # and docs/cluster.md's `torchrun -m fsdprun` run them exec'd).
     run_dir = tmp_path / "run"
+    (tmp_path / ".bin").mkdir()
+    fsdprun = str(zygote_fsdprun(tmp_path / ".bin") or FSDPRUN)
     proc = subprocess.run(
-        [TORCHRUN, "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "-m",
-         "fsdprun", "train", "debug", "train.steps=6", "output.log_every=1",
+        [TORCHRUN, "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", fsdprun,
+         "train", "debug", "train.steps=6", "output.log_every=1",
          "checkpoint.every_steps=2", "fsdp.sharding=hybrid", "--run-dir", str(run_dir)],
         cwd=tmp_path, env=fsdprun_env(FSDPRUN_FAIL_AT="1:5"), capture_output=True, text=True,
         timeout=300,

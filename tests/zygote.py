@@ -22,8 +22,10 @@ What a fork cannot show, the suite tests with real processes: startup and import
 `fsdprun` process starts it with Popen (its compare or tune children then run exec'd as well).
 A command whose environment changes what torch, wandb or the HuggingFace libraries read when they
 load (TORCH_*, PYTORCH_*, OMP_*, MKL_*, LD_*, PYTHON*, WANDB_*, HF_*, HUGGINGFACE_*,
-TRANSFORMERS_*, TOKENIZERS_*) is run as a real process by the client (tests/conftest.py), and
-FSDPRUN_TEST_NO_ZYGOTE=1 runs every command that way. One difference stays: the zygote holds
+TRANSFORMERS_*, TOKENIZERS_*) execs afresh (a real `fsdprun` process in the forked child's place),
+but for what torchrun gives its workers (OMP_NUM_THREADS, PYTHONUNBUFFERED and the like,
+RUN_TIME below), which the child sets at run time as a fresh interpreter would have it (tested
+in tests/test_zygote.py); FSDPRUN_TEST_NO_ZYGOTE=1 runs every command exec'd. One difference stays: the zygote holds
 transformers (with huggingface_hub) but not datasets, so the HF_HUB_OFFLINE that fsdprun sets
 before it loads datasets (`data.source=hf_dataset`) reaches datasets' own settings and not
 huggingface_hub's; with no network in the suite a hub request there would fail, not pass.
@@ -44,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import io
 import json
 import os
 import pkgutil
@@ -84,7 +87,47 @@ def _import_time_env_differs(env: dict[str, str]) -> bool:
         # tune's `fsdprun train` child inherits it): the state the zygote is in.
         env = {k: v for k, v in env.items() if k not in (CPP_LOG_MARK, "TORCH_CPP_LOG_LEVEL")}
     keys = {k for k in (*env, *STARTED_WITH) if k.startswith(IMPORT_TIME_PREFIXES)}
-    return any(env.get(k) != STARTED_WITH.get(k) for k in keys)
+    return any(env.get(k) != STARTED_WITH.get(k) and not _at_run_time(k, env) for k in keys)
+
+
+def _unbuffered(value: str) -> None:
+    """As `python -u`: stdout and stderr unbuffered (a raw file, the text written through)."""
+    if value:
+        for name in ("stdout", "stderr"):
+            old = getattr(sys, name)
+            raw = io.FileIO(old.fileno(), "w", closefd=False)
+            setattr(sys, name, io.TextIOWrapper(raw, old.encoding, old.errors, write_through=True))
+
+
+def _threads(value: str) -> None:
+    import torch
+
+    torch.set_num_threads(int(value))  # what torch does with OMP_NUM_THREADS as it loads
+
+
+# What torchrun gives its workers (OMP_NUM_THREADS=1 for several, PYTHONUNBUFFERED=1,
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=1), set in a forked command as a fresh interpreter would have
+# it: (whether the value can be, how).
+RUN_TIME = {
+    "OMP_NUM_THREADS": (lambda v: v.isdigit() and int(v) > 0, _threads),
+    "PYTHONUNBUFFERED": (lambda v: True, _unbuffered),
+    "PYTHONDONTWRITEBYTECODE": (
+        lambda v: True,
+        lambda v: setattr(sys, "dont_write_bytecode", bool(v)),
+    ),
+    # Read when an NCCL process group is made, not when torch loads.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": (lambda v: True, lambda v: None),
+}
+
+
+def _at_run_time(key: str, env: dict[str, str]) -> bool:
+    return key in env and key in RUN_TIME and RUN_TIME[key][0](env[key])
+
+
+def _apply_run_time(env: dict[str, str]) -> None:
+    for key, (_, apply) in RUN_TIME.items():
+        if key in env and env[key] != STARTED_WITH.get(key):
+            apply(env[key])
 
 
 SOCKET: list[str] = []  # the path this zygote listens on
@@ -162,6 +205,7 @@ def _child(request: dict) -> None:
         if _import_time_env_differs(request["env"]):  # the command needs a fresh interpreter
             script = os.path.join(os.path.dirname(sys.executable), "fsdprun")
             os.execve(script, [script, *request["argv"]], request["env"])
+        _apply_run_time(request["env"])
         _children_through_the_zygote()
         from fsdprun.cli import main
 
