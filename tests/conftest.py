@@ -192,14 +192,15 @@ def _zygote() -> Zygote:
     return _ZYGOTE[0]
 
 
-# The files that take longest (CI's --durations, 2026-12-02), longest first: under
-# `-n 2 --dist loadfile` (pyproject.toml) files are handed to the workers in collection order, and
-# a long one started last would leave one worker alone at the end. The others keep their order.
+# The files that take longest (CI's --durations and a JUnit report, 2026-12-02), longest first:
+# under `-n 2 --dist loadfile` (pyproject.toml) files are handed to the workers in collection
+# order, and a long one started last would leave one worker alone at the end. The others keep
+# their order.
 LONGEST_FIRST = (
-    "test_matrix.py", "test_docs.py", "test_storage_faults.py", "test_tune.py",
-    "test_memory_contract.py", "test_launch.py", "test_faults.py", "test_lora_checkpoint.py",
-    "test_trackers.py", "test_engines.py", "test_train.py", "test_process_faults.py",
-    "test_unresponsive.py", "test_checkpoint.py",
+    "test_docs.py", "test_faults.py", "test_checkpoint.py", "test_tune.py", "test_tp.py",
+    "test_engines.py", "test_hf.py", "test_matrix.py", "test_unresponsive.py", "test_bad_input.py",
+    "test_launch.py", "test_memory_contract.py", "test_train.py", "test_data.py",
+    "test_slurm_example.py", "test_process_faults.py", "test_profile.py",
 )  # fmt: skip
 
 
