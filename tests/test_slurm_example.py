@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FSDPRUN, Run, free_port, fsdprun_env
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, zygote_fsdprun
 
 from fsdprun.checkpoint import list_checkpoints
 
@@ -49,11 +49,11 @@ def cluster(tmp_path):
         (bin_dir / name).chmod(0o755)
     port = free_port()
 
-    def start(script: str, *args: str) -> list[subprocess.Popen]:
+    def start(script: str, *args: str, fsdprun: str = FSDPRUN) -> list[subprocess.Popen]:
         procs = []
         for node in (0, 1):
             env = fsdprun_env(
-                PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FSDPRUN=FSDPRUN,
+                PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FSDPRUN=fsdprun,
                 NPROC_PER_NODE="1", RDZV_PORT=str(port), SCONTROL_LOG=str(tmp_path / "scontrol"),
                 SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]",
                 SLURM_NODEID=str(node),
@@ -74,7 +74,11 @@ def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
 
 def test_sbatch_runs_one_launcher_per_node_as_one_job(cluster):
     start, tmp_path = cluster
-    results = _finish(start("train.sbatch", "train.steps=4", "output.log_every=1"))
+    # The script's `$FSDPRUN` through the suite's zygote (each its own process, as run_fsdprun's;
+    # the preemptible script, which forwards signals to it, runs the real one).
+    (tmp_path / ".bin").mkdir()
+    fsdprun = str(zygote_fsdprun(tmp_path / ".bin") or FSDPRUN)
+    results = _finish(start("train.sbatch", "train.steps=4", "output.log_every=1", fsdprun=fsdprun))
     assert [rc for rc, _ in results] == [0, 0], results
     run = Run(None, tmp_path / "run")
     assert [e["step"] for e in run.steps] == [1, 2, 3, 4]

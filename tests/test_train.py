@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Run, free_port, fsdprun_env, run_fsdprun
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_fsdprun
 
 from fsdprun.train.guard import PEER_LOST
 
@@ -213,6 +213,9 @@ def test_two_nodes_over_c10d_rendezvous(world2_micro1: Run, tmp_path):
     import subprocess
 
     endpoint = f"127.0.0.1:{free_port()}"
+    # Both through the suite's zygote (each its own process, as run_fsdprun's), side by side.
+    (tmp_path / ".bin").mkdir()
+    fsdprun = str(zygote_fsdprun(tmp_path / ".bin") or FSDPRUN)
     procs = []
     for node in (0, 1):
         args = ["train", "debug", *BASE, "train.micro_batch_size=1", "--nnodes", "2",
@@ -220,7 +223,7 @@ def test_two_nodes_over_c10d_rendezvous(world2_micro1: Run, tmp_path):
                 "--run-dir", str(tmp_path / f"node{node}")]  # fmt: skip
         procs.append(
             subprocess.Popen(
-                [run_fsdprun.__globals__["FSDPRUN"], *args],
+                [fsdprun, *args],
                 cwd=tmp_path,
                 env=fsdprun_env(),
                 stdout=subprocess.PIPE,
