@@ -25,10 +25,11 @@ load (TORCH_*, PYTORCH_*, OMP_*, MKL_*, LD_*, PYTHON*, WANDB_*, HF_*, HUGGINGFAC
 TRANSFORMERS_*, TOKENIZERS_*) execs afresh (a real `fsdprun` process in the forked child's place),
 but for what torchrun gives its workers (OMP_NUM_THREADS, PYTHONUNBUFFERED and the like,
 RUN_TIME below), which the child sets at run time as a fresh interpreter would have it (tested
-in tests/test_zygote.py); FSDPRUN_TEST_NO_ZYGOTE=1 runs every command exec'd. One difference stays: the zygote holds
-transformers (with huggingface_hub) but not datasets, so the HF_HUB_OFFLINE that fsdprun sets
-before it loads datasets (`data.source=hf_dataset`) reaches datasets' own settings and not
-huggingface_hub's; with no network in the suite a hub request there would fail, not pass.
+in tests/test_zygote.py); FSDPRUN_TEST_NO_ZYGOTE=1 runs every command exec'd. One difference
+stays: the zygote holds transformers (with huggingface_hub) but not datasets, so the
+HF_HUB_OFFLINE that fsdprun sets before it loads datasets (`data.source=hf_dataset`) reaches
+datasets' own settings and not huggingface_hub's; with no network in the suite a hub request
+there would fail, not pass.
 
 Protocol, one connection per command: the client sends one JSON line {argv, cwd, env, stdout,
 stderr}; the zygote answers {"pid": N} once the child runs, then {"code": C} when it ends (C as
