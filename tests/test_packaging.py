@@ -154,13 +154,21 @@ def test_every_third_party_import_is_a_declared_dependency():
 
 
 def test_wheel_ships_recipes_and_they_load_from_a_plain_install(tmp_path):
-    subprocess.run(
+    build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-         "-q", "-w", str(tmp_path / "dist")],
-        check=True, capture_output=True, cwd=tmp_path,
+         "-w", str(tmp_path / "dist")],
+        check=True, capture_output=True, cwd=tmp_path, text=True,
     )  # fmt: skip
+    # setuptools warns of data folders missing from `packages` (an error in a later release).
+    assert "absent from the `packages`" not in build.stdout + build.stderr, build.stderr
     wheel = next((tmp_path / "dist").glob("fsdprun-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
+    # Every file of recipes/ (the recipes and their data), and nothing else, under fsdprun/recipes.
+    tree = {
+        f"fsdprun/recipes/{p.relative_to(ROOT / 'recipes').as_posix()}"
+        for p in (ROOT / "recipes").rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    }  # fmt: skip
+    assert {n for n in names if n.startswith("fsdprun/recipes/")} == tree
     for recipe in builtin_recipes():
         assert f"fsdprun/recipes/{recipe}.yaml" in names
     for data in ("tiny.txt", "tiny/train.bin", "tiny/val.bin", "tiny/data.json"):
