@@ -260,15 +260,14 @@ def describe_failure(
     # its own. The agent reports one failed worker of a node, the first it finds exited (which
     # may be the one that lost its peer, when both exited between two of its polls); the other
     # workers of the attempt left their error files beside it.
-    failures = {**_siblings(err.failures), **err.failures}
+    attempt = _attempt_dir(err.failures)
+    failures = {**_siblings(attempt, err.failures), **err.failures}
     messages = {rank: _first_line(f) for rank, f in failures.items()}
     rank = min(failures, key=lambda r: (PEER_LOST in messages[r], failures[r].timestamp, r))
     failure, message = failures[rank], messages[rank]
-    # Its log beside its error file; a worker that wrote none has its folder beside the others'.
-    files = [Path(f.error_file) for f in (failure, *failures.values())]
-    folders = [file.parent.parent / str(failure.local_rank) for file in files if file.is_file()]
-    log = next((d / "stderr.log" for d in folders if (d / "stderr.log").is_file()), None)
-    where = f"; log: {log}" if log is not None else ""
+    # Its log is in its own folder of the attempt, error file or not.
+    log = attempt / str(failure.local_rank) / "stderr.log" if attempt is not None else None
+    where = f"; log: {log}" if log is not None and log.is_file() else ""
     user_error = message.startswith("UserError: ")
     if user_error:
         return WorkerFailed(message.removeprefix("UserError: ") + where, user_error=True)
@@ -277,22 +276,29 @@ def describe_failure(
     return WorkerFailed(f"rank {rank} failed: {message}{where}", user_error=False)
 
 
-def _siblings(failures: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
-    """The failures of the reported workers' siblings on this node, from the error files that
-    @record wrote in the same attempt's folder (`.../attempt_N/LOCAL_RANK/error.json`)."""
+def _attempt_dir(failures: dict[int, ProcessFailure]) -> Path | None:
+    """This node's folder of the attempt (`.../attempt_N`, a folder per local rank), from the
+    error file of a reported worker; None when none wrote one."""
+    files = (Path(f.error_file) for f in failures.values())
+    return next((file.parent.parent for file in files if file.is_file()), None)
+
+
+def _siblings(
+    attempt: Path | None, failures: dict[int, ProcessFailure]
+) -> dict[int, ProcessFailure]:
+    """Every worker of the attempt that left an error file (@record's), by global rank."""
+    if attempt is None:
+        return {}
+    rank, reported = next(iter(failures.items()))
+    base = rank - reported.local_rank  # a node's ranks are consecutive
     found: dict[int, ProcessFailure] = {}
-    for rank, failure in failures.items():
-        error_file = Path(failure.error_file)
-        if not error_file.is_file():
-            continue
-        for folder in error_file.parent.parent.iterdir():
-            sibling = folder / error_file.name
-            if folder.name.isdigit() and sibling != error_file and sibling.is_file():
-                local_rank = int(folder.name)  # a node's ranks are consecutive
-                with contextlib.suppress(Exception):  # a file being written, or not @record's
-                    found[rank - failure.local_rank + local_rank] = ProcessFailure(
-                        local_rank=local_rank, pid=-1, exitcode=1, error_file=str(sibling)
-                    )
+    for error_file in attempt.glob("*/error.json"):  # torch's DefaultLogsSpecs names it so
+        if error_file.parent.name.isdigit():
+            local_rank = int(error_file.parent.name)
+            with contextlib.suppress(Exception):  # a file being written, or not @record's
+                found[base + local_rank] = ProcessFailure(
+                    local_rank=local_rank, pid=-1, exitcode=1, error_file=str(error_file)
+                )
     return found
 
 
