@@ -184,6 +184,14 @@ def zygote_fsdprun(root: Path) -> Path | None:
     return script
 
 
+def zygote_command(root: Path) -> str:
+    """The `fsdprun` to put in a command line that the test starts itself (torchrun's workers,
+    a script's `$FSDPRUN`, two nodes side by side): `zygote_fsdprun` in `root/.bin`, else the
+    console script."""
+    (root / ".bin").mkdir(exist_ok=True)
+    return str(zygote_fsdprun(root / ".bin") or FSDPRUN)
+
+
 def _zygote() -> Zygote:
     if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
         import tempfile

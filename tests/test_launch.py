@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_fsdprun
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_command
 from rich.console import Console
 
 from fsdprun.checkpoint import list_checkpoints
@@ -275,8 +275,7 @@ def test_torchrun_restarts_resume_and_hybrid_shards_over_the_real_node(fsdprun_r
     # commands through the suite's warm zygote (8 torch imports less; test_runs_as_a_worker_...
     # and docs/cluster.md's `torchrun -m fsdprun` run them exec'd).
     run_dir = tmp_path / "run"
-    (tmp_path / ".bin").mkdir()
-    fsdprun = str(zygote_fsdprun(tmp_path / ".bin") or FSDPRUN)
+    fsdprun = zygote_command(tmp_path)
     proc = subprocess.run(
         [TORCHRUN, "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", fsdprun,
          "train", "debug", "train.steps=6", "output.log_every=1",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from conftest import FSDPRUN, Run, fsdprun_env, run_fsdprun
 
-from fsdprun.rundir import lock_path
+from fsdprun.rundir import heartbeat_path, lock_path
 from fsdprun.runlock import hold_run_dir
 
 
@@ -47,7 +47,7 @@ def _resume_frozen(run_dir: Path, proc: subprocess.Popen) -> None:
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
         with contextlib.suppress(OSError, ValueError, KeyError):
-            pid = json.loads((run_dir / "heartbeat" / "rank-0.json").read_text())["pid"]
+            pid = json.loads(heartbeat_path(run_dir, 0).read_text())["pid"]
             if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T":
                 os.kill(pid, signal.SIGCONT)
                 return

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_fsdprun
+from tests.conftest import Run, free_port, fsdprun_env, run_fsdprun, zygote_command
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -252,8 +252,7 @@ def _launch(cell: dict, args: list[str], run_dir: Path, cwd: Path, env: dict) ->
     world = _world(cell)
     # torchrun's workers and srun's tasks are `fsdprun` commands through the suite's warm zygote
     # (tests/zygote.py; each its own process, as run_fsdprun's): a torch import less per rank.
-    (cwd / ".bin").mkdir(exist_ok=True)
-    fsdprun = str(zygote_fsdprun(cwd / ".bin") or FSDPRUN)
+    fsdprun = zygote_command(cwd)
     if cell["launch"] == "fsdprun":
         return [run_fsdprun("train", "debug", *args, "--nproc-per-node", str(world),
                             "--run-dir", str(run_dir), cwd=cwd, env=env)]  # fmt: skip

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FSDPRUN, Run, free_port, fsdprun_env, zygote_fsdprun
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, zygote_command
 
 from fsdprun.checkpoint import list_checkpoints
 
@@ -76,8 +76,7 @@ def test_sbatch_runs_one_launcher_per_node_as_one_job(cluster):
     start, tmp_path = cluster
     # The script's `$FSDPRUN` through the suite's zygote (each its own process, as run_fsdprun's;
     # the preemptible script, which forwards signals to it, runs the real one).
-    (tmp_path / ".bin").mkdir()
-    fsdprun = str(zygote_fsdprun(tmp_path / ".bin") or FSDPRUN)
+    fsdprun = zygote_command(tmp_path)
     results = _finish(start("train.sbatch", "train.steps=4", "output.log_every=1", fsdprun=fsdprun))
     assert [rc for rc, _ in results] == [0, 0], results
     run = Run(None, tmp_path / "run")

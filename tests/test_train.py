@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_fsdprun
+from conftest import Run, free_port, fsdprun_env, run_fsdprun, zygote_command
 
 from fsdprun.train.guard import PEER_LOST
 
@@ -214,8 +214,7 @@ def test_two_nodes_over_c10d_rendezvous(world2_micro1: Run, tmp_path):
 
     endpoint = f"127.0.0.1:{free_port()}"
     # Both through the suite's zygote (each its own process, as run_fsdprun's), side by side.
-    (tmp_path / ".bin").mkdir()
-    fsdprun = str(zygote_fsdprun(tmp_path / ".bin") or FSDPRUN)
+    fsdprun = zygote_command(tmp_path)
     procs = []
     for node in (0, 1):
         args = ["train", "debug", *BASE, "train.micro_batch_size=1", "--nnodes", "2",

@@ -731,7 +731,7 @@ def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recip
     runs node 0's trials in node 0's order, both print node 0's report, and only node 0 writes
     trials.jsonl and tuned.yaml. The space is the recipe's tune: section, which the trials'
     training ignores."""
-    from tests.conftest import free_port, zygote_fsdprun
+    from tests.conftest import free_port, zygote_command
 
     recipe.write_text(RECIPE + "tune:\n  defaults: false\n  space:\n    "
                       "train.micro_batch_size: [1, 2]\n")  # fmt: skip
@@ -739,8 +739,7 @@ def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recip
     endpoint = f"127.0.0.1:{free_port()}"
     # Both through the suite's zygote (its own process each, as run_fsdprun's), and so their
     # trials: side by side, as two nodes run.
-    (tmp_path / ".bin").mkdir()
-    fsdprun = str(zygote_fsdprun(tmp_path / ".bin") or FSDPRUN)
+    fsdprun = zygote_command(tmp_path)
     procs = [subprocess.Popen(
         [fsdprun, "tune", str(recipe), "--out", str(tmp_path / f"o{n}"), "--nnodes", "2",
          "--node-rank", str(n), "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
