@@ -222,6 +222,80 @@ def pytest_sessionfinish(session, exitstatus):
         z.close()
 
 
+# --------------------------------------------------------------------------------------------
+# CPU seconds per test, beside --durations' wall seconds: on a shared 2-core CI machine wall
+# time mostly says how busy the machine was; CPU seconds say what the test itself costs.
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process, its reaped children, and its live children
+    with what they reaped in turn (the zygote's commands and their workers, the gloo pool's
+    ranks, a Popen'd `fsdprun` and its workers once they are reaped)."""
+    total = sum(os.times()[:4])
+    me = os.getpid()
+    try:
+        children = {
+            int(pid)
+            for task in os.listdir(f"/proc/{me}/task")
+            for pid in Path(f"/proc/{me}/task/{task}/children").read_text().split()
+        }
+    except OSError:  # not Linux, or no /proc children lists
+        return total
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in children:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended (and reaped) since the listing: in os.times() now
+            continue
+        total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+    return total
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries its CPU seconds (a user property: xdist sends those to the
+    controller, which prints the costliest tests, `pytest_terminal_summary`)."""
+    started = item.stash.get(_CPU_AT, None)
+    outcome = yield
+    now = tree_cpu_s()
+    if started is not None:
+        outcome.get_result().user_properties.append(("cpu_s", now - started))
+    item.stash[_CPU_AT] = now  # the next phase starts here
+
+
+_CPU_AT = pytest.StashKey[float]()
+_CPU_BY_TEST: dict[str, list[float]] = {}  # nodeid -> [cpu s, wall s], on the controller
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT] = tree_cpu_s()
+
+
+def pytest_runtest_logreport(report):
+    entry = _CPU_BY_TEST.setdefault(report.nodeid, [0.0, 0.0])
+    entry[0] += sum(v for k, v in report.user_properties if k == "cpu_s")
+    entry[1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CPU_BY_TEST:
+        return
+    costliest = sorted(_CPU_BY_TEST.items(), key=lambda item: -item[1][0])[:25]
+    terminalreporter.write_sep("=", "costliest tests in CPU seconds (their processes included)")
+    for nodeid, (cpu, wall) in costliest:
+        terminalreporter.write_line(f"{cpu:7.1f} CPU s {wall:7.1f} s  {nodeid}")
+    by_file: dict[str, float] = {}
+    for nodeid, (cpu, _) in _CPU_BY_TEST.items():
+        name = nodeid.split("::")[0]
+        by_file[name] = by_file.get(name, 0.0) + cpu
+    files = sorted(by_file.items(), key=lambda item: -item[1])[:15]
+    terminalreporter.write_line(
+        f"tests' CPU: {sum(by_file.values()):.0f} s in all; by file: "
+        + ", ".join(f"{Path(n).name} {s:.0f}" for n, s in files)
+    )
+
+
 class Run:
     def __init__(self, proc: subprocess.CompletedProcess, run_dir: Path):
         self.proc, self.run_dir = proc, run_dir
