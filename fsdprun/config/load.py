@@ -11,6 +11,7 @@ set it and what would be valid. Never imports torch, nor fsdprun.data/engines/tr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import enum
@@ -434,11 +435,24 @@ def _check_expansion(merged: Any) -> None:
             )
 
 
+_SCHEMA_NODE: list[Any] = []  # OmegaConf.structured(RecipeConfig), built once per process
+
+
+def _schema_node() -> Any:
+    """A fresh copy of the schema's structured config: building it from the dataclasses costs
+    several times what copying it does (`tune` resolves a recipe per candidate)."""
+    if not _SCHEMA_NODE:
+        _SCHEMA_NODE.append(OmegaConf.structured(RecipeConfig))
+    return copy.deepcopy(_SCHEMA_NODE[0])
+
+
 def _merge(layers: list[Layer]) -> RecipeConfig:
-    merged = OmegaConf.structured(RecipeConfig)
+    merged = _schema_node()
     for layer in layers:
         try:
-            merged = OmegaConf.merge(merged, _nest(layer.values))
+            # In place: what OmegaConf.merge does after copying its first argument, which here
+            # is already a copy of nobody else's.
+            merged.merge_with(_nest(layer.values))
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None) or "?"
             msg = str(e).splitlines()[0]
