@@ -73,9 +73,10 @@ def _bash_complete(words: str, env: dict[str, str]) -> list[str]:
 
 def _in_bash(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     # typer finds the shell to complete for among the command's parent processes (shellingham):
-    # run it from bash, as a user types it.
-    return subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    # run it from bash, as a user types it. `; exit $?` keeps bash the parent: `bash -c CMD`
+    # would exec a lone simple command, and the parent would be whatever started pytest.
+    return subprocess.run(["bash", "-c", f"{command}; exit $?"], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
 
 
 def test_shell_completion(tmp_path):
