@@ -32,7 +32,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
-import resource
 import shlex
 import shutil
 import subprocess
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import fsdprun_env, zygote_fsdprun
+from conftest import fsdprun_env, tree_cpu_s, zygote_fsdprun
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,17 +184,12 @@ def _env(root: Path) -> dict[str, str]:
     return env
 
 
-def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 @dataclass
 class Result:
     returncode: int
     output: str
     seconds: float
-    cpu_s: float = 0.0  # of the command and every process it started
+    cpu_s: float = 0.0  # of the command and every process it started (the zygote's included)
     same_as: str | None = None  # the earlier, identical command whose result this is
 
 
@@ -219,22 +213,22 @@ def doc_run(tmp_path_factory) -> dict[str, Result]:
                 )
                 continue
             first[key] = command.where
-            began, cpu = time.perf_counter(), _children_cpu_s()
+            began, cpu = time.perf_counter(), tree_cpu_s()
             proc = subprocess.run(
                 ["bash", "-c", command.text], cwd=cwd, env=env, capture_output=True, text=True,
                 timeout=TIMEOUT_S,
             )  # fmt: skip
             results[command.where] = Result(
                 proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - began,
-                _children_cpu_s() - cpu,
+                tree_cpu_s() - cpu,
             )  # fmt: skip
-    slowest = sorted(results.items(), key=lambda item: -item[1].seconds)[:8]
+    slowest = sorted(results.items(), key=lambda item: -item[1].cpu_s)[:12]
     print(
-        "\ndoc commands, slowest:",
+        "\ndoc commands, costliest:",
         *(f"{r.seconds:6.1f} s ({r.cpu_s:5.1f} CPU s)  {w}" for w, r in slowest), sep="\n",
     )  # fmt: skip
     # CPU seconds grow far less with the machine's load than wall time: the rough cost on an
-    # idle machine.
+    # idle machine (a command through the zygote is counted as the zygote reaps it).
     print(
         f"doc commands: {sum(r.seconds for r in results.values()):.1f} s in all, "
         f"{sum(r.cpu_s for r in results.values()):.1f} CPU s"
