@@ -22,8 +22,8 @@ The docs' placeholders are given small real files in the working directory: `my.
 shipped text and chat data), `path/to/llama-folder` and `path/to/hf-folder` (the shipped tiny
 HuggingFace folder); `recipes/` is the repository's, so `recipes/data/...` paths resolve.
 
-Run with `pytest tests/test_docs.py -s -n 0` to see the slowest commands: about 2 min 10 s in
-the full suite on an idle 2-core machine (2026-12-02, `fsdprun` through the suite's zygote), most
+Run with `pytest tests/test_docs.py -s -n 0` to see the costliest commands: about 230 CPU s and
+2 min 50 s alone on a 2-core machine (2026-12-03, `fsdprun` through the suite's zygote), most
 of it in the training launches the docs show.
 """
 
