@@ -251,6 +251,10 @@ def tree_cpu_s() -> float:
     return total
 
 
+_CPU_AT = pytest.StashKey[float]()  # where the test's current phase started
+_CPU_BY_TEST: dict[str, list[float]] = {}  # nodeid -> [cpu s, wall s], on the controller
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Each phase's report carries its CPU seconds (a user property: xdist sends those to the
@@ -261,10 +265,6 @@ def pytest_runtest_makereport(item, call):
     if started is not None:
         outcome.get_result().user_properties.append(("cpu_s", now - started))
     item.stash[_CPU_AT] = now  # the next phase starts here
-
-
-_CPU_AT = pytest.StashKey[float]()
-_CPU_BY_TEST: dict[str, list[float]] = {}  # nodeid -> [cpu s, wall s], on the controller
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -222,13 +222,13 @@ def doc_run(tmp_path_factory) -> dict[str, Result]:
                 proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - began,
                 tree_cpu_s() - cpu,
             )  # fmt: skip
-    slowest = sorted(results.items(), key=lambda item: -item[1].cpu_s)[:12]
+    costliest = sorted(results.items(), key=lambda item: -item[1].cpu_s)[:12]
     print(
         "\ndoc commands, costliest:",
-        *(f"{r.seconds:6.1f} s ({r.cpu_s:5.1f} CPU s)  {w}" for w, r in slowest), sep="\n",
+        *(f"{r.seconds:6.1f} s ({r.cpu_s:5.1f} CPU s)  {w}" for w, r in costliest), sep="\n",
     )  # fmt: skip
-    # CPU seconds grow far less with the machine's load than wall time: the rough cost on an
-    # idle machine (a command through the zygote is counted as the zygote reaps it).
+    # CPU seconds vary less with the machine's load than wall time (a command through the
+    # zygote is counted as the zygote reaps it).
     print(
         f"doc commands: {sum(r.seconds for r in results.values()):.1f} s in all, "
         f"{sum(r.cpu_s for r in results.values()):.1f} CPU s"

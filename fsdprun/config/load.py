@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import difflib
 import enum
+import functools
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -435,19 +436,15 @@ def _check_expansion(merged: Any) -> None:
             )
 
 
-_SCHEMA_NODE: list[Any] = []  # OmegaConf.structured(RecipeConfig), built once per process
-
-
+@functools.cache
 def _schema_node() -> Any:
-    """A fresh copy of the schema's structured config: building it from the dataclasses costs
-    several times what copying it does (`tune` resolves a recipe per candidate)."""
-    if not _SCHEMA_NODE:
-        _SCHEMA_NODE.append(OmegaConf.structured(RecipeConfig))
-    return copy.deepcopy(_SCHEMA_NODE[0])
+    """The schema's structured config, built once per process: building it from the dataclasses
+    costs several times what copying it does (`tune` resolves a recipe per candidate)."""
+    return OmegaConf.structured(RecipeConfig)
 
 
 def _merge(layers: list[Layer]) -> RecipeConfig:
-    merged = _schema_node()
+    merged = copy.deepcopy(_schema_node())
     for layer in layers:
         try:
             # In place: what OmegaConf.merge does after copying its first argument, which here
