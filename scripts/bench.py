@@ -45,7 +45,6 @@ from fsdprun.config import (
     Engine,
     Float8,
     LossKind,
-    OptimImpl,
     RecipeConfig,
     Sharding,
     load_recipe,
@@ -55,6 +54,7 @@ from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding
 from fsdprun.errors import UserError
 from fsdprun.models.llama import build_model_args
 from fsdprun.report.metrics import read_events
+from fsdprun.train.optim import resolved_implementation
 
 console = Console(highlight=False)
 
@@ -106,9 +106,9 @@ def stats(values: list[float]) -> dict[str, float]:
 
 
 def build_plain_spec(cfg: RecipeConfig, device_kind: str) -> PlainSpec:
-    impl = cfg.optim.implementation
-    if impl is OptimImpl.auto:
-        impl = OptimImpl.fused if device_kind == "cuda" else OptimImpl.foreach
+    # As fsdprun resolves it: the plain loop's fp16 also steps through ShardedGradScaler.
+    fp16 = cfg.precision.param_dtype.value == "fp16"
+    impl = resolved_implementation(cfg.optim.implementation, device_kind, sharded_scaler=fp16)
     return PlainSpec(
         model_args=build_model_args(cfg.model),
         device_kind=device_kind,

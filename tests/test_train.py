@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import Run, free_port, fsdprun_env, run_fsdprun, zygote_command
 
+from fsdprun.errors import UserError
 from fsdprun.train.guard import PEER_LOST
 
 # 6 steps of the debug recipe, logging every step; global batch 8.
@@ -125,6 +126,43 @@ def test_fp16_with_grad_scaler_cpu_offload_and_tied_embeddings(fsdprun_runs, glo
     assert run.losses[-1] < run.losses[0]
     untied = run.start["num_params"] + 256 * 64  # the debug vocab x dim output projection
     assert untied == fsdprun_runs.train(*BASE, "train.micro_batch_size=1").start["num_params"]
+
+
+def test_every_adamw_kernel_trains_the_same_and_auto_takes_fused_where_it_works(
+    world2_micro1: Run, gloo_pool, tmp_path
+):
+    """fused (what `auto` picks on CPU too), foreach and for_loop: the same math. Under fp16
+    with an FSDP engine the sharded gradient scaler breaks torch's fused step, so `auto` takes
+    foreach there (the fp16 test above trains with it) and an explicit `fused` is refused."""
+    import torch
+
+    from fsdprun.config import OptimImpl, load_recipe
+    from fsdprun.train.optim import build_optimizer, resolved_implementation
+
+    micro1 = (*BASE, "train.micro_batch_size=1")
+    for impl in ("fused", "foreach", "for_loop"):
+        assert_same_losses(world2_micro1, gloo_pool.train(*micro1, f"optim.implementation={impl}"))
+
+    cfg = load_recipe("debug").config.optim
+    model = torch.nn.Linear(4, 4)
+    assert build_optimizer(model, cfg=cfg, device_kind="cpu").defaults["fused"] is True
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    fp16 = build_optimizer(model, cfg=cfg, device_kind="cpu", scaler=ShardedGradScaler("cpu"))
+    assert fp16.defaults["foreach"] is True and not fp16.defaults["fused"]
+    plain = build_optimizer(model, cfg=cfg, device_kind="cpu", scaler=torch.amp.GradScaler("cpu"))
+    assert plain.defaults["fused"] is True  # DDP's plain scaler takes the fused step
+    assert resolved_implementation(OptimImpl.auto, "mps") is OptimImpl.foreach
+    assert resolved_implementation(OptimImpl.for_loop, "cuda") is OptimImpl.for_loop
+
+    fp16_fused = ("optim.implementation=fused", "precision.param_dtype=fp16")
+    proc = run_fsdprun("config", "debug", *fp16_fused, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "optim.implementation=fused" in line and "fsdp.engine=fsdp2" in line, line
+    with pytest.raises(UserError, match="optim.implementation=fused .* fsdp.engine=fsdp1"):
+        load_recipe("debug", [*fp16_fused, "fsdp.engine=fsdp1"])
+    load_recipe("debug", [*fp16_fused, "fsdp.engine=ddp"])  # the plain scaler works with it
 
 
 def test_compile_per_block(fsdprun_runs):

@@ -311,8 +311,9 @@ class OptimConfig:
     weight_decay: float = _f(0.1, "Decoupled weight decay.")
     implementation: OptimImpl = _f(
         OptimImpl.auto,
-        "AdamW kernel: `auto` = fused on CUDA/XPU/NPU, foreach elsewhere; or force "
-        "`fused`, `foreach`, `for_loop`.",
+        "AdamW kernel: `auto` = fused on CUDA/XPU/NPU/CPU, foreach elsewhere and under fp16 "
+        "with fsdp1/fsdp2 (torch's fused step fails with FSDP's sharded gradient scaler; "
+        "`fused` is refused there); or force `fused`, `foreach`, `for_loop`.",
     )
 
 

@@ -32,8 +32,10 @@ from fsdprun.config.schema import (
     CheckpointMode,
     DataSource,
     DeviceKind,
+    Dtype,
     Engine,
     Float8,
+    OptimImpl,
     ProfileConfig,
     RecipeConfig,
     WrapPolicy,
@@ -333,6 +335,16 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
             f"fsdp.cpu_offload=true with fsdp.engine=fsdp1 needs an accelerator (FSDP1 pins host "
             f"memory), but this run is on CPU (launch.device={cfg.launch.device.value}); use "
             "fsdp.engine=fsdp2 (its CPU offload works on CPU) or fsdp.cpu_offload=false"
+        )
+    if (
+        cfg.optim.implementation is OptimImpl.fused
+        and cfg.precision.param_dtype is Dtype.fp16
+        and f.engine is not Engine.ddp
+    ):
+        errors.append(
+            f"optim.implementation=fused with precision.param_dtype=fp16 under "
+            f"fsdp.engine={f.engine.value}: torch's fused AdamW fails with FSDP's sharded "
+            "gradient scaler; use optim.implementation=auto (foreach here) or bf16"
         )
     if f.engine is Engine.fsdp1 and not f.use_orig_params:
         if cfg.compile.enabled:

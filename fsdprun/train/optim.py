@@ -13,8 +13,25 @@ from torch import nn
 
 from fsdprun.config import Decay, OptimConfig, OptimImpl, ScheduleConfig
 
-# Devices whose AdamW has a fused kernel that works on FSDP's DTensor parameters.
-_FUSED_DEVICES = {"cuda", "xpu", "npu"}
+# Devices whose AdamW has a fused kernel that works on FSDP's DTensor parameters. On CPU too
+# (torch >= 2.4): one op per parameter group, so DTensor's sharding propagation runs once per
+# group instead of once per foreach op; measured on 2 gloo ranks (debug model), the first
+# step's AdamW costs 0.10 CPU s instead of 0.33, and later ones 2 ms instead of 4.
+_FUSED_DEVICES = {"cuda", "xpu", "npu", "cpu"}
+
+
+def resolved_implementation(
+    impl: OptimImpl, device_kind: str, *, sharded_scaler: bool = False
+) -> OptimImpl:
+    """What `optim.implementation` means: `auto` is fused where the device has the kernel, and
+    foreach elsewhere and under the sharded gradient scaler that fp16 uses with fsdp1/fsdp2:
+    torch's fused AdamW step fails with it (the scaler's inf flag has shape [1], the step
+    counters shape []), so an explicit `fused` there is refused before launch
+    (fsdprun.config.validate)."""
+    if impl is OptimImpl.auto:
+        fused = device_kind in _FUSED_DEVICES and not sharded_scaler
+        return OptimImpl.fused if fused else OptimImpl.foreach
+    return impl
 
 
 def build_optimizer(
@@ -23,14 +40,18 @@ def build_optimizer(
     cfg: OptimConfig,
     device_kind: str,
     is_matrix: Callable[[str, nn.Parameter], bool] | None = None,
+    scaler: object | None = None,
 ) -> torch.optim.AdamW:
     """AdamW over the trainable parameters (requires_grad: under LoRA the adapters only, so
     AdamW keeps no state for the frozen base); weight decay on matrices only (not on norm
     weights).
 
     `is_matrix(name, param)` says which parameters are matrices where the wrapped parameters no
-    longer show their shape (FSDP1 flattens them); default: param.ndim >= 2.
+    longer show their shape (FSDP1 flattens them); default: param.ndim >= 2. `scaler`: the
+    run's gradient scaler (fp16), which decides what `auto` picks.
     """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -45,9 +66,8 @@ def build_optimizer(
         for params, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
         if params
     ]
-    impl = cfg.implementation
-    if impl is OptimImpl.auto:
-        impl = OptimImpl.fused if device_kind in _FUSED_DEVICES else OptimImpl.foreach
+    sharded_scaler = isinstance(scaler, ShardedGradScaler)
+    impl = resolved_implementation(cfg.implementation, device_kind, sharded_scaler=sharded_scaler)
     kwargs = {
         OptimImpl.fused: {"fused": True},
         OptimImpl.foreach: {"foreach": True},

@@ -254,12 +254,13 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         model, cfg, device=device.torch_device, device_kind=device.kind,
         world_size=ranks.world_size, weights=weights, mesh=mesh, tp_plan=tp_rows,
     )  # fmt: skip
-    optimizer = build_optimizer(
-        engine.model, cfg=cfg.optim, device_kind=device.kind, is_matrix=engine.is_matrix
-    )
-    scheduler = build_lr_scheduler(optimizer, cfg=cfg.schedule, total_steps=cfg.train.steps)
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
     scaler = engine.grad_scaler() if cfg.precision.param_dtype is Dtype.fp16 else None
+    optimizer = build_optimizer(
+        engine.model, cfg=cfg.optim, device_kind=device.kind, is_matrix=engine.is_matrix,
+        scaler=scaler,
+    )  # fmt: skip
+    scheduler = build_lr_scheduler(optimizer, cfg=cfg.schedule, total_steps=cfg.train.steps)
     return Trainable(engine, optimizer, scheduler, scaler), BuildFacts(
         num_ac, lora_paths, num_trainable
     )
