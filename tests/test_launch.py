@@ -99,6 +99,41 @@ def test_a_single_node_run_listens_on_loopback_only(tmp_path):
     assert len(workers) >= 3, seen  # rank 0's store and a gloo listener per rank
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_forked_workers_inherit_a_frozen_heap(method, tmp_path, monkeypatch):
+    """On fork (CPU) the launcher freezes its heap just before the agent starts the workers, so
+    their garbage collections skip everything they inherit (torch's objects and all)."""
+    import gc
+
+    from typer.testing import CliRunner
+
+    import fsdprun.launch.elastic
+    from fsdprun.cli import app
+
+    seen = {}
+
+    def agent(config, entry):
+        def run(*args):
+            seen[config.start_method] = gc.get_freeze_count()
+            raise UserError("the agent stops here")
+
+        return run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FSDPRUN_START_METHOD", method)
+    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", agent)
+    env = dict(os.environ)  # the launcher sets what its workers inherit
+    gc.unfreeze()
+    try:
+        result = CliRunner().invoke(app, ["train", "debug", "--run-dir", "r"])
+    finally:
+        gc.unfreeze()
+        os.environ.clear()
+        os.environ.update(env)
+    assert result.exit_code == 2 and "the agent stops here" in result.stderr, result.output
+    assert (seen[method] > 0) == (method == "fork"), seen
+
+
 def test_missing_devices_are_user_errors():
     with pytest.raises(UserError, match="torch_npu is not importable.*launch.device=cpu"):
         resolve_device_kind("npu")

@@ -10,6 +10,7 @@ a worker failure into one line naming the rank, the error and the log file.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -433,6 +434,11 @@ def _launch(
         del os.environ["TORCH_CPP_LOG_LEVEL"]  # workers log as torch does by default
     # Workers die with this process (see guard.die_with_launcher).
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if plan.config.start_method == "fork":
+        # The workers inherit this heap (torch and all). Frozen, their collections skip it: the
+        # full one that frees FSDP's state at the end (worker.run) took 0.28 CPU s per worker on
+        # the debug recipe, and 0.004 after; their pages of it also stay shared.
+        gc.freeze()
     reporter = Reporter()
     waiting = _waiting(cfg, plan)
     try:
