@@ -253,6 +253,16 @@ def test_tp2_dp2_trains_as_fsdp2_on_4_ranks_and_1_rank(trained, tmp_path):
     assert "fully_shard over the 2 dp_shard dims of the mesh" in header
 
 
+def test_clipped_tp_trains_as_torch_clips_one_rank(trained, tmp_path):
+    """A clip far below the norm, on the 2-D mesh (Shard and Replicate gradients): as torch's
+    clip_grad_norm_ does it on one rank (the ddp engine). optim.eps=1: AdamW's step follows
+    the gradient's scale (with a small eps it divides it out, and a clip would not show)."""
+    clip = ("train.grad_clip=0.05", "optim.eps=1", "optim.lr=0.5")
+    tp = trained.run(4, "parallel.tp=2", *clip)
+    assert all(e["grad_norm"] > 0.5 for e in tp.steps)
+    _assert_same(tp, trained.run(1, "fsdp.engine=ddp", *clip), tmp_path)
+
+
 def test_compiled_tp_blocks_train_as_eager_tp(trained, tmp_path):
     """compile.enabled=true (inductor, per block) under tp 2 x dp 2: the same losses, gradient
     norms and trained parameters as the eager TP run. The first block's input is the

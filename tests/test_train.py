@@ -128,6 +128,20 @@ def test_fp16_with_grad_scaler_cpu_offload_and_tied_embeddings(fsdprun_runs, glo
     assert untied == fsdprun_runs.train(*BASE, "train.micro_batch_size=1").start["num_params"]
 
 
+def test_clipping_scales_gradients_as_torch_does_under_every_engine(gloo_pool):
+    """A clip far below the gradient norm acts at every step; fsdp2 (its own scaling of the
+    local shards), fsdp1 (FSDP's clip_grad_norm_) and ddp (torch's clip_grad_norm_) agree.
+    optim.eps=1 makes AdamW's step follow the gradient's scale (it otherwise divides it out)."""
+    micro1 = (*BASE, "train.micro_batch_size=1", "optim.eps=1", "optim.lr=0.5")
+    clipped = {e: gloo_pool.train(*micro1, "train.grad_clip=0.05", f"fsdp.engine={e}")
+               for e in ("fsdp2", "fsdp1", "ddp")}  # fmt: skip
+    assert all(e["grad_norm"] > 0.5 for e in clipped["fsdp2"].steps)  # so the clip acts
+    free = gloo_pool.train(*micro1, "train.grad_clip=0")
+    assert abs(clipped["fsdp2"].losses[-1] - free.losses[-1]) > 0.05
+    for engine in ("fsdp1", "ddp"):
+        assert_same_losses(clipped["fsdp2"], clipped[engine])
+
+
 def test_every_adamw_kernel_trains_the_same_and_auto_takes_fused_where_it_works(
     world2_micro1: Run, gloo_pool, tmp_path
 ):
