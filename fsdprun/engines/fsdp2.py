@@ -403,8 +403,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     # Frozen parameters (the base under LoRA) have no gradient and take no part.
     grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if not grads:
-        return norm
     whole = norm.full_tensor() if isinstance(norm, DTensor) else norm
     coef = torch.clamp(max_norm / (whole + 1e-6), max=1.0)
     for g in grads:
