@@ -52,8 +52,11 @@ def _one_line(err: str) -> str:
 def test_a_worker_killed_by_sigkill_is_named_with_its_step_log_and_the_oom_hint(tmp_path):
     from fsdprun.tools.plan import plan_recipe
 
+    # The agent checks its workers once a second here, so rank 0, which loses its connection at
+    # once, has exited too by the agent's next check: the rank killed must still be the one named.
     run_dir = tmp_path / "run"
-    proc = _popen(tmp_path, "train", "debug", "train.steps=100000", "--run-dir", str(run_dir))
+    proc = _popen(tmp_path, "train", "debug", "train.steps=100000", "launch.monitor_interval_s=1",
+                  "--run-dir", str(run_dir))  # fmt: skip
     try:
         victim = _wait_for_step(run_dir, 2, proc)[1]
         os.kill(victim["pid"], signal.SIGKILL)

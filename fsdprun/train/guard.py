@@ -189,9 +189,21 @@ class Heartbeat:
                 self._report(message, silent)
                 raise RuntimeError(message) from e
             if kind == "peer":
+                self._await_dead_siblings_seen()
                 raise RuntimeError(f"{PEER_LOST} {where} (it exited; its own log says why)") from e
             raise
         self.beat(*before)
+
+    def _await_dead_siblings_seen(self, limit_s: float = 10.0) -> None:
+        """Exit only after this node's agent has seen the sibling that went away: the agent names
+        the first worker it finds exited, and this rank, which lost its connection at once, would
+        otherwise often exit within the same check interval (a SIGKILL'd rank left no error of
+        its own to name it). A dead sibling is a zombie until the agent reaps it at its check."""
+        deadline = time.monotonic() + limit_s
+        siblings = [rec["pid"] for rank, rec in self.read().items()
+                    if rec and rank != self.rank and rec["host"] == self.state["host"]]  # fmt: skip
+        while any(_dead_sibling(pid) for pid in siblings) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def read(self) -> dict[int, dict | None]:
         """Every rank's last record (None where a rank has none)."""
@@ -281,6 +293,16 @@ def read_verdict(run_dir: Path) -> dict | None:
 
 def clear_verdict(run_dir: Path) -> None:
     verdict_path(run_dir).unlink(missing_ok=True)
+
+
+def _dead_sibling(pid: int) -> bool:
+    """Whether `pid` is another worker of this rank's agent that has exited and is not yet reaped
+    (Linux /proc; False where it cannot tell)."""
+    try:
+        state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+    except (OSError, ValueError):
+        return False
+    return state == "Z" and int(ppid) == os.getppid()
 
 
 def _kill_sibling(pid: int) -> None:
