@@ -455,10 +455,12 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     assert not _trials_left(out), "a trial outlived its tune"
 
     # Ctrl-C in the same trial, run again: exit 130, the trial goes with tune, the log as it was.
+    # The trial hangs at its first step, so it is still running when the Ctrl-C comes (a trial
+    # that finished first made tune end well before it, on a loaded machine).
     began = time.time()
     popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path,
-                             env=fsdprun_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             env=fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c0-1:FSDPRUN_HANG_AT=0:1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     trial_log = out / "logs" / "r0-c0-1.log"
     # The killed tune's r0-c0-1 directory is removed before the log is opened for the new trial,
     # so a directory after that is the new trial's `fsdprun train` running.

@@ -194,15 +194,20 @@ class Heartbeat:
             raise
         self.beat(*before)
 
-    def _await_dead_siblings_seen(self, limit_s: float = 10.0) -> None:
+    def _await_dead_siblings_seen(self, appear_s: float = 2.0, limit_s: float = 10.0) -> None:
         """Exit only after this node's agent has seen the sibling that went away: the agent names
         the first worker it finds exited, and this rank, which lost its connection at once, would
         otherwise often exit within the same check interval (a SIGKILL'd rank left no error of
-        its own to name it). A dead sibling is a zombie until the agent reaps it at its check."""
-        deadline = time.monotonic() + limit_s
+        its own to name it). The lost peer's sockets close before its process is a zombie, and
+        it is a zombie until the agent reaps it at its check: wait up to `appear_s` for a sibling
+        to die (none does when the peer was on another node), then until it is reaped."""
+        start = time.monotonic()
         siblings = [rec["pid"] for rank, rec in self.read().items()
                     if rec and rank != self.rank and rec["host"] == self.state["host"]]  # fmt: skip
-        while any(_dead_sibling(pid) for pid in siblings) and time.monotonic() < deadline:
+        while siblings and (elapsed := time.monotonic() - start) < limit_s:
+            states = {_sibling_state(pid) for pid in siblings}
+            if "dead" not in states and ("reaped" in states or elapsed > appear_s):
+                return
             time.sleep(0.02)
 
     def read(self) -> dict[int, dict | None]:
@@ -295,14 +300,16 @@ def clear_verdict(run_dir: Path) -> None:
     verdict_path(run_dir).unlink(missing_ok=True)
 
 
-def _dead_sibling(pid: int) -> bool:
-    """Whether `pid` is another worker of this rank's agent that has exited and is not yet reaped
-    (Linux /proc; False where it cannot tell)."""
+def _sibling_state(pid: int) -> str:
+    """`pid` as a worker of this rank's agent: "alive", "dead" (exited, not yet reaped) or
+    "reaped" (no such process, or another's: its pid was reused). Linux /proc."""
     try:
         state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
     except (OSError, ValueError):
-        return False
-    return state == "Z" and int(ppid) == os.getppid()
+        return "reaped"
+    if int(ppid) != os.getppid():
+        return "reaped"
+    return "dead" if state in ("Z", "X") else "alive"
 
 
 def _kill_sibling(pid: int) -> None:
