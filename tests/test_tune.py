@@ -422,6 +422,17 @@ def _trials_left(out: Path, within_s: float = 5) -> list[str]:
         time.sleep(0.1)
 
 
+def _sigint_as_a_terminal_gives_it() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signals(pid: int) -> dict[str, str]:
+    """A process's signal masks, from /proc (SigBlk, SigIgn, SigCgt: hexadecimal)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":\t") for line in lines if line.startswith("Sig"))
+
+
 def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     out = tmp_path / "out"
     args = tune_cmd(recipe, out, "--space", "train.micro_batch_size=1,2", "--device-memory",
@@ -457,10 +468,14 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     # Ctrl-C in the same trial, run again: exit 130, the trial goes with tune, the log as it was.
     # The trial hangs at its first step, so it is still running when the Ctrl-C comes (a trial
     # that finished first made tune end well before it, on a loaded machine).
+    # tune starts as a terminal's foreground command does, SIGINT neither ignored nor blocked
+    # (a test process can pass on either, and a Python started so never raises
+    # KeyboardInterrupt).
     began = time.time()
     popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path,
                              env=fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c0-1:FSDPRUN_HANG_AT=0:1"),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=_sigint_as_a_terminal_gives_it)  # fmt: skip
     trial_log = out / "logs" / "r0-c0-1.log"
     # The killed tune's r0-c0-1 directory is removed before the log is opened for the new trial,
     # so a directory after that is the new trial's `fsdprun train` running.
@@ -469,6 +484,8 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     ):  # fmt: skip
         time.sleep(0.1)
     assert running.exists(), "the interrupted trial never started again"
+    handled = _signals(popen.pid)
+    assert int(handled["SigCgt"], 16) & (1 << (signal.SIGINT - 1)), handled
     popen.send_signal(signal.SIGINT)
     _, err = popen.communicate(timeout=60)
     assert popen.returncode == 130 and "aborted" in err, err[-2000:]
