@@ -301,27 +301,24 @@ def clear_verdict(run_dir: Path) -> None:
 
 
 def _sibling_state(pid: int) -> str:
-    """`pid` as a worker of this rank's agent: "alive", "dead" (exited, not yet reaped) or
-    "reaped" (no such process, or another's: its pid was reused). Linux /proc."""
+    """`pid` as another worker of this rank's agent (same parent; Linux /proc only: a host name
+    can repeat across containers, a parent pid in the same namespace cannot): "alive", "dead"
+    (exited, not yet reaped) or "reaped" (no such process, this one, or another's: its pid was
+    reused)."""
     try:
         state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+        if int(ppid) != os.getppid() or pid == os.getpid():
+            return "reaped"
     except (OSError, ValueError):
-        return "reaped"
-    if int(ppid) != os.getppid():
         return "reaped"
     return "dead" if state in ("Z", "X") else "alive"
 
 
 def _kill_sibling(pid: int) -> None:
-    """SIGKILL `pid` if it is another worker of this rank's agent (same parent; Linux only: a
-    host name can repeat across containers, a parent pid in the same namespace cannot)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getppid() and pid != os.getpid():
+    """SIGKILL `pid` if it is another live worker of this rank's agent."""
+    if _sibling_state(pid) == "alive":
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    except (OSError, ValueError, IndexError):
-        pass
 
 
 # How a rank that only lost its peer says so: the launcher names another rank's own error
