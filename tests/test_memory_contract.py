@@ -346,12 +346,14 @@ def _ddp_world() -> dict[str, dict]:
 
 
 def _main(which: str) -> None:
+    gc.disable()  # while torch loads (fsdprun.cli._load does the same)
     import torch
 
     torch.set_num_threads(1)
     # Fake collectives leave their outputs uninitialized; denormal garbage makes CPU math slow.
     torch.set_flush_denormal(True)
     gc.freeze()  # the collections between cells then skip torch's own objects
+    gc.enable()
     results = _ddp_world() if which == "ddp" else _fake_world(int(which))
     print(json.dumps(results))
 
