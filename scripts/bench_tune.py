@@ -9,6 +9,7 @@
     python scripts/bench_tune.py                      # the debug model, 1 x 8 accumulation, CPU
     python scripts/bench_tune.py llama-1b --device-memory 141GB --budget 6m --nproc-per-node 1
     python scripts/bench_tune.py --gpu    # one H200: llama-1b and llama-8b-sized layers, <= 8 min
+    python scripts/bench_tune.py --gpu --cases llama-1b      # llama-1b only, about half of that
 
 The default (no recipe) is the debug-sized model with micro_batch_size 1 and 8 accumulation
 steps at 2 ranks (global batch 16), tuned over the default space with --device-memory 8GB.
@@ -94,11 +95,12 @@ def bench(recipe: str, *, work: Path, launch: list[str], tune_args: list[str], s
             "verdict": report["verdict"], "hardware": report["hardware"]}  # fmt: skip
 
 
-def main_gpu(work: Path) -> int:
-    """Both GPU cases on one device, within GPU_TOTAL_S; a case that would start too late to
-    finish is skipped and said so."""
+def main_gpu(work: Path, cases: list[str]) -> int:
+    """The GPU cases named (all by default) on one device, within GPU_TOTAL_S; a case that would
+    start too late to finish is skipped and said so."""
     started, results = time.perf_counter(), {}
-    for n, (name, text) in enumerate(GPU_CASES.items()):
+    for n, name in enumerate(cases):
+        text = GPU_CASES[name]
         left = GPU_TOTAL_S - (time.perf_counter() - started)
         if left < GPU_TOTAL_S / len(GPU_CASES) * 0.8:
             print(f"{name}: skipped, {left:.0f} s left of {GPU_TOTAL_S:.0f} s")
@@ -107,7 +109,7 @@ def main_gpu(work: Path) -> int:
         case.mkdir()
         recipe = case / f"{name}-start.yaml"
         recipe.write_text(text)
-        print(f"== {name} (starting recipe {recipe}, case {n + 1} of {len(GPU_CASES)})")
+        print(f"== {name} (starting recipe {recipe}, case {n + 1} of {len(cases)})")
         result = bench(str(recipe), work=case, launch=["--nproc-per-node", "1"],
                        tune_args=["--budget", GPU_TUNE_BUDGET, "--steps", "3"], steps=GPU_STEPS,
                        repeats=GPU_REPEATS)  # fmt: skip
@@ -123,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", nargs="?", help="recipe (default: debug at 1 x 8 accumulation)")
     parser.add_argument("--gpu", action="store_true",
                         help="llama-1b and llama-8b-sized layers on one GPU, in 8 min")  # fmt: skip
+    known = ", ".join(GPU_CASES)
+    parser.add_argument("--cases", default=",".join(GPU_CASES),
+                        help=f"with --gpu: these cases only (of {known})")  # fmt: skip
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--device-memory", default="8GB")
     parser.add_argument("--budget", default="8m", help="tune's --budget")
@@ -132,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-tune-"))
     if args.gpu:
-        return main_gpu(work)
+        cases = args.cases.split(",")
+        unknown = sorted(set(cases) - set(GPU_CASES))
+        if unknown:
+            parser.error(f"--cases: unknown {', '.join(unknown)}; known: {', '.join(GPU_CASES)}")
+        return main_gpu(work, cases)
     recipe = args.recipe
     if recipe is None:
         recipe = str(work / "debug-mb1.yaml")

@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# On a GPU machine: run the `gpu` tests, the llama-1b benchmark (fsdprun vs the plain FSDP2 loop)
-# and the plan-vs-measured memory check; write everything under $OUT.
-#   OUT=/some/dir bash scripts/gpu_check.sh [all|perf|engines] [--tiny]
+# On a GPU machine: the `gpu` tests, the performance figures (fsdprun vs the plain FSDP2 loop),
+# the engines and plan vs measured, and `fsdprun tune` on llama-1b; everything under $OUT.
+#   OUT=/some/dir [GPU_CHECK_BUDGET=S] bash scripts/gpu_check.sh [PART,PART,...] [--tiny]
 #
-# perf: the figures of the performance work (issue 13) only, in under 8 minutes on one H200:
-#   bf16 + compile vs the plain loop, float8 tensorwise vs the plain bf16 loop (3 repeats each,
-#   interleaved), eager vs the plain eager loop (3 repeats), and the ablations (chunked loss,
-#   selective and full activation checkpointing; 1 repeat), tokens/s and peak memory, written to
-#   $OUT/perf_*.json and $OUT/perf_summary.txt. engines: the engine comparison and plan vs
-#   measured. all (the default): both.
+# Parts, run in this order (default: tests,perf,ablations,tune):
+#   tests      every `gpu` test: CUDA training, resume, CPU offload (cpu:gloo,cuda:nccl), the
+#              memory snapshot, FlexAttention block masks for packed rows (model and a chat
+#              fine-tuning run against the dense-mask path on CPU), and non-logging steps under
+#              torch.cuda.set_sync_debug_mode("error") (pretraining and packed chat rows).
+#   perf       bf16 + per-block compile vs the plain loop, float8 tensorwise vs the same plain
+#              bf16 loop, then eager vs the plain eager loop; interleaved repeats
+#              (GPU_CHECK_REPEATS, default 3), tokens/s and peak memory in $OUT/perf_*.json.
+#   ablations  what each change buys, compiled, one repeat: the chunked loss, selective and
+#              full activation checkpointing, chunked + selective.
+#   engines    llama-1b fsdprun vs plain (30 steps), fsdp2/fsdp1/ddp side by side, plan vs
+#              measured.
+#   tune       scripts/bench_tune.py on llama-1b (eager, 1 x 8 accumulation): tune within 90 s,
+#              then the tuned layer against its start, interleaved.
+# GPU_CHECK_BUDGET: seconds for the whole script (0, the default: no limit). A step gets what is
+# left when it would run longer; one with under 30 s left is skipped, and the summary says so.
 # --tiny: the same steps on the `debug` recipe with a few steps, on whatever device there is (a
 #   CPU runs it end to end in a few minutes; float8 is then refused and reported as skipped).
 #
@@ -16,10 +26,12 @@
 # machine's python3. On a machine without a package registry, put the wheels fsdprun needs beyond
 # the machine's own packages in .whl/ (e.g. `pip download --no-deps -d .whl omegaconf==2.4.0`);
 # they and fsdprun are then installed offline into that python.
-# Each step has its own time limit and the script goes on past a failed step. Results:
+# Each step has its own time limit and the script goes on past a failed step. Results (at most 8
+# files, as a lent machine sends back):
 #   $OUT/summary.txt   the figures, one block per step (also printed at the end)
-#   $OUT/*.json        bench, compare and plan results
-#   $OUT/results.tgz   logs and each run's metrics.jsonl (no checkpoints)
+#   $OUT/perf_*.json   the performance runs; perf_summary.txt their one-line-a-side summary
+#   $OUT/results.tgz   every log, the other JSON results and each run's metrics.jsonl (no
+#                      checkpoints)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
@@ -29,15 +41,23 @@ SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 export PYTHONUNBUFFERED=1
 RECIPE=${GPU_CHECK_RECIPE:-llama-1b}  # another recipe only to try the script itself
-PARTS=all
+PARTS=tests,perf,ablations,tune
 TINY=0
+usage="usage: OUT=DIR bash scripts/gpu_check.sh [tests,perf,ablations,engines,tune] [--tiny]"
 for arg in "$@"; do
   case $arg in
-    all|perf|engines) PARTS=$arg ;;
     --tiny) TINY=1 ;;
-    *) echo "usage: OUT=DIR bash scripts/gpu_check.sh [all|perf|engines] [--tiny]" >&2; exit 2 ;;
+    all) PARTS=tests,perf,ablations,engines,tune ;;
+    [a-z]*)
+      for part in ${arg//,/ }; do
+        case $part in tests|perf|ablations|engines|tune) ;; *) echo "$usage" >&2; exit 2 ;; esac
+      done
+      PARTS=$arg ;;
+    *) echo "$usage" >&2; exit 2 ;;
   esac
 done
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+BUDGET=${GPU_CHECK_BUDGET:-0}
 # Steps per perf run (the first 5 untimed, as llama-1b's output.timing_warmup_steps) and repeats.
 PERF_STEPS=${GPU_CHECK_PERF_STEPS:-20}
 REPEATS=${GPU_CHECK_REPEATS:-3}
@@ -70,6 +90,14 @@ BIN=$(dirname "$PY")
 
 step() {  # step NAME LIMIT_S CMD...: run, log to $WORK/NAME.txt, note the outcome in the summary
   local name=$1 limit=$2; shift 2
+  if [ "$BUDGET" -gt 0 ]; then
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 30 ]; then
+      echo "== $name: skipped, $left s of GPU_CHECK_BUDGET=$BUDGET left" | tee -a "$SUMMARY"
+      return 124
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   local t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.txt" 2>&1
   local rc=$?
@@ -83,32 +111,40 @@ step() {  # step NAME LIMIT_S CMD...: run, log to $WORK/NAME.txt, note the outco
   date -u; } > "$WORK/env.txt" 2>&1
 cat "$WORK/env.txt" >> "$SUMMARY"
 
-if [ "$PARTS" = all ] || [ "$PARTS" = perf ]; then
-# Performance (issue 13). Every fsdprun side runs interleaved with the plain loop in the same
-# bench; ratios are medians over the repeats. Time limits add up to 7.5 minutes.
+if has tests; then
+# Every `gpu` test, spread over 4 workers (the GPU holds them all at once).
+step gpu_tests 150 "$PY" -m pytest -q -m gpu -n 4 --dist load -p no:cacheprovider tests
+tail -4 "$WORK/gpu_tests.txt" >> "$SUMMARY"
+fi
+
+# Performance. Every fsdprun side runs interleaved with the plain loop in the same bench;
+# ratios are medians over the repeats.
 bench() {  # bench NAME LIMIT_S [bench.py args...]
   local name=$1 limit=$2; shift 2
   step "$name" $((limit * LIMIT_SCALE)) "$PY" scripts/bench.py "$RECIPE" "${PERF_EXTRA[@]}" --steps "$PERF_STEPS" \
     --out "$WORK/$name.json" "$@"
 }
+if has perf; then
 # bf16 + per-block compile (the recipe) vs the plain loop; float8 tensorwise vs the same plain
 # bf16 loop.
 bench perf_compile 240 --repeats "$REPEATS" --variant float8=precision.float8=tensorwise
 # Eager: fsdprun vs the plain eager loop.
 bench perf_eager 100 compile.enabled=false --repeats "$REPEATS"
+fi
+if has ablations; then
 # What each change buys (compiled, one repeat): the chunked loss, selective and full activation
 # checkpointing, chunked + selective.
 bench perf_ablations 110 --repeats 1 --variant chunked=train.loss=chunked \
   --variant selective=activation_checkpointing.mode=selective \
   --variant full_ac=activation_checkpointing.mode=full \
   --variant chunked_selective=train.loss=chunked,activation_checkpointing.mode=selective
-step perf_gpu_tests 60 "$PY" -m pytest -q -m gpu tests/test_prefetch.py
-tail -3 "$WORK/perf_gpu_tests.txt" >> "$SUMMARY"
+fi
+if has perf || has ablations; then
 "$PY" scripts/perf_summary.py "$WORK" > "$WORK/perf_summary.txt" 2>&1
 cat "$WORK/perf_summary.txt" >> "$SUMMARY"
 fi
 
-if [ "$PARTS" = all ] || [ "$PARTS" = engines ]; then
+if has engines; then
 # llama-1b on one GPU (batch 8 x 2048, bf16, per-block compile): fsdprun vs the plain loop.
 step bench_1b 330 "$PY" scripts/bench.py "$RECIPE" --steps 30 --repeats 1 --out "$WORK/bench_1b.json"
 tail -14 "$WORK/bench_1b.txt" >> "$SUMMARY"
@@ -133,12 +169,20 @@ step plan_1b 30 "$BIN/fsdprun" plan "$RECIPE" --json
 cp "$WORK/plan_1b.txt" "$WORK/plan_1b.json"
 "$PY" scripts/plan_vs_measured.py "$WORK/compare_1b" --bench "$WORK/bench_1b.json" --recipe "$RECIPE" >> "$SUMMARY" 2>&1
 "$PY" -c "import json,sys; from fsdprun.tools.compare import markdown; t=open(sys.argv[1]).read(); print(markdown(json.loads(t[t.index(chr(123)):])))" "$WORK/compare_1b.json" >> "$SUMMARY" 2>&1
-
-step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/test_gpu.py
-tail -3 "$WORK/gpu_tests.txt" >> "$SUMMARY"
 fi
 
-# Small files only: run directories may hold multi-GB checkpoints.
-cp "$WORK"/*.json "$WORK"/perf_summary.txt "$OUT"/ 2>/dev/null
-tar czf "$OUT/results.tgz" --exclude=checkpoints -C "$WORK" . 2>/dev/null
+if has tune; then
+# fsdprun tune on a starting recipe an engineer might write first, then its tuned layer against
+# that start, interleaved (scripts/bench_tune.py; --tiny: the debug model on the CPU).
+if [ "$TINY" = 1 ]; then
+  step tune 240 "$PY" scripts/bench_tune.py --nproc-per-node 1 --budget 60s --steps 6 --repeats 1
+else
+  step tune 200 "$PY" scripts/bench_tune.py --gpu --cases llama-1b
+fi
+grep -E "^ *(tune|winner|tuned|start|== )" "$WORK/tune.txt" | tail -8 >> "$SUMMARY"
+fi
+
+# Small files only (run directories may hold multi-GB checkpoints), at most 8 of them.
+cp "$WORK"/perf_*.json "$WORK"/perf_summary.txt "$OUT"/ 2>/dev/null
+tar czf "$OUT/results.tgz" --exclude=checkpoints --exclude='*.distcp' -C "$WORK" . 2>/dev/null
 cat "$SUMMARY"

@@ -66,7 +66,17 @@ def test_out_of_order_load_still_gives_the_right_batch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_non_logging_steps_do_not_sync_with_the_host(tmp_path):
+@pytest.mark.parametrize(
+    ("recipe", "extra", "port"),
+    [
+        ("debug", ["train.loss=chunked"], 29533),
+        # Packed chat rows on the built-in Llama: a FlexAttention block mask per micro-batch,
+        # and the step's trained-target count (one small copy, one all-reduce).
+        ("sft-demo", ["model.hf_path=null", "model.init=random", "model.max_seq_len=256"], 29534),
+    ],
+    ids=["pretraining", "packed-chat"],
+)
+def test_non_logging_steps_do_not_sync_with_the_host(tmp_path, recipe, extra, port):
     """One rank on CUDA: forward, backward, clip and the optimizer step of a step that logs
     nothing run under torch.cuda.set_sync_debug_mode("error"). The step's one agreed read (stop
     and non-finite flags, `StepAgreement.finish`) is left outside on purpose."""
@@ -78,11 +88,9 @@ def test_non_logging_steps_do_not_sync_with_the_host(tmp_path):
     from fsdprun.train.loop import forward_backward, step_num_targets
     from fsdprun.train.worker import Ranks, _build
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")  # fmt: skip
-    cfg = load_recipe(
-        "debug", ["launch.device=cuda", "precision.param_dtype=bf16", "train.loss=chunked"]
-    ).config
+    cfg = load_recipe(recipe, ["launch.device=cuda", "precision.param_dtype=bf16", *extra]).config
     device = build_worker_device("cuda", 0)
     dist.init_process_group("nccl", device_id=device.torch_device)
     try:
