@@ -56,8 +56,11 @@ def _flag_type(self, ctx):
     return None if self.is_flag and not self.count else _option_type(self, ctx)
 
 
-_option_type = typer.core.TyperOption.display_type_rich
-typer.core.TyperOption.display_type_rich = _flag_type
+# Only where typer has that method: older typers (an H200 image's) print no type column, and
+# patching a method they lack made every command fail at import.
+_option_type = getattr(typer.core.TyperOption, "display_type_rich", None)
+if _option_type is not None:
+    typer.core.TyperOption.display_type_rich = _flag_type
 
 
 app = typer.Typer(

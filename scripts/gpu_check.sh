@@ -11,8 +11,9 @@
 #   perf       bf16 + per-block compile vs the plain loop, float8 tensorwise vs the same plain
 #              bf16 loop, then eager vs the plain eager loop; interleaved repeats
 #              (GPU_CHECK_REPEATS, default 3), tokens/s and peak memory in $OUT/perf_*.json.
-#   ablations  what each change buys, compiled, one repeat: the chunked loss, selective and
-#              full activation checkpointing, chunked + selective.
+#   ablations  what each change buys, compiled, one repeat: the chunked loss and selective
+#              activation checkpointing (GPU_CHECK_FULL_ABLATIONS=1: also full checkpointing,
+#              and chunked + selective).
 #   engines    llama-1b fsdprun vs plain (30 steps), fsdp2/fsdp1/ddp side by side, plan vs
 #              measured.
 #   tune       scripts/bench_tune.py on llama-1b (eager, 1 x 8 accumulation): tune within 90 s,
@@ -132,12 +133,13 @@ bench perf_compile 240 --repeats "$REPEATS" --variant float8=precision.float8=te
 bench perf_eager 100 compile.enabled=false --repeats "$REPEATS"
 fi
 if has ablations; then
-# What each change buys (compiled, one repeat): the chunked loss, selective and full activation
-# checkpointing, chunked + selective.
+# What each change buys (compiled, one repeat): the chunked loss and selective activation
+# checkpointing (GPU_CHECK_FULL_ABLATIONS=1: also full checkpointing, and chunked + selective).
+more=()
+[ "${GPU_CHECK_FULL_ABLATIONS:-0}" = 1 ] && more=(--variant full_ac=activation_checkpointing.mode=full
+  --variant chunked_selective=train.loss=chunked,activation_checkpointing.mode=selective)
 bench perf_ablations 110 --repeats 1 --variant chunked=train.loss=chunked \
-  --variant selective=activation_checkpointing.mode=selective \
-  --variant full_ac=activation_checkpointing.mode=full \
-  --variant chunked_selective=train.loss=chunked,activation_checkpointing.mode=selective
+  --variant selective=activation_checkpointing.mode=selective "${more[@]}"
 fi
 if has perf || has ablations; then
 "$PY" scripts/perf_summary.py "$WORK" > "$WORK/perf_summary.txt" 2>&1

@@ -190,3 +190,23 @@ def test_torch_loads_without_a_garbage_collection(tmp_path):
     assert len(seen) < 5 and max(seen, default=0) == 0, proc.stdout
     assert dynamo and frozen > 100_000, proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_works_with_a_typer_that_lacks_the_option_type_column(tmp_path):
+    """Older typers (the H200 image's) have no `TyperOption.display_type_rich`, which the CLI
+    patches for flags' help: it must then leave it alone, not fail every command at import."""
+    probe = (
+        "import typer.core\n"
+        "for cls in typer.core.TyperOption.__mro__:\n"
+        "    if 'display_type_rich' in vars(cls):\n"
+        "        delattr(cls, 'display_type_rich')\n"
+        "from typer.testing import CliRunner\n"
+        "from fsdprun.cli import app\n"
+        "for args in (['config', 'debug'], ['recipes']):\n"
+        "    result = CliRunner().invoke(app, args)\n"
+        "    assert result.exit_code == 0, (args, result.output)\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=tmp_path, env=fsdprun_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

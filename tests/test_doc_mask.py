@@ -20,11 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 from fsdprun.config import ActivationCheckpointingConfig, CheckpointMode
 from fsdprun.engines.transforms import apply_activation_checkpointing
 from fsdprun.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, num_targets
-from fsdprun.models.attention import attend, build_attention_mask, document_causal_mask
+from fsdprun.models.attention import (
+    FLEX_MIN_HEAD_DIM,
+    attend,
+    build_attention_mask,
+    document_causal_mask,
+    use_flex,
+)
 from fsdprun.models.llama import ModelArgs, Transformer, rope_at
 
 TOL = 1e-5
@@ -375,14 +382,21 @@ def test_flex_block_mask_equals_the_dense_mask_on_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_flex_attention_on_cuda_is_the_default_and_matches_cpu():
-    _flex_matches_dense("cuda")
-    model = _llama()
+@pytest.mark.parametrize("head_dim", [16, 8])
+def test_packed_rows_on_cuda_match_each_document_alone(head_dim):
+    """On CUDA the model's document mask is a FlexAttention BlockMask where the flex kernel
+    takes the head size (>= 16), the dense mask below it (the kernel refuses 8: seen on an
+    H200); either way each document's loss equals that document run alone."""
+    if head_dim >= FLEX_MIN_HEAD_DIM:
+        _flex_matches_dense("cuda")
+    model = _llama(ModelArgs(dim=4 * head_dim, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                             vocab_size=VOCAB, max_seq_len=32))  # fmt: skip
     examples = _examples(0)
     batch = _pack(examples)
     alone_losses, _ = _alone(model, examples)
     model.cuda()
-    assert type(build_attention_mask(batch["doc_ids"].cuda())).__name__ == "BlockMask"
+    mask = build_attention_mask(batch["doc_ids"].cuda(), head_dim=head_dim)
+    assert isinstance(mask, BlockMask) == (head_dim >= FLEX_MIN_HEAD_DIM)
     with torch.no_grad():
         torch.backends.cuda.matmul.allow_tf32 = False
         cuda = {k: v.cuda() for k, v in batch.items()}
@@ -390,6 +404,15 @@ def test_flex_attention_on_cuda_is_the_default_and_matches_cpu():
         per_token = _token_losses(logits, cuda["targets"]).cpu()[0]
     per_doc = torch.stack([per_token[batch["doc_ids"][0] == i].sum() for i in range(3)])
     torch.testing.assert_close(per_doc, alone_losses, atol=1e-4, rtol=1e-4)
+
+
+def test_flex_only_where_its_kernel_runs():
+    doc_ids = torch.tensor([[0, 0, 1, 1]])
+    assert isinstance(build_attention_mask(doc_ids), torch.Tensor)  # CPU: dense, any head size
+    assert isinstance(build_attention_mask(doc_ids, head_dim=64), torch.Tensor)
+    assert use_flex("cuda", head_dim=None) and use_flex("cuda", head_dim=FLEX_MIN_HEAD_DIM)
+    assert not use_flex("cuda", head_dim=FLEX_MIN_HEAD_DIM - 8)
+    assert not use_flex("cpu", head_dim=128) and not use_flex("npu", head_dim=128)
 
 
 # FSDP2 at world 2 (gloo): one forward/backward of packed rows equals one process.

@@ -12,8 +12,9 @@ block; `attend(q, k, v, mask)` is the one attention call the blocks make:
 - `None` (no doc_ids): SDPA with `is_causal=True`, exactly the model without packing;
 - a boolean tensor (batch, 1, seq, seq), True = may attend: SDPA with that mask, exact on every
   device, but O(seq^2) memory per row;
-- a FlexAttention `BlockMask` (CUDA): `flex_attention` skips the blocks the mask empties and never
-  builds the dense mask. Its result equals SDPA's to kernel rounding.
+- a FlexAttention `BlockMask` (CUDA, head_dim >= 16): `flex_attention` skips the blocks the mask
+  empties and never builds the dense mask. Its result equals SDPA's to kernel rounding. Inductor's
+  flex kernel refuses smaller heads (torch 2.11, seen on an H200), so they take the dense mask.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ AttentionMask = torch.Tensor | BlockMask | None
 
 # doc_ids of a padding token (the data pipeline's convention).
 PAD_DOC_ID = -1
+
+# The smallest head_dim the compiled flex_attention kernel takes ("NYI: embedding dimension of the
+# query, key, and value must be at least 16"); smaller heads use the dense mask on CUDA too.
+FLEX_MIN_HEAD_DIM = 16
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -71,19 +76,26 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
+def use_flex(device_type: str, *, head_dim: int | None) -> bool:
+    """Whether packed rows on `device_type` get a FlexAttention BlockMask: on CUDA, for heads the
+    flex kernel takes (`head_dim` None: not known, assumed large enough)."""
+    return device_type == "cuda" and (head_dim is None or head_dim >= FLEX_MIN_HEAD_DIM)
+
+
 def build_attention_mask(
-    doc_ids: torch.Tensor | None, *, flex: bool | None = None
+    doc_ids: torch.Tensor | None, *, flex: bool | None = None, head_dim: int | None = None
 ) -> AttentionMask:
     """The mask every block of one forward uses (see the module docstring).
 
     Args:
         doc_ids: (batch, seq) example ids, PAD_DOC_ID for padding; None = plain causal.
-        flex: use a FlexAttention BlockMask; None = on CUDA only.
+        flex: use a FlexAttention BlockMask; None = on CUDA, when `head_dim` (the attention's,
+            if known) is at least FLEX_MIN_HEAD_DIM.
     """
     if doc_ids is None:
         return None
     if flex is None:
-        flex = doc_ids.device.type == "cuda"
+        flex = use_flex(doc_ids.device.type, head_dim=head_dim)
     return document_block_mask(doc_ids) if flex else document_causal_mask(doc_ids)
 
 

@@ -184,7 +184,7 @@ class Transformer(nn.Module):
         rope = self.rope if positions is None else rope_at(self.rope, positions)
         # Built once per forward and shared by every block (a keyword through the activation
         # checkpointing and compile wrappers of the blocks).
-        attn_mask = build_attention_mask(doc_ids)
+        attn_mask = build_attention_mask(doc_ids, head_dim=self.args.head_dim)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rope, attn_mask=attn_mask)

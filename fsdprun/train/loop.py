@@ -72,8 +72,10 @@ def step_num_targets(
     """
     if batches.every_target_trains:
         return tokens_per_step
-    # int64: exact at any batch size (fp32 counts round beyond 2**24 tokens a step).
-    count = torch.tensor(batches.num_targets(), dtype=torch.int64, device=device)
+    # int64: exact at any batch size (fp32 counts round beyond 2**24 tokens a step). `full` fills
+    # on the device from a kernel argument; `torch.tensor(n, device=cuda)` copies from pageable
+    # host memory, a synchronizing copy (caught by set_sync_debug_mode on an H200).
+    count = torch.full((), batches.num_targets(), dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.SUM)
     return (count // tp).clamp(min=1)
 
