@@ -13,6 +13,8 @@ import importlib.util
 import os
 import platform
 import resource
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -119,9 +121,29 @@ def check_nproc(kind: str, nproc_per_node: int) -> None:
         )
 
 
+def nvidia_smi_total_memory(visible_devices: str | None) -> int | None:
+    """The total memory in bytes of the first GPU that CUDA_VISIBLE_DEVICES (`visible_devices`)
+    leaves visible, read by nvidia-smi through NVML, or None. Asking torch instead opens a CUDA
+    context in the launcher: about half a GiB of GPU 0 held for the whole run, and no CUDA for
+    a process forked after it."""
+    exe = shutil.which("nvidia-smi")
+    first = (visible_devices.split(",")[0] if visible_devices is not None else "0").strip()
+    if exe is None or not first or first == "-1":
+        return None
+    try:
+        proc = subprocess.run(
+            [exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits", f"--id={first}"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        return int(proc.stdout.split()[0]) * 2**20 if proc.returncode == 0 else None  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 def memory_per_rank(kind: str, nproc_per_node: int) -> tuple[int | None, str]:
-    """What one rank may use, and how it was found: a device's total memory; on CPU the
-    machine's RAM shared by the node's ranks. (None, why) when it cannot be read."""
+    """What one rank may use, and how it was found: a device's total memory (CUDA: from
+    nvidia-smi, without a CUDA context in this process); on CPU the machine's RAM shared by the
+    node's ranks. (None, why) when it cannot be read."""
     if kind == "cpu":
         try:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -129,6 +151,11 @@ def memory_per_rank(kind: str, nproc_per_node: int) -> tuple[int | None, str]:
             return None, "RAM unknown"
         ranks = f"{nproc_per_node} rank{'s' if nproc_per_node > 1 else ''}"
         return ram // nproc_per_node, f"RAM {ram / 2**30:.1f} GiB / {ranks}"
+    if kind == "cuda":
+        total = nvidia_smi_total_memory(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if total is None:
+            return None, "cuda memory unknown (nvidia-smi gave none)"
+        return total, f"one cuda device, {total / 2**30:.1f} GiB"
     props = torch.get_device_module(kind).get_device_properties(0)
     total = getattr(props, "total_memory", None)
     if total is None:

@@ -78,6 +78,10 @@ def bench(recipe: str, *, work: Path, launch: list[str], tune_args: list[str], s
     sides = {"start": recipe, "tuned": str(out / "tuned.yaml")}
     figures: dict[str, list[float]] = {name: [] for name in sides}
     common = [f"train.steps={steps}", "checkpoint.save_final=false", *launch]
+    from fsdprun.config import load_recipe
+
+    if load_recipe(recipe).config.schedule.warmup_steps > steps:  # as tune's trials cut it
+        common.append(f"schedule.warmup_steps={steps}")
     for rep in range(repeats):
         for name, ref in sides.items():
             run_dir = work / f"{name}-{rep}"
@@ -134,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--space", action="append", default=[], help="tune's --space")
     parser.add_argument("--steps", type=int, default=30, help="steps of each timed run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each side")
+    parser.add_argument("--work", type=Path, help="folder for the search and the runs")
     args = parser.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="bench-tune-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-tune-"))
+    work.mkdir(parents=True, exist_ok=True)
     if args.gpu:
         cases = args.cases.split(",")
         unknown = sorted(set(cases) - set(GPU_CASES))

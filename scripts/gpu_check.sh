@@ -177,9 +177,10 @@ if has tune; then
 # fsdprun tune on a starting recipe an engineer might write first, then its tuned layer against
 # that start, interleaved (scripts/bench_tune.py; --tiny: the debug model on the CPU).
 if [ "$TINY" = 1 ]; then
-  step tune 240 "$PY" scripts/bench_tune.py --nproc-per-node 1 --budget 60s --steps 6 --repeats 1
+  step tune 240 "$PY" scripts/bench_tune.py --nproc-per-node 1 --budget 60s --steps 6 --repeats 1 \
+    --work "$WORK/tune_work"
 else
-  step tune 200 "$PY" scripts/bench_tune.py --gpu --cases llama-1b
+  step tune 200 "$PY" scripts/bench_tune.py --gpu --cases llama-1b --work "$WORK/tune_work"
 fi
 grep -E "^ *(tune|winner|tuned|start|== )" "$WORK/tune.txt" | tail -8 >> "$SUMMARY"
 fi

@@ -186,6 +186,41 @@ def test_absurd_runs_for_the_hardware_found_are_warned_of():
                              memory_source="RAM", cpus_per_node=1) == []  # fmt: skip
 
 
+def test_the_launcher_reads_gpu_memory_from_nvidia_smi_without_a_cuda_context(
+    tmp_path, monkeypatch
+):
+    """memory_per_rank("cuda") asks nvidia-smi (NVML) for the first visible GPU, never torch: a
+    CUDA context in the launcher holds GPU 0's memory all run and breaks CUDA in a fork."""
+    from fsdprun import device as D
+
+    calls = tmp_path / "calls"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n'
+                   f'case "$*" in *--id=7*) exit 6;; esac\necho 143771\n')  # fmt: skip
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+    def no_context(*_):
+        raise AssertionError("opened a CUDA context")
+
+    monkeypatch.setattr(D.torch.cuda, "get_device_properties", no_context)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    total, source = D.memory_per_rank("cuda", 8)
+    assert total == 143771 * 2**20 and source == "one cuda device, 140.4 GiB"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5b1c,3")
+    assert D.memory_per_rank("cuda", 1)[0] == 143771 * 2**20
+    assert calls.read_text().split("\n")[:2] == [
+        "--query-gpu=memory.total --format=csv,noheader,nounits --id=0",
+        "--query-gpu=memory.total --format=csv,noheader,nounits --id=GPU-5b1c",
+    ]
+    for visible in ("", "-1", "7"):  # none visible; nvidia-smi fails
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert D.memory_per_rank("cuda", 1) == (None, "cuda memory unknown (nvidia-smi gave none)")
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert D.memory_per_rank("cuda", 1)[0] is None
+
+
 def test_a_gpu_recipe_forced_onto_cpu_is_warned_of_before_launch(tmp_path):
     # The start method is checked after the warnings and before the run directory exists: the
     # warnings are seen without training an 886M model on CPU.

@@ -365,11 +365,14 @@ def trials_of(out: Path) -> list[dict]:
 def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     # 1 x 8 accumulation against 4 x 2: a quarter of the micro-steps (and their collectives),
     # a margin that survives a loaded machine; mb=8 plans over the device memory.
+    # A learning-rate warm-up longer than a trial (llama-1b's 10 steps against 3 + 2 on the
+    # H200: every trial was refused): the trials run it cut to their length.
     out = tmp_path / "out"
     proc = run_fsdprun(
-        *tune_cmd(recipe, out, "--space", "train.micro_batch_size=1,4,8", "--device-memory",
-                  "6MiB", "--steps", "8", "--repeats", "2", "--budget", "10m", "--json",
-                  "--plot", str(tmp_path / "tune.png")),
+        *tune_cmd(recipe, out, "schedule.warmup_steps=12", "--space",
+                  "train.micro_batch_size=1,4,8", "--device-memory", "6MiB", "--steps", "8",
+                  "--repeats", "2", "--budget", "10m", "--json", "--plot",
+                  str(tmp_path / "tune.png")),
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -393,14 +396,16 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     # tuned.yaml: only allowed knobs, and it trains with the original's fp32 losses.
     tuned = yaml.safe_load((out / "tuned.yaml").read_text())
     assert tuned.pop("extends") == str(recipe.resolve())
+    assert tuned.pop("schedule") == {"warmup_steps": 12}  # the user's, not the trials' cut
     keys = {f"{s}.{k}" for s, d in tuned.items() for k in d}
     assert keys == {"train.micro_batch_size"} <= set(T.MATH_KNOBS)
     assert report["command"] == f"fsdprun train {out / 'tuned.yaml'} --nproc-per-node 2"
     base = next(r for r in records if r["id"] == "r0-c0-0")
     steps = len(base["losses"])
     run = run_fsdprun("train", str(out / "tuned.yaml"), f"train.steps={steps}",
-                      "checkpoint.save_final=false", "output.log_every=1", "--nproc-per-node",
-                      "2", "--run-dir", str(tmp_path / "check"), cwd=tmp_path)  # fmt: skip
+                      f"schedule.warmup_steps={steps}", "checkpoint.save_final=false",
+                      "output.log_every=1", "--nproc-per-node", "2", "--run-dir",
+                      str(tmp_path / "check"), cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     events = [json.loads(line) for line in (tmp_path / "check/metrics.jsonl").open()]
     start = next(e for e in events if e["event"] == "start")

@@ -189,6 +189,13 @@ def file_size_limit(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
+def _cuda_refused_in_fork() -> bool:
+    import torch
+
+    in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", None)  # absent from CPU builds
+    return bool(in_bad_fork and in_bad_fork())
+
+
 def _child(request: dict) -> None:
     """Become the command: never returns."""
     code = 1
@@ -209,7 +216,11 @@ def _child(request: dict) -> None:
         if request.get("fsize_limit") is not None:
             file_size_limit(request["fsize_limit"])
         sys.argv = ["fsdprun", *request["argv"]]
-        if _import_time_env_differs(request["env"]):  # the command needs a fresh interpreter
+        # A fresh interpreter: for an environment that changes imports, and where the zygote's
+        # imports touched the CUDA driver (a library's import-time torch.cuda.is_available() on
+        # a GPU machine), after which torch refuses CUDA in a fork ("Cannot re-initialize CUDA
+        # in forked subprocess": every launcher that asks its GPU's memory, seen on an H200).
+        if _import_time_env_differs(request["env"]) or _cuda_refused_in_fork():
             script = os.path.join(os.path.dirname(sys.executable), "fsdprun")
             os.execve(script, [script, *request["argv"]], request["env"])
         _apply_run_time(request["env"])

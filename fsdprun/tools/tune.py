@@ -537,6 +537,18 @@ def trial_env(tid: str) -> dict[str, str]:
     return env
 
 
+def _short_schedule(recipe: str, overrides: list[str], total_steps: int) -> list[str]:
+    """A learning-rate warm-up longer than the trial, cut to the trial's length: `train` refuses
+    schedule.warmup_steps > train.steps (llama-1b warms up over 10 steps; a first-round trial
+    runs 3 + timing warm-up), and every candidate and the baseline get the same schedule, so the
+    steps measured and the losses compared are alike. tuned.yaml never carries it."""
+    try:
+        schedule_warmup = load_recipe(recipe, overrides).config.schedule.warmup_steps
+    except UserError:  # the trial's own `train` says what is wrong
+        return []
+    return [f"schedule.warmup_steps={total_steps}"] if schedule_warmup > total_steps else []
+
+
 def run_trial(
     recipe: str, overrides: list[str], cand: Candidate, *, tid: str, round_: Round, warmup: int,
     out_dir: Path, timeout_s: float, multi_node: bool = False, alive=None,
@@ -556,6 +568,7 @@ def run_trial(
     cmd = [
         *_fsdprun_command(), "train", recipe, *overrides, *cand.overrides, *TRIAL_OVERRIDES,
         f"train.steps={total_steps}", f"output.timing_warmup_steps={warmup}",
+        *_short_schedule(recipe, [*overrides, *cand.overrides], total_steps),
         "--run-dir", str(run_dir),
     ]  # fmt: skip
     env = trial_env(tid)
