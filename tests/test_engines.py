@@ -409,3 +409,29 @@ def test_fsdp1_cpu_offload_is_refused_on_cpu_before_launch(tmp_path, device):
         assert "fsdp.cpu_offload=true with fsdp.engine=fsdp1 needs an accelerator" in lines[0]
         assert f"this run is on CPU (launch.device={device}); use fsdp.engine=fsdp2" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_materializes_offloaded_parameters_on_the_cpu(monkeypatch, offload):
+    """With fsdp.cpu_offload the parameters are made on the CPU (FSDP2 refuses to offload
+    parameters materialized on the GPU: seen on an H200) and the buffers on the compute device;
+    without it both on the compute device. The sharding itself is stubbed: only where the
+    engine asks for the values is checked ("meta" stands in for a GPU here)."""
+    from fsdprun.engines import fsdp2, units
+    from fsdprun.engines import weights as W
+    from fsdprun.models.llama import ModelArgs, Transformer
+
+    seen = {}
+    monkeypatch.setattr(units, "build_mesh", lambda *a, **k: None)
+    monkeypatch.setattr(fsdp2, "apply_fsdp", lambda *a, **k: [])
+    monkeypatch.setattr(W, "init_weights", lambda model, **kw: seen.update(kw))
+    cfg = load_recipe("debug", [f"fsdp.cpu_offload={str(offload).lower()}"]).config
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64,
+                                      vocab_size=64, max_seq_len=16))  # fmt: skip
+    gpu = torch.device("meta")
+    common = {"kind": EngineKind.fsdp2, "inner": model, "knobs": [], "matrix_names": frozenset()}
+    fsdp2.build(model, cfg, device=gpu, device_kind="cuda", world_size=1, weights=None,
+                common=common)  # fmt: skip
+    assert seen["device"] == (torch.device("cpu") if offload else gpu)
+    assert seen["buffer_device"] == gpu

@@ -469,8 +469,12 @@ def test_workers_fork_on_cpu_and_spawn_on_accelerators(monkeypatch):
     from fsdprun.launch.elastic import start_method
 
     monkeypatch.delenv("FSDPRUN_START_METHOD", raising=False)
+    monkeypatch.setattr("fsdprun.launch.elastic.accelerator_device_nodes", lambda: [])
     assert start_method("cpu") == "fork"
     assert start_method("cuda") == start_method("npu") == "spawn"
+    # CPU ranks on a GPU machine: this launcher may have touched the CUDA driver.
+    monkeypatch.setattr("fsdprun.launch.elastic.accelerator_device_nodes", lambda: ["/dev/nvidia0"])
+    assert start_method("cpu") == "spawn"
     monkeypatch.setenv("FSDPRUN_START_METHOD", "spawn")
     assert start_method("cpu") == "spawn"
     monkeypatch.setenv("FSDPRUN_START_METHOD", "threads")

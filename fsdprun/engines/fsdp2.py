@@ -360,6 +360,8 @@ def build(
     """Shard the meta `model`, then fill each rank's shards: pretrained `weights` read shard-wise,
     or the seeded initial values. `mesh`: the tensor-parallel mesh the model was split over
     (`fsdprun.engines.tp`); fully_shard shards over its data-parallel dims."""
+    import torch
+
     from fsdprun.engines.adapters import init_adapters
     from fsdprun.engines.tp import dp_mesh
     from fsdprun.engines.units import build_mesh
@@ -371,11 +373,15 @@ def build(
         param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,
         pin_memory=device_kind != "cpu",
     )  # fmt: skip
+    # Offloaded parameters live on the CPU from the start: FSDP2 refuses to offload parameters
+    # materialized elsewhere ("should be materialized on CPU", seen on an H200); the buffers
+    # (rotary tables) stay on the compute device.
+    params_on = torch.device("cpu") if cfg.fsdp.cpu_offload else device
     if weights is not None:
-        weights.load(model, device=device)
-        init_adapters(model, seed=cfg.train.seed, device=device)  # LoRA: not in the files
+        weights.load(model, device=params_on, buffer_device=device)
+        init_adapters(model, seed=cfg.train.seed, device=params_on)  # LoRA: not in the files
     else:
-        init_weights(model, seed=cfg.train.seed, device=device)
+        init_weights(model, seed=cfg.train.seed, device=params_on, buffer_device=device)
     return Engine(model=model, units=units, **common)
 
 

@@ -152,9 +152,12 @@ class HFWeights:
         return self._slice(name)[:]
 
     @torch.no_grad()
-    def load(self, model: nn.Module, *, device: torch.device) -> None:
+    def load(
+        self, model: nn.Module, *, device: torch.device, buffer_device: torch.device | None = None
+    ) -> None:
         """Materialize the meta `model` (FSDP2-sharded, or not wrapped yet) on `device` and fill
-        each parameter, or each rank's shard of it, from the files."""
+        each parameter, or each rank's shard of it, from the files; buffers on `buffer_device`
+        (default `device`)."""
         model.to_empty(device=device)
         # to_empty gives each module holding a tied parameter a copy of its own (not under
         # FSDP2, which manages the one parameter): tie them again, as the folder has them.
@@ -177,4 +180,4 @@ class HFWeights:
             if stop > start:
                 # Only these rows are read from disk; the copy converts the dtype (bf16 files).
                 local.copy_(self._slice(name)[start:stop])
-        model.init_buffers(device)
+        model.init_buffers(buffer_device or device)

@@ -61,8 +61,12 @@ def retie(model: nn.Module, ties: dict[str, str]) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, *, seed: int, device: torch.device) -> None:
-    """Materialize a meta model on `device` and initialize it the same way at any world size.
+def init_weights(
+    model: nn.Module, *, seed: int, device: torch.device, buffer_device: torch.device | None = None
+) -> None:
+    """Materialize a meta model on `device` and initialize it the same way at any world size;
+    its non-persistent buffers go to `buffer_device` (default `device`): the compute device when
+    FSDP2 offloads the parameters to the CPU.
 
     Each parameter's full value comes from `init_value` and every rank keeps its own shard of it
     (`distribute_tensor` with src_data_rank=None slices locally, no communication). Random init
@@ -74,7 +78,7 @@ def init_weights(model: nn.Module, *, seed: int, device: torch.device) -> None:
     retie(model, ties)
     for name, param in model.named_parameters():
         set_full_value(param, init_value(model, name, param, seed=seed, device=device))
-    model.init_buffers(device)
+    model.init_buffers(buffer_device or device)
 
 
 def set_full_value(param: torch.Tensor, full: torch.Tensor) -> None:

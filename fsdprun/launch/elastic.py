@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdprun.checkpoint import read_manifest, set_aside_after
-from fsdprun.config import RecipeConfig, ResolvedRecipe
+from fsdprun.config import RecipeConfig, ResolvedRecipe, accelerator_device_nodes
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, memory_per_rank, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
@@ -221,17 +221,19 @@ START_METHODS = ("spawn", "fork", "forkserver")
 
 
 def start_method(device_kind: str) -> str:
-    """How the agent starts workers: `fork` on CPU (the workers inherit the imported torch:
-    about 5 s less per launch on a 2-core machine), `spawn` on accelerators (a forked child cannot
-    use a CUDA context, and device queries in this process may have made one).
-    FSDPRUN_START_METHOD overrides it.
+    """How the agent starts workers: `fork` for CPU ranks on a machine without accelerators (the
+    workers inherit the imported torch: about 5 s less per launch on a 2-core machine), `spawn`
+    otherwise: on accelerators, and for CPU ranks on a GPU machine too, where this process may
+    have touched the CUDA driver (torch's device count, a library's import-time check) and a
+    forked child then fails at its first CUDA call ("CUDA error: initialization error": a CPU
+    fine-tuning run on an H200 machine). FSDPRUN_START_METHOD overrides it.
 
     Raises:
         UserError: FSDPRUN_START_METHOD is not spawn, fork or forkserver.
     """
     chosen = os.environ.get("FSDPRUN_START_METHOD")
     if chosen is None:
-        return "fork" if device_kind == "cpu" else "spawn"
+        return "fork" if device_kind == "cpu" and not accelerator_device_nodes() else "spawn"
     if chosen not in START_METHODS:
         raise UserError(f"FSDPRUN_START_METHOD={chosen!r}: use one of {', '.join(START_METHODS)}")
     return chosen
