@@ -417,7 +417,9 @@ def test_fsdp2_materializes_offloaded_parameters_on_the_cpu(monkeypatch, offload
     parameters materialized on the GPU: seen on an H200) and the buffers on the compute device;
     without it both on the compute device. The sharding itself is stubbed: only where the
     engine asks for the values is checked ("meta" stands in for a GPU here)."""
-    from fsdprun.engines import fsdp2, units
+    # What build imports as it runs, imported first: a module first imported under the patch
+    # below would keep the stub for good (adapters imports init_weights by name).
+    from fsdprun.engines import adapters, fsdp2, tp, units  # noqa: F401
     from fsdprun.engines import weights as W
     from fsdprun.models.llama import ModelArgs, Transformer
 
