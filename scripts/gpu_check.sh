@@ -3,7 +3,7 @@
 # the engines and plan vs measured, and `fsdprun tune` on llama-1b; everything under $OUT.
 #   OUT=/some/dir [GPU_CHECK_BUDGET=S] bash scripts/gpu_check.sh [PART,PART,...] [--tiny]
 #
-# Parts, run in this order (default: tests,perf,ablations,tune):
+# Parts, run in this order (default: tests,perf,profile,ablations,tune):
 #   tests      every `gpu` test: CUDA training, resume, CPU offload (cpu:gloo,cuda:nccl), the
 #              memory snapshot, FlexAttention block masks for packed rows (model and a chat
 #              fine-tuning run against the dense-mask path on CPU), and non-logging steps under
@@ -11,6 +11,9 @@
 #   perf       bf16 + per-block compile vs the plain loop, float8 tensorwise vs the same plain
 #              bf16 loop, then eager vs the plain eager loop; interleaved repeats
 #              (GPU_CHECK_REPEATS, default 3), tokens/s and peak memory in $OUT/perf_*.json.
+#   profile    where a step's time goes: llama-1b as benchmarked (bf16 + compile, and float8),
+#              2 steps traced after 8, summarized by scripts/trace_summary.py (GPU busy, time
+#              by kernel kind, host syncs, idle gaps); the traces stay on the machine.
 #   ablations  what each change buys, compiled, one repeat: the chunked loss and selective
 #              activation checkpointing (GPU_CHECK_FULL_ABLATIONS=1: also full checkpointing,
 #              and chunked + selective).
@@ -42,16 +45,16 @@ SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 export PYTHONUNBUFFERED=1
 RECIPE=${GPU_CHECK_RECIPE:-llama-1b}  # another recipe only to try the script itself
-PARTS=tests,perf,ablations,tune
+PARTS=tests,perf,profile,ablations,tune
 TINY=0
-usage="usage: OUT=DIR bash scripts/gpu_check.sh [tests,perf,ablations,engines,tune] [--tiny]"
+usage="usage: OUT=DIR bash scripts/gpu_check.sh [tests,perf,profile,ablations,engines,tune] [--tiny]"
 for arg in "$@"; do
   case $arg in
     --tiny) TINY=1 ;;
-    all) PARTS=tests,perf,ablations,engines,tune ;;
+    all) PARTS=tests,perf,profile,ablations,engines,tune ;;
     [a-z]*)
       for part in ${arg//,/ }; do
-        case $part in tests|perf|ablations|engines|tune) ;; *) echo "$usage" >&2; exit 2 ;; esac
+        case $part in tests|perf|profile|ablations|engines|tune) ;; *) echo "$usage" >&2; exit 2 ;; esac
       done
       PARTS=$arg ;;
     *) echo "$usage" >&2; exit 2 ;;
@@ -132,6 +135,22 @@ bench perf_compile 240 --repeats "$REPEATS" --variant float8=precision.float8=te
 # Eager: fsdprun vs the plain eager loop.
 bench perf_eager 100 compile.enabled=false --repeats "$REPEATS"
 fi
+if has profile; then
+for variant in bf16 float8; do
+  extra=()
+  [ "$variant" = float8 ] && extra=(precision.float8=tensorwise)
+  step "profile_$variant" 150 "$BIN/fsdprun" train "$RECIPE" "${PERF_EXTRA[@]}" "${extra[@]}" \
+    train.steps=12 profile.enabled=true profile.wait=8 profile.warmup=1 profile.active=2 \
+    --run-dir "$WORK/profile_$variant"
+  trace="$WORK/profile_$variant/profile/rank-0.pt.trace.json"
+  if [ -f "$trace" ]; then
+    "$PY" scripts/trace_summary.py "$trace" > "$WORK/profile_$variant.summary.txt" 2>&1
+    { echo "-- where a $variant step's time goes:"; head -40 "$WORK/profile_$variant.summary.txt"; } >> "$SUMMARY"
+  else
+    tail -2 "$WORK/profile_$variant.txt" >> "$SUMMARY"
+  fi
+done
+fi
 if has ablations; then
 # What each change buys (compiled, one repeat): the chunked loss and selective activation
 # checkpointing (GPU_CHECK_FULL_ABLATIONS=1: also full checkpointing, and chunked + selective).
@@ -187,5 +206,6 @@ fi
 
 # Small files only (run directories may hold multi-GB checkpoints), at most 8 of them.
 cp "$WORK"/perf_*.json "$WORK"/perf_summary.txt "$OUT"/ 2>/dev/null
-tar czf "$OUT/results.tgz" --exclude=checkpoints --exclude='*.distcp' -C "$WORK" . 2>/dev/null
+tar czf "$OUT/results.tgz" --exclude=checkpoints --exclude='*.distcp' --exclude='*.pt.trace.json' \
+  --exclude='*.pickle' -C "$WORK" . 2>/dev/null
 cat "$SUMMARY"

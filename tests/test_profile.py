@@ -41,6 +41,9 @@ def test_profiled_steps_are_traced_on_each_chosen_rank(tmp_path):
     assert f"profiler traces of steps 2-3: {traces[0]}, {traces[1]}" in " ".join(
         proc.stdout.split()
     )
+    # scripts/trace_summary.py reads the real trace: the 2 steps, and no device on a CPU run.
+    summary = subprocess_run_summary(traces[0])
+    assert summary.startswith("2 profiled step(s): ") and "no device activity" in summary
 
 
 def test_profiling_is_off_by_default_and_the_memory_snapshot_is_cuda_only(fsdprun_runs):
@@ -87,3 +90,71 @@ def test_a_trace_that_does_not_fit_is_removed_with_one_warning(kind, tmp_path):
     record = next(e for e in run.events if e["event"] == "profile")
     assert record["traces"] == [] and record["missing"] == [0, 1]
     assert check_checkpoint(step_dir(run_dir, 4)).complete
+
+
+def _trace_summary():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "trace_summary.py"
+    spec = importlib.util.spec_from_file_location("trace_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _x(name, cat, ts, dur):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+
+def test_trace_summary_says_where_a_gpu_step_goes(tmp_path):
+    """A hand-made CUDA trace whose answer is known: one 1000 us step; kernels over 0-300
+    (a GEMM and, overlapping it on another stream, a Triton kernel at 200-300), 400-600 (flash
+    attention), 650-700 (an NCCL all-gather) and a 900-1000 copy, plus a kernel outside the
+    step that does not count; a blocking synchronize during the 300-400 gap."""
+    ts = _trace_summary()
+    events = [
+        _x("ProfilerStep#3", "user_annotation", 0, 1000),
+        _x("aten::mm", "cpu_op", 0, 50),
+        _x("aten::item", "cpu_op", 290, 120),
+        _x("aten::_local_scalar_dense", "cpu_op", 295, 100),
+        _x("cudaStreamSynchronize", "cuda_runtime", 300, 95),
+        _x("cudaLaunchKernel", "cuda_runtime", 10, 5),
+        _x("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 0, 250),
+        _x("triton_per_fused_add_mul_rsqrt_0", "kernel", 200, 100),
+        _x("flash_fwd_kernel", "kernel", 400, 200),
+        _x("ncclDevKernel_AllGather_RING_LL", "kernel", 650, 50),
+        _x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 900, 100),
+        _x("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 2000, 500),
+    ]
+    doc = ts.summarize(events)
+    assert doc["steps"] == 1 and doc["wall_us"] == 1000
+    assert doc["busy_us"] == 300 + 200 + 50 + 100 and doc["busy_fraction"] == 0.65
+    assert doc["idle_us"] == 350
+    assert {k: v["us"] for k, v in doc["by_kind"].items()} == {
+        "matmul": 250, "attention": 200, "triton fused": 100, "copy": 100, "collective": 50,
+    }  # fmt: skip
+    assert doc["top_kernels"][0] == {"name": "sm90_xmma_gemm_bf16bf16_bf16f32", "us": 250,
+                                     "count": 1}  # fmt: skip
+    assert doc["host_syncs"] == {"count": 1, "us": 95, "calls": ["cudaStreamSynchronize"]}
+    # Gaps, longest first: 700-900, 300-400 (the sync; the innermost CPU op then), 600-650.
+    assert [g["us"] for g in doc["gaps"]] == [200, 100, 50]
+    assert doc["gaps"][0] == {"start_us": 700, "us": 200, "cpu_op": None}
+    assert doc["gaps"][1] == {"start_us": 300, "us": 100, "cpu_op": "aten::_local_scalar_dense"}
+    assert doc["gaps"][2]["start_us"] == 600
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    text = subprocess_run_summary(path)
+    assert "GPU busy 65.0% (0.65 ms); idle 0.35 ms" in text
+    assert "host syncs: 1 call(s), 0.10 ms (cudaStreamSynchronize)" in text
+
+
+def subprocess_run_summary(path) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "trace_summary.py"
+    proc = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout

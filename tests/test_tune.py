@@ -853,9 +853,9 @@ def test_slurm_steps_map_to_tune_as_to_train(monkeypatch, tmp_path):
 
 
 def test_the_gpu_benchmark_starts_from_recipes_that_load(tmp_path):
-    """scripts/bench_tune.py --gpu has not run on a GPU yet: its starting recipes at least load,
-    pass the checks and start eager at 1 x 8 accumulation (`fsdprun plan` puts them at 18 and
-    39 GiB per GPU: planning them here would cost seconds)."""
+    """scripts/bench_tune.py --gpu (its llama-1b case ran on an H200, 2026-12-04): its starting
+    recipes load, pass the checks and start eager at 1 x 8 accumulation (`fsdprun plan` puts
+    them at 18 and 39 GiB per GPU: planning them here would cost seconds)."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "bench_tune.py"
