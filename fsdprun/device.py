@@ -123,9 +123,9 @@ def check_nproc(kind: str, nproc_per_node: int) -> None:
 
 def nvidia_smi_total_memory(visible_devices: str | None) -> int | None:
     """The total memory in bytes of the first GPU that CUDA_VISIBLE_DEVICES (`visible_devices`)
-    leaves visible, read by nvidia-smi through NVML, or None. Asking torch instead opens a CUDA
-    context in the launcher: about half a GiB of GPU 0 held for the whole run, and no CUDA for
-    a process forked after it."""
+    leaves visible, read by nvidia-smi through NVML, or None. Asking torch instead initializes
+    CUDA in the launcher (torch's lazy init, for the whole run), and torch then refuses CUDA in
+    any process forked after it."""
     exe = shutil.which("nvidia-smi")
     first = (visible_devices.split(",")[0] if visible_devices is not None else "0").strip()
     if exe is None or not first or first == "-1":
@@ -142,7 +142,7 @@ def nvidia_smi_total_memory(visible_devices: str | None) -> int | None:
 
 def memory_per_rank(kind: str, nproc_per_node: int) -> tuple[int | None, str]:
     """What one rank may use, and how it was found: a device's total memory (CUDA: from
-    nvidia-smi, without a CUDA context in this process); on CPU the machine's RAM shared by the
+    nvidia-smi, without initializing CUDA in this process); on CPU the machine's RAM shared by the
     node's ranks. (None, why) when it cannot be read."""
     if kind == "cpu":
         try:

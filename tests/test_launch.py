@@ -186,11 +186,12 @@ def test_absurd_runs_for_the_hardware_found_are_warned_of():
                              memory_source="RAM", cpus_per_node=1) == []  # fmt: skip
 
 
-def test_the_launcher_reads_gpu_memory_from_nvidia_smi_without_a_cuda_context(
+def test_the_launcher_reads_gpu_memory_from_nvidia_smi_without_initializing_cuda(
     tmp_path, monkeypatch
 ):
-    """memory_per_rank("cuda") asks nvidia-smi (NVML) for the first visible GPU, never torch: a
-    CUDA context in the launcher holds GPU 0's memory all run and breaks CUDA in a fork."""
+    """memory_per_rank("cuda") asks nvidia-smi (NVML) for the first visible GPU, never torch:
+    CUDA initialized in the launcher (torch's lazy init) breaks CUDA in any process forked
+    after it."""
     from fsdprun import device as D
 
     calls = tmp_path / "calls"
@@ -201,7 +202,7 @@ def test_the_launcher_reads_gpu_memory_from_nvidia_smi_without_a_cuda_context(
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
 
     def no_context(*_):
-        raise AssertionError("opened a CUDA context")
+        raise AssertionError("initialized CUDA")
 
     monkeypatch.setattr(D.torch.cuda, "get_device_properties", no_context)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
