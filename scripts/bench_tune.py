@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fsdprun.tools.tune import short_schedule
+
 DEBUG_MB1 = "extends: debug\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 1\n"
 
 
@@ -77,11 +79,12 @@ def bench(recipe: str, *, work: Path, launch: list[str], tune_args: list[str], s
     print(f"winner: {report['winner']} {report['winner_label']} ({report['hardware']})")
     sides = {"start": recipe, "tuned": str(out / "tuned.yaml")}
     figures: dict[str, list[float]] = {name: [] for name in sides}
-    common = [f"train.steps={steps}", "checkpoint.save_final=false", *launch]
-    from fsdprun.config import load_recipe
-
-    if load_recipe(recipe).config.schedule.warmup_steps > steps:  # as tune's trials cut it
-        common.append(f"schedule.warmup_steps={steps}")
+    common = [
+        f"train.steps={steps}",
+        "checkpoint.save_final=false",
+        *launch,
+        *short_schedule(recipe, [], steps),
+    ]  # as tune's trials cut a long warm-up
     for rep in range(repeats):
         for name, ref in sides.items():
             run_dir = work / f"{name}-{rep}"

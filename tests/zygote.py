@@ -219,7 +219,7 @@ def _child(request: dict) -> None:
         # A fresh interpreter: for an environment that changes imports, and where the zygote's
         # imports touched the CUDA driver (a library's import-time torch.cuda.is_available() on
         # a GPU machine), after which torch refuses CUDA in a fork ("Cannot re-initialize CUDA
-        # in forked subprocess": every launcher that asks its GPU's memory, seen on an H200).
+        # in forked subprocess": every CUDA command of the suite on an H200).
         if _import_time_env_differs(request["env"]) or _cuda_refused_in_fork():
             script = os.path.join(os.path.dirname(sys.executable), "fsdprun")
             os.execve(script, [script, *request["argv"]], request["env"])

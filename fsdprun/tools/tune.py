@@ -537,11 +537,12 @@ def trial_env(tid: str) -> dict[str, str]:
     return env
 
 
-def _short_schedule(recipe: str, overrides: list[str], total_steps: int) -> list[str]:
+def short_schedule(recipe: str, overrides: list[str], total_steps: int) -> list[str]:
     """A learning-rate warm-up longer than the trial, cut to the trial's length: `train` refuses
     schedule.warmup_steps > train.steps (llama-1b warms up over 10 steps; a first-round trial
     runs 3 + timing warm-up), and every candidate and the baseline get the same schedule, so the
-    steps measured and the losses compared are alike. tuned.yaml never carries it."""
+    steps measured and the losses compared are alike. tuned.yaml never carries it
+    (scripts/bench_tune.py cuts its timed runs the same way)."""
     try:
         schedule_warmup = load_recipe(recipe, overrides).config.schedule.warmup_steps
     except UserError:  # the trial's own `train` says what is wrong
@@ -568,7 +569,7 @@ def run_trial(
     cmd = [
         *_fsdprun_command(), "train", recipe, *overrides, *cand.overrides, *TRIAL_OVERRIDES,
         f"train.steps={total_steps}", f"output.timing_warmup_steps={warmup}",
-        *_short_schedule(recipe, [*overrides, *cand.overrides], total_steps),
+        *short_schedule(recipe, [*overrides, *cand.overrides], total_steps),
         "--run-dir", str(run_dir),
     ]  # fmt: skip
     env = trial_env(tid)
