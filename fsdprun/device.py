@@ -15,6 +15,7 @@ import platform
 import resource
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 
 import torch
@@ -215,3 +216,53 @@ def build_worker_device(kind: str, local_rank: int) -> Device:
     _import_plugin(kind)
     torch.get_device_module(kind).set_device(local_rank)
     return Device(kind, local_rank)
+
+
+class StepTimer:
+    """Step times without a host sync per step.
+
+    On an accelerator each step is bracketed by two timing events recorded on the device's
+    stream, read back only when asked (`times`, at logging steps and at the end, where the loop
+    reads the loss anyway). A `synchronize` at the end of every step would leave the device idle
+    while the host prepares the next step (its data, FSDP's pre-forward hooks, the first
+    launches); here the host queues the next step while the device finishes this one. A step's
+    time is then the device's: from when it reached the step's first work to the step's last,
+    idle gaps inside the step included. On CPU (`event` None) work runs as it is issued, and the
+    host's clock is the step's time.
+
+    Args:
+        event: the device module's Event class (`torch.cuda.Event`), or None for the host clock.
+    """
+
+    def __init__(self, event: type | None = None):
+        self._event = event
+        self._done: list[float] = []
+        self._pending: list[tuple] = []  # (start, end) events not yet read
+        self._start = None
+
+    @classmethod
+    def for_device(cls, device: Device) -> StepTimer:
+        return cls(getattr(device.module, "Event", None) if device.module is not None else None)
+
+    def start(self) -> None:
+        if self._event is None:
+            self._start = time.perf_counter()
+        else:
+            self._start = self._event(enable_timing=True)
+            self._start.record()
+
+    def stop(self) -> None:
+        if self._event is None:
+            self._done.append(time.perf_counter() - self._start)
+            return
+        end = self._event(enable_timing=True)
+        end.record()
+        self._pending.append((self._start, end))
+
+    def times(self) -> list[float]:
+        """Every stopped step's time in seconds (waits for the device to reach the last)."""
+        if self._pending:
+            self._pending[-1][1].synchronize()  # a CPU-GPU sync, only where times are read
+            self._done += [start.elapsed_time(end) / 1000 for start, end in self._pending]
+            self._pending.clear()
+        return self._done

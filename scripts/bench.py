@@ -1,22 +1,29 @@
-"""Benchmark fsdprun against a plain, hand-written FSDP2 loop doing the same work.
+"""Benchmark fsdprun against a plain, hand-written FSDP2 loop doing the same work: like with
+like.
 
-Runs the recipe twice per repeat, interleaved to even out drift: once exactly as a user would
-(`fsdprun train RECIPE ... --run-dir TMP`, reading the summary from TMP/metrics.jsonl), once as
-the plain loop of `scripts/plain_fsdp2.py` (same model, data, batch layout, precision, compile
-and activation checkpointing; started here with torch's `elastic_launch`). Prints each side's
-tokens/s and peak memory (max over ranks) as min/median/max over the repeats, with the ratios
-fsdprun/plain of the medians; exits 0 whatever the ratio.
+Each fsdprun side runs exactly as a user would (`fsdprun train RECIPE ... --run-dir TMP`, reading
+the summary from TMP/metrics.jsonl) and is measured against the plain loop of
+`scripts/plain_fsdp2.py` built from the *same* resolved recipe: the same model, data, batch
+layout, precision (float8 too: torchao's own recipe config, converted before sharding), compile
+and activation checkpointing; started here with torch's `elastic_launch`. Sides whose plain
+loops would be identical share one. Every side runs in every repeat, interleaved, to even out
+drift. Prints each side's tokens/s and peak memory (max over ranks) as min/median/max over the
+repeats, with the ratio of the medians to its own plain loop; exits 0 whatever the ratio.
 
-`--variant NAME=KEY=VALUE,KEY=VALUE` adds an fsdprun side with extra overrides the plain loop
-does not get (float8, the chunked loss, selective checkpointing: what each one buys against the
-same plain baseline); every variant runs in every repeat, interleaved with the plain loop. A
-variant the machine refuses (float8 on a CPU) is reported and skipped.
+`--variant NAME=KEY=VALUE,KEY=VALUE` adds an fsdprun side with extra overrides. Where the
+overrides change what the plain loop reproduces (float8, compile, dtypes, full checkpointing) the
+side gets its own plain loop, `plain:NAME`; where the plain loop has no equivalent (the chunked
+loss, selective checkpointing: what each buys) it is measured against the base plain loop, and
+a note says so. A variant the machine refuses (float8 on a CPU) is reported and skipped.
+`--minimal` adds `scripts/plain_minimal.py`, a second, shorter plain loop, for the base side: a
+check that the reference itself runs as fast as the simplest loop (their ratio should be 1 within
+noise).
 
     python scripts/bench.py                              # recipe `debug`
     python scripts/bench.py debug --steps 30 --repeats 3 --out bench.json
     python scripts/bench.py my.yaml model.dim=512 --nproc-per-node 4
-    python scripts/bench.py llama-1b --variant float8=precision.float8=tensorwise \
-        --variant chunked=train.loss=chunked
+    python scripts/bench.py llama-1b --minimal --variant float8=precision.float8=tensorwise \
+        --variant eager=compile.enabled=false
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import plain_minimal
 from plain_fsdp2 import PlainSpec, worker
 from rich.console import Console
 from rich.table import Table
@@ -43,7 +51,7 @@ from fsdprun.config import (
     CheckpointMode,
     CompileMode,
     Engine,
-    Float8,
+    Float8Filter,
     LossKind,
     RecipeConfig,
     Sharding,
@@ -74,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-base", action="store_true", help="run only the variants, not plain fsdprun"
     )
+    parser.add_argument(
+        "--minimal", action="store_true",
+        help="also run scripts/plain_minimal.py (the base side's settings) as a check of the "
+        "plain loop",
+    )  # fmt: skip
     # Intermixed: options may come between the recipe and its overrides.
     return parser.parse_intermixed_args(argv)
 
@@ -137,6 +150,8 @@ def build_plain_spec(cfg: RecipeConfig, device_kind: str) -> PlainSpec:
         seed=cfg.train.seed,
         noise=cfg.data.noise,
         timing_warmup_steps=cfg.output.timing_warmup_steps,
+        float8=cfg.precision.float8.value,
+        float8_skip_small=cfg.precision.float8_filter is Float8Filter.skip_small,
     )
 
 
@@ -158,9 +173,24 @@ def unmatched_settings(cfg: RecipeConfig) -> list[str]:
         notes.append("activation_checkpointing.mode=selective (the plain loop checkpoints nothing)")
     if cfg.train.loss is not LossKind.plain:
         notes.append(f"train.loss={cfg.train.loss.value}")
-    if cfg.precision.float8 is not Float8.off:
-        notes.append(f"precision.float8={cfg.precision.float8.value}")
     return notes
+
+
+def pair_sides(
+    variants: dict[str, list[str]], specs: dict[str, PlainSpec]
+) -> tuple[dict[str, PlainSpec], dict[str, str]]:
+    """The plain loops to run and which one each fsdprun side is measured against: sides with
+    equal plain specs share one; the first is `plain`, others `plain:SIDE`."""
+    plains: dict[str, PlainSpec] = {}
+    like: dict[str, str] = {}
+    for side in variants:
+        spec = specs[side]
+        name = next((n for n, s in plains.items() if s == spec), None)
+        if name is None:
+            name = "plain" if not plains else f"plain:{side}"
+            plains[name] = spec
+        like[side] = name
+    return plains, like
 
 
 def busy_cores(interval_s: float = 0.5) -> float | None:
@@ -205,7 +235,7 @@ def run_fsdprun(recipe: str, overrides: list[str], run_dir: Path, device_kind: s
     }
 
 
-def run_plain(spec: PlainSpec, nproc: int, log_dir: Path) -> dict:
+def run_plain(spec: PlainSpec, nproc: int, log_dir: Path, *, minimal: bool = False) -> dict:
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -218,7 +248,8 @@ def run_plain(spec: PlainSpec, nproc: int, log_dir: Path) -> dict:
         monitor_interval=0.1,  # as fsdprun's launcher: the agent polls its workers this often
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
     )
-    return elastic_launch(config, worker)(spec)[0]
+    entry = plain_minimal.worker if minimal else worker
+    return elastic_launch(config, entry)(spec)[0]
 
 
 def _size(n: int) -> str:
@@ -226,28 +257,32 @@ def _size(n: int) -> str:
 
 
 def report(results: dict) -> None:
-    table = Table(title=f"fsdprun vs plain FSDP2 — {results['recipe']}")
+    table = Table(title=f"fsdprun vs plain FSDP2, like with like — {results['recipe']}")
     memory = f"peak {results['memory_kind']} (max rank, median)"
-    for col in ("side", "tokens/s min / median / max", "/plain", memory, "/plain", "final loss"):
-        table.add_column(col, justify="left" if col == "side" else "right")
+    for col in ("side", "tokens/s min / median / max", "vs", "ratio", memory, "ratio",
+                "final loss"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("side", "vs") else "right")
     for side, st in results["stats"].items():
         if "error" in st:
-            table.add_row(side, st["error"][:60], "", "", "", "")
+            table.add_row(side, st["error"][:60], "", "", "", "", "")
             continue
         t, m = st["tokens_per_s"], st["peak_memory_bytes"]
         ratio = results["ratios"].get(side, {})
         table.add_row(
             side,
             f"{t['min']:,.0f} / {t['median']:,.0f} / {t['max']:,.0f}",
+            ratio.get("against", ""),
             f"{ratio['tokens_per_s']:.3f}" if ratio else "",
             _size(int(m["median"])),
             f"{ratio['memory']:.3f}" if ratio else "",
             f"{st['final_loss']:.4f}",
         )
     console.print(table)
-    if "tokens_per_s_ratio" in results:
-        console.print(f"fsdprun/plain tokens/s = {results['tokens_per_s_ratio']:.2f}")
-        console.print(f"fsdprun/plain peak memory = {results['memory_ratio']:.2f}")
+    for side, ratio in results["ratios"].items():
+        console.print(
+            f"{side}/{ratio['against']} tokens/s = {ratio['tokens_per_s']:.3f}, "
+            f"peak memory = {ratio['memory']:.3f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,11 +299,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeats < 1:
             raise UserError(f"--repeats must be at least 1, not {args.repeats}")
         variants = parse_variants(args)
+        configs = {side: load_recipe(args.recipe, overrides + extra).config
+                   for side, extra in variants.items()}  # fmt: skip
     except UserError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
     nproc = cfg.launch.nproc_per_node
-    spec = build_plain_spec(cfg, kind)
+    plains, like = pair_sides(variants, {s: build_plain_spec(c, kind) for s, c in configs.items()})
+    minimal_spec = build_plain_spec(cfg, kind) if args.minimal else None
+    if minimal_spec is not None and (
+        cfg.train.global_batch_size != cfg.train.micro_batch_size * nproc
+        or cfg.activation_checkpointing.mode is not CheckpointMode.none
+    ):
+        console.print(
+            "[red]error:[/red] --minimal needs one micro-batch a step and no activation "
+            "checkpointing (train.micro_batch_size x ranks = train.global_batch_size)"
+        )
+        return 2
     if cfg.activation_checkpointing.mode is CheckpointMode.none and not cfg.compile.enabled:
         mode = "eager"
     else:
@@ -278,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         f"(first {cfg.output.timing_warmup_steps} not timed), {cfg.precision.param_dtype.value}, "
         f"{mode}, {args.repeats} runs each"
     )
-    for note in unmatched_settings(cfg):
-        console.print(f"[yellow]note:[/yellow] the plain loop ignores {note}")
+    for side, side_cfg in configs.items():
+        for note in unmatched_settings(side_cfg):
+            console.print(f"[yellow]note:[/yellow] {side}: {like[side]} ignores {note}")
     # As fsdprun's launcher does (the elastic agent sets no OMP_NUM_THREADS): CPU ranks split
     # the cores, GPU ranks get one thread. Set here, the fsdprun subprocess inherits it too.
     threads = max(1, (os.cpu_count() or 1) // nproc) if kind == "cpu" else 1
@@ -293,8 +341,15 @@ def main(argv: list[str] | None = None) -> int:
             "starting; other processes will make the figures noisy"
         )
 
-    sides = ["plain", *variants]
-    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    # Per repeat: each side right after its plain loop (a plain loop once), then the check.
+    order: list[str] = []
+    for side in variants:
+        if like[side] not in order:
+            order.append(like[side])
+        order.append(side)
+    if minimal_spec is not None:
+        order.append("minimal")
+    runs: dict[str, list[dict]] = {side: [] for side in order}
     errors: dict[str, str] = {}
 
     def summarize() -> dict:
@@ -312,15 +367,19 @@ def main(argv: list[str] | None = None) -> int:
                 "peak_memory_bytes": stats([r["peak_memory_bytes"] for r in rs]),
                 "final_loss": rs[-1]["final_loss"],
             }
-        plain = summary["plain"]  # the plain loop runs first in every repeat
-        ratios = {
-            side: {
-                "tokens_per_s": st["tokens_per_s"]["median"] / plain["tokens_per_s"]["median"],
-                "memory": st["peak_memory_bytes"]["median"] / plain["peak_memory_bytes"]["median"],
+        # Each fsdprun side against its like plain loop; the minimal loop against `plain`, and
+        # the plain loop against the minimal one (the reference's own check).
+        against = {**like, "minimal": "plain"}
+        ratios = {}
+        for side, ref in against.items():
+            st, base = summary.get(side), summary.get(ref)
+            if not st or not base or "error" in st or "error" in base:
+                continue
+            ratios[side] = {
+                "against": ref,
+                "tokens_per_s": st["tokens_per_s"]["median"] / base["tokens_per_s"]["median"],
+                "memory": st["peak_memory_bytes"]["median"] / base["peak_memory_bytes"]["median"],
             }
-            for side, st in summary.items()
-            if side != "plain" and "error" not in st
-        }
         best = {side: max(rs, key=lambda r: r["tokens_per_s"]) for side, rs in runs.items() if rs}
         results = {
             "recipe": resolved.name,
@@ -331,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
             "timing_warmup_steps": cfg.output.timing_warmup_steps,
             "repeats": args.repeats,
             "memory_kind": "allocated" if kind == "cuda" else "RSS",
+            "like": like,  # fsdprun side -> the plain loop it is measured against
             "runs": runs,
             "stats": summary,
-            "ratios": ratios,  # medians over the repeats, fsdprun side / plain
+            "ratios": ratios,  # medians over the repeats, side / its like plain loop
             "best": best,
         }
         if "fsdprun" in ratios:
@@ -343,13 +403,16 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="fsdprun-bench-") as tmp:
         for i in range(args.repeats):
-            for side in sides:
+            for side in order:
                 if side in errors:
                     continue
                 start = time.perf_counter()
                 try:
-                    if side == "plain":
-                        result = run_plain(spec, nproc, Path(tmp) / f"plain-{i}")
+                    if side in plains:
+                        result = run_plain(plains[side], nproc, Path(tmp) / f"{side}-{i}")
+                    elif side == "minimal":
+                        result = run_plain(minimal_spec, nproc, Path(tmp) / f"minimal-{i}",
+                                           minimal=True)  # fmt: skip
                     else:
                         run_dir = Path(tmp) / f"{side}-{i}"
                         extra = overrides + variants[side]
@@ -358,19 +421,23 @@ def main(argv: list[str] | None = None) -> int:
                     if side in ("plain", "fsdprun"):
                         console.print(f"[red]error:[/red] {side} run {i + 1} failed: {e}")
                         return 1
-                    # A variant this machine refuses (float8 without float8 matmuls): say so.
+                    # A side this machine refuses (float8 without float8 matmuls): say so, and
+                    # drop the fsdprun side of a refused plain loop with it.
                     errors[side] = str(e).strip().splitlines()[-1].removeprefix("error: ")
                     console.print(f"[yellow]skipped:[/yellow] {side}: {errors[side]}")
+                    for other, ref in like.items():
+                        if ref == side and other not in errors:
+                            errors[other] = f"its plain loop {side} failed"
                     continue
                 # End to end, start-up included (the plain side's launcher has torch imported).
                 result["wall_s"] = time.perf_counter() - start
                 runs[side].append(result)
                 console.print(
-                    f"  run {i + 1}/{args.repeats} {side:10} {result['tokens_per_s']:>10,.0f} "
+                    f"  run {i + 1}/{args.repeats} {side:16} {result['tokens_per_s']:>10,.0f} "
                     f"tokens/s  peak {_size(result['peak_memory_bytes'])}  "
                     f"({result['wall_s']:.1f} s end to end)"
                 )
-                if args.out is not None and runs["plain"]:
+                if args.out is not None and runs[order[0]]:
                     args.out.write_text(json.dumps(summarize(), indent=2) + "\n")
 
     results = summarize()

@@ -4,10 +4,13 @@ against.
 It deliberately shares nothing with fsdprun's engine (config, parallel, optim, worker): only the
 model architecture and the synthetic dataset are imported, so both sides do identical work. The
 rest is torch used directly, the way one would write it by hand: process group, 1-D mesh,
-meta-device model, optional activation checkpointing and per-block torch.compile, `fully_shard`
-per block then the root, `to_empty` + a simple init, AdamW, gradient accumulation with
-`set_requires_gradient_sync`, clipping, per-step wall timing. Not run on its own: `bench.py`
-starts `worker` on every rank through `elastic_launch`.
+meta-device model, optional float8 (torchao's own recipe config, converted before sharding),
+optional activation checkpointing and per-block torch.compile, `fully_shard` per block then the
+root, `to_empty` + a simple init, AdamW, gradient accumulation with
+`set_requires_gradient_sync`, clipping. No host sync inside the timed steps: the device is
+synchronized once where timing starts (after the warm-up steps) and once at the end, and tokens/s
+is the window's. Not run on its own: `bench.py` starts `worker` on every rank through
+`elastic_launch`.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class PlainSpec:
     seed: int
     noise: float
     timing_warmup_steps: int
+    float8: str = "off"  # "off" | "tensorwise" | "rowwise": torchao's recipe config as it is
+    float8_skip_small: bool = False  # torchao's own filter of Linears too small to gain
 
 
 def _lr_factor(step: int, spec: PlainSpec) -> float:
@@ -80,10 +85,34 @@ def _lr_factor(step: int, spec: PlainSpec) -> float:
     return spec.min_lr_ratio + (1.0 - spec.min_lr_ratio) * shape
 
 
+def _convert_float8(model: Transformer, spec: PlainSpec) -> None:
+    """torchao's float8 training with the recipe's default config (no float8 all-gather), on
+    every Linear but the output projection whose dims are multiples of 16 (or torchao's own
+    filter of small Linears)."""
+    from torchao.float8 import (
+        Float8LinearConfig,
+        _auto_filter_for_recipe,
+        convert_to_float8_training,
+    )
+
+    if spec.float8_skip_small:
+        keep = _auto_filter_for_recipe(spec.float8, filter_fqns=["output"])
+    else:
+
+        def keep(module: torch.nn.Module, fqn: str) -> bool:
+            n, k = module.weight.shape
+            return fqn != "output" and n % 16 == 0 and k % 16 == 0
+
+    config = Float8LinearConfig.from_recipe_name(spec.float8)
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+
+
 def _build_model(spec: PlainSpec, device: torch.device) -> Transformer:
     mesh = init_device_mesh(spec.device_kind, (dist.get_world_size(),))
     with torch.device("meta"):
         model = Transformer(spec.model_args)
+    if spec.float8 != "off":
+        _convert_float8(model, spec)
     blocks = list(model.layers.values())
     # Same order as torchtitan (and fsdprun): checkpoint wraps the block's forward, compile wraps
     # that, and fully_shard's hooks go around the whole so all-gathers stay outside the graphs.
@@ -163,8 +192,12 @@ def _train(spec: PlainSpec, device: torch.device) -> dict | None:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    step_times: list[float] = []
+    warmup = min(spec.timing_warmup_steps, spec.steps - 1)
+    step_times: list[float] = []  # host time to queue each step (the device may lag behind)
     for step in range(spec.steps):
+        if step == warmup:
+            _sync(device)  # timing starts with nothing queued
+            window_start = time.perf_counter()
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
@@ -190,14 +223,14 @@ def _train(spec: PlainSpec, device: torch.device) -> dict | None:
             optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
         step_times.append(time.perf_counter() - t0)
+    _sync(device)
+    window_s = time.perf_counter() - window_start
+    measured = spec.steps - warmup
 
     dist.all_reduce(loss_sum)
     final_loss = loss_sum.item() / (accum * world)
-    warmup = min(spec.timing_warmup_steps, max(0, len(step_times) - 1))
-    measured = step_times[warmup:]
-    tokens_per_s = spec.global_batch_size * spec.seq_len / (sum(measured) / len(measured))
+    tokens_per_s = spec.global_batch_size * spec.seq_len * measured / window_s
     # Peak memory of the worst rank: the one that decides whether a run fits.
     peak = torch.tensor([_peak_memory_bytes(device)], dtype=torch.int64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -208,8 +241,8 @@ def _train(spec: PlainSpec, device: torch.device) -> dict | None:
         "tokens_per_s": tokens_per_s,
         "peak_memory_bytes": int(peak.item()),
         "final_loss": final_loss,
-        "steps_measured": len(measured),
-        "step_times_s": step_times,
+        "steps_measured": measured,
+        "host_step_times_s": step_times,
     }
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install fsdprun with its dev tools and the extras its tests use: hf
 # (transformers, for the HuggingFace-model tests; ~15 s more), datasets (local HF datasets),
-# tensorboard, wandb and plot (matplotlib; the three together ~10 s, no other torch). Idempotent
+# tensorboard, wandb and plot (matplotlib; the three together ~10 s, no other torch), float8
+# (torchao: the float8 tests run its training on CPU). Idempotent
 # and quick when nothing changed.
 #
 # Which torch: without an NVIDIA driver the version is pinned to 2.13.0
@@ -32,7 +33,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
       "one, e.g. https://download.pytorch.org/whl/cpu for the CPU build)" >&2
   fi
   .venv/bin/python -m pip install -q --no-compile "${constraints[@]}" \
-    -e ".[dev,hf,datasets,tensorboard,wandb,plot]"
+    -e ".[dev,hf,datasets,tensorboard,wandb,plot,float8]"
   # pip byte-compiles every file it installs, one at a time, transformers' hundreds of other
   # models and the packages' own tests included; compileall does it on every core, without
   # those (a file left out compiles when it is first imported). Setup on 2 cores, fresh venvs,

@@ -1,6 +1,9 @@
-"""float8 (`precision.float8`): the device check and the Linear filter are pure functions tested
-here; the conversion itself is checked on CPU (module types only: CPU has no float8 matmul, so
-no float8 step runs here; the numerics are measured on the GPU by scripts/gpu_check.sh)."""
+"""float8 (`precision.float8`): the device check, the Linear filters and the all-gather choice
+are pure functions tested here (the small-Linear filter against torchao's own); the conversion
+is checked on meta models; and float8 training runs on CPU gloo ranks through the test-only
+switch (torch's CPU build has float8 matmuls, slowly): which all-gather path each world size
+takes, and that the choice leaves the losses unchanged. Speed is measured on the GPU by
+scripts/gpu_check.sh."""
 
 from __future__ import annotations
 
@@ -83,7 +86,7 @@ def test_float8_conversion_swaps_exactly_the_filtered_linears(mode):
         model = build_model(cfg.model)
     converted, skipped = float8_linears(model)
     names_before = [n for n, _ in model.named_parameters()]
-    assert apply_float8(model, mode=mode) == len(converted)
+    assert apply_float8(model, mode=mode, all_gather=mode == "tensorwise") == len(converted)
     modules = dict(model.named_modules())
     assert all(type(modules[p]).__name__ == "Float8Linear" for p in converted)
     assert all(type(modules[p]) is nn.Linear for p in skipped)
@@ -130,3 +133,100 @@ def test_float8_train_on_cpu_is_refused_before_launch(tmp_path):
     out = (proc.stdout + proc.stderr).strip()
     assert "precision.float8=tensorwise needs a CUDA GPU" in out and "Traceback" not in out
     assert not run_dir.exists()  # refused before the run directory is made
+
+
+@pytest.mark.parametrize(
+    "mode, setting, group, on",
+    [
+        ("tensorwise", None, 1, False),  # auto: one rank gathers nothing
+        ("tensorwise", None, 2, True),
+        ("tensorwise", None, 64, True),
+        ("tensorwise", True, 1, True),  # forced
+        ("tensorwise", False, 8, False),
+        ("rowwise", None, 8, False),  # torchao gathers only tensorwise weights in float8
+        ("off", None, 8, False),
+    ],
+)
+def test_float8_all_gather_choice(mode, setting, group, on):
+    from fsdprun.engines.float8 import all_gather_choice
+
+    chosen, why = all_gather_choice(mode, setting, group)
+    assert chosen is on
+    assert why.startswith("on" if on else "off")
+    if setting is None and mode == "tensorwise":
+        assert "auto" in why and str(group) in why
+
+
+@pytest.mark.parametrize(
+    "world, sharding, on",
+    [(1, [], False), (8, [], True), (8, ["fsdp.sharding=none"], False),  # replicated
+     (8, ["fsdp.sharding=hybrid", "fsdp.shard_group_size=4"], True),
+     (8, ["fsdp.sharding=hybrid", "fsdp.shard_group_size=1"], False)],  # 8 replicas of 1
+)  # fmt: skip
+def test_float8_all_gather_follows_the_shard_group_of_the_recipe(world, sharding, on):
+    from fsdprun.engines.float8 import float8_plan
+
+    batch = ["train.global_batch_size=16", "train.micro_batch_size=1"]
+    overrides = ["precision.float8=tensorwise", f"launch.nproc_per_node={world}", *batch]
+    plan = float8_plan(load_recipe("debug", [*overrides, *sharding]).config)
+    assert plan.all_gather is on
+
+
+def test_float8_all_gather_true_with_rowwise_is_refused():
+    with pytest.raises(UserError, match="precision.float8_all_gather=true needs "):
+        load_recipe("debug", ["precision.float8=rowwise", "precision.float8_all_gather=true"])
+
+
+def test_skip_small_agrees_with_torchaos_own_filter():
+    torchao_float8 = pytest.importorskip("torchao.float8")
+    from fsdprun.engines.float8 import float8_eligible
+
+    dims = [16, 512, 1008, 1024, 1040, 2048, 2064, 4096, 4112, 8192, 14336]
+    for mode in ("tensorwise", "rowwise"):
+        theirs = torchao_float8._auto_filter_for_recipe(mode, filter_fqns=["output"])
+        for k in dims:
+            for n in dims:
+                with torch.device("meta"):
+                    linear = nn.Linear(k, n, bias=False)
+                for fqn in ("layers.0.attention.wq", "output"):
+                    ours = float8_eligible(fqn, k, n, {"output"}, mode=mode, skip_small=True)
+                    assert ours == theirs(linear, fqn), (mode, fqn, k, n)
+
+
+def test_skip_small_on_llama_1b_keeps_the_small_kv_projections():
+    from fsdprun.tools.plan import plan_recipe
+
+    plan = plan_recipe("llama-1b", ["precision.float8=tensorwise",
+                                    "precision.float8_filter=skip_small"])  # fmt: skip
+    note = next(n for n in plan.notes if n.startswith("float8:"))
+    # dim 2048, 8 kv heads of 128: wk and wv are 2048 -> 1024, under tensorwise's K <= 4096 and
+    # N <= 1024; the 16 blocks' other 5 Linears are converted.
+    assert "80 converted, 33 kept" in note and "attention.wk" in note, note
+    assert "float8 all-gather off (auto" in note
+
+
+def test_float8_trains_on_cpu_ranks_with_and_without_float8_all_gather(tmp_path):
+    """Through `fsdprun train` (the test-only switch lets CPU ranks run float8): on 2 ranks auto
+    gathers the weights in float8 and precomputes their scales; on 1 rank it does neither. The
+    losses are the same: float8 all-gather casts with the scale the forward would compute."""
+    pytest.importorskip("torchao")
+    from conftest import Run, fsdprun_env, run_fsdprun
+
+    from fsdprun.engines.float8 import TEST_ON_CPU_ENV
+
+    runs = {}
+    for nproc in (2, 1):
+        run_dir = tmp_path / f"w{nproc}"
+        proc = run_fsdprun(
+            "train", "debug", "precision.float8=tensorwise", "train.steps=4",
+            "output.log_every=1", "checkpoint.save_final=false", "--nproc-per-node",
+            str(nproc), "--run-dir", str(run_dir), cwd=tmp_path,
+            env=fsdprun_env(**{TEST_ON_CPU_ENV: "1"}),
+        )  # fmt: skip
+        runs[nproc] = Run(proc, run_dir).check()
+    assert (
+        "float8 all-gather on (auto: weights are gathered over 2 ranks)" in runs[2].start["float8"]
+    )
+    assert "float8 all-gather off (auto: a shard group of 1 rank" in runs[1].start["float8"]
+    assert len(runs[2].losses) == 4
+    assert runs[2].losses == pytest.approx(runs[1].losses, rel=1e-5)

@@ -109,3 +109,56 @@ def test_tracker_rows_carry_trained_tokens_per_s_only_when_the_step_has_it():
     assert "perf/trained_tokens_per_s" not in Rows(0)(step).scalars
     row = Rows(0)({**step, "trained_tokens": 40, "trained_tokens_per_s": 125.0})
     assert row.step == 3 and row.scalars["perf/trained_tokens_per_s"] == 125.0
+
+
+class _FakeEvent:
+    """A device timing event (torch.cuda.Event's interface) on a clock the test moves, logging
+    every call that would wait for the device."""
+
+    clock = 0.0
+    waits: list[str] = []
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.at = None
+
+    def record(self) -> None:
+        self.at = _FakeEvent.clock
+
+    def synchronize(self) -> None:
+        _FakeEvent.waits.append("synchronize")
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        return (end.at - self.at) * 1000  # milliseconds, as CUDA events give it
+
+
+def test_step_timer_reads_device_events_only_when_asked():
+    from fsdprun.device import StepTimer
+
+    _FakeEvent.clock, _FakeEvent.waits = 0.0, []
+    timer = StepTimer(_FakeEvent)
+    for duration, gap in [(0.5, 0.0), (0.25, 2.0), (0.125, 0.0)]:
+        timer.start()
+        _FakeEvent.clock += duration
+        timer.stop()
+        _FakeEvent.clock += gap  # a save or an eval between steps: not a step's time
+    assert _FakeEvent.waits == []  # no host sync while steps run
+    assert timer.times() == [0.5, 0.25, 0.125]
+    assert _FakeEvent.waits == ["synchronize"]  # one wait, for the last step's end
+    assert timer.times() == [0.5, 0.25, 0.125] and _FakeEvent.waits == ["synchronize"]
+
+
+def test_step_timer_on_the_host_clock_times_each_step():
+    import time
+
+    from fsdprun.device import StepTimer
+
+    timer = StepTimer(None)
+    timer.start()
+    time.sleep(0.02)
+    timer.stop()
+    time.sleep(0.05)  # between steps: not counted
+    timer.start()
+    timer.stop()
+    first, second = timer.times()
+    assert 0.02 <= first < 0.05 and 0 <= second < 0.02

@@ -69,6 +69,11 @@ class Float8(enum.Enum):
     rowwise = "rowwise"
 
 
+class Float8Filter(enum.Enum):
+    default = "default"
+    skip_small = "skip_small"
+
+
 class CompileMode(enum.Enum):
     default = "default"
     reduce_overhead = "reduce-overhead"
@@ -183,9 +188,23 @@ class PrecisionConfig:
         Float8.off,
         "float8 training of the Linear layers through torchao (`pip install fsdprun[float8]`; "
         "fsdp2 only; CUDA compute capability >= 8.9, refused elsewhere before launch): "
-        "`tensorwise` (one scale per tensor; float8 all-gather of the weights) or `rowwise` "
-        "(one scale per row). Skips the output projection and Linears whose dims are not "
-        "multiples of 16; weights, gradients and checkpoints stay in high precision.",
+        "`tensorwise` (one scale per tensor) or `rowwise` (one scale per row). Skips the "
+        "output projection and Linears whose dims are not multiples of 16; weights, gradients "
+        "and checkpoints stay in high precision.",
+    )
+    float8_all_gather: bool | None = _f(
+        None,
+        "tensorwise float8: all-gather the weights in float8 (1 byte a parameter) and "
+        "precompute their scales after each optimizer step; null = auto: on only where weights "
+        "are gathered across ranks (a shard group, dp_shard, of more than 1 rank), since with "
+        "nothing to gather it is pure overhead. The header says which was chosen and why.",
+    )
+    float8_filter: Float8Filter = _f(
+        Float8Filter.default,
+        "Which Linears float8 converts: `default` (all but the output projection and dims not "
+        "multiples of 16) or `skip_small` (also keep in high precision those too small to gain, "
+        "by torchao's per-recipe size thresholds measured on an H100; torchtitan's "
+        "auto_filter_small_kn). The header and `plan` list the Linears kept.",
     )
 
 

@@ -141,6 +141,11 @@ def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
             f"precision.float8={cfg.precision.float8.value} needs fsdp.engine=fsdp2 (got "
             f"{cfg.fsdp.engine.value}); or set precision.float8=off"
         )
+    if cfg.precision.float8_all_gather and cfg.precision.float8 is Float8.rowwise:
+        errors.append(
+            "precision.float8_all_gather=true needs precision.float8=tensorwise (torchao gathers "
+            "only tensorwise weights in float8); set precision.float8_all_gather=null"
+        )
     ac = cfg.activation_checkpointing
     if ac.mode is CheckpointMode.every_n and ac.every_n < 1:
         errors.append(f"activation_checkpointing.every_n must be >= 1 (got {ac.every_n})")

@@ -6,14 +6,26 @@ forward and backward matmuls run in float8 (`torch._scaled_mm`) with dynamic sca
 tensor (`tensorwise`) or one per row (`rowwise`). The weight itself stays a high-precision
 parameter (fp32 master shard, param_dtype when gathered), so optimizer state and checkpoints are
 exactly those of a bf16 run: a float8 run's checkpoint loads into a bf16 run and exports to HF
-unchanged. With `tensorwise`, FSDP2 all-gathers the weights in float8 (1 byte per parameter
-instead of 2) and the scales of all weights are computed in one go after each optimizer step
-(`precompute_float8_dynamic_scale_for_fsdp`).
+unchanged.
+
+float8 all-gather (`precision.float8_all_gather`, tensorwise only): FSDP2 casts each weight
+shard to float8 before the all-gather (1 byte per parameter on the wire instead of 2), and the
+scales of all weights are computed in one go after each optimizer step
+(`precompute_float8_dynamic_scale_for_fsdp`, one all-reduce instead of one per weight). That
+pays only where weights are gathered across ranks. With a shard group of one rank nothing is
+gathered: the cast, the scale precompute and FSDP's float8 copy-in are pure overhead, run
+outside the compiled blocks every step (measured on one H200: fsdprun's float8 step at
+0.77-0.86x a plain float8 loop with torchao's defaults). So `null` (auto, the default) turns it
+on only with tensorwise and a shard group (`dp_shard`) of more than one rank; `true`/`false`
+force it.
 
 Which Linears are converted (`float8_eligible`, printed in the run header and by `plan`): not
 the output projection (its output feeds the loss, whose precision matters most, and it is the
 layer torchao's recipes leave out), and not a Linear whose in or out features are not multiples
-of 16 (`_scaled_mm` needs them so).
+of 16 (`_scaled_mm` needs them so). `precision.float8_filter: skip_small` also keeps in high
+precision the Linears too small to gain from float8, by the size thresholds torchao measured on
+an H100 for each recipe (the rule torchtitan calls auto_filter_small_kn): the cast and scale
+work of a small matmul costs more than its faster multiply saves.
 
 float8 matmuls need CUDA compute capability >= 8.9 (Ada, Hopper and later): anywhere else the
 run is refused before launch (`float8_refusal`), with one line. The conversion is applied
@@ -26,6 +38,7 @@ are converted.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable
 
 from torch import nn
@@ -33,16 +46,52 @@ from torch import nn
 from fsdprun.errors import UserError
 
 FLOAT8_MIN_CAPABILITY = (8, 9)
+# Test-only: lets the suite run float8 on CPU ranks (torch's CPU build has float8 matmuls, slow,
+# so the float8 path's structure and losses can be checked on gloo). Never for users: a CPU has
+# nothing to gain from float8.
+TEST_ON_CPU_ENV = "FSDPRUN_TEST_FLOAT8_ON_CPU"
 DIM_MULTIPLE = 16
 FILTER_TEXT = (
     "nn.Linear layers except the output projection and those whose in/out features are not "
     f"multiples of {DIM_MULTIPLE}"
 )
+SKIP_SMALL_TEXT = {
+    "tensorwise": "and those with in_features <= 4096 and out_features <= 1024",
+    "rowwise": (
+        "and those with out_features <= 2048, in_features <= 1024, or both out_features <= 4096 "
+        "and in_features <= 2048"
+    ),
+}
 # The MFU row of a float8 run: what its FLOPs and its peak mean.
 MFU_CONVENTION = (
     "float8: MFU counts the same (bf16-equivalent) FLOPs over the bf16 dense peak, so it is "
     "comparable with a bf16 run and may exceed what bf16 could reach"
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Plan:
+    """What `precision.*` float8 keys resolve to for one world size (`float8_plan`)."""
+
+    mode: str  # off, tensorwise, rowwise
+    all_gather: bool
+    all_gather_why: str
+    skip_small: bool
+
+    def describe(self, model: nn.Module | None = None) -> str:
+        return describe(self.mode, model, skip_small=self.skip_small,
+                        all_gather=self.all_gather_why if self.mode != "off" else None)  # fmt: skip
+
+
+def float8_plan(cfg, world_size: int | None = None) -> Float8Plan:
+    """The float8 settings of recipe `cfg` at `world_size` (default: the recipe's)."""
+    from fsdprun.config.schema import Float8Filter
+    from fsdprun.engines.mesh import shard_group_size
+
+    mode = cfg.precision.float8.value
+    group = shard_group_size(cfg, world_size)
+    on, why = all_gather_choice(mode, cfg.precision.float8_all_gather, group)
+    return Float8Plan(mode, on, why, cfg.precision.float8_filter is Float8Filter.skip_small)
 
 
 def float8_refusal(mode: str, device_kind: str, capability: tuple[int, int] | None) -> str | None:
@@ -54,6 +103,8 @@ def float8_refusal(mode: str, device_kind: str, capability: tuple[int, int] | No
         capability: the CUDA compute capability of the device (None when not CUDA).
     """
     if mode == "off":
+        return None
+    if device_kind == "cpu" and os.environ.get(TEST_ON_CPU_ENV) == "1":
         return None
     if device_kind != "cuda" or capability is None:
         return (
@@ -99,13 +150,44 @@ def import_torchao():
     return float8
 
 
+def too_small(mode: str, in_features: int, out_features: int) -> bool:
+    """Whether a Linear is too small to gain from float8 under `mode` (`float8_filter:
+    skip_small`): torchao's thresholds, measured on an H100, where float8's casts and scales cost
+    more than its faster matmul saves. K is in_features, N out_features."""
+    k, n = in_features, out_features
+    if mode == "tensorwise":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
 def float8_eligible(
-    fqn: str, in_features: int, out_features: int, output_fqns: Iterable[str]
-) -> bool:
+    fqn: str, in_features: int, out_features: int, output_fqns: Iterable[str], *,
+    mode: str = "tensorwise", skip_small: bool = False,
+) -> bool:  # fmt: skip
     """Whether the Linear at `fqn` is converted to float8 (see the module docstring)."""
     if fqn in set(output_fqns):
         return False
-    return in_features % DIM_MULTIPLE == 0 and out_features % DIM_MULTIPLE == 0
+    if in_features % DIM_MULTIPLE or out_features % DIM_MULTIPLE:
+        return False
+    return not (skip_small and too_small(mode, in_features, out_features))
+
+
+def all_gather_choice(mode: str, setting: bool | None, shard_group: int) -> tuple[bool, str]:
+    """Whether FSDP2 all-gathers the converted weights in float8 (`precision.float8_all_gather`),
+    and why, for the header and `plan`.
+
+    Args:
+        mode: precision.float8 (off, tensorwise, rowwise).
+        setting: precision.float8_all_gather (None: auto).
+        shard_group: ranks the weights are sharded over (`dp_shard`; 1: nothing is gathered).
+    """
+    if mode != "tensorwise":
+        return False, "off (tensorwise only)" if mode != "off" else "off"
+    if setting is not None:
+        return setting, f"{'on' if setting else 'off'} (precision.float8_all_gather={setting})"
+    if shard_group > 1:
+        return True, f"on (auto: weights are gathered over {shard_group} ranks)"
+    return False, "off (auto: a shard group of 1 rank gathers nothing)"
 
 
 def output_fqns(model: nn.Module) -> set[str]:
@@ -115,57 +197,72 @@ def output_fqns(model: nn.Module) -> set[str]:
     return {path for path, module in model.named_modules() if module is out}
 
 
-def float8_linears(model: nn.Module) -> tuple[list[str], list[str]]:
+def float8_linears(
+    model: nn.Module, *, mode: str = "tensorwise", skip_small: bool = False
+) -> tuple[list[str], list[str]]:
     """(converted, skipped) Linear paths of `model` under the filter (works on meta models)."""
     outputs = output_fqns(model)
     converted, skipped = [], []
     for path, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            ok = float8_eligible(path, module.in_features, module.out_features, outputs)
+            ok = float8_eligible(path, module.in_features, module.out_features, outputs,
+                                 mode=mode, skip_small=skip_small)  # fmt: skip
             (converted if ok else skipped).append(path)
     return converted, skipped
 
 
-def apply_float8(model: nn.Module, *, mode: str) -> int:
+def apply_float8(
+    model: nn.Module, *, mode: str, all_gather: bool = False, skip_small: bool = False
+) -> int:
     """Convert the eligible Linears of a (meta) model in place, before FSDP; returns how many.
 
-    tensorwise turns on FSDP2's float8 all-gather; call `precompute_scales` after each
-    optimizer step then.
+    `all_gather` (tensorwise only, `all_gather_choice`) turns on FSDP2's float8 all-gather; call
+    `precompute_scales` after each optimizer step then. Otherwise torchao's own recipe config,
+    unchanged.
     """
     if mode == "off":
         return 0
     float8 = import_torchao()
     config = float8.Float8LinearConfig.from_recipe_name(mode)
-    if mode == "tensorwise":
+    if all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     outputs = output_fqns(model)
 
     def module_filter(module: nn.Module, fqn: str) -> bool:
         return isinstance(module, nn.Linear) and float8_eligible(
-            fqn, module.in_features, module.out_features, outputs
-        )
+            fqn, module.in_features, module.out_features, outputs, mode=mode,
+            skip_small=skip_small,
+        )  # fmt: skip
 
     float8.convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
-def precompute_scales(model: nn.Module, *, mode: str) -> None:
-    """After an optimizer step, with tensorwise float8 all-gather: compute every converted
-    weight's scale in one fused pass (instead of one all-reduce per weight in the next forward)."""
-    if mode == "tensorwise":
+def precompute_scales(model: nn.Module, *, all_gather: bool) -> None:
+    """After an optimizer step, with float8 all-gather: compute every converted weight's scale in
+    one fused pass (instead of one all-reduce per weight in the next forward). Without it there
+    is nothing to precompute: each forward computes its weights' scales inside the compiled
+    block."""
+    if all_gather:
         import_torchao().precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def describe(mode: str, model: nn.Module | None = None) -> str:
-    """The header/plan line: mode, filter, and (given a model) how many Linears it converts."""
+def describe(
+    mode: str, model: nn.Module | None = None, *, skip_small: bool = False,
+    all_gather: str | None = None,
+) -> str:  # fmt: skip
+    """The header/plan line: mode, filter, (given a model) how many Linears it converts, and
+    (given `all_gather_choice`'s reason) whether the weights are gathered in float8."""
     if mode == "off":
         return "off"
     text = f"{mode} ({FILTER_TEXT}"
+    if skip_small:
+        text += f", {SKIP_SMALL_TEXT[mode]} (float8_filter=skip_small)"
     if model is not None:
-        converted, skipped = float8_linears(model)
+        converted, skipped = float8_linears(model, mode=mode, skip_small=skip_small)
         text += f": {len(converted)} converted, {len(skipped)} kept"
         if skipped:
             text += f" ({', '.join(skipped[:4])}{', ...' if len(skipped) > 4 else ''})"
-    if mode == "tensorwise":
-        text += "; float8 all-gather of the converted weights"
+    if all_gather is not None:
+        text += f"; float8 all-gather {all_gather}"
     return text + ")"

@@ -48,15 +48,13 @@ from torch import nn
 from fsdprun.config import (
     CheckpointMode,
     Engine,
-    Float8,
     LossKind,
     RecipeConfig,
     Sharding,
     load_recipe,
 )
 from fsdprun.engines import DTYPE_BYTES, ParamShape, rank_memory, translate, unit_plan
-from fsdprun.engines.float8 import MFU_CONVENTION, float8_linears
-from fsdprun.engines.float8 import describe as describe_float8
+from fsdprun.engines.float8 import MFU_CONVENTION, Float8Plan, float8_linears, float8_plan
 from fsdprun.engines.mesh import (
     backward_prefetch_depth,
     effective_sharding,
@@ -173,20 +171,23 @@ def _unit_params(
     model: nn.Module,
     paths: list[str],
     *,
-    float8: bool,
+    float8: Float8Plan | None,
     tp_dims: dict[int, int] | None = None,
     whole_grads: frozenset[int] = frozenset(),
     tp: int = 1,
 ) -> list[list[ParamShape]]:
     """Each unit's own parameters, as the engines take them: not yet taken, forward order, root
-    last; marked trainable, a Linear's weight, gathered in float8 (`float8`: tensorwise). Under
+    last; marked trainable, a Linear's weight, gathered in float8 (`float8` with all-gather). Under
     tensor parallel (`tp` > 1) each shape is tensor-parallel rank 0's local shard: the dim in
     `tp_dims` (parameter id -> dim the TP plan shards) cut to ceil(n / tp), as DTensor's
     Shard(dim) chunks it; a parameter the plan does not shard (the norms) is whole on every TP
     rank. FSDP then shards that local tensor over the data-parallel ranks."""
     modules = dict(model.named_modules())
     matmul = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    f8 = {id(modules[path].weight) for path in float8_linears(model)[0]} if float8 else set()
+    f8 = set()
+    if float8 is not None and float8.all_gather:
+        converted = float8_linears(model, mode=float8.mode, skip_small=float8.skip_small)[0]
+        f8 = {id(modules[path].weight) for path in converted}
     tp_dims = tp_dims or {}
     taken: set[int] = set()
     units = []
@@ -416,7 +417,7 @@ def plan_memory(
     # The activation estimates read the model's shape: an HF folder's comes from its config.json.
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
     paths = plan_units(model, cfg=cfg.fsdp)
-    float8 = cfg.precision.float8 is Float8.tensorwise
+    float8 = float8_plan(cfg)
     tp_dims = tp_shard_dims(model, spec.tp_plan)
     whole = tp_whole_grads(model, spec.tp_plan)
 
@@ -458,7 +459,7 @@ def plan_memory(
 
 def _full_counts(model: nn.Module, paths: list[str]) -> list[int]:
     """Each unit's own parameter count, unsharded (the units' shapes are TP-local)."""
-    return [sum(p.numel for p in own) for own in _unit_params(model, paths, float8=False)]
+    return [sum(p.numel for p in own) for own in _unit_params(model, paths, float8=None)]
 
 
 def _sharded_engine(cfg: RecipeConfig) -> Engine:
@@ -594,9 +595,8 @@ def _notes(
         )
     if cfg.train.loss is LossKind.chunked:
         notes.append(f"loss: {describe_loss(cfg.train)}")
-    float8 = cfg.precision.float8.value
-    if float8 != "off":
-        notes.append(f"float8: {describe_float8(float8, model)}")
+    if cfg.precision.float8.value != "off":
+        notes.append(f"float8: {float8_plan(cfg).describe(model)}")
         notes.append(MFU_CONVENTION)
     return notes
 

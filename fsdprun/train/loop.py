@@ -32,8 +32,8 @@ from fsdprun.checkpoint import Checkpointer, SaveFailed, SaveRecord, build_state
 from fsdprun.config import NonFinite, RecipeConfig
 from fsdprun.data import Batch, BatchLayout, Dataset, load_batch
 from fsdprun.data.prefetch import BatchLoader, StepBatches
-from fsdprun.device import Device
-from fsdprun.engines.float8 import precompute_scales
+from fsdprun.device import Device, StepTimer
+from fsdprun.engines.float8 import float8_plan, precompute_scales
 from fsdprun.engines.weights import model_state_bytes
 from fsdprun.loss import num_targets as count_targets
 from fsdprun.report.metrics import MetricsLog
@@ -296,7 +296,7 @@ class TrainLoop:
             adapters_only=cfg.lora.rank > 0,
         )  # fmt: skip
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-        self.step_times: list[float] = []
+        self.timer = StepTimer.for_device(device)
         self.trained: list[int | torch.Tensor] = []  # N of each step, read when logged
         self.skipped_in_row, self.skipped_total = 0, skipped_steps
         self.model_state: dict[str, int] | None = None
@@ -305,6 +305,8 @@ class TrainLoop:
         self.faults = _Faults(rank)
         # Data by data-parallel rank: the ranks of a tensor-parallel group read the same samples.
         self.data_rank = layout.data_rank(rank)
+        # tensorwise float8 with float8 all-gather: the weights' scales after each update.
+        self.float8_all_gather = float8_plan(cfg, layout.num_ranks).all_gather
         self.batches = BatchLoader(data, layout, self.data_rank, device.torch_device,
                                    steps=cfg.train.steps)  # fmt: skip
 
@@ -355,9 +357,13 @@ class TrainLoop:
         return LoopResult(self.step_times, self.loss, self.val_loss, self.skipped_total,
                           self.model_state, stopped, as_counts(self.trained))  # fmt: skip
 
+    @property
+    def step_times(self) -> list[float]:
+        return self.timer.times()
+
     def _step(self, step: int) -> _Step:
         done = step + 1
-        t0 = time.perf_counter()
+        self.timer.start()
         while done in self.faults.hang and not self.stop_signals.requested:
             time.sleep(0.1)  # stops answering: the other ranks' collectives time out
         self.heartbeat.beat(done)
@@ -389,8 +395,7 @@ class TrainLoop:
             self._skip(done)
         else:
             self._update()
-        self.device.synchronize()  # a CPU-GPU sync: step times measure the device, not the queue
-        self.step_times.append(time.perf_counter() - t0)
+        self.timer.stop()  # no host sync: the next step is queued while this one runs
         self.trained.append(num_targets)
         return _Step(agreed, loss_sum, num_targets, grad_norm, lr)
 
@@ -403,7 +408,7 @@ class TrainLoop:
             t.scaler.update()
         else:
             t.optimizer.step()
-        precompute_scales(t.engine.model, mode=self.cfg.precision.float8.value)
+        precompute_scales(t.engine.model, all_gather=self.float8_all_gather)
         t.scheduler.step()
         # After the first step the optimizer took: an fp16 grad scaler skips overflowing
         # steps inside scaler.step, before AdamW has any state.

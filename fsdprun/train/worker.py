@@ -45,8 +45,7 @@ from fsdprun.device import (
     resolve_device_kind,
 )
 from fsdprun.engines import build_engine
-from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8
-from fsdprun.engines.float8 import describe as describe_float8
+from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, float8_plan
 from fsdprun.engines.mesh import mesh_dims, tp_degree
 from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
@@ -232,7 +231,8 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     num_trainable = num_trainable_params(model)
     # float8 converts Linears before checkpointing, compile and sharding wrap them (torchao).
     check_float8(cfg.precision.float8.value, device.kind)
-    apply_float8(model, mode=cfg.precision.float8.value)
+    f8 = float8_plan(cfg, ranks.world_size)
+    apply_float8(model, mode=f8.mode, all_gather=f8.all_gather, skip_small=f8.skip_small)
     # Tensor parallel first of the parallelisms (torchtitan's order): TP, then activation
     # checkpointing, then per-block compile, then FSDP over the mesh's data-parallel dims.
     mesh, tp_rows = None, []
@@ -406,7 +406,7 @@ def _start_fields(
         "compile": "off" if not compile_.enabled else (
             "per block" if compile_.per_block else "whole model"),
         "loss": describe_loss(cfg.train),
-        "float8": describe_float8(cfg.precision.float8.value, engine.inner),
+        "float8": float8_plan(cfg, ranks.world_size).describe(engine.inner),
         "num_params": num_params_,
         "weights": _describe_weights(cfg, resume_from),
         "num_trainable_params": facts.num_trainable_params,
