@@ -3,17 +3,22 @@
 # the engines and plan vs measured, and `fsdprun tune` on llama-1b; everything under $OUT.
 #   OUT=/some/dir [GPU_CHECK_BUDGET=S] bash scripts/gpu_check.sh [PART,PART,...] [--tiny]
 #
-# Parts, run in this order (default: tests,perf,profile,ablations,tune):
-#   tests      every `gpu` test: CUDA training, resume, CPU offload (cpu:gloo,cuda:nccl), the
-#              memory snapshot, FlexAttention block masks for packed rows (model and a chat
-#              fine-tuning run against the dense-mask path on CPU), and non-logging steps under
-#              torch.cuda.set_sync_debug_mode("error") (pretraining and packed chat rows).
-#   perf       bf16 + per-block compile vs the plain loop, float8 tensorwise vs the same plain
-#              bf16 loop, then eager vs the plain eager loop; interleaved repeats
-#              (GPU_CHECK_REPEATS, default 3), tokens/s and peak memory in $OUT/perf_*.json.
+# Parts, run in this order (default: perf,profile,tests; the figures first, so that a time
+# budget cuts the tests, not them):
+#   perf       like with like, one bench, interleaved repeats (GPU_CHECK_REPEATS, default 3):
+#              bf16 + per-block compile vs the plain loop, float8 tensorwise + compile vs the
+#              plain float8 loop (torchao's defaults), eager vs the plain eager loop, and once
+#              the minimal plain loop (scripts/plain_minimal.py) as a check of the plain one;
+#              and float8 with float8 all-gather forced on at one rank (what auto saves);
+#              tokens/s and peak memory in $OUT/perf.json.
 #   profile    where a step's time goes: llama-1b as benchmarked (bf16 + compile, and float8),
 #              2 steps traced after 8, summarized by scripts/trace_summary.py (GPU busy, time
 #              by kernel kind, host syncs, idle gaps); the traces stay on the machine.
+#   tests      every `gpu` test: CUDA training, resume, CPU offload (cpu:gloo,cuda:nccl), the
+#              memory snapshot, FlexAttention block masks for packed rows (model and a chat
+#              fine-tuning run against the dense-mask path on CPU), and non-logging steps under
+#              torch.cuda.set_sync_debug_mode("error") (pretraining and packed chat rows), a
+#              non-finite step skipped on the device, and CPU ranks on the GPU machine.
 #   ablations  what each change buys, compiled, one repeat: the chunked loss and selective
 #              activation checkpointing (GPU_CHECK_FULL_ABLATIONS=1: also full checkpointing,
 #              and chunked + selective).
@@ -24,7 +29,7 @@
 # GPU_CHECK_BUDGET: seconds for the whole script (0, the default: no limit). A step gets what is
 # left when it would run longer; one with under 30 s left is skipped, and the summary says so.
 # --tiny: the same steps on the `debug` recipe with a few steps, on whatever device there is (a
-#   CPU runs it end to end in a few minutes; float8 is then refused and reported as skipped).
+#   CPU runs it end to end in a few minutes; float8 runs there through the test-only switch).
 #
 # Python: $PYTHON if set, else .venv (made by scripts/setup.sh) if it holds a CUDA torch, else the
 # machine's python3. On a machine without a package registry, put the wheels fsdprun needs beyond
@@ -45,7 +50,7 @@ SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 export PYTHONUNBUFFERED=1
 RECIPE=${GPU_CHECK_RECIPE:-llama-1b}  # another recipe only to try the script itself
-PARTS=tests,perf,profile,ablations,tune
+PARTS=perf,profile,tests
 TINY=0
 usage="usage: OUT=DIR bash scripts/gpu_check.sh [tests,perf,profile,ablations,engines,tune] [--tiny]"
 for arg in "$@"; do
@@ -72,7 +77,8 @@ if [ "$TINY" = 1 ]; then
   RECIPE=debug
   PERF_STEPS=4
   REPEATS=1
-  PERF_EXTRA+=(output.timing_warmup_steps=1 launch.nproc_per_node=1 train.micro_batch_size=4)
+  PERF_EXTRA+=(output.timing_warmup_steps=1 launch.nproc_per_node=1 train.micro_batch_size=8)
+  export FSDPRUN_TEST_FLOAT8_ON_CPU=1  # test-only: float8 runs (slowly) on CPU ranks
 fi
 
 if [ -n "${PYTHON:-}" ]; then
@@ -115,11 +121,6 @@ step() {  # step NAME LIMIT_S CMD...: run, log to $WORK/NAME.txt, note the outco
   date -u; } > "$WORK/env.txt" 2>&1
 cat "$WORK/env.txt" >> "$SUMMARY"
 
-if has tests; then
-# Every `gpu` test, spread over 4 workers (the GPU holds them all at once).
-step gpu_tests 150 "$PY" -m pytest -q -m gpu -n 4 --dist load -p no:cacheprovider tests
-tail -4 "$WORK/gpu_tests.txt" >> "$SUMMARY"
-fi
 
 # Performance. Every fsdprun side runs interleaved with the plain loop in the same bench;
 # ratios are medians over the repeats.
@@ -129,17 +130,18 @@ bench() {  # bench NAME LIMIT_S [bench.py args...]
     --out "$WORK/$name.json" "$@"
 }
 if has perf; then
-# bf16 + per-block compile (the recipe) vs the plain loop; float8 tensorwise vs the same plain
-# bf16 loop.
-bench perf_compile 240 --repeats "$REPEATS" --variant float8=precision.float8=tensorwise
-# Eager: fsdprun vs the plain eager loop.
-bench perf_eager 100 compile.enabled=false --repeats "$REPEATS"
+# Like with like (scripts/bench.py pairs each side with the plain loop of its precision and
+# features): bf16 + per-block compile (the recipe), float8 tensorwise, eager; the minimal loop once.
+# float8_gather forces float8 all-gather at one rank, where auto leaves it off: what it costs.
+bench perf 380 --repeats "$REPEATS" --minimal --variant float8=precision.float8=tensorwise \
+  --variant float8_gather=precision.float8=tensorwise,precision.float8_all_gather=true \
+  --variant eager=compile.enabled=false
 fi
 if has profile; then
 for variant in bf16 float8; do
   extra=()
   [ "$variant" = float8 ] && extra=(precision.float8=tensorwise)
-  step "profile_$variant" 150 "$BIN/fsdprun" train "$RECIPE" "${PERF_EXTRA[@]}" "${extra[@]}" \
+  step "profile_$variant" 80 "$BIN/fsdprun" train "$RECIPE" "${PERF_EXTRA[@]}" "${extra[@]}" \
     train.steps=12 profile.enabled=true profile.wait=8 profile.warmup=1 profile.active=2 \
     --run-dir "$WORK/profile_$variant"
   trace="$WORK/profile_$variant/profile/rank-0.pt.trace.json"
@@ -150,6 +152,11 @@ for variant in bf16 float8; do
     tail -2 "$WORK/profile_$variant.txt" >> "$SUMMARY"
   fi
 done
+fi
+if has tests; then
+# Every `gpu` test, spread over 4 workers (the GPU holds them all at once).
+step gpu_tests 130 "$PY" -m pytest -q -m gpu -n 4 --dist load -p no:cacheprovider tests
+tail -4 "$WORK/gpu_tests.txt" >> "$SUMMARY"
 fi
 if has ablations; then
 # What each change buys (compiled, one repeat): the chunked loss and selective activation
@@ -205,7 +212,7 @@ grep -E "^ *(tune|winner|tuned|start|== )" "$WORK/tune.txt" | tail -8 >> "$SUMMA
 fi
 
 # Small files only (run directories may hold multi-GB checkpoints), at most 8 of them.
-cp "$WORK"/perf_*.json "$WORK"/perf_summary.txt "$OUT"/ 2>/dev/null
+cp "$WORK"/perf*.json "$WORK"/perf_summary.txt "$OUT"/ 2>/dev/null
 tar czf "$OUT/results.tgz" --exclude=checkpoints --exclude='*.distcp' --exclude='*.pt.trace.json' \
   --exclude='*.pickle' -C "$WORK" . 2>/dev/null
 cat "$SUMMARY"

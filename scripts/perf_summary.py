@@ -1,6 +1,9 @@
 """The performance figures of a `scripts/gpu_check.sh perf` run, one line per side.
 
-python scripts/perf_summary.py WORK_DIR     # reads WORK_DIR/perf_{compile,eager,ablations}.json
+python scripts/perf_summary.py WORK_DIR     # reads WORK_DIR/perf*.json
+
+Each side's ratio is against the plain loop it is like (`vs`): bench.py pairs a float8 side with
+the plain float8 loop, an eager side with the plain eager loop.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ def side_line(side: str, results: dict) -> str:
     t, m = st["tokens_per_s"], st["peak_memory_bytes"]
     ratio = results["ratios"].get(side)
     vs = (
-        f"x{ratio['tokens_per_s']:.3f} tokens/s, x{ratio['memory']:.3f} memory vs plain"
+        f"x{ratio['tokens_per_s']:.3f} tokens/s, x{ratio['memory']:.3f} memory vs "
+        f"{ratio.get('against', 'plain')}"
         if ratio
         else ""
     )
@@ -35,11 +39,11 @@ def side_line(side: str, results: dict) -> str:
 
 
 def main(work: Path) -> None:
-    for name in ("perf_compile", "perf_eager", "perf_ablations"):
-        path = work / f"{name}.json"
-        if not path.exists():
-            print(f"{name}: no result (timed out before its first pair of runs, or failed)")
-            continue
+    paths = sorted(work.glob("perf*.json"))
+    if not paths:
+        print("perf: no result (timed out before its first pair of runs, or failed)")
+    for path in paths:
+        name = path.stem
         r = json.loads(path.read_text())
         print(
             f"{name}: {r['recipe']} {' '.join(r['overrides'])}; {r['device']}; {r['steps']} "

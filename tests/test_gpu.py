@@ -30,6 +30,15 @@ def test_bf16_compiled_training_on_one_gpu_reports_mfu_and_gpu_memory(tmp_path):
     )
     if any(k in run.start["device_name"] for k in ("H100", "H200", "A100")):
         assert run.summary["throughput"]["mfu"] is not None
+    # Step times come from device events (no synchronize per step): the steps between two
+    # logging steps take what the host's clock saw of that window, within 15% (the window also
+    # holds the logging step's host work and its loss read).
+    times = run.summary["step_times_s"]
+    assert all(t > 0 for t in times)
+    last, prev = run.steps[-1], run.steps[-2]
+    window = sum(times[prev["step"] : last["step"]])
+    host = (last["step"] - prev["step"]) * 8 * 64 / last["tokens_per_s"]  # debug: 8 x 64 tokens
+    assert window == pytest.approx(host, rel=0.15), (window, host)
 
 
 def test_checkpoint_resume_on_gpu(tmp_path):
@@ -124,3 +133,29 @@ def test_packed_chat_rows_on_cuda_train_as_the_dense_mask_path_on_cpu(tmp_path):
     assert runs["cuda"].losses == pytest.approx(runs["cpu"].losses, rel=1e-4)
     trained = {d: [e["trained_tokens"] for e in r.steps] for d, r in runs.items()}
     assert trained["cuda"] == trained["cpu"] and min(trained["cuda"]) > 0
+
+
+def test_nonfinite_step_is_skipped_on_the_device(tmp_path):
+    """The fused AdamW step is queued before the host reads the step's flags, with the
+    non-finite flag as its found_inf: a poisoned step must leave weights, moments and the step
+    count exactly as they were (the CPU test of test_faults, on CUDA)."""
+    from conftest import consolidate, flatten, fsdprun_env
+
+    from fsdprun.checkpoint import step_dir
+
+    proc = run_fsdprun(
+        "train", "debug", "launch.device=cuda", "--nproc-per-node", "1", "train.steps=4",
+        "checkpoint.every_steps=1", "checkpoint.keep_last=0", "output.log_every=1",
+        "train.nonfinite=skip", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+        env=fsdprun_env(FSDPRUN_NONFINITE_AT="0:3"), timeout=600,
+    )  # fmt: skip
+    run = Run(proc, tmp_path / "run").check()
+    assert [e["skipped"] for e in run.steps] == [False, False, True, False]
+    after2 = consolidate(step_dir(run.run_dir, 2), tmp_path / "2.pt")
+    after3 = consolidate(step_dir(run.run_dir, 3), tmp_path / "3.pt")
+    for part in ("model", "optim"):
+        flat2, flat3 = flatten(after2[part]), flatten(after3[part])
+        assert flat2.keys() == flat3.keys()
+        for key in flat2:
+            assert torch.equal(flat2[key], flat3[key]), key
+    assert run.steps[3]["loss"] < run.steps[0]["loss"]

@@ -128,7 +128,7 @@ class _FakeEvent:
     def synchronize(self) -> None:
         _FakeEvent.waits.append("synchronize")
 
-    def elapsed_time(self, end: "_FakeEvent") -> float:
+    def elapsed_time(self, end: _FakeEvent) -> float:
         return (end.at - self.at) * 1000  # milliseconds, as CUDA events give it
 
 

@@ -77,14 +77,18 @@ def test_out_of_order_load_still_gives_the_right_batch():
     ids=["pretraining", "packed-chat"],
 )
 def test_non_logging_steps_do_not_sync_with_the_host(tmp_path, recipe, extra, port):
-    """One rank on CUDA: forward, backward, clip and the optimizer step of a step that logs
-    nothing run under torch.cuda.set_sync_debug_mode("error"). The step's one agreed read (stop
-    and non-finite flags, `StepAgreement.finish`) is left outside on purpose."""
+    """One rank on CUDA: a step that logs nothing runs under
+    torch.cuda.set_sync_debug_mode("error") as the loop runs it: the step's agreement started
+    (its flags copied to the device from pinned memory), forward, backward, clip, the flags'
+    copy back started, the fused optimizer step queued with the non-finite flag as found_inf,
+    then the flags read (an event's wait, which the mode does not count as a sync, since it
+    waits for the flags alone)."""
     import os
 
     import torch.distributed as dist
 
     from fsdprun.device import build_worker_device
+    from fsdprun.train.guard import StepAgreement
     from fsdprun.train.loop import forward_backward, step_num_targets
     from fsdprun.train.worker import Ranks, _build
 
@@ -110,11 +114,18 @@ def test_non_logging_steps_do_not_sync_with_the_host(tmp_path, recipe, extra, po
                     step_batches, tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
                     device=device.torch_device,
                 )  # fmt: skip
-                forward_backward(engine, optimizer, trainable.scaler, step_batches,
-                                 num_targets=num_targets, world_size=1,
-                                 grad_clip=cfg.train.grad_clip,
-                                 device=device.torch_device)  # fmt: skip
+                agreement = StepAgreement(stop=False, save_done=True, device=device.torch_device)
+                loss_sum, grad_norm = forward_backward(
+                    engine, optimizer, trainable.scaler, step_batches, num_targets=num_targets,
+                    world_size=1, grad_clip=cfg.train.grad_clip, device=device.torch_device,
+                )  # fmt: skip
+                pending = agreement.start_read(grad_norm=grad_norm, loss_sum=loss_sum,
+                                               loss_only=False)  # fmt: skip
+                optimizer.found_inf = pending.nonfinite.reshape(())
                 optimizer.step()
+                del optimizer.found_inf
+                agreed = pending.read()
+                assert not agreed.nonfinite and not agreed.stop
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             finally:

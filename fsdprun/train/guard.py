@@ -90,12 +90,27 @@ class StepAgreement:
         self, *, stop: bool, save_done: bool, device: torch.device, vanished: bool = False
     ):
         flags = [float(stop), 0.0 if save_done else 1.0, float(vanished)]
-        self.flags = torch.tensor(flags, device=device)
+        if device.type == "cpu":
+            self.flags = torch.tensor(flags)
+        else:
+            # From pinned memory, queued on the stream: `torch.tensor(flags, device=cuda)` would
+            # copy from pageable memory, a sync that waits for the previous step's work.
+            self._host = torch.tensor(flags, pin_memory=True)  # kept alive until copied
+            self.flags = self._host.to(device, non_blocking=True)
         self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
 
     def finish(
         self, *, grad_norm: torch.Tensor, loss_sum: torch.Tensor, loss_only: bool
     ) -> Agreement:
+        """The agreement, read now (a CPU-GPU sync: everything queued so far must finish)."""
+        return self.start_read(grad_norm=grad_norm, loss_sum=loss_sum, loss_only=loss_only).read()
+
+    def start_read(
+        self, *, grad_norm: torch.Tensor, loss_sum: torch.Tensor, loss_only: bool
+    ) -> PendingAgreement:
+        """Start the copy of the step's flags to the host without waiting for it: the caller
+        may queue more work (the optimizer step, skipped on the device by `nonfinite`) before
+        `PendingAgreement.read` waits, and then waits only for the flags, not for that work."""
         self.work.wait()
         if loss_only:
             bad = (~loss_sum.isfinite()).float().reshape(1)
@@ -103,12 +118,38 @@ class StepAgreement:
         else:
             norm = grad_norm.to_local() if hasattr(grad_norm, "to_local") else grad_norm
             bad = (~norm.isfinite()).float().reshape(1)
-        # The step's one read of device values on a non-logging step (a CPU-GPU sync): whether to
-        # apply the optimizer step (non-finite) and whether to stop must be known on the host
-        # now, the same on every rank. Four flags, one small copy.
-        stop, not_done, vanished, nonfinite = torch.cat(
-            [self.flags, bad.to(self.flags.device)]
-        ).tolist()
+        flags = torch.cat([self.flags, bad.to(self.flags.device)])
+        return PendingAgreement(flags, nonfinite=bad)
+
+
+class PendingAgreement:
+    """A step's four flags on their way to the host: stop, save not done, vanished, non-finite.
+
+    On an accelerator they are copied into pinned host memory by the device's stream (no host
+    wait) and an event marks the copy; `read` waits for that event alone. On CPU they are read
+    as they are (no device to wait for).
+    """
+
+    def __init__(self, flags: torch.Tensor, *, nonfinite: torch.Tensor):
+        self.nonfinite = nonfinite  # on the device, 1.0 if any rank's step is non-finite
+        self._event = None
+        if flags.device.type == "cpu":
+            self._host = flags
+            return
+        self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        self._host.copy_(flags, non_blocking=True)
+        module = torch.get_device_module(flags.device.type)
+        self._event = module.Event()
+        self._event.record()
+
+    def read(self) -> Agreement:
+        # The step's one read of device values on a non-logging step: whether the step's
+        # update stands (non-finite) and whether to stop must be known on the host, the same on
+        # every rank. Where the copy was queued, this waits for the flags' copy alone (a sync
+        # with the device up to that point, not with what was queued after it).
+        if self._event is not None:
+            self._event.synchronize()
+        stop, not_done, vanished, nonfinite = self._host.tolist()
         return Agreement(stop > 0, nonfinite > 0, not_done == 0, vanished > 0)
 
 

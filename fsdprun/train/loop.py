@@ -387,23 +387,47 @@ class TrainLoop:
                 world_size=self.layout.world_size, grad_clip=self.cfg.train.grad_clip,
                 device=self.device.torch_device, poison=done in self.faults.nonfinite,
             )  # fmt: skip
-            agreed = agreement.finish(
+            pending = agreement.start_read(
                 grad_norm=grad_norm, loss_sum=loss_sum, loss_only=t.scaler is not None
             )
+            stepped = self._queue_optimizer_step(pending.nonfinite)
+            agreed = pending.read()
         lr = t.scheduler.get_last_lr()[0]
         if agreed.nonfinite:
             self._skip(done)
         else:
-            self._update()
+            self._update(stepped=stepped)
         self.timer.stop()  # no host sync: the next step is queued while this one runs
         self.trained.append(num_targets)
         return _Step(agreed, loss_sum, num_targets, grad_norm, lr)
 
-    def _update(self) -> None:
-        """The optimizer step of a finite step, and the schedule's."""
+    def _queue_optimizer_step(self, nonfinite: torch.Tensor) -> bool:
+        """Queue the optimizer step before the host knows whether the step is finite, where the
+        optimizer can skip on the device: torch's fused AdamW takes a `found_inf` tensor (the
+        protocol torch's GradScaler uses, `_step_supports_amp_scaling`) and then leaves the
+        weights, moments and step count as they were. The host then waits only for the step's
+        flags, while the device already runs the update: no idle device between backward and
+        the optimizer while the host reads the flags and launches the optimizer's kernels.
+        Returns whether the step was queued (else `_update` steps after the read, as fp16's
+        grad scaler and the foreach/for-loop kernels need)."""
+        t = self.t
+        if t.scaler is not None or not getattr(t.optimizer, "_step_supports_amp_scaling", False):
+            return False
+        # Shape [] as the step counters (the [1] flag of a grad scaler fails to broadcast).
+        t.optimizer.found_inf = nonfinite.to(torch.float32).reshape(())
+        try:
+            t.optimizer.step()
+        finally:
+            del t.optimizer.found_inf
+        return True
+
+    def _update(self, *, stepped: bool) -> None:
+        """The optimizer step of a finite step (unless already queued), and the schedule's."""
         t = self.t
         self.skipped_in_row = 0
-        if t.scaler is not None:
+        if stepped:
+            pass  # queued before the read (`_queue_optimizer_step`)
+        elif t.scaler is not None:
             t.scaler.step(t.optimizer)
             t.scaler.update()
         else:
