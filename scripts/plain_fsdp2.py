@@ -72,6 +72,11 @@ class PlainSpec:
     timing_warmup_steps: int
     float8: str = "off"  # "off" | "tensorwise" | "rowwise": torchao's recipe config as it is
     float8_skip_small: bool = False  # torchao's own filter of Linears too small to gain
+    # A torch.profiler Chrome trace of rank 0 (None: no profiler), as fsdprun's `profile.*`:
+    # `profile_wait` steps, one warm-up step, `profile_active` steps recorded.
+    profile_trace: str | None = None
+    profile_wait: int = 1
+    profile_active: int = 2
 
 
 def _lr_factor(step: int, spec: PlainSpec) -> float:
@@ -176,6 +181,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # a CPU-GPU sync: step times measure the device
 
 
+def _profiler(spec: PlainSpec, device: torch.device):
+    if spec.profile_trace is None:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=spec.profile_wait, warmup=1, active=spec.profile_active),
+        on_trace_ready=lambda p: p.export_chrome_trace(spec.profile_trace),
+        record_shapes=True,
+    )
+    prof.start()
+    return prof
+
+
 def _train(spec: PlainSpec, device: torch.device) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(spec.seed)
@@ -190,10 +211,21 @@ def _train(spec: PlainSpec, device: torch.device) -> dict | None:
     accum = spec.global_batch_size // (spec.micro_batch_size * world)
     max_norm = spec.grad_clip if spec.grad_clip > 0 else float("inf")
 
+    # The step's samples, made before the loop (as a data loader's workers would have them
+    # ready): global step g, micro-step m, rank r read samples g*B + (m*W + r)*b ... + b - 1.
+    batches = []
+    for step in range(spec.steps):
+        for micro in range(accum):
+            start = step * spec.global_batch_size + (micro * world + rank) * spec.micro_batch_size
+            tokens = torch.stack(
+                [data.sample(i) for i in range(start, start + spec.micro_batch_size)]
+            )
+            batches.append(tokens.pin_memory() if device.type == "cuda" else tokens)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     warmup = min(spec.timing_warmup_steps, spec.steps - 1)
     step_times: list[float] = []  # host time to queue each step (the device may lag behind)
+    prof = _profiler(spec, device) if rank == 0 else None
     for step in range(spec.steps):
         if step == warmup:
             _sync(device)  # timing starts with nothing queued
@@ -202,12 +234,7 @@ def _train(spec: PlainSpec, device: torch.device) -> dict | None:
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
             model.set_requires_gradient_sync(micro == accum - 1)
-            # Global step g, micro-step m, rank r read samples g*B + (m*W + r)*b ... + b - 1.
-            start = step * spec.global_batch_size + (micro * world + rank) * spec.micro_batch_size
-            tokens = torch.stack(
-                [data.sample(i) for i in range(start, start + spec.micro_batch_size)]
-            )
-            tokens = tokens.to(device, non_blocking=True)
+            tokens = batches[step * accum + micro].to(device, non_blocking=True)
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
             scaled = loss / accum
@@ -224,7 +251,11 @@ def _train(spec: PlainSpec, device: torch.device) -> dict | None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t0)
+        if prof is not None:
+            prof.step()
     _sync(device)
+    if prof is not None:
+        prof.stop()
     window_s = time.perf_counter() - window_start
     measured = spec.steps - warmup
 

@@ -12,7 +12,11 @@ Within the recorded steps (the `ProfilerStep#N` spans; the whole trace where the
 - the kernels that take longest, in all;
 - host syncs: the runtime calls that block the CPU on the GPU (stream/device/event
   synchronize, blocking copies), their count and time;
-- the longest idle gaps, each with the CPU operator running when it began.
+- the longest idle gaps, each with the CPU operator running when it began;
+- host ops: the aten operators the host dispatched per step outside compiled graphs (top-level
+  ones only: an op inside another op, or inside a compiled region, is not counted again). Each
+  is Python and dispatcher work, and on a GPU at least one launch, between the compiled
+  blocks; `host_ops` is what the CPU tests compare with the plain loop's.
 
 A CPU-only trace has no device activity: only the CPU operators' inclusive time is summarized.
 Prints text, or one JSON document with --json. Exact arithmetic over the trace's microseconds;
@@ -74,6 +78,39 @@ def clip(start: float, end: float, lo: float, hi: float) -> tuple[float, float] 
     return (start, end) if end > start else None
 
 
+# Spans of compiled code: torch.compile's region, the compiled autograd functions (forward and
+# backward) and Inductor's graph calls.
+COMPILED = re.compile(r"^(Torch-Compiled Region|CompiledFunction|## Call CompiledFxGraph)")
+
+
+def host_ops(events: list[dict]) -> dict:
+    """Top-level aten operators per profiled step, outside compiled regions: {"per_step": mean
+    count over the steps, "steps": N, "by_name": {op: count over all steps}}. Nesting is by time
+    on each thread (backward runs on autograd's threads)."""
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in steps] or [
+        (min(e["ts"] for e in events), max(e["ts"] + e["dur"] for e in events))
+    ]
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    by_thread: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        name = str(e.get("name", ""))
+        if lo <= e["ts"] < hi and (name.startswith("aten::") or COMPILED.match(name)):
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    counts: dict[str, int] = defaultdict(int)
+    for ops in by_thread.values():
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_end = -1.0  # the end of the outermost op or region still open
+        for e in ops:
+            if e["ts"] < open_end:
+                continue  # inside an op or a compiled region already counted (or not counted)
+            open_end = e["ts"] + e["dur"]
+            if e["name"].startswith("aten::"):
+                counts[e["name"]] += 1
+    total = sum(counts.values())
+    return {"per_step": total / max(len(spans), 1), "steps": len(steps), "by_name": dict(counts)}
+
+
 def summarize(events: list[dict], top: int = 12, gaps: int = 5) -> dict:
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
     spans = steps or events
@@ -86,7 +123,8 @@ def summarize(events: list[dict], top: int = 12, gaps: int = 5) -> dict:
             part = clip(e["ts"], e["ts"] + e["dur"], lo, hi)
             if part:
                 device.append((e, part))
-    doc: dict = {"steps": len(steps), "wall_us": wall, "device_events": len(device)}
+    doc: dict = {"steps": len(steps), "wall_us": wall, "device_events": len(device),
+                 "host_ops_per_step": host_ops(events)["per_step"]}  # fmt: skip
     if not device:
         inclusive: dict[str, float] = defaultdict(float)
         for e in events:
@@ -133,7 +171,8 @@ def summarize(events: list[dict], top: int = 12, gaps: int = 5) -> dict:
 
 def render(doc: dict) -> str:
     steps = f"{doc['steps']} profiled step(s)" if doc["steps"] else "the whole trace"
-    lines = [f"{steps}: {doc['wall_us'] / 1e3:,.2f} ms of wall time"]
+    ops = f"{doc['host_ops_per_step']:,.0f} aten ops a step outside compiled graphs"
+    lines = [f"{steps}: {doc['wall_us'] / 1e3:,.2f} ms of wall time; {ops}"]
     if not doc["device_events"]:
         lines.append("no device activity in this trace (CPU run): CPU operators by inclusive time")
         lines += [f"  {us / 1e3:10,.2f} ms  {name}" for name, us in doc["cpu_ops"]]

@@ -121,7 +121,7 @@ def test_non_logging_steps_do_not_sync_with_the_host(tmp_path, recipe, extra, po
                 )  # fmt: skip
                 pending = agreement.start_read(grad_norm=grad_norm, loss_sum=loss_sum,
                                                loss_only=False)  # fmt: skip
-                optimizer.found_inf = pending.nonfinite.reshape(())
+                optimizer.found_inf = pending.nonfinite
                 optimizer.step()
                 del optimizer.found_inf
                 agreed = pending.read()

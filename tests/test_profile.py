@@ -158,3 +158,33 @@ def subprocess_run_summary(path) -> str:
     proc = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+def test_host_ops_count_top_level_aten_ops_outside_compiled_regions():
+    """A hand-made trace of two steps: nested ops count once, ops inside a compiled region not
+    at all, ops on another thread (autograd's) apart, ops outside the steps not at all."""
+    ts = _trace_summary()
+
+    def op(name, t, dur, tid=1):
+        return {**_x(name, "cpu_op", t, dur), "pid": 1, "tid": tid}
+
+    events = [
+        {**_x("ProfilerStep#5", "user_annotation", 0, 100), "pid": 1, "tid": 1},
+        {**_x("ProfilerStep#6", "user_annotation", 100, 100), "pid": 1, "tid": 1},
+        op("aten::add", 1, 10),
+        op("aten::empty", 2, 1),  # nested in add
+        op("Torch-Compiled Region: 0/0", 20, 30),
+        op("aten::mm", 25, 5),  # compiled
+        op("aten::_foreach_mul_", 60, 5),
+        op("CompiledFunctionBackward", 10, 50, tid=2),
+        op("aten::mm", 12, 3, tid=2),
+        op("aten::copy_", 70, 5, tid=2),  # autograd's thread, outside the compiled backward
+        op("aten::add", 110, 10),
+        op("aten::mul", 130, 5),
+        op("aten::add", 300, 5),  # after the steps
+    ]
+    doc = ts.host_ops(events)
+    assert doc["steps"] == 2
+    assert doc["by_name"] == {"aten::add": 2, "aten::_foreach_mul_": 1, "aten::copy_": 1,
+                              "aten::mul": 1}  # fmt: skip
+    assert doc["per_step"] == 2.5

@@ -113,13 +113,15 @@ class StepAgreement:
         `PendingAgreement.read` waits, and then waits only for the flags, not for that work."""
         self.work.wait()
         if loss_only:
-            bad = (~loss_sum.isfinite()).float().reshape(1)
+            bad = (~loss_sum.isfinite()).float()
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         else:
             norm = grad_norm.to_local() if hasattr(grad_norm, "to_local") else grad_norm
-            bad = (~norm.isfinite()).float().reshape(1)
-        flags = torch.cat([self.flags, bad.to(self.flags.device)])
-        return PendingAgreement(flags, nonfinite=bad)
+            bad = (~norm.isfinite()).float()
+        if bad.device != self.flags.device:
+            bad = bad.to(self.flags.device)
+        # Every op here is host work between backward and the optimizer: as few as it takes.
+        return PendingAgreement(torch.cat([self.flags, bad.reshape(1)]), nonfinite=bad)
 
 
 class PendingAgreement:
@@ -131,7 +133,7 @@ class PendingAgreement:
     """
 
     def __init__(self, flags: torch.Tensor, *, nonfinite: torch.Tensor):
-        self.nonfinite = nonfinite  # on the device, 1.0 if any rank's step is non-finite
+        self.nonfinite = nonfinite  # on the device, shape [], 1.0 if any rank's is non-finite
         self._event = None
         if flags.device.type == "cpu":
             self._host = flags

@@ -413,8 +413,8 @@ class TrainLoop:
         t = self.t
         if t.scaler is not None or not getattr(t.optimizer, "_step_supports_amp_scaling", False):
             return False
-        # Shape [] as the step counters (the [1] flag of a grad scaler fails to broadcast).
-        t.optimizer.found_inf = nonfinite.to(torch.float32).reshape(())
+        # float32 of shape [] as the step counters (a grad scaler's [1] fails to broadcast).
+        t.optimizer.found_inf = nonfinite
         try:
             t.optimizer.step()
         finally:
