@@ -40,7 +40,8 @@ OUTCOMES = ("hit", "miss", "bypass")
 
 def check_cache_dir(cache_dir: str | None) -> None:
     """Before launch: create `compile.cache_dir` (and its parents) and write a file in it, so a
-    folder the workers could not fill is refused in one line instead of compiling uncached.
+    folder the workers could not write is refused here in one line, not in a traceback of every
+    worker at its first compile (torch creates the folder then).
 
     Raises:
         UserError: the folder cannot be created or written (it names why and the fix).
