@@ -283,7 +283,9 @@ def _resolve_path(ref: str, base: Path | None) -> tuple[str, str]:
 
 # Keys holding file paths: a relative path means relative to the recipe file that set it, so a
 # recipe and its data can move together (and built-in recipes find the data shipped beside them).
-PATH_KEYS = ("data.paths", "data.val_paths", "data.tokenizer", "model.hf_path")
+PATH_KEYS = (
+    "data.paths", "data.val_paths", "data.tokenizer", "model.hf_path", "compile.cache_dir",
+)  # fmt: skip
 # Keys that may name a Hugging Face Hub id instead (fsdprun.config.hub).
 HUB_KEYS = ("model.hf_path", "data.tokenizer")
 

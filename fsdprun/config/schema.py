@@ -320,6 +320,18 @@ class CompileConfig:
     )
     fullgraph: bool = _f(False, "Ask torch.compile for a single graph (error on graph breaks).")
     mode: CompileMode = _f(CompileMode.default, "torch.compile mode.")
+    cache_dir: str | None = _f(
+        None,
+        "Folder of torch's compile caches (TORCHINDUCTOR_CACHE_DIR: Inductor's FX graph cache, "
+        "AOTAutograd's cache, and Triton's kernels under it unless TRITON_CACHE_DIR is set), "
+        "set for the workers before anything compiles: a folder every node can reach lets a "
+        "restart or a new job on fresh nodes reuse the compiled graphs. Relative to the recipe "
+        "file that sets it (the working directory for command-line overrides); created if "
+        "missing, refused before launch if it cannot be written. null = torch's default "
+        "(TORCHINDUCTOR_CACHE_DIR if set, else /tmp/torchinductor_USER, which each node and "
+        "container has to itself). The run's summary shows the compile time and the caches' "
+        "hits and misses.",
+    )
 
 
 @dataclass

@@ -217,6 +217,7 @@ STRING_KEYS: dict[str, tuple[str, str]] = {
     "data.response_field": ("name", "the field holding the response"),
     "data.template": ("text", "a text with {prompt}"),
     "data.eos_token": ("name", "a token of data.tokenizer, null (found) or none (no separator)"),
+    "compile.cache_dir": ("folder", "a folder for torch's compile caches, or null"),
     "checkpoint.load_from": ("folder", "a checkpoint folder (RUN_DIR/checkpoints/step-N), or null"),
     "launch.rdzv_endpoint": ("endpoint", "HOST:PORT, or empty for one node"),
     "launch.rdzv_id": ("name", "a job id, the same on every node"),

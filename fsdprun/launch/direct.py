@@ -22,6 +22,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
+from fsdprun.compile_cache import check_cache_dir
 from fsdprun.config import ResolvedRecipe, load_recipe
 from fsdprun.config.hub import hub_mode_of_worker
 from fsdprun.data.preflight import check_data
@@ -116,6 +117,7 @@ def run_as_worker(recipe: str, overrides: list[str]) -> None:
     data_problems = check_data(resolved.config)
     if data_problems:
         raise UserError("; ".join(data_problems))
+    check_cache_dir(resolved.config.compile.cache_dir)  # every rank: nodes may see it or not
     run_dir = direct_run_dir(resolved.name, resolved.config.output.run_dir)
     resolved.config.output.run_dir = str(run_dir)
     rank0 = int(os.environ["RANK"]) == 0

@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdprun.checkpoint import read_manifest, set_aside_after
+from fsdprun.compile_cache import check_cache_dir
 from fsdprun.config import RecipeConfig, ResolvedRecipe, accelerator_device_nodes
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, memory_per_rank, resolve_device_kind
@@ -387,6 +388,7 @@ def launch_training(
     if data_problems:
         raise UserError("; ".join(data_problems))
     check_tracker_folders(cfg, run_dir)
+    check_cache_dir(cfg.compile.cache_dir)
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
     check_float8(cfg.precision.float8.value, kind)  # float8 matmuls need CUDA capability >= 8.9

@@ -104,6 +104,25 @@ class Cell:
         yield text
 
 
+def compile_rows(compiled: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The summary's compile rows: the seconds spent compiling (the slowest rank's) and each
+    compile cache's hits and misses over all ranks; none when nothing compiled."""
+    if compiled is None:
+        return []
+    time_s = compiled["time_s"]
+    rows = [("compile time", f"{time_s:.1f} s" if time_s is not None else "n/a")]
+    for label, key in (("FX graph cache", "fx_graph"), ("AOTAutograd cache", "aot_autograd")):
+        counts = compiled[key]
+        if counts is None:
+            rows.append((label, "n/a"))
+            continue
+        text = f"{counts['hit']} of {counts['hit'] + counts['miss']} hit"
+        if counts["bypass"]:  # graphs the cache cannot hold (torch says why in its debug log)
+            text += f", {counts['bypass']} bypassed"
+        rows.append((label, text))
+    return rows
+
+
 def _lora_line(lora: dict[str, Any], num_base_params: int, num_trainable: int) -> str:
     """The header's LoRA line: its settings and how many parameters train (the adapters) of all
     (the frozen base and the adapters)."""
@@ -222,6 +241,8 @@ class Reporter:
         )
         if e.get("loss"):
             c.print(f"  loss: {e['loss']}; float8: {e.get('float8', 'off')}", soft_wrap=True)
+        if e.get("compile_cache"):
+            c.print(f"  compile cache: {e['compile_cache']}", soft_wrap=True)  # a path stays whole
         tp = e.get("tp") or 1
         ranks = f"{e['world_size']} ranks" if tp == 1 else f"{e['world_size'] // tp} dp ranks"
         c.print(
@@ -305,6 +326,7 @@ class Reporter:
                 f"{t['steps_measured']} (first {e['timing_warmup_steps']} left out)",
             ),
             ("FLOPs/token (estimate)", fmt_count(e["flops_per_token"])),
+            *compile_rows(e.get("compile")),  # absent from older runs' metrics
         ]
         for row in rows:
             table.add_row(*row)

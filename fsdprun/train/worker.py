@@ -36,6 +36,7 @@ from fsdprun.checkpoint import (
     new_checkpoint_group,
     read_manifest,
 )
+from fsdprun.compile_cache import combine_ranks, compile_stats, describe_cache_dir, use_cache_dir
 from fsdprun.config import Dtype, ModelConfig, ModelInit, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.data import BatchLayout, Dataset, build_datasets
 from fsdprun.device import (
@@ -132,6 +133,8 @@ def run(
         # Validate against the real world size, which is what the workers actually got.
         cfg = load_recipe(str(recipe_path(run_dir)), world_size=ranks.world_size).config
     _set_threads()
+    # Before anything compiles (torch reads the variable when it first needs the folder).
+    use_cache_dir(cfg.compile.cache_dir)
     kind = resolve_device_kind(cfg.launch.device.value)
     device = build_worker_device(kind, ranks.local_rank)
     timeout = timedelta(seconds=cfg.launch.timeout_s)
@@ -354,7 +357,7 @@ def _train(
         return {"vanished": {"step": result.vanished_at, "checkpoint": last}}
     ranks_info: list[dict[str, Any]] = [{}] * ranks.world_size
     mine = {"rank": ranks.rank, "model_state_bytes": result.model_state_bytes,
-            **device.peak_memory()}  # fmt: skip
+            **device.peak_memory(), "compile": compile_stats()}  # fmt: skip
     dist.all_gather_object(ranks_info, mine)
     if ranks.rank != 0:
         # Every rank says how the run ended: a node's launcher whose ranks do not include rank 0
@@ -405,6 +408,8 @@ def _start_fields(
         ),
         "compile": "off" if not compile_.enabled else (
             "per block" if compile_.per_block else "whole model"),
+        "compile_cache": describe_cache_dir(compile_.cache_dir)
+            if compile_.enabled or compile_.cache_dir else None,
         "loss": describe_loss(cfg.train),
         "float8": float8_plan(cfg, ranks.world_size).describe(engine.inner),
         "num_params": num_params_,
@@ -500,6 +505,9 @@ def _summary(
     if cfg.precision.float8.value != "off":
         note = f"{note}; {MFU_CONVENTION}" if note else MFU_CONVENTION
     step_times = result.step_times_s
+    compiled = combine_ranks([r["compile"] for r in ranks_info])
+    if not cfg.compile.enabled and (compiled is None or not compiled["time_s"]):
+        compiled = None  # nothing compiled: no row in the summary
     return {
         "steps": cfg.train.steps,
         # None when this launch ran no step (a restart from the last step's checkpoint).
@@ -522,6 +530,8 @@ def _summary(
         "ranks": ranks_info,
         "metrics_file": str(run_dir / cfg.output.metrics_file),
         "wall_time_s": time.perf_counter() - wall_start,
+        # Seconds compiling (slowest rank) and the compile caches' hits and misses (all ranks).
+        "compile": compiled,
         "start_step": start_step,
         "skipped_steps": result.skipped_steps,
         "stopped": result.stopped,
