@@ -1081,6 +1081,18 @@ def _show(document: dict, *, json_: bool, render, plot: Path | None, figure: str
         err_console.print(f"wrote {plot}")
 
 
+def _one_line_paragraphs(text: str) -> str:
+    """`text` with each paragraph (blank lines separate them) on one line."""
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(text).split("\n\n"))
+
+
+# rich rewraps a help paragraph to the terminal's width only when it is one line: typer keeps a
+# docstring's line breaks (in the command list, and in a command's later paragraphs; which, differs
+# between typer versions), so a description wrapped for the source broke mid-sentence at any width.
+for _command in app.registered_commands:
+    _command.help = _one_line_paragraphs(_command.help or inspect.getdoc(_command.callback) or "")
+
+
 def main() -> None:
     from fsdprun.limits import ensure_open_file_limit
 
