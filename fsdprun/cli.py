@@ -787,7 +787,7 @@ def download(
     for hub_id in hub_ids:
         if not is_hub_id(hub_id):
             raise UserError(f"{hub_id!r}: not a Hub model id (ORG/NAME), or a local path already")
-        print(f"{hub_id}: {hub_folder(hub_id, key=key, mode='download')}")
+        print(f"{hub_id}: {hub_folder(hub_id, key=key, mode='download', downloading=True)}")
 
 
 @app.command()
