@@ -73,17 +73,11 @@ def _token_hint() -> str:
     return "log in with `hf auth login` (huggingface-cli login) or set HF_TOKEN"
 
 
-def _cache_folder(hub_id: str) -> str:
-    """The folder huggingface_hub keeps `hub_id` in, inside the cache: models--ORG--NAME."""
-    from huggingface_hub.file_download import repo_folder_name
-
-    return repo_folder_name(repo_id=hub_id, repo_type="model")
-
-
 def _copy_hint(hub_id: str) -> str:
+    # huggingface_hub's cache keeps a model in HF_HUB_CACHE/models--ORG--NAME.
     return (
-        f"or copy its folder {_cache_folder(hub_id)} from the cache of a machine that has it "
-        f"into {_cache_dir()}"
+        f"or copy its folder models--{hub_id.replace('/', '--')} from the cache of a machine "
+        f"that has it into {_cache_dir()}"
     )
 
 
