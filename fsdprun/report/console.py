@@ -189,7 +189,8 @@ class Reporter:
             if event["missing"]:
                 self.console.print(
                     f"  no trace here from rank(s) {event['missing']}: on another node's disk, "
-                    "the run ended before the profiled steps, or it did not fit (a warning on stderr says)"
+                    "the run ended before the profiled steps, or it did not fit (a warning on "
+                    "stderr says)"
                 )
             for path in event["memory_snapshots"]:
                 self.console.print(f"  memory snapshot: {path} (open in pytorch.org/memory_viz)")
