@@ -30,6 +30,7 @@ def diagnostic(kind: Literal["warning", "note"], message: str) -> None:
 
     The caller decides who prints: in a run, rank 0's Reporter, or a rank into its own log.
     """
+    message = "\\n".join(message.splitlines())  # one line whatever it quotes, as an error line
     # sys.stderr is looked up at each call: while rich's live progress bar runs, it stands in
     # for sys.stderr and prints the line above the bar.
     print(f"{kind}: {message}", file=sys.stderr, flush=True)
