@@ -32,7 +32,7 @@ from rich.markup import escape
 
 from fsdprun import __version__
 from fsdprun.config import builtin_recipes, explain, launch_device_problem, load_recipe
-from fsdprun.errors import StorageError, UserError
+from fsdprun.errors import StorageError, UserError, diagnostic
 from fsdprun.launch.flags import LaunchFlags, launch_overrides
 from fsdprun.report.output import output_console
 from fsdprun.rundir import (
@@ -418,9 +418,9 @@ def _resume(
         accept_base_change=accept_base_change, base=base,
     )  # fmt: skip
     for bad in resume.skipped:
-        err_console.print(f"warning: skipping incomplete checkpoint {bad.path}: {bad.reason}")
+        diagnostic("warning", f"skipping incomplete checkpoint {bad.path}: {bad.reason}")
     for note in resume.notes:
-        err_console.print(f"note: {note}")
+        diagnostic("note", note)
     manifest = resume.checkpoint.manifest
     print(
         f"resuming {run_dir} from {resume.checkpoint.path.name} (step {resume.checkpoint.step}, "
@@ -526,7 +526,7 @@ def plot(
     target = out or (run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("plot.png"))
     try:
         # A damaged metrics file is drawn without what could not be read, said in one line.
-        plot_runs(run_dirs, target, note=lambda line: print(f"note: {line}", file=sys.stderr))
+        plot_runs(run_dirs, target, note=lambda line: diagnostic("note", line))
     except UserError as e:
         if os.environ.get("FSDPRUN_DEBUG"):
             raise
@@ -651,9 +651,9 @@ def export(
         accept_base_change=accept_base_change,
     )  # fmt: skip
     for key in result.skipped:
-        err_console.print(f"warning: {key} is not a tensor; not exported")
+        diagnostic("warning", f"{key} is not a tensor; not exported")
     for note in result.notes:
-        err_console.print(f"note: {escape(note)}")
+        diagnostic("note", note)
     print(
         f"exported {result.num_tensors} tensors ({fmt_count(result.num_params)} params, "
         f"{fmt_bytes(result.total_bytes)}) from {checkpoint} to {out}: {', '.join(result.files)}"
@@ -787,7 +787,7 @@ def download(
     for hub_id in hub_ids:
         if not is_hub_id(hub_id):
             raise UserError(f"{hub_id!r}: not a Hub model id (ORG/NAME), or a local path already")
-        print(f"{hub_id}: {hub_folder(hub_id, key=key, mode='download')}")
+        print(f"{hub_id}: {hub_folder(hub_id, key=key, mode='download', downloading=True)}")
 
 
 @app.command()
@@ -1079,6 +1079,18 @@ def _show(document: dict, *, json_: bool, render, plot: Path | None, figure: str
 
         getattr(plots, figure)(document).savefig(plot, dpi=plots.DPI)
         err_console.print(f"wrote {plot}")
+
+
+def _one_line_paragraphs(text: str) -> str:
+    """`text` with each paragraph (blank lines separate them) on one line."""
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(text).split("\n\n"))
+
+
+# rich rewraps a help paragraph to the terminal's width only when it is one line: typer keeps a
+# docstring's line breaks (in the command list, and in a command's later paragraphs; which, differs
+# between typer versions), so a description wrapped for the source broke mid-sentence at any width.
+for _command in app.registered_commands:
+    _command.help = _one_line_paragraphs(_command.help or inspect.getdoc(_command.callback) or "")
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
-"""The error types for problems a user can fix.
+"""The error types for problems a user can fix, and `diagnostic`, the one printer of warnings.
 
 The CLI prints a `UserError` as one line and exits 2, a `StorageError` as one line and exits 1;
 anything else is a bug or a runtime failure and keeps its traceback. Set FSDPRUN_DEBUG=1 to see
-the traceback of these too.
+the traceback of these too. Errors, `warning:` and `note:` lines all go to stderr, so that
+`fsdprun train ... > log` keeps them in view and stdout holds the command's own output.
 
 Never imports an fsdprun module at module load (every module imports this one); the console only
 inside the function that prints.
@@ -11,6 +12,8 @@ inside the function that prints.
 from __future__ import annotations
 
 import errno
+import sys
+from typing import Literal
 
 
 class UserError(Exception):
@@ -20,6 +23,17 @@ class UserError(Exception):
 class StorageError(Exception):
     """The machine refused a write (a full disk, a file-size limit, a read-only or unwritable
     place): the message names the path and why; nothing partial was left behind."""
+
+
+def diagnostic(kind: Literal["warning", "note"], message: str) -> None:
+    """Print `kind: message` on stderr as one line (not wrapped, no markup: paths stay whole).
+
+    The caller decides who prints: in a run, rank 0's Reporter, or a rank into its own log.
+    """
+    message = "\\n".join(message.splitlines())  # one line whatever it quotes, as an error line
+    # sys.stderr is looked up at each call: while rich's live progress bar runs, it stands in
+    # for sys.stderr and prints the line above the bar.
+    print(f"{kind}: {message}", file=sys.stderr, flush=True)
 
 
 def find_os_error(error: BaseException) -> OSError | None:

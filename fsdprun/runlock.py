@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdprun.errors import UserError
+from fsdprun.errors import UserError, diagnostic
 from fsdprun.rundir import lock_path
 
 # Run directories this process holds, by resolved path: a command that locked early (resume
@@ -179,10 +179,10 @@ def _try_lock(fd: int, path: Path) -> bool:
         except OSError as e:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise
-            print(
-                f"warning: cannot lock {path} ({e.strerror}): this filesystem has no file locks; "
-                "nothing stops a second run from using this directory at the same time",
-                file=sys.stderr,
+            diagnostic(
+                "warning",
+                f"cannot lock {path} ({e.strerror}): this filesystem has no file locks; nothing "
+                "stops a second run from using this directory at the same time",
             )
             return False
     # The holder writes its name right after taking the lock: give it a moment.

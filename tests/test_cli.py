@@ -6,6 +6,7 @@ command hands it. Run with `pytest tests/test_cli.py`.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 from pathlib import Path
 
@@ -94,6 +95,51 @@ def test_command_help(command):
     assert "Usage:" in result.stdout
     for text in HELP_TEXT.get(command, []):
         assert text in result.stdout
+
+
+def _wrapped_paragraphs(page: str, columns: int) -> list[tuple[list[str], int]]:
+    """A `--help` page's prose as rich wrapped it: (the lines of one paragraph, the width they
+    wrap at) for each paragraph above the first panel (Usage aside) and each command's
+    description in the Commands panel."""
+    lines = page.splitlines()
+    first_panel = next(i for i, line in enumerate(lines) if line.startswith("╭"))
+    found, paragraph = [], []
+    for line in [*lines[:first_panel], ""]:
+        if line.strip():
+            paragraph.append(line.rstrip())
+        elif paragraph:
+            # One space of padding on either side of the page.
+            if not paragraph[0].lstrip().startswith("Usage:"):
+                found.append((paragraph, columns - 1))
+            paragraph = []
+    if any(line.startswith("╭─ Commands") for line in lines):
+        start = next(i for i, line in enumerate(lines) if line.startswith("╭─ Commands"))
+        end = next(i for i in range(start, len(lines)) if lines[i].startswith("╰"))
+        rows = [line[2:-2] for line in lines[start + 1 : end]]  # inside "│ " and " │"
+        name = rows[0].split()[0]
+        column = len(rows[0]) - len(rows[0][len(name) :].lstrip())
+        for row in rows:
+            if row[:column].strip():
+                found.append(([], len(row) - column))
+            found[-1][0].append(row[column:].rstrip())
+    return found
+
+
+@pytest.mark.parametrize("columns", [80, 100, 200])
+def test_help_descriptions_wrap_at_the_terminal_width_only(columns):
+    # rich wraps greedily: a line followed by a word that would have fitted on it is a line
+    # break of the help text itself, which breaks the description mid-sentence at every width.
+    checked = 0
+    for command in [None, *COMMANDS]:
+        args = [command, "--help"] if command else ["--help"]
+        result = runner.invoke(app, args, env={"COLUMNS": str(columns)})
+        assert result.exit_code == 0, result.output
+        for paragraph, width in _wrapped_paragraphs(result.stdout, columns):
+            checked += 1
+            for line, after in itertools.pairwise(paragraph):
+                fits = len(line) + 1 + len(after.split()[0]) <= width
+                assert not fits, (command, columns, line, after)
+    assert checked > 2 * len(COMMANDS)
 
 
 def test_recipes_lists_debug_with_its_description():

@@ -103,11 +103,24 @@ def test_a_hub_id_not_cached_is_one_line_before_launch(tmp_path):
         assert line.startswith(f"error: model.hf_path: '{missing}' is no folder here and not in "
                                f"the Hugging Face cache ({tmp_path / 'cache'})"), line  # fmt: skip
         assert "HF_HUB_OFFLINE is set" in line and f"`fsdprun download {missing}`" in line
+        # Only a command that downloads would download with HF_HUB_OFFLINE unset.
+        assert ("unset HF_HUB_OFFLINE to download it here" in line) == (command[0] == "train")
     assert not (tmp_path / "runs").exists()
-    line = one_line_error(fsdprun("download", missing, env=env, cwd=tmp_path))
-    assert f"'{missing}' is no folder here and not in the Hugging Face cache" in line
-    # Online, the read-only commands still only look in the cache.
+    # `fsdprun download` itself names what to change here, not `fsdprun download` again: offline,
+    # HF_HUB_OFFLINE; without a network (nothing listens at HF_ENDPOINT), the network.
+    copy = "copy its folder models--nobody--no-model from the cache of a machine that has it into "
     online = {k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}
+    for more in ([], ["--tokenizer-only"]):
+        line = one_line_error(fsdprun("download", missing, *more, env=env, cwd=tmp_path))
+        assert line.startswith(f"error: '{missing}': not in the Hugging Face cache"), line
+        assert "unset HF_HUB_OFFLINE" in line and f"{copy}{tmp_path / 'cache'}" in line, line
+        assert "fsdprun download" not in line and "hf_path" not in line, line
+        line = one_line_error(fsdprun("download", missing, *more, env=online, cwd=tmp_path))
+        assert line.startswith(f"error: '{missing}': cannot download from the Hugging Face Hub "
+                               "at http://127.0.0.1:9 ("), line  # fmt: skip
+        assert "where the Hub is reachable" in line and copy in line, line
+        assert "fsdprun download" not in line and "tokenizer" not in line, line
+    # Online, the read-only commands still only look in the cache.
     line = one_line_error(fsdprun("config", "debug", f"data.tokenizer={missing}", env=online,
                                   cwd=tmp_path))  # fmt: skip
     assert "this command never downloads" in line

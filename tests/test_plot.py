@@ -105,7 +105,7 @@ def test_every_panel_is_labelled_with_its_unit_and_resumes_and_restarts_are_name
         {"event": "start", "recipe": "llama-1b", "started_at": started}, _step(1, 5.0),
         _step(2, 4.0), {"event": "eval", "step": 2, "val_loss": 4.5}, {"event": "start"},
         {"event": "resume", "step": 2, "attempt": 0}, _step(3, 3.0),
-        {"event": "restart", "step": 3, "attempt": 1}, _step(4, 2.0),
+        {"event": "restart", "step": 3, "attempt": 1}, _step(4, 2.0), {"event": "summary"},
     ])  # fmt: skip
     fig = plot_runs([run_dir], tmp_path / "p.png")
     assert fig.get_suptitle() == f"fsdprun llama-1b: {run_dir} (started 2026-12-02 04:05 UTC)"
@@ -140,6 +140,73 @@ def test_every_panel_is_labelled_with_its_unit_and_resumes_and_restarts_are_name
     # A run of an older version has no start time: dated by its metrics file, said as such.
     old = _write_metrics(tmp_path / "old", [{"event": "start", "recipe": "debug"}, _step(1, 5.0)])
     assert f"{old} (metrics last written 20" in plot_runs([old], tmp_path / "o.png").get_suptitle()
+
+
+def _summary(ranks: list[float]) -> dict:
+    return {"event": "summary", "ranks": [{"rank": r, "peak_rss_bytes": gib * GIB}
+                                          for r, gib in enumerate(ranks)]}  # fmt: skip
+
+
+def test_the_memory_legend_covers_no_bar(tmp_path):
+    from fsdprun.report.plot import build_figure, read_run
+
+    # Runs of 4 ranks with about the same peak on each (FSDP shards alike): the bars fill the
+    # panel, and a legend inside it covered rank 3's.
+    runs = []
+    for i in range(3):
+        peaks = [p + 0.02 * i for p in (1.0, 1.03, 1.01, 1.04)]
+        runs.append(_write_metrics(tmp_path / f"run-{i}", [
+            {"event": "start", "recipe": "debug"}, _step(1, 5.0), _step(2, 4.0), _summary(peaks),
+        ]))  # fmt: skip
+    fig = build_figure([read_run(run_dir) for run_dir in runs])
+    memory = fig.axes[5]
+    fig.draw_without_rendering()  # laid out as savefig lays it out, without the PNG
+    legend = memory.get_legend().get_window_extent()
+    assert [t.get_text() for t in memory.get_legend().get_texts()] == ["run-0", "run-1", "run-2"]
+    bars = [p.get_window_extent() for p in memory.patches]
+    assert len(bars) == 12 and not any(legend.overlaps(bar) for bar in bars), (legend, bars)
+    # The whole legend is in the picture.
+    assert fig.bbox.contains(legend.x0, legend.y0) and fig.bbox.contains(legend.x1, legend.y1)
+
+
+def test_a_failed_run_is_marked_in_the_title_and_the_legends(tmp_path):
+    from fsdprun.report.plot import build_figure, figure_title, read_run
+    from fsdprun.runlock import hold_run_dir
+
+    # The last session ended without a summary and nothing holds the lock: it failed (as
+    # `fsdprun status` says); a resumed run is judged by its last session.
+    crashed = _write_metrics(tmp_path / "crashed", [
+        {"event": "start", "recipe": "debug"}, _step(1, 5.0), _step(2, 4.0), _summary([1.0]),
+        {"event": "start"}, {"event": "resume", "step": 2}, _step(3, 3.0),
+    ])  # fmt: skip
+    done = _write_metrics(tmp_path / "done", [
+        {"event": "start", "recipe": "debug"}, {"event": "start"},
+        {"event": "restart", "step": 0, "attempt": 1}, _step(1, 5.0), _summary([1.0]),
+    ])  # fmt: skip
+    stopped = _write_metrics(tmp_path / "stopped", [
+        {"event": "start", "recipe": "debug"}, _step(1, 5.0), {"event": "stopped", "step": 1},
+    ])  # fmt: skip
+    running = _write_metrics(tmp_path / "running", [
+        {"event": "start", "recipe": "debug"}, _step(1, 5.0),
+    ])  # fmt: skip
+    fig = plot_runs([crashed], tmp_path / "f.png")
+    title, mark = fig.get_suptitle().splitlines()
+    assert title.startswith(f"fsdprun debug: {crashed} (")
+    assert mark == (
+        "FAILED: crashed after logged step 3 (the last session ended without a summary: an error "
+        f"or a kill; see {crashed}/logs)"
+    )
+    assert fig._suptitle.get_color() == "red"  # and in red
+    with hold_run_dir(running):  # a run in progress has no summary yet either
+        for run_dir in (done, stopped, running):
+            assert "FAILED" not in figure_title([read_run(run_dir)]), run_dir
+        fig = build_figure([read_run(d) for d in (done, crashed, running)])
+    mark = "FAILED: crashed after logged step 3 (the last session ended without a summary"
+    assert fig.get_suptitle().splitlines()[1].startswith(mark)
+    for ax in fig.axes:  # every legend names it
+        texts = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert any(t.startswith("crashed (failed)") for t in texts), (ax.get_title(), texts)
+        assert not any("done (failed)" in t or "running (failed)" in t for t in texts)
 
 
 def test_plot_command_errors_are_one_line_and_it_needs_no_torch(tmp_path, monkeypatch):

@@ -73,7 +73,15 @@ def _token_hint() -> str:
     return "log in with `hf auth login` (huggingface-cli login) or set HF_TOKEN"
 
 
-def _download(hub_id: str, *, key: str, model: bool) -> Path:
+def _copy_hint(hub_id: str) -> str:
+    # huggingface_hub's cache keeps a model in HF_HUB_CACHE/models--ORG--NAME.
+    return (
+        f"or copy its folder models--{hub_id.replace('/', '--')} from the cache of a machine "
+        f"that has it into {_cache_dir()}"
+    )
+
+
+def _download(hub_id: str, *, key: str, model: bool, downloading: bool) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -104,6 +112,14 @@ def _download(hub_id: str, *, key: str, model: bool) -> Path:
         # No connection (LocalEntryNotFoundError then says the network is unreachable), or the
         # Hub refused: the cache cannot be filled from here.
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if downloading:  # `fsdprun download` itself: what to change on this machine
+            from huggingface_hub import constants
+
+            raise UserError(
+                f"'{hub_id}': cannot download from the Hugging Face Hub at {constants.ENDPOINT} "
+                f"({reason}); run this where the Hub is reachable (HF_ENDPOINT, HTTPS_PROXY), "
+                f"{_copy_hint(hub_id)}"
+            ) from e
         raise UserError(
             f"{key}: cannot download '{hub_id}' from the Hugging Face Hub ({reason}); download it "
             f"where there is a network (`fsdprun download {hub_id}`) into the same cache "
@@ -118,12 +134,16 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def hub_folder(hub_id: str, *, key: str, mode: str = "cache", wait_s: float = 600) -> Path:
+def hub_folder(
+    hub_id: str, *, key: str, mode: str = "cache", wait_s: float = 600, downloading: bool = False
+) -> Path:
     """The local snapshot folder of a Hub id, by `mode` (see the module docstring).
 
     Args:
         key: the recipe key that names it, for the messages.
         wait_s: how long `wait` waits for the node's local rank 0 to fill the cache.
+        downloading: the caller is `fsdprun download`, so a message names what to change here
+            (HF_HUB_OFFLINE, the network), not that command again.
 
     Raises:
         UserError: not cached where nothing may be downloaded (offline, or `cache`), gated,
@@ -152,12 +172,27 @@ def hub_folder(hub_id: str, *, key: str, mode: str = "cache", wait_s: float = 60
             f"{wait_s:g} s (local rank 0 downloads it); `fsdprun download {hub_id}` first"
         )
     if mode == "download" and not _offline():
-        return _download(hub_id, key=key, model=model)
-    why = "and HF_HUB_OFFLINE is set" if _offline() else "and this command never downloads"
+        return _download(hub_id, key=key, model=model, downloading=downloading)
+    if downloading:  # and offline
+        raise UserError(
+            f"'{hub_id}': not in the Hugging Face cache ({_cache_dir()}), and HF_HUB_OFFLINE is "
+            "set, which forbids downloading: run this again without it (unset HF_HUB_OFFLINE) "
+            f"where the Hub is reachable, {_copy_hint(hub_id)}"
+        )
+    if _offline():
+        # Unsetting it helps only a command that downloads; `config` and `plan` never do.
+        here = "unset HF_HUB_OFFLINE to download it here, or " if mode == "download" else ""
+        fix = (
+            f"{here}run `fsdprun download {hub_id}` without HF_HUB_OFFLINE where the Hub is "
+            "reachable, into this cache"
+        )
+        why = "and HF_HUB_OFFLINE is set"
+    else:
+        fix = f"run `fsdprun download {hub_id}` (with a network)"
+        why = "and this command never downloads"
     raise UserError(
         f"{key}: '{hub_id}' is no folder here and not in the Hugging Face cache "
-        f"({_cache_dir()}) {why}; run `fsdprun download {hub_id}` (with a network), or give a "
-        "local folder"
+        f"({_cache_dir()}) {why}; {fix}, or give a local folder"
     )
 
 

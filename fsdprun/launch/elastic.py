@@ -30,7 +30,7 @@ from fsdprun.config import RecipeConfig, ResolvedRecipe, accelerator_device_node
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, memory_per_rank, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
-from fsdprun.errors import StorageError, UserError
+from fsdprun.errors import StorageError, UserError, diagnostic
 from fsdprun.launch.killed import describe_sigkill, is_sigkill
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.launch.rendezvous import RendezvousProgress
@@ -153,10 +153,10 @@ def _set_aside_abandoned(run_dir: Path, resume_from: Path) -> None:
     step = read_manifest(resume_from)["step"]
     moved = set_aside_after(run_dir, step)
     if moved:
-        print(
-            f"note: set aside {len(moved)} checkpoint(s) after step {step}, which this resume "
+        diagnostic(
+            "note",
+            f"set aside {len(moved)} checkpoint(s) after step {step}, which this resume "
             f"abandons: {', '.join(p.name for p in moved)}",
-            file=sys.stderr,
         )
 
 
@@ -393,7 +393,7 @@ def launch_training(
     check_nproc(kind, cfg.launch.nproc_per_node)
     check_float8(cfg.precision.float8.value, kind)  # float8 matmuls need CUDA capability >= 8.9
     for line in _hardware_warnings(cfg, kind):
-        print(f"warning: {line}", file=sys.stderr, flush=True)
+        diagnostic("warning", line)
     method = start_method(kind)  # a bad FSDPRUN_START_METHOD is refused before RUN_DIR exists
     # One run per directory: locked before anything is written in it, for the whole run.
     with hold_run_dir(run_dir, node_rank=cfg.launch.node_rank):

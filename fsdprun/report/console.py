@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from fsdprun.errors import diagnostic
 from fsdprun.report.metrics import read_events
 from fsdprun.report.output import output_console
 
@@ -207,18 +208,20 @@ class Reporter:
             if event["missing"]:
                 self.console.print(
                     f"  no trace here from rank(s) {event['missing']}: on another node's disk, "
-                    "the run ended before the profiled steps, or it did not fit (a warning says)"
+                    "the run ended before the profiled steps, or it did not fit (a warning on "
+                    "stderr says)"
                 )
             for path in event["memory_snapshots"]:
                 self.console.print(f"  memory snapshot: {path} (open in pytorch.org/memory_viz)")
         elif kind == "load_weights":
             self.console.print(f"model weights loaded from {event['checkpoint']}")
         elif kind == "warning":
-            self.console.print(f"warning: {event['message']}")
+            diagnostic("warning", event["message"])
         elif kind == "save_error" and event["action"] == "continue":
             # A save that stops the run is the command's error line instead.
-            self.console.print(
-                f"warning: {event['message']}; training goes on (checkpoint.on_save_error=continue)"
+            diagnostic(
+                "warning",
+                f"{event['message']}; training goes on (checkpoint.on_save_error=continue)",
             )
 
     def start(self, e: dict[str, Any]) -> None:

@@ -188,6 +188,22 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return read_metrics(path).events
 
 
+def run_state(events: list[dict[str, Any]], *, running: bool) -> str:
+    """How a run stands, from its metrics events and whether its run directory's lock is held:
+    "running", "not started" (no session began), "stopped" (the last session stopped where all
+    ranks agreed to, to go on with resume), "finished" (the last session wrote its summary), or
+    "failed" (the last session ended without either: an error, or a kill)."""
+    if running:
+        return "running"
+    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+    if not starts:
+        return "not started"
+    ended = {e["event"] for e in events[starts[-1] :]}
+    if "stopped" in ended:
+        return "stopped"
+    return "finished" if "summary" in ended else "failed"
+
+
 def integer(value: Any) -> int | None:
     """`value` if it is a JSON integer (not a bool), else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None

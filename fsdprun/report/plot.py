@@ -7,8 +7,9 @@ Six panels from each run's metrics file alone (no torch): loss against step (tra
 where evaluated), loss against tokens seen, learning rate, grad norm, tokens/s, and the peak
 memory of each rank (the last summary's ranks; from the step events, rank 0 only, while a run
 has no summary). A step logged twice (a resume from an older checkpoint) counts with its latest
-record; dotted lines mark where a session resumed or restarted. matplotlib is an optional extra
-(`pip install 'fsdprun[plot]'`).
+record; dotted lines mark where a session resumed or restarted. A run whose last session failed
+(it ended without a summary, and nothing holds its lock) is named in a red title line and its
+legend entries. matplotlib is an optional extra (`pip install 'fsdprun[plot]'`).
 
 The pictures of `fsdprun compare --plot` (compare_figure) and `fsdprun plan --plot`
 (plan_figure) are drawn here too, from those commands' JSON documents.
@@ -25,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdprun.errors import UserError
-from fsdprun.report.metrics import integer, number, read_metrics
-from fsdprun.rundir import metrics_path
+from fsdprun.report.metrics import integer, number, read_metrics, run_state
+from fsdprun.rundir import lock_paths, metrics_path
+from fsdprun.runlock import is_locked
 
 GIB = 2**30
 FIGURE_SIZE_IN = (15.0, 8.0)
@@ -63,6 +65,11 @@ class RunCurves:
     started_at: str | None = None
     memory: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> memory figures
     skipped: str | None = None  # one line on what could not be read, when something could not
+    state: str = "finished"  # fsdprun.report.metrics.run_state: "failed", "running", ...
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "failed"
 
 
 class _Values:
@@ -153,6 +160,7 @@ def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
         recipe=start.get("recipe") if isinstance(start.get("recipe"), str) else None,
         run_dir=str(run_dir),
         started_at=_started_at(start.get("started_at"), metrics),
+        state=run_state(read.events, running=any(is_locked(p) for p in lock_paths(run_dir))),
     )  # fmt: skip
 
 
@@ -190,15 +198,25 @@ Y_LABELS = (
 
 
 def figure_title(runs: list[RunCurves]) -> str:
-    """What the figure shows: the recipe(s), the run folder(s) and when they started."""
+    """What the figure shows: the recipe(s), the run folder(s) and when they started; then, on a
+    line of its own, the runs whose last session failed and the last step each logged."""
     recipes = list(dict.fromkeys(r.recipe or "recipe unknown" for r in runs))
     if len(runs) == 1:
         run = runs[0]
-        return f"fsdprun {recipes[0]}: {run.run_dir} ({run.started_at})"
-    days = (r.started_at.split()[-3] if r.started_at else "date unknown" for r in runs)
-    dates = list(dict.fromkeys(days))
-    return (f"fsdprun {' vs '.join(recipes)}: {len(runs)} runs, "
-            f"{', '.join(r.run_dir for r in runs)} ({', '.join(dates)})")  # fmt: skip
+        title = f"fsdprun {recipes[0]}: {run.run_dir} ({run.started_at})"
+    else:
+        days = (r.started_at.split()[-3] if r.started_at else "date unknown" for r in runs)
+        dates = list(dict.fromkeys(days))
+        title = (f"fsdprun {' vs '.join(recipes)}: {len(runs)} runs, "
+                 f"{', '.join(r.run_dir for r in runs)} ({', '.join(dates)})")  # fmt: skip
+    failed = [r for r in runs if r.failed]
+    if not failed:
+        return title
+    # The last step logged, not the one that failed: output.log_every may leave steps out.
+    what = ", ".join(f"{r.label} after logged step {r.steps[-1]['step']}" for r in failed)
+    logs = f"{runs[0].run_dir}/logs" if len(runs) == 1 else "RUN_DIR/logs"
+    return (f"{title}\nFAILED: {what} (the last session ended without a summary: an error or a "
+            f"kill; see {logs})")  # fmt: skip
 
 
 def build_figure(runs: list[RunCurves]):
@@ -214,7 +232,7 @@ def build_figure(runs: list[RunCurves]):
 
     # A Figure made without pyplot: no GUI backend, no global state; savefig renders with Agg.
     fig = Figure(figsize=FIGURE_SIZE_IN, dpi=DPI, layout="constrained")
-    fig.suptitle(figure_title(runs))
+    fig.suptitle(figure_title(runs), color="red" if any(r.failed for r in runs) else None)
     axes = fig.subplots(2, 3).flatten()
     by_step, by_tokens, lr, norm, speed, mem = axes
     for ax, title in zip(axes, TITLES, strict=True):
@@ -230,7 +248,7 @@ def build_figure(runs: list[RunCurves]):
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
         # Several runs are told apart by their label; a single run needs none on its curves.
-        name = f"{run.label} " if len(runs) > 1 else ""
+        name = f"{_legend_label(run)} " if len(runs) > 1 else ""
         x = [s["step"] for s in run.steps]
         by_step.plot(x, [s["loss"] for s in run.steps], color=color, label=f"{name}train")
         if run.evals:
@@ -254,9 +272,18 @@ def build_figure(runs: list[RunCurves]):
     _memory_bars(mem, runs, colors)
     for ax in axes:
         drawn = [h for h in ax.get_legend_handles_labels()[1] if not h.startswith("_")]
-        if len(drawn) > 1:
+        if len(drawn) > 1 and ax is mem:
+            # Beside the panel: its bars fill it from side to side, so a legend inside covers
+            # some rank's bars wherever it goes. Constrained layout makes room for it.
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                      borderaxespad=0)  # fmt: skip
+        elif len(drawn) > 1:
             ax.legend(fontsize="small")
     return fig
+
+
+def _legend_label(run: RunCurves) -> str:
+    return f"{run.label} (failed)" if run.failed else run.label
 
 
 def _memory_bars(ax, runs: list[RunCurves], colors: list[str]) -> None:
@@ -268,7 +295,7 @@ def _memory_bars(ax, runs: list[RunCurves], colors: list[str]) -> None:
         ranks = sorted(r for r, figures in run.memory.items() if figures.get(key) is not None)
         ax.bar([r + (i - (len(runs) - 1) / 2) * width for r in ranks],
                [run.memory[r][key] / GIB for r in ranks], width=width, color=color,
-               label=run.label)  # fmt: skip
+               label=_legend_label(run))  # fmt: skip
     ax.set_xlabel("rank")
     ax.set_ylabel(f"{what} (GiB)")
     ax.xaxis.get_major_locator().set_params(integer=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdprun.errors import UserError
-from fsdprun.report.metrics import integer, json_safe, number, read_metrics
+from fsdprun.report.metrics import integer, json_safe, number, read_metrics, run_state
 from fsdprun.rundir import (
     RECIPE_FILE,
     checkpoint_root,
@@ -66,16 +66,7 @@ def run_status(run_dir: Path) -> dict[str, Any]:
     checkpoints = [e for e in events if e["event"] == "checkpoint"]
     running = any(lock["held"] for lock in lock_docs)
     stopped = next((e for e in session if e["event"] == "stopped"), None)
-    if running:
-        state = "running"
-    elif not starts:
-        state = "not started"
-    elif stopped is not None:
-        state = "stopped"
-    elif any(e["event"] == "summary" for e in session):
-        state = "finished"
-    else:
-        state = "failed"  # no summary, no lock: it failed or was killed
+    state = run_state(events, running=running)
     start = session[0] if starts else {}
     last = steps[-1] if steps else {}
     total_steps, per_step = integer(start.get("steps")), number(start.get("tokens_per_step"))

@@ -19,14 +19,13 @@ import contextlib
 import errno
 import resource
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from fsdprun.config import ProfileConfig
-from fsdprun.errors import describe_os_error, find_os_error
+from fsdprun.errors import describe_os_error, diagnostic, find_os_error
 from fsdprun.report.console import fmt_bytes
 from fsdprun.rundir import profile_dir, snapshot_path, trace_path
 
@@ -85,7 +84,7 @@ class StepProfiler:
         if self._warn is not None:
             self._warn(message)  # rank 0: a warning event, shown on the terminal
         else:
-            print(f"warning: {message}", file=sys.stderr, flush=True)  # this rank's log
+            diagnostic("warning", message)  # this rank's log
 
     def _save(self, prof) -> None:
         error = None
