@@ -64,7 +64,7 @@ import yaml
 from fsdprun.config import TUNE_KNOBS, TUNE_NUMERICS_KNOBS, launch_device_problem, load_recipe
 from fsdprun.config.validate import tune_space_errors
 from fsdprun.data.preflight import check_data
-from fsdprun.errors import UserError
+from fsdprun.errors import StorageError, UserError, write_error
 from fsdprun.report.metrics import percentile, read_events
 from fsdprun.rundir import metrics_path
 from fsdprun.runlock import hold_run_dir
@@ -110,6 +110,12 @@ MIN_TIMEOUT_S = 300.0  # then 4x the expected trial time, at least this (x2 with
 FAULT_ENV = "FSDPRUN_TUNE_FAULT"  # drills: TRIAL_ID:NAME=VALUE[;...] into one trial's environment
 FAULT_NAMES = ("FSDPRUN_FAIL_AT", "FSDPRUN_HANG_AT", "FSDPRUN_FREEZE_AT", "FSDPRUN_NONFINITE_AT")
 LOG_FILE = "trials.jsonl"
+# The fix once a write that failed mid-search can succeed again: the trial log keeps the work.
+CONTINUES = "rerun the same command: it continues where it stopped"
+# How a trial's `fsdprun train` words a write the machine refused (errors.describe_os_error and
+# the OS's own strerror, lowercased): tune stops there, since every later trial would fail too.
+STORAGE_PHRASES = ("no space left on device", "disk quota exceeded", "file too large",
+                   "read-only file system")  # fmt: skip
 TUNED_FILE = "tuned.yaml"
 # What every trial changes beside its knobs: no checkpoints, evaluations, trackers or profiler
 # (not the training step), every step logged.
@@ -562,9 +568,14 @@ def run_trial(
     of a multi-node tune is gone) the trial is killed."""
     run_dir = out_dir / "trials" / tid
     log = out_dir / "logs" / f"{tid}.log"
-    if run_dir.exists():  # left by a tune killed during this trial: its result was never logged
-        shutil.rmtree(run_dir)
-    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if run_dir.exists():  # left by a tune killed during this trial: its result never logged
+            shutil.rmtree(run_dir)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log_file = log.open("w")
+    except OSError as e:
+        raise write_error(f"cannot write trial {tid}'s log {log}", e, option="--out",
+                          then=CONTINUES) from None  # fmt: skip
     total_steps = warmup + round_.measured_steps
     cmd = [
         *_fsdprun_command(), "train", recipe, *overrides, *cand.overrides, *TRIAL_OVERRIDES,
@@ -579,7 +590,7 @@ def run_trial(
         "warmup_steps": warmup, "run_dir": str(run_dir),
     }  # fmt: skip
     start = time.perf_counter()
-    with log.open("w") as f:
+    with log_file as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
         try:
@@ -613,6 +624,11 @@ def run_trial(
     if proc.returncode != 0 or summary is None:
         text = log.read_text(errors="replace")
         line = error_line(text)
+        if any(p in line.lower() for p in STORAGE_PHRASES):
+            # Not logged: the rerun, once there is room, runs this trial again.
+            why = line.removeprefix("error: ")
+            raise StorageError(f"trial {tid} could not write under {out_dir}: {why}; free some "
+                               f"space there (or make it writable), then {CONTINUES}")  # fmt: skip
         record["status"] = "oom" if "out of memory" in text.lower() else "failed"
         record["reason"] = f"exit {proc.returncode}: {line}"
         return record
@@ -695,8 +711,11 @@ class TrialLog:
                     break
                 good += len(line) + 1
             if good < path.stat().st_size:
-                with path.open("r+b") as f:
-                    f.truncate(good)
+                try:
+                    os.truncate(path, good)
+                except OSError as e:
+                    raise write_error(f"cannot cut the torn last line of {path}", e,
+                                      option="--out", then=CONTINUES) from None  # fmt: skip
             if docs:
                 if docs[0].get("search") != header["search"]:
                     raise UserError(
@@ -709,10 +728,21 @@ class TrialLog:
         self._append(header)
 
     def _append(self, doc: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(doc) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        size = self.path.stat().st_size if self.path.exists() else None
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(doc) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            # Whole records only: a part written is cut off again (the header's file removed).
+            with contextlib.suppress(OSError):
+                if size is None:
+                    self.path.unlink()
+                else:
+                    os.truncate(self.path, size)
+            raise write_error(f"cannot write {self.path}", e, option="--out",
+                              then=CONTINUES) from None  # fmt: skip
 
     def add(self, record: dict[str, Any]) -> None:
         self._append(record)
@@ -1064,8 +1094,7 @@ def _follow(args: TuneArgs, cfg: RecipeConfig, say) -> dict[str, Any]:
             f"({rec['wall_s']:.1f} s)")  # fmt: skip
         return rec
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    with hold_run_dir(args.out_dir, node_rank=node):
+    with hold_run_dir(args.out_dir, node_rank=node, option="--out"):
         report = follow(cfg.launch.rdzv_endpoint, node_rank=node, search=_nodes_key(args),
                         timeout_s=cfg.launch.rdzv_timeout_s, run_here=run_here,
                         say=say)  # fmt: skip
@@ -1088,16 +1117,21 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
     )  # fmt: skip
     space, defaults = parse_space(args.space, cfg, accelerator=accelerator,
                                   allow_numerics=args.allow_numerics)  # fmt: skip
-    baseline = {k.key: current_value(cfg, k.key) for k in space}
-    candidates = enumerate_candidates(space, baseline)
-    prune(candidates, args.recipe, base_overrides, device_memory_bytes=memory,
-          margin=args.margin, dominate_memory_knobs=defaults)  # fmt: skip
-    order = prior_order(candidates)
     warmup = max(cfg.output.timing_warmup_steps, 1)
-    param_dtype = cfg.precision.param_dtype.value
-    rtol = LOSS_RTOL[param_dtype]
-    _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg)
+    rtol = LOSS_RTOL[cfg.precision.param_dtype.value]
+
+    def plan() -> tuple[list[Candidate], list[Candidate]]:
+        baseline = {k.key: current_value(cfg, k.key) for k in space}
+        candidates = enumerate_candidates(space, baseline)
+        prune(candidates, args.recipe, base_overrides, device_memory_bytes=memory,
+              margin=args.margin, dominate_memory_knobs=defaults)  # fmt: skip
+        order = prior_order(candidates)
+        _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol,
+                     cfg)  # fmt: skip
+        return candidates, order
+
     if args.dry_run:
+        candidates, order = plan()
         rounds = halving_schedule(len(order), steps=args.steps, finalists=args.finalists,
                                   repeats=args.repeats)  # fmt: skip
         return {
@@ -1110,12 +1144,15 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
                             "planned_peak_bytes": c.planned_peak_bytes} for c in candidates],
         }  # fmt: skip
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any]
-    with hold_run_dir(args.out_dir):
+    # --out before the plan (seconds for a large space) and any trial: a second tune there is
+    # refused, and a place that cannot be written fails now, not at the first write of an hour's
+    # search (the lock's holder and the trial log's header are real writes).
+    with hold_run_dir(args.out_dir, option="--out"):
         header = {"event": "tune", "search": _search_key(args, space), "recipe": resolved.name,
                   "overrides": base_overrides}  # fmt: skip
         log = TrialLog(args.out_dir / LOG_FILE, header)
+        candidates, order = plan()
         if log.records:
             say(f"continuing {args.out_dir}: {len(log.records)} finished trials in {LOG_FILE}")
         if leader is not None:
@@ -1385,8 +1422,14 @@ def _write_tuned(args: TuneArgs, report: dict[str, Any], candidates: list[Candid
                        hardware=report["hardware"], command=report["command"])  # fmt: skip
     path = Path(report["tuned_yaml"])
     tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        # Written whole beside it, then renamed: a tuned.yaml already there is never truncated.
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise write_error(f"cannot write {path}", e, option="--out", then=CONTINUES) from None
 
 
 # ---------------------------------------------------------------------------------------------
