@@ -7,6 +7,7 @@ and one that survives a failing trial, a hanging one, a spent budget and a kill 
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import signal
@@ -115,6 +116,49 @@ def test_the_recipes_tune_section_narrows_widens_and_the_command_line_wins(tmp_p
     numerics.write_text(RECIPE + "tune:\n  space:\n    precision.param_dtype: [bf16]\n")
     with pytest.raises(UserError, match="tune.space precision.param_dtype: .*--allow-numerics"):
         space(numerics)
+
+
+def test_none_is_a_value_to_search_on_the_command_line_and_in_the_recipe(tmp_path):
+    """YAML reads `none` as a string, which fsdp.wrap, activation_checkpointing.mode and
+    fsdp.backward_prefetch take as a value: it stays one, never becomes null."""
+    path = tmp_path / "section.yaml"
+    path.write_text(RECIPE + "tune:\n  defaults: false\n  space:\n"
+                    "    fsdp.backward_prefetch: [pre, none]\n")  # fmt: skip
+    args = tune_cmd(path, tmp_path / "o", "--device-memory", "1GB", "--dry-run", "--json",
+                    "--space", "defaults", "--space", "fsdp.wrap=block,none", "--space",
+                    "activation_checkpointing.mode=none,full")  # fmt: skip
+    proc = run_fsdprun(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert {k["key"]: k["values"] for k in doc["space"]} == {
+        "fsdp.backward_prefetch": ["pre", "none"], "fsdp.wrap": ["block", "none"],
+        "activation_checkpointing.mode": ["none", "full"],
+    }  # fmt: skip
+    assert len(doc["candidates"]) == 8
+    assert not [c for c in doc["candidates"] if c["status"] == "pruned"], doc["candidates"]
+
+
+def test_every_value_of_an_enum_knob_is_searchable(recipe):
+    """Each value the recipe schema accepts for an enum knob comes out of the space as itself,
+    and a candidate that sets it resolves (its own cross-field checks aside)."""
+    cfg = cfg_of(recipe)
+    checked = 0
+    for key in (*T.MATH_KNOBS, *T.NUMERICS_KNOBS):
+        section, name = key.split(".", 1)
+        default = getattr(getattr(cfg, section), name)
+        if not isinstance(default, enum.Enum):
+            continue
+        values = [m.value for m in type(default)]
+        space, _ = T.parse_space([f"{key}={','.join(values)}"], cfg, accelerator=False,
+                                 allow_numerics=True)  # fmt: skip
+        assert sorted(space[0].values) == sorted(values), key
+        for value in values:
+            try:
+                load_recipe(str(recipe), [f"{key}={value}"])
+            except UserError as e:
+                assert "Incompatible value" not in str(e) and "not a valid" not in str(e), e
+        checked += 1
+    assert checked >= 8  # engine, sharding, wrap, prefetch, checkpointing, loss, dtypes, ...
 
 
 def test_a_bad_tune_section_is_refused_like_any_recipe_key(tmp_path):

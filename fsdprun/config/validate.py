@@ -515,7 +515,9 @@ def tune_space_errors(space: dict[str, list[str]], *, where: str) -> list[str]:
 
 
 def _yaml_value(text: str):
+    from fsdprun.config.load import load_yaml  # load imports this module
+
     try:
-        return yaml.safe_load(str(text))
-    except yaml.YAMLError:
+        return load_yaml(str(text))
+    except (yaml.YAMLError, ValueError):  # the schema then refuses the text as it is
         return text

@@ -190,11 +190,11 @@ def _with(values: list[str], baseline: str) -> tuple[str, ...]:
 
 def canonical(value: Any) -> str:
     """A knob value as tune compares it with the recipe's (`current_value`): YAML's spellings of
-    true, false and null (True, FALSE, ~) as one."""
+    true, false and null (True, FALSE, ~) as one. Not `none`: YAML reads it as the string, which
+    is a value of several knobs (fsdp.wrap, activation_checkpointing.mode,
+    fsdp.backward_prefetch), never their null."""
     text = str(value).strip()
-    return {"true": "true", "false": "false", "null": "null", "none": "null", "~": "null"}.get(
-        text.lower(), text
-    )
+    return {"true": "true", "false": "false", "null": "null", "~": "null"}.get(text.lower(), text)
 
 
 def parse_space(
