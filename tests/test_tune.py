@@ -571,6 +571,15 @@ def test_tune_refuses_cpu_without_device_memory(tmp_path, recipe):
     proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB", "--space",
                                  "train.seq_len=32,64"), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2 and "train.seq_len: not a tuning knob" in proc.stderr
+    # A value no recipe takes is refused at once, as a value of the wrong type is; one that
+    # only this recipe refuses (3 does not divide the batch) is a candidate, pruned by the plan.
+    for space, refused in (("train.micro_batch_size=0,3", "'0' must be > 0"),
+                           ("fsdp.forward_prefetch=1,-1", "'-1' must be >= 0"),
+                           ("fsdp.engine=fsdp3", "'fsdp3' is not a valid")):  # fmt: skip
+        proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB", "--space",
+                                     space), cwd=tmp_path)  # fmt: skip
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and refused in lines[0], proc.stderr
     if launch_device_problem(DeviceKind.accelerator):  # a CPU machine, as in CI
         # A recipe for accelerators: every trial would be refused the same way, so tune is.
         proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB",
