@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -375,7 +376,7 @@ def test_trial_log_survives_a_torn_write_and_refuses_another_search(tmp_path):
 def test_tuned_layer_sets_only_the_winning_knobs(tmp_path, recipe):
     winner = T.Candidate(3, {}, {"train.micro_batch_size": "4", "fsdp.forward_prefetch": "1"})
     text = T.tuned_layer(str(recipe.resolve()), ["optim.lr=0.001", "~train.seed"], winner,
-                         verdict="c3 beats it by +50%", hardware="2 x CPU",
+                         config=cfg_of(recipe), verdict="c3 beats it by +50%", hardware="2 x CPU",
                          command="fsdprun train x")  # fmt: skip
     assert text.startswith("# fsdprun train x\n# Tuned by fsdprun tune on ")
     assert "2 x CPU" in text and "+50%" in text
@@ -388,8 +389,8 @@ def test_tuned_layer_sets_only_the_winning_knobs(tmp_path, recipe):
     cfg = load_recipe(str(layer)).config
     assert cfg.train.micro_batch_size == 4 and cfg.train.global_batch_size == 16
     assert cfg.optim.lr == 1e-3 and cfg.fsdp.forward_prefetch == 1
-    builtin = yaml.safe_load(T.tuned_layer("debug", [], winner, verdict="v", hardware="h",
-                                           command="c"))  # fmt: skip
+    builtin = yaml.safe_load(T.tuned_layer("debug", [], winner, config=cfg, verdict="v",
+                                           hardware="h", command="c"))  # fmt: skip
     assert builtin["extends"] == "debug"
 
 
@@ -457,6 +458,37 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     losses = [e["loss"] for e in events if e["event"] == "step"]
     assert losses == pytest.approx(base["losses"], abs=1e-5)
     assert (tmp_path / "tune.png").stat().st_size > 10_000
+
+
+def test_tuned_yaml_of_relative_paths_trains_from_another_directory(tmp_path):
+    """`fsdprun tune sft-demo model.hf_path=myhf data.tokenizer=models/tiny` in a work folder:
+    tuned.yaml holds those folders' absolute paths (in it, `myhf` would be read from its own
+    folder, and `models/tiny`, found nowhere, as a Hub id), so the printed train command runs
+    from anywhere. One trial: mb=1 plans over the device memory."""
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    shutil.copytree(tiny, work / "myhf")
+    shutil.copytree(tiny, work / "models" / "tiny")
+    elsewhere.mkdir()
+    proc = run_fsdprun(
+        "tune", "sft-demo", "model.hf_path=myhf", "data.tokenizer=models/tiny", "--out", "t",
+        "--nproc-per-node", "2", "--device-memory", "1MB", "--space",
+        "train.micro_batch_size=1", "--steps", "1", "--repeats", "1", "--budget", "5m", cwd=work,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [record] = trials_of(work / "t")
+    assert record["status"] == "ok", record
+    tuned = yaml.safe_load((work / "t" / "tuned.yaml").read_text())
+    assert tuned["model"]["hf_path"] == str(work / "myhf")
+    assert tuned["data"]["tokenizer"] == str(work / "models" / "tiny")
+    ran = yaml.safe_load((work / record["run_dir"] / "recipe.yaml").read_text())
+    assert (ran["model"]["hf_path"], ran["data"]["tokenizer"]) == (
+        str(work / "myhf"), str(work / "models" / "tiny"))  # fmt: skip
+    proc = run_fsdprun("train", str(work / "t" / "tuned.yaml"), "train.steps=1",
+                       "checkpoint.save_final=false", "eval.every_steps=0", "--nproc-per-node",
+                       "2", "--run-dir", "run", cwd=elsewhere)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (elsewhere / "run" / "metrics.jsonl").is_file()
 
 
 def _trials_left(out: Path, within_s: float = 5) -> list[str]:

@@ -885,12 +885,15 @@ def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
 
 
 def tuned_layer(
-    recipe_ref: str, overrides: list[str], winner: Candidate, *, verdict: str, hardware: str,
-    command: str,
+    recipe_ref: str, overrides: list[str], winner: Candidate, *, config: RecipeConfig,
+    verdict: str, hardware: str, command: str,
 ) -> str:  # fmt: skip
     """tuned.yaml: extends the user's recipe and sets only the winning knobs (plus the user's own
-    command-line overrides, which are part of the recipe that was tuned)."""
+    command-line overrides, which are part of the recipe that was tuned; `config` is that
+    recipe resolved, whose paths the layer writes)."""
     from fsdprun.config import parse_overrides, schema_fields
+    from fsdprun.config.load import PATH_KEYS
+    from fsdprun.config.validate import STRING_KEYS
 
     tree: dict[str, Any] = {"extends": recipe_ref}
 
@@ -908,6 +911,16 @@ def tuned_layer(
         f = fields[key]
         put(key, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
     for key, value in values.items():
+        # A relative path on the command line is read from the working directory, one in a
+        # layer from the layer's folder (and `models/tiny` found nowhere reads as a Hub id):
+        # the layer holds absolute paths, as the recipe resolved them (a Hub id: its snapshot).
+        if key in PATH_KEYS:
+            section, name = key.split(".", 1)
+            value = getattr(getattr(config, section), name)
+        elif STRING_KEYS.get(key, ("",))[0] in ("file", "folder", "path") and isinstance(
+            value, str
+        ) and value and "${" not in value:  # fmt: skip
+            value = str(Path(value).expanduser().absolute())
         put(key, value)
     for key, value in parse_overrides(winner.overrides)[0].items():
         put(key, value)
@@ -1164,7 +1177,7 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
                 c.reason = left_out[c.id]
         report = _report(args, resolved, cfg, candidates, log.records, memory, memory_source,
                          stop, started, rtol)  # fmt: skip
-        _write_tuned(args, report, candidates)
+        _write_tuned(args, report, candidates, cfg)
     return report
 
 
@@ -1413,12 +1426,14 @@ def _recipe_ref(recipe: str) -> str:
     return str(path.resolve()) if path.is_file() else recipe
 
 
-def _write_tuned(args: TuneArgs, report: dict[str, Any], candidates: list[Candidate]) -> None:
+def _write_tuned(
+    args: TuneArgs, report: dict[str, Any], candidates: list[Candidate], cfg: RecipeConfig
+) -> None:
     winner = next(c for c in candidates if c.id == report["winner"])
     verdict = report["verdict"]
     if report["stopped_early"]:
         verdict += f" ({report['stopped_early']})"
-    text = tuned_layer(report["recipe_ref"], args.overrides, winner, verdict=verdict,
+    text = tuned_layer(report["recipe_ref"], args.overrides, winner, config=cfg, verdict=verdict,
                        hardware=report["hardware"], command=report["command"])  # fmt: skip
     path = Path(report["tuned_yaml"])
     tmp = path.with_suffix(".yaml.tmp")
