@@ -635,11 +635,24 @@ def test_tune_dry_run_prints_the_space_pruning_and_order(tmp_path, recipe):
     proc = run_fsdprun(*args, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stderr
-    assert text.index("space (8 candidates)") < text.index("pruned 5:") < text.index("order (3)")
-    assert "fsdp.limit_all_gathers does nothing under fsdp2 (knob table)" in text
-    assert "c6 mb=8: planned peak" in text and "device memory 6.00 MiB" in text
+    pruned = "pruned 5, by reason (--json lists each candidate):"
+    assert text.index("space (8 candidates)") < text.index(pruned) < text.index("order (3)")
+    # One line per reason (the default space prunes hundreds), the most common first, each with
+    # its count and one candidate.
+    lines = text[text.index(pruned) + len(pruned) : text.index("order (3)")].splitlines()[1:]
+    assert len(lines) == 2, lines
+    assert lines[0] == (
+        "  4 x fsdp.limit_all_gathers does nothing under fsdp2 (knob table); e.g. c1 "
+        "limit_ag=false: same as c0: fsdp.limit_all_gathers does nothing under fsdp2 (knob table)"
+    )
+    assert lines[1].startswith(
+        "  1 x planned peak + 10% margin > device memory; e.g. c6 mb=8: planned peak "
+    ) and lines[1].endswith("> device memory 6.00 MiB")
     doc = json.loads(run_fsdprun(*args, "--json", cwd=tmp_path).stdout)
     assert doc["order"] == ["c0", "c4", "c2"]
+    why = {c["candidate"]: c["reason"] for c in doc["candidates"] if c["status"] == "pruned"}
+    assert sorted(why) == ["c1", "c3", "c5", "c6", "c7"]
+    assert why["c7"] == "same as c6: fsdp.limit_all_gathers does nothing under fsdp2 (knob table)"
     assert [(r["num_candidates"], r["repeats"]) for r in doc["rounds"]] == [(3, 2)]
     assert not (tmp_path / "o").exists()
 

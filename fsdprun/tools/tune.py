@@ -50,6 +50,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -275,6 +276,7 @@ class Candidate:
     numerics: bool = False
     status: str = "kept"  # kept | pruned
     reason: str | None = None
+    group: str | None = None  # the reason's kind, shared by candidates pruned alike (printed)
     planned_peak_bytes: int | None = None
     planned_model_state_bytes: int | None = None
 
@@ -362,8 +364,8 @@ def prune(
 
     def same_as(c: Candidate, twin: Candidate, keys: list[str]) -> None:
         c.status = "pruned"
-        c.reason = (f"same as {twin.id}: {', '.join(keys)} does nothing under "
-                    f"{engine_of[twin.id]} (knob table)")  # fmt: skip
+        c.group = f"{', '.join(keys)} does nothing under {engine_of[twin.id]} (knob table)"
+        c.reason = f"same as {twin.id}: {c.group}"
         c.planned_peak_bytes, c.planned_model_state_bytes = (
             twin.planned_peak_bytes, twin.planned_model_state_bytes
         )  # fmt: skip
@@ -374,8 +376,8 @@ def prune(
             twin = twin_of(c, inert, base.knobs[inert])
             if twin is not None:
                 c.status = "pruned"
-                c.reason = (f"same as {twin.id}: {inert} does nothing under fsdp.sharding="
-                            f"{c.knobs.get('fsdp.sharding')}")  # fmt: skip
+                c.group = f"{inert} does nothing under fsdp.sharding={c.knobs['fsdp.sharding']}"
+                c.reason = f"same as {twin.id}: {c.group}"
                 c.planned_peak_bytes = twin.planned_peak_bytes
                 c.planned_model_state_bytes = twin.planned_model_state_bytes
                 continue
@@ -390,6 +392,7 @@ def prune(
                 c.status = "pruned"
                 names = ", ".join(f"{key}={c.knobs[key]}" for key in heavy)
                 c.reason = f"{names} not needed: {twin.id} (without) fits"
+                c.group = "memory knobs not needed: the same candidate without them fits"
             if dominated:
                 continue
             twins = [(k, twin_of(c, k, base.knobs[k])) for k in c.diff]
@@ -402,6 +405,9 @@ def prune(
             cfg = load_recipe(recipe, [*overrides, *c.overrides]).config
         except UserError as e:
             c.status, c.reason = "pruned", f"the recipe's checks refuse it: {e}"
+            # By the first key the refusal names (train.global_batch_size, fsdp.cpu_offload).
+            named = re.search(r"[a-z_]+\.[a-z_.]*[a-z_]", str(e))
+            c.group = "the recipe's checks refuse it" + (f" ({named[0]})" if named else "")
             continue
         c.planned_peak_bytes, c.planned_model_state_bytes, inert_of[c.id] = planner(cfg)
         engine_of[c.id] = cfg.fsdp.engine.value
@@ -418,6 +424,7 @@ def prune(
                 f"planned peak {fmt_bytes(c.planned_peak_bytes)} + {margin:.0%} margin > "
                 f"device memory {fmt_bytes(device_memory_bytes)}"
             )
+            c.group = f"planned peak + {margin:.0%} margin > device memory"
 
 
 # Knobs that matter only beside certain values of another knob (where the knob table still
@@ -1191,9 +1198,14 @@ def _print_space(say, space, candidates, order, memory, memory_source, args, war
     say(f"device memory {fmt_bytes(memory)} ({memory_source}); margin {args.margin:.0%} over "
         "the planned peak per rank")  # fmt: skip
     pruned = [c for c in candidates if c.status == "pruned"]
-    say(f"pruned {len(pruned)}:")
+    groups: dict[str, list[Candidate]] = {}
     for c in pruned:
-        say(f"  {c.id} {c.label}: {c.reason}")
+        groups.setdefault(c.group or c.reason or "", []).append(c)
+    # Hundreds of candidates in the default space: one line per reason, the most common first.
+    say(f"pruned {len(pruned)}" + (", by reason (--json lists each candidate):" if pruned else ""))
+    for group, members in sorted(groups.items(), key=lambda item: -len(item[1])):
+        c = members[0]
+        say(f"  {len(members)} x {group}; e.g. {c.id} {c.label}: {c.reason}")
     say(f"order ({len(order)}): " + ", ".join(f"{c.id} {c.label}" for c in order))
     say(f"each trial: {warmup} warm-up steps (time to first step), then {args.steps} measured "
         f"steps in round 0, doubling each round; loss check: first {LOSS_STEPS} losses within "
