@@ -56,6 +56,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -152,16 +153,29 @@ def current_value(cfg: RecipeConfig, key: str) -> str:
 
 
 def micro_batch_choices(cfg: RecipeConfig) -> list[str]:
-    """Every micro-batch size that divides one rank's share of the global batch."""
-    per_rank = cfg.train.global_batch_size // cfg.world_size
+    """Every micro-batch size that divides one data-parallel rank's share of the global batch
+    (the ranks of a tensor-parallel group share their micro-batch)."""
+    tp = cfg.parallel.tp if cfg.parallel.tp >= 1 and cfg.world_size % cfg.parallel.tp == 0 else 1
+    per_rank = cfg.train.global_batch_size // (cfg.world_size // tp)
     return [str(d) for d in range(1, per_rank + 1) if per_rank % d == 0]
 
 
-def default_space(cfg: RecipeConfig, *, accelerator: bool) -> list[SpaceKnob]:
+# Whether the recipe's checks refuse KEY=VALUE whatever the space's other knobs (KEYS) are: its
+# refusal, else None (see `refused_alone`).
+Refusal = Callable[[str, str, set[str]], str | None]
+
+
+def default_space(
+    cfg: RecipeConfig, *, accelerator: bool, refused: Refusal | None = None,
+    left_out: dict[str, str] | None = None,
+) -> list[SpaceKnob]:  # fmt: skip
     """What an engineer tuning FSDP by hand tries first, from the recipe's own values.
 
     compile is searched on accelerators only (a CPU's inductor build costs more than short trials
-    can win back); hybrid sharding only across several nodes."""
+    can win back); hybrid sharding only across several nodes. The space follows the recipe: a
+    value that `refused` says the recipe refuses whatever the other knobs (under parallel.tp:
+    fsdp1, the chunked loss, CPU offload) is left out, its refusal put in `left_out` by
+    KEY=VALUE."""
     shardings = ["full", "grad_op"] + (["hybrid", "hybrid_zero2"] if cfg.launch.nnodes > 1 else [])
     nproc, nnodes = cfg.launch.nproc_per_node, cfg.launch.nnodes
     # Hybrid's shard groups: one node (null), or several nodes' ranks (fewer replicas).
@@ -181,7 +195,36 @@ def default_space(cfg: RecipeConfig, *, accelerator: bool) -> list[SpaceKnob]:
         space.append(("compile.enabled", ["false", "true"]))
     if cfg.fsdp.engine.value == "ddp":
         space = [(k, v) for k, v in space if not k.startswith("fsdp.")]
-    return [SpaceKnob(key, _with(values, current_value(cfg, key))) for key, values in space]
+    keys = {key for key, _ in space}
+    out = []
+    for key, values in space:
+        kept = []
+        for value in values:
+            why = None
+            if refused is not None and value != current_value(cfg, key):
+                why = refused(key, value, keys)
+            if why is None:
+                kept.append(value)
+            elif left_out is not None:
+                left_out[f"{key}={value}"] = why
+        out.append(SpaceKnob(key, _with(kept, current_value(cfg, key))))
+    return out
+
+
+def refused_alone(recipe: str, overrides: list[str]) -> Refusal:
+    """A `Refusal` by the recipe's own checks: KEY=VALUE set alone on the recipe is refused, for
+    reasons that name no other knob of the space (a refusal that names one, compile beside
+    activation checkpointing under TP, may lift with that knob's other value)."""
+
+    def refused(key: str, value: str, keys: set[str]) -> str | None:
+        try:
+            load_recipe(recipe, [*overrides, f"{key}={value}"])
+        except UserError as e:
+            named = set(re.findall(r"[a-z_0-9]+\.[a-z_0-9]+", str(e)))
+            return None if named & (keys - {key}) else str(e)
+        return None
+
+    return refused
 
 
 def _with(values: list[str], baseline: str) -> tuple[str, ...]:
@@ -199,15 +242,16 @@ def canonical(value: Any) -> str:
 
 
 def parse_space(
-    items: list[str], cfg: RecipeConfig, *, accelerator: bool, allow_numerics: bool
-) -> tuple[list[SpaceKnob], bool]:
+    items: list[str], cfg: RecipeConfig, *, accelerator: bool, allow_numerics: bool,
+    refused: Refusal | None = None, left_out: dict[str, str] | None = None,
+) -> tuple[list[SpaceKnob], bool]:  # fmt: skip
     """The space from the recipe's `tune:` section and the --space items; and whether it is the
     default one (then memory knobs are dominated: tried only where the same candidate without
     them does not fit).
 
     The command line wins: --space items without `defaults` are the whole space; with
     `defaults` they change only their knobs of the recipe's space, which is the default space
-    (tune.defaults) with tune.space's knobs set.
+    (tune.defaults) with tune.space's knobs set. `refused` and `left_out`: see default_space.
 
     Raises:
         UserError: a key that is not a tuning knob, a numerics knob without --allow-numerics,
@@ -215,7 +259,8 @@ def parse_space(
     """
     replace = bool(items) and "defaults" not in items
     defaults = not replace and cfg.tune.defaults
-    knobs = {k.key: k for k in default_space(cfg, accelerator=accelerator)} if defaults else {}
+    knobs = {k.key: k for k in default_space(cfg, accelerator=accelerator, refused=refused,
+                                             left_out=left_out)} if defaults else {}  # fmt: skip
     given: list[tuple[str, str, list[str]]] = []
     if not replace:
         given += [("tune.space", key, list(vals)) for key, vals in cfg.tune.space.items()]
@@ -247,6 +292,10 @@ def parse_space(
         vals = [canonical(v) for v in vals]
         knobs[key] = SpaceKnob(key, _with(list(dict.fromkeys(vals)), current_value(cfg, key)),
                                numerics)  # fmt: skip
+    if left_out is not None:  # what the default space leaves out of a knob named here stays
+        for key in {key for _, key, _ in given}:
+            for kv in [kv for kv in left_out if kv.partition("=")[0] == key]:
+                del left_out[kv]
     if not knobs:
         raise UserError(
             "nothing to search: tune.defaults is false and tune.space is empty; list knobs in "
@@ -1135,8 +1184,11 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
     memory_source = "--device-memory" if args.device_memory_bytes else (
         f"free memory of {device.get('name', 'the device')} measured now"
     )  # fmt: skip
+    left_out: dict[str, str] = {}
     space, defaults = parse_space(args.space, cfg, accelerator=accelerator,
-                                  allow_numerics=args.allow_numerics)  # fmt: skip
+                                  allow_numerics=args.allow_numerics,
+                                  refused=refused_alone(args.recipe, base_overrides),
+                                  left_out=left_out)  # fmt: skip
     warmup = max(cfg.output.timing_warmup_steps, 1)
     rtol = LOSS_RTOL[cfg.precision.param_dtype.value]
 
@@ -1147,7 +1199,7 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
               margin=args.margin, dominate_memory_knobs=defaults)  # fmt: skip
         order = prior_order(candidates)
         _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol,
-                     cfg)  # fmt: skip
+                     cfg, left_out)  # fmt: skip
         return candidates, order
 
     if args.dry_run:
@@ -1156,7 +1208,7 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
                                   repeats=args.repeats)  # fmt: skip
         return {
             "recipe": resolved.name, "device_memory_bytes": memory, "margin": args.margin,
-            "space": [asdict(k) for k in space],
+            "space": [asdict(k) for k in space], "left_out": left_out,
             "order": [c.id for c in order],
             "rounds": [asdict(r) for r in rounds],
             "candidates": [{"candidate": c.id, "label": c.label, "overrides": c.overrides,
@@ -1188,13 +1240,17 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
     return report
 
 
-def _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg):
+def _print_space(
+    say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg, left_out
+):  # fmt: skip
     from fsdprun.report.console import fmt_bytes
 
     say(f"space ({len(candidates)} candidates) from {space_sources(args.space, cfg)}:")
     for k in space:
         mark = "  [numerics: changes the math]" if k.numerics else ""
         say(f"  {k.key}: {', '.join(k.values)}{mark}")
+    for kv, why in left_out.items():
+        say(f"  left out {kv}: the recipe refuses it ({why})")
     say(f"device memory {fmt_bytes(memory)} ({memory_source}); margin {args.margin:.0%} over "
         "the planned peak per rank")  # fmt: skip
     pruned = [c for c in candidates if c.status == "pruned"]
