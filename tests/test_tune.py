@@ -464,7 +464,8 @@ def test_tuned_yaml_of_relative_paths_trains_from_another_directory(tmp_path):
     """`fsdprun tune sft-demo model.hf_path=myhf data.tokenizer=models/tiny` in a work folder:
     tuned.yaml holds those folders' absolute paths (in it, `myhf` would be read from its own
     folder, and `models/tiny`, found nowhere, as a Hub id), so the printed train command runs
-    from anywhere. One trial: mb=1 plans over the device memory."""
+    from anywhere. One trial: mb=1 plans over the device memory, and so does the starting
+    recipe, which runs with a warning."""
     tiny = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     shutil.copytree(tiny, work / "myhf")
@@ -476,6 +477,12 @@ def test_tuned_yaml_of_relative_paths_trains_from_another_directory(tmp_path):
         "train.micro_batch_size=1", "--steps", "1", "--repeats", "1", "--budget", "5m", cwd=work,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The starting recipe's own plan is over the device memory: said before its trial runs.
+    warning = next(x for x in proc.stderr.splitlines() if x.startswith("warning: "))
+    assert warning.startswith("warning: the starting recipe plans a peak of ") and warning.endswith(
+        " per rank, over the device memory 976.56 KiB (--device-memory) with the 10% margin; its "
+        "trials (the baseline, run first) may run out of memory"), warning  # fmt: skip
+    assert proc.stderr.index(warning) < proc.stderr.index("r0-c0-0 baseline")
     [record] = trials_of(work / "t")
     assert record["status"] == "ok", record
     tuned = yaml.safe_load((work / "t" / "tuned.yaml").read_text())

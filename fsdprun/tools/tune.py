@@ -1200,6 +1200,16 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
         order = prior_order(candidates)
         _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol,
                      cfg, left_out)  # fmt: skip
+        base = candidates[0]
+        if base.planned_peak_bytes * (1 + args.margin) > memory:
+            from fsdprun.report.console import fmt_bytes
+
+            # On stderr even with --json: the baseline runs anyway (it is the reference).
+            peak = fmt_bytes(base.planned_peak_bytes)
+            print(f"warning: the starting recipe plans a peak of {peak} per rank, over the "
+                  f"device memory {fmt_bytes(memory)} ({memory_source}) with the "
+                  f"{args.margin:.0%} margin; its trials (the baseline, run first) may run out "
+                  "of memory", file=sys.stderr, flush=True)  # fmt: skip
         return candidates, order
 
     if args.dry_run:
