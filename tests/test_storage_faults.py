@@ -293,9 +293,9 @@ def test_tune_whose_trial_cannot_write_stops_in_one_line_and_a_second_tune_is_re
     line = last_line(_tune(tmp_path, out, fsize=2048), 1)
     assert line.startswith(f"error: trial r0-c0-0 could not write under {out}: "), line
     assert "file too large" in line.lower() and line.endswith(CONTINUES), line
-    # Not logged (the rerun runs it again): the log holds its header only.
+    # Not logged (the rerun runs it again): the log holds its header and the session's note.
     assert [json.loads(x)["event"] for x in (out / "trials.jsonl").read_text().splitlines()] == [
-        "tune"]  # fmt: skip
+        "tune", "session"]  # fmt: skip
     # A second tune into an --out in use: refused before it plans or prints anything.
     with hold_run_dir(out):
         line = one_line(_tune(tmp_path, out), 2)
@@ -324,13 +324,17 @@ def test_tune_on_a_read_only_or_full_disk_is_one_line_and_overwrites_nothing(tmp
         (out / "tuned.yaml").write_text("# from before\nextends: debug\n")
         picture = disk / "tune.png"
         picture.write_bytes(b"before")
+        log = (out / "trials.jsonl").read_bytes()
         before = snapshot(disk)
         fill(disk, leave_pages=1)
         proc = _tune(tmp_path, out, "--plot", str(picture))
         assert "continuing" in proc.stderr  # ran no trial
         assert last_line(proc, 1) == (f"error: cannot write {out / 'tuned.yaml'}: no space left "
                                       f"on device; free some space there, {CONTINUES}")  # fmt: skip
-        assert snapshot(disk) == before  # no lock, no temporary, nothing cut
+        # No lock, no temporary, nothing cut: the log only gained its session's note.
+        now = snapshot(disk)
+        assert now.pop("t/trials.jsonl") != before.pop("t/trials.jsonl") and now == before
+        assert (out / "trials.jsonl").read_bytes().startswith(log)
         # Room for tuned.yaml, not for the picture: drawn beside the old one, which stays.
         fill(disk, leave_pages=2)
         line = last_line(_tune(tmp_path, out, "--plot", str(picture)), 1)
@@ -339,6 +343,7 @@ def test_tune_on_a_read_only_or_full_disk_is_one_line_and_overwrites_nothing(tmp
         assert yaml.safe_load((out / "tuned.yaml").read_text())["extends"] == str(
             tmp_path / "mb1.yaml")  # fmt: skip
         after = snapshot(disk)
+        after.pop("t/trials.jsonl")
         assert after.pop("t/tuned.yaml") != before.pop("t/tuned.yaml") and after == before
         # The JSON document on stdout, into a file on the full disk.
         fill(disk)

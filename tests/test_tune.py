@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -552,6 +553,10 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     assert killed[0] == first[0]
     assert killed[1]["status"] == "failed" and "FSDPRUN_FAIL_AT" in killed[1]["reason"]
     assert not _trials_left(out), "a trial outlived its tune"
+    status = run_fsdprun("status", str(out), cwd=tmp_path).stdout.splitlines()
+    assert status[0] == (f"{out}: tune of mb1 not running; its last session ended before the "
+                         "search did (Ctrl-C, a kill, an error or a spent --budget): rerun the "
+                         "same command to continue")  # fmt: skip
 
     # Ctrl-C in the same trial, run again: exit 130, the trial goes with tune, the log as it was.
     # The trial hangs at its first step, so it is still running when the Ctrl-C comes (a trial
@@ -572,6 +577,15 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     ):  # fmt: skip
         time.sleep(0.1)
     assert running.exists(), "the interrupted trial never started again"
+    # `fsdprun status` on --out while the search runs: the trials done, the best so far, the
+    # budget left, the last trial.
+    status = run_fsdprun("status", str(out), cwd=tmp_path).stdout.splitlines()
+    assert status[0].startswith(f"{out}: tune of mb1 running, pid {popen.pid} on "), status
+    assert status[1].startswith("2 trials done (1 failed, 1 ok); best so far c0 (baseline): ")
+    assert status[1].endswith(" tokens/s"), status
+    assert re.fullmatch(r"budget 10m00s: \d+m\d\ds left", status[2]), status
+    assert status[3].startswith("last trial r0-c1-0 mb=2: failed (exit 1: ") and (
+        "FSDPRUN_FAIL_AT" in status[3])  # fmt: skip
     handled = _signals(popen.pid)
     assert int(handled["SigCgt"], 16) & (1 << (signal.SIGINT - 1)), handled
     popen.send_signal(signal.SIGINT)
@@ -598,6 +612,10 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     assert final[3]["status"] == "timeout" and final[3]["reason"].startswith("hung")
     assert timeout_s <= final[3]["wall_s"] < timeout_s + 15
     assert "c0" in proc.stdout and "hung" in proc.stdout
+    status = run_fsdprun("status", str(out), cwd=tmp_path).stdout.splitlines()
+    assert status[0].startswith(f"{out}: tune of mb1 finished: ") and status[0].endswith(
+        f"; wrote {out / 'tuned.yaml'}"), status  # fmt: skip
+    assert status[1].startswith("4 trials done (1 failed, 2 ok, 1 timeout); best so far c")
     assert yaml.safe_load((out / "tuned.yaml").read_text()) == {"extends": str(recipe.resolve())}
 
 

@@ -68,7 +68,7 @@ from fsdprun.config.validate import tune_space_errors
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import StorageError, UserError, write_error
 from fsdprun.report.metrics import percentile, read_events
-from fsdprun.rundir import metrics_path
+from fsdprun.rundir import TUNE_LOG_FILE, metrics_path
 from fsdprun.runlock import hold_run_dir
 from fsdprun.tools.compare import error_line
 
@@ -111,7 +111,6 @@ FIRST_TRIAL_TIMEOUT_S = 1200.0  # before any trial has finished, nothing to scal
 MIN_TIMEOUT_S = 300.0  # then 4x the expected trial time, at least this (x2 with compile)
 FAULT_ENV = "FSDPRUN_TUNE_FAULT"  # drills: TRIAL_ID:NAME=VALUE[;...] into one trial's environment
 FAULT_NAMES = ("FSDPRUN_FAIL_AT", "FSDPRUN_HANG_AT", "FSDPRUN_FREEZE_AT", "FSDPRUN_NONFINITE_AT")
-LOG_FILE = "trials.jsonl"
 # The fix once a write that failed mid-search can succeed again: the trial log keeps the work.
 CONTINUES = "rerun the same command: it continues where it stopped"
 # How a trial's `fsdprun train` words a write the machine refused (errors.describe_os_error and
@@ -751,9 +750,10 @@ def loss_problem(losses: list[float], reference: list[float], rtol: float) -> st
 
 
 class TrialLog:
-    """OUT/trials.jsonl: a header naming the search, then one record per finished trial. Each
-    record is appended and fsynced, so a killed tune leaves whole records only; a torn last line
-    (a kill inside the write) is cut off when the log is opened again."""
+    """OUT/trials.jsonl: a header naming the search, then one record per finished trial, and
+    the notes `fsdprun status` reads (each run's `session`: its start and budget; `done`: the
+    verdict). Each line is appended and fsynced, so a killed tune leaves whole records only; a
+    torn last line (a kill inside the write) is cut off when the log is opened again."""
 
     def __init__(self, path: Path, header: dict[str, Any]):
         self.path, self.records = path, []
@@ -803,6 +803,10 @@ class TrialLog:
     def add(self, record: dict[str, Any]) -> None:
         self._append(record)
         self.records.append(record)
+
+    def note(self, event: str, **fields: Any) -> None:
+        """A line for `fsdprun status`, not a trial."""
+        self._append({"event": event, **fields})
 
     def get(self, tid: str) -> dict[str, Any] | None:
         return next((r for r in self.records if r["id"] == tid), None)
@@ -1233,10 +1237,14 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
     with hold_run_dir(args.out_dir, option="--out"):
         header = {"event": "tune", "search": _search_key(args, space), "recipe": resolved.name,
                   "overrides": base_overrides}  # fmt: skip
-        log = TrialLog(args.out_dir / LOG_FILE, header)
+        log = TrialLog(args.out_dir / TUNE_LOG_FILE, header)
+        # When the budget started (tune's start, before the checks): status counts from it.
+        began = dt.datetime.fromtimestamp(time.time() - (time.perf_counter() - started), dt.UTC)
+        log.note("session", started_at=began.isoformat(timespec="seconds"),
+                 budget_s=args.budget_s, pid=os.getpid())  # fmt: skip
         candidates, order = plan()
         if log.records:
-            say(f"continuing {args.out_dir}: {len(log.records)} finished trials in {LOG_FILE}")
+            say(f"continuing {args.out_dir}: {len(log.records)} finished trials in {TUNE_LOG_FILE}")
         if leader is not None:
             leader.wait_for_nodes(say)
         stop, left_out = _search(args, log, order, warmup=warmup, rtol=rtol, started=started,
@@ -1247,6 +1255,14 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
         report = _report(args, resolved, cfg, candidates, log.records, memory, memory_source,
                          stop, started, rtol)  # fmt: skip
         _write_tuned(args, report, candidates, cfg)
+        log.note(
+            "done",
+            winner=report["winner"],
+            winner_label=report["winner_label"],
+            verdict=report["verdict"],
+            stopped_early=stop,
+            tuned_yaml=report["tuned_yaml"],
+        )
     return report
 
 
