@@ -1022,7 +1022,7 @@ def tune_cmd(
     """Choose the FSDP knobs on this hardware: plan prunes, short measured trials decide, the
     winner is written as a recipe layer (OUT/tuned.yaml)."""
     from fsdprun.config import parse_size
-    from fsdprun.tools.tune import TuneArgs, parse_duration, render, tune
+    from fsdprun.tools.tune import Interrupted, TuneArgs, parse_duration, render, tune
     from fsdprun.tools.tune_nodes import NodeLost
 
     if plot_ is not None:
@@ -1055,6 +1055,9 @@ def tune_cmd(
 
     try:
         report = tune(args, say=None if json_ else say)
+    except Interrupted as e:  # SIGINT/SIGTERM: the trial in progress went with tune
+        err_console.print(str(e), markup=False)
+        raise typer.Exit(e.exit_code) from None
     except NodeLost as e:  # another node of a multi-node tune went away: nothing of ours lost
         if os.environ.get("FSDPRUN_DEBUG"):
             raise

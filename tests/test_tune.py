@@ -558,41 +558,49 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
                          "search did (Ctrl-C, a kill, an error or a spent --budget): rerun the "
                          "same command to continue")  # fmt: skip
 
-    # Ctrl-C in the same trial, run again: exit 130, the trial goes with tune, the log as it was.
-    # The trial hangs at its first step, so it is still running when the Ctrl-C comes (a trial
+    # Ctrl-C in the same trial, run again, then SIGTERM: exit 130 and 143 with one line that
+    # says what is kept and how to continue, the trial goes with tune, the log as it was.
+    # The trial hangs at its first step, so it is still running when the signal comes (a trial
     # that finished first made tune end well before it, on a loaded machine).
     # tune starts as a terminal's foreground command does, SIGINT neither ignored nor blocked
     # (a test process can pass on either, and a Python started so never raises
     # KeyboardInterrupt).
-    began = time.time()
-    popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path,
-                             env=fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c0-1:FSDPRUN_HANG_AT=0:1"),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=_sigint_as_a_terminal_gives_it)  # fmt: skip
-    trial_log = out / "logs" / "r0-c0-1.log"
-    # The killed tune's r0-c0-1 directory is removed before the log is opened for the new trial,
-    # so a directory after that is the new trial's `fsdprun train` running.
-    while time.monotonic() < deadline + 120 and not (
-        trial_log.exists() and trial_log.stat().st_mtime > began and running.exists()
-    ):  # fmt: skip
-        time.sleep(0.1)
-    assert running.exists(), "the interrupted trial never started again"
-    # `fsdprun status` on --out while the search runs: the trials done, the best so far, the
-    # budget left, the last trial.
-    status = run_fsdprun("status", str(out), cwd=tmp_path).stdout.splitlines()
-    assert status[0].startswith(f"{out}: tune of mb1 running, pid {popen.pid} on "), status
-    assert status[1].startswith("2 trials done (1 failed, 1 ok); best so far c0 (baseline): ")
-    assert status[1].endswith(" tokens/s"), status
-    assert re.fullmatch(r"budget 10m00s: \d+m\d\ds left", status[2]), status
-    assert status[3].startswith("last trial r0-c1-0 mb=2: failed (exit 1: ") and (
-        "FSDPRUN_FAIL_AT" in status[3])  # fmt: skip
-    handled = _signals(popen.pid)
-    assert int(handled["SigCgt"], 16) & (1 << (signal.SIGINT - 1)), handled
-    popen.send_signal(signal.SIGINT)
-    _, err = popen.communicate(timeout=60)
-    assert popen.returncode == 130 and "aborted" in err, err[-2000:]
-    assert trials_of(out) == killed
-    assert not _trials_left(out), "a trial outlived its tune"
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        began = time.time()
+        popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path,
+                                 env=fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c0-1:FSDPRUN_HANG_AT=0:1"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=_sigint_as_a_terminal_gives_it)  # fmt: skip
+        trial_log = out / "logs" / "r0-c0-1.log"
+        # The killed tune's r0-c0-1 directory is removed before the log is opened for the new
+        # trial, so a directory after that is the new trial's `fsdprun train` running.
+        while time.monotonic() < deadline + 240 and not (
+            trial_log.exists() and trial_log.stat().st_mtime > began and running.exists()
+        ):  # fmt: skip
+            time.sleep(0.1)
+        assert running.exists(), "the interrupted trial never started again"
+        if signum == signal.SIGINT:
+            # `fsdprun status` on --out while the search runs: the trials done, the best so
+            # far, the budget left, the last trial.
+            status = run_fsdprun("status", str(out), cwd=tmp_path).stdout.splitlines()
+            assert status[0].startswith(f"{out}: tune of mb1 running, pid {popen.pid} on ")
+            assert status[1].startswith(
+                "2 trials done (1 failed, 1 ok); best so far c0 (baseline): "
+            ) and status[1].endswith(" tokens/s")
+            assert re.fullmatch(r"budget 10m00s: \d+m\d\ds left", status[2]), status
+            assert status[3].startswith("last trial r0-c1-0 mb=2: failed (exit 1: ") and (
+                "FSDPRUN_FAIL_AT" in status[3])  # fmt: skip
+            handled = _signals(popen.pid)
+            assert int(handled["SigCgt"], 16) & (1 << (signal.SIGINT - 1)), handled
+        popen.send_signal(signum)
+        _, err = popen.communicate(timeout=60)
+        assert popen.returncode == 128 + signum and "Traceback" not in err, err[-2000:]
+        assert err.strip().splitlines()[-1] == (
+            f"tune interrupted by {signum.name}: 2 finished trial(s) are kept in "
+            f"{out / 'trials.jsonl'} (a trial in progress is stopped and not logged); rerun the "
+            "same command to continue")  # fmt: skip
+        assert trials_of(out) == killed
+        assert not _trials_left(out), "a trial outlived its tune"
 
     # Again: the interrupted trial runs again, the finished ones do not; one that hangs is killed
     # at its timeout, recorded, and the search still ends with a report. The timeout: three times

@@ -1072,6 +1072,48 @@ def parse_duration(text: str, option: str) -> float:
     return value
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM stopped the search: one line, exit 128 + the signal."""
+
+    def __init__(self, message: str, *, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _Signal(BaseException):  # not caught where `except Exception` turns errors into lines
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGINT and SIGTERM raise _Signal where the search is (a trial's process group is then
+    killed on the way out, and nothing of it logged); later ones while it stops do nothing. A
+    SIGINT that this process ignores (started in the background) stays ignored."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+        yield
+        return
+    caught: list[int] = []
+
+    def handle(signum: int, frame: object) -> None:
+        if not caught:
+            caught.append(signum)
+            raise _Signal(signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, handle)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     """The whole search; returns the report (its JSON document). With launch.nnodes > 1 every
     node calls this with the same arguments: node 0 searches, the others run its trials with it
@@ -1082,7 +1124,27 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
             holds another search, or a multi-node tune without --rdzv-endpoint or under
             torchrun/srun as a worker.
         NodeLost: another node of a multi-node tune went away.
+        Interrupted: SIGINT (Ctrl-C) or SIGTERM; the message says what is kept.
     """
+    try:
+        with _stop_on_signals():
+            return _tune(args, say=say)
+    except _Signal as e:
+        log = args.out_dir / TUNE_LOG_FILE
+        kept = "nothing was written yet"
+        if log.is_file():
+            n = 0
+            with contextlib.suppress(OSError):
+                for line in log.read_bytes().splitlines():
+                    with contextlib.suppress(ValueError):
+                        n += json.loads(line).get("event") == "trial"
+            kept = (f"{n} finished trial(s) are kept in {log} (a trial in progress is stopped "
+                    "and not logged)")  # fmt: skip
+        raise Interrupted(f"tune interrupted by {e}: {kept}; rerun the same command to continue",
+                          exit_code=128 + e.signum) from None  # fmt: skip
+
+
+def _tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     say = say or (lambda text: None)
     started = time.perf_counter()
     for option, value in (("--steps", args.steps), ("--repeats", args.repeats),
