@@ -32,7 +32,7 @@ from rich.markup import escape
 
 from fsdprun import __version__
 from fsdprun.config import builtin_recipes, explain, launch_device_problem, load_recipe
-from fsdprun.errors import StorageError, UserError, diagnostic
+from fsdprun.errors import StorageError, UserError, describe_os_error, diagnostic, write_error
 from fsdprun.launch.flags import LaunchFlags, launch_overrides
 from fsdprun.report.output import output_console
 from fsdprun.rundir import (
@@ -1022,7 +1022,7 @@ def tune_cmd(
     """Choose the FSDP knobs on this hardware: plan prunes, short measured trials decide, the
     winner is written as a recipe layer (OUT/tuned.yaml)."""
     from fsdprun.config import parse_size
-    from fsdprun.tools.tune import TuneArgs, parse_duration, render, tune
+    from fsdprun.tools.tune import Interrupted, TuneArgs, parse_duration, render, tune
     from fsdprun.tools.tune_nodes import NodeLost
 
     if plot_ is not None:
@@ -1055,13 +1055,16 @@ def tune_cmd(
 
     try:
         report = tune(args, say=None if json_ else say)
+    except Interrupted as e:  # SIGINT/SIGTERM: the trial in progress went with tune
+        err_console.print(str(e), markup=False)
+        raise typer.Exit(e.exit_code) from None
     except NodeLost as e:  # another node of a multi-node tune went away: nothing of ours lost
         if os.environ.get("FSDPRUN_DEBUG"):
             raise
         raise _fail(str(e), 1) from None
     if dry_run:
         if json_:
-            sys.stdout.write(json.dumps(report, indent=1) + "\n")
+            _write_json(report)
         return
     _show(report, json_=json_, render=lambda c: render(report, c), plot=plot_,
           figure="tune_figure")  # fmt: skip
@@ -1071,14 +1074,39 @@ def _show(document: dict, *, json_: bool, render, plot: Path | None, figure: str
     """A command's document on stdout, as JSON or through `render(console)` (None: printed
     already), and its figure (`fsdprun.report.plot.<figure>`) drawn into `plot`."""
     if json_:
-        sys.stdout.write(json.dumps(document, indent=1) + "\n")
+        _write_json(document)
     elif render is not None:
         render(output_console(highlight=False))
     if plot is not None:
         from fsdprun.report import plot as plots
 
-        getattr(plots, figure)(document).savefig(plot, dpi=plots.DPI)
+        tmp = plot.with_name(f".{plot.name}.tmp-{os.getpid()}")
+        try:
+            # Drawn beside it, then renamed: a picture already there is never left half written.
+            getattr(plots, figure)(document).savefig(tmp, dpi=plots.DPI, format="png")
+            os.replace(tmp, plot)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise write_error(f"cannot write --plot {plot}", e, option="--plot") from None
         err_console.print(f"wrote {plot}")
+
+
+def _write_json(document: dict) -> None:
+    """One JSON document on stdout, flushed now, so that a full disk behind `> file` is one line
+    here (exit 1), not a traceback at exit."""
+    try:
+        sys.stdout.write(json.dumps(document, indent=1) + "\n")
+        sys.stdout.flush()
+    except OSError as e:
+        # What stays buffered would fail again as Python exits: let it drain into /dev/null.
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+        raise StorageError(
+            f"cannot write the JSON document to standard output: "
+            f"{describe_os_error(e)}; send it where there is room"
+        ) from None
 
 
 def _one_line_paragraphs(text: str) -> str:

@@ -74,3 +74,37 @@ def describe_os_error(error: OSError) -> str:
         return "permission denied"
     text = error.strerror or str(error) or type(error).__name__
     return text[0].lower() + text[1:]
+
+
+# The machine refused the write: a full disk, a quota, a file-size limit, a read-only or
+# unwritable place. Others (a file where a folder is expected) come from the path given.
+_ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES,
+                       errno.EPERM)  # fmt: skip
+_REMEDY = {
+    errno.ENOSPC: "free some space there",
+    errno.EDQUOT: "free some space there",
+    errno.EFBIG: "raise the file-size limit (ulimit -f)",
+    errno.EROFS: "make that filesystem writable",
+    errno.EACCES: "make it writable for this user",
+    errno.EPERM: "make it writable for this user",
+}
+
+
+def write_error(
+    what: str, error: OSError, *, option: str, then: str = ""
+) -> UserError | StorageError:
+    """The one-line error for a write that failed: `what` failed (it names the path), why, and
+    the fix; a StorageError (exit 1) when the machine refused it, else a UserError (exit 2).
+
+    Args:
+        option: the command-line option that chooses the place, for the fix (`--out`).
+        then: what to do once the place is fixed, where the work so far is kept there (`rerun
+            the same command: it continues`); without it the fix offers another `option` too.
+    """
+    remedy = _REMEDY.get(error.errno)
+    if then:
+        fix = f"{remedy or 'fix that'}, then {then}"
+    else:
+        fix = f"{remedy}, or give another {option}" if remedy else f"give another {option}"
+    message = f"{what}: {describe_os_error(error)}; {fix}"
+    return StorageError(message) if error.errno in _ENVIRONMENT_ERRNOS else UserError(message)

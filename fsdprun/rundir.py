@@ -36,6 +36,7 @@ RECIPE_FILE = "recipe.yaml"
 DEFAULT_METRICS_FILE = "metrics.jsonl"  # output.metrics_file's default
 LOCK_FILE = ".lock"
 MANIFEST_FILE = "manifest.json"
+TUNE_LOG_FILE = "trials.jsonl"  # a `fsdprun tune` --out's trial log (fsdprun.tools.tune)
 _STEP_DIR = re.compile(r"step-([0-9]+)")
 
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdprun.errors import UserError, diagnostic
+from fsdprun.errors import UserError, diagnostic, write_error
 from fsdprun.rundir import lock_path
 
 # Run directories this process holds, by resolved path: a command that locked early (resume
@@ -86,33 +86,48 @@ def is_locked(path: Path) -> bool:
 
 
 @contextmanager
-def hold_run_dir(run_dir: Path, *, node_rank: int = 0) -> Iterator[None]:
+def hold_run_dir(run_dir: Path, *, node_rank: int = 0, option: str = "--run-dir") -> Iterator[None]:
     """Hold RUN_DIR's lock for the duration (creating RUN_DIR if needed).
 
     On the way out the lock file is removed, and RUN_DIR too if this call created it and it is
     still empty: a command refused after taking the lock leaves nothing behind.
 
+    Args:
+        option: the command-line option that names RUN_DIR, for the messages (`--out`).
+
     Raises:
-        UserError: another process holds it (the message names the holder), or RUN_DIR cannot
-            be created.
+        UserError: another process holds it (the message names the holder), or RUN_DIR is no
+            folder.
+        StorageError: RUN_DIR or its lock file cannot be written (a full disk, a read-only or
+            unwritable place).
     """
     key = run_dir.resolve()
     if key in _held:
         yield
         return
     path = lock_path(run_dir, node_rank)
+    name = "the run directory" if option == "--run-dir" else option
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         made = os.stat(run_dir)
         fd, locked = _open_locked(path)
     except OSError as e:
-        raise UserError(f"cannot write the run directory {run_dir}: {e.strerror}") from e
+        raise write_error(f"cannot write {name} {run_dir}", e, option=option) from None
     try:
         if locked:
             holder = Holder(socket.gethostname(), os.getpid(), time.time(), _command())
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(holder.__dict__) + "\n").encode(), 0)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(holder.__dict__) + "\n").encode(), 0)
+            except OSError as e:
+                # Made here or left by a holder that was killed: it names no live holder.
+                path.unlink(missing_ok=True)
+                if created:
+                    with contextlib.suppress(OSError):
+                        run_dir.rmdir()
+                raise write_error(f"cannot write {name} {run_dir} (its lock file {path.name})",
+                                  e, option=option) from None  # fmt: skip
         _held[key] = fd
         try:
             yield

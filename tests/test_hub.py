@@ -133,9 +133,19 @@ def test_a_hub_id_not_cached_is_one_line_before_launch(tmp_path):
     ok = fsdprun("config", "debug", "data.tokenizer=tok-org/only-tokenizer", env=env,
                  cwd=tmp_path)  # fmt: skip
     assert ok.returncode == 0, ok.stderr
-    line = one_line_error(fsdprun("config", "debug", "model.hf_path=tok-org/only-tokenizer",
-                                  env=env, cwd=tmp_path))  # fmt: skip
-    assert "'tok-org/only-tokenizer' is no folder here and not in the Hugging Face cache" in line
+    # A download cut short of the weights: named as such (it is in the cache), by every
+    # command; tune before it makes its --out.
+    hub_cache(tmp_path / "cache", "cut-org/no-weights",
+              files=["config.json", "tokenizer.json", "tokenizer_config.json"])  # fmt: skip
+    tune = ["tune", "debug", "--out", str(tmp_path / "t"), "--device-memory", "1GB"]
+    for command in (["config", "debug"], tune):
+        line = one_line_error(fsdprun(*command, "model.hf_path=cut-org/no-weights", env=env,
+                                      cwd=tmp_path))  # fmt: skip
+        assert line.startswith("error: model.hf_path: the cached snapshot of cut-org/no-weights "
+                               "has no weight files (model.safetensors or "
+                               "model.safetensors.index.json)"), line  # fmt: skip
+        assert "HF_HUB_OFFLINE is set" in line and "fsdprun download cut-org/no-weights" in line
+    assert not (tmp_path / "t").exists()
 
 
 def test_a_local_folder_named_like_an_id_stays_a_folder(tmp_path, monkeypatch):

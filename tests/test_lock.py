@@ -126,7 +126,8 @@ def test_status_never_imports_torch_and_refuses_a_non_run(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
     assert out.strip() == (
-        f"2 False error: {tmp_path}: not an fsdprun run directory (no recipe.yaml, no lock)"
+        f"2 False error: {tmp_path}: not an fsdprun run directory (no recipe.yaml, no lock) nor a "
+        "tune's --out (no trials.jsonl)"
     )
 
 

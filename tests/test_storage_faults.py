@@ -21,9 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Run, run_fsdprun
+import yaml
+from conftest import Run, run_fsdprun, zygote_command
 
 from fsdprun.checkpoint import check_checkpoint, checkpoint_root, step_dir
+from fsdprun.runlock import hold_run_dir
 
 # A debug-recipe checkpoint takes about 1.8 MiB in two ~0.9 MiB shard files: a 3 MiB disk holds
 # one checkpoint and the run's small files, not two; a 512 KiB file-size limit fails any shard.
@@ -79,8 +81,21 @@ def one_line(proc: subprocess.CompletedProcess, code: int) -> str:
 def snapshot(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*")) if p.is_file()
+        for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".fill")
     }  # fmt: skip
+
+
+def fill(disk: Path, *, leave_pages: int = 0) -> None:
+    """Fill the tmpfs at `disk` (into `.fill`, which `snapshot` leaves out) but `leave_pages`
+    pages: a small file takes one page of a tmpfs."""
+    page = resource.getpagesize()
+    (disk / ".fill").unlink(missing_ok=True)
+    spare = disk / ".fill-spare"
+    spare.write_bytes(b"s" * page * leave_pages)
+    with open(disk / ".fill", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"x" * page)
+    spare.unlink()
 
 
 @contextlib.contextmanager
@@ -242,6 +257,113 @@ def test_prepare_data_on_a_full_disk_leaves_nothing(tmp_path):
         line = one_line(proc, 1)
         assert "no space left on device" in line and str(disk / "data") in line, line
         assert list(disk.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# tune's --out
+
+TUNE_RECIPE = "extends: debug\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 1\n"
+CONTINUES = "then rerun the same command: it continues where it stopped"
+
+
+def _tune(tmp_path: Path, out: Path, *more: str, fsize: int | None = None):
+    recipe = tmp_path / "mb1.yaml"
+    recipe.write_text(TUNE_RECIPE)
+    return fsdprun("tune", str(recipe), "--out", str(out), "--nproc-per-node", "2",
+                   "--device-memory", "1GB", "--space", "train.micro_batch_size=1,2",
+                   "--repeats", "1", "--budget", "5m", *more, cwd=tmp_path,
+                   fsize=fsize)  # fmt: skip
+
+
+def last_line(proc: subprocess.CompletedProcess, code: int) -> str:
+    """The error line that ends a command which printed its plan first."""
+    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: "), proc.stderr[-3000:]
+    return line
+
+
+def _trial_record(tid: str, cand: str, label: str) -> dict:
+    """A finished trial as tune logs it (what a run's metrics gave)."""
+    return {"event": "trial", "id": tid, "candidate": cand, "label": label, "round": 0,
+            "measured_steps": 4, "warmup_steps": 2, "status": "ok", "wall_s": 5.0,
+            "losses": [5.5, 5.4, 5.3], "step_times_s": [0.1, 0.1, 0.1, 0.1],
+            "tokens_per_step": 512, "time_to_first_step_s": 3.0, "warmup_s": 0.3, "mfu": None,
+            "peak_bytes": 2**28, "memory_kind": "RSS", "model_state_bytes": 2**20}  # fmt: skip
+
+
+def test_tune_whose_trial_cannot_write_stops_in_one_line_and_a_second_tune_is_refused(tmp_path):
+    """A file-size limit (inherited by the trials' `train`): no mount needed."""
+    out = tmp_path / "out"
+    # The lock and the trial log's header fit in 2 KiB; the first trial's recipe.yaml does not.
+    line = last_line(_tune(tmp_path, out, fsize=2048), 1)
+    assert line.startswith(f"error: trial r0-c0-0 could not write under {out}: "), line
+    assert "file too large" in line.lower() and line.endswith(CONTINUES), line
+    # Not logged (the rerun runs it again): the log holds its header and the session's note.
+    assert [json.loads(x)["event"] for x in (out / "trials.jsonl").read_text().splitlines()] == [
+        "tune", "session"]  # fmt: skip
+    # A second tune into an --out in use: refused before it plans or prints anything.
+    with hold_run_dir(out):
+        line = one_line(_tune(tmp_path, out), 2)
+    assert f"{out} is in use by another fsdprun run: pid {os.getpid()}" in line, line
+
+
+def test_tune_on_a_read_only_or_full_disk_is_one_line_and_overwrites_nothing(tmp_path):
+    with tmpfs(tmp_path / "ro", "64k", read_only=True) as ro:
+        line = one_line(_tune(tmp_path, ro / "t"), 1)
+        assert line == (f"error: cannot write --out {ro / 't'}: read-only file system; make that "
+                        "filesystem writable, or give another --out")  # fmt: skip
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        out = disk / "t"
+        fill(disk)
+        line = one_line(_tune(tmp_path, out), 1)
+        assert line == (f"error: cannot write --out {out} (its lock file .lock): no space left "
+                        "on device; free some space there, or give another --out")  # fmt: skip
+        assert snapshot(disk) == {} and not out.exists()
+        # A search whose trials are all logged, a tuned.yaml and a picture from before: only the
+        # lock fits, so tuned.yaml cannot be written.
+        (disk / ".fill").unlink()
+        last_line(_tune(tmp_path, out, fsize=2048), 1)  # as above: leaves the log's header
+        with (out / "trials.jsonl").open("a") as f:
+            for cand, label in (("c0", "baseline"), ("c1", "mb=2")):
+                f.write(json.dumps(_trial_record(f"r0-{cand}-0", cand, label)) + "\n")
+        (out / "tuned.yaml").write_text("# from before\nextends: debug\n")
+        picture = disk / "tune.png"
+        picture.write_bytes(b"before")
+        log = (out / "trials.jsonl").read_bytes()
+        before = snapshot(disk)
+        fill(disk, leave_pages=1)
+        proc = _tune(tmp_path, out, "--plot", str(picture))
+        assert "continuing" in proc.stderr  # ran no trial
+        assert last_line(proc, 1) == (f"error: cannot write {out / 'tuned.yaml'}: no space left "
+                                      f"on device; free some space there, {CONTINUES}")  # fmt: skip
+        # No lock, no temporary, nothing cut: the log only gained its session's note.
+        now = snapshot(disk)
+        assert now.pop("t/trials.jsonl") != before.pop("t/trials.jsonl") and now == before
+        assert (out / "trials.jsonl").read_bytes().startswith(log)
+        # Room for tuned.yaml, not for the picture: drawn beside the old one, which stays.
+        fill(disk, leave_pages=2)
+        line = last_line(_tune(tmp_path, out, "--plot", str(picture)), 1)
+        assert line == (f"error: cannot write --plot {picture}: no space left on device; free "
+                        "some space there, or give another --plot")  # fmt: skip
+        assert yaml.safe_load((out / "tuned.yaml").read_text())["extends"] == str(
+            tmp_path / "mb1.yaml")  # fmt: skip
+        after = snapshot(disk)
+        after.pop("t/trials.jsonl")
+        assert after.pop("t/tuned.yaml") != before.pop("t/tuned.yaml") and after == before
+        # The JSON document on stdout, into a file on the full disk.
+        fill(disk)
+        with (disk / "plan.json").open("w") as stdout:
+            proc = subprocess.run(
+                [zygote_command(tmp_path), "tune", "debug", "--out", str(out), "--device-memory",
+                 "1GB", "--space", "train.micro_batch_size=1,2", "--dry-run", "--json"],
+                cwd=tmp_path, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300,
+            )  # fmt: skip
+        assert one_line(proc, 1) == (
+            "error: cannot write the JSON document to standard output: "
+            "no space left on device; send it where there is room"
+        )
 
 
 # --------------------------------------------------------------------------------------------

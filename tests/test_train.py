@@ -220,6 +220,12 @@ def test_failing_worker_names_rank_error_and_log(tmp_path):
     log = lines[0].split("log: ")[1].strip()
     assert log.endswith("stderr.log") and "injected failure" in Path(log).read_text()
     assert "Traceback" not in proc.stderr
+    # Later, from the run directory alone: `fsdprun status` names the same line.
+    status = run_fsdprun("status", str(tmp_path / "run"), cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[0] == (
+        f"{tmp_path / 'run'}: not running; the last session failed: {lines[0][len('error: ') :]}"
+    )
 
 
 def _failure(attempt: Path, rank: int, message: str | None, timestamp: int, exitcode: int = 1):

@@ -7,8 +7,11 @@ and one that survives a failing trial, a hanging one, a spent budget and a kill 
 
 from __future__ import annotations
 
+import enum
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -115,6 +118,49 @@ def test_the_recipes_tune_section_narrows_widens_and_the_command_line_wins(tmp_p
     numerics.write_text(RECIPE + "tune:\n  space:\n    precision.param_dtype: [bf16]\n")
     with pytest.raises(UserError, match="tune.space precision.param_dtype: .*--allow-numerics"):
         space(numerics)
+
+
+def test_none_is_a_value_to_search_on_the_command_line_and_in_the_recipe(tmp_path):
+    """YAML reads `none` as a string, which fsdp.wrap, activation_checkpointing.mode and
+    fsdp.backward_prefetch take as a value: it stays one, never becomes null."""
+    path = tmp_path / "section.yaml"
+    path.write_text(RECIPE + "tune:\n  defaults: false\n  space:\n"
+                    "    fsdp.backward_prefetch: [pre, none]\n")  # fmt: skip
+    args = tune_cmd(path, tmp_path / "o", "--device-memory", "1GB", "--dry-run", "--json",
+                    "--space", "defaults", "--space", "fsdp.wrap=block,none", "--space",
+                    "activation_checkpointing.mode=none,full")  # fmt: skip
+    proc = run_fsdprun(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert {k["key"]: k["values"] for k in doc["space"]} == {
+        "fsdp.backward_prefetch": ["pre", "none"], "fsdp.wrap": ["block", "none"],
+        "activation_checkpointing.mode": ["none", "full"],
+    }  # fmt: skip
+    assert len(doc["candidates"]) == 8
+    assert not [c for c in doc["candidates"] if c["status"] == "pruned"], doc["candidates"]
+
+
+def test_every_value_of_an_enum_knob_is_searchable(recipe):
+    """Each value the recipe schema accepts for an enum knob comes out of the space as itself,
+    and a candidate that sets it resolves (its own cross-field checks aside)."""
+    cfg = cfg_of(recipe)
+    checked = 0
+    for key in (*T.MATH_KNOBS, *T.NUMERICS_KNOBS):
+        section, name = key.split(".", 1)
+        default = getattr(getattr(cfg, section), name)
+        if not isinstance(default, enum.Enum):
+            continue
+        values = [m.value for m in type(default)]
+        space, _ = T.parse_space([f"{key}={','.join(values)}"], cfg, accelerator=False,
+                                 allow_numerics=True)  # fmt: skip
+        assert sorted(space[0].values) == sorted(values), key
+        for value in values:
+            try:
+                load_recipe(str(recipe), [f"{key}={value}"])
+            except UserError as e:
+                assert "Incompatible value" not in str(e) and "not a valid" not in str(e), e
+        checked += 1
+    assert checked >= 8  # engine, sharding, wrap, prefetch, checkpointing, loss, dtypes, ...
 
 
 def test_a_bad_tune_section_is_refused_like_any_recipe_key(tmp_path):
@@ -331,7 +377,7 @@ def test_trial_log_survives_a_torn_write_and_refuses_another_search(tmp_path):
 def test_tuned_layer_sets_only_the_winning_knobs(tmp_path, recipe):
     winner = T.Candidate(3, {}, {"train.micro_batch_size": "4", "fsdp.forward_prefetch": "1"})
     text = T.tuned_layer(str(recipe.resolve()), ["optim.lr=0.001", "~train.seed"], winner,
-                         verdict="c3 beats it by +50%", hardware="2 x CPU",
+                         config=cfg_of(recipe), verdict="c3 beats it by +50%", hardware="2 x CPU",
                          command="fsdprun train x")  # fmt: skip
     assert text.startswith("# fsdprun train x\n# Tuned by fsdprun tune on ")
     assert "2 x CPU" in text and "+50%" in text
@@ -344,8 +390,8 @@ def test_tuned_layer_sets_only_the_winning_knobs(tmp_path, recipe):
     cfg = load_recipe(str(layer)).config
     assert cfg.train.micro_batch_size == 4 and cfg.train.global_batch_size == 16
     assert cfg.optim.lr == 1e-3 and cfg.fsdp.forward_prefetch == 1
-    builtin = yaml.safe_load(T.tuned_layer("debug", [], winner, verdict="v", hardware="h",
-                                           command="c"))  # fmt: skip
+    builtin = yaml.safe_load(T.tuned_layer("debug", [], winner, config=cfg, verdict="v",
+                                           hardware="h", command="c"))  # fmt: skip
     assert builtin["extends"] == "debug"
 
 
@@ -415,6 +461,44 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     assert (tmp_path / "tune.png").stat().st_size > 10_000
 
 
+def test_tuned_yaml_of_relative_paths_trains_from_another_directory(tmp_path):
+    """`fsdprun tune sft-demo model.hf_path=myhf data.tokenizer=models/tiny` in a work folder:
+    tuned.yaml holds those folders' absolute paths (in it, `myhf` would be read from its own
+    folder, and `models/tiny`, found nowhere, as a Hub id), so the printed train command runs
+    from anywhere. One trial: mb=1 plans over the device memory, and so does the starting
+    recipe, which runs with a warning."""
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    shutil.copytree(tiny, work / "myhf")
+    shutil.copytree(tiny, work / "models" / "tiny")
+    elsewhere.mkdir()
+    proc = run_fsdprun(
+        "tune", "sft-demo", "model.hf_path=myhf", "data.tokenizer=models/tiny", "--out", "t",
+        "--nproc-per-node", "2", "--device-memory", "1MB", "--space",
+        "train.micro_batch_size=1", "--steps", "1", "--repeats", "1", "--budget", "5m", cwd=work,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The starting recipe's own plan is over the device memory: said before its trial runs.
+    warning = next(x for x in proc.stderr.splitlines() if x.startswith("warning: "))
+    assert warning.startswith("warning: the starting recipe plans a peak of ") and warning.endswith(
+        " per rank, over the device memory 976.56 KiB (--device-memory) with the 10% margin; its "
+        "trials (the baseline, run first) may run out of memory"), warning  # fmt: skip
+    assert proc.stderr.index(warning) < proc.stderr.index("r0-c0-0 baseline")
+    [record] = trials_of(work / "t")
+    assert record["status"] == "ok", record
+    tuned = yaml.safe_load((work / "t" / "tuned.yaml").read_text())
+    assert tuned["model"]["hf_path"] == str(work / "myhf")
+    assert tuned["data"]["tokenizer"] == str(work / "models" / "tiny")
+    ran = yaml.safe_load((work / record["run_dir"] / "recipe.yaml").read_text())
+    assert (ran["model"]["hf_path"], ran["data"]["tokenizer"]) == (
+        str(work / "myhf"), str(work / "models" / "tiny"))  # fmt: skip
+    proc = run_fsdprun("train", str(work / "t" / "tuned.yaml"), "train.steps=1",
+                       "checkpoint.save_final=false", "eval.every_steps=0", "--nproc-per-node",
+                       "2", "--run-dir", "run", cwd=elsewhere)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (elsewhere / "run" / "metrics.jsonl").is_file()
+
+
 def _trials_left(out: Path, within_s: float = 5) -> list[str]:
     """The processes still naming the search's trial directories after `within_s` (a trial's
     launcher and workers get SIGKILL as tune dies; reaping them takes a moment)."""
@@ -469,33 +553,54 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     assert killed[0] == first[0]
     assert killed[1]["status"] == "failed" and "FSDPRUN_FAIL_AT" in killed[1]["reason"]
     assert not _trials_left(out), "a trial outlived its tune"
+    status = run_fsdprun("status", str(out), cwd=tmp_path).stdout.splitlines()
+    assert status[0] == (f"{out}: tune of mb1 not running; its last session ended before the "
+                         "search did (Ctrl-C, a kill, an error or a spent --budget): rerun the "
+                         "same command to continue")  # fmt: skip
 
-    # Ctrl-C in the same trial, run again: exit 130, the trial goes with tune, the log as it was.
-    # The trial hangs at its first step, so it is still running when the Ctrl-C comes (a trial
+    # Ctrl-C in the same trial, run again, then SIGTERM: exit 130 and 143 with one line that
+    # says what is kept and how to continue, the trial goes with tune, the log as it was.
+    # The trial hangs at its first step, so it is still running when the signal comes (a trial
     # that finished first made tune end well before it, on a loaded machine).
     # tune starts as a terminal's foreground command does, SIGINT neither ignored nor blocked
     # (a test process can pass on either, and a Python started so never raises
     # KeyboardInterrupt).
-    began = time.time()
-    popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path,
-                             env=fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c0-1:FSDPRUN_HANG_AT=0:1"),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=_sigint_as_a_terminal_gives_it)  # fmt: skip
-    trial_log = out / "logs" / "r0-c0-1.log"
-    # The killed tune's r0-c0-1 directory is removed before the log is opened for the new trial,
-    # so a directory after that is the new trial's `fsdprun train` running.
-    while time.monotonic() < deadline + 120 and not (
-        trial_log.exists() and trial_log.stat().st_mtime > began and running.exists()
-    ):  # fmt: skip
-        time.sleep(0.1)
-    assert running.exists(), "the interrupted trial never started again"
-    handled = _signals(popen.pid)
-    assert int(handled["SigCgt"], 16) & (1 << (signal.SIGINT - 1)), handled
-    popen.send_signal(signal.SIGINT)
-    _, err = popen.communicate(timeout=60)
-    assert popen.returncode == 130 and "aborted" in err, err[-2000:]
-    assert trials_of(out) == killed
-    assert not _trials_left(out), "a trial outlived its tune"
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        began = time.time()
+        popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path,
+                                 env=fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c0-1:FSDPRUN_HANG_AT=0:1"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=_sigint_as_a_terminal_gives_it)  # fmt: skip
+        trial_log = out / "logs" / "r0-c0-1.log"
+        # The killed tune's r0-c0-1 directory is removed before the log is opened for the new
+        # trial, so a directory after that is the new trial's `fsdprun train` running.
+        while time.monotonic() < deadline + 240 and not (
+            trial_log.exists() and trial_log.stat().st_mtime > began and running.exists()
+        ):  # fmt: skip
+            time.sleep(0.1)
+        assert running.exists(), "the interrupted trial never started again"
+        if signum == signal.SIGINT:
+            # `fsdprun status` on --out while the search runs: the trials done, the best so
+            # far, the budget left, the last trial.
+            status = run_fsdprun("status", str(out), cwd=tmp_path).stdout.splitlines()
+            assert status[0].startswith(f"{out}: tune of mb1 running, pid {popen.pid} on ")
+            assert status[1].startswith(
+                "2 trials done (1 failed, 1 ok); best so far c0 (baseline): "
+            ) and status[1].endswith(" tokens/s")
+            assert re.fullmatch(r"budget 10m00s: \d+m\d\ds left", status[2]), status
+            assert status[3].startswith("last trial r0-c1-0 mb=2: failed (exit 1: ") and (
+                "FSDPRUN_FAIL_AT" in status[3])  # fmt: skip
+            handled = _signals(popen.pid)
+            assert int(handled["SigCgt"], 16) & (1 << (signal.SIGINT - 1)), handled
+        popen.send_signal(signum)
+        _, err = popen.communicate(timeout=60)
+        assert popen.returncode == 128 + signum and "Traceback" not in err, err[-2000:]
+        assert err.strip().splitlines()[-1] == (
+            f"tune interrupted by {signum.name}: 2 finished trial(s) are kept in "
+            f"{out / 'trials.jsonl'} (a trial in progress is stopped and not logged); rerun the "
+            "same command to continue")  # fmt: skip
+        assert trials_of(out) == killed
+        assert not _trials_left(out), "a trial outlived its tune"
 
     # Again: the interrupted trial runs again, the finished ones do not; one that hangs is killed
     # at its timeout, recorded, and the search still ends with a report. The timeout: three times
@@ -515,6 +620,10 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     assert final[3]["status"] == "timeout" and final[3]["reason"].startswith("hung")
     assert timeout_s <= final[3]["wall_s"] < timeout_s + 15
     assert "c0" in proc.stdout and "hung" in proc.stdout
+    status = run_fsdprun("status", str(out), cwd=tmp_path).stdout.splitlines()
+    assert status[0].startswith(f"{out}: tune of mb1 finished: ") and status[0].endswith(
+        f"; wrote {out / 'tuned.yaml'}"), status  # fmt: skip
+    assert status[1].startswith("4 trials done (1 failed, 2 ok, 1 timeout); best so far c")
     assert yaml.safe_load((out / "tuned.yaml").read_text()) == {"extends": str(recipe.resolve())}
 
 
@@ -527,6 +636,15 @@ def test_tune_refuses_cpu_without_device_memory(tmp_path, recipe):
     proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB", "--space",
                                  "train.seq_len=32,64"), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2 and "train.seq_len: not a tuning knob" in proc.stderr
+    # A value no recipe takes is refused at once, as a value of the wrong type is; one that
+    # only this recipe refuses (3 does not divide the batch) is a candidate, pruned by the plan.
+    for space, refused in (("train.micro_batch_size=0,3", "'0' must be > 0"),
+                           ("fsdp.forward_prefetch=1,-1", "'-1' must be >= 0"),
+                           ("fsdp.engine=fsdp3", "'fsdp3' is not a valid")):  # fmt: skip
+        proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB", "--space",
+                                     space), cwd=tmp_path)  # fmt: skip
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and refused in lines[0], proc.stderr
     if launch_device_problem(DeviceKind.accelerator):  # a CPU machine, as in CI
         # A recipe for accelerators: every trial would be refused the same way, so tune is.
         proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB",
@@ -550,13 +668,45 @@ def test_tune_dry_run_prints_the_space_pruning_and_order(tmp_path, recipe):
     proc = run_fsdprun(*args, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stderr
-    assert text.index("space (8 candidates)") < text.index("pruned 5:") < text.index("order (3)")
-    assert "fsdp.limit_all_gathers does nothing under fsdp2 (knob table)" in text
-    assert "c6 mb=8: planned peak" in text and "device memory 6.00 MiB" in text
+    pruned = "pruned 5, by reason (--json lists each candidate):"
+    assert text.index("space (8 candidates)") < text.index(pruned) < text.index("order (3)")
+    # One line per reason (the default space prunes hundreds), the most common first, each with
+    # its count and one candidate.
+    lines = text[text.index(pruned) + len(pruned) : text.index("order (3)")].splitlines()[1:]
+    assert len(lines) == 2, lines
+    assert lines[0] == (
+        "  4 x fsdp.limit_all_gathers does nothing under fsdp2 (knob table); e.g. c1 "
+        "limit_ag=false: same as c0: fsdp.limit_all_gathers does nothing under fsdp2 (knob table)"
+    )
+    assert lines[1].startswith(
+        "  1 x planned peak + 10% margin > device memory; e.g. c6 mb=8: planned peak "
+    ) and lines[1].endswith("> device memory 6.00 MiB")
     doc = json.loads(run_fsdprun(*args, "--json", cwd=tmp_path).stdout)
     assert doc["order"] == ["c0", "c4", "c2"]
+    why = {c["candidate"]: c["reason"] for c in doc["candidates"] if c["status"] == "pruned"}
+    assert sorted(why) == ["c1", "c3", "c5", "c6", "c7"]
+    assert why["c7"] == "same as c6: fsdp.limit_all_gathers does nothing under fsdp2 (knob table)"
     assert [(r["num_candidates"], r["repeats"]) for r in doc["rounds"]] == [(3, 2)]
     assert not (tmp_path / "o").exists()
+
+
+def test_the_default_space_under_tensor_parallel_leaves_out_what_tp_refuses(tmp_path, recipe):
+    """fsdp1, the chunked loss and CPU offload, which parallel.tp always refuses, are not in the
+    default space (376 of 384 candidates were pruned for them); the micro-batch sizes are those
+    of the data-parallel ranks' share (a TP group shares its micro-batch)."""
+    proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "parallel.tp=2", "--device-memory",
+                                 "1GB", "--dry-run", "--json"), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    space = {k["key"]: k["values"] for k in doc["space"]}
+    assert space["fsdp.engine"] == ["fsdp2"] and space["train.loss"] == ["plain"]
+    assert space["fsdp.cpu_offload"] == ["false"]
+    assert space["train.micro_batch_size"] == ["1", "2", "4", "8", "16"]  # 16 / 1 dp rank
+    assert space["activation_checkpointing.mode"] == ["none", "selective", "full"]
+    assert sorted(doc["left_out"]) == ["fsdp.cpu_offload=true", "fsdp.engine=fsdp1",
+                                       "train.loss=chunked"]  # fmt: skip
+    assert all("parallel.tp=2 with" in why for why in doc["left_out"].values())
+    assert not [c for c in doc["candidates"] if "refuse" in (c["reason"] or "")]
 
 
 def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypatch):

@@ -264,7 +264,12 @@ def _receive(conn: socket.socket) -> dict:
 def client(path: str, argv: list[str]) -> int:
     """`fsdprun ARGV` through the zygote with this process's stdin, stdout and stderr, as a
     shell runs it: the exit status, 128 + N for signal N. SIGINT/SIGTERM reach the command."""
+    import resource
+
     request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:  # a real child inherits its parent's file-size limit
+        request["fsize_limit"] = limit
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
         socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])

@@ -42,25 +42,34 @@ def is_hub_id(value: str, base: Path | None = None) -> bool:
     return not ((base / value) if base is not None else Path(value)).exists()
 
 
-def _complete(folder: Path, *, model: bool) -> bool:
-    """Whether a snapshot holds what `model.hf_path` (config and weights) or `data.tokenizer`
-    (tokenizer files) reads."""
+def _lacks(folder: Path, *, model: bool) -> str | None:
+    """What a snapshot lacks of what `model.hf_path` (config and weights) or `data.tokenizer`
+    (tokenizer files) reads, in words; None when it holds it."""
     if model:
         weights = ("model.safetensors", "model.safetensors.index.json")
-        return (folder / "config.json").is_file() and any((folder / w).is_file() for w in weights)
+        if not any((folder / w).is_file() for w in weights):
+            return "weight files (model.safetensors or model.safetensors.index.json)"
+        return None if (folder / "config.json").is_file() else "config.json"
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    return any((folder / n).is_file() for n in names)
+    if any((folder / n).is_file() for n in names):
+        return None
+    return f"tokenizer files ({', '.join(names)})"
 
 
-def _cached(hub_id: str, *, model: bool) -> Path | None:
+def _snapshot(hub_id: str) -> Path | None:
+    """The cached snapshot folder of `hub_id` (complete or not), never the network."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        folder = Path(snapshot_download(hub_id, local_files_only=True))
+        return Path(snapshot_download(hub_id, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
         return None
-    return folder if _complete(folder, model=model) else None
+
+
+def _cached(hub_id: str, *, model: bool) -> Path | None:
+    folder = _snapshot(hub_id)
+    return folder if folder is not None and _lacks(folder, model=model) is None else None
 
 
 def _cache_dir() -> str:
@@ -190,6 +199,13 @@ def hub_folder(
     else:
         fix = f"run `fsdprun download {hub_id}` (with a network)"
         why = "and this command never downloads"
+    partial = _snapshot(hub_id)
+    if partial is not None:
+        # A download cut short, or one that asked for other files (the tokenizer's only).
+        raise UserError(
+            f"{key}: the cached snapshot of {hub_id} has no {_lacks(partial, model=model)} "
+            f"({partial}) {why}; {fix}, to fetch them, or give a local folder"
+        )
     raise UserError(
         f"{key}: '{hub_id}' is no folder here and not in the Hugging Face cache "
         f"({_cache_dir()}) {why}; {fix}, or give a local folder"

@@ -143,6 +143,19 @@ class RecipeLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
+# YAML 1.1 reads yes/no/on/off (any case) as booleans, so `precision.float8: off`, a value of
+# that enum, became False and was refused. Here only true and false are booleans, as in YAML
+# 1.2; a boolean key still takes yes/no/on/off (the schema converts those strings).
+_BOOL = "tag:yaml.org,2002:bool"
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+RecipeLoader.add_implicit_resolver(
+    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
 def load_yaml(text: str) -> Any:
     """YAML text as Python data, the way recipes and overrides are read (see `RecipeLoader`).
 

@@ -511,17 +511,39 @@ def tune_space_errors(space: dict[str, list[str]], *, where: str) -> list[str]:
         node = OmegaConf.structured(kind.default_factory)
         for value in values:
             try:
-                OmegaConf.merge(node, {name: _yaml_value(value)})
+                merged = getattr(OmegaConf.merge(node, {name: _yaml_value(value)}), name)
             except Exception:  # noqa: BLE001 - omegaconf's ValidationError and its subclasses
                 default = getattr(kind.default_factory(), name)
                 choices = (f" (one of {', '.join(m.value for m in type(default))})"
                            if isinstance(default, enum.Enum) else "")  # fmt: skip
                 errors.append(f"{where}: {key} value {value!r} is not a valid {key}{choices}")
+                continue
+            # The bounds every recipe must keep whatever its other keys (a candidate refused
+            # only beside other values, a micro-batch that does not divide the batch, is pruned).
+            bound = _VALUE_BOUNDS.get(key)
+            if bound is not None and merged is not None and not (
+                merged >= bound[0] and math.isfinite(merged) and merged != bound[1]
+            ):  # fmt: skip
+                at_least = f"> {bound[1]}" if bound[0] == bound[1] else f">= {bound[0]}"
+                errors.append(f"{where}: {key} value {value!r} must be {at_least}")
     return errors
 
 
+# key -> (lowest value, a value refused): the per-key bounds of _bound_errors and
+# _recipe_errors, for values given without a recipe around them.
+_VALUE_BOUNDS = {
+    **{key: (0, 0) for key in POSITIVE_KEYS},
+    **{key: (0, None) for key in NON_NEGATIVE_KEYS},
+    "train.loss_chunk_size": (1, None),
+    "activation_checkpointing.every_n": (1, None),
+    "fsdp.shard_group_size": (1, None),
+}
+
+
 def _yaml_value(text: str):
+    from fsdprun.config.load import load_yaml  # load imports this module
+
     try:
-        return yaml.safe_load(str(text))
-    except yaml.YAMLError:
+        return load_yaml(str(text))
+    except (yaml.YAMLError, ValueError):  # the schema then refuses the text as it is
         return text

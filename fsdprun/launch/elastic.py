@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from fsdprun.launch.killed import describe_sigkill, is_sigkill
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.launch.rendezvous import RendezvousProgress
 from fsdprun.report.console import MetricsFollower, Reporter
+from fsdprun.report.metrics import MetricsLog
 from fsdprun.report.trackers import tracker_folder_errors
 from fsdprun.rundir import (
     RunDirWatch,
@@ -280,6 +282,16 @@ def describe_failure(
     return WorkerFailed(f"rank {rank} failed: {message}{where}", user_error=False)
 
 
+def _log_failure(metrics: Path, error: str) -> None:
+    """The line this launcher prints for a failed run, as a `failed` event of its metrics file,
+    for `fsdprun status` once the terminal is gone. Best effort: a full disk (the cause, maybe)
+    must not hide the error it is about."""
+    with contextlib.suppress(OSError):
+        log = MetricsLog(metrics)
+        log.write("failed", error=error, time=time.time())
+        log.close()
+
+
 def _attempt_dir(failures: dict[int, ProcessFailure]) -> Path | None:
     """This node's folder of the attempt (`.../attempt_N`, a folder per local rank), from the
     error file of a reported worker; None when none wrote one."""
@@ -455,7 +467,9 @@ def _launch(
                 str(run_dir), resolved.name, str(resume_from) if resume_from else None
             )
     except ChildFailedError as err:
-        raise describe_failure(err, run_dir, cfg=cfg, device_kind=kind) from err
+        failure = describe_failure(err, run_dir, cfg=cfg, device_kind=kind)
+        _log_failure(run_dir / cfg.output.metrics_file, str(failure))
+        raise failure from err
     except RendezvousError as err:
         raise _rendezvous_failed(err, cfg, plan, waiting) from err
     vanished = next((r["vanished"] for r in results.values() if r and r.get("vanished")), None)

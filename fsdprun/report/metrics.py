@@ -192,12 +192,13 @@ def run_state(events: list[dict[str, Any]], *, running: bool) -> str:
     """How a run stands, from its metrics events and whether its run directory's lock is held:
     "running", "not started" (no session began), "stopped" (the last session stopped where all
     ranks agreed to, to go on with resume), "finished" (the last session wrote its summary), or
-    "failed" (the last session ended without either: an error, or a kill)."""
+    "failed" (the last session ended without either: an error, or a kill; or the launcher
+    logged a `failed` event before any session began)."""
     if running:
         return "running"
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     if not starts:
-        return "not started"
+        return "failed" if any(e["event"] == "failed" for e in events) else "not started"
     ended = {e["event"] for e in events[starts[-1] :]}
     if "stopped" in ended:
         return "stopped"

@@ -2,12 +2,16 @@
 
     fsdprun status runs/debug-20261130-120000          # two lines
     fsdprun status runs/debug-20261130-120000 --json
+    fsdprun status tune-my                              # a tune's --out: the search
 
 Read from files alone (no torch, no process group, nothing written): the run directory's lock
 (held means running; the file names the holder), its metrics.jsonl (the last logged step, loss and
 tokens/s, restarts, how the last session ended), each rank's heartbeat file (how long ago it last
 answered) and the checkpoints folder (the newest checkpoint whose manifest is complete). For
 multi-node jobs whose terminal output is in a batch log; `--watch` redraws it until the run ends.
+A failed run names its error: the line the launcher printed, which it also logs (`failed`).
+A `fsdprun tune` output folder (its trials.jsonl) shows the search instead: the trials done,
+the best so far, the budget left, the last trial, and how the last session ended.
 
 Files of a run can be damaged (a full disk, an editor, another program): what cannot be read is
 skipped and counted (`skipped` in the document, one line in the text), a value of the wrong type
@@ -16,6 +20,8 @@ reads as absent, and `--json` is valid JSON whatever the files hold (NaN and inf
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 import json
 import math
 import time
@@ -27,6 +33,7 @@ from fsdprun.errors import UserError
 from fsdprun.report.metrics import integer, json_safe, number, read_metrics, run_state
 from fsdprun.rundir import (
     RECIPE_FILE,
+    TUNE_LOG_FILE,
     checkpoint_root,
     heartbeat_paths,
     lock_paths,
@@ -46,16 +53,14 @@ def run_status(run_dir: Path) -> dict[str, Any]:
     """
     locks = lock_paths(run_dir)
     metrics = metrics_path(run_dir)
+    if (run_dir / TUNE_LOG_FILE).is_file() and not metrics.is_file():
+        return tune_status(run_dir)
     if not (locks or metrics.is_file() or recipe_path(run_dir).is_file()):
-        raise UserError(f"{run_dir}: not an fsdprun run directory (no {RECIPE_FILE}, no lock)")
-    lock_docs = []
-    for path in locks:
-        holder = read_holder(path)
-        lock_docs.append({
-            "file": path.name,
-            "held": is_locked(path),
-            "holder": holder.__dict__ if holder else None,
-        })  # fmt: skip
+        raise UserError(
+            f"{run_dir}: not an fsdprun run directory (no {RECIPE_FILE}, no lock) nor a tune's "
+            f"--out (no {TUNE_LOG_FILE})"
+        )
+    lock_docs = _locks(run_dir)
     read = read_metrics(metrics)
     events = read.events
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
@@ -66,6 +71,8 @@ def run_status(run_dir: Path) -> dict[str, Any]:
     checkpoints = [e for e in events if e["event"] == "checkpoint"]
     running = any(lock["held"] for lock in lock_docs)
     stopped = next((e for e in session if e["event"] == "stopped"), None)
+    failed = next((e for e in reversed(session) if e["event"] == "failed"), None)
+    error = failed.get("error") if failed is not None else None
     state = run_state(events, running=running)
     start = session[0] if starts else {}
     last = steps[-1] if steps else {}
@@ -85,6 +92,7 @@ def run_status(run_dir: Path) -> dict[str, Any]:
         "steps": total_steps,
         "loss": number(last.get("loss")),
         "stopped": stopped,
+        "error": error if isinstance(error, str) else None,
         "tokens_per_s": tokens_per_s,
         "eta_s": eta_s,
         # Each elastic restart starts the session again with attempt N.
@@ -102,6 +110,95 @@ def run_status(run_dir: Path) -> dict[str, Any]:
             "heartbeat_files": bad_beats,
         },
     }
+
+
+def _locks(run_dir: Path) -> list[dict[str, Any]]:
+    docs = []
+    for path in lock_paths(run_dir):
+        holder = read_holder(path)
+        docs.append({
+            "file": path.name,
+            "held": is_locked(path),
+            "holder": holder.__dict__ if holder else None,
+        })  # fmt: skip
+    return docs
+
+
+def tune_status(out_dir: Path) -> dict[str, Any]:
+    """The state of the `fsdprun tune` search in OUT_DIR (its trials.jsonl), as one JSON-ready
+    document: running or how its last session ended, the trials done by status, the best so
+    far (as tune ranks them), the budget left while it runs, the last trial."""
+    from fsdprun.tools.tune import select
+
+    docs, bad = [], 0
+    with contextlib.suppress(OSError):
+        for line in (out_dir / TUNE_LOG_FILE).read_bytes().splitlines():
+            try:
+                doc = json.loads(line)
+            except (ValueError, RecursionError):
+                doc = None
+            if isinstance(doc, dict) and isinstance(doc.get("event"), str):
+                docs.append(doc)
+            else:
+                bad += 1
+    trials = [d for d in docs if d["event"] == "trial" and _trial_shaped(d)]
+    bad += sum(d["event"] == "trial" for d in docs) - len(trials)
+    starts = [i for i, d in enumerate(docs) if d["event"] == "session"]
+    session = docs[starts[-1]] if starts else {}
+    done = next((d for d in docs[starts[-1] if starts else 0 :] if d["event"] == "done"), None)
+    locks = _locks(out_dir)
+    running = any(lock["held"] for lock in locks)
+    state = ("running" if running else "finished" if done else
+             "stopped" if starts or trials else "not started")  # fmt: skip
+    header = docs[0] if docs and docs[0]["event"] == "tune" else {}
+    best = None
+    ranked = [r for r in select(trials).ranking if r.stats is not None] if trials else []
+    if ranked:
+        top = ranked[0]
+        label = next((t.get("label") for t in trials if t["candidate"] == top.candidate), None)
+        best = {"candidate": top.candidate, "label": label, "tokens_per_s": top.stats.median,
+                "gain": top.gain, "round": top.round}  # fmt: skip
+    budget_s = number(session.get("budget_s"))
+    left_s = None
+    began = session.get("started_at")
+    if running and budget_s is not None and isinstance(began, str):
+        with contextlib.suppress(ValueError):
+            spent = time.time() - dt.datetime.fromisoformat(began).timestamp()
+            left_s = max(budget_s - spent, 0.0)
+    counts: dict[str, int] = {}
+    for t in trials:
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    last = trials[-1] if trials else None
+    return {
+        "kind": "tune",
+        "run_dir": str(out_dir),
+        "state": state,
+        "running": running,
+        "locks": locks,
+        "recipe": header.get("recipe") if isinstance(header.get("recipe"), str) else None,
+        "num_trials": len(trials),
+        "trials_by_status": counts,
+        "best": best,
+        "budget_s": budget_s,
+        "budget_left_s": left_s,
+        "last_trial": {key: last.get(key) for key in ("id", "label", "status", "reason")}
+        if last else None,
+        "done": done,
+        "skipped": {"log_lines": bad},
+    }  # fmt: skip
+
+
+def _trial_shaped(doc: dict[str, Any]) -> bool:
+    """Whether a trial record has what `select` reads (a damaged one is skipped and counted)."""
+    ok = doc.get("status") == "ok"
+    times = doc.get("step_times_s")
+    return (
+        isinstance(doc.get("id"), str) and isinstance(doc.get("candidate"), str)
+        and doc["candidate"][1:].isdigit() and integer(doc.get("round")) is not None
+        and isinstance(doc.get("status"), str)
+        and (not ok or (number(doc.get("tokens_per_step")) is not None and isinstance(times, list)
+                        and all(number(t) is not None for t in times)))
+    )  # fmt: skip
 
 
 def _heartbeats(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
@@ -153,6 +250,8 @@ def status_json(doc: dict[str, Any]) -> str:
 
 def render_status(doc: dict[str, Any]) -> str:
     """Two or three plain lines."""
+    if doc.get("kind") == "tune":
+        return _render_tune(doc)
     held = [lock for lock in doc["locks"] if lock["held"]]
     if doc["running"]:
         who = "; ".join(_holder_text(lock) for lock in held)
@@ -161,8 +260,10 @@ def render_status(doc: dict[str, Any]) -> str:
         state = {
             "not started": "not running; no training session has started",
             "finished": "not running; the last session finished",
-            "failed": "not running; the last session failed (it ended without a summary: an "
-            f"error or a kill; see {doc['run_dir']}/logs)",
+            "failed": f"not running; the last session failed: {doc['error']}"
+            if doc.get("error")
+            else "not running; the last session failed (it ended without a "
+            f"summary: an error or a kill; see {doc['run_dir']}/logs)",
         }.get(doc["state"], "")
         if doc["state"] == "stopped":
             stopped = doc["stopped"]
@@ -198,6 +299,45 @@ def render_status(doc: dict[str, Any]) -> str:
     skipped = skipped_text(doc)
     if skipped:
         lines.append(skipped)
+    return "\n".join(lines) + "\n"
+
+
+def _render_tune(doc: dict[str, Any]) -> str:
+    held = [lock for lock in doc["locks"] if lock["held"]]
+    what = f"tune of {doc['recipe']}" if doc.get("recipe") else "tune"
+    if doc["running"]:
+        first = f"{doc['run_dir']}: {what} running, " + "; ".join(map(_holder_text, held))
+    elif doc["state"] == "finished":
+        done = doc["done"]
+        first = (f"{doc['run_dir']}: {what} finished: {done.get('verdict')}; wrote "
+                 f"{done.get('tuned_yaml')}")  # fmt: skip
+    elif doc["state"] == "stopped":
+        first = (f"{doc['run_dir']}: {what} not running; its last session ended before the "
+                 "search did (Ctrl-C, a kill, an error or a spent --budget): rerun the same "
+                 "command to continue")  # fmt: skip
+    else:
+        first = f"{doc['run_dir']}: {what} not started"
+    lines = [first]
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(doc["trials_by_status"].items()))
+    trials = f"{doc['num_trials']} trials done" + (f" ({counts})" if counts else "")
+    best = doc.get("best")
+    if best:
+        gain = ""
+        if best["candidate"] != "c0" and best.get("gain") is not None:
+            gain = f", {best['gain']:+.1%} over the baseline"
+        trials += (f"; best so far {best['candidate']} ({best['label']}): "
+                   f"{best['tokens_per_s']:,.0f} tokens/s{gain}")  # fmt: skip
+    lines.append(trials)
+    if doc.get("budget_left_s") is not None:
+        lines.append(f"budget {_duration(doc['budget_s'])}: {_duration(doc['budget_left_s'])} "
+                     "left")  # fmt: skip
+    last = doc.get("last_trial")
+    if last:
+        reason = f" ({last['reason']})" if last.get("reason") else ""
+        lines.append(f"last trial {last['id']} {last['label']}: {last['status']}{reason}")
+    if doc["skipped"]["log_lines"]:
+        lines.append(f"skipped {doc['skipped']['log_lines']} unreadable line(s) of "
+                     f"{Path(doc['run_dir']) / TUNE_LOG_FILE}")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

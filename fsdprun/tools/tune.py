@@ -50,11 +50,13 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,9 +66,9 @@ import yaml
 from fsdprun.config import TUNE_KNOBS, TUNE_NUMERICS_KNOBS, launch_device_problem, load_recipe
 from fsdprun.config.validate import tune_space_errors
 from fsdprun.data.preflight import check_data
-from fsdprun.errors import UserError
+from fsdprun.errors import StorageError, UserError, write_error
 from fsdprun.report.metrics import percentile, read_events
-from fsdprun.rundir import metrics_path
+from fsdprun.rundir import TUNE_LOG_FILE, metrics_path
 from fsdprun.runlock import hold_run_dir
 from fsdprun.tools.compare import error_line
 
@@ -109,7 +111,12 @@ FIRST_TRIAL_TIMEOUT_S = 1200.0  # before any trial has finished, nothing to scal
 MIN_TIMEOUT_S = 300.0  # then 4x the expected trial time, at least this (x2 with compile)
 FAULT_ENV = "FSDPRUN_TUNE_FAULT"  # drills: TRIAL_ID:NAME=VALUE[;...] into one trial's environment
 FAULT_NAMES = ("FSDPRUN_FAIL_AT", "FSDPRUN_HANG_AT", "FSDPRUN_FREEZE_AT", "FSDPRUN_NONFINITE_AT")
-LOG_FILE = "trials.jsonl"
+# The fix once a write that failed mid-search can succeed again: the trial log keeps the work.
+CONTINUES = "rerun the same command: it continues where it stopped"
+# How a trial's `fsdprun train` words a write the machine refused (errors.describe_os_error and
+# the OS's own strerror, lowercased): tune stops there, since every later trial would fail too.
+STORAGE_PHRASES = ("no space left on device", "disk quota exceeded", "file too large",
+                   "read-only file system")  # fmt: skip
 TUNED_FILE = "tuned.yaml"
 # What every trial changes beside its knobs: no checkpoints, evaluations, trackers or profiler
 # (not the training step), every step logged.
@@ -145,16 +152,29 @@ def current_value(cfg: RecipeConfig, key: str) -> str:
 
 
 def micro_batch_choices(cfg: RecipeConfig) -> list[str]:
-    """Every micro-batch size that divides one rank's share of the global batch."""
-    per_rank = cfg.train.global_batch_size // cfg.world_size
+    """Every micro-batch size that divides one data-parallel rank's share of the global batch
+    (the ranks of a tensor-parallel group share their micro-batch)."""
+    tp = cfg.parallel.tp if cfg.parallel.tp >= 1 and cfg.world_size % cfg.parallel.tp == 0 else 1
+    per_rank = cfg.train.global_batch_size // (cfg.world_size // tp)
     return [str(d) for d in range(1, per_rank + 1) if per_rank % d == 0]
 
 
-def default_space(cfg: RecipeConfig, *, accelerator: bool) -> list[SpaceKnob]:
+# Whether the recipe's checks refuse KEY=VALUE whatever the space's other knobs (KEYS) are: its
+# refusal, else None (see `refused_alone`).
+Refusal = Callable[[str, str, set[str]], str | None]
+
+
+def default_space(
+    cfg: RecipeConfig, *, accelerator: bool, refused: Refusal | None = None,
+    left_out: dict[str, str] | None = None,
+) -> list[SpaceKnob]:  # fmt: skip
     """What an engineer tuning FSDP by hand tries first, from the recipe's own values.
 
     compile is searched on accelerators only (a CPU's inductor build costs more than short trials
-    can win back); hybrid sharding only across several nodes."""
+    can win back); hybrid sharding only across several nodes. The space follows the recipe: a
+    value that `refused` says the recipe refuses whatever the other knobs (under parallel.tp:
+    fsdp1, the chunked loss, CPU offload) is left out, its refusal put in `left_out` by
+    KEY=VALUE."""
     shardings = ["full", "grad_op"] + (["hybrid", "hybrid_zero2"] if cfg.launch.nnodes > 1 else [])
     nproc, nnodes = cfg.launch.nproc_per_node, cfg.launch.nnodes
     # Hybrid's shard groups: one node (null), or several nodes' ranks (fewer replicas).
@@ -174,7 +194,36 @@ def default_space(cfg: RecipeConfig, *, accelerator: bool) -> list[SpaceKnob]:
         space.append(("compile.enabled", ["false", "true"]))
     if cfg.fsdp.engine.value == "ddp":
         space = [(k, v) for k, v in space if not k.startswith("fsdp.")]
-    return [SpaceKnob(key, _with(values, current_value(cfg, key))) for key, values in space]
+    keys = {key for key, _ in space}
+    out = []
+    for key, values in space:
+        kept = []
+        for value in values:
+            why = None
+            if refused is not None and value != current_value(cfg, key):
+                why = refused(key, value, keys)
+            if why is None:
+                kept.append(value)
+            elif left_out is not None:
+                left_out[f"{key}={value}"] = why
+        out.append(SpaceKnob(key, _with(kept, current_value(cfg, key))))
+    return out
+
+
+def refused_alone(recipe: str, overrides: list[str]) -> Refusal:
+    """A `Refusal` by the recipe's own checks: KEY=VALUE set alone on the recipe is refused, for
+    reasons that name no other knob of the space (a refusal that names one, compile beside
+    activation checkpointing under TP, may lift with that knob's other value)."""
+
+    def refused(key: str, value: str, keys: set[str]) -> str | None:
+        try:
+            load_recipe(recipe, [*overrides, f"{key}={value}"])
+        except UserError as e:
+            named = set(re.findall(r"[a-z_0-9]+\.[a-z_0-9]+", str(e)))
+            return None if named & (keys - {key}) else str(e)
+        return None
+
+    return refused
 
 
 def _with(values: list[str], baseline: str) -> tuple[str, ...]:
@@ -184,23 +233,24 @@ def _with(values: list[str], baseline: str) -> tuple[str, ...]:
 
 def canonical(value: Any) -> str:
     """A knob value as tune compares it with the recipe's (`current_value`): YAML's spellings of
-    true, false and null (True, FALSE, ~) as one."""
+    true, false and null (True, FALSE, ~) as one. Not `none`: YAML reads it as the string, which
+    is a value of several knobs (fsdp.wrap, activation_checkpointing.mode,
+    fsdp.backward_prefetch), never their null."""
     text = str(value).strip()
-    return {"true": "true", "false": "false", "null": "null", "none": "null", "~": "null"}.get(
-        text.lower(), text
-    )
+    return {"true": "true", "false": "false", "null": "null", "~": "null"}.get(text.lower(), text)
 
 
 def parse_space(
-    items: list[str], cfg: RecipeConfig, *, accelerator: bool, allow_numerics: bool
-) -> tuple[list[SpaceKnob], bool]:
+    items: list[str], cfg: RecipeConfig, *, accelerator: bool, allow_numerics: bool,
+    refused: Refusal | None = None, left_out: dict[str, str] | None = None,
+) -> tuple[list[SpaceKnob], bool]:  # fmt: skip
     """The space from the recipe's `tune:` section and the --space items; and whether it is the
     default one (then memory knobs are dominated: tried only where the same candidate without
     them does not fit).
 
     The command line wins: --space items without `defaults` are the whole space; with
     `defaults` they change only their knobs of the recipe's space, which is the default space
-    (tune.defaults) with tune.space's knobs set.
+    (tune.defaults) with tune.space's knobs set. `refused` and `left_out`: see default_space.
 
     Raises:
         UserError: a key that is not a tuning knob, a numerics knob without --allow-numerics,
@@ -208,7 +258,8 @@ def parse_space(
     """
     replace = bool(items) and "defaults" not in items
     defaults = not replace and cfg.tune.defaults
-    knobs = {k.key: k for k in default_space(cfg, accelerator=accelerator)} if defaults else {}
+    knobs = {k.key: k for k in default_space(cfg, accelerator=accelerator, refused=refused,
+                                             left_out=left_out)} if defaults else {}  # fmt: skip
     given: list[tuple[str, str, list[str]]] = []
     if not replace:
         given += [("tune.space", key, list(vals)) for key, vals in cfg.tune.space.items()]
@@ -240,6 +291,10 @@ def parse_space(
         vals = [canonical(v) for v in vals]
         knobs[key] = SpaceKnob(key, _with(list(dict.fromkeys(vals)), current_value(cfg, key)),
                                numerics)  # fmt: skip
+    if left_out is not None:  # what the default space leaves out of a knob named here stays
+        for key in {key for _, key, _ in given}:
+            for kv in [kv for kv in left_out if kv.partition("=")[0] == key]:
+                del left_out[kv]
     if not knobs:
         raise UserError(
             "nothing to search: tune.defaults is false and tune.space is empty; list knobs in "
@@ -269,6 +324,7 @@ class Candidate:
     numerics: bool = False
     status: str = "kept"  # kept | pruned
     reason: str | None = None
+    group: str | None = None  # the reason's kind, shared by candidates pruned alike (printed)
     planned_peak_bytes: int | None = None
     planned_model_state_bytes: int | None = None
 
@@ -356,8 +412,8 @@ def prune(
 
     def same_as(c: Candidate, twin: Candidate, keys: list[str]) -> None:
         c.status = "pruned"
-        c.reason = (f"same as {twin.id}: {', '.join(keys)} does nothing under "
-                    f"{engine_of[twin.id]} (knob table)")  # fmt: skip
+        c.group = f"{', '.join(keys)} does nothing under {engine_of[twin.id]} (knob table)"
+        c.reason = f"same as {twin.id}: {c.group}"
         c.planned_peak_bytes, c.planned_model_state_bytes = (
             twin.planned_peak_bytes, twin.planned_model_state_bytes
         )  # fmt: skip
@@ -368,8 +424,8 @@ def prune(
             twin = twin_of(c, inert, base.knobs[inert])
             if twin is not None:
                 c.status = "pruned"
-                c.reason = (f"same as {twin.id}: {inert} does nothing under fsdp.sharding="
-                            f"{c.knobs.get('fsdp.sharding')}")  # fmt: skip
+                c.group = f"{inert} does nothing under fsdp.sharding={c.knobs['fsdp.sharding']}"
+                c.reason = f"same as {twin.id}: {c.group}"
                 c.planned_peak_bytes = twin.planned_peak_bytes
                 c.planned_model_state_bytes = twin.planned_model_state_bytes
                 continue
@@ -384,6 +440,7 @@ def prune(
                 c.status = "pruned"
                 names = ", ".join(f"{key}={c.knobs[key]}" for key in heavy)
                 c.reason = f"{names} not needed: {twin.id} (without) fits"
+                c.group = "memory knobs not needed: the same candidate without them fits"
             if dominated:
                 continue
             twins = [(k, twin_of(c, k, base.knobs[k])) for k in c.diff]
@@ -396,6 +453,9 @@ def prune(
             cfg = load_recipe(recipe, [*overrides, *c.overrides]).config
         except UserError as e:
             c.status, c.reason = "pruned", f"the recipe's checks refuse it: {e}"
+            # By the first key the refusal names (train.global_batch_size, fsdp.cpu_offload).
+            named = re.search(r"[a-z_]+\.[a-z_.]*[a-z_]", str(e))
+            c.group = "the recipe's checks refuse it" + (f" ({named[0]})" if named else "")
             continue
         c.planned_peak_bytes, c.planned_model_state_bytes, inert_of[c.id] = planner(cfg)
         engine_of[c.id] = cfg.fsdp.engine.value
@@ -412,6 +472,7 @@ def prune(
                 f"planned peak {fmt_bytes(c.planned_peak_bytes)} + {margin:.0%} margin > "
                 f"device memory {fmt_bytes(device_memory_bytes)}"
             )
+            c.group = f"planned peak + {margin:.0%} margin > device memory"
 
 
 # Knobs that matter only beside certain values of another knob (where the knob table still
@@ -562,9 +623,14 @@ def run_trial(
     of a multi-node tune is gone) the trial is killed."""
     run_dir = out_dir / "trials" / tid
     log = out_dir / "logs" / f"{tid}.log"
-    if run_dir.exists():  # left by a tune killed during this trial: its result was never logged
-        shutil.rmtree(run_dir)
-    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if run_dir.exists():  # left by a tune killed during this trial: its result never logged
+            shutil.rmtree(run_dir)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log_file = log.open("w")
+    except OSError as e:
+        raise write_error(f"cannot write trial {tid}'s log {log}", e, option="--out",
+                          then=CONTINUES) from None  # fmt: skip
     total_steps = warmup + round_.measured_steps
     cmd = [
         *_fsdprun_command(), "train", recipe, *overrides, *cand.overrides, *TRIAL_OVERRIDES,
@@ -579,7 +645,7 @@ def run_trial(
         "warmup_steps": warmup, "run_dir": str(run_dir),
     }  # fmt: skip
     start = time.perf_counter()
-    with log.open("w") as f:
+    with log_file as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
         try:
@@ -613,6 +679,11 @@ def run_trial(
     if proc.returncode != 0 or summary is None:
         text = log.read_text(errors="replace")
         line = error_line(text)
+        if any(p in line.lower() for p in STORAGE_PHRASES):
+            # Not logged: the rerun, once there is room, runs this trial again.
+            why = line.removeprefix("error: ")
+            raise StorageError(f"trial {tid} could not write under {out_dir}: {why}; free some "
+                               f"space there (or make it writable), then {CONTINUES}")  # fmt: skip
         record["status"] = "oom" if "out of memory" in text.lower() else "failed"
         record["reason"] = f"exit {proc.returncode}: {line}"
         return record
@@ -679,9 +750,10 @@ def loss_problem(losses: list[float], reference: list[float], rtol: float) -> st
 
 
 class TrialLog:
-    """OUT/trials.jsonl: a header naming the search, then one record per finished trial. Each
-    record is appended and fsynced, so a killed tune leaves whole records only; a torn last line
-    (a kill inside the write) is cut off when the log is opened again."""
+    """OUT/trials.jsonl: a header naming the search, then one record per finished trial, and
+    the notes `fsdprun status` reads (each run's `session`: its start and budget; `done`: the
+    verdict). Each line is appended and fsynced, so a killed tune leaves whole records only; a
+    torn last line (a kill inside the write) is cut off when the log is opened again."""
 
     def __init__(self, path: Path, header: dict[str, Any]):
         self.path, self.records = path, []
@@ -695,8 +767,11 @@ class TrialLog:
                     break
                 good += len(line) + 1
             if good < path.stat().st_size:
-                with path.open("r+b") as f:
-                    f.truncate(good)
+                try:
+                    os.truncate(path, good)
+                except OSError as e:
+                    raise write_error(f"cannot cut the torn last line of {path}", e,
+                                      option="--out", then=CONTINUES) from None  # fmt: skip
             if docs:
                 if docs[0].get("search") != header["search"]:
                     raise UserError(
@@ -709,14 +784,29 @@ class TrialLog:
         self._append(header)
 
     def _append(self, doc: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(doc) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        size = self.path.stat().st_size if self.path.exists() else None
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(doc) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            # Whole records only: a part written is cut off again (the header's file removed).
+            with contextlib.suppress(OSError):
+                if size is None:
+                    self.path.unlink()
+                else:
+                    os.truncate(self.path, size)
+            raise write_error(f"cannot write {self.path}", e, option="--out",
+                              then=CONTINUES) from None  # fmt: skip
 
     def add(self, record: dict[str, Any]) -> None:
         self._append(record)
         self.records.append(record)
+
+    def note(self, event: str, **fields: Any) -> None:
+        """A line for `fsdprun status`, not a trial."""
+        self._append({"event": event, **fields})
 
     def get(self, tid: str) -> dict[str, Any] | None:
         return next((r for r in self.records if r["id"] == tid), None)
@@ -855,12 +945,15 @@ def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
 
 
 def tuned_layer(
-    recipe_ref: str, overrides: list[str], winner: Candidate, *, verdict: str, hardware: str,
-    command: str,
+    recipe_ref: str, overrides: list[str], winner: Candidate, *, config: RecipeConfig,
+    verdict: str, hardware: str, command: str,
 ) -> str:  # fmt: skip
     """tuned.yaml: extends the user's recipe and sets only the winning knobs (plus the user's own
-    command-line overrides, which are part of the recipe that was tuned)."""
+    command-line overrides, which are part of the recipe that was tuned; `config` is that
+    recipe resolved, whose paths the layer writes)."""
     from fsdprun.config import parse_overrides, schema_fields
+    from fsdprun.config.load import PATH_KEYS
+    from fsdprun.config.validate import STRING_KEYS
 
     tree: dict[str, Any] = {"extends": recipe_ref}
 
@@ -878,6 +971,16 @@ def tuned_layer(
         f = fields[key]
         put(key, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
     for key, value in values.items():
+        # A relative path on the command line is read from the working directory, one in a
+        # layer from the layer's folder (and `models/tiny` found nowhere reads as a Hub id):
+        # the layer holds absolute paths, as the recipe resolved them (a Hub id: its snapshot).
+        if key in PATH_KEYS:
+            section, name = key.split(".", 1)
+            value = getattr(getattr(config, section), name)
+        elif STRING_KEYS.get(key, ("",))[0] in ("file", "folder", "path") and isinstance(
+            value, str
+        ) and value and "${" not in value:  # fmt: skip
+            value = str(Path(value).expanduser().absolute())
         put(key, value)
     for key, value in parse_overrides(winner.overrides)[0].items():
         put(key, value)
@@ -969,6 +1072,48 @@ def parse_duration(text: str, option: str) -> float:
     return value
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM stopped the search: one line, exit 128 + the signal."""
+
+    def __init__(self, message: str, *, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _Signal(BaseException):  # not caught where `except Exception` turns errors into lines
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGINT and SIGTERM raise _Signal where the search is (a trial's process group is then
+    killed on the way out, and nothing of it logged); later ones while it stops do nothing. A
+    SIGINT that this process ignores (started in the background) stays ignored."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+        yield
+        return
+    caught: list[int] = []
+
+    def handle(signum: int, frame: object) -> None:
+        if not caught:
+            caught.append(signum)
+            raise _Signal(signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, handle)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     """The whole search; returns the report (its JSON document). With launch.nnodes > 1 every
     node calls this with the same arguments: node 0 searches, the others run its trials with it
@@ -979,7 +1124,27 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
             holds another search, or a multi-node tune without --rdzv-endpoint or under
             torchrun/srun as a worker.
         NodeLost: another node of a multi-node tune went away.
+        Interrupted: SIGINT (Ctrl-C) or SIGTERM; the message says what is kept.
     """
+    try:
+        with _stop_on_signals():
+            return _tune(args, say=say)
+    except _Signal as e:
+        log = args.out_dir / TUNE_LOG_FILE
+        kept = "nothing was written yet"
+        if log.is_file():
+            n = 0
+            with contextlib.suppress(OSError):
+                for line in log.read_bytes().splitlines():
+                    with contextlib.suppress(ValueError):
+                        n += json.loads(line).get("event") == "trial"
+            kept = (f"{n} finished trial(s) are kept in {log} (a trial in progress is stopped "
+                    "and not logged)")  # fmt: skip
+        raise Interrupted(f"tune interrupted by {e}: {kept}; rerun the same command to continue",
+                          exit_code=128 + e.signum) from None  # fmt: skip
+
+
+def _tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     say = say or (lambda text: None)
     started = time.perf_counter()
     for option, value in (("--steps", args.steps), ("--repeats", args.repeats),
@@ -1064,8 +1229,7 @@ def _follow(args: TuneArgs, cfg: RecipeConfig, say) -> dict[str, Any]:
             f"({rec['wall_s']:.1f} s)")  # fmt: skip
         return rec
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    with hold_run_dir(args.out_dir, node_rank=node):
+    with hold_run_dir(args.out_dir, node_rank=node, option="--out"):
         report = follow(cfg.launch.rdzv_endpoint, node_rank=node, search=_nodes_key(args),
                         timeout_s=cfg.launch.rdzv_timeout_s, run_here=run_here,
                         say=say)  # fmt: skip
@@ -1086,23 +1250,41 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
     memory_source = "--device-memory" if args.device_memory_bytes else (
         f"free memory of {device.get('name', 'the device')} measured now"
     )  # fmt: skip
+    left_out: dict[str, str] = {}
     space, defaults = parse_space(args.space, cfg, accelerator=accelerator,
-                                  allow_numerics=args.allow_numerics)  # fmt: skip
-    baseline = {k.key: current_value(cfg, k.key) for k in space}
-    candidates = enumerate_candidates(space, baseline)
-    prune(candidates, args.recipe, base_overrides, device_memory_bytes=memory,
-          margin=args.margin, dominate_memory_knobs=defaults)  # fmt: skip
-    order = prior_order(candidates)
+                                  allow_numerics=args.allow_numerics,
+                                  refused=refused_alone(args.recipe, base_overrides),
+                                  left_out=left_out)  # fmt: skip
     warmup = max(cfg.output.timing_warmup_steps, 1)
-    param_dtype = cfg.precision.param_dtype.value
-    rtol = LOSS_RTOL[param_dtype]
-    _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg)
+    rtol = LOSS_RTOL[cfg.precision.param_dtype.value]
+
+    def plan() -> tuple[list[Candidate], list[Candidate]]:
+        baseline = {k.key: current_value(cfg, k.key) for k in space}
+        candidates = enumerate_candidates(space, baseline)
+        prune(candidates, args.recipe, base_overrides, device_memory_bytes=memory,
+              margin=args.margin, dominate_memory_knobs=defaults)  # fmt: skip
+        order = prior_order(candidates)
+        _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol,
+                     cfg, left_out)  # fmt: skip
+        base = candidates[0]
+        if base.planned_peak_bytes * (1 + args.margin) > memory:
+            from fsdprun.report.console import fmt_bytes
+
+            # On stderr even with --json: the baseline runs anyway (it is the reference).
+            peak = fmt_bytes(base.planned_peak_bytes)
+            print(f"warning: the starting recipe plans a peak of {peak} per rank, over the "
+                  f"device memory {fmt_bytes(memory)} ({memory_source}) with the "
+                  f"{args.margin:.0%} margin; its trials (the baseline, run first) may run out "
+                  "of memory", file=sys.stderr, flush=True)  # fmt: skip
+        return candidates, order
+
     if args.dry_run:
+        candidates, order = plan()
         rounds = halving_schedule(len(order), steps=args.steps, finalists=args.finalists,
                                   repeats=args.repeats)  # fmt: skip
         return {
             "recipe": resolved.name, "device_memory_bytes": memory, "margin": args.margin,
-            "space": [asdict(k) for k in space],
+            "space": [asdict(k) for k in space], "left_out": left_out,
             "order": [c.id for c in order],
             "rounds": [asdict(r) for r in rounds],
             "candidates": [{"candidate": c.id, "label": c.label, "overrides": c.overrides,
@@ -1110,14 +1292,21 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
                             "planned_peak_bytes": c.planned_peak_bytes} for c in candidates],
         }  # fmt: skip
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any]
-    with hold_run_dir(args.out_dir):
+    # --out before the plan (seconds for a large space) and any trial: a second tune there is
+    # refused, and a place that cannot be written fails now, not at the first write of an hour's
+    # search (the lock's holder and the trial log's header are real writes).
+    with hold_run_dir(args.out_dir, option="--out"):
         header = {"event": "tune", "search": _search_key(args, space), "recipe": resolved.name,
                   "overrides": base_overrides}  # fmt: skip
-        log = TrialLog(args.out_dir / LOG_FILE, header)
+        log = TrialLog(args.out_dir / TUNE_LOG_FILE, header)
+        # When the budget started (tune's start, before the checks): status counts from it.
+        began = dt.datetime.fromtimestamp(time.time() - (time.perf_counter() - started), dt.UTC)
+        log.note("session", started_at=began.isoformat(timespec="seconds"),
+                 budget_s=args.budget_s, pid=os.getpid())  # fmt: skip
+        candidates, order = plan()
         if log.records:
-            say(f"continuing {args.out_dir}: {len(log.records)} finished trials in {LOG_FILE}")
+            say(f"continuing {args.out_dir}: {len(log.records)} finished trials in {TUNE_LOG_FILE}")
         if leader is not None:
             leader.wait_for_nodes(say)
         stop, left_out = _search(args, log, order, warmup=warmup, rtol=rtol, started=started,
@@ -1127,23 +1316,40 @@ def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
                 c.reason = left_out[c.id]
         report = _report(args, resolved, cfg, candidates, log.records, memory, memory_source,
                          stop, started, rtol)  # fmt: skip
-        _write_tuned(args, report, candidates)
+        _write_tuned(args, report, candidates, cfg)
+        log.note(
+            "done",
+            winner=report["winner"],
+            winner_label=report["winner_label"],
+            verdict=report["verdict"],
+            stopped_early=stop,
+            tuned_yaml=report["tuned_yaml"],
+        )
     return report
 
 
-def _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg):
+def _print_space(
+    say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg, left_out
+):  # fmt: skip
     from fsdprun.report.console import fmt_bytes
 
     say(f"space ({len(candidates)} candidates) from {space_sources(args.space, cfg)}:")
     for k in space:
         mark = "  [numerics: changes the math]" if k.numerics else ""
         say(f"  {k.key}: {', '.join(k.values)}{mark}")
+    for kv, why in left_out.items():
+        say(f"  left out {kv}: the recipe refuses it ({why})")
     say(f"device memory {fmt_bytes(memory)} ({memory_source}); margin {args.margin:.0%} over "
         "the planned peak per rank")  # fmt: skip
     pruned = [c for c in candidates if c.status == "pruned"]
-    say(f"pruned {len(pruned)}:")
+    groups: dict[str, list[Candidate]] = {}
     for c in pruned:
-        say(f"  {c.id} {c.label}: {c.reason}")
+        groups.setdefault(c.group or c.reason or "", []).append(c)
+    # Hundreds of candidates in the default space: one line per reason, the most common first.
+    say(f"pruned {len(pruned)}" + (", by reason (--json lists each candidate):" if pruned else ""))
+    for group, members in sorted(groups.items(), key=lambda item: -len(item[1])):
+        c = members[0]
+        say(f"  {len(members)} x {group}; e.g. {c.id} {c.label}: {c.reason}")
     say(f"order ({len(order)}): " + ", ".join(f"{c.id} {c.label}" for c in order))
     say(f"each trial: {warmup} warm-up steps (time to first step), then {args.steps} measured "
         f"steps in round 0, doubling each round; loss check: first {LOSS_STEPS} losses within "
@@ -1376,17 +1582,25 @@ def _recipe_ref(recipe: str) -> str:
     return str(path.resolve()) if path.is_file() else recipe
 
 
-def _write_tuned(args: TuneArgs, report: dict[str, Any], candidates: list[Candidate]) -> None:
+def _write_tuned(
+    args: TuneArgs, report: dict[str, Any], candidates: list[Candidate], cfg: RecipeConfig
+) -> None:
     winner = next(c for c in candidates if c.id == report["winner"])
     verdict = report["verdict"]
     if report["stopped_early"]:
         verdict += f" ({report['stopped_early']})"
-    text = tuned_layer(report["recipe_ref"], args.overrides, winner, verdict=verdict,
+    text = tuned_layer(report["recipe_ref"], args.overrides, winner, config=cfg, verdict=verdict,
                        hardware=report["hardware"], command=report["command"])  # fmt: skip
     path = Path(report["tuned_yaml"])
     tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        # Written whole beside it, then renamed: a tuned.yaml already there is never truncated.
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise write_error(f"cannot write {path}", e, option="--out", then=CONTINUES) from None
 
 
 # ---------------------------------------------------------------------------------------------
