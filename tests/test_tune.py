@@ -1019,3 +1019,34 @@ def test_the_gpu_benchmark_starts_from_recipes_that_load(tmp_path):
         cfg = cfg_of(recipe, "launch.nproc_per_node=1")  # the benchmark's --nproc-per-node 1
         assert (cfg.train.micro_batch_size, cfg.world_size) == (1, 1)
         assert cfg.train.global_batch_size == 8 and not cfg.compile.enabled
+
+
+def test_tune_searches_float8_all_gather_where_float8_runs_and_its_filter_as_numerics(
+    tmp_path, recipe
+):
+    """Where the recipe trains in float8 (tensorwise), the default space holds
+    precision.float8_all_gather (null = auto, true, false: the math is the same either way);
+    the filter and the mode change the numerics: only with --allow-numerics. float8 runs on CPU
+    ranks here through the test-only switch."""
+    from conftest import fsdprun_env
+
+    from fsdprun.engines.float8 import TEST_ON_CPU_ENV
+
+    env = fsdprun_env(**{TEST_ON_CPU_ENV: "1"})
+    base = tune_cmd(recipe, tmp_path / "o", "precision.float8=tensorwise", "--device-memory",
+                    "1GB", "--dry-run", "--json")  # fmt: skip
+    proc = run_fsdprun(*base, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    space = {k["key"]: k["values"] for k in json.loads(proc.stdout)["space"]}
+    assert space["precision.float8_all_gather"] == ["null", "true", "false"]
+    plain = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB", "--dry-run",
+                                  "--json"), cwd=tmp_path, env=env)  # fmt: skip
+    keys = {k["key"] for k in json.loads(plain.stdout)["space"]}
+    assert "precision.float8_all_gather" not in keys
+    numerics = ["--space", "defaults", "--space", "precision.float8_filter=default,skip_small"]
+    refused = run_fsdprun(*base, *numerics, cwd=tmp_path, env=env)
+    assert refused.returncode == 2 and "--allow-numerics" in refused.stderr, refused.stderr
+    proc = run_fsdprun(*base, *numerics, "--allow-numerics", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    space = {k["key"]: k["values"] for k in json.loads(proc.stdout)["space"]}
+    assert space["precision.float8_filter"] == ["default", "skip_small"]

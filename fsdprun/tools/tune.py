@@ -192,6 +192,12 @@ def default_space(
     ]
     if accelerator:
         space.append(("compile.enabled", ["false", "true"]))
+    if cfg.precision.float8.value == "tensorwise":
+        # Where float8 runs: gathering the weights in float8 leaves the math as it is (auto
+        # turns it on only with a shard group of more than one rank; forcing either way is
+        # what a measured trial can overrule). The mode and the filter change the numerics:
+        # --space with --allow-numerics.
+        space.append(("precision.float8_all_gather", ["null", "true", "false"]))
     if cfg.fsdp.engine.value == "ddp":
         space = [(k, v) for k, v in space if not k.startswith("fsdp.")]
     keys = {key for key, _ in space}
