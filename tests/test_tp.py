@@ -132,6 +132,27 @@ def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):
     assert not Path("r").exists()
 
 
+def test_tp_not_dividing_the_world_is_the_only_error(tmp_path, monkeypatch):
+    """`fsdprun train debug parallel.tp=2 --nproc-per-node 3`: the one fact (tp does not divide
+    3 ranks) in one message; before, a batch error came first that counted 3 data-parallel
+    ranks as "world size / parallel.tp", and the same fact again for launch.nproc_per_node."""
+
+    def must_not_launch(*args, **kwargs):
+        raise AssertionError("a bad input reached the launcher")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
+    result = CliRunner().invoke(
+        app, ["train", "debug", "parallel.tp=2", "--nproc-per-node", "3", "--run-dir", "r"]
+    )
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (
+        "error: parallel.tp (2) must divide the world size (3); the data-parallel size is world "
+        "size / tp: run on a multiple of 2 ranks or choose a parallel.tp that divides 3"
+    ), line
+
+
 # --- the promise, in real gloo processes --------------------------------------------------------
 # Every run: the debug model with 4 kv heads (so tp 4 divides it), 3 steps of one-sequence
 # micro-batches (accumulation: 2 micro-steps at dp 4, 4 at dp 2, 8 on one rank), checkpoints at

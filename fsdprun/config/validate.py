@@ -114,9 +114,11 @@ def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     t = cfg.train
     errors = _model_errors(cfg)
     tp = cfg.parallel.tp
-    dp = ws // tp if tp >= 1 and ws % tp == 0 else ws
-    per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
+    # A tp that does not divide the world leaves no data-parallel size to count the batch in:
+    # that error (tp_errors) comes alone, not a batch error with made-up arithmetic.
+    dp = ws // tp if tp >= 1 and ws % tp == 0 else None
+    per_step = t.micro_batch_size * (dp or 0)
+    if dp is not None and t.global_batch_size % per_step:
         ranks = f"{dp}" if tp == 1 else f"{dp} = world size / parallel.tp"
         errors.append(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
