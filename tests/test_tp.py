@@ -2,7 +2,8 @@
 mesh rules, and (in real gloo processes) the promise that tp x dp trains exactly as plain FSDP2.
 
 The trained runs share one persistent 4-rank and one 1-rank gloo group (no launch each); the
-whole file took 140 s on the shared 2-core machine (most of it the first test, which starts the
+resumes across meshes are `fsdprun resume` commands (through the suite's zygote) on copies of
+runs the group saved, so the command's own checks are what is tested. The whole file took 140 s on the shared 2-core machine (most of it the first test, which starts the
 pools and trains three runs; the compiled TP run 37 s with inductor's cache warm, about 100 s
 cold).
 """
@@ -10,9 +11,11 @@ cold).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+from conftest import Run, run_fsdprun
 from typer.testing import CliRunner
 
 import fsdprun.launch.elastic
@@ -179,48 +182,19 @@ def pools(tmp_path_factory):
     one.close()
 
 
-def _resume_rank(rank: int, world: int, run_dir: str, recipe_name: str, checkpoint: str):
-    """What a resumed rank does (`fsdprun resume`), inside the pool's process group."""
-    from fsdprun.config import load_recipe
-    from fsdprun.device import build_worker_device
-    from fsdprun.rundir import recipe_path
-    from fsdprun.train import worker
-
-    cfg = load_recipe(str(recipe_path(Path(run_dir))), world_size=world).config
-    device = build_worker_device("cpu", rank)
-    ranks = worker.Ranks(rank, rank, world)
-    return worker._train(cfg, Path(run_dir), ranks, device, render=False,
-                         recipe_name=recipe_name, resume_from=Path(checkpoint))  # fmt: skip
-
-
 class Trained:
     """The session's TP runs and references, each trained once."""
 
     def __init__(self, pools, root: Path):
-        self.pools, self.root, self.resumed = pools, root, {}
+        self.pools, self.root = pools, root
 
     def run(self, world: int, *overrides: str, recipe: str = "debug"):
         return self.pools[world].train(*COMMON, *overrides, recipe=recipe)
 
-    def resume(self, world: int, checkpoint: Path, *overrides: str):
-        from conftest import Run
-
-        from fsdprun.config import load_recipe
-        from fsdprun.launch.elastic import prepare_run_dir
-
-        key = (world, str(checkpoint), *overrides)
-        if key not in self.resumed:
-            run_dir = self.root / f"resumed{len(self.resumed)}"
-            resolved = load_recipe("debug", [*COMMON, *overrides, f"launch.nproc_per_node={world}"])
-            prepare_run_dir(run_dir, resolved)
-            self.pools[world].submit(_resume_rank, str(run_dir), "debug", str(checkpoint))
-            self.resumed[key] = Run(None, run_dir)
-        return self.resumed[key]
-
 
 @pytest.fixture(scope="module")
 def trained(pools, tmp_path_factory) -> Trained:
-    return Trained(pools, tmp_path_factory.mktemp("tp-resumed"))
+    return Trained(pools, tmp_path_factory.mktemp("tp-runs"))
 
 
 def _ckpt(run, step: int) -> Path:
@@ -309,25 +283,64 @@ def _header(start: dict) -> str:
 @pytest.mark.parametrize(
     ("saved", "resumed", "world"),
     [
-        (("parallel.tp=2",), (), 4),  # tp2 x dp2 -> dp4
+        (("parallel.tp=2",), ("parallel.tp=1",), 4),  # tp2 x dp2 -> dp4
         ((), ("parallel.tp=2",), 4),  # dp4 -> tp2 x dp2
         (("parallel.tp=2",), ("parallel.tp=4",), 4),  # tp2 x dp2 -> tp4
-        (("parallel.tp=2",), (), 1),  # tp2 x dp2 -> one rank
+        (("parallel.tp=2",), (), 1),  # tp2 x dp2 -> one rank, tp not named: lowered to 1
     ],
     ids=["tp2xdp2-to-dp4", "dp4-to-tp2xdp2", "tp2xdp2-to-tp4", "tp2xdp2-to-1"],
 )
 def test_resume_is_exact_across_tp_degrees_and_dp_sizes(trained, tmp_path, saved, resumed, world):
-    """DCP saved the DTensor shards with their placements: step 3 after a resume from step 2
-    under another mesh equals step 3 of the uninterrupted run."""
+    """`fsdprun resume RUN [parallel.tp=N] --nproc-per-node W` of a run stopped after its step-2
+    checkpoint: DCP saved the DTensor shards with their placements, so step 3 under another mesh
+    equals step 3 of the uninterrupted run. Before, the command refused any parallel.tp change
+    ("resume cannot change parallel.tp") and a tp 2 run on one rank (tp 2 does not divide 1)."""
     whole = trained.run(4, *saved)
-    again = trained.resume(world, _ckpt(whole, 2), *resumed)
+    run_dir = _stopped_at_2(whole, tmp_path)
+    proc = run_fsdprun("resume", str(run_dir), *resumed, "--nproc-per-node", str(world),
+                       cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"from step-00000002 (step 2, saved on 4 ranks) on {world} ranks" in proc.stdout
+    if not resumed:
+        assert "note: parallel.tp 2 -> 1: 1 rank cannot hold the saved tensor-parallel degree" in (
+            proc.stderr
+        )
+    again = _resumed_session(Run(proc, run_dir))
+    assert [e["step"] for e in again.steps] == [LAST]
     _assert_same(again, whole, tmp_path, steps=(LAST,))
     dims = [name for name, _ in again.start["mesh"]]
-    assert dims == (["dp_shard", "tp"] if resumed else ["dp"]), again.start["mesh"]
+    assert dims == (["dp"] if resumed in ((), ("parallel.tp=1",)) else ["dp_shard", "tp"]), dims
     (event,) = [e for e in again.events if e["event"] == "resume"]
     assert event["saved_world_size"] == 4 and event["world_size"] == world
     if saved:  # inspect-checkpoint shows the mesh the checkpoint was saved on
         assert "mesh        2 dp_shard × 2 tp" in _inspect(_ckpt(whole, 2))
+
+
+def test_resume_refuses_a_named_tp_the_world_cannot_hold(trained, tmp_path):
+    """A tp the command names is kept, not lowered: on 2 ranks, tp 4 is refused in one line that
+    names the fix, before anything launches."""
+    run_dir = _stopped_at_2(trained.run(4, "parallel.tp=2"), tmp_path)
+    proc = run_fsdprun("resume", str(run_dir), "parallel.tp=4", "--nproc-per-node", "2",
+                       cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert "parallel.tp (4) must divide the world size (2)" in line
+    assert "choose a parallel.tp that divides 2" in line
+
+
+def _stopped_at_2(run, tmp_path: Path) -> Path:
+    """A copy of `run`'s folder as if it had stopped after its step-2 checkpoint."""
+    copy = tmp_path / "run"
+    shutil.copytree(run.run_dir, copy)
+    shutil.rmtree(_ckpt(Run(None, copy), LAST))
+    return copy
+
+
+def _resumed_session(run: Run) -> Run:
+    """`run` as its events from the last `start` on (the resumed session's)."""
+    last = max(i for i, e in enumerate(run.events) if e["event"] == "start")
+    run.events = run.events[last:]
+    return run
 
 
 def _inspect(checkpoint: Path) -> str:
