@@ -3,9 +3,9 @@ mesh rules, and (in real gloo processes) the promise that tp x dp trains exactly
 
 The trained runs share one persistent 4-rank and one 1-rank gloo group (no launch each); the
 resumes across meshes are `fsdprun resume` commands (through the suite's zygote) on copies of
-runs the group saved, so the command's own checks are what is tested. The whole file took 140 s on the shared 2-core machine (most of it the first test, which starts the
-pools and trains three runs; the compiled TP run 37 s with inductor's cache warm, about 100 s
-cold).
+runs the group saved, so the command's own checks are what is tested. The whole file took 140 s
+on the shared 2-core machine (most of it the first test, which starts the pools and trains three
+runs; the compiled TP run 37 s with inductor's cache warm, about 100 s cold).
 """
 
 from __future__ import annotations
