@@ -410,17 +410,64 @@ def _hf_sequence_parallel_rank(rank: int, world: int, hf_dir: str) -> dict:
     return {"seen": seen, "errors": errors}
 
 
-def test_hf_plan_shards_the_activations_between_blocks_on_the_sequence(pools, hf_dir):
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_hf_plan_shards_the_activations_between_blocks_on_the_sequence(
+    pools, hf_dir, tmp_path, model_type
+):
     """Sequence parallel for HF folders: each decoder layer and the final norm get seq / tp
     positions of the row, and the logits equal the plain model's (plain and packed rows: the
-    positions and the mask cover the whole row although the decoder sees the local slice)."""
-    for result in pools[4].submit(_hf_sequence_parallel_rank, str(hf_dir)):
+    positions and the mask cover the whole row although the decoder sees the local slice).
+    Qwen2 (q/k/v biases) and Mistral (a window longer than the row) have the layout the plan
+    verifies, so `fsdprun train` accepts them: this checks that they also compute as one rank."""
+    from conftest import save_tiny_hf
+
+    folder = hf_dir if model_type == "llama" else save_tiny_hf(tmp_path / model_type, model_type)
+    for result in pools[4].submit(_hf_sequence_parallel_rank, str(folder)):
         assert result["seen"] == {
             "hf.model.layers.0": [8, 8],
             "hf.model.layers.1": [8, 8],
             "hf.model.norm": [8, 8],
         }, result
         assert max(result["errors"]) <= 1e-5, result
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "phrase"),
+    [
+        ("qwen3", {}, "model.hf_path's qwen3 (Qwen3ForCausalLM) has no verified tensor-parallel "
+         "plan: the plan does not cover self_attn.q_norm, self_attn.k_norm of each decoder layer; "
+         "set parallel.tp=1"),
+        ("phi3", {}, "the plan does not cover self_attn.qkv_proj, mlp.gate_up_proj of each "
+         "decoder layer; the model has no self_attn.q_proj, self_attn.k_proj"),
+        ("mistral", {"sliding_window": 16}, "model.hf_path's sliding_window (16) shorter than "
+         "train.seq_len (64)"),
+    ],
+)  # fmt: skip
+def test_hf_folder_the_plan_does_not_verify_is_refused_before_launch(
+    tmp_path, monkeypatch, model_type, extra, phrase
+):
+    """`fsdprun train debug model.hf_path=QWEN3 parallel.tp=2 --nproc-per-node 4`: one line
+    naming the family and the modules its plan leaves out, exit 2, nothing launched. Before,
+    rank 0 died in aten.stack ("must have the same mesh": q_norm's whole weight against the
+    split heads); a fused qkv_proj (phi3), or a window shorter than the row (transformers builds
+    its mask from the sequence-parallel slice), died the same way."""
+    from conftest import save_tiny_hf
+
+    def must_not_launch(*args, **kwargs):
+        raise AssertionError("a bad input reached the launcher")
+
+    folder = save_tiny_hf(tmp_path / model_type, model_type, **extra)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
+    result = CliRunner().invoke(
+        app, ["train", "debug", f"model.hf_path={folder}", "parallel.tp=2", "--nproc-per-node",
+              "4", "--run-dir", "r"],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert phrase in line, line
+    assert not Path("r").exists()
 
 
 def test_compare_accepts_tp_configurations():
