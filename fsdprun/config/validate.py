@@ -363,14 +363,19 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
 def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
     """The model dims parallel.tp must divide and whether the embeddings are tied: the
     recipe's, or model.hf_path's config.json (read as JSON: no transformers, no torch); no
-    dims when that file is unreadable (refused on its own)."""
+    dims when that file is unreadable (refused on its own).
+
+    Not the vocabulary: DTensor shards the embedding's rows and the output's columns unevenly
+    (rank 0 the ceil), and loss parallel masks the targets by each rank's own vocab range, so
+    a vocab of 257 (the byte tokenizer's, the shipped demos') trains at tp 2 and 4 as on one
+    rank, resumes across tp and exports (tests/test_tp.py).
+    """
     m = cfg.model
     if cfg.parallel.tp <= 1:
         return None, False
     if m.hf_path is None:
         n_kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
-        shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": n_kv,
-                 "model.ffn_dim": m.ffn_dim, "model.vocab_size": m.vocab_size}  # fmt: skip
+        shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": n_kv, "model.ffn_dim": m.ffn_dim}
         return shape, m.tie_embeddings
     try:
         hf = json.loads((Path(m.hf_path) / "config.json").read_text())
@@ -379,7 +384,6 @@ def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
             "num_attention_heads": heads,
             "num_key_value_heads": int(hf.get("num_key_value_heads") or heads),
             "intermediate_size": int(hf["intermediate_size"]),
-            "vocab_size": int(hf["vocab_size"]),
         }
         return shape, bool(hf.get("tie_word_embeddings", False))
     except (OSError, ValueError, KeyError, TypeError):

@@ -98,8 +98,9 @@ def tp_errors(
     """What parallel.tp refuses, one message per problem.
 
     Args:
-        shape: the model's heads, kv heads, ffn dim and vocab size by the keys that set them
-            (None: unknown, e.g. an unreadable model.hf_path, which is refused on its own).
+        shape: the model's heads, kv heads and ffn dim by the keys that set them (None:
+            unknown, e.g. an unreadable model.hf_path, which is refused on its own). Not the
+            vocab: it shards unevenly (`fsdprun.config.validate._tp_shape`).
         tied: the model ties its embedding to its output projection.
     """
     tp = tp_degree(cfg)

@@ -377,7 +377,7 @@ def tp_problem(cfg: RecipeConfig) -> str | None:
     (`engines.mesh.tp_errors`), for the model's own shape (an HF folder's: its config.json)."""
     m = cfg.model
     shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads or m.n_heads,
-             "model.ffn_dim": m.ffn_dim, "model.vocab_size": m.vocab_size}  # fmt: skip
+             "model.ffn_dim": m.ffn_dim}  # fmt: skip
     errors = tp_errors(cfg, world_size=cfg.world_size, shape=shape, tied=m.tie_embeddings)
     return "; ".join(errors) or None
 
