@@ -11,6 +11,7 @@ runs; the compiled TP run 37 s with inductor's cache warm, about 100 s cold).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -311,8 +312,6 @@ def test_resume_is_exact_across_tp_degrees_and_dp_sizes(trained, tmp_path, saved
     assert dims == (["dp"] if resumed in ((), ("parallel.tp=1",)) else ["dp_shard", "tp"]), dims
     (event,) = [e for e in again.events if e["event"] == "resume"]
     assert event["saved_world_size"] == 4 and event["world_size"] == world
-    if saved:  # inspect-checkpoint shows the mesh the checkpoint was saved on
-        assert "mesh        2 dp_shard × 2 tp" in _inspect(_ckpt(whole, 2))
 
 
 def test_resume_refuses_a_named_tp_the_world_cannot_hold(trained, tmp_path):
@@ -340,16 +339,6 @@ def _resumed_session(run: Run) -> Run:
     last = max(i for i, e in enumerate(run.events) if e["event"] == "start")
     run.events = run.events[last:]
     return run
-
-
-def _inspect(checkpoint: Path) -> str:
-    from rich.console import Console
-
-    from fsdprun.checkpoint.inspect import inspect_path, render
-
-    console = Console(record=True, width=120, highlight=False)
-    render(inspect_path(checkpoint), console)
-    return console.export_text()
 
 
 @pytest.fixture(scope="module")
@@ -554,17 +543,22 @@ def test_gradients_after_the_reduction_equal_the_plain_models(pools, sharding):
         assert result["reduce_scatter_avg_error"] <= 1e-6, result
 
 
-def test_hf_export_of_a_tp_checkpoint_is_ordinary_unsharded_weights(trained, tmp_path):
-    """`export --format hf` of a checkpoint saved on the tp 2 x dp 2 mesh: transformers loads
-    it, and its weights are the trained ones, whole."""
+def test_a_tp_checkpoint_inspects_with_its_mesh_and_exports_whole_weights(trained, tmp_path):
+    """`fsdprun inspect-checkpoint` of a checkpoint saved on the tp 2 x dp 2 mesh shows that
+    mesh; `fsdprun export --format hf` of it is what transformers loads, with the trained
+    weights whole."""
     import transformers
 
-    from fsdprun.checkpoint.export import export_checkpoint
     from fsdprun.models.llama import hf_llama_name
 
     tp = trained.run(4, "parallel.tp=2", "activation_checkpointing.mode=full")
+    proc = run_fsdprun("inspect-checkpoint", str(_ckpt(tp, LAST)), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"mesh\s+2 dp_shard × 2 tp", proc.stdout), proc.stdout
     out = tmp_path / "hf"
-    export_checkpoint(_ckpt(tp, LAST), out, fmt="hf")
+    proc = run_fsdprun("export", str(_ckpt(tp, LAST)), "--format", "hf", "--out", str(out),
+                       cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = dict(transformers.AutoModelForCausalLM.from_pretrained(out).named_parameters())
     saved = _model(tp, LAST, tmp_path)
     assert len(loaded) == len(saved)
