@@ -248,6 +248,22 @@ def test_tp2_dp2_trains_as_fsdp2_on_4_ranks_and_1_rank(trained, tmp_path):
     assert "fully_shard over the 2 dp_shard dims of the mesh" in header
 
 
+@pytest.mark.parametrize(
+    ("sharding", "mesh"),
+    [
+        ("hybrid", [["dp_replicate", 2], ["dp_shard", 1], ["tp", 2]]),
+        ("none", [["dp_replicate", 2], ["dp_shard", 1], ["tp", 2]]),
+    ],
+)
+def test_tp_under_replicating_shardings_trains_as_one_rank(trained, tmp_path, sharding, mesh):
+    """docs/tensor-parallel.md: TP combines with every sharding mode. Full and grad_op train in
+    the tests above and in test_matrix.py; hybrid (shard groups of one data-parallel rank,
+    replicated across the other) and none put the 3-D mesh's dp_replicate dim under TP."""
+    tp = trained.run(4, "parallel.tp=2", f"fsdp.sharding={sharding}", "fsdp.shard_group_size=1")
+    assert tp.start["mesh"] == mesh
+    _assert_same(tp, trained.run(1), tmp_path)
+
+
 def test_clipped_tp_trains_as_torch_clips_one_rank(trained, tmp_path):
     """A clip far below the norm, on the 2-D mesh (Shard and Replicate gradients): as torch's
     clip_grad_norm_ does it on one rank (the ddp engine). optim.eps=1: AdamW's step follows

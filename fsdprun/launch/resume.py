@@ -147,6 +147,11 @@ def resolve_resume(
     checkpoint, skipped = find_resume_checkpoint(run_dir, step, verify=verify)
     if base is not None:
         overrides = [*overrides, _base_override(checkpoint, base)]
+    if not _names(overrides, "launch.node_rank"):
+        # Which node this launcher is belongs to the command, not to the run: the saved recipe
+        # holds that of whichever node wrote it (node 1's, after a two-node job, which then
+        # refused `resume RUN --nnodes 1` on one machine). As `train`: node 0 unless --node-rank.
+        overrides = [*overrides, "launch.node_rank=0"]
     resolved = load_recipe(str(recipe), overrides, check=False)
     # The header names the recipe the run was started from; a hand-written recipe.yaml, the folder.
     resolved.name = recipe_name(run_dir) or run_dir.name
