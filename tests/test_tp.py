@@ -474,6 +474,24 @@ def test_hf_folder_the_plan_does_not_verify_is_refused_before_launch(
     assert not Path("r").exists()
 
 
+def test_plan_says_why_a_layout_has_no_tp_column(tmp_path, monkeypatch):
+    """`fsdprun plan` of a Qwen3 folder: its TP columns give the reason `train` refuses them,
+    not a memory figure for a split that would not run."""
+    from conftest import save_tiny_hf
+
+    folder = save_tiny_hf(tmp_path / "qwen3", "qwen3")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = CliRunner().invoke(
+        app, ["plan", "debug", f"model.hf_path={folder}", "--world-size", "4"],
+        env={"COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert (
+        "tp 2: not possible, model.hf_path's qwen3 (Qwen3ForCausalLM) has no verified "
+        "tensor-parallel plan: the plan does not cover self_attn.q_norm, self_attn.k_norm"
+    ) in result.stdout, result.stdout
+
+
 def test_compare_accepts_tp_configurations():
     from fsdprun.tools.compare import parse_configs
 
