@@ -367,8 +367,8 @@ def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
 
     Not the vocabulary: DTensor shards the embedding's rows and the output's columns unevenly
     (rank 0 the ceil), and loss parallel masks the targets by each rank's own vocab range, so
-    a vocab of 257 (the byte tokenizer's, the shipped demos') trains at tp 2 and 4 as on one
-    rank, resumes across tp and exports (tests/test_tp.py).
+    a vocab of 257 (the byte tokenizer's, the shipped demos') trains as on one rank at tp 2
+    (tests/test_tp.py, tests/test_matrix.py) and tp 4 (measured, with a resume and an export).
     """
     m = cfg.model
     if cfg.parallel.tp <= 1:
