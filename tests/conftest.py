@@ -62,6 +62,23 @@ def save_tiny_hf_llama(path: Path) -> Path:
     return path
 
 
+def save_tiny_hf(path: Path, model_type: str, **extra) -> Path:
+    """A tiny random HuggingFace model of any family transformers knows (`model_type`: qwen2,
+    qwen3, mistral, phi3, ...) saved at `path`, with the dims of `save_tiny_hf_llama` (head_dim
+    16) and untied embeddings; `extra` sets more config fields. Seeded."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+        tie_word_embeddings=False, **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

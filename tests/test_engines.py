@@ -26,13 +26,15 @@ from fsdprun.tools.plan import plan_memory
 
 FP32 = ["precision.param_dtype=fp32", "precision.reduce_dtype=fp32"]
 # Every engine, and every sharding strategy under at least one of them (test_matrix.py covers the
-# engine x sharding pairs, test_memory_contract.py what plan says of each at world 8 and 64).
-CONFIGS = "ddp,fsdp1,fsdp1:none,fsdp2:grad_op,fsdp2:hybrid,fsdp2:hybrid_zero2"
+# engine x sharding pairs, test_memory_contract.py what plan says of each at world 8 and 64);
+# and tensor parallel as docs/tensor-parallel.md shows it compared (fsdp2:full:tp2: tp 2 x dp 2).
+CONFIGS = "ddp,fsdp1,fsdp1:none,fsdp2:grad_op,fsdp2:hybrid,fsdp2:hybrid_zero2,fsdp2:full:tp2"
 
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    """The debug recipe at 4 ranks (hybrid: 2 x 2) under six configurations, 5 steps each."""
+    """The debug recipe at 4 ranks (hybrid: 2 x 2, tp2: tp 2 x dp 2) under seven configurations,
+    5 steps each."""
     tmp = tmp_path_factory.mktemp("compare")
     proc = run_fsdprun(
         "compare", "debug", "--configs", CONFIGS, "--steps", "5", "--nproc-per-node", "4",

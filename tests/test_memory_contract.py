@@ -84,7 +84,8 @@ DDP_CELLS: dict[str, list[str]] = {
     "ddp:lora": ["fsdp.engine=ddp", *LORA],
 }
 # Tensor parallel (issue 22): fsdp2 over the data-parallel dims of [dp_replicate?, dp_shard, tp].
-# Its model's heads, kv heads, ffn dim, vocab and sequence divide 8 (TP refuses them otherwise),
+# Its model's heads, kv heads, ffn dim and sequence divide 8 (TP refuses them otherwise), and so
+# does its vocab (which may shard unevenly, but the even case is what is checked here),
 # and the TP-local dims (25 ffn rows at tp 8, vocab 33, 6 heads of 4) divide no data-parallel
 # size, so FSDP pads them. HYBRID_TP: shard groups of half the data-parallel ranks.
 TP_MODEL = ["model.dim=96", "model.n_heads=24", "model.n_kv_heads=8", "model.ffn_dim=200",

@@ -40,6 +40,8 @@ class ToyBlock(nn.Module):
 
 
 class ToyLM(nn.Module):
+    family_name = "model.family toy"
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.args = ModelArgs(

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FSDPRUN, Run, free_port, fsdprun_env, zygote_command
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_command
 
 from fsdprun.checkpoint import list_checkpoints
 
@@ -73,16 +73,31 @@ def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
 
 
 def test_sbatch_runs_one_launcher_per_node_as_one_job(cluster):
+    """The two-node job, then docs/commands.md's way on with fewer nodes: `fsdprun resume RUN
+    --nnodes 1` of its step-2 checkpoint reshards onto one node's one rank and gives the job's
+    own steps 3 and 4 (another world size sums in another order: to 1e-6)."""
     start, tmp_path = cluster
     # The script's `$FSDPRUN` through the suite's zygote (each its own process, as run_fsdprun's;
     # the preemptible script, which forwards signals to it, runs the real one).
     fsdprun = zygote_command(tmp_path)
-    results = _finish(start("train.sbatch", "train.steps=4", "output.log_every=1", fsdprun=fsdprun))
+    args = ("train.steps=4", "output.log_every=1", "checkpoint.every_steps=2")
+    results = _finish(start("train.sbatch", *args, fsdprun=fsdprun))
     assert [rc for rc, _ in results] == [0, 0], results
     run = Run(None, tmp_path / "run")
     assert [e["step"] for e in run.steps] == [1, 2, 3, 4]
     assert (run.start["world_size"], run.start["nnodes"]) == (2, 2)
     assert len([e for e in run.events if e["event"] == "start"]) == 1  # one run, not two
+    job = {e["step"]: e["loss"] for e in run.steps}
+    proc = run_fsdprun("resume", str(tmp_path / "run"), "--step", "2", "--nnodes", "1",
+                       "--nproc-per-node", "1", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    resumed = Run(None, tmp_path / "run")
+    (start_event,) = [e for e in resumed.events if e["event"] == "start"][1:]
+    assert (start_event["world_size"], start_event["nnodes"]) == (1, 1)
+    again = {e["step"]: e["loss"] for e in resumed.steps}  # the later record of a step wins
+    assert [e["step"] for e in resumed.steps].count(3) == 2
+    for step in (3, 4):
+        assert again[step] == pytest.approx(job[step], abs=1e-6), step
 
 
 def test_preemptible_sbatch_saves_on_sigterm_requeues_and_resumes(cluster):

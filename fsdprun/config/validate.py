@@ -114,9 +114,11 @@ def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     t = cfg.train
     errors = _model_errors(cfg)
     tp = cfg.parallel.tp
-    dp = ws // tp if tp >= 1 and ws % tp == 0 else ws
-    per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
+    # A tp that does not divide the world leaves no data-parallel size to count the batch in:
+    # that error (tp_errors) comes alone, not a batch error with made-up arithmetic.
+    dp = ws // tp if tp >= 1 and ws % tp == 0 else None
+    per_step = t.micro_batch_size * (dp or 0)
+    if dp is not None and t.global_batch_size % per_step:
         ranks = f"{dp}" if tp == 1 else f"{dp} = world size / parallel.tp"
         errors.append(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
@@ -334,6 +336,7 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     errors = sharding_errors(f, world_size=ws, nproc_per_node=cfg.launch.nproc_per_node, tp=tp)
     shape, tied = _tp_shape(cfg)
     errors += tp_errors(cfg, world_size=ws, shape=shape, tied=tied)
+    errors += _tp_sliding_window_errors(cfg)
     if f.engine is Engine.fsdp1 and f.cpu_offload and _runs_on_cpu(cfg.launch.device):
         # FSDP1's CPUOffload pins host memory, which needs an accelerator; FSDP2's policy can
         # leave it unpinned.
@@ -366,14 +369,19 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
 def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
     """The model dims parallel.tp must divide and whether the embeddings are tied: the
     recipe's, or model.hf_path's config.json (read as JSON: no transformers, no torch); no
-    dims when that file is unreadable (refused on its own)."""
+    dims when that file is unreadable (refused on its own).
+
+    Not the vocabulary: DTensor shards the embedding's rows and the output's columns unevenly
+    (rank 0 the ceil), and loss parallel masks the targets by each rank's own vocab range, so
+    a vocab of 257 (the byte tokenizer's, the shipped demos') trains as on one rank at tp 2
+    (tests/test_tp.py, tests/test_matrix.py) and tp 4 (measured, with a resume and an export).
+    """
     m = cfg.model
     if cfg.parallel.tp <= 1:
         return None, False
     if m.hf_path is None:
         n_kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
-        shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": n_kv,
-                 "model.ffn_dim": m.ffn_dim, "model.vocab_size": m.vocab_size}  # fmt: skip
+        shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": n_kv, "model.ffn_dim": m.ffn_dim}
         return shape, m.tie_embeddings
     try:
         hf = json.loads((Path(m.hf_path) / "config.json").read_text())
@@ -382,11 +390,38 @@ def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
             "num_attention_heads": heads,
             "num_key_value_heads": int(hf.get("num_key_value_heads") or heads),
             "intermediate_size": int(hf["intermediate_size"]),
-            "vocab_size": int(hf["vocab_size"]),
         }
         return shape, bool(hf.get("tie_word_embeddings", False))
     except (OSError, ValueError, KeyError, TypeError):
         return None, False
+
+
+def _tp_sliding_window_errors(cfg: RecipeConfig) -> list[str]:
+    """A model.hf_path whose attention slides over a window shorter than train.seq_len, under
+    parallel.tp: transformers builds the sliding mask from the length of the activations it
+    sees, which sequence parallel makes the local slice (a Mistral with window 16 on 64 tokens
+    at tp 2: rank 0 dies on a 32-wide mask against 64 gathered positions; a window between the
+    slice and the row would be dropped silently). A window that covers the row changes nothing.
+    """
+    if cfg.parallel.tp <= 1 or cfg.model.hf_path is None:
+        return []
+    try:
+        hf = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []  # refused on its own
+    window = hf.get("sliding_window")
+    # Qwen2-style configs carry a window they do not use (use_sliding_window: false), newer
+    # ones name the layers that slide (layer_types).
+    slides = hf.get("use_sliding_window") is not False and (
+        hf.get("layer_types") is None or "sliding_attention" in hf["layer_types"]
+    )
+    if not isinstance(window, int) or not slides or window >= cfg.train.seq_len:
+        return []
+    return [
+        f"parallel.tp={cfg.parallel.tp} with model.hf_path's sliding_window ({window}) shorter "
+        f"than train.seq_len ({cfg.train.seq_len}): transformers would build the window's mask "
+        "from the sequence-parallel slice; set train.seq_len <= the window or parallel.tp=1"
+    ]
 
 
 # Device nodes that accelerator drivers create: NVIDIA, WSL2's GPU bridge, AMD ROCm, Intel and

@@ -98,8 +98,9 @@ def tp_errors(
     """What parallel.tp refuses, one message per problem.
 
     Args:
-        shape: the model's heads, kv heads, ffn dim and vocab size by the keys that set them
-            (None: unknown, e.g. an unreadable model.hf_path, which is refused on its own).
+        shape: the model's heads, kv heads and ffn dim by the keys that set them (None:
+            unknown, e.g. an unreadable model.hf_path, which is refused on its own). Not the
+            vocab: it shards unevenly (`fsdprun.config.validate._tp_shape`).
         tied: the model ties its embedding to its output projection.
     """
     tp = tp_degree(cfg)
@@ -108,13 +109,16 @@ def tp_errors(
     if tp == 1:
         return []
     errors = []
+    per_node = cfg.launch.nproc_per_node
     if world_size % tp:
+        # Then tp does not divide launch.nproc_per_node either (a factor of the world): one
+        # message for the one fact.
         errors.append(
             f"parallel.tp ({tp}) must divide the world size ({world_size}); the data-parallel "
-            "size is world size / tp"
+            f"size is world size / tp: run on a multiple of {tp} ranks or choose a parallel.tp "
+            f"that divides {world_size}"
         )
-    per_node = cfg.launch.nproc_per_node
-    if tp > per_node and not cfg.parallel.tp_across_nodes:
+    elif tp > per_node and not cfg.parallel.tp_across_nodes:
         errors.append(
             f"parallel.tp ({tp}) exceeds launch.nproc_per_node ({per_node}): TP groups would "
             "span nodes; lower parallel.tp or set parallel.tp_across_nodes=true"

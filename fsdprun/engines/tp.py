@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from fsdprun.config import RecipeConfig
 from fsdprun.engines.mesh import mesh_dims, tp_degree
+from fsdprun.errors import UserError
 from fsdprun.models import TP_STYLES, TPPlan
 
 if TYPE_CHECKING:
@@ -108,15 +109,106 @@ def _style(style: str, plan: TPPlan, path: str):
     raise AssertionError(f"unknown TP style {style!r}")
 
 
+# The module class each style splits: torch's ColwiseParallel / RowwiseParallel shard a Linear's
+# or an Embedding's weight as fsdprun applies them; `norm` and `block_input` split no weight
+# (SequenceParallel replicates it; PrepareModuleInput only redistributes the inputs).
+_STYLE_CLASSES = {"colwise": "Linear", "rowwise": "Linear", "output": "Linear",
+                  "embedding": "Embedding"}  # fmt: skip
+
+
+def _fold(paths: list[str], blocks: list[str]) -> str:
+    """Module paths as a list that names each block's modules once (`self_attn.q_norm,
+    self_attn.k_norm of each decoder layer`), the others (outside the blocks) as they are."""
+    top: list[str] = []
+    inner: list[str] = []
+    for path in paths:
+        block = next((b for b in blocks if path.startswith(f"{b}.")), None)
+        names, name = (top, path) if block is None else (inner, path.removeprefix(f"{block}."))
+        if name not in names:
+            names.append(name)
+    parts = [f"{', '.join(inner)} of each decoder layer"] if inner else []
+    return ", ".join([*parts, *top])
+
+
+def tp_plan_problem(model: nn.Module, plan: TPPlan | None, *, family: str) -> str | None:
+    """Why `plan` is not verified for `model`'s module layout (one clause), or None.
+
+    Verified means: every module the plan names exists and is of the class its style splits,
+    and every module that holds parameters, in a decoder block or outside, is one the plan
+    names. A module it does not name would keep whole weights that meet split activations (a
+    Qwen3's per-head q_norm/k_norm after column-wise q/k: a rank dies in aten.stack with a mesh
+    mismatch, or worse, computes on the wrong heads silently); a module it names that is not
+    there, or of another kind (a fused qkv_proj), cannot be split as the plan says. Checked on
+    the meta model, whatever the family's model_type says: a layout is what the plan splits.
+    """
+    if plan is None:
+        return f"{family} has no tensor-parallel plan"
+    blocks = model.block_paths()
+    modules = dict(model.named_modules())
+    rows = plan_rows(blocks, plan)
+    missing = [path for path, _ in rows if path not in modules]
+    wrong = [
+        path for path, style in rows
+        if path in modules and style in _STYLE_CLASSES
+        and _STYLE_CLASSES[style] not in {c.__name__ for c in type(modules[path]).__mro__}
+    ]  # fmt: skip
+    planned = {path for path, _ in rows}
+    uncovered = [
+        path for path, module in modules.items()
+        if path not in planned and next(module.parameters(recurse=False), None) is not None
+    ]  # fmt: skip
+    problems = []
+    if uncovered:
+        problems.append(f"the plan does not cover {_fold(uncovered, blocks)}")
+    if missing:
+        problems.append(f"the model has no {_fold(missing, blocks)}, which the plan splits")
+    if wrong:
+        problems.append(
+            f"{_fold(wrong, blocks)} are not the Linear / Embedding modules the plan splits"
+        )
+    if not problems:
+        return None
+    return f"{family} has no verified tensor-parallel plan: {'; '.join(problems)}"
+
+
+def check_tp_plan(cfg: RecipeConfig) -> None:
+    """Refuse, before any worker starts, a recipe whose model the family's TP plan does not
+    verifiably split (`tp_plan_problem`); builds the model on the meta device (an HF folder's:
+    its config.json alone, no weights).
+
+    Raises:
+        UserError: one line naming the family, the modules and the fix.
+    """
+    if not is_tp(cfg):
+        return
+    import torch
+
+    from fsdprun.models import model_spec
+
+    spec = model_spec(cfg.model)
+    with torch.device("meta"):
+        model = spec.build(cfg.model)
+    problem = tp_plan_problem(model, spec.tp_plan, family=model.family_name)
+    if problem is not None:
+        raise UserError(f"parallel.tp={cfg.parallel.tp}: {problem}; set parallel.tp=1")
+
+
 def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan) -> list[tuple[str, str]]:
     """Parallelize `model` (on the meta device or materialized, before checkpointing, compile
     and FSDP) over `tp_mesh` with the family's `plan`, in place; parameter names do not change.
 
     Returns:
         (module path, style) of every module parallelized, as `plan_rows` lists them.
+
+    Raises:
+        UserError: the plan does not verifiably split the model (`tp_plan_problem`; the
+            launcher refuses it first, a rank started by torchrun or srun here).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
+    problem = tp_plan_problem(model, plan, family=model.family_name)
+    if problem is not None:
+        raise UserError(f"parallel.tp={tp_mesh.size()}: {problem}; set parallel.tp=1")
     rows = plan_rows(model.block_paths(), plan)
     for path, style in rows:
         parallelize_module(model.get_submodule(path), tp_mesh, _style(style, plan, path))

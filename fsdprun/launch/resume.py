@@ -2,8 +2,10 @@
 
 The run's saved recipe plus the overrides decide the new session; what may change is limited to
 what cannot change the run's trajectory beyond its length (train.steps) or how it is executed
-(world size, checkpointing, logging, FSDP knobs, compile). The global batch is kept: on a new
-world size the micro batch shrinks if it must, so the same samples come next. A LoRA checkpoint's
+(world size, checkpointing, logging, FSDP knobs, tensor-parallel degree, compile). The global
+batch is kept: on a new world size the micro batch shrinks if it must, so the same samples come
+next. A saved parallel.tp that the new world cannot hold is lowered as the micro batch is, unless
+the command names parallel.tp. A LoRA checkpoint's
 base must be the one it was trained on (its fingerprint, `fsdprun.checkpoint.fingerprint`):
 a changed base is refused unless --accept-base-change, a missing one names --base PATH (a copy
 elsewhere, checked the same way).
@@ -19,16 +21,18 @@ from pathlib import Path
 from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint
 from fsdprun.checkpoint.fingerprint import ACCEPT_FLAG, compare_base, refusal
 from fsdprun.checkpoint.manifest import lora_base
-from fsdprun.config import ResolvedRecipe, config_to_dict, load_recipe, validate
+from fsdprun.config import RecipeConfig, ResolvedRecipe, config_to_dict, load_recipe, validate
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.rundir import RECIPE_FILE, recipe_name, recipe_path
 from fsdprun.train.optim import lr_factor
 
-# Keys (or prefixes) a resumed run may change.
+# Keys (or prefixes) a resumed run may change. `parallel.`: DCP saved every tensor-parallel
+# shard with its placements and reshards it onto any other mesh (docs/tensor-parallel.md,
+# "Checkpoints"); tp changes how a step is split over ranks, not what it computes.
 RESUMABLE = (
     "train.steps", "train.micro_batch_size", "checkpoint.", "launch.", "output.", "compile.",
-    "activation_checkpointing.", "fsdp.", "profile.",
+    "activation_checkpointing.", "fsdp.", "parallel.", "profile.",
 )  # fmt: skip
 
 
@@ -56,6 +60,39 @@ def _base_override(checkpoint: CheckpointStatus, base: Path) -> str:
         raise UserError(f"--base {base}: {checkpoint.path} {what}; there is no base to point at")
     key = "checkpoint.load_from" if recorded["source"] == "load_from" else "model.hf_path"
     return f"{key}={base.resolve()}"
+
+
+def _names(overrides: list[str], key: str) -> bool:
+    """Whether an override sets or drops `key` (`key=V`, `~key`)."""
+    return any(o.removeprefix("~").split("=", 1)[0] == key for o in overrides)
+
+
+def _fit_tp(cfg: RecipeConfig) -> str | None:
+    """Lower a saved parallel.tp that the new world cannot hold to the largest of its divisors
+    that it can, in place; returns the note, or None when the saved tp fits.
+
+    `fsdprun resume RUN --nproc-per-node 1` of a tp 2 run is a resume "at any world size", which
+    the command promises (as it shrinks the micro batch to keep the global batch): a user who
+    only changed the world has not asked for TP, and refusing would make them learn a key to
+    undo a degree the checkpoint does not depend on. A divisor of the saved tp divides the
+    model's heads, ffn and vocab and train.seq_len as the saved one did. A tp the command names
+    is the user's choice: it is kept, and refused by validate if it does not fit.
+    """
+    tp, per_node, world = cfg.parallel.tp, cfg.launch.nproc_per_node, cfg.world_size
+
+    def fits(n: int) -> bool:
+        within = per_node % n == 0 if n <= per_node else cfg.parallel.tp_across_nodes
+        return world % n == 0 and within
+
+    if tp <= 1 or fits(tp):
+        return None
+    new_tp = max(n for n in range(1, tp) if tp % n == 0 and fits(n))
+    cfg.parallel.tp = new_tp
+    ranks = f"{world} rank" + ("s" if world > 1 else "")
+    return (
+        f"parallel.tp {tp} -> {new_tp}: {ranks} cannot hold the saved tensor-parallel degree "
+        f"(the checkpoint reshards onto tp {new_tp}; name parallel.tp=N to choose another)"
+    )
 
 
 def _check_base(
@@ -110,6 +147,11 @@ def resolve_resume(
     checkpoint, skipped = find_resume_checkpoint(run_dir, step, verify=verify)
     if base is not None:
         overrides = [*overrides, _base_override(checkpoint, base)]
+    if not _names(overrides, "launch.node_rank"):
+        # Which node this launcher is belongs to the command, not to the run: the saved recipe
+        # holds that of whichever node wrote it (node 1's, after a two-node job, which then
+        # refused `resume RUN --nnodes 1` on one machine). As `train`: node 0 unless --node-rank.
+        overrides = [*overrides, "launch.node_rank=0"]
     resolved = load_recipe(str(recipe), overrides, check=False)
     # The header names the recipe the run was started from; a hand-written recipe.yaml, the folder.
     resolved.name = recipe_name(run_dir) or run_dir.name
@@ -122,19 +164,25 @@ def resolve_resume(
         checkpoint, config_to_dict(cfg), accept_change=accept_base_change, verify=verify
     )
     notes += [note] if note else []
-    world, gbs, micro = cfg.world_size, cfg.train.global_batch_size, cfg.train.micro_batch_size
-    micro_given = any(o.startswith("train.micro_batch_size=") for o in overrides)
-    if gbs % (micro * world) and not micro_given:
-        if gbs % world:
+    if not _names(overrides, "parallel.tp") and (note := _fit_tp(cfg)):
+        notes.append(note)
+    # The batch is split over data-parallel ranks (the ranks of a TP group read the same rows).
+    # A named tp that does not divide the world leaves none to count: validate refuses it below.
+    tp, gbs, micro = cfg.parallel.tp, cfg.train.global_batch_size, cfg.train.micro_batch_size
+    dp = cfg.world_size // tp if tp >= 1 and cfg.world_size % tp == 0 else None
+    ranks = "ranks" if tp == 1 else "data-parallel ranks"
+    if dp is not None and gbs % (micro * dp) and not _names(overrides, "train.micro_batch_size"):
+        if gbs % dp:
+            world = "a world size" if tp == 1 else "a world size / parallel.tp"
             raise UserError(
-                f"the global batch ({gbs} sequences) cannot be split over {world} ranks; resume "
-                f"on a world size that divides {gbs}"
+                f"the global batch ({gbs} sequences) cannot be split over {dp} {ranks}; resume "
+                f"on {world} that divides {gbs}"
             )
-        per_rank = gbs // world
+        per_rank = gbs // dp
         new_micro = max(m for m in range(1, micro + 1) if per_rank % m == 0)
         notes.append(
             f"train.micro_batch_size {micro} -> {new_micro} to keep the global batch {gbs} on "
-            f"{world} ranks ({per_rank // new_micro} accumulation steps)"
+            f"{dp} {ranks} ({per_rank // new_micro} accumulation steps)"
         )
         cfg.train.micro_batch_size = new_micro
     errors = validate(cfg) or check_data(cfg)

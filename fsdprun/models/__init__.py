@@ -7,11 +7,11 @@ A family is a module under `fsdprun.models` that defines `SPEC`; `FAMILIES` name
 HuggingFace causal LM) whatever `model.family` says.
 
 Every model a spec builds maps tokens to logits and offers `args` (its Llama-shaped
-`ModelArgs` summary), `block_paths()` (the decoder blocks FSDP wraps), `init_std(name)` and
-`init_buffers(device)`. `ModelArgs` stays Llama's own dataclass rather than a neutral shape
-type: every family fsdprun builds is a Llama-shaped decoder (the HF wrapper reads its
-config.json into one and shares Llama's RoPE), and outside `models` only `args.vocab_size` is
-read. A family of another shape would add its own fields there, not here.
+`ModelArgs` summary), `block_paths()` (the decoder blocks FSDP wraps), `init_std(name)`,
+`init_buffers(device)` and `family_name` (what messages call it). `ModelArgs` stays Llama's own
+dataclass rather than a neutral shape type: every family fsdprun builds is a Llama-shaped decoder
+(the HF wrapper reads its config.json into one and shares Llama's RoPE), and outside `models`
+only `args.vocab_size` is read. A family of another shape would add its own fields there, not here.
 
 This module never imports torch at load (a family's module does, when a recipe asks for it); no
 module of `models` imports torch.distributed.

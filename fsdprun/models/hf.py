@@ -120,6 +120,11 @@ class HFCausalLM(nn.Module):
                 f"(_no_split_modules = {list(self.block_classes)})"
             )
 
+    @property
+    def family_name(self) -> str:
+        """What messages call the model: the folder's model_type and class (`hf` builds any)."""
+        return f"model.hf_path's {self.hf.config.model_type} ({type(self.hf).__name__})"
+
     @classmethod
     def from_folder(cls, path: str | Path) -> HFCausalLM:
         """Build the architecture of the folder's config.json (weights are not read).

@@ -139,6 +139,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    family_name = "model.family llama"  # what messages call the model
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args

@@ -62,7 +62,7 @@ from fsdprun.engines.mesh import (
     shard_group_size,
     tp_errors,
 )
-from fsdprun.engines.tp import plan_rows
+from fsdprun.engines.tp import plan_rows, tp_plan_problem
 from fsdprun.engines.units import plan_units
 from fsdprun.errors import UserError
 from fsdprun.loss import describe_loss
@@ -378,7 +378,7 @@ def tp_problem(cfg: RecipeConfig) -> str | None:
     (`engines.mesh.tp_errors`), for the model's own shape (an HF folder's: its config.json)."""
     m = cfg.model
     shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads or m.n_heads,
-             "model.ffn_dim": m.ffn_dim, "model.vocab_size": m.vocab_size}  # fmt: skip
+             "model.ffn_dim": m.ffn_dim}  # fmt: skip
     errors = tp_errors(cfg, world_size=cfg.world_size, shape=shape, tied=m.tie_embeddings)
     return "; ".join(errors) or None
 
@@ -413,6 +413,8 @@ def plan_memory(
     spec = model_spec(cfg.model)
     with torch.device("meta"):
         model = spec.build(cfg.model)
+    # Before LoRA wraps its Linears: what `fsdprun train` checks (its TP columns say why not).
+    layout = tp_plan_problem(model, spec.tp_plan, family=model.family_name)
     adapted = apply_lora(model, cfg=cfg.lora)
     # The activation estimates read the model's shape: an HF folder's comes from its config.json.
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
@@ -428,7 +430,7 @@ def plan_memory(
     recipe_strategy, strategies = _strategies(cfg, units)
     tp_degrees = []
     if cfg.world_size > 1:
-        tp_degrees = _tp_degrees(cfg, units_at)
+        tp_degrees = _tp_degrees(cfg, units_at, layout=layout)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
         device_memory_text = f"{cfg.launch.device_memory_gb:g}GB"
@@ -524,9 +526,10 @@ def _strategies(
     return recipe_strategy, strategies
 
 
-def _tp_degrees(cfg: RecipeConfig, units_at) -> list[TpOption]:
+def _tp_degrees(cfg: RecipeConfig, units_at, *, layout: str | None) -> list[TpOption]:
     """The recipe at TP_DEGREES and its own degree, at its world size, under its sharding with
-    fsdp2 (the engine TP composes with); `units_at(tp)` gives the units at a degree."""
+    fsdp2 (the engine TP composes with); `units_at(tp)` gives the units at a degree; `layout`:
+    why the family's plan does not split the model (`engines.tp.tp_plan_problem`), or None."""
     sharding = effective_sharding(cfg.fsdp)
     if cfg.fsdp.engine is Engine.ddp:
         sharding = Sharding.full  # a ddp recipe's TP columns: what fsdp2 would hold
@@ -546,6 +549,8 @@ def _tp_degrees(cfg: RecipeConfig, units_at) -> list[TpOption]:
             eager = dataclasses.replace(at, compile=dataclasses.replace(at.compile, enabled=False))
             if tp_problem(eager) is None:
                 at, problem, note = eager, None, "compile off"
+        if tp > 1 and problem is None:
+            problem = layout
         if problem is not None:
             options.append(TpOption(tp, missing=problem))
             continue
