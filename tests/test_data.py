@@ -21,6 +21,7 @@ from fsdprun.config import load_recipe
 from fsdprun.data import BatchLayout, build_datasets
 from fsdprun.data import text as text_data
 from fsdprun.data.files import token_dtype_for
+from fsdprun.data.preflight import check_data
 from fsdprun.data.text import build_tokenizer, iter_documents, tokenize_to_array
 from fsdprun.data.windows import ShuffledWindows, TokenWindows
 from fsdprun.errors import UserError
@@ -412,6 +413,26 @@ def test_text_split_and_length_are_checked_before_launch_for_every_tokenizer(tmp
                f"data.tokenizer={tmp_path}/tokenizer.json", "train.seq_len=32"),
         f"data.paths: {num_tokens} tokens in all, fewer than one sequence (train.seq_len + 1 = 33)",
     )  # fmt: skip
+
+
+def test_the_text_the_checks_tokenize_is_the_text_the_workers_train_on(tmp_path, monkeypatch):
+    # The launcher's checks and a worker in its process (forked, or a torchrun rank) tokenize
+    # each document once between them; before, the worker tokenized it all again. A file that
+    # changes is tokenized afresh.
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(6)))
+    encoded = []
+    encode = text_data.ByteTokenizer.encode
+    monkeypatch.setattr(text_data.ByteTokenizer, "encode",
+                        lambda tok, text: encoded.append(text) or encode(tok, text))  # fmt: skip
+    overrides = [f"data.paths=[{docs}]", "data.val_fraction=0", "eval.every_steps=0"]
+    cfg = load_recipe("text-demo", overrides).config
+    assert check_data(cfg) == [] and check_data(cfg) == []  # `train` checks twice
+    train, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0)
+    assert len(encoded) == 6 and train.num_samples > 0
+    docs.write_text(docs.read_text() + json.dumps({"text": "one more " * 20}) + "\n")
+    again, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0)
+    assert len(encoded) == 6 + 7 and again.windows.num_windows > train.windows.num_windows
 
 
 def test_prepare_data_refuses_a_split_that_leaves_nothing_and_writes_nothing(tmp_path):

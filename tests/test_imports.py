@@ -8,7 +8,8 @@ training loop nor the launcher, checkpoint never imports the training loop nor t
 reads a checkpoint folder without torch),
 data never imports engines, train, launch or models, tools read and never run and engines never
 drive (no training loop, no launcher), launch builds nothing itself (no models, no engines), and
-neither fsdprun modules nor its packages import each other in a circle at load time.
+neither fsdprun modules nor its packages import each other in a circle at load time. The
+"never imports" rules are one table, `NEVER_IMPORTS`, which docs/architecture.md draws.
 A rule that another area still breaks is marked xfail(strict=True) naming that area: it turns
 into a failure the day it passes, so the mark comes off then. Run with
 `pytest tests/test_imports.py`.
@@ -20,6 +21,8 @@ import ast
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdprun"
 
@@ -42,6 +45,37 @@ CONFIG_LAZY_IMPORTS = {
     "huggingface_hub.constants": "the cache folder and offline mode in a Hub id's messages",
     "huggingface_hub.errors": "a Hub id's gated, unknown or unreachable model as one line",
 }
+
+# What each room never imports, at any level: the rules its opening docstring states, drawn in
+# docs/architecture.md's table (tests/test_architecture.py holds the two alike). A key is a
+# room (a package, or a top-level module); a bare name in the tuple is an fsdprun room, a dotted
+# outside name a module of another package.
+NEVER_IMPORTS = {
+    "config": ("torch", "data", "engines", "train", "launch", "models"),
+    "models": ("torch.distributed",),
+    "data": ("engines", "train", "launch", "models"),
+    "report": ("engines", "train", "launch"),
+    "checkpoint": ("train", "launch"),
+    "engines": ("train", "launch"),
+    "tools": ("train", "launch"),
+    "launch": ("models", "engines"),
+    # The torch-free ground floor: `fsdprun status`, the launcher's lock, config's metrics-file
+    # default and family check; the open-file limit, checked before anything heavy loads.
+    "rundir": ("torch",),
+    "runlock": ("torch",),
+    "families": ("torch",),
+    "limits": ("torch",),
+}
+# The modules a rule above lets a room import all the same, with the reason.
+NEVER_IMPORTS_ALLOWED = {
+    ("config", "engines.mesh"): "the sharding rules validate checks",
+    ("launch", "engines.float8"): "the device check before workers start",
+}
+
+
+def forbidden_modules(names: tuple[str, ...]) -> tuple[str, ...]:
+    """A rule's names as module names: fsdprun's rooms in full, outside modules as they are."""
+    return tuple(f"fsdprun.{n}" if f"fsdprun.{n}" in modules() else n for n in names)
 
 
 @dataclass
@@ -178,20 +212,20 @@ def test_the_reader_sees_the_imports_it_must():
     assert "fsdprun.config" not in load_graph()["fsdprun.config.load"]  # its own package
 
 
-def test_config_never_imports_torch_nor_the_training_packages():
-    bad = direct_violations(
-        area("config"),
-        (
-            "torch",
-            "fsdprun.data",
-            "fsdprun.engines",
-            "fsdprun.train",
-            "fsdprun.launch",
-            "fsdprun.models",  # models read config's sections: the family names are families'
-        ),  # fmt: skip
-        allowed=("fsdprun.engines.mesh",),  # the sharding rules validate checks
-    )
+@pytest.mark.parametrize("name", sorted(NEVER_IMPORTS))
+def test_a_room_never_imports_what_its_rule_names(name):
+    allowed = [f"fsdprun.{m}" for (room, m) in NEVER_IMPORTS_ALLOWED if room == name]
+    bad = direct_violations(area(name), forbidden_modules(NEVER_IMPORTS[name]), allowed=allowed)
     assert not bad, bad
+
+
+def test_each_allowed_exception_is_a_module_its_rule_forbids():
+    for room, module in NEVER_IMPORTS_ALLOWED:
+        assert f"fsdprun.{module}" in modules(), module
+        assert module.split(".")[0] in NEVER_IMPORTS[room], (room, module)
+
+
+def test_config_imports_inside_functions_only_what_it_lists():
     lazy = {t for m in area("config") for t in imports_of(m).in_functions}
     assert lazy <= {"fsdprun.engines.mesh", *CONFIG_LAZY_IMPORTS}, lazy
 
@@ -209,12 +243,6 @@ def test_loading_and_validating_a_recipe_loads_no_torch():
     assert not heavy, [path_to(m, via) for m in heavy]
 
 
-def test_report_never_imports_the_launcher():
-    # The trackers' folders and the metrics file's path are the ground floor's (fsdprun.rundir).
-    bad = direct_violations(area("report"), ("fsdprun.launch",))
-    assert not bad, bad
-
-
 def test_the_ground_floor_imports_nothing_above_it():
     """errors, device, the run directory's names and lock and the loss import, of fsdprun, only
     one another (at any level, but the reasoned exceptions inside a function), so that every
@@ -229,28 +257,6 @@ def test_the_ground_floor_imports_nothing_above_it():
     assert not bad, bad
 
 
-def test_the_torch_free_ground_floor_never_imports_torch():
-    # `fsdprun status`, the launcher's lock, config's metrics-file default and family check.
-    bad = direct_violations(["fsdprun.rundir", "fsdprun.runlock", "fsdprun.families"], ("torch",))
-    assert not bad, bad
-
-
-def test_models_never_import_torch_distributed():
-    bad = direct_violations(area("models"), ("torch.distributed",))
-    assert not bad, bad
-
-
-def test_report_never_imports_engines_or_train():
-    bad = direct_violations(area("report"), ("fsdprun.engines", "fsdprun.train"))
-    assert not bad, bad
-
-
-def test_checkpoint_never_imports_train_nor_launch():
-    # inspect and export read a folder offline; the run directory's names are the ground floor's.
-    bad = direct_violations(area("checkpoint"), ("fsdprun.train", "fsdprun.launch"))
-    assert not bad, bad
-
-
 def test_reading_a_checkpoint_folder_loads_no_torch():
     """Completeness and inspection (manifest, dcp_metadata, inspect) read DCP's `.metadata`
     with fsdprun's own unpickler: loading them loads no torch, and no saving or loading side
@@ -262,37 +268,12 @@ def test_reading_a_checkpoint_folder_loads_no_torch():
         assert not heavy, [path_to(m, via) for m in heavy]
 
 
-def test_data_never_imports_engines_train_launch_or_models():
-    bad = direct_violations(
-        area("data"), ("fsdprun.engines", "fsdprun.train", "fsdprun.launch", "fsdprun.models")
-    )
-    assert not bad, bad
-
-
-def test_tools_never_import_the_training_loop_nor_the_launcher():
-    # plan's loss line is the ground floor's (fsdprun.loss), status's names and locks too.
-    bad = direct_violations(area("tools"), ("fsdprun.train", "fsdprun.launch"))
-    assert not bad, bad
-
-
-def test_engines_never_import_the_training_loop_nor_the_launcher():
-    # The loss an engine builds is the ground floor's (fsdprun.loss); the loop drives engines.
-    bad = direct_violations(area("engines"), ("fsdprun.train", "fsdprun.launch"))
-    assert not bad, bad
-
-
 def test_tune_loads_without_torch():
     # tune launches every trial as an `fsdprun train` subprocess: loading it (for the command,
     # and while the trials run) never loads torch; plan is imported when it prunes, and
     # torch's TCPStore by tune_nodes when a multi-node tune starts.
     _, outside, via = loaded_by({"fsdprun.tools.tune", "fsdprun.tools.tune_nodes"})
     assert "torch" not in outside, path_to("torch", via)
-
-
-def test_launch_never_imports_models_nor_engines():
-    allowed = ("fsdprun.engines.float8",)  # the device check before workers start
-    bad = direct_violations(area("launch"), ("fsdprun.models", "fsdprun.engines"), allowed=allowed)
-    assert not bad, bad
 
 
 def test_limits_import_nothing_heavy():

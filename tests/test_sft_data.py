@@ -4,13 +4,17 @@ checks before launch (one line, exit 2)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import fsdprun_env
 from typer.testing import CliRunner
 
 from fsdprun.cli import app
@@ -416,6 +420,47 @@ def test_the_shipped_chat_file_passes_the_checks(tmp_path):
     )
     result = CliRunner().invoke(app, ["config", str(recipe)])
     assert result.exit_code == 0, result.output
+
+
+# `fsdprun ARGS` run in this process as the console script runs it (the launcher's preflight
+# here, its workers forked from it), with each conversation tokenized written down by the
+# process that tokenized it.
+COUNTING_FSDPRUN = """
+import os, sys
+from fsdprun.data import sft_examples
+from fsdprun.cli import main
+
+tokenize_chat = sft_examples.tokenize_chat
+launcher = os.getpid()
+
+def counted(*args, **kwargs):
+    with open(os.environ["TOKENIZED_BY"], "a") as f:
+        f.write("launcher\\n" if os.getpid() == launcher else f"worker {os.getpid()}\\n")
+    return tokenize_chat(*args, **kwargs)
+
+sft_examples.tokenize_chat = counted
+sys.argv = ["fsdprun", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_chat_file_is_tokenized_once_by_the_launcher_and_reused_by_its_workers(tmp_path):
+    # Before: the launcher tokenized every conversation for its checks, then each worker did
+    # again (3 times on 2 ranks, 0.35 s each for the shipped file and ~90 s for the launcher's
+    # first on a busy 2-core machine); the workers now train on what the preflight tokenized.
+    tokenized_by = tmp_path / "tokenized-by"
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNTING_FSDPRUN, "train", "sft-demo", "train.steps=1",
+         "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=fsdprun_env(TOKENIZED_BY=str(tokenized_by)), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    start = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["world_size"] == 2
+    num_conversations = len(CHAT.read_text().splitlines())
+    by = collections.Counter(tokenized_by.read_text().splitlines())
+    assert by == {"launcher": num_conversations}, by
 
 
 def test_prepare_sft_examples_refuses_bad_choices(tmp_path):

@@ -8,13 +8,15 @@ g*B + (m*world_size + r)*micro_batch_size, world_size being the data-parallel ra
 parallelism (`parallel.tp`) the tp consecutive ranks of one TP group are one data-parallel rank
 (r = rank // tp) and read the same samples.
 
-Sources (`data.source`): `synthetic` (no files), `tokens` (pre-tokenized .bin/.npy files, see
-`files`), `text` (.txt/.jsonl tokenized at start, see `text`); token and text data become
-shuffled windows (`windows`). Fine-tuning examples (`chat`, `instruct`, `hf_dataset`, or a folder
-`prepare-data` made of them, see `sft_examples` and `sft`) become rows of whole examples with
-masked targets. `load_batch` gives a `Batch` (see `batch`) for either. Validation data is built
-the same way from data.val_paths, or from the last data.val_fraction of the training windows
-(examples).
+The front door is `describe_data` (see `spec`): the one description of the dataset a recipe asks
+for (its kind, files, tokenizer, token counts, masks) that the launcher's checks (`preflight`)
+and `build_datasets` here both read, and that keeps what it tokenized for the other. Kinds:
+`synthetic` (no files), `tokens` (pre-tokenized .bin/.npy files, see `files`), `text`
+(.txt/.jsonl tokenized at start, see `text`); token and text data become shuffled windows
+(`windows`). Fine-tuning examples (`chat`, `instruct`, `hf_dataset`, or a folder `prepare-data`
+made of them, see `sft_examples` and `sft`) become rows of whole examples with masked targets.
+`load_batch` gives a `Batch` (see `batch`) for either. Validation data is built the same way
+from data.val_paths, or from the last data.val_fraction of the training windows (examples).
 
 The modules of this package import torch inside the functions that use it: the data preflight
 (`preflight`, reached from `fsdprun config`) reads files with numpy alone, and a command that
@@ -27,15 +29,13 @@ The package never imports the engines, the training loop, the launcher or the mo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from fsdprun.config import DataConfig, DataSource
+from fsdprun.config import DataConfig
 from fsdprun.data.batch import IGNORE_INDEX, Batch, Row, collate
-from fsdprun.data.files import inspect_token_file
-from fsdprun.data.sft import build_sft_datasets, is_sft
+from fsdprun.data.sft import build_sft_datasets
+from fsdprun.data.spec import DataKind, DataSpec, describe_data, forget_data
 from fsdprun.data.synthetic import VAL_FIRST_INDEX, SyntheticData
-from fsdprun.data.text import build_tokenizer, tokenize_to_array
 from fsdprun.data.windows import ShuffledWindows, TokenWindows, num_val_windows
 from fsdprun.errors import UserError
 
@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "IGNORE_INDEX", "Batch", "BatchLayout", "Dataset", "Row", "SyntheticData",
-    "build_datasets", "load_batch",
+    "IGNORE_INDEX", "Batch", "BatchLayout", "DataKind", "DataSpec", "Dataset", "Row",
+    "SyntheticData", "build_datasets", "describe_data", "forget_data", "load_batch",
 ]  # fmt: skip
 
 
@@ -93,35 +93,32 @@ class BatchLayout:
 def build_datasets(
     cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int, with_val: bool = False
 ) -> tuple[Dataset, Dataset | None]:
-    """The training dataset and, when `with_val`, the validation dataset.
+    """The training dataset and, when `with_val`, the validation dataset of the data `cfg`
+    describes (`describe_data`: what the preflight tokenized in this process is reused).
 
     Raises:
         UserError: data the preflight could not judge without reading it (too little text
             after tokenizing).
     """
-    if cfg.source is DataSource.synthetic:
+    spec = describe_data(cfg)
+    if spec.kind is DataKind.synthetic:
         common = dict(vocab_size=vocab_size, seq_len=seq_len, seed=seed, noise=cfg.noise)
         val = SyntheticData(**common, first_index=VAL_FIRST_INDEX) if with_val else None
         return SyntheticData(**common), val
-    if is_sft(cfg):  # chat, instruct, hf_dataset, or their prepared folder
+    if spec.masked:  # chat, instruct, hf_dataset, or their prepared folder
         return build_sft_datasets(
-            cfg, vocab_size=vocab_size, seq_len=seq_len, seed=seed, with_val=with_val
+            spec, vocab_size=vocab_size, seq_len=seq_len, seed=seed, with_val=with_val
         )
 
-    def stream(paths: list[str], key: str) -> TokenWindows:
-        if cfg.source is DataSource.tokens:
-            files = [
-                inspect_token_file(Path(p), token_dtype=cfg.token_dtype.value, key=key)
-                for p in paths
-            ]
+    def stream(key: str) -> TokenWindows:
+        paths = spec.paths(key)
+        if spec.kind is DataKind.tokens:
+            files = spec.token_files(key)
             return TokenWindows([f.open() for f in files], seq_len=seq_len, names=paths)
-        # Every rank tokenizes the text itself (deterministic); for a large corpus, run
-        # `fsdprun prepare-data` once and train on the token files instead.
-        tokens = tokenize_to_array(
-            [Path(p) for p in paths],
-            build_tokenizer(cfg.tokenizer, cfg.eos_token),
-            cfg.text_field,
-        )
+        # Every rank that was not forked from the launcher tokenizes the text itself
+        # (deterministic); for a large corpus, run `fsdprun prepare-data` once and train on the
+        # token files instead.
+        tokens = spec.text_tokens(key)
         windows = TokenWindows([tokens], seq_len=seq_len, names=[", ".join(paths)])
         if windows.num_windows == 0:
             raise UserError(
@@ -131,21 +128,21 @@ def build_datasets(
         return windows
 
     def dataset(windows: TokenWindows, ids: range, name: str, num_files: int) -> ShuffledWindows:
-        kind = "tokens" if cfg.source is DataSource.tokens else f"text ({cfg.tokenizer} tokenizer)"
+        kind = "tokens" if spec.kind is DataKind.tokens else f"text ({cfg.tokenizer} tokenizer)"
         return ShuffledWindows(
             windows, ids, seed=seed, stream=name, vocab_size=vocab_size,
             description=f"{kind}: {num_files} file(s), {len(ids):,} windows of {seq_len + 1} "
             "tokens",
         )  # fmt: skip
 
-    train_windows = stream(cfg.paths, "data.paths")
+    train_windows = stream("data.paths")
     n = train_windows.num_windows
     num_val = num_val_windows(n, cfg.val_fraction)
     train = dataset(train_windows, range(n - num_val), "train", len(cfg.paths))
     if not with_val:
         return train, None
     if cfg.val_paths:
-        val_windows = stream(cfg.val_paths, "data.val_paths")
+        val_windows = stream("data.val_paths")
         val_ids = range(val_windows.num_windows)
         return train, dataset(val_windows, val_ids, "val", len(cfg.val_paths))
     return train, dataset(train_windows, range(n - num_val, n), "val", len(cfg.paths))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import CHAT_ROLES, ChatTurns, DataConfig, DataSource, Truncate
 from fsdprun.data.batch import IGNORE_INDEX, Row
@@ -43,6 +43,9 @@ from fsdprun.data.sft_examples import SFT_SOURCES, Examples, tokenize_examples
 from fsdprun.data.windows import VOCAB_FIX, EpochOrder, _epoch_seed
 from fsdprun.errors import UserError
 from fsdprun.staging import staged_folder
+
+if TYPE_CHECKING:
+    from fsdprun.data.spec import DataSpec
 
 SFT_FORMAT = "fsdprun-sft"
 
@@ -186,7 +189,7 @@ class SFTData:
 
 
 # --------------------------------------------------------------------------------------------
-# Building from a DataConfig
+# Reading prepared folders, and building rows from a DataSpec
 
 
 def prepared_description(paths: list[str]) -> dict[str, Any] | None:
@@ -197,13 +200,6 @@ def prepared_description(paths: list[str]) -> dict[str, Any] | None:
     if desc is None or desc.get("format") != SFT_FORMAT:
         return None
     return desc
-
-
-def is_sft(cfg: DataConfig) -> bool:
-    """Whether `cfg` describes fine-tuning examples (raw, or prepared by prepare-data)."""
-    if cfg.source in SFT_SOURCES:
-        return True
-    return cfg.source is DataSource.tokens and prepared_description(cfg.paths) is not None
 
 
 def open_prepared(path: Path, *, key: str) -> tuple[Examples, dict[str, Any]]:
@@ -226,23 +222,8 @@ def open_prepared(path: Path, *, key: str) -> tuple[Examples, dict[str, Any]]:
     return Examples(tokens, mask, offsets), desc
 
 
-def _load_examples(cfg: DataConfig, paths: list[str], key: str) -> tuple[Examples, str, int]:
-    """(examples, description kind, pad id) of the files of one key."""
-    if cfg.source is DataSource.tokens:
-        parts = [open_prepared(Path(p), key=key) for p in paths]
-        desc = parts[0][1]
-        examples = parts[0][0] if len(parts) == 1 else _concat([e for e, _ in parts])
-        kind = f"prepared {desc['source']} examples ({desc['tokenizer']} tokenizer)"
-        return examples, kind, desc.get("eos_id") or 0
-    examples, tok = tokenize_examples(paths, cfg, key=key)
-    what = cfg.source.value
-    if cfg.source is DataSource.chat:
-        what += f" ({cfg.chat_turns.value} assistant turns)"
-    kind = f"{what}: {len(paths)} file(s), {tok.name} tokenizer"
-    return examples, kind, tok.eos_id or 0
-
-
-def _concat(parts: list[Examples]) -> Examples:
+def concat_examples(parts: list[Examples]) -> Examples:
+    """The examples of several prepared files as one `Examples`, in order."""
     sizes = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
     offsets = [parts[0].offsets[:1]] + [
         p.offsets[1:] + s for p, s in zip(parts, sizes, strict=True)
@@ -255,11 +236,13 @@ def _concat(parts: list[Examples]) -> Examples:
 
 
 def build_sft_datasets(
-    cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int, with_val: bool
+    spec: DataSpec, *, vocab_size: int, seq_len: int, seed: int, with_val: bool
 ) -> tuple[SFTData, SFTData | None]:
     """The training rows and, when `with_val`, the validation rows of fine-tuning data: from
     data.val_paths, or the last data.val_fraction of the examples (in file order)."""
-    examples, kind, pad_id = _load_examples(cfg, cfg.paths, "data.paths")
+    cfg = spec.cfg
+    loaded = spec.examples("data.paths")
+    examples, kind, pad_id = loaded.examples, loaded.kind, loaded.pad_id
 
     def rows(ex: Examples, stream: str, kind: str) -> SFTData:
         return SFTData(
@@ -278,8 +261,8 @@ def build_sft_datasets(
     if not with_val:
         return train, None
     if cfg.val_paths:
-        val_examples, val_kind, _ = _load_examples(cfg, cfg.val_paths, "data.val_paths")
-        return train, rows(val_examples, "val", val_kind)
+        val = spec.examples("data.val_paths")
+        return train, rows(val.examples, "val", val.kind)
     return train, rows(examples.take(range(n - num_val, n)), "val", kind)
 
 

@@ -28,6 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from fsdprun.checkpoint import read_manifest, set_aside_after
 from fsdprun.compile_cache import check_cache_dir
 from fsdprun.config import RecipeConfig, ResolvedRecipe, accelerator_device_nodes
+from fsdprun.data import forget_data
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, memory_per_rank, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
@@ -453,10 +454,13 @@ def _launch(
     # Workers die with this process (see guard.die_with_launcher).
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if plan.config.start_method == "fork":
-        # The workers inherit this heap (torch and all). Frozen, their collections skip it: the
-        # full one that frees FSDP's state at the end (worker.run) took 0.28 CPU s per worker on
-        # the debug recipe, and 0.004 after; their pages of it also stay shared.
+        # The workers inherit this heap (torch and all, and the data the preflight tokenized,
+        # which they reuse: data.spec). Frozen, their collections skip it: the full one that
+        # frees FSDP's state at the end (worker.run) took 0.28 CPU s per worker on the debug
+        # recipe, and 0.004 after; their pages of it also stay shared.
         gc.freeze()
+    else:
+        forget_data()  # spawned workers tokenize for themselves: no copy here for the whole run
     reporter = Reporter()
     waiting = _waiting(cfg, plan)
     try:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import Engine, Sharding, load_recipe
+from fsdprun.data import forget_data
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.report.metrics import read_events
@@ -251,6 +252,7 @@ def compare(
     """
     resolved = load_recipe(recipe, overrides)
     data_problems = check_data(resolved.config)
+    forget_data()  # what the checks tokenized: each run is a process of its own that reads it
     if data_problems:
         raise UserError("; ".join(data_problems))
     if out_dir.exists() and any(not p.name.startswith(LOCK_FILE) for p in out_dir.iterdir()):
