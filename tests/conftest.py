@@ -418,6 +418,26 @@ def _join_rows(lines: list[list[str]], new_row) -> list[list[str]]:
 
 
 @pytest.fixture(scope="session")
+def hf_family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random HuggingFace folder of each family in tests/hf_families.py, by model_type,
+    made once per session."""
+    from hf_families import FAMILIES, save_tiny_hf
+
+    root = tmp_path_factory.mktemp("hf-families")
+    return {name: save_tiny_hf(name, root / name) for name in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def gloo_pool_1(tmp_path_factory):
+    """One rank in a gloo process group of its own, for the session (as `gloo_pool`)."""
+    from gloo_pool import GlooPool
+
+    pool = GlooPool(1, tmp_path_factory.mktemp("gloo-pool-1"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def gloo_pool(tmp_path_factory):
     """Two ranks in one persistent gloo process group for the session (tests/gloo_pool.py):
     engine-level tests train in it instead of launching `fsdprun train` each."""

@@ -12,6 +12,7 @@ after FSDP has sharded the model. Never imports torch.distributed. Build it on t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from fsdprun.errors import UserError
+from fsdprun.families import HF_FAMILIES, HFFamily
 from fsdprun.models import ModelSpec, TPPlan
 from fsdprun.models.attention import document_causal_mask
 from fsdprun.models.llama import ModelArgs
@@ -61,6 +63,11 @@ def args_from_hf_config(config) -> ModelArgs:
         norm_eps=getattr(config, "rms_norm_eps", 1e-5),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
     )
+
+
+def hf_family(config) -> HFFamily:
+    """The family entry of a HuggingFace config (the defaults for an unlisted model type)."""
+    return HF_FAMILIES.get(getattr(config, "model_type", None), HFFamily())
 
 
 def packed_inputs(
@@ -139,7 +146,7 @@ class HFCausalLM(nn.Module):
         fp32 = {"dtype" if new_name else "torch_dtype": torch.float32}
         try:
             hf_model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="sdpa", **fp32
+                config, attn_implementation=hf_family(config).attn_implementation, **fp32
             )
         except ValueError as e:
             raise UserError(f"model.hf_path: {path}: {e}") from e
@@ -211,26 +218,53 @@ class HFCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device) -> None:
-        """Recompute the non-persistent buffers (rotary frequencies) after `to_empty`.
+        """Recompute the non-persistent buffers (rotary frequencies, Gemma's embedding scale)
+        after `to_empty`.
 
         They hold garbage then, and a checkpoint does not store them. A buffer-only module built
         from the config (as rotary embeddings are) is rebuilt on `device` and its buffers copied.
+        Any other module's buffers are filled by transformers' own `_init_weights`, which is
+        what `from_pretrained` runs after loading on the meta device; it is run on a stand-in
+        of the module whose parameters are meta tensors, so that the loaded weights cannot be
+        touched. Buffers it leaves unfilled are refused rather than trained with garbage.
+
+        Raises:
+            UserError: a buffer neither rule fills.
         """
         for path, module in self.named_modules():
             own = dict(module.named_buffers(recurse=False))
             if not own:
                 continue
-            if next(module.parameters(recurse=False), None) is not None or not hasattr(
-                module, "config"
-            ):
+            if next(module.parameters(recurse=False), None) is None and hasattr(module, "config"):
+                with torch.device(device):
+                    fresh = type(module)(module.config)
+                for name, buf in own.items():
+                    buf.copy_(getattr(fresh, name))
+                continue
+            unfilled = self._init_buffers_as_transformers(module, own)
+            if unfilled:
                 raise UserError(
                     f"model.hf_path: cannot initialize the buffers of {path} "
-                    f"({type(module).__name__}): {', '.join(own)}"
+                    f"({type(module).__name__}): {', '.join(unfilled)}"
                 )
-            with torch.device(device):
-                fresh = type(module)(module.config)
-            for name, buf in own.items():
-                buf.copy_(getattr(fresh, name))
+
+    def _init_buffers_as_transformers(
+        self, module: nn.Module, own: dict[str, torch.Tensor]
+    ) -> list[str]:
+        """Fill `module`'s own buffers with the model's `_init_weights`; the names it left
+        unfilled (a NaN sentinel still there; any non-float buffer, which has none)."""
+        init_weights = getattr(self.hf, "_init_weights", None)
+        if init_weights is None or any(not buf.is_floating_point() for buf in own.values()):
+            return list(own)
+        for buf in own.values():
+            buf.fill_(float("nan"))
+        stand_in = copy.copy(module)  # same class (what _init_weights dispatches on), same buffers
+        stand_in._parameters = {
+            name: None if p is None else nn.Parameter(torch.empty(p.shape, device="meta"))
+            for name, p in module._parameters.items()
+        }  # fmt: skip
+        init_weights(stand_in)
+        return [name for name, buf in own.items() if buf.isnan().any()]
 
 
 # Weight files of a HuggingFace folder: an export replaces them by the trained weights.
