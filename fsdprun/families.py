@@ -42,6 +42,20 @@ class HFFamily:
     attn_implementation: str = "sdpa"
     """transformers' attention implementation to build with; "sdpa" unless the model refuses
     it (it must also accept fsdprun's 4-D boolean masks of packed rows)."""
+    stacked: tuple[StackedExperts, ...] = ()
+    """Parameters that checkpoints store expert by expert (`fsdprun.engines.hf_weights`)."""
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """A 3-D parameter [experts, rows, columns] that transformers stacks in memory from one 2-D
+    tensor per expert and part in the checkpoint (its `conversion_mapping`): expert e's rows
+    are its parts' rows, concatenated in order."""
+
+    param: str
+    """The parameter's name within its block, e.g. "mlp.experts.gate_up_proj"."""
+    parts: tuple[str, ...]
+    """The checkpoint's names of expert {e}'s parts within the block."""
 
 
 # The model types whose training, 1 and 2 ranks, equals a plain transformers + AdamW loop and
@@ -51,7 +65,15 @@ HF_FAMILIES = {
     "llama": HFFamily(),
     "qwen2": HFFamily(),
     "qwen3": HFFamily(),
-    "qwen3_moe": HFFamily(),
+    "qwen3_moe": HFFamily(
+        stacked=(
+            StackedExperts(
+                "mlp.experts.gate_up_proj",
+                ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+            ),
+            StackedExperts("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)),
+        )
+    ),
     "mistral": HFFamily(),
     # transformers builds Gemma 2 with eager attention only: SDPA cannot soft-cap the scores.
     "gemma2": HFFamily(attn_implementation="eager"),
