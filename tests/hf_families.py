@@ -22,6 +22,7 @@ COMMON = dict(
 
 # model_type -> what its tiny config sets beyond COMMON.
 FAMILIES: dict[str, dict] = {
+    "llama": {},
     "qwen2": {},
     "qwen3": {},
     "mistral": {"sliding_window": 16},

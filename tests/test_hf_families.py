@@ -1,5 +1,5 @@
-"""HuggingFace families beyond Llama (tests/hf_families.py: Qwen2, Qwen3, Mistral, Gemma 2,
-Gemma 3, Phi-3, Qwen3-MoE) train and export exactly as transformers computes them.
+"""HuggingFace families (tests/hf_families.py: Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3,
+Phi-3, Qwen3-MoE) train and export exactly as transformers computes them.
 
 For each family's tiny random folder, fsdprun trains the debug recipe (fp32, synthetic data,
 gradient accumulation, warm-up then cosine, clipping at 1.0) for 3 steps on 2 ranks and, with
@@ -17,10 +17,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import consolidate
 from hf_families import FAMILIES
 
+from fsdprun.checkpoint.export import export_checkpoint
 from fsdprun.config import load_recipe
 from fsdprun.data import build_datasets, load_batch
+from fsdprun.models.hf import HFCausalLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,3 +95,25 @@ def test_training_equals_transformers_on_1_and_2_ranks(
         assert len(run.losses) == STEPS
         diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
         assert diff < TOL, (family, run.losses, expected)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_export_loads_in_transformers_with_fsdprun_logits(
+    family, hf_family_dirs, gloo_pool, tmp_path
+):
+    folder = hf_family_dirs[family]
+    run = gloo_pool.train(*TRAIN, f"model.hf_path={folder}")  # the 2-rank run above
+    ckpt = run.run_dir / "checkpoints" / f"step-{STEPS:08d}"
+    # In-process (the command itself is covered by test_inspect_export): a subprocess costs ~3 s.
+    export_checkpoint(ckpt, tmp_path / "hf", fmt="hf")
+    exported = _load_hf(tmp_path / "hf").eval()
+    # fsdprun's own model of the folder holding the checkpoint's weights (DCP's consolidation).
+    trained = consolidate(ckpt, tmp_path / "full.pt")["model"]
+    model = HFCausalLM.from_folder(folder).eval()
+    model.load_state_dict(trained)
+    original = _load_hf(folder)
+    assert not torch.equal(original.lm_head.weight, exported.lm_head.weight)  # trained ones
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(tokens) - exported(input_ids=tokens).logits).abs().max().item()
+    assert diff < TOL, (family, diff)
