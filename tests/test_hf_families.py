@@ -117,3 +117,23 @@ def test_hf_export_loads_in_transformers_with_fsdprun_logits(
     with torch.no_grad():
         diff = (model(tokens) - exported(input_ids=tokens).logits).abs().max().item()
     assert diff < TOL, (family, diff)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_rows_cut_attention_at_documents_and_windows_as_transformers(family, hf_family_dirs):
+    # transformers takes fsdprun's 4-D mask of packed rows as it is: the sliding windows (16
+    # tokens here, Gemma's on every other layer) must be in it, and eager attention (Gemma 2)
+    # adds it to the scores. Reference: transformers' forward of each document alone.
+    reference = _load_hf(hf_family_dirs[family]).eval()
+    model = HFCausalLM(reference)  # the same weights, through fsdprun's inputs
+    lengths = (40, 24)  # both longer than the window
+    tokens = torch.randint(3, 256, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(tokens, positions=positions, doc_ids=doc_ids)
+        alone = torch.cat(
+            [reference(input_ids=doc).logits for doc in tokens.split(lengths, dim=1)], dim=1
+        )
+    diff = (packed - alone).abs().max().item()
+    assert diff < TOL, (family, diff)

@@ -70,12 +70,35 @@ def hf_family(config) -> HFFamily:
     return HF_FAMILIES.get(getattr(config, "model_type", None), HFFamily())
 
 
+def attention_windows(config) -> dict[str, int | None]:
+    """Each attention layer type of the model (config.json's `layer_types`) and its sliding
+    window, None for full attention, as transformers decides them: without `layer_types`, every
+    layer slides when `sliding_window` is set (Mistral, Phi-3).
+
+    Raises:
+        UserError: a layer type other than full or sliding attention (chunked attention).
+    """
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return {"full_attention": None} if window is None else {"sliding_attention": window}
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise UserError(
+            f"model.hf_path: attention layer types {', '.join(unknown)} (config.json's "
+            "layer_types) are not supported; full_attention and sliding_attention are"
+        )
+    return {t: window if t == "sliding_attention" else None for t in dict.fromkeys(types)}
+
+
 def packed_inputs(
     tokens: torch.Tensor,
     *,
     positions: torch.Tensor | None = None,
     doc_ids: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
+    windows: dict[str, int | None] | None = None,
+    additive: bool = False,
+) -> dict[str, Any]:
     """The keyword inputs of a transformers decoder for (possibly packed) rows.
 
     Without positions and doc_ids: `input_ids` and `position_ids` 0..seq-1, so transformers takes
@@ -87,7 +110,11 @@ def packed_inputs(
     to SDPA as it is (masking_utils, transformers >= 4.53): attention causal within each example,
     padding attending to itself. The mask is passed even for positions alone: without one,
     transformers would infer a packing from where the positions restart, which the built-in
-    Llama does not do.
+    Llama does not do. transformers takes such a mask as it is, so the sliding windows of
+    `windows` (`attention_windows`) are cut into it here: one mask when the layers share one
+    window, else one per layer type (the models with `layer_types` take such a dict).
+    `additive`: the masks as eager attention adds them to the scores (0 or the lowest float32),
+    not as booleans, which it would add as 0 and 1.
 
     Raises:
         UserError: transformers older than 4.53 (it wants 4-D masks in another form).
@@ -105,7 +132,18 @@ def packed_inputs(
         )
     if doc_ids is None:
         doc_ids = torch.zeros_like(tokens)
-    inputs = {"input_ids": tokens, "attention_mask": document_causal_mask(doc_ids)}
+    mask = document_causal_mask(doc_ids)
+    idx = torch.arange(tokens.shape[1], device=tokens.device)
+    masks = {
+        kind: mask if window is None else mask & (idx[:, None] - idx[None, :] < window)
+        for kind, window in (windows or {"full_attention": None}).items()
+    }  # fmt: skip
+    if additive:
+        low = torch.finfo(torch.float32).min
+        masks = {kind: torch.zeros(m.shape, device=m.device).masked_fill(~m, low)
+                 for kind, m in masks.items()}  # fmt: skip
+    attention_mask = next(iter(masks.values())) if len(masks) == 1 else masks
+    inputs: dict[str, Any] = {"input_ids": tokens, "attention_mask": attention_mask}
     if positions is not None:
         inputs["position_ids"] = positions
     return inputs
@@ -118,6 +156,8 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.hf = hf_model
         self.args = args_from_hf_config(hf_model.config)
+        self.windows = attention_windows(hf_model.config)
+        self.additive_mask = hf_family(hf_model.config).attn_implementation == "eager"
         # transformers names the classes that must not be split across devices: the decoder
         # layers, which are exactly the blocks FSDP should wrap.
         self.block_classes = tuple(getattr(hf_model, "_no_split_modules", None) or ())
@@ -163,7 +203,13 @@ class HFCausalLM(nn.Module):
         """The logits; with `head`, `head(final hidden states, output weight)`; `positions` and
         `doc_ids` of packed rows as in `Transformer.forward`."""
         if head is None:
-            inputs = packed_inputs(tokens, positions=positions, doc_ids=doc_ids)
+            inputs = packed_inputs(
+                tokens,
+                positions=positions,
+                doc_ids=doc_ids,
+                windows=self.windows,
+                additive=self.additive_mask,
+            )
             return self.hf(**inputs, use_cache=False).logits
         hidden = self.forward_hidden(tokens, positions=positions, doc_ids=doc_ids)
         return head(hidden, self.output_weight())
@@ -176,7 +222,13 @@ class HFCausalLM(nn.Module):
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoder's last hidden states, the input of the output projection."""
-        inputs = packed_inputs(tokens, positions=positions, doc_ids=doc_ids)
+        inputs = packed_inputs(
+            tokens,
+            positions=positions,
+            doc_ids=doc_ids,
+            windows=self.windows,
+            additive=self.additive_mask,
+        )
         return self.hf.get_decoder()(**inputs, use_cache=False).last_hidden_state
 
     def output_weight(self) -> torch.Tensor:
