@@ -137,3 +137,20 @@ def test_packed_rows_cut_attention_at_documents_and_windows_as_transformers(fami
         )
     diff = (packed - alone).abs().max().item()
     assert diff < TOL, (family, diff)
+
+
+def test_buffers_that_transformers_cannot_fill_are_refused_in_one_line(hf_family_dirs):
+    # After `to_empty` the non-persistent buffers hold garbage: those transformers' own
+    # _init_weights fills (Gemma's embedding scale) are filled, any other is refused.
+    from fsdprun.errors import UserError
+
+    with torch.device("meta"):
+        model = HFCausalLM.from_folder(hf_family_dirs["gemma3_text"])
+        model.hf.model.norm.register_buffer("extra", torch.ones(2), persistent=False)
+    model.to_empty(device="cpu")
+    with pytest.raises(UserError, match=r"^model.hf_path: cannot initialize the buffers of "
+                       r"hf.model.norm \(Gemma3RMSNorm\): extra$"):  # fmt: skip
+        model.init_buffers(torch.device("cpu"))
+    del model.hf.model.norm.extra
+    model.init_buffers(torch.device("cpu"))
+    assert model.hf.model.embed_tokens.embed_scale.item() == pytest.approx(64**0.5)
