@@ -56,6 +56,9 @@ class StackedExperts:
     """The parameter's name within its block, e.g. "mlp.experts.gate_up_proj"."""
     parts: tuple[str, ...]
     """The checkpoint's names of expert {e}'s parts within the block."""
+    active_key: str = "num_experts_per_tok"
+    """The config key of how many experts each token passes through: the FLOPs per token count
+    that share of the experts' weights."""
 
 
 # The model types whose training, 1 and 2 ranks, equals a plain transformers + AdamW loop and

@@ -154,3 +154,15 @@ def test_buffers_that_transformers_cannot_fill_are_refused_in_one_line(hf_family
     del model.hf.model.norm.extra
     model.init_buffers(torch.device("cpu"))
     assert model.hf.model.embed_tokens.embed_scale.item() == pytest.approx(64**0.5)
+
+
+def test_flops_per_token_of_a_mixture_of_experts_count_the_active_experts(hf_family_dirs):
+    from fsdprun.models.hf import SPEC
+
+    cfg = load_recipe("debug", [f"model.hf_path={hf_family_dirs['qwen3_moe']}"]).config.model
+    # By hand from tests/hf_families.py: per layer q, k, v, o (4 heads and 2 kv heads of 16),
+    # the router (4 experts) and 2 active experts' gate, up and down (32 wide); the untied head.
+    attention = 64 * 64 + 2 * (32 * 64) + 64 * 64
+    experts = 2 * 3 * 32 * 64
+    matmul = 2 * (attention + 4 * 64 + experts) + 256 * 64
+    assert SPEC.flops_per_token(cfg, 64) == 6 * matmul + 12 * 2 * 64 * 64

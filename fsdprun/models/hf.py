@@ -325,14 +325,27 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5",
 
 @functools.cache
 def _meta_counts(path: str) -> tuple[ModelArgs, int, int]:
-    """The folder's model summary, its parameters (a tied tensor once) and the weights of its
-    Linears (what takes part in a matmul per token, a tied output projection included), counted
-    on a model built on the meta device (allocates nothing; cached: the worker asks more than
-    once)."""
+    """The folder's model summary, its parameters (a tied tensor once) and the weights each
+    token multiplies: every matrix but the embedding tables (a tied output projection
+    included: it is its Linear's too; a mixture of experts' router), and of stacked experts
+    the share each token passes through. Counted on a model built on the meta device
+    (allocates nothing; cached: the worker asks more than once)."""
     with torch.device("meta"):
         model = HFCausalLM.from_folder(path)
     num_params = sum(p.numel() for p in model.parameters())
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    config = model.hf.config
+    stacked = {rule.param.rpartition(".")[2]: rule for rule in hf_family(config).stacked}
+    matmul = 0
+    for path_, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            rule = stacked.get(name)
+            if rule is not None and f"{path_}.{name}".endswith("." + rule.param):
+                # [experts, rows, columns]: each token through `active_key` of the experts.
+                matmul += param.numel() // param.shape[0] * getattr(config, rule.active_key)
+            elif param.ndim >= 2:
+                matmul += param.numel()
     return model.args, num_params, matmul
 
 
