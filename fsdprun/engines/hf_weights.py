@@ -4,9 +4,12 @@ Each rank reads only the rows of each tensor it holds: FSDP2 shards every parame
 with `torch.chunk` semantics (on a 2-D replicate x shard mesh, along the shard dim only), and
 `safetensors.safe_open(...).get_slice(name)[start:stop]` reads just those rows from the
 memory-mapped file. No rank ever holds the whole model, and no collective is needed (every rank
-opens the same files). One code path for every torch version in range: DCP's HuggingFace storage
-reader exists only in newer ones. DDP's plain parameters are read whole; FSDP1 reads each unit's
-full tensors while it materializes the unit (`HFWeights.full`), before flattening and sharding.
+opens the same files). A mixture of experts whose checkpoint stores one tensor per expert, where
+transformers stacks them into one 3-D parameter (the family's `StackedExperts`), is read the
+same way: each rank reads the experts of its rows only. One code path for every torch version
+in range: DCP's HuggingFace storage reader exists only in newer ones. DDP's plain parameters are
+read whole; FSDP1 reads each unit's full tensors while it materializes the unit
+(`HFWeights.full`), before flattening and sharding.
 
 Never imports the training loop nor the launcher (`train`, `launch`).
 """
