@@ -12,6 +12,8 @@ Never imports torch nor an fsdprun module (`fsdprun config` loads it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # Family name -> the module defining its SPEC (imported when a recipe asks for the family).
 FAMILIES = {
     "llama": "fsdprun.models.llama",
@@ -27,3 +29,57 @@ def family_problem(family: str, hf_path: str | None) -> str | None:
     if family == HF_FAMILY and hf_path is None:
         return "model.family: 'hf' needs model.hf_path (a HuggingFace model folder or Hub id)"
     return None
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """What a transformers model type (config.json's `model_type`) needs of the `hf` family.
+
+    The decoder layers FSDP wraps come from the model's own `_no_split_modules`, the non-persistent
+    buffers from its `_init_weights` (`fsdprun.models.hf`): neither needs an entry.
+    """
+
+    attn_implementation: str = "sdpa"
+    """transformers' attention implementation to build with; "sdpa" unless the model refuses
+    it (it must also accept fsdprun's 4-D boolean masks of packed rows)."""
+    stacked: tuple[StackedExperts, ...] = ()
+    """Parameters that checkpoints store expert by expert (`fsdprun.engines.hf_weights`)."""
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """A 3-D parameter [experts, rows, columns] that transformers stacks in memory from one 2-D
+    tensor per expert and part in the checkpoint (its `conversion_mapping`): expert e's rows
+    are its parts' rows, concatenated in order."""
+
+    param: str
+    """The parameter's name within its block, e.g. "mlp.experts.gate_up_proj"."""
+    parts: tuple[str, ...]
+    """The checkpoint's names of expert {e}'s parts within the block."""
+    active_key: str = "num_experts_per_tok"
+    """The config key of how many experts each token passes through: the FLOPs per token count
+    that share of the experts' weights."""
+
+
+# The model types whose training, 1 and 2 ranks, equals a plain transformers + AdamW loop and
+# whose HF export gives fsdprun's logits (tests/test_hf_families.py; the table in
+# docs/families.md). Others still load: they take the defaults, unverified.
+HF_FAMILIES = {
+    "llama": HFFamily(),
+    "qwen2": HFFamily(),
+    "qwen3": HFFamily(),
+    "qwen3_moe": HFFamily(
+        stacked=(
+            StackedExperts(
+                "mlp.experts.gate_up_proj",
+                ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+            ),
+            StackedExperts("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)),
+        )
+    ),
+    "mistral": HFFamily(),
+    # transformers builds Gemma 2 with eager attention only: SDPA cannot soft-cap the scores.
+    "gemma2": HFFamily(attn_implementation="eager"),
+    "gemma3_text": HFFamily(),
+    "phi3": HFFamily(),
+}

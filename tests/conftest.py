@@ -224,8 +224,9 @@ def _zygote() -> Zygote:
 # their order.
 LONGEST_FIRST = (
     "test_docs.py", "test_faults.py", "test_checkpoint.py", "test_tune.py", "test_tp.py",
-    "test_engines.py", "test_hf.py", "test_matrix.py", "test_unresponsive.py", "test_bad_input.py",
-    "test_launch.py", "test_memory_contract.py", "test_train.py", "test_data.py",
+    "test_engines.py", "test_hf.py", "test_hf_families.py", "test_matrix.py",
+    "test_unresponsive.py", "test_bad_input.py", "test_launch.py", "test_memory_contract.py",
+    "test_train.py", "test_data.py",
     "test_slurm_example.py", "test_process_faults.py", "test_profile.py",
 )  # fmt: skip
 
@@ -432,6 +433,26 @@ def _join_rows(lines: list[list[str]], new_row) -> list[list[str]]:
                 prev = rows[-1][c]
                 rows[-1][c] = prev + part if not prev or prev[-1] in ".:" else f"{prev} {part}"
     return rows
+
+
+@pytest.fixture(scope="session")
+def hf_family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random HuggingFace folder of each family in tests/hf_families.py, by model_type,
+    made once per session."""
+    from hf_families import FAMILIES, save_tiny_hf
+
+    root = tmp_path_factory.mktemp("hf-families")
+    return {name: save_tiny_hf(name, root / name) for name in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def gloo_pool_1(tmp_path_factory):
+    """One rank in a gloo process group of its own, for the session (as `gloo_pool`)."""
+    from gloo_pool import GlooPool
+
+    pool = GlooPool(1, tmp_path_factory.mktemp("gloo-pool-1"))
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="session")

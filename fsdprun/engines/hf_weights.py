@@ -4,9 +4,12 @@ Each rank reads only the rows of each tensor it holds: FSDP2 shards every parame
 with `torch.chunk` semantics (on a 2-D replicate x shard mesh, along the shard dim only), and
 `safetensors.safe_open(...).get_slice(name)[start:stop]` reads just those rows from the
 memory-mapped file. No rank ever holds the whole model, and no collective is needed (every rank
-opens the same files). One code path for every torch version in range: DCP's HuggingFace storage
-reader exists only in newer ones. DDP's plain parameters are read whole; FSDP1 reads each unit's
-full tensors while it materializes the unit (`HFWeights.full`), before flattening and sharding.
+opens the same files). A mixture of experts whose checkpoint stores one tensor per expert, where
+transformers stacks them into one 3-D parameter (the family's `StackedExperts`), is read the
+same way: each rank reads the experts of its rows only. One code path for every torch version
+in range: DCP's HuggingFace storage reader exists only in newer ones. DDP's plain parameters are
+read whole; FSDP1 reads each unit's full tensors while it materializes the unit
+(`HFWeights.full`), before flattening and sharding.
 
 Never imports the training loop nor the launcher (`train`, `launch`).
 """
@@ -24,7 +27,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdprun.engines.weights import set_full_value
 from fsdprun.errors import UserError
-from fsdprun.models.hf import HF_PREFIX
+from fsdprun.families import HFFamily
+from fsdprun.models.hf import HF_PREFIX, hf_family
 from fsdprun.models.lora import is_adapter_name
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -86,6 +90,31 @@ def shard_rows(param: torch.Tensor) -> tuple[int, int]:
     return start, stop
 
 
+def _expert_parts(family: HFFamily, hf_name: str, num_experts: int) -> list[list[str]] | None:
+    """The checkpoint names of each expert's parts of the stacked parameter `hf_name`, or None
+    when the family stacks no such parameter."""
+    for rule in family.stacked:
+        if hf_name.endswith("." + rule.param):
+            block = hf_name.removesuffix(rule.param)  # "model.layers.0."
+            return [[block + part.format(e=e) for part in rule.parts] for e in range(num_experts)]
+    return None
+
+
+class _StackedSlice:
+    """A stacked-experts parameter read like a safetensors slice: expert e (row e of dim 0) is
+    its parts' tensors concatenated; rows [start:stop] read only those experts."""
+
+    def __init__(self, experts: list[list[Any]]):
+        self.experts = experts
+
+    def get_shape(self) -> list[int]:
+        shapes = [part.get_shape() for part in self.experts[0]]
+        return [len(self.experts), sum(s[0] for s in shapes), *shapes[0][1:]]
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return torch.stack([torch.cat([p[:] for p in parts]) for parts in self.experts[rows]])
+
+
 class HFWeights:
     """The safetensors weights of a HuggingFace folder for an `HFCausalLM`, by its parameter
     names (the HF names under `hf.`). Built on the meta model before any engine wraps it, so a
@@ -112,7 +141,18 @@ class HFWeights:
             for name, _ in model.named_parameters() if not is_adapter_name(name)
         }  # fmt: skip
         self._wanted = wanted
-        missing = [hf for hf in wanted.values() if hf not in self._files]
+        # Parameters a mixture of experts stacks in memory from per-expert checkpoint tensors
+        # (the family's `stacked` entries), unless the folder holds them stacked (an export):
+        # the checkpoint's names of each expert's parts.
+        family = hf_family(model.hf.config)
+        self._stacked: dict[str, list[list[str]]] = {}
+        for name, param in model.named_parameters():
+            if name in wanted and wanted[name] not in self._files:
+                experts = _expert_parts(family, wanted[name], param.shape[0])
+                if experts and all(p in self._files for parts in experts for p in parts):
+                    self._stacked[name] = experts
+        missing = [hf for name, hf in wanted.items()
+                   if hf not in self._files and name not in self._stacked]  # fmt: skip
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             shown = ", ".join(missing[:5]) + more
@@ -122,13 +162,21 @@ class HFWeights:
                 continue
             shape = tuple(self._slice(name).get_shape())
             if shape != tuple(param.shape):
+                first = self._stacked[name][0][0] if name in self._stacked else wanted[name]
                 raise UserError(
                     f"model.hf_path: {wanted[name]} has shape {shape} in "
-                    f"{self._files[wanted[name]].name}, the model expects {tuple(param.shape)}"
+                    f"{self._files[first].name}, the model expects {tuple(param.shape)}"
                 )
 
     def _slice(self, name: str):
-        hf_name = self._canonical[name].removeprefix(HF_PREFIX)
+        """Parameter `name` as a safetensors slice (`get_shape()`, rows by `[start:stop]`)."""
+        if name in self._stacked:
+            return _StackedSlice(
+                [[self._file_slice(p) for p in parts] for parts in self._stacked[name]]
+            )
+        return self._file_slice(self._canonical[name].removeprefix(HF_PREFIX))
+
+    def _file_slice(self, hf_name: str):
         file = self._files[hf_name]
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt")

@@ -12,6 +12,7 @@ after FSDP has sharded the model. Never imports torch.distributed. Build it on t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from fsdprun.errors import UserError
+from fsdprun.families import HF_FAMILIES, HFFamily
 from fsdprun.models import ModelSpec, TPPlan
 from fsdprun.models.attention import document_causal_mask
 from fsdprun.models.llama import ModelArgs
@@ -63,12 +65,40 @@ def args_from_hf_config(config) -> ModelArgs:
     )
 
 
+def hf_family(config) -> HFFamily:
+    """The family entry of a HuggingFace config (the defaults for an unlisted model type)."""
+    return HF_FAMILIES.get(getattr(config, "model_type", None), HFFamily())
+
+
+def attention_windows(config) -> dict[str, int | None]:
+    """Each attention layer type of the model (config.json's `layer_types`) and its sliding
+    window, None for full attention, as transformers decides them: without `layer_types`, every
+    layer slides when `sliding_window` is set (Mistral, Phi-3).
+
+    Raises:
+        UserError: a layer type other than full or sliding attention (chunked attention).
+    """
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return {"full_attention": None} if window is None else {"sliding_attention": window}
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise UserError(
+            f"model.hf_path: attention layer types {', '.join(unknown)} (config.json's "
+            "layer_types) are not supported; full_attention and sliding_attention are"
+        )
+    return {t: window if t == "sliding_attention" else None for t in dict.fromkeys(types)}
+
+
 def packed_inputs(
     tokens: torch.Tensor,
     *,
     positions: torch.Tensor | None = None,
     doc_ids: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
+    windows: dict[str, int | None] | None = None,
+    additive: bool = False,
+) -> dict[str, Any]:
     """The keyword inputs of a transformers decoder for (possibly packed) rows.
 
     Without positions and doc_ids: `input_ids` and `position_ids` 0..seq-1, so transformers takes
@@ -80,7 +110,11 @@ def packed_inputs(
     to SDPA as it is (masking_utils, transformers >= 4.53): attention causal within each example,
     padding attending to itself. The mask is passed even for positions alone: without one,
     transformers would infer a packing from where the positions restart, which the built-in
-    Llama does not do.
+    Llama does not do. transformers takes such a mask as it is, so the sliding windows of
+    `windows` (`attention_windows`) are cut into it here: one mask when the layers share one
+    window, else one per layer type (the models with `layer_types` take such a dict).
+    `additive`: the masks as eager attention adds them to the scores (0 or the lowest float32),
+    not as booleans, which it would add as 0 and 1.
 
     Raises:
         UserError: transformers older than 4.53 (it wants 4-D masks in another form).
@@ -98,7 +132,18 @@ def packed_inputs(
         )
     if doc_ids is None:
         doc_ids = torch.zeros_like(tokens)
-    inputs = {"input_ids": tokens, "attention_mask": document_causal_mask(doc_ids)}
+    mask = document_causal_mask(doc_ids)
+    idx = torch.arange(tokens.shape[1], device=tokens.device)
+    masks = {
+        kind: mask if window is None else mask & (idx[:, None] - idx[None, :] < window)
+        for kind, window in (windows or {"full_attention": None}).items()
+    }  # fmt: skip
+    if additive:
+        low = torch.finfo(torch.float32).min
+        masks = {kind: torch.zeros(m.shape, device=m.device).masked_fill(~m, low)
+                 for kind, m in masks.items()}  # fmt: skip
+    attention_mask = next(iter(masks.values())) if len(masks) == 1 else masks
+    inputs: dict[str, Any] = {"input_ids": tokens, "attention_mask": attention_mask}
     if positions is not None:
         inputs["position_ids"] = positions
     return inputs
@@ -111,6 +156,8 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.hf = hf_model
         self.args = args_from_hf_config(hf_model.config)
+        self.windows = attention_windows(hf_model.config)
+        self.additive_mask = hf_family(hf_model.config).attn_implementation == "eager"
         # transformers names the classes that must not be split across devices: the decoder
         # layers, which are exactly the blocks FSDP should wrap.
         self.block_classes = tuple(getattr(hf_model, "_no_split_modules", None) or ())
@@ -144,7 +191,7 @@ class HFCausalLM(nn.Module):
         fp32 = {"dtype" if new_name else "torch_dtype": torch.float32}
         try:
             hf_model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="sdpa", **fp32
+                config, attn_implementation=hf_family(config).attn_implementation, **fp32
             )
         except ValueError as e:
             raise UserError(f"model.hf_path: {path}: {e}") from e
@@ -161,7 +208,13 @@ class HFCausalLM(nn.Module):
         """The logits; with `head`, `head(final hidden states, output weight)`; `positions` and
         `doc_ids` of packed rows as in `Transformer.forward`."""
         if head is None:
-            inputs = packed_inputs(tokens, positions=positions, doc_ids=doc_ids)
+            inputs = packed_inputs(
+                tokens,
+                positions=positions,
+                doc_ids=doc_ids,
+                windows=self.windows,
+                additive=self.additive_mask,
+            )
             return self.hf(**inputs, use_cache=False).logits
         hidden = self.forward_hidden(tokens, positions=positions, doc_ids=doc_ids)
         return head(hidden, self.output_weight())
@@ -174,7 +227,13 @@ class HFCausalLM(nn.Module):
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoder's last hidden states, the input of the output projection."""
-        inputs = packed_inputs(tokens, positions=positions, doc_ids=doc_ids)
+        inputs = packed_inputs(
+            tokens,
+            positions=positions,
+            doc_ids=doc_ids,
+            windows=self.windows,
+            additive=self.additive_mask,
+        )
         return self.hf.get_decoder()(**inputs, use_cache=False).last_hidden_state
 
     def output_weight(self) -> torch.Tensor:
@@ -216,26 +275,53 @@ class HFCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device) -> None:
-        """Recompute the non-persistent buffers (rotary frequencies) after `to_empty`.
+        """Recompute the non-persistent buffers (rotary frequencies, Gemma's embedding scale)
+        after `to_empty`.
 
         They hold garbage then, and a checkpoint does not store them. A buffer-only module built
         from the config (as rotary embeddings are) is rebuilt on `device` and its buffers copied.
+        Any other module's buffers are filled by transformers' own `_init_weights`, which is
+        what `from_pretrained` runs after loading on the meta device; it is run on a stand-in
+        of the module whose parameters are meta tensors, so that the loaded weights cannot be
+        touched. Buffers it leaves unfilled are refused rather than trained with garbage.
+
+        Raises:
+            UserError: a buffer neither rule fills.
         """
         for path, module in self.named_modules():
             own = dict(module.named_buffers(recurse=False))
             if not own:
                 continue
-            if next(module.parameters(recurse=False), None) is not None or not hasattr(
-                module, "config"
-            ):
+            if next(module.parameters(recurse=False), None) is None and hasattr(module, "config"):
+                with torch.device(device):
+                    fresh = type(module)(module.config)
+                for name, buf in own.items():
+                    buf.copy_(getattr(fresh, name))
+                continue
+            unfilled = self._init_buffers_as_transformers(module, own)
+            if unfilled:
                 raise UserError(
                     f"model.hf_path: cannot initialize the buffers of {path} "
-                    f"({type(module).__name__}): {', '.join(own)}"
+                    f"({type(module).__name__}): {', '.join(unfilled)}"
                 )
-            with torch.device(device):
-                fresh = type(module)(module.config)
-            for name, buf in own.items():
-                buf.copy_(getattr(fresh, name))
+
+    def _init_buffers_as_transformers(
+        self, module: nn.Module, own: dict[str, torch.Tensor]
+    ) -> list[str]:
+        """Fill `module`'s own buffers with the model's `_init_weights`; the names it left
+        unfilled (a NaN sentinel still there; any non-float buffer, which has none)."""
+        init_weights = getattr(self.hf, "_init_weights", None)
+        if init_weights is None or any(not buf.is_floating_point() for buf in own.values()):
+            return list(own)
+        for buf in own.values():
+            buf.fill_(float("nan"))
+        stand_in = copy.copy(module)  # same class (what _init_weights dispatches on), same buffers
+        stand_in._parameters = {
+            name: None if p is None else nn.Parameter(torch.empty(p.shape, device="meta"))
+            for name, p in module._parameters.items()
+        }  # fmt: skip
+        init_weights(stand_in)
+        return [name for name, buf in own.items() if buf.isnan().any()]
 
 
 # Weight files of a HuggingFace folder: an export replaces them by the trained weights.
@@ -244,14 +330,27 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5",
 
 @functools.cache
 def _meta_counts(path: str) -> tuple[ModelArgs, int, int]:
-    """The folder's model summary, its parameters (a tied tensor once) and the weights of its
-    Linears (what takes part in a matmul per token, a tied output projection included), counted
-    on a model built on the meta device (allocates nothing; cached: the worker asks more than
-    once)."""
+    """The folder's model summary, its parameters (a tied tensor once) and the weights each
+    token multiplies: every matrix but the embedding tables (a tied output projection
+    included: it is its Linear's too; a mixture of experts' router), and of stacked experts
+    the share each token passes through. Counted on a model built on the meta device
+    (allocates nothing; cached: the worker asks more than once)."""
     with torch.device("meta"):
         model = HFCausalLM.from_folder(path)
     num_params = sum(p.numel() for p in model.parameters())
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    config = model.hf.config
+    stacked = {rule.param.rpartition(".")[2]: rule for rule in hf_family(config).stacked}
+    matmul = 0
+    for path_, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            rule = stacked.get(name)
+            if rule is not None and f"{path_}.{name}".endswith("." + rule.param):
+                # [experts, rows, columns]: each token through `active_key` of the experts.
+                matmul += param.numel() // param.shape[0] * getattr(config, rule.active_key)
+            elif param.ndim >= 2:
+                matmul += param.numel()
     return model.args, num_params, matmul
 
 

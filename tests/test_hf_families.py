@@ -1,0 +1,168 @@
+"""HuggingFace families (tests/hf_families.py: Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3,
+Phi-3, Qwen3-MoE) train and export exactly as transformers computes them.
+
+For each family's tiny random folder, fsdprun trains the debug recipe (fp32, synthetic data,
+gradient accumulation, warm-up then cosine, clipping at 1.0) for 3 steps on 2 ranks and, with
+full activation checkpointing, on 1 rank (both in the session's gloo pools, tests/gloo_pool.py).
+Its losses must equal, within 1e-5, those of an independent plain loop: transformers' own model
+loaded from the same folder, `torch.optim.AdamW`, torch's clipping, the same samples. The 2-rank
+checkpoint's `export --format hf` must load in transformers and give fsdprun's logits.
+Run with `pytest tests/test_hf_families.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import consolidate
+from hf_families import FAMILIES
+
+from fsdprun.checkpoint.export import export_checkpoint
+from fsdprun.config import load_recipe
+from fsdprun.data import build_datasets, load_batch
+from fsdprun.models.hf import HFCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+STEPS = 3
+TRAIN = (f"train.steps={STEPS}", "output.log_every=1")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _load_hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, local_files_only=True
+    )
+
+
+def _reference_losses(folder) -> list[float]:
+    """The debug recipe's 3 steps as a plain loop over transformers' model: the global batch in
+    one forward, token-mean cross entropy, clip_grad_norm_, AdamW with decay on matrices only,
+    linear warm-up then cosine to min_lr_ratio (the schedule docs/recipes.md describes)."""
+    cfg = load_recipe("debug", [f"model.hf_path={folder}", *TRAIN]).config
+    model = _load_hf(folder).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+        lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+    )  # fmt: skip
+    sched, total = cfg.schedule, cfg.train.steps
+
+    def lr_factor(step: int) -> float:
+        if step < sched.warmup_steps:
+            return (step + 1) / sched.warmup_steps
+        progress = min(1.0, (step - sched.warmup_steps) / max(1, total - sched.warmup_steps))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * cosine
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    data, _ = build_datasets(cfg.data, vocab_size=256, seq_len=cfg.train.seq_len, seed=0)
+    batch_size = cfg.train.global_batch_size
+    losses = []
+    for step in range(total):
+        batch = load_batch(data, range(step * batch_size, (step + 1) * batch_size), "cpu")
+        logits = model(input_ids=batch.inputs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_training_equals_transformers_on_1_and_2_ranks(
+    family, hf_family_dirs, gloo_pool, gloo_pool_1
+):
+    folder = hf_family_dirs[family]
+    two = gloo_pool.train(*TRAIN, f"model.hf_path={folder}")
+    one = gloo_pool_1.train(*TRAIN, f"model.hf_path={folder}", "activation_checkpointing.mode=full")
+    assert two.start["weights"] == f"pretrained, read from {folder}"
+    assert one.start["activation_checkpointing"] == "full (2 blocks)"
+    expected = _reference_losses(folder)
+    for run in (two, one):
+        assert len(run.losses) == STEPS
+        diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
+        assert diff < TOL, (family, run.losses, expected)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_export_loads_in_transformers_with_fsdprun_logits(
+    family, hf_family_dirs, gloo_pool, tmp_path
+):
+    folder = hf_family_dirs[family]
+    run = gloo_pool.train(*TRAIN, f"model.hf_path={folder}")  # the 2-rank run above
+    ckpt = run.run_dir / "checkpoints" / f"step-{STEPS:08d}"
+    # In-process (the command itself is covered by test_inspect_export): a subprocess costs ~3 s.
+    export_checkpoint(ckpt, tmp_path / "hf", fmt="hf")
+    exported = _load_hf(tmp_path / "hf").eval()
+    # fsdprun's own model of the folder holding the checkpoint's weights (DCP's consolidation).
+    trained = consolidate(ckpt, tmp_path / "full.pt")["model"]
+    model = HFCausalLM.from_folder(folder).eval()
+    model.load_state_dict(trained)
+    original = _load_hf(folder)
+    assert not torch.equal(original.lm_head.weight, exported.lm_head.weight)  # trained ones
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(tokens) - exported(input_ids=tokens).logits).abs().max().item()
+    assert diff < TOL, (family, diff)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_rows_cut_attention_at_documents_and_windows_as_transformers(family, hf_family_dirs):
+    # transformers takes fsdprun's 4-D mask of packed rows as it is: the sliding windows (16
+    # tokens here, Gemma's on every other layer) must be in it, and eager attention (Gemma 2)
+    # adds it to the scores. Reference: transformers' forward of each document alone.
+    reference = _load_hf(hf_family_dirs[family]).eval()
+    model = HFCausalLM(reference)  # the same weights, through fsdprun's inputs
+    lengths = (40, 24)  # both longer than the window
+    tokens = torch.randint(3, 256, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(tokens, positions=positions, doc_ids=doc_ids)
+        alone = torch.cat(
+            [reference(input_ids=doc).logits for doc in tokens.split(lengths, dim=1)], dim=1
+        )
+    diff = (packed - alone).abs().max().item()
+    assert diff < TOL, (family, diff)
+
+
+def test_buffers_that_transformers_cannot_fill_are_refused_in_one_line(hf_family_dirs):
+    # After `to_empty` the non-persistent buffers hold garbage: those transformers' own
+    # _init_weights fills (Gemma's embedding scale) are filled, any other is refused.
+    from fsdprun.errors import UserError
+
+    with torch.device("meta"):
+        model = HFCausalLM.from_folder(hf_family_dirs["gemma3_text"])
+        model.hf.model.norm.register_buffer("extra", torch.ones(2), persistent=False)
+    model.to_empty(device="cpu")
+    with pytest.raises(UserError, match=r"^model.hf_path: cannot initialize the buffers of "
+                       r"hf.model.norm \(Gemma3RMSNorm\): extra$"):  # fmt: skip
+        model.init_buffers(torch.device("cpu"))
+    del model.hf.model.norm.extra
+    model.init_buffers(torch.device("cpu"))
+    assert model.hf.model.embed_tokens.embed_scale.item() == pytest.approx(64**0.5)
+
+
+def test_flops_per_token_of_a_mixture_of_experts_count_the_active_experts(hf_family_dirs):
+    from fsdprun.models.hf import SPEC
+
+    cfg = load_recipe("debug", [f"model.hf_path={hf_family_dirs['qwen3_moe']}"]).config.model
+    # By hand from tests/hf_families.py: per layer q, k, v, o (4 heads and 2 kv heads of 16),
+    # the router (4 experts) and 2 active experts' gate, up and down (32 wide); the untied head.
+    attention = 64 * 64 + 2 * (32 * 64) + 64 * 64
+    experts = 2 * 3 * 32 * 64
+    matmul = 2 * (attention + 4 * 64 + experts) + 256 * 64
+    assert SPEC.flops_per_token(cfg, 64) == 6 * matmul + 12 * 2 * 64 * 64
