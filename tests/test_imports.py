@@ -284,8 +284,8 @@ def test_engines_never_import_the_training_loop_nor_the_launcher():
 def test_tune_loads_without_torch():
     # tune launches every trial as an `fsdprun train` subprocess: loading it (for the command,
     # and while the trials run) never loads torch; plan is imported when it prunes, and
-    # torch's TCPStore by tune_nodes when a multi-node tune starts.
-    _, outside, via = loaded_by({"fsdprun.tools.tune", "fsdprun.tools.tune_nodes"})
+    # torch's TCPStore by tune.nodes when a multi-node tune starts.
+    _, outside, via = loaded_by({"fsdprun.tools.tune", "fsdprun.tools.tune.nodes"})
     assert "torch" not in outside, path_to("torch", via)
 
 

@@ -23,7 +23,7 @@ import yaml
 from fsdprun.config import DeviceKind, launch_device_problem, load_recipe
 from fsdprun.errors import UserError
 from fsdprun.tools import tune as T
-from fsdprun.tools import tune_nodes as T_nodes
+from fsdprun.tools.tune import nodes as T_nodes
 from tests.conftest import FSDPRUN, fsdprun_env, run_fsdprun
 
 RECIPE = "extends: debug\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 1\n"

@@ -32,7 +32,7 @@ measured trials decide, the winner comes out as a recipe layer.
    one-line reason and the search goes on. OUT/trials.jsonl gets one record per finished trial,
    appended and fsynced; a rerun with the same --out replays it and runs only what is missing.
 6. Several nodes (launch.nnodes > 1): every node runs tune with the same arguments; node 0 does
-   all of the above and runs each trial on every node through fsdprun.tools.tune_nodes, the
+   all of the above and runs each trial on every node through fsdprun.tools.tune.nodes, the
    others run its trials with it and print its report.
 
 Imports neither the training loop nor the launcher: trials are `fsdprun train` subprocesses.
@@ -625,7 +625,7 @@ def run_trial(
 
     `multi_node`: this is one node's part of a multi-node trial, whose metrics only the node of
     global rank 0 writes: a part that ends well without them is "ok" without measurements (see
-    tune_nodes.merge_records). `alive()` is polled while the trial runs; once it is False (node 0
+    nodes.merge_records). `alive()` is polled while the trial runs; once it is False (node 0
     of a multi-node tune is gone) the trial is killed."""
     run_dir = out_dir / "trials" / tid
     log = out_dir / "logs" / f"{tid}.log"
@@ -1123,7 +1123,7 @@ def _stop_on_signals():
 def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     """The whole search; returns the report (its JSON document). With launch.nnodes > 1 every
     node calls this with the same arguments: node 0 searches, the others run its trials with it
-    (fsdprun.tools.tune_nodes) and return its report.
+    (fsdprun.tools.tune.nodes) and return its report.
 
     Raises:
         UserError: the recipe is invalid, --device-memory missing on CPU, a bad --space, --out
@@ -1183,7 +1183,7 @@ def _tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
         return _follow(args, cfg, say)
     leader = None
     if launch.nnodes > 1 and not args.dry_run:
-        from fsdprun.tools.tune_nodes import Leader
+        from fsdprun.tools.tune.nodes import Leader
 
         # Up before the plan prunes (seconds for a large space), so the other nodes join now.
         leader = Leader(launch.rdzv_endpoint, nnodes=launch.nnodes, search=_nodes_key(args),
@@ -1215,7 +1215,7 @@ def _nodes_key(args: TuneArgs) -> str:
 def _follow(args: TuneArgs, cfg: RecipeConfig, say) -> dict[str, Any]:
     """A node but node 0: run node 0's trials with it; its trial folders are OUT/node-N/ (OUT
     may be shared with node 0's)."""
-    from fsdprun.tools.tune_nodes import REPORT_SLACK_S, follow
+    from fsdprun.tools.tune.nodes import REPORT_SLACK_S, follow
 
     node = cfg.launch.node_rank
     out = args.out_dir / f"node-{node}"
