@@ -2,7 +2,8 @@
 JSON document: every candidate's figures beside its plan, the verdict), tuned.yaml (the winning
 knobs as a layer over the user's recipe) and the table `render` prints.
 
-Never imports the trials' processes nor the nodes' protocol: it reads the trial log's records.
+Never imports the nodes' protocol nor runs a trial: it reads the trial log's records (of
+trials.py only the wording and the loss check's length it prints).
 """
 
 from __future__ import annotations

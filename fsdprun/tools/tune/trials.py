@@ -3,8 +3,8 @@
 one trial record (or a one-line reason); the loss check against the baseline; and the trial log
 OUT/trials.jsonl that a rerun continues from.
 
-Never imports the training loop, the launcher, the search or the report: a trial is a
-subprocess, and what to run next is search.py's.
+Never imports the training loop, the launcher, the search (its Round is named for types only)
+or the report: a trial is a subprocess, and what to run next is search.py's.
 """
 
 from __future__ import annotations
