@@ -1023,7 +1023,7 @@ def tune_cmd(
     winner is written as a recipe layer (OUT/tuned.yaml)."""
     from fsdprun.config import parse_size
     from fsdprun.tools.tune import Interrupted, TuneArgs, parse_duration, render, tune
-    from fsdprun.tools.tune_nodes import NodeLost
+    from fsdprun.tools.tune.nodes import NodeLost
 
     if plot_ is not None:
         from fsdprun.report.plot import check_png_target

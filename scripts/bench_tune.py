@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fsdprun.tools.tune import short_schedule
+from fsdprun.tools.tune.trials import short_schedule
 
 DEBUG_MB1 = "extends: debug\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 1\n"
 

@@ -23,7 +23,11 @@ import yaml
 from fsdprun.config import DeviceKind, launch_device_problem, load_recipe
 from fsdprun.errors import UserError
 from fsdprun.tools import tune as T
-from fsdprun.tools import tune_nodes as T_nodes
+from fsdprun.tools.tune import nodes as T_nodes
+from fsdprun.tools.tune import report as T_report
+from fsdprun.tools.tune import search as T_search
+from fsdprun.tools.tune import space as T_space
+from fsdprun.tools.tune import trials as T_trials
 from tests.conftest import FSDPRUN, fsdprun_env, run_fsdprun
 
 RECIPE = "extends: debug\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 1\n"
@@ -47,12 +51,16 @@ def cfg_of(recipe: Path, *overrides: str):
 def test_space_keeps_the_math_and_marks_numerics(recipe):
     cfg = cfg_of(recipe)
     with pytest.raises(UserError, match="optim.lr: not a tuning knob"):
-        T.parse_space(["optim.lr=1e-3,3e-3"], cfg, accelerator=False, allow_numerics=False)
+        T_space.parse_space(["optim.lr=1e-3,3e-3"], cfg, accelerator=False, allow_numerics=False)
     with pytest.raises(UserError, match="--allow-numerics"):
-        T.parse_space(["precision.param_dtype=bf16"], cfg, accelerator=False, allow_numerics=False)
+        T_space.parse_space(
+            ["precision.param_dtype=bf16"], cfg, accelerator=False, allow_numerics=False
+        )
     with pytest.raises(UserError, match="KEY=V1,V2"):
-        T.parse_space(["train.micro_batch_size"], cfg, accelerator=False, allow_numerics=False)
-    space, default = T.parse_space(
+        T_space.parse_space(
+            ["train.micro_batch_size"], cfg, accelerator=False, allow_numerics=False
+        )
+    space, default = T_space.parse_space(
         ["train.micro_batch_size=2,4", "precision.param_dtype=bf16"], cfg, accelerator=False,
         allow_numerics=True,
     )  # fmt: skip
@@ -62,8 +70,8 @@ def test_space_keeps_the_math_and_marks_numerics(recipe):
         ("train.micro_batch_size", ("1", "2", "4"), False),
         ("precision.param_dtype", ("fp32", "bf16"), True),
     ]
-    cands = T.enumerate_candidates(space, {"train.micro_batch_size": "1",
-                                           "precision.param_dtype": "fp32"})  # fmt: skip
+    cands = T_space.enumerate_candidates(space, {"train.micro_batch_size": "1",
+                                                 "precision.param_dtype": "fp32"})  # fmt: skip
     assert cands[0].diff == {} and cands[0].label == "baseline"
     assert len(cands) == 6 and len({tuple(c.overrides) for c in cands}) == 6
     assert [c.numerics for c in cands] == [False, True, False, True, False, True]
@@ -71,13 +79,13 @@ def test_space_keeps_the_math_and_marks_numerics(recipe):
 
 def test_default_space_searches_math_knobs_only(recipe):
     cfg = cfg_of(recipe)
-    space, default = T.parse_space([], cfg, accelerator=False, allow_numerics=False)
-    assert default and {k.key for k in space} <= set(T.MATH_KNOBS)
+    space, default = T_space.parse_space([], cfg, accelerator=False, allow_numerics=False)
+    assert default and {k.key for k in space} <= set(T_space.MATH_KNOBS)
     mb = next(k for k in space if k.key == "train.micro_batch_size")
     assert mb.values == ("1", "2", "4", "8")  # every divisor of 16 / 2 ranks
     assert "compile.enabled" not in {k.key for k in space}  # CPU: no compile by default
-    gpu, _ = T.parse_space(["defaults", "fsdp.wrap=block,none"], cfg, accelerator=True,
-                           allow_numerics=False)  # fmt: skip
+    gpu, _ = T_space.parse_space(["defaults", "fsdp.wrap=block,none"], cfg, accelerator=True,
+                                 allow_numerics=False)  # fmt: skip
     keys = {k.key for k in gpu}
     assert "compile.enabled" in keys and "fsdp.wrap" in keys and len(gpu) == len(space) + 2
 
@@ -90,8 +98,10 @@ def test_the_recipes_tune_section_narrows_widens_and_the_command_line_wins(tmp_p
 
     def space(path, items=(), **over):
         cfg = cfg_of(path, *(f"tune.{k}={v}" for k, v in over.items()))
-        knobs, default = T.parse_space(list(items), cfg, accelerator=False, allow_numerics=False)
-        return {k.key: k.values for k in knobs}, default, T.space_sources(list(items), cfg)
+        knobs, default = T_space.parse_space(
+            list(items), cfg, accelerator=False, allow_numerics=False
+        )
+        return {k.key: k.values for k in knobs}, default, T_space.space_sources(list(items), cfg)
 
     full, _, _ = space(recipe)
     narrowed, default, said = space(section)
@@ -145,14 +155,14 @@ def test_every_value_of_an_enum_knob_is_searchable(recipe):
     and a candidate that sets it resolves (its own cross-field checks aside)."""
     cfg = cfg_of(recipe)
     checked = 0
-    for key in (*T.MATH_KNOBS, *T.NUMERICS_KNOBS):
+    for key in (*T_space.MATH_KNOBS, *T_space.NUMERICS_KNOBS):
         section, name = key.split(".", 1)
         default = getattr(getattr(cfg, section), name)
         if not isinstance(default, enum.Enum):
             continue
         values = [m.value for m in type(default)]
-        space, _ = T.parse_space([f"{key}={','.join(values)}"], cfg, accelerator=False,
-                                 allow_numerics=True)  # fmt: skip
+        space, _ = T_space.parse_space([f"{key}={','.join(values)}"], cfg, accelerator=False,
+                                       allow_numerics=True)  # fmt: skip
         assert sorted(space[0].values) == sorted(values), key
         for value in values:
             try:
@@ -194,25 +204,25 @@ def test_a_bad_tune_section_is_refused_like_any_recipe_key(tmp_path):
 
 def test_prune_with_the_plan_and_the_knob_table(recipe):
     cfg = cfg_of(recipe)
-    space, _ = T.parse_space(
+    space, _ = T_space.parse_space(
         ["train.micro_batch_size=1,3,8", "fsdp.limit_all_gathers=true,false",
          "fsdp.cpu_offload=false,true"],
         cfg, accelerator=False, allow_numerics=False,
     )  # fmt: skip
-    base = {k.key: T.current_value(cfg, k.key) for k in space}
-    cands = T.enumerate_candidates(space, base)
+    base = {k.key: T_space.current_value(cfg, k.key) for k in space}
+    cands = T_space.enumerate_candidates(space, base)
     plans = {}
 
     def planner(c):  # the real plan, remembered for the assertions
-        plans[c.train.micro_batch_size, c.fsdp.cpu_offload] = T._planned(c)
+        plans[c.train.micro_batch_size, c.fsdp.cpu_offload] = T_space._planned(c)
         return plans[c.train.micro_batch_size, c.fsdp.cpu_offload]
 
-    mb8 = T._planned(cfg_of(recipe, "train.micro_batch_size=8"))[0]
-    mb1 = T._planned(cfg)[0]
+    mb8 = T_space._planned(cfg_of(recipe, "train.micro_batch_size=8"))[0]
+    mb1 = T_space._planned(cfg)[0]
     memory = int((mb1 + mb8) / 2)  # mb=1 fits with the margin, mb=8 does not
     assert mb1 * 1.1 < memory < mb8 * 1.1
-    T.prune(cands, str(recipe), [], device_memory_bytes=memory, margin=0.1,
-            dominate_memory_knobs=False, planner=planner)  # fmt: skip
+    T_space.prune(cands, str(recipe), [], device_memory_bytes=memory, margin=0.1,
+                  dominate_memory_knobs=False, planner=planner)  # fmt: skip
     why = {c.label: c.reason for c in cands}
     assert all(c.reason for c in cands[1:]), why
     assert "refuse" in why["mb=3"] and "global_batch_size" in why["mb=3"]
@@ -223,23 +233,25 @@ def test_prune_with_the_plan_and_the_knob_table(recipe):
     # mb=8 with offload: its planned device peak leaves out the offloaded model state.
     assert plans[8, True][0] < plans[8, False][0]
     assert cands[0].status == "kept"
-    order = T.prior_order(cands)
+    order = T_space.prior_order(cands)
     assert order == [cands[0]]
 
 
 def test_several_nodes_search_hybrid_and_its_shard_group_only_where_it_acts(recipe):
     launch = ["launch.nnodes=4", "launch.nproc_per_node=1", "launch.rdzv_endpoint=h:1"]
     cfg = cfg_of(recipe, *launch)
-    space = {k.key: k.values for k in T.default_space(cfg, accelerator=False)}
+    space = {k.key: k.values for k in T_space.default_space(cfg, accelerator=False)}
     assert space["fsdp.sharding"] == ("full", "grad_op", "hybrid", "hybrid_zero2")
     assert space["fsdp.shard_group_size"] == ("null", "2")  # one node's ranks, or two nodes'
-    assert "fsdp.shard_group_size" not in {k.key for k in T.default_space(
+    assert "fsdp.shard_group_size" not in {k.key for k in T_space.default_space(
         cfg_of(recipe), accelerator=False)}  # fmt: skip
-    knobs, _ = T.parse_space(["fsdp.sharding=full,hybrid", "fsdp.shard_group_size=null,2"], cfg,
-                             accelerator=False, allow_numerics=False)  # fmt: skip
-    cands = T.enumerate_candidates(knobs, {k.key: T.current_value(cfg, k.key) for k in knobs})
-    T.prune(cands, str(recipe), launch, device_memory_bytes=10**10, margin=0.1,
-            dominate_memory_knobs=False)  # fmt: skip
+    knobs, _ = T_space.parse_space(["fsdp.sharding=full,hybrid", "fsdp.shard_group_size=null,2"],
+                                   cfg, accelerator=False, allow_numerics=False)  # fmt: skip
+    cands = T_space.enumerate_candidates(
+        knobs, {k.key: T_space.current_value(cfg, k.key) for k in knobs}
+    )
+    T_space.prune(cands, str(recipe), launch, device_memory_bytes=10**10, margin=0.1,
+                  dominate_memory_knobs=False)  # fmt: skip
     why = {c.label: (c.status, c.reason) for c in cands}
     assert why["fsdp.shard_group_size=2"] == (
         "pruned",
@@ -249,28 +261,34 @@ def test_several_nodes_search_hybrid_and_its_shard_group_only_where_it_acts(reci
 
 
 def test_plan_disagreements_are_flagged_either_way():
-    cand = T.Candidate(1, {}, {"k": "v"}, planned_peak_bytes=100, planned_model_state_bytes=100)
+    cand = T_space.Candidate(
+        1, {}, {"k": "v"}, planned_peak_bytes=100, planned_model_state_bytes=100
+    )
 
     def rec(state, peak, kind="allocated"):
         return {"model_state_bytes": state, "peak_bytes": peak, "memory_kind": kind}
 
-    assert T.plan_flags(cand, [rec(103, 108)], margin=0.1) == []
-    over = T.plan_flags(cand, [rec(110, 120)], margin=0.1)
+    assert T_report.plan_flags(cand, [rec(103, 108)], margin=0.1) == []
+    over = T_report.plan_flags(cand, [rec(110, 120)], margin=0.1)
     assert "model state measured 1.10x" in over[0] and "peak allocated 1.20x" in over[1]
-    under = T.plan_flags(cand, [rec(90, 50)], margin=0.1)  # a plan that overstates prunes wrongly
+    under = T_report.plan_flags(
+        cand, [rec(90, 50)], margin=0.1
+    )  # a plan that overstates prunes wrongly
     assert "0.90x" in under[0] and "peak allocated 0.50x the plan" in under[1]
-    assert T.plan_flags(cand, [rec(100, 500, kind="RSS")], margin=0.1) == []  # RSS holds torch
+    assert (
+        T_report.plan_flags(cand, [rec(100, 500, kind="RSS")], margin=0.1) == []
+    )  # RSS holds torch
 
 
 def test_prior_order_prefers_big_micro_batches_without_recompute():
     def cand(i, **knobs):
         full = {"train.micro_batch_size": "1", "activation_checkpointing.mode": "none", **knobs}
-        return T.Candidate(i, full, {k: v for k, v in knobs.items()})
+        return T_space.Candidate(i, full, {k: v for k, v in knobs.items()})
 
     cands = [cand(0), cand(1, **{"train.micro_batch_size": "2"}),
              cand(2, **{"activation_checkpointing.mode": "full", "train.micro_batch_size": "8"}),
              cand(3, **{"train.micro_batch_size": "4"})]  # fmt: skip
-    assert [c.index for c in T.prior_order(cands)] == [0, 3, 1, 2]
+    assert [c.index for c in T_space.prior_order(cands)] == [0, 3, 1, 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,19 +296,28 @@ def test_prior_order_prefers_big_micro_batches_without_recompute():
 
 
 def test_halving_schedule_and_budget():
-    rounds = T.halving_schedule(20, steps=4, finalists=2, repeats=3)
+    rounds = T_search.halving_schedule(20, steps=4, finalists=2, repeats=3)
     assert [(r.num_candidates, r.measured_steps, r.repeats) for r in rounds] == [
         (20, 4, 1), (7, 8, 1), (3, 16, 3),
     ]  # fmt: skip
-    assert T.halving_schedule(3, steps=2, finalists=2, repeats=2) == [T.Round(0, 3, 2, 2)]
-    cost = T.schedule_cost_s(rounds, overhead_s=10, step_s=1)
+    assert T_search.halving_schedule(3, steps=2, finalists=2, repeats=2) == [
+        T_search.Round(0, 3, 2, 2)
+    ]
+    cost = T_search.schedule_cost_s(rounds, overhead_s=10, step_s=1)
     assert cost == 20 * 14 + 7 * 18 + 9 * 26
-    assert T.fit_to_budget(20, cost, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3) == 20
-    n = T.fit_to_budget(20, cost / 2, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3)
+    assert (
+        T_search.fit_to_budget(20, cost, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3)
+        == 20
+    )
+    n = T_search.fit_to_budget(
+        20, cost / 2, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3
+    )
     assert 3 <= n < 20
-    fits = T.halving_schedule(n, steps=4, finalists=2, repeats=3)
-    assert T.schedule_cost_s(fits, overhead_s=10, step_s=1) <= cost / 2
-    assert T.fit_to_budget(20, 1, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3) == 2
+    fits = T_search.halving_schedule(n, steps=4, finalists=2, repeats=3)
+    assert T_search.schedule_cost_s(fits, overhead_s=10, step_s=1) <= cost / 2
+    assert (
+        T_search.fit_to_budget(20, 1, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3) == 2
+    )
 
 
 def test_parse_duration():
@@ -317,20 +344,20 @@ def test_select_needs_more_than_the_noise():
     fast = [trial("c1", 0, 0, [0.5, 0.55, 0.5, 0.45]), trial("c1", 1, 0, [0.5, 0.5, 0.52, 0.48])]
     close = [trial("c2", 0, 0, [0.98, 1.1, 0.9, 0.97])]
     failed = [trial("c3", 0, 0, [], status="oom")]
-    sel = T.select(base + fast + close + failed)
+    sel = T_search.select(base + fast + close + failed)
     assert sel.winner == "c1" and sel.beats_noise and sel.gain == pytest.approx(1.0, rel=0.05)
     # Ranked: the finalists of round 1 first, then round 0, then the ones with no good trial.
     assert [r.candidate for r in sel.ranking] == ["c1", "c0", "c2", "c3"]
     assert sel.ranking[1].round == 1 and sel.ranking[2].round == 0 and sel.ranking[3].round is None
     # A candidate faster in the median but inside the noise does not replace the baseline.
     noisy = [trial("c1", 1, 0, [0.7, 1.3, 0.6, 1.2])]
-    sel = T.select(base + noisy)
+    sel = T_search.select(base + noisy)
     assert sel.winner == "c0" and not sel.beats_noise and sel.gain > 0
     assert "within the measured noise" in sel.verdict and "stays" in sel.verdict
     # The starting recipe never ran (out of memory): the fastest candidate that ran wins.
-    sel = T.select([trial("c0", 0, 0, [], "oom"), *close, *fast])
+    sel = T_search.select([trial("c0", 0, 0, [], "oom"), *close, *fast])
     assert sel.winner == "c1" and "no trial of the starting recipe succeeded" in sel.verdict
-    assert T.select([trial("c0", 0, 0, [], "oom"), *failed]).winner == "c0"
+    assert T_search.select([trial("c0", 0, 0, [], "oom"), *failed]).winner == "c0"
 
 
 def test_select_is_a_function_of_the_log():
@@ -339,19 +366,24 @@ def test_select_is_a_function_of_the_log():
     rng = random.Random(0)
     records = [trial(f"c{c}", r, k, [rng.uniform(0.5, 1.5) for _ in range(4)])
                for c in range(5) for r in range(2) for k in range(2)]  # fmt: skip
-    first = T.select(records)
+    first = T_search.select(records)
     for _ in range(5):
         rng.shuffle(records)
-        again = T.select([dict(r) for r in records])
+        again = T_search.select([dict(r) for r in records])
         assert again.winner == first.winner and again.verdict == first.verdict
         assert [r.candidate for r in again.ranking] == [r.candidate for r in first.ranking]
 
 
 def test_pareto_front_and_loss_check():
-    assert T.pareto_front([("a", 1, 10), ("b", 2, 20), ("c", 2, 15), ("d", 3, 20)]) == ["a", "b"]
-    assert T.loss_problem([5.0, 4.9, 4.8, 1.0], [5.0, 4.9, 4.8 * (1 + 5e-5), 9.0], 1e-4) is None
-    assert "step 2" in T.loss_problem([5.0, 4.8, 4.8], [5.0, 4.9, 4.8], 1e-4)
-    assert "step 1" in T.loss_problem([float("nan")], [5.0], 1e-4)
+    assert T_search.pareto_front([("a", 1, 10), ("b", 2, 20), ("c", 2, 15), ("d", 3, 20)]) == [
+        "a",
+        "b",
+    ]
+    assert (
+        T_trials.loss_problem([5.0, 4.9, 4.8, 1.0], [5.0, 4.9, 4.8 * (1 + 5e-5), 9.0], 1e-4) is None
+    )
+    assert "step 2" in T_trials.loss_problem([5.0, 4.8, 4.8], [5.0, 4.9, 4.8], 1e-4)
+    assert "step 1" in T_trials.loss_problem([float("nan")], [5.0], 1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,22 +393,22 @@ def test_pareto_front_and_loss_check():
 def test_trial_log_survives_a_torn_write_and_refuses_another_search(tmp_path):
     path = tmp_path / "trials.jsonl"
     header = {"event": "tune", "search": "abc"}
-    log = T.TrialLog(path, header)
+    log = T_trials.TrialLog(path, header)
     log.add({"event": "trial", "id": "r0-c0-0"})
     with path.open("a") as f:
         f.write('{"event": "trial", "id": "r0-c1')  # killed inside the write
-    again = T.TrialLog(path, header)
+    again = T_trials.TrialLog(path, header)
     assert [r["id"] for r in again.records] == ["r0-c0-0"]
     again.add({"event": "trial", "id": "r0-c1-0"})
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [d.get("id") for d in lines] == [None, "r0-c0-0", "r0-c1-0"]
     with pytest.raises(UserError, match="another search"):
-        T.TrialLog(path, {"event": "tune", "search": "other"})
+        T_trials.TrialLog(path, {"event": "tune", "search": "other"})
 
 
 def test_tuned_layer_sets_only_the_winning_knobs(tmp_path, recipe):
-    winner = T.Candidate(3, {}, {"train.micro_batch_size": "4", "fsdp.forward_prefetch": "1"})
-    text = T.tuned_layer(str(recipe.resolve()), ["optim.lr=0.001", "~train.seed"], winner,
+    winner = T_space.Candidate(3, {}, {"train.micro_batch_size": "4", "fsdp.forward_prefetch": "1"})
+    text = T_report.tuned_layer(str(recipe.resolve()), ["optim.lr=0.001", "~train.seed"], winner,
                          config=cfg_of(recipe), verdict="c3 beats it by +50%", hardware="2 x CPU",
                          command="fsdprun train x")  # fmt: skip
     assert text.startswith("# fsdprun train x\n# Tuned by fsdprun tune on ")
@@ -390,7 +422,7 @@ def test_tuned_layer_sets_only_the_winning_knobs(tmp_path, recipe):
     cfg = load_recipe(str(layer)).config
     assert cfg.train.micro_batch_size == 4 and cfg.train.global_batch_size == 16
     assert cfg.optim.lr == 1e-3 and cfg.fsdp.forward_prefetch == 1
-    builtin = yaml.safe_load(T.tuned_layer("debug", [], winner, config=cfg, verdict="v",
+    builtin = yaml.safe_load(T_report.tuned_layer("debug", [], winner, config=cfg, verdict="v",
                                            hardware="h", command="c"))  # fmt: skip
     assert builtin["extends"] == "debug"
 
@@ -444,7 +476,7 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     assert tuned.pop("extends") == str(recipe.resolve())
     assert tuned.pop("schedule") == {"warmup_steps": 12}  # the user's, not the trials' cut
     keys = {f"{s}.{k}" for s, d in tuned.items() for k in d}
-    assert keys == {"train.micro_batch_size"} <= set(T.MATH_KNOBS)
+    assert keys == {"train.micro_batch_size"} <= set(T_space.MATH_KNOBS)
     assert report["command"] == f"fsdprun train {out / 'tuned.yaml'} --nproc-per-node 2"
     base = next(r for r in records if r["id"] == "r0-c0-0")
     steps = len(base["losses"])
@@ -726,29 +758,31 @@ def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypat
                 "losses": [5.0, 4.9, 4.8], "peak_bytes": 2**20, "model_state_bytes": 2**10,
                 "memory_kind": "RSS", "mfu": None, "time_to_first_step_s": 3.0}  # fmt: skip
 
-    monkeypatch.setattr(T, "run_trial", fake_trial)
-    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
-    cands = [T.Candidate(i, {"k": str(i)}, {"k": str(i)} if i else {}) for i in range(6)]
+    monkeypatch.setattr(T_search, "run_trial", fake_trial)
+    monkeypatch.setattr(T_search.time, "perf_counter", lambda: clock[0])
+    cands = [T_space.Candidate(i, {"k": str(i)}, {"k": str(i)} if i else {}) for i in range(6)]
 
     def search(budget_s: float, out: Path):
         out.mkdir(exist_ok=True)
         args = T.TuneArgs(recipe="r", overrides=[], launch_overrides=[], launch_flags=[],
                           out_dir=out, budget_s=budget_s, steps=2, repeats=2,
                           finalists=1)  # fmt: skip
-        log = T.TrialLog(out / "trials.jsonl", {"event": "tune", "search": "s"})
+        log = T_trials.TrialLog(out / "trials.jsonl", {"event": "tune", "search": "s"})
         start = clock[0]
-        stop, left = T._search(args, log, cands, warmup=1, rtol=1e-4, started=start, say=print)
+        stop, left = T_search._search(
+            args, log, cands, warmup=1, rtol=1e-4, started=start, say=print
+        )
         return stop, left, log, clock[0] - start
 
     # Enough budget: 6 candidates x 2 steps, the best 2 (baseline + c5) for 4 steps x 2.
     stop, left, log, spent = search(1e4, tmp_path / "a")
     assert stop is None and left == {}
     assert ran == [f"r0-c{i}-0" for i in range(6)] + ["r1-c0-0", "r1-c5-0", "r1-c0-1", "r1-c5-1"]
-    assert T.select(log.records).winner == "c5"
+    assert T_search.select(log.records).winner == "c5"
     resolved = load_recipe("debug")
     args = T.TuneArgs(recipe="debug", overrides=[], launch_overrides=[], launch_flags=[],
                       out_dir=tmp_path / "a", budget_s=1e4)  # fmt: skip
-    report = T._report(args, resolved, resolved.config, cands, log.records, 10**9, "given",
+    report = T_report._report(args, resolved, resolved.config, cands, log.records, 10**9, "given",
                        None, 0.0, 1e-4)  # fmt: skip
     reasons = {r["candidate"]: r["reason"] for r in report["candidates"]}
     assert report["winner"] == "c5" and reasons["c5"] is None and reasons["c0"] is None
@@ -816,7 +850,9 @@ def test_the_noise_shrinks_with_more_measured_steps():
         return [mean * (0.8 + 0.4 * (k % 2)) for k in range(n)]
 
     for n, wins in ((4, False), (64, True)):
-        sel = T.select([trial("c0", 0, 0, steps(1.0, n)), trial("c1", 0, 0, steps(1 / 1.25, n))])
+        sel = T_search.select(
+            [trial("c0", 0, 0, steps(1.0, n)), trial("c1", 0, 0, steps(1 / 1.25, n))]
+        )
         assert sel.gain == pytest.approx(0.25, abs=0.01)
         assert (sel.winner == "c1") is wins, (n, sel.verdict)
 
@@ -953,7 +989,7 @@ def test_a_search_continues_from_another_endpoint_and_its_nodes_agree_but_node_r
     node1 = args("launch.nnodes=2", "launch.node_rank=1", "launch.rdzv_endpoint=h0:29500")
     requeued = args("launch.nnodes=2", "launch.node_rank=0", "launch.rdzv_endpoint=h7:29500")
     three = args("launch.nnodes=3", "launch.node_rank=0", "launch.rdzv_endpoint=h0:29500")
-    space = [T.SpaceKnob("train.micro_batch_size", ("1", "2"))]
+    space = [T_space.SpaceKnob("train.micro_batch_size", ("1", "2"))]
     assert T._nodes_key(node0) == T._nodes_key(node1) != T._nodes_key(three)
     assert T._search_key(node0, space) == T._search_key(requeued, space)
     assert T._search_key(node0, space) != T._search_key(three, space)
@@ -989,7 +1025,9 @@ def test_slurm_steps_map_to_tune_as_to_train(monkeypatch, tmp_path):
             "launch.rdzv_endpoint=node0:29500",
         ]  # fmt: skip
         assert srun_env(os.environ) != {}  # a bare `fsdprun train` here would be a worker
-        assert srun_env(T.trial_env("r0-c0-0")) == {}  # a trial's train is its node's launcher
+        assert (
+            srun_env(T_trials.trial_env("r0-c0-0")) == {}
+        )  # a trial's train is its node's launcher
         monkeypatch.undo()
         os.environ.update(SLURM_STEP_TASKS_PER_NODE="2", SLURM_LOCALID="1")  # 2 tasks, 1 node
         result = CliRunner().invoke(app, ["tune", "debug", "--out", str(tmp_path / "o"),

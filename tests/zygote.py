@@ -11,11 +11,11 @@ process, its own launcher, workers, rendezvous, process groups and exit status.
 
 The `fsdprun train` runs that `compare` and `tune` start for each configuration or trial (as
 `python -m fsdprun`) come through the zygote too: in a forked command, the function that names
-that child command (`_fsdprun_command` of fsdprun/tools/compare.py and tune.py) names this file's
-client instead, so each run skips the same 3 s of imports. The client is still compare's or tune's
-child process, with its own process group, signals forwarded, and its exit status; and a command
-whose client dies (compare or tune killed, a trial killed at its timeout) is killed with its
-process group, as the real child would die with its parent.
+that child command (`_fsdprun_command` of fsdprun/tools/compare.py and tools/tune/trials.py)
+names this file's client instead, so each run skips the same 3 s of imports. The client is still
+compare's or tune's child process, with its own process group, signals forwarded, and its exit
+status; and a command whose client dies (compare or tune killed, a trial killed at its timeout)
+is killed with its process group, as the real child would die with its parent.
 
 What a fork cannot show, the suite tests with real processes: startup and import behaviour
 (tests/test_cli_startup.py probes fresh interpreters), and every test that signals or watches an
@@ -136,10 +136,11 @@ SOCKET: list[str] = []  # the path this zygote listens on
 
 def _children_through_the_zygote() -> None:
     """compare's and tune's `fsdprun train` children as clients of this zygote (module doc)."""
-    from fsdprun.tools import compare, tune
+    from fsdprun.tools import compare
+    from fsdprun.tools.tune import trials
 
     client = [sys.executable, os.path.abspath(__file__), "--client", SOCKET[0]]
-    compare._fsdprun_command = tune._fsdprun_command = lambda: list(client)
+    compare._fsdprun_command = trials._fsdprun_command = lambda: list(client)
 
 
 def _warm_up() -> None:

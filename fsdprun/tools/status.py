@@ -128,7 +128,7 @@ def tune_status(out_dir: Path) -> dict[str, Any]:
     """The state of the `fsdprun tune` search in OUT_DIR (its trials.jsonl), as one JSON-ready
     document: running or how its last session ended, the trials done by status, the best so
     far (as tune ranks them), the budget left while it runs, the last trial."""
-    from fsdprun.tools.tune import select
+    from fsdprun.tools.tune.search import select
 
     docs, bad = [], 0
     with contextlib.suppress(OSError):

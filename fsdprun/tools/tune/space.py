@@ -1,0 +1,436 @@
+"""The space of `fsdprun tune`: the knobs, --space and the recipe's `tune:` section parsed into
+the knobs' values, the default space, every candidate (a combination of values), the pruning by
+`fsdprun plan` (over the device memory, refused by the recipe's checks, a knob the engine's knob
+table says does nothing, a memory knob not needed) and the order of the first round.
+
+Never imports the trials, the search or the report: a space is decided before anything runs
+(plan is imported only when it prunes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fsdprun.config import TUNE_KNOBS, TUNE_NUMERICS_KNOBS, load_recipe
+from fsdprun.config.validate import tune_space_errors
+from fsdprun.errors import UserError
+
+if TYPE_CHECKING:
+    from fsdprun.config import RecipeConfig
+
+
+# Knobs that leave the training math unchanged (up to floating-point summation order), and those
+# that change the numerics (searched only with --allow-numerics, and marked): the recipe schema's
+# list, which tune.space is checked against.
+MATH_KNOBS = TUNE_KNOBS
+NUMERICS_KNOBS = TUNE_NUMERICS_KNOBS
+# Memory knobs and the value that costs nothing: a candidate that sets another value is tried
+# only where the same candidate with this value does not fit.
+MEMORY_KNOBS = {
+    "fsdp.cpu_offload": "false",
+    "activation_checkpointing.mode": "none",
+    "train.loss": "plain",
+}
+# cpu_offload is only tried where nothing else fits, whatever the space says.
+ALWAYS_DOMINATED = ("fsdp.cpu_offload",)
+SHORT = {
+    "train.micro_batch_size": "mb", "fsdp.engine": "engine", "fsdp.sharding": "shard",
+    "fsdp.forward_prefetch": "fwd_prefetch", "fsdp.backward_prefetch": "bwd_prefetch",
+    "fsdp.limit_all_gathers": "limit_ag", "fsdp.reshard_after_forward": "reshard",
+    "activation_checkpointing.mode": "ac", "compile.enabled": "compile", "train.loss": "loss",
+    "fsdp.cpu_offload": "offload", "fsdp.wrap": "wrap",
+}  # fmt: skip
+
+DEFAULT_MARGIN = 0.10  # planned peak x (1 + margin) must fit the device memory
+
+# ---------------------------------------------------------------------------------------------
+# The space
+
+
+@dataclass(frozen=True)
+class SpaceKnob:
+    key: str
+    values: tuple[str, ...]
+    numerics: bool = False
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    return str(value.value if hasattr(value, "value") else value)
+
+
+def current_value(cfg: RecipeConfig, key: str) -> str:
+    section, name = key.split(".", 1)
+    return _text(getattr(getattr(cfg, section), name))
+
+
+def micro_batch_choices(cfg: RecipeConfig) -> list[str]:
+    """Every micro-batch size that divides one data-parallel rank's share of the global batch
+    (the ranks of a tensor-parallel group share their micro-batch)."""
+    tp = cfg.parallel.tp if cfg.parallel.tp >= 1 and cfg.world_size % cfg.parallel.tp == 0 else 1
+    per_rank = cfg.train.global_batch_size // (cfg.world_size // tp)
+    return [str(d) for d in range(1, per_rank + 1) if per_rank % d == 0]
+
+
+# Whether the recipe's checks refuse KEY=VALUE whatever the space's other knobs (KEYS) are: its
+# refusal, else None (see `refused_alone`).
+Refusal = Callable[[str, str, set[str]], str | None]
+
+
+def default_space(
+    cfg: RecipeConfig, *, accelerator: bool, refused: Refusal | None = None,
+    left_out: dict[str, str] | None = None,
+) -> list[SpaceKnob]:  # fmt: skip
+    """What an engineer tuning FSDP by hand tries first, from the recipe's own values.
+
+    compile is searched on accelerators only (a CPU's inductor build costs more than short trials
+    can win back); hybrid sharding only across several nodes. The space follows the recipe: a
+    value that `refused` says the recipe refuses whatever the other knobs (under parallel.tp:
+    fsdp1, the chunked loss, CPU offload) is left out, its refusal put in `left_out` by
+    KEY=VALUE."""
+    shardings = ["full", "grad_op"] + (["hybrid", "hybrid_zero2"] if cfg.launch.nnodes > 1 else [])
+    nproc, nnodes = cfg.launch.nproc_per_node, cfg.launch.nnodes
+    # Hybrid's shard groups: one node (null), or several nodes' ranks (fewer replicas).
+    groups = ["null", *(str(nproc * k) for k in range(2, nnodes) if nnodes % k == 0)]
+    space = [
+        ("fsdp.engine", ["fsdp2", "fsdp1"] if cfg.lora.rank == 0 else ["fsdp2"]),
+        ("fsdp.sharding", shardings),
+        *([("fsdp.shard_group_size", groups)] if len(groups) > 1 else []),
+        ("fsdp.forward_prefetch", ["0", "1"]),
+        ("fsdp.limit_all_gathers", ["true", "false"]),
+        ("activation_checkpointing.mode", ["none", "selective", "full"]),
+        ("train.micro_batch_size", micro_batch_choices(cfg)),
+        ("train.loss", ["plain", "chunked"]),
+        ("fsdp.cpu_offload", ["false", "true"]),
+    ]
+    if accelerator:
+        space.append(("compile.enabled", ["false", "true"]))
+    if cfg.precision.float8.value == "tensorwise":
+        # Where float8 runs: gathering the weights in float8 leaves the math as it is (auto
+        # turns it on only with a shard group of more than one rank; forcing either way is
+        # what a measured trial can overrule). The mode and the filter change the numerics:
+        # --space with --allow-numerics.
+        space.append(("precision.float8_all_gather", ["null", "true", "false"]))
+    if cfg.fsdp.engine.value == "ddp":
+        space = [(k, v) for k, v in space if not k.startswith("fsdp.")]
+    keys = {key for key, _ in space}
+    out = []
+    for key, values in space:
+        kept = []
+        for value in values:
+            why = None
+            if refused is not None and value != current_value(cfg, key):
+                why = refused(key, value, keys)
+            if why is None:
+                kept.append(value)
+            elif left_out is not None:
+                left_out[f"{key}={value}"] = why
+        out.append(SpaceKnob(key, _with(kept, current_value(cfg, key))))
+    return out
+
+
+def refused_alone(recipe: str, overrides: list[str]) -> Refusal:
+    """A `Refusal` by the recipe's own checks: KEY=VALUE set alone on the recipe is refused, for
+    reasons that name no other knob of the space (a refusal that names one, compile beside
+    activation checkpointing under TP, may lift with that knob's other value)."""
+
+    def refused(key: str, value: str, keys: set[str]) -> str | None:
+        try:
+            load_recipe(recipe, [*overrides, f"{key}={value}"])
+        except UserError as e:
+            named = set(re.findall(r"[a-z_0-9]+\.[a-z_0-9]+", str(e)))
+            return None if named & (keys - {key}) else str(e)
+        return None
+
+    return refused
+
+
+def _with(values: list[str], baseline: str) -> tuple[str, ...]:
+    # The recipe's own value is always a candidate value (the baseline must be in the space).
+    return tuple(values if baseline in values else [baseline, *values])
+
+
+def canonical(value: Any) -> str:
+    """A knob value as tune compares it with the recipe's (`current_value`): YAML's spellings of
+    true, false and null (True, FALSE, ~) as one. Not `none`: YAML reads it as the string, which
+    is a value of several knobs (fsdp.wrap, activation_checkpointing.mode,
+    fsdp.backward_prefetch), never their null."""
+    text = str(value).strip()
+    return {"true": "true", "false": "false", "null": "null", "~": "null"}.get(text.lower(), text)
+
+
+def parse_space(
+    items: list[str], cfg: RecipeConfig, *, accelerator: bool, allow_numerics: bool,
+    refused: Refusal | None = None, left_out: dict[str, str] | None = None,
+) -> tuple[list[SpaceKnob], bool]:  # fmt: skip
+    """The space from the recipe's `tune:` section and the --space items; and whether it is the
+    default one (then memory knobs are dominated: tried only where the same candidate without
+    them does not fit).
+
+    The command line wins: --space items without `defaults` are the whole space; with
+    `defaults` they change only their knobs of the recipe's space, which is the default space
+    (tune.defaults) with tune.space's knobs set. `refused` and `left_out`: see default_space.
+
+    Raises:
+        UserError: a key that is not a tuning knob, a numerics knob without --allow-numerics,
+            an item without values or with a value its key refuses, or an empty space.
+    """
+    replace = bool(items) and "defaults" not in items
+    defaults = not replace and cfg.tune.defaults
+    knobs = {k.key: k for k in default_space(cfg, accelerator=accelerator, refused=refused,
+                                             left_out=left_out)} if defaults else {}  # fmt: skip
+    given: list[tuple[str, str, list[str]]] = []
+    if not replace:
+        given += [("tune.space", key, list(vals)) for key, vals in cfg.tune.space.items()]
+    for item in items:
+        if item == "defaults":
+            continue
+        key, sep, values = item.partition("=")
+        if not sep or not values.strip():
+            raise UserError(
+                f"--space {item!r}: give KEY=V1,V2 (e.g. train.micro_batch_size=1,2,4), or "
+                "`defaults`"
+            )
+        given.append(("--space", key.strip(), [v for v in values.split(",") if v.strip()]))
+    for where, key, vals in given:
+        numerics = key in NUMERICS_KNOBS
+        if numerics and not allow_numerics:
+            raise UserError(
+                f"{where} {key}: changes the numerics of training; add --allow-numerics to "
+                "search it (the report marks such candidates)"
+            )
+        if key not in MATH_KNOBS and not numerics:
+            raise UserError(
+                f"{where} {key}: not a tuning knob (tune never changes the model, data, batch, "
+                f"lr, schedule or seed); knobs: {', '.join(MATH_KNOBS)}"
+            )
+        problems = tune_space_errors({key: vals}, where=where)
+        if problems:
+            raise UserError(problems[0])
+        vals = [canonical(v) for v in vals]
+        knobs[key] = SpaceKnob(key, _with(list(dict.fromkeys(vals)), current_value(cfg, key)),
+                               numerics)  # fmt: skip
+    if left_out is not None:  # what the default space leaves out of a knob named here stays
+        for key in {key for _, key, _ in given}:
+            for kv in [kv for kv in left_out if kv.partition("=")[0] == key]:
+                del left_out[kv]
+    if not knobs:
+        raise UserError(
+            "nothing to search: tune.defaults is false and tune.space is empty; list knobs in "
+            "tune.space or give --space KEY=V1,V2"
+        )
+    return list(knobs.values()), defaults
+
+
+def space_sources(items: list[str], cfg: RecipeConfig) -> str:
+    """Where the space comes from, in words (printed above it)."""
+    replace = bool(items) and "defaults" not in items
+    parts = [] if replace or not cfg.tune.defaults else ["the default space"]
+    if not replace and cfg.tune.space:
+        parts.append(f"the recipe's tune.space ({', '.join(cfg.tune.space)})")
+    named = [i.partition("=")[0] for i in items if i != "defaults"]
+    if named:
+        rest = ", which replaces the rest" if replace else ""
+        parts.append(f"--space ({', '.join(named)}){rest}")
+    return ", then ".join(parts)
+
+
+@dataclass
+class Candidate:
+    index: int  # c0 is the baseline
+    knobs: dict[str, str]  # key -> value, every knob of the space
+    diff: dict[str, str]  # the knobs that differ from the baseline
+    numerics: bool = False
+    status: str = "kept"  # kept | pruned
+    reason: str | None = None
+    group: str | None = None  # the reason's kind, shared by candidates pruned alike (printed)
+    planned_peak_bytes: int | None = None
+    planned_model_state_bytes: int | None = None
+
+    @property
+    def id(self) -> str:
+        return f"c{self.index}"
+
+    @property
+    def label(self) -> str:
+        if not self.diff:
+            return "baseline"
+        return " ".join(f"{SHORT.get(k, k)}={v}" for k, v in self.diff.items())
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.diff.items()]
+
+
+def enumerate_candidates(space: list[SpaceKnob], baseline: dict[str, str]) -> list[Candidate]:
+    """Every combination of the space's values; the baseline (the recipe's own values) first."""
+    numerics_keys = {k.key for k in space if k.numerics}
+    out = [Candidate(0, dict(baseline), {})]
+    for combo in itertools.product(*(k.values for k in space)):
+        knobs = dict(zip((k.key for k in space), combo, strict=True))
+        diff = {k: v for k, v in knobs.items() if v != baseline[k]}
+        if not diff:
+            continue
+        out.append(Candidate(len(out), knobs, diff, numerics=bool(numerics_keys & set(diff))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Pruning with the plan
+
+
+def _planned(cfg: RecipeConfig) -> tuple[int, int, list[str]]:
+    """Planned peak bytes per device, model state bytes, and the keys the knob table says do
+    nothing, for one resolved candidate."""
+    from fsdprun.engines import translate
+    from fsdprun.tools.plan import plan_memory
+
+    plan = plan_memory(cfg)
+    s = plan.strategies[plan.recipe_strategy]
+    state = s.params + s.grads + s.optimizer + s.accumulation
+    # CPU offload keeps the shards, gradients and optimizer state in host memory: the plan counts
+    # them on the device, the device holds only the gathered buffers and activations.
+    peak = s.total - (s.params + s.grads + s.optimizer) if cfg.fsdp.cpu_offload else s.total
+    inert = [k.key for k in translate(cfg) if k.applied.startswith("no effect")]
+    return peak, state, inert
+
+
+def prune(
+    candidates: list[Candidate],
+    recipe: str,
+    overrides: list[str],
+    *,
+    device_memory_bytes: int,
+    margin: float,
+    dominate_memory_knobs: bool,
+    planner=None,
+) -> None:
+    """Mark candidates pruned, each with one reason (in place); the baseline is never pruned
+    (it is the reference: one that does not fit is reported, not dropped).
+
+    Candidates are visited by their number of changed knobs, so a candidate's twin with one knob
+    back at the baseline's (or free) value is decided first: a candidate that the twin's knob
+    table makes a duplicate, or that a fitting twin makes unnecessary, is pruned without
+    resolving its recipe (resolving costs a tenth of a second; the default space has hundreds)."""
+    from fsdprun.report.console import fmt_bytes
+
+    planner = planner or _planned
+    by_knobs = {tuple(sorted(c.knobs.items())): c for c in candidates}
+    inert_of: dict[str, list[str]] = {}
+    engine_of: dict[str, str] = {}
+    base = candidates[0]
+
+    def twin_of(c: Candidate, key: str, value: str) -> Candidate | None:
+        twin = by_knobs.get(tuple(sorted(dict(c.knobs, **{key: value}).items())))
+        return twin if twin is not c else None
+
+    def fits(c: Candidate | None) -> bool:
+        return c is not None and c.planned_peak_bytes is not None and (
+            c.planned_peak_bytes * (1 + margin) <= device_memory_bytes
+        )  # fmt: skip
+
+    def same_as(c: Candidate, twin: Candidate, keys: list[str]) -> None:
+        c.status = "pruned"
+        c.group = f"{', '.join(keys)} does nothing under {engine_of[twin.id]} (knob table)"
+        c.reason = f"same as {twin.id}: {c.group}"
+        c.planned_peak_bytes, c.planned_model_state_bytes = (
+            twin.planned_peak_bytes, twin.planned_model_state_bytes
+        )  # fmt: skip
+        inert_of[c.id], engine_of[c.id] = inert_of[twin.id], engine_of[twin.id]
+
+    for c in sorted(candidates, key=lambda c: (len(c.diff), c.index)):
+        if c is not base and (inert := _inert_here(c)) is not None:
+            twin = twin_of(c, inert, base.knobs[inert])
+            if twin is not None:
+                c.status = "pruned"
+                c.group = f"{inert} does nothing under fsdp.sharding={c.knobs['fsdp.sharding']}"
+                c.reason = f"same as {twin.id}: {c.group}"
+                c.planned_peak_bytes = twin.planned_peak_bytes
+                c.planned_model_state_bytes = twin.planned_model_state_bytes
+                continue
+        if c is not base:
+            # The twin with every memory knob this candidate may drop back at its free value.
+            heavy = {key: free for key, free in MEMORY_KNOBS.items()
+                     if c.knobs.get(key, free) != free
+                     and (dominate_memory_knobs or key in ALWAYS_DOMINATED)}  # fmt: skip
+            twin = by_knobs.get(tuple(sorted(dict(c.knobs, **heavy).items()))) if heavy else None
+            dominated = fits(twin) and twin is not c
+            if dominated:
+                c.status = "pruned"
+                names = ", ".join(f"{key}={c.knobs[key]}" for key in heavy)
+                c.reason = f"{names} not needed: {twin.id} (without) fits"
+                c.group = "memory knobs not needed: the same candidate without them fits"
+            if dominated:
+                continue
+            twins = [(k, twin_of(c, k, base.knobs[k])) for k in c.diff]
+            hit = next(((k, t) for k, t in twins if t is not None and k in inert_of.get(t.id, [])),
+                       None)  # fmt: skip
+            if hit is not None:
+                same_as(c, hit[1], [hit[0]])
+                continue
+        try:
+            cfg = load_recipe(recipe, [*overrides, *c.overrides]).config
+        except UserError as e:
+            c.status, c.reason = "pruned", f"the recipe's checks refuse it: {e}"
+            # By the first key the refusal names (train.global_batch_size, fsdp.cpu_offload).
+            named = re.search(r"[a-z_]+\.[a-z_.]*[a-z_]", str(e))
+            c.group = "the recipe's checks refuse it" + (f" ({named[0]})" if named else "")
+            continue
+        c.planned_peak_bytes, c.planned_model_state_bytes, inert_of[c.id] = planner(cfg)
+        engine_of[c.id] = cfg.fsdp.engine.value
+        if c is base:
+            continue
+        inert = [k for k in c.diff if k in inert_of[c.id]]
+        twin = next((t for k in inert if (t := twin_of(c, k, base.knobs[k])) is not None), None)
+        if twin is not None and twin.id in engine_of:
+            same_as(c, twin, inert)
+            continue
+        if not fits(c):
+            c.status = "pruned"
+            c.reason = (
+                f"planned peak {fmt_bytes(c.planned_peak_bytes)} + {margin:.0%} margin > "
+                f"device memory {fmt_bytes(device_memory_bytes)}"
+            )
+            c.group = f"planned peak + {margin:.0%} margin > device memory"
+
+
+# Knobs that matter only beside certain values of another knob (where the knob table still
+# describes them): fsdp.shard_group_size sizes hybrid's shard groups only.
+ONLY_WITH = {"fsdp.shard_group_size": ("fsdp.sharding", ("hybrid", "hybrid_zero2"))}
+
+
+def _inert_here(c: Candidate) -> str | None:
+    """A knob this candidate changes that its other knobs make do nothing (ONLY_WITH; judged
+    only where the space holds the other knob too)."""
+    for key, (other, values) in ONLY_WITH.items():
+        if key in c.diff and other in c.knobs and c.knobs[other] not in values:
+            return key
+    return None
+
+
+_AC_COST = {"none": 0, "selective": 1, "every_n": 2, "full": 3}
+
+
+def prior_order(candidates: list[Candidate]) -> list[Candidate]:
+    """The order of the first round (and of the cut when the budget cannot cover every
+    candidate): the baseline, then less recomputation and offload first, larger micro-batches
+    first, fewer changes first."""
+    kept = [c for c in candidates[1:] if c.status == "kept"]
+
+    def key(c: Candidate) -> tuple:
+        return (
+            c.knobs.get("fsdp.cpu_offload") == "true",
+            _AC_COST.get(c.knobs.get("activation_checkpointing.mode", "none"), 0),
+            -int(c.knobs.get("train.micro_batch_size", "1")),
+            len(c.diff),
+            c.index,
+        )
+
+    return [candidates[0], *sorted(kept, key=key)]
