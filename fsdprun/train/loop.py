@@ -411,7 +411,14 @@ class TrainLoop:
         Returns whether the step was queued (else `_update` steps after the read, as fp16's
         grad scaler and the foreach/for-loop kernels need)."""
         t = self.t
-        if t.scaler is not None or not getattr(t.optimizer, "_step_supports_amp_scaling", False):
+        # The flag is set when the optimizer is built; a resumed state dict may bring param
+        # groups of another kernel (a checkpoint of a foreach run), which refuse found_inf.
+        fused = all(group.get("fused") for group in t.optimizer.param_groups)
+        if (
+            t.scaler is not None
+            or not fused
+            or not getattr(t.optimizer, "_step_supports_amp_scaling", False)
+        ):
             return False
         # float32 of shape [] as the step counters (a grad scaler's [1] fails to broadcast).
         t.optimizer.found_inf = nonfinite
