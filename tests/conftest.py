@@ -386,6 +386,18 @@ def consolidate(ckpt: Path, out: Path) -> dict:
     return load(out, weights_only=True)
 
 
+def assert_same_state(a: Path, b: Path, tmp: Path) -> None:
+    """Two DCP checkpoints hold bitwise the same model and optimizer state."""
+    import torch
+
+    state_a, state_b = consolidate(a, tmp / "a.pt"), consolidate(b, tmp / "b.pt")
+    for part in ("model", "optim"):
+        flat_a, flat_b = flatten(state_a[part]), flatten(state_b[part])
+        assert flat_a.keys() == flat_b.keys()
+        for key in flat_a:
+            assert torch.equal(flat_a[key], flat_b[key]), key
+
+
 def flatten(d: dict, prefix: str = "") -> dict:
     """Nested dicts → {"a.b.c": leaf}."""
     out = {}

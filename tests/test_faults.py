@@ -14,8 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
-from conftest import FSDPRUN, Run, consolidate, flatten, fsdprun_env, run_fsdprun
+from conftest import FSDPRUN, Run, assert_same_state, fsdprun_env, run_fsdprun
 
 from fsdprun.checkpoint import list_checkpoints, step_dir, verify_checkpoint
 from fsdprun.tools.compare import CompareConfig, run_config
@@ -218,13 +217,7 @@ def test_nonfinite_skip_leaves_the_state_untouched(tmp_path):
     skips = [e for e in run.events if e["event"] == "skip"]
     assert [s["step"] for s in skips] == [3] and run.summary["skipped_steps"] == 1
     assert [e["skipped"] for e in run.steps] == [False, False, True, False, False]
-    after2 = consolidate(step_dir(run.run_dir, 2), tmp_path / "2.pt")
-    after3 = consolidate(step_dir(run.run_dir, 3), tmp_path / "3.pt")
-    for part in ("model", "optim"):
-        flat2, flat3 = flatten(after2[part]), flatten(after3[part])
-        assert flat2.keys() == flat3.keys()
-        for key in flat2:
-            assert torch.equal(flat2[key], flat3[key]), key
+    assert_same_state(step_dir(run.run_dir, 2), step_dir(run.run_dir, 3), tmp_path)
     sched = [list_checkpoints(run.run_dir)[i].manifest["train_state"]["scheduler"] for i in (1, 2)]
     assert sched[0]["last_epoch"] == sched[1]["last_epoch"] == 2
     assert run.steps[3]["loss"] < run.steps[0]["loss"]  # training went on

@@ -208,13 +208,7 @@ class HFCausalLM(nn.Module):
         """The logits; with `head`, `head(final hidden states, output weight)`; `positions` and
         `doc_ids` of packed rows as in `Transformer.forward`."""
         if head is None:
-            inputs = packed_inputs(
-                tokens,
-                positions=positions,
-                doc_ids=doc_ids,
-                windows=self.windows,
-                additive=self.additive_mask,
-            )
+            inputs = self._inputs(tokens, positions=positions, doc_ids=doc_ids)
             return self.hf(**inputs, use_cache=False).logits
         hidden = self.forward_hidden(tokens, positions=positions, doc_ids=doc_ids)
         return head(hidden, self.output_weight())
@@ -227,14 +221,13 @@ class HFCausalLM(nn.Module):
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoder's last hidden states, the input of the output projection."""
-        inputs = packed_inputs(
-            tokens,
-            positions=positions,
-            doc_ids=doc_ids,
-            windows=self.windows,
-            additive=self.additive_mask,
-        )
+        inputs = self._inputs(tokens, positions=positions, doc_ids=doc_ids)
         return self.hf.get_decoder()(**inputs, use_cache=False).last_hidden_state
+
+    def _inputs(self, tokens, *, positions, doc_ids) -> dict:
+        # Packed rows: each layer type's sliding window cut into the document mask.
+        return packed_inputs(tokens, positions=positions, doc_ids=doc_ids, windows=self.windows,
+                             additive=self.additive_mask)  # fmt: skip
 
     def output_weight(self) -> torch.Tensor:
         """The output projection's weight, for a loss that applies it itself.
