@@ -99,12 +99,6 @@ class StepAgreement:
             self.flags = self._host.to(device, non_blocking=True)
         self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, async_op=True)
 
-    def finish(
-        self, *, grad_norm: torch.Tensor, loss_sum: torch.Tensor, loss_only: bool
-    ) -> Agreement:
-        """The agreement, read now (a CPU-GPU sync: everything queued so far must finish)."""
-        return self.start_read(grad_norm=grad_norm, loss_sum=loss_sum, loss_only=loss_only).read()
-
     def start_read(
         self, *, grad_norm: torch.Tensor, loss_sum: torch.Tensor, loss_only: bool
     ) -> PendingAgreement:
