@@ -173,6 +173,13 @@ def test_wheel_ships_recipes_and_they_load_from_a_plain_install(tmp_path):
         assert f"fsdprun/recipes/{recipe}.yaml" in names
     for data in ("tiny.txt", "tiny/train.bin", "tiny/val.bin", "tiny/data.json"):
         assert f"fsdprun/recipes/data/{data}" in names
+    # Every module of the source tree ships (a package missing from `packages` is silently left
+    # out of the wheel: fsdprun/tools/tune/ was, and `fsdprun tune` failed in a plain install).
+    source = {
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "fsdprun").rglob("*.py")
+        if "__pycache__" not in p.parts
+    }  # fmt: skip
+    assert source - set(names) == set()
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
@@ -182,6 +189,7 @@ def test_wheel_ships_recipes_and_they_load_from_a_plain_install(tmp_path):
     code = (
         f"import fsdprun.config as c; assert c.__file__.startswith({str(site)!r}), c.__file__; "
         "print(sorted(c.builtin_recipes())); c.load_recipe('llama-8b'); "
+        "import fsdprun.tools.tune; "
         # Their data paths resolve inside the installed package (and the files pass the checks).
         "p = c.load_recipe('tokens-demo').config.data.paths[0]; "
         f"assert p.startswith({str(site)!r}), p"
