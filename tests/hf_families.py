@@ -12,6 +12,9 @@ does not).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 COMMON = dict(
@@ -33,12 +36,80 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+
+
+@dataclass(frozen=True)
+class ChatTokens:
+    """A family's chat template file (in TEMPLATES) and special tokens, which take ids 0, 1, 2...
+    of the control bytes in order; pad, bos and eos name some of them (bos None: the family has
+    none)."""
+
+    template: str
+    specials: tuple[str, ...]
+    pad: str
+    bos: str | None
+    eos: str
+
+
+QWEN = ChatTokens(
+    "qwen3.jinja",
+    ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+    pad="<|endoftext|>",
+    bos=None,
+    eos="<|im_end|>",
+)
+GEMMA = ("<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>")
+CHAT: dict[str, ChatTokens] = {
+    "llama": ChatTokens("llama.jinja", ("<|finetune_right_pad_id|>", "<|begin_of_text|>",
+                        "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+                        "<|python_tag|>"), pad="<|finetune_right_pad_id|>",
+                        bos="<|begin_of_text|>", eos="<|eot_id|>"),
+    "qwen2": dataclasses.replace(QWEN, template="qwen2.jinja"),
+    "qwen3": QWEN,
+    "mistral": ChatTokens("mistral.jinja", ("<unk>", "<s>", "</s>", "[INST]", "[/INST]",
+                          "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                          "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), pad="<unk>", bos="<s>", eos="</s>"),
+    "gemma2": ChatTokens("gemma2.jinja", GEMMA, pad="<pad>", bos="<bos>", eos="<eos>"),
+    "gemma3_text": ChatTokens("gemma3_text.jinja", (*GEMMA, "<start_of_image>"), pad="<pad>",
+                              bos="<bos>", eos="<eos>"),
+    "phi3": ChatTokens("phi3.jinja", ("<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>",
+                       "<|assistant|>", "<|end|>"), pad="<|endoftext|>", bos="<s>",
+                       eos="<|endoftext|>"),
+    "qwen3_moe": QWEN,
+}  # fmt: skip
+
+
 def save_tiny_hf(model_type: str, path: Path) -> Path:
-    """The family's tiny random model saved at `path` (seeded: the same weights every session)."""
+    """The family's tiny random model and its chat tokenizer saved at `path` (seeded: the same
+    weights every session)."""
     import torch
     import transformers
 
     config = transformers.AutoConfig.for_model(model_type, **COMMON, **FAMILIES[model_type])
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    save_chat_tokenizer(CHAT[model_type], path)
     return path
+
+
+def save_chat_tokenizer(chat: ChatTokens, path: Path) -> None:
+    """tokenizer.json and tokenizer_config.json (with the chat template) of `chat` in `path`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    text_bytes = [b for b in range(256) if b >= 32 or b in (9, 10, 13)]
+    free = [b for b in range(256) if b not in text_bytes]
+    symbol = bytes_to_unicode()
+    vocab = {symbol[b]: b for b in text_bytes} | dict(zip(chat.specials, free, strict=False))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in chat.specials])
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+        "pad_token": chat.pad, "bos_token": chat.bos, "eos_token": chat.eos,
+        "chat_template": (TEMPLATES / chat.template).read_text(),
+    }  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")

@@ -12,6 +12,7 @@ Run with `pytest tests/test_hf_families.py`.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -19,10 +20,14 @@ import torch
 import torch.nn.functional as F
 from conftest import consolidate
 from hf_families import FAMILIES
+from typer.testing import CliRunner
 
 from fsdprun.checkpoint.export import export_checkpoint
-from fsdprun.config import load_recipe
+from fsdprun.cli import app
+from fsdprun.config import ChatTurns, DataConfig, DataSource, load_recipe
 from fsdprun.data import build_datasets, load_batch
+from fsdprun.data.sft_examples import tokenize_examples
+from fsdprun.errors import UserError
 from fsdprun.models.hf import HFCausalLM
 
 transformers = pytest.importorskip("transformers")
@@ -166,3 +171,102 @@ def test_flops_per_token_of_a_mixture_of_experts_count_the_active_experts(hf_fam
     experts = 2 * 3 * 32 * 64
     matmul = 2 * (attention + 4 * 64 + experts) + 256 * 64
     assert SPEC.flops_per_token(cfg, 64) == 6 * matmul + 12 * 2 * 64 * 64
+
+
+# What each family's published template writes before and after an assistant message's content:
+# the reference trains the tokens from the end of the one through the end of the other.
+ASSISTANT_TURN = {
+    "llama": ("<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    "qwen2": ("<|im_start|>assistant\n", "<|im_end|>\n"),
+    "qwen3": ("<|im_start|>assistant\n", "<|im_end|>\n"),
+    "mistral": ("[/INST]", "</s>"),
+    "gemma2": ("<start_of_turn>model\n", "<end_of_turn>\n"),
+    "gemma3_text": ("<start_of_turn>model\n", "<end_of_turn>\n"),
+    "phi3": ("<|assistant|>\n", "<|end|>\n"),
+    "qwen3_moe": ("<|im_start|>assistant\n", "<|im_end|>\n"),
+}
+CONVERSATIONS = {
+    "turns": [("user", "hi there"), ("assistant", "hello!"), ("user", "2+2?"),
+              ("assistant", "<think>\nadd them\n</think>\n\n4")],
+    "system": [("system", "be brief"), ("user", "hi"), ("assistant", " hello \n")],
+    "opening": [("assistant", "How can I help?"), ("user", "say hi"), ("assistant", "hi")],
+}  # fmt: skip
+# The conversations a template cannot train on, and the one line that says so.
+ALTERNATE = "the chat template of .* refused it: .*roles must alternate"
+REFUSED = {
+    ("gemma2", "system"): "the chat template of .* refused it: System role not supported",
+    ("gemma2", "opening"): ALTERNATE,
+    ("gemma3_text", "opening"): ALTERNATE,
+    ("mistral", "opening"): ALTERNATE,
+    # Mistral renders the system message into the last user message only: not into a
+    # conversation that ends with the assistant, whose first messages do have it.
+    ("mistral", "system"): "places the system message by what follows it: remove the system",
+    # Qwen3 drops earlier turns' reasoning once a later user message follows (the last turn
+    # renders an empty <think> block, earlier ones none): only the last turn can train.
+    ("qwen3", "turns", "all"): r"train the last assistant turn only \(data.chat_turns=last\)",
+    ("qwen3_moe", "turns", "all"): r"train the last assistant turn only \(data.chat_turns=last\)",
+}
+
+
+def _chat_reference(tokenizer, messages, turn_marks, turns: str):
+    """Token ids and trained mask of the conversation as transformers renders it whole: the
+    assistant turns found by the family's turn marks in the rendered text (the last one only
+    for `last`), mapped to tokens by their character offsets."""
+    header, closing = turn_marks
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, at = [], 0
+    while (start := text.find(header, at)) >= 0:
+        start += len(header)
+        at = text.index(closing, start) + len(closing)
+        spans.append((start, at))
+    spans = spans if turns == "all" else spans[-1:]
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert ids == encoded["input_ids"]
+    mask = [any(s <= a and b <= e for s, e in spans) for a, b in encoded["offset_mapping"]]
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chat_rows_train_the_assistant_turns_as_the_family_template_renders_them(
+    family, hf_family_dirs, tmp_path
+):
+    # The family's own template in its folder's tokenizer_config.json (tests/hf_families.py),
+    # through the data path of `data.source: chat`: token by token, the whole conversation as
+    # transformers' apply_chat_template renders it, trained exactly on the assistant turns.
+    folder = hf_family_dirs[family]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    for name, conv in CONVERSATIONS.items():
+        messages = [{"role": r, "content": c} for r, c in conv]
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(json.dumps({"messages": messages}) + "\n")
+        for turns in ("all", "last"):
+            cfg = DataConfig(source=DataSource.chat, paths=[str(path)], tokenizer=str(folder),
+                             chat_turns=ChatTurns(turns))  # fmt: skip
+            refusal = REFUSED.get((family, name)) or REFUSED.get((family, name, turns))
+            if refusal:
+                with pytest.raises(UserError, match=refusal):
+                    tokenize_examples(cfg.paths, cfg, key="data.paths")
+                continue
+            examples, _ = tokenize_examples(cfg.paths, cfg, key="data.paths")
+            ids, mask = _chat_reference(tokenizer, messages, ASSISTANT_TURN[family], turns)
+            assert examples.tokens.tolist() == ids, (family, name)
+            assert examples.mask.astype(bool).tolist() == mask, (family, name, turns)
+            assert any(mask)
+
+
+def test_a_system_message_gemma_2_refuses_is_one_line_before_anything_is_written(
+    hf_family_dirs, tmp_path
+):
+    path = tmp_path / "c.jsonl"
+    conv = [("system", "be brief"), ("user", "hi"), ("assistant", "hello")]
+    record = {"messages": [{"role": r, "content": c} for r, c in conv]}
+    path.write_text(json.dumps(record) + "\n")
+    result = CliRunner().invoke(app, [
+        "prepare-data", str(path), "--out", str(tmp_path / "p"), "--source", "chat",
+        "--tokenizer", str(hf_family_dirs["gemma2"]),
+    ])  # fmt: skip
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("refused it: System role not supported"), lines
+    assert not (tmp_path / "p").exists()

@@ -302,20 +302,71 @@ def tokenize_chat(
     full = tok.render(messages, generation_prompt=False, where=where)
     mask = np.zeros(len(full), dtype=bool)
     for i in assistants if turns is ChatTurns.all else assistants[-1:]:
-        before = (
-            tok.render(messages[:i], generation_prompt=True, where=where)
-            if i
-            else tok.opening_context(messages[0], where=where)
-        )
-        upto = tok.render(messages[: i + 1], generation_prompt=False, where=where)
-        if upto[: len(before)] != before or full[: len(upto)] != upto or len(upto) <= len(before):
+        span = _turn_span(tok, messages, i, full, where=where)
+        if span is None:
             raise UserError(
                 f"{where}: the chat template of {tok.folder} does not render a conversation as "
                 f"its first messages plus the rest (at message {i}), so its assistant turns "
-                "cannot be masked; use a template whose renderings extend one another"
+                f"cannot be masked; {_unmaskable_hint(tok, messages, i, turns, where=where)}"
             )
-        mask[len(before) : len(upto)] = True
+        mask[span[0] : span[1]] = True
     return full, mask
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _turn_span(
+    tok: ChatTokenizer, messages: list[dict], i: int, full: list[int], *, where: str
+) -> tuple[int, int] | None:
+    """Where assistant turn i lies in `full` (the whole conversation's tokens), or None when the
+    template's renderings of the first messages are no prefixes of it."""
+    before = (
+        tok.render(messages[:i], generation_prompt=True, where=where)
+        if i
+        else tok.opening_context(messages[0], where=where)
+    )
+    upto = tok.render(messages[: i + 1], generation_prompt=False, where=where)
+    # A template may close a conversation that ends there (Phi-3 appends end-of-text after the
+    # last message, not after each): the turn ends where rendering its messages with and without
+    # a generation prompt part.
+    grown = tok.render(messages[: i + 1], generation_prompt=True, where=where)
+    upto = upto[: _common_prefix(upto, grown)]
+    if upto[: len(before)] != before or full[: len(upto)] != upto or len(upto) <= len(before):
+        return None
+    return len(before), len(upto)
+
+
+def _unmaskable_hint(
+    tok: ChatTokenizer, messages: list[dict], i: int, turns: ChatTurns, *, where: str
+) -> str:
+    """The fix for a conversation whose turn i cannot be masked, as the template allows."""
+
+    def maskable(msgs: list[dict], turn: int) -> bool:
+        full = tok.render(msgs, generation_prompt=False, where=where)
+        return _turn_span(tok, msgs, turn, full, where=where) is not None
+
+    if messages[0]["role"] == "system" and i > 0 and maskable(messages[1:], i - 1):
+        # Mistral's template renders the system message into the last user message only.
+        return (
+            "it places the system message by what follows it: remove the system message, or "
+            "put its text into the first user message"
+        )
+    last = max(j for j, m in enumerate(messages) if m["role"] == "assistant")
+    if turns is ChatTurns.all and i != last and maskable(messages, last):
+        # Qwen3's template drops the reasoning of turns before the last user message.
+        return (
+            "it renders earlier turns otherwise once later ones follow: train the last "
+            "assistant turn only (data.chat_turns=last), or use a template whose renderings "
+            "extend one another"
+        )
+    return "use a template whose renderings extend one another"
 
 
 def tokenize_instruct(
