@@ -44,6 +44,15 @@ class HFFamily:
     it (it must also accept fsdprun's 4-D boolean masks of packed rows)."""
     stacked: tuple[StackedExperts, ...] = ()
     """Parameters that checkpoints store expert by expert (`fsdprun.engines.hf_weights`)."""
+    lora_attention: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """The Linear layers of a block's attention: what `lora.targets: [attention]` adapts."""
+    lora_mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    """The Linear layers of a block's MLP (`lora.targets: [mlp]`); none where the MLP has no
+    Linear to adapt (experts stored as 3-D parameters)."""
+
+    def lora_groups(self) -> dict[str, tuple[str, ...]]:
+        """The `lora.targets` group names and the layer names each stands for."""
+        return {"attention": self.lora_attention, "mlp": self.lora_mlp}
 
 
 @dataclass(frozen=True)
@@ -68,18 +77,21 @@ HF_FAMILIES = {
     "llama": HFFamily(),
     "qwen2": HFFamily(),
     "qwen3": HFFamily(),
+    # The experts are 3-D parameters and the router no Linear either: LoRA adapts attention only.
     "qwen3_moe": HFFamily(
+        lora_mlp=(),
         stacked=(
             StackedExperts(
                 "mlp.experts.gate_up_proj",
                 ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
             ),
             StackedExperts("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)),
-        )
+        ),
     ),
     "mistral": HFFamily(),
     # transformers builds Gemma 2 with eager attention only: SDPA cannot soft-cap the scores.
     "gemma2": HFFamily(attn_implementation="eager"),
     "gemma3_text": HFFamily(),
-    "phi3": HFFamily(),
+    # Fused projections: one Linear for q, k and v, one for the gate and up projections.
+    "phi3": HFFamily(lora_attention=("qkv_proj", "o_proj"), lora_mlp=("gate_up_proj", "down_proj")),
 }

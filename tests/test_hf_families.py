@@ -27,8 +27,10 @@ from fsdprun.cli import app
 from fsdprun.config import ChatTurns, DataConfig, DataSource, load_recipe
 from fsdprun.data import build_datasets, load_batch
 from fsdprun.data.sft_examples import tokenize_examples
+from fsdprun.engines.adapters import build_lora_model_on_cpu
 from fsdprun.errors import UserError
 from fsdprun.models.hf import HFCausalLM
+from fsdprun.models.lora import adapter_state_dict, apply_lora, peft_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,12 +50,13 @@ def _load_hf(path):
     )
 
 
-def _reference_losses(folder) -> list[float]:
-    """The debug recipe's 3 steps as a plain loop over transformers' model: the global batch in
-    one forward, token-mean cross entropy, clip_grad_norm_, AdamW with decay on matrices only,
-    linear warm-up then cosine to min_lr_ratio (the schedule docs/recipes.md describes)."""
+def _reference_losses(folder, model=None) -> list[float]:
+    """The debug recipe's 3 steps as a plain loop over transformers' model (or `model`, such as
+    peft's around it): the global batch in one forward, token-mean cross entropy,
+    clip_grad_norm_, AdamW with decay on matrices only, linear warm-up then cosine to
+    min_lr_ratio (the schedule docs/recipes.md describes)."""
     cfg = load_recipe("debug", [f"model.hf_path={folder}", *TRAIN]).config
-    model = _load_hf(folder).train()
+    model = (model or _load_hf(folder)).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
@@ -270,3 +273,61 @@ def test_a_system_message_gemma_2_refuses_is_one_line_before_anything_is_written
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith("refused it: System role not supported"), lines
     assert not (tmp_path / "p").exists()
+
+
+LORA = ("lora.rank=4", "lora.alpha=8")
+# fsdprun's LoRA groups (fsdprun/families.py) and peft's targets for the same layers: every Linear
+# of the blocks, or a mixture of experts' attention (peft would adapt its experts and router too,
+# which fsdprun refuses).
+LORA_TARGETS = {"qwen3_moe": ("[attention]", ["q_proj", "k_proj", "v_proj", "o_proj"])}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lora_on_attention_and_mlp_equals_peft_and_its_exports_load(
+    family, hf_family_dirs, gloo_pool, tmp_path
+):
+    # fsdprun's LoRA on the family's attention and MLP projections (Phi-3's fused qkv_proj and
+    # gate_up_proj as they are), 3 steps on 2 gloo ranks, against peft's LoRA on every Linear of
+    # the blocks ("all-linear"; the attention of a mixture of experts) of transformers' model,
+    # started from fsdprun's initial adapters, in the plain loop above. Then both exports of the
+    # run's checkpoint load: the merged one in transformers, the adapters in peft, with the
+    # same logits.
+    peft = pytest.importorskip("peft")
+    folder = hf_family_dirs[family]
+    targets, peft_targets = LORA_TARGETS.get(family, ("[attention,mlp]", "all-linear"))
+    overrides = (*TRAIN, f"model.hf_path={folder}", *LORA, f"lora.targets={targets}")
+    run = gloo_pool.train(*overrides)
+    cfg = load_recipe("debug", list(overrides)).config
+    start = adapter_state_dict(build_lora_model_on_cpu(cfg.model, cfg.lora, seed=cfg.train.seed))
+    reference = peft.get_peft_model(_load_hf(folder), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=peft_targets))  # fmt: skip
+    assert set(peft.get_peft_model_state_dict(reference)) == set(peft_state_dict(start))
+    peft.set_peft_model_state_dict(reference, peft_state_dict(start))
+    expected = _reference_losses(folder, reference)
+    diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
+    assert len(run.losses) == STEPS and diff < TOL, (family, run.losses, expected)
+
+    ckpt = run.run_dir / "checkpoints" / f"step-{STEPS:08d}"
+    export_checkpoint(ckpt, tmp_path / "merged", fmt="hf")
+    export_checkpoint(ckpt, tmp_path / "peft", fmt="peft")
+    merged = _load_hf(tmp_path / "merged").eval()
+    adapted = peft.PeftModel.from_pretrained(_load_hf(folder), tmp_path / "peft").eval()
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = adapted(input_ids=tokens).logits
+        diff = (merged(input_ids=tokens).logits - logits).abs().max().item()
+        moved = (_load_hf(folder)(input_ids=tokens).logits - logits).abs().max().item()
+    assert diff < TOL and moved > 1e-3, (family, diff, moved)
+
+
+def test_lora_on_the_mlp_of_a_mixture_of_experts_is_refused_in_one_line(hf_family_dirs):
+    with torch.device("meta"):
+        model = HFCausalLM.from_folder(hf_family_dirs["qwen3_moe"])
+    cfg = load_recipe("debug", [f"model.hf_path={hf_family_dirs['qwen3_moe']}", *LORA,
+                                "lora.targets=[attention,mlp]"]).config  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"^lora.targets: mlp: the blocks of model.hf_path's "
+        r"qwen3_moe \(Qwen3MoeForCausalLM\) have no Linear layers in their mlp",
+    ):
+        apply_lora(model, cfg=cfg.lora)

@@ -212,7 +212,8 @@ def test_peft_loads_the_adapter_folder_with_the_same_logits(tmp_path):
         (["lora.rank=4", "lora.dropout=1"], "lora.dropout must be in [0, 1) (got 1.0)"),
         (["lora.rank=4", "lora.alpha=0"], "lora.alpha must be > 0 (got 0.0)"),
         (["lora.rank=4", "lora.targets=[]"],
-         "lora.targets is empty; list Linear layers such as [q_proj, v_proj]"),
+         "lora.targets is empty; list Linear layers such as [attention, mlp] or [q_proj, "
+         "v_proj]"),
         (["lora.rank=4", "fsdp.engine=fsdp1"],
          "lora.rank=4 needs fsdp.engine=fsdp2 or ddp (got fsdp1); set fsdp.engine=fsdp2"),
     ],
@@ -231,7 +232,7 @@ def test_a_target_matching_no_linear_names_the_available_ones():
     assert str(e.value) == (
         "lora.targets: qkv, lm_head match no Linear layer of this model's blocks; its Linear "
         "layers are w1, w2, w3, wk, wo, wq, wv (or give a path pattern such as "
-        "layers.*.attention.wq)"
+        "layers.*.attention.wq, or the groups attention and mlp)"
     )
     # Path patterns select by position: only block 1's query projection.
     assert apply_lora(model, cfg=LoraConfig(rank=4, targets=["layers.1.*.wq"])) == [

@@ -660,11 +660,13 @@ class LoraConfig:
     alpha: float = _f(16.0, "LoRA alpha: the adapter's output is scaled by alpha / rank.")
     dropout: float = _f(0.0, "Dropout on the adapter's input (training only), in [0, 1).")
     targets: list[str] = _f(
-        ["q_proj", "k_proj", "v_proj", "o_proj"],
-        "Linear layers of the blocks that get adapters: names in either spelling (HF q_proj, "
-        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = built-in wq, wk, wv, wo, w1, "
-        "w3, w2) or module path patterns (`layers.*.attention.wq`). A target that matches no "
-        "Linear is refused when the model is built.",
+        ["attention"],
+        "Linear layers of the blocks that get adapters: the groups `attention` and `mlp` (the "
+        "model family's attention and MLP projections, fused ones included: Phi-3's qkv_proj "
+        "and gate_up_proj), names in either spelling (HF q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj = built-in wq, wk, wv, wo, w1, w3, w2) or module path "
+        "patterns (`layers.*.attention.wq`). A target that matches no Linear is refused when "
+        "the model is built.",
     )
 
 

@@ -229,7 +229,10 @@ STRING_KEYS: dict[str, tuple[str, str]] = {
     "launch.tee": ("name", "0, 1, 2, 3 or LOCAL_RANK:0-3 pairs"),
     "output.run_dir": ("folder", "a folder, or null for runs/<recipe>-<time>"),
     "output.metrics_file": ("run_file", "a .jsonl file name in the run directory (metrics.jsonl)"),
-    "lora.targets": ("name", "Linear layer names such as q_proj or wq, or path patterns"),
+    "lora.targets": (
+        "name",
+        "attention, mlp, Linear layer names such as q_proj or wq, or path patterns",
+    ),
 }
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -510,7 +513,9 @@ def _lora_errors(cfg: RecipeConfig) -> list[str]:
     if not 0 <= lora.dropout < 1:
         errors.append(f"lora.dropout must be in [0, 1) (got {lora.dropout})")
     if not lora.targets:
-        errors.append("lora.targets is empty; list Linear layers such as [q_proj, v_proj]")
+        errors.append(
+            "lora.targets is empty; list Linear layers such as [attention, mlp] or [q_proj, v_proj]"
+        )
     if cfg.fsdp.engine is Engine.fsdp1:
         # FSDP1 flattens a unit's frozen base weights and trainable adapters into one flat
         # parameter whose gradient and optimizer state cover the frozen part too.

@@ -249,6 +249,10 @@ class HFCausalLM(nn.Module):
             )
         return out.weight
 
+    def lora_groups(self) -> dict[str, tuple[str, ...]]:
+        """`lora.targets` groups: the family's attention and MLP Linear names (`HF_FAMILIES`)."""
+        return hf_family(self.hf.config).lora_groups()
+
     def block_paths(self) -> list[str]:
         """Module paths of the decoder layers, in forward order."""
         return [

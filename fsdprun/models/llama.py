@@ -192,6 +192,10 @@ class Transformer(nn.Module):
             h = layer(h, rope, attn_mask=attn_mask)
         return self.norm(h)
 
+    def lora_groups(self) -> dict[str, tuple[str, ...]]:
+        """`lora.targets` groups: the attention and the feed-forward Linear names."""
+        return {"attention": ("wq", "wk", "wv", "wo"), "mlp": ("w1", "w3", "w2")}
+
     def block_paths(self) -> list[str]:
         """Module paths of the transformer blocks (FSDP units under the `block` policy)."""
         return [f"layers.{name}" for name in self.layers]

@@ -107,12 +107,40 @@ def block_linears(model: nn.Module) -> list[str]:
     return out
 
 
+def expand_groups(model: nn.Module, targets: list[str]) -> list[str]:
+    """`targets` with the group names `attention` and `mlp` replaced by the Linear names the
+    model's family gives them (`model.lora_groups()`; `HF_FAMILIES` for HuggingFace models).
+
+    Raises:
+        UserError: a group the family has no Linear layers for.
+    """
+    groups = model.lora_groups()
+    out = []
+    for target in targets:
+        if target not in groups:
+            out.append(target)
+        elif not groups[target]:
+            raise UserError(
+                f"lora.targets: {target}: the blocks of {_model_name(model)} have no Linear "
+                f"layers in their {target} (a mixture of experts stores its experts as 3-D "
+                "parameters, which LoRA does not adapt); drop it, e.g. lora.targets=[attention]"
+            )
+        else:
+            out.extend(groups[target])
+    return out
+
+
+def _model_name(model: nn.Module) -> str:
+    return getattr(model, "family_name", type(model).__name__)
+
+
 def lora_targets(model: nn.Module, targets: list[str]) -> list[str]:
-    """The block Linear paths `targets` select.
+    """The block Linear paths `targets` select (names, path patterns or groups).
 
     Raises:
         UserError: a target matches no Linear; names the targets and the available names.
     """
+    targets = expand_groups(model, targets)
     linears = block_linears(model)
     unmatched = [t for t in targets if not any(_pattern_matches(t, p) for p in linears)]
     if unmatched:
@@ -121,7 +149,7 @@ def lora_targets(model: nn.Module, targets: list[str]) -> list[str]:
         raise UserError(
             f"lora.targets: {', '.join(unmatched)} match no Linear layer of this model's blocks; "
             f"its Linear layers are {', '.join(available) or 'none'} (or give a path pattern "
-            f"such as {example})"
+            f"such as {example}, or the groups attention and mlp)"
         )
     return [p for p in linears if any(_pattern_matches(t, p) for t in targets)]
 
