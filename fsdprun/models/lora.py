@@ -301,8 +301,8 @@ def peft_adapter_config(
     that carry one, bias none, for a causal LM.
 
     peft adapts every module whose path is a `target_modules` entry or ends with "." and one.
-    Targets that are layer names (`q_proj`, `wq`) adapted that layer in every block, so the HF
-    names are the targets (as peft's own configs write them). A path pattern
+    Targets that are layer names (`q_proj`, `wq`) or groups (`attention`) adapted those layers in
+    every block, so the HF names are the targets (as peft's own configs write them). A path pattern
     (`model.layers.1.self_attn.q_proj`, `layers.*.mlp.*`) adapted some blocks only: the leaf
     names would add adapters to every other block (with missing weights), so each adapted
     module's full HF path is listed instead.
