@@ -331,3 +331,14 @@ def test_lora_on_the_mlp_of_a_mixture_of_experts_is_refused_in_one_line(hf_famil
         r"qwen3_moe \(Qwen3MoeForCausalLM\) have no Linear layers in their mlp",
     ):
         apply_lora(model, cfg=cfg.lora)
+
+
+def test_the_default_lora_targets_are_the_attention_fused_projections_included(hf_family_dirs):
+    # lora.targets defaults to the group `attention`: Phi-3's fused qkv_proj (its q_proj, the
+    # old default, is no layer of it) and o_proj.
+    cfg = load_recipe("debug", [f"model.hf_path={hf_family_dirs['phi3']}", *LORA]).config
+    with torch.device("meta"):
+        model = HFCausalLM.from_folder(hf_family_dirs["phi3"])
+    assert apply_lora(model, cfg=cfg.lora) == [
+        f"hf.model.layers.{n}.self_attn.{leaf}" for n in (0, 1) for leaf in ("o_proj", "qkv_proj")
+    ]
