@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from fsdprun.checkpoint import list_checkpoints
 from fsdprun.cli import app
 from fsdprun.config import load_recipe
-from fsdprun.data import BatchLayout, build_datasets
+from fsdprun.data import BatchLayout, build_datasets, save_tokenized
 from fsdprun.data import text as text_data
 from fsdprun.data.files import token_dtype_for
 from fsdprun.data.preflight import check_data
@@ -417,8 +417,9 @@ def test_text_split_and_length_are_checked_before_launch_for_every_tokenizer(tmp
 
 def test_the_text_the_checks_tokenize_is_the_text_the_workers_train_on(tmp_path, monkeypatch):
     # The launcher's checks and a worker in its process (forked, or a torchrun rank) tokenize
-    # each document once between them; before, the worker tokenized it all again. A file that
-    # changes is tokenized afresh.
+    # each document once between them; before, the worker tokenized it all again. A spawned
+    # worker reads what the launcher saved in RUN_DIR/tokenized (as the elastic launcher does
+    # before it spawns). A file that changes is tokenized afresh, saved tokens or not.
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(6)))
     encoded = []
@@ -430,8 +431,17 @@ def test_the_text_the_checks_tokenize_is_the_text_the_workers_train_on(tmp_path,
     assert check_data(cfg) == [] and check_data(cfg) == []  # `train` checks twice
     train, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0)
     assert len(encoded) == 6 and train.num_samples > 0
+    saved = tmp_path / "run" / "tokenized"
+    save_tokenized(cfg.data, saved)  # and this process lets its copy go
+    spawned, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0,
+                                saved=saved)  # fmt: skip
+    assert len(encoded) == 6
+    assert [spawned.sample(i).tolist() for i in range(spawned.num_samples)] == [
+        train.sample(i).tolist() for i in range(train.num_samples)
+    ]
     docs.write_text(docs.read_text() + json.dumps({"text": "one more " * 20}) + "\n")
-    again, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0)
+    again, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0,
+                              saved=saved)  # fmt: skip
     assert len(encoded) == 6 + 7 and again.windows.num_windows > train.windows.num_windows
 
 
