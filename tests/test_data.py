@@ -197,6 +197,22 @@ def test_no_end_of_text_found_and_none_named_is_refused_in_one_line(tmp_path):
         build_tokenizer("byte", "[EOS]")
 
 
+def test_text_data_reads_a_tokenizer_folder_as_instruct_data_does(tmp_path):
+    # data.tokenizer names a HuggingFace folder (a model's, or a Hub id's cached snapshot) for
+    # text data too: one rule for every kind of data. Before, instruct data took the folder's
+    # tokenizer.json and text data said the folder "does not exist".
+    folder = RECIPES / "data" / "tiny-llama-hf"
+    assert invoke("config", "text-demo", f"data.tokenizer={folder}").exit_code == 0
+    text = "The keeper wrote the time in the book."
+    assert (build_tokenizer(str(folder)).encode(text).tolist()
+            == build_tokenizer(str(folder / "tokenizer.json")).encode(text).tolist())  # fmt: skip
+    one_line_error(
+        invoke("config", "text-demo", f"data.tokenizer={tmp_path}"),
+        f"tokenizer {tmp_path}/tokenizer.json does not exist (a tokenizer.json, a folder holding "
+        "one, or `byte`)",
+    )
+
+
 # Llama 3's pre-tokenizer split (also Mistral's Tekken); Qwen 2 differs in `\p{N}`.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
                 r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip

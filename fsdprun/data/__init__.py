@@ -132,6 +132,8 @@ def build_datasets(
         return windows
 
     def dataset(windows: TokenWindows, ids: range, name: str, num_files: int) -> ShuffledWindows:
+        # data.tokenizer as written: naming it needs no tokenizer loaded (a spawned worker reads
+        # the launcher's tokens).
         kind = "tokens" if spec.kind is DataKind.tokens else f"text ({cfg.tokenizer} tokenizer)"
         return ShuffledWindows(
             windows, ids, seed=seed, stream=name, vocab_size=vocab_size,
@@ -142,14 +144,16 @@ def build_datasets(
     train_windows = stream("data.paths")
     n = train_windows.num_windows
     num_val = num_val_windows(n, cfg.val_fraction)
-    train = dataset(train_windows, range(n - num_val), "train", len(cfg.paths))
+    train = dataset(train_windows, range(n - num_val), "train", len(spec.paths("data.paths")))
     if not with_val:
         return train, None
     if cfg.val_paths:
         val_windows = stream("data.val_paths")
         val_ids = range(val_windows.num_windows)
-        return train, dataset(val_windows, val_ids, "val", len(cfg.val_paths))
-    return train, dataset(train_windows, range(n - num_val, n), "val", len(cfg.paths))
+        return train, dataset(val_windows, val_ids, "val", len(spec.paths("data.val_paths")))
+    return train, dataset(
+        train_windows, range(n - num_val, n), "val", len(spec.paths("data.paths"))
+    )
 
 
 def load_batch(data: Dataset, indices: range, device: torch.device) -> Batch:
