@@ -10,7 +10,8 @@
       .lock, .lock.node-N         held by the launcher of node 0 (node N) while the run runs
       agent.json                  the torchrun agent that created the directory
       profile/                    torch.profiler traces and CUDA memory snapshots
-      tokenized/                  the launcher's tokens of its data, for spawned workers
+      tokenized/                  the launcher's tokens of its data, for spawned workers (while
+                                  the run runs)
       tensorboard/, wandb/        the trackers' folders
       compare.log                 the terminal output of one `fsdprun compare` run
 
@@ -162,7 +163,7 @@ def snapshot_path(run_dir: Path, rank: int) -> Path:
 
 def tokenized_dir(run_dir: Path) -> Path:
     """What the launcher tokenized of text or fine-tuning data, for workers that do not inherit
-    it (fsdprun.data.spec.save_tokenized); safe to delete when no run is starting."""
+    it (fsdprun.data.spec.save_tokenized); the launcher deletes it when the run ends."""
     return run_dir / "tokenized"
 
 

@@ -13,8 +13,8 @@ launcher tokenizes once for its checks (it checks twice before launch), and what
 reused by the workers it forks (CPU runs) and by a torchrun or srun rank, which checks its data
 before it trains in the same process. For workers started by `spawn` (accelerators), which
 inherit nothing, the launcher writes it into the run directory (`save_tokenized`, then lets its
-copy go) and they memory-map it (`describe_data(cfg, saved=...)`): one copy in the page cache
-for every rank of the node, and nothing tokenized twice.
+copy go, and deletes it when the run ends) and they memory-map it (`describe_data(cfg,
+saved=...)`): one copy in the page cache for every rank of the node, nothing tokenized twice.
 
     RUN_DIR/tokenized/<key>/tokenized.json       what each data key holds (kind, pad id)
     RUN_DIR/tokenized/<key>/paths.tokens.npy     data.paths' tokens (text or examples)

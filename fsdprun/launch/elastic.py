@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -416,6 +417,18 @@ def launch_training(
         return _launch(resolved, run_dir, kind=kind, method=method, resume_from=resume_from)
 
 
+@contextlib.contextmanager
+def _removed_at_the_end(folder: Path, watch: RunDirWatch):
+    """`folder` of RUN_DIR deleted once the workers are gone (the launcher's saved tokens: a
+    copy of the data per run, and per `tune` trial, is no use after it), unless RUN_DIR names
+    another directory by then."""
+    try:
+        yield
+    finally:
+        if not watch.vanished():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def check_tracker_folders(cfg: RecipeConfig, run_dir: Path) -> None:
     """Refuse, before anything is written, a tracker whose folder cannot be written (a tracker
     that fails later only warns: see fsdprun.report.trackers).
@@ -475,6 +488,7 @@ def _launch(
             _StopOnSignal(run_dir, watch) as stop,
             MetricsFollower(run_dir / cfg.output.metrics_file, reporter),
             waiting or contextlib.nullcontext(),
+            _removed_at_the_end(tokenized_dir(run_dir), watch),
         ):
             results = elastic_launch(plan.config, elastic_entry)(
                 str(run_dir), resolved.name, str(resume_from) if resume_from else None
