@@ -101,8 +101,8 @@ def build_datasets(
     read from `saved`, the folder where the launcher saved it for spawned workers).
 
     Raises:
-        UserError: data the preflight could not judge without reading it (too little text
-            after tokenizing).
+        UserError: text of fewer tokens than one sequence (the preflight's message: its files
+            changed since the checks).
     """
     spec = describe_data(cfg, saved=saved)
     if spec.kind is DataKind.synthetic:
@@ -123,13 +123,9 @@ def build_datasets(
         # .txt, which the checks count from file sizes, each rank tokenizes itself. For a large
         # corpus, run `fsdprun prepare-data` once and train on the token files instead.
         tokens = spec.text_tokens(key)
-        windows = TokenWindows([tokens], seq_len=seq_len, names=[", ".join(paths)])
-        if windows.num_windows == 0:
-            raise UserError(
-                f"{key}: {len(tokens)} tokens in all, fewer than one sequence "
-                f"(train.seq_len + 1 = {seq_len + 1})"
-            )
-        return windows
+        if short := spec.short_text(key, len(tokens), seq_len):  # files changed since the checks
+            raise UserError(short)
+        return TokenWindows([tokens], seq_len=seq_len, names=[", ".join(paths)])
 
     def dataset(windows: TokenWindows, ids: range, name: str, num_files: int) -> ShuffledWindows:
         # data.tokenizer as written: naming it needs no tokenizer loaded (a spawned worker reads

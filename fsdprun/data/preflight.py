@@ -121,11 +121,8 @@ def _check_text(cfg: RecipeConfig, spec: DataSpec, window: int) -> list[str]:
     for key in FILE_KEYS:
         if spec.paths(key):
             num_tokens = spec.num_text_tokens(key)
-            if num_tokens < window:
-                errors.append(
-                    f"{key}: {num_tokens} tokens in all, fewer than one sequence "
-                    f"(train.seq_len + 1 = {window})"
-                )
+            if short := spec.short_text(key, num_tokens, cfg.train.seq_len):
+                errors.append(short)
             elif key == "data.paths" and d.val_fraction:
                 errors += _check_split((num_tokens - 1) // (window - 1), d.val_fraction)
     return errors

@@ -131,6 +131,14 @@ class DataSpec:
             return sum(Path(p).stat().st_size + eos for p in paths)
         return len(self.text_tokens(key))
 
+    def short_text(self, key: str, num_tokens: int, seq_len: int) -> str | None:
+        """The problem of `key`'s text when its `num_tokens` make no sequence of seq_len + 1
+        tokens (the preflight's count, or a worker's tokens), else None."""
+        if num_tokens >= seq_len + 1:
+            return None
+        return (f"{key}: {num_tokens} tokens in all, fewer than one sequence "
+                f"(train.seq_len + 1 = {seq_len + 1})")  # fmt: skip
+
     def examples(self, key: str) -> LoadedExamples:
         """The fine-tuning examples of `key`: tokenized once per spec (or read from the
         launcher's, `saved`), or memory-mapped from a prepared folder.
