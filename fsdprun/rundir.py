@@ -10,6 +10,8 @@
       .lock, .lock.node-N         held by the launcher of node 0 (node N) while the run runs
       agent.json                  the torchrun agent that created the directory
       profile/                    torch.profiler traces and CUDA memory snapshots
+      tokenized/                  the launcher's tokens of its data, for spawned workers (while
+                                  the run runs)
       tensorboard/, wandb/        the trackers' folders
       compare.log                 the terminal output of one `fsdprun compare` run
 
@@ -157,6 +159,12 @@ def trace_path(run_dir: Path, rank: int) -> Path:
 
 def snapshot_path(run_dir: Path, rank: int) -> Path:
     return profile_dir(run_dir) / f"memory-rank-{rank}.pickle"
+
+
+def tokenized_dir(run_dir: Path) -> Path:
+    """What the launcher tokenized of text or fine-tuning data, for workers that do not inherit
+    it (fsdprun.data.spec.save_tokenized); the launcher deletes it when the run ends."""
+    return run_dir / "tokenized"
 
 
 def tensorboard_dir(run_dir: Path) -> Path:

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from fsdprun.checkpoint import list_checkpoints
 from fsdprun.cli import app
 from fsdprun.config import load_recipe
-from fsdprun.data import BatchLayout, build_datasets
+from fsdprun.data import BatchLayout, build_datasets, save_tokenized
 from fsdprun.data import text as text_data
 from fsdprun.data.files import token_dtype_for
 from fsdprun.data.preflight import check_data
@@ -195,6 +195,22 @@ def test_no_end_of_text_found_and_none_named_is_refused_in_one_line(tmp_path):
     assert build_tokenizer("byte").eos_id == EOS and build_tokenizer("byte", "none").eos_id is None
     with pytest.raises(UserError, match="the byte tokenizer's end-of-text is id 256"):
         build_tokenizer("byte", "[EOS]")
+
+
+def test_text_data_reads_a_tokenizer_folder_as_instruct_data_does(tmp_path):
+    # data.tokenizer names a HuggingFace folder (a model's, or a Hub id's cached snapshot) for
+    # text data too: one rule for every kind of data. Before, instruct data took the folder's
+    # tokenizer.json and text data said the folder "does not exist".
+    folder = RECIPES / "data" / "tiny-llama-hf"
+    assert invoke("config", "text-demo", f"data.tokenizer={folder}").exit_code == 0
+    text = "The keeper wrote the time in the book."
+    assert (build_tokenizer(str(folder)).encode(text).tolist()
+            == build_tokenizer(str(folder / "tokenizer.json")).encode(text).tolist())  # fmt: skip
+    one_line_error(
+        invoke("config", "text-demo", f"data.tokenizer={tmp_path}"),
+        f"tokenizer {tmp_path}/tokenizer.json does not exist (a tokenizer.json, a folder holding "
+        "one, or `byte`)",
+    )
 
 
 # Llama 3's pre-tokenizer split (also Mistral's Tekken); Qwen 2 differs in `\p{N}`.
@@ -417,8 +433,9 @@ def test_text_split_and_length_are_checked_before_launch_for_every_tokenizer(tmp
 
 def test_the_text_the_checks_tokenize_is_the_text_the_workers_train_on(tmp_path, monkeypatch):
     # The launcher's checks and a worker in its process (forked, or a torchrun rank) tokenize
-    # each document once between them; before, the worker tokenized it all again. A file that
-    # changes is tokenized afresh.
+    # each document once between them; before, the worker tokenized it all again. A spawned
+    # worker reads what the launcher saved in RUN_DIR/tokenized (as the elastic launcher does
+    # before it spawns). A file that changes is tokenized afresh, saved tokens or not.
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(6)))
     encoded = []
@@ -430,8 +447,17 @@ def test_the_text_the_checks_tokenize_is_the_text_the_workers_train_on(tmp_path,
     assert check_data(cfg) == [] and check_data(cfg) == []  # `train` checks twice
     train, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0)
     assert len(encoded) == 6 and train.num_samples > 0
+    saved = tmp_path / "run" / "tokenized"
+    save_tokenized(cfg.data, saved)  # and this process lets its copy go
+    spawned, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0,
+                                saved=saved)  # fmt: skip
+    assert len(encoded) == 6
+    assert [spawned.sample(i).tolist() for i in range(spawned.num_samples)] == [
+        train.sample(i).tolist() for i in range(train.num_samples)
+    ]
     docs.write_text(docs.read_text() + json.dumps({"text": "one more " * 20}) + "\n")
-    again, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0)
+    again, _ = build_datasets(cfg.data, vocab_size=257, seq_len=cfg.train.seq_len, seed=0,
+                              saved=saved)  # fmt: skip
     assert len(encoded) == 6 + 7 and again.windows.num_windows > train.windows.num_windows
 
 

@@ -463,6 +463,50 @@ def test_a_chat_file_is_tokenized_once_by_the_launcher_and_reused_by_its_workers
     assert by == {"launcher": num_conversations}, by
 
 
+# A sitecustomize for every Python process the command starts (the launcher, and workers started
+# by `spawn`, which inherit nothing of it): each conversation tokenized is written down with the
+# process that tokenized it.
+COUNTING_SITE = """
+import os
+from fsdprun.data import sft_examples
+
+tokenize_chat = sft_examples.tokenize_chat
+
+def counted(*args, **kwargs):
+    with open(os.environ["TOKENIZED_BY"], "a") as f:
+        f.write(f"rank {os.environ['RANK']}\\n" if "RANK" in os.environ else "launcher\\n")
+    return tokenize_chat(*args, **kwargs)
+
+sft_examples.tokenize_chat = counted
+"""
+
+
+def test_spawned_workers_train_on_what_the_launcher_tokenized(tmp_path):
+    # Before: a spawned worker (the start method on accelerators) inherits nothing, so the
+    # launcher let its tokens go and every worker tokenized the chat file again. Now the
+    # launcher saves them in RUN_DIR/tokenized, the workers memory-map them, and the launcher
+    # deletes them when the run ends.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(COUNTING_SITE)
+    tokenized_by = tmp_path / "tokenized-by"
+    # One rank, and a model of its own (sft-demo's HF model loads its weights): the launcher's
+    # tokens are what is measured. The real `fsdprun` script: a sitecustomize needs a fresh
+    # interpreter, which the suite's zygote would exec anyway.
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("fsdprun")), "train", "sft-demo", "train.steps=1",
+         "eval.every_steps=0", "model.hf_path=null", "model.init=random", "model.max_seq_len=256",
+         "--nproc-per-node", "1", "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=fsdprun_env(FSDPRUN_START_METHOD="spawn", PYTHONPATH=str(site),
+                        TOKENIZED_BY=str(tokenized_by)),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    by = collections.Counter(tokenized_by.read_text().splitlines())
+    assert by == {"launcher": len(CHAT.read_text().splitlines())}, by
+    assert not (tmp_path / "run" / "tokenized").exists()  # no copy of the data left behind
+
+
 def test_prepare_sft_examples_refuses_bad_choices(tmp_path):
     with pytest.raises(UserError, match="--chat-turns 'first' is not one of: all, last"):
         prepare_sft_examples([CHAT], tmp_path / "o", source="chat", tokenizer=str(TINY),

@@ -424,10 +424,11 @@ class DataConfig:
     tokenizer: str = _f(
         "byte",
         "Tokenizer of `text` data: `byte` (built in: 256 byte values + end-of-text = 257 "
-        "tokens) or the path of a HuggingFace tokenizer.json (needs `pip install tokenizers`). "
-        "chat data: a HuggingFace folder holding tokenizer.json and tokenizer_config.json with "
-        "its `chat_template` (e.g. the model.hf_path folder); instruct data: any of these. A "
-        "Hub id (ORG/NAME) names a folder of huggingface_hub's cache, as for model.hf_path.",
+        "tokens), the path of a HuggingFace tokenizer.json or of a folder holding one (needs "
+        "`pip install tokenizers`). chat data: a HuggingFace folder holding tokenizer.json and "
+        "tokenizer_config.json with its `chat_template` (e.g. the model.hf_path folder); "
+        "instruct data: any of these. A Hub id (ORG/NAME) names a folder of huggingface_hub's "
+        "cache, as for model.hf_path.",
     )
     eos_token: str | None = _f(
         None,

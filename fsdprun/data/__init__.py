@@ -29,12 +29,13 @@ The package never imports the engines, the training loop, the launcher or the mo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from fsdprun.config import DataConfig
 from fsdprun.data.batch import IGNORE_INDEX, Batch, Row, collate
 from fsdprun.data.sft import build_sft_datasets
-from fsdprun.data.spec import DataKind, DataSpec, describe_data, forget_data
+from fsdprun.data.spec import DataKind, DataSpec, describe_data, forget_data, save_tokenized
 from fsdprun.data.synthetic import VAL_FIRST_INDEX, SyntheticData
 from fsdprun.data.windows import ShuffledWindows, TokenWindows, num_val_windows
 from fsdprun.errors import UserError
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IGNORE_INDEX", "Batch", "BatchLayout", "DataKind", "DataSpec", "Dataset", "Row",
     "SyntheticData", "build_datasets", "describe_data", "forget_data", "load_batch",
+    "save_tokenized",
 ]  # fmt: skip
 
 
@@ -91,16 +93,18 @@ class BatchLayout:
 
 
 def build_datasets(
-    cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int, with_val: bool = False
-) -> tuple[Dataset, Dataset | None]:
+    cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int, with_val: bool = False,
+    saved: Path | None = None,
+) -> tuple[Dataset, Dataset | None]:  # fmt: skip
     """The training dataset and, when `with_val`, the validation dataset of the data `cfg`
-    describes (`describe_data`: what the preflight tokenized in this process is reused).
+    describes (`describe_data`: what the preflight tokenized in this process is reused, or
+    read from `saved`, the folder where the launcher saved it for spawned workers).
 
     Raises:
-        UserError: data the preflight could not judge without reading it (too little text
-            after tokenizing).
+        UserError: text of fewer tokens than one sequence (the preflight's message: its files
+            changed since the checks).
     """
-    spec = describe_data(cfg)
+    spec = describe_data(cfg, saved=saved)
     if spec.kind is DataKind.synthetic:
         common = dict(vocab_size=vocab_size, seq_len=seq_len, seed=seed, noise=cfg.noise)
         val = SyntheticData(**common, first_index=VAL_FIRST_INDEX) if with_val else None
@@ -115,19 +119,17 @@ def build_datasets(
         if spec.kind is DataKind.tokens:
             files = spec.token_files(key)
             return TokenWindows([f.open() for f in files], seq_len=seq_len, names=paths)
-        # Every rank that was not forked from the launcher tokenizes the text itself
-        # (deterministic); for a large corpus, run `fsdprun prepare-data` once and train on the
-        # token files instead.
+        # The launcher's tokens (in this process, or saved for spawned workers); byte-tokenized
+        # .txt, which the checks count from file sizes, each rank tokenizes itself. For a large
+        # corpus, run `fsdprun prepare-data` once and train on the token files instead.
         tokens = spec.text_tokens(key)
-        windows = TokenWindows([tokens], seq_len=seq_len, names=[", ".join(paths)])
-        if windows.num_windows == 0:
-            raise UserError(
-                f"{key}: {len(tokens)} tokens in all, fewer than one sequence "
-                f"(train.seq_len + 1 = {seq_len + 1})"
-            )
-        return windows
+        if short := spec.short_text(key, len(tokens), seq_len):  # files changed since the checks
+            raise UserError(short)
+        return TokenWindows([tokens], seq_len=seq_len, names=[", ".join(paths)])
 
     def dataset(windows: TokenWindows, ids: range, name: str, num_files: int) -> ShuffledWindows:
+        # data.tokenizer as written: naming it needs no tokenizer loaded (a spawned worker reads
+        # the launcher's tokens).
         kind = "tokens" if spec.kind is DataKind.tokens else f"text ({cfg.tokenizer} tokenizer)"
         return ShuffledWindows(
             windows, ids, seed=seed, stream=name, vocab_size=vocab_size,
@@ -138,14 +140,16 @@ def build_datasets(
     train_windows = stream("data.paths")
     n = train_windows.num_windows
     num_val = num_val_windows(n, cfg.val_fraction)
-    train = dataset(train_windows, range(n - num_val), "train", len(cfg.paths))
+    train = dataset(train_windows, range(n - num_val), "train", len(spec.paths("data.paths")))
     if not with_val:
         return train, None
     if cfg.val_paths:
         val_windows = stream("data.val_paths")
         val_ids = range(val_windows.num_windows)
-        return train, dataset(val_windows, val_ids, "val", len(cfg.val_paths))
-    return train, dataset(train_windows, range(n - num_val, n), "val", len(cfg.paths))
+        return train, dataset(val_windows, val_ids, "val", len(spec.paths("data.val_paths")))
+    return train, dataset(
+        train_windows, range(n - num_val, n), "val", len(spec.paths("data.paths"))
+    )
 
 
 def load_batch(data: Dataset, indices: range, device: torch.device) -> Batch:

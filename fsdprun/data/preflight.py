@@ -6,9 +6,8 @@ config.json of a model.hf_path folder (whose model ignores model.vocab_size).
 What the data is comes from `describe_data` (the package's front door, `spec`). Reads headers,
 sizes and descriptions only (milliseconds at any corpus size), except text data that is not
 byte-tokenized .txt and fine-tuning examples: their length, split and token ids depend on their
-tokens, so they are tokenized here, once (the `DataSpec` keeps the tokens, and the workers
-forked from this process, or a torchrun rank's own training, reuse them). A raw .bin token id
-beyond the vocabulary is reported by the worker that reads it.
+tokens, so they are tokenized here, once (the `DataSpec` keeps the tokens for the workers: see
+`spec`). A raw .bin token id beyond the vocabulary is reported by the worker that reads it.
 
 Never imports torch at module load: `fsdprun config` runs it without torch.
 """
@@ -122,11 +121,8 @@ def _check_text(cfg: RecipeConfig, spec: DataSpec, window: int) -> list[str]:
     for key in FILE_KEYS:
         if spec.paths(key):
             num_tokens = spec.num_text_tokens(key)
-            if num_tokens < window:
-                errors.append(
-                    f"{key}: {num_tokens} tokens in all, fewer than one sequence "
-                    f"(train.seq_len + 1 = {window})"
-                )
+            if short := spec.short_text(key, num_tokens, cfg.train.seq_len):
+                errors.append(short)
             elif key == "data.paths" and d.val_fraction:
                 errors += _check_split((num_tokens - 1) // (window - 1), d.val_fraction)
     return errors

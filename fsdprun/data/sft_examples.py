@@ -120,19 +120,15 @@ def build_sft_tokenizer(
     cfg: DataConfig, *, chat: bool
 ) -> ChatTokenizer | ByteTokenizer | HFTokenizer:
     """The tokenizer of fine-tuning data: a chat template folder for chat rows; for instruct
-    rows `byte`, a tokenizer.json, or a folder holding one."""
-    spec = cfg.tokenizer
+    rows the tokenizer of text data (`build_tokenizer`)."""
     if chat:
-        if spec == "byte":
+        if cfg.tokenizer == "byte":
             raise UserError(
                 "data.tokenizer is byte, which has no chat template; set data.tokenizer to a "
                 "HuggingFace folder with tokenizer_config.json (e.g. model.hf_path)"
             )
-        return ChatTokenizer(Path(spec))
-    path = Path(spec)
-    return build_tokenizer(
-        str(path / "tokenizer.json") if spec != "byte" and path.is_dir() else spec, cfg.eos_token
-    )
+        return ChatTokenizer(Path(cfg.tokenizer))
+    return build_tokenizer(cfg.tokenizer, cfg.eos_token)
 
 
 # --------------------------------------------------------------------------------------------

@@ -80,7 +80,10 @@ class HFTokenizer:
                 "'fsdprun[text]' (or pip install tokenizers), or use data.tokenizer=byte"
             ) from None
         if not path.is_file():
-            raise UserError(f"tokenizer {path} does not exist (a tokenizer.json path or `byte`)")
+            raise UserError(
+                f"tokenizer {path} does not exist (a tokenizer.json, a folder holding one, or "
+                "`byte`)"
+            )
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises plain Exceptions for malformed files
@@ -208,10 +211,13 @@ def _cuts_of(spec: dict[str, Any]) -> Cuts:
 def build_tokenizer(
     spec: str, eos_token: str | None = None, *, require_eos: bool = True
 ) -> ByteTokenizer | HFTokenizer:
-    """`byte` or the path of a tokenizer.json, with the end-of-text data.eos_token names (see
-    `HFTokenizer`)."""
+    """`byte`, the path of a tokenizer.json or of a HuggingFace folder holding one (a model's,
+    a Hub id's snapshot), with the end-of-text data.eos_token names (see `HFTokenizer`): what
+    data.tokenizer names for text and instruct data alike."""
     if spec != "byte":
-        return HFTokenizer(Path(spec), eos_token, require_eos=require_eos)
+        path = Path(spec)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        return HFTokenizer(path, eos_token, require_eos=require_eos)
     if eos_token is None:
         return ByteTokenizer()
     if eos_token == NO_EOS:

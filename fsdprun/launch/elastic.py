@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -28,12 +29,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from fsdprun.checkpoint import read_manifest, set_aside_after
 from fsdprun.compile_cache import check_cache_dir
 from fsdprun.config import RecipeConfig, ResolvedRecipe, accelerator_device_nodes
-from fsdprun.data import forget_data
+from fsdprun.data import save_tokenized
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, memory_per_rank, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
 from fsdprun.engines.tp import check_tp_plan
-from fsdprun.errors import StorageError, UserError, diagnostic
+from fsdprun.errors import StorageError, UserError, diagnostic, write_error
 from fsdprun.launch.killed import describe_sigkill, is_sigkill
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.launch.rendezvous import RendezvousProgress
@@ -48,6 +49,7 @@ from fsdprun.rundir import (
     recipe_header,
     recipe_path,
     stop_path,
+    tokenized_dir,
 )
 from fsdprun.runlock import hold_run_dir
 from fsdprun.tools.plan import hardware_warnings
@@ -415,6 +417,18 @@ def launch_training(
         return _launch(resolved, run_dir, kind=kind, method=method, resume_from=resume_from)
 
 
+@contextlib.contextmanager
+def _removed_at_the_end(folder: Path, watch: RunDirWatch):
+    """`folder` of RUN_DIR deleted once the workers are gone (the launcher's saved tokens: a
+    copy of the data per run, and per `tune` trial, is no use after it), unless RUN_DIR names
+    another directory by then."""
+    try:
+        yield
+    finally:
+        if not watch.vanished():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def check_tracker_folders(cfg: RecipeConfig, run_dir: Path) -> None:
     """Refuse, before anything is written, a tracker whose folder cannot be written (a tracker
     that fails later only warns: see fsdprun.report.trackers).
@@ -460,7 +474,13 @@ def _launch(
         # recipe, and 0.004 after; their pages of it also stay shared.
         gc.freeze()
     else:
-        forget_data()  # spawned workers tokenize for themselves: no copy here for the whole run
+        # Spawned workers inherit nothing: they read what the checks tokenized from RUN_DIR
+        # rather than tokenize it again, and this process holds no copy for the whole run.
+        try:
+            save_tokenized(cfg.data, tokenized_dir(run_dir))
+        except OSError as e:
+            raise write_error(f"cannot write {tokenized_dir(run_dir)}", e,
+                              option="--run-dir") from None  # fmt: skip
     reporter = Reporter()
     waiting = _waiting(cfg, plan)
     try:
@@ -468,6 +488,7 @@ def _launch(
             _StopOnSignal(run_dir, watch) as stop,
             MetricsFollower(run_dir / cfg.output.metrics_file, reporter),
             waiting or contextlib.nullcontext(),
+            _removed_at_the_end(tokenized_dir(run_dir), watch),
         ):
             results = elastic_launch(plan.config, elastic_entry)(
                 str(run_dir), resolved.name, str(resume_from) if resume_from else None

@@ -59,7 +59,7 @@ from fsdprun.models.lora import apply_lora, num_trainable_params
 from fsdprun.report.console import Reporter
 from fsdprun.report.metrics import MetricsLog, drop_steps_after, peak_flops, throughput
 from fsdprun.report.trackers import close_on_failure, describe_trackers, open_trackers
-from fsdprun.rundir import RunDirWatch, recipe_path
+from fsdprun.rundir import RunDirWatch, recipe_path, tokenized_dir
 from fsdprun.train.guard import Heartbeat, StopSignals, die_with_launcher, restart_count
 from fsdprun.train.loop import Events, LoopResult, Trainable, TrainLoop
 from fsdprun.train.optim import build_lr_scheduler, build_optimizer, resume_lr_scheduler
@@ -328,7 +328,7 @@ def _train(
                          ranks.world_size // tp, tp)  # fmt: skip
     data, val_data = build_datasets(
         cfg.data, vocab_size=trainable.engine.inner.args.vocab_size, seq_len=cfg.train.seq_len,
-        seed=cfg.train.seed, with_val=cfg.eval.every_steps > 0,
+        seed=cfg.train.seed, with_val=cfg.eval.every_steps > 0, saved=tokenized_dir(run_dir),
     )  # fmt: skip
     counts = _model_counts(cfg.model, cfg.train.seq_len)
     resume_from = _restart_checkpoint(run_dir, resume_from)

@@ -50,7 +50,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -59,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import launch_device_problem, load_recipe
 from fsdprun.data.preflight import check_data
+from fsdprun.data.spec import forget_data
 from fsdprun.errors import UserError
 from fsdprun.rundir import TUNE_LOG_FILE
 from fsdprun.runlock import hold_run_dir
@@ -79,13 +79,14 @@ from fsdprun.tools.tune.space import (
     enumerate_candidates,
     parse_space,
     prior_order,
+    probe_device,
     prune,
     refused_alone,
 )
 from fsdprun.tools.tune.trials import LOSS_RTOL, TrialLog, run_trial
 
 if TYPE_CHECKING:
-    from fsdprun.config import RecipeConfig
+    from fsdprun.config import RecipeConfig, ResolvedRecipe
 
 # What `fsdprun tune` (cli.py) imports; the parts are imported from their modules.
 __all__ = ["Interrupted", "TuneArgs", "parse_duration", "render", "tune"]
@@ -114,25 +115,231 @@ class TuneArgs:
     dry_run: bool = False  # print the space, the pruning and the order; run nothing
 
 
-def probe_device(cfg: RecipeConfig) -> dict[str, Any]:
-    """The accelerator's kind, name and free memory, measured in a subprocess so that this
-    process never holds a device context while trials run."""
-    if cfg.launch.device.value == "cpu":
-        return {"kind": "cpu"}
-    code = (
-        "import json, torch\n"
-        "d = {'kind': 'cpu'}\n"
-        "if torch.cuda.is_available():\n"
-        "    free, total = torch.cuda.mem_get_info()\n"
-        "    d = {'kind': 'cuda', 'name': torch.cuda.get_device_name(), 'free': free,"
-        " 'total': total}\n"
-        "print(json.dumps(d))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
+    """The whole search; returns the report (its JSON document). With launch.nnodes > 1 every
+    node calls this with the same arguments: node 0 searches, the others run its trials with it
+    (fsdprun.tools.tune.nodes) and return its report.
+
+    Raises:
+        UserError: the recipe is invalid, --device-memory missing on CPU, a bad --space, --out
+            holds another search, or a multi-node tune without --rdzv-endpoint or under
+            torchrun/srun as a worker.
+        NodeLost: another node of a multi-node tune went away.
+        Interrupted: SIGINT (Ctrl-C) or SIGTERM; the message says what is kept.
+    """
+    say = say or (lambda text: None)
+    started = time.perf_counter()  # the budget counts from here, the checks included
+    with _interrupted(args.out_dir), _stop_on_signals():
+        # Every trial would be refused the same way: the checks are made once, up front.
+        resolved = _checked_recipe(args)
+        cfg, launch = resolved.config, resolved.config.launch
+        if launch.nnodes > 1 and launch.node_rank > 0 and not args.dry_run:
+            return _follow(args, cfg, say)  # (6) another node: run node 0's trials with it
+        leader = None
+        if launch.nnodes > 1 and not args.dry_run:
+            from fsdprun.tools.tune.nodes import Leader
+
+            # Up before the plan prunes (seconds for a large space), so the other nodes join now.
+            leader = Leader(launch.rdzv_endpoint, nnodes=launch.nnodes, search=_nodes_key(args),
+                            timeout_s=launch.rdzv_timeout_s)  # fmt: skip
+        with _failure_told_to(leader):
+            # (1) The space, and the memory its candidates must fit.
+            memory, memory_source, accelerator = _device_memory(args, cfg)
+            left_out: dict[str, str] = {}  # knob values the recipe refuses on their own
+            space, defaults = parse_space(args.space, cfg, accelerator=accelerator,
+                                          allow_numerics=args.allow_numerics,
+                                          refused=refused_alone(args.recipe, _overrides(args)),
+                                          left_out=left_out)  # fmt: skip
+            warmup = max(cfg.output.timing_warmup_steps, 1)
+            rtol = LOSS_RTOL[cfg.precision.param_dtype.value]
+            setting = _Setting(args, cfg, space, defaults, memory, memory_source, warmup, rtol,
+                               left_out)  # fmt: skip
+            if args.dry_run:
+                return _dry_run_report(setting, resolved, *_plan(setting, say))
+            # --out before the plan (seconds for a large space) and any trial: a second tune
+            # there is refused, and a place that cannot be written fails now, not at the first
+            # write of an hour's search (the lock's holder and the log's header are real writes).
+            with hold_run_dir(args.out_dir, option="--out"):
+                log = _open_log(args, resolved, space, started)
+                # (2) Pruning by the plan, and the order the candidates are tried in.
+                candidates, order = _plan(setting, say)
+                if log.records:
+                    say(f"continuing {args.out_dir}: {len(log.records)} finished trials in "
+                        f"{TUNE_LOG_FILE}")  # fmt: skip
+                if leader is not None:
+                    leader.wait_for_nodes(say)
+                # (3, 5) The rounds of trials, each logged as it finishes.
+                stop, not_tried = _search(args, log, order, warmup=warmup, rtol=rtol,
+                                          started=started, say=say, leader=leader)  # fmt: skip
+                for c in candidates:
+                    if c.id in not_tried:
+                        c.reason = not_tried[c.id]
+                # (4) The selection, the report and tuned.yaml.
+                report = _report(args, resolved, cfg, candidates, log.records, memory,
+                                 memory_source, stop, started, rtol)  # fmt: skip
+                _write_tuned(args, report, candidates, cfg)
+                log.note("done", winner=report["winner"], winner_label=report["winner_label"],
+                         verdict=report["verdict"], stopped_early=stop,
+                         tuned_yaml=report["tuned_yaml"])  # fmt: skip
+        if leader is not None:
+            leader.finish({"report": report})
+        return report
+
+
+# ---------------------------------------------------------------------------------------------
+# tune()'s steps
+
+
+def _overrides(args: TuneArgs) -> list[str]:
+    """The starting recipe's overrides: the user's, then the launch flags'."""
+    return [*args.overrides, *args.launch_overrides]
+
+
+def _checked_recipe(args: TuneArgs) -> ResolvedRecipe:
+    """The recipe with the search's arguments, checked as `train` checks it before a launch.
+
+    Raises:
+        UserError: what is wrong, one line.
+    """
+    for option, value in (("--steps", args.steps), ("--repeats", args.repeats),
+                          ("--finalists", args.finalists)):  # fmt: skip
+        if value < 1:
+            raise UserError(f"{option} must be >= 1 (got {value})")
+    resolved = load_recipe(args.recipe, _overrides(args))
+    cfg = resolved.config
+    problems = check_data(cfg)
+    # Each trial is a `fsdprun train` of its own that reads the data itself: this process
+    # keeps none of what the checks tokenized for the whole search.
+    forget_data()
+    if problems:
+        raise UserError("; ".join(problems))
+    device_problem = None if args.dry_run else launch_device_problem(cfg.launch.device)
+    if device_problem:
+        raise UserError(device_problem)
+    if "RANK" in os.environ:
+        # Each trial is a launch of its own: tune is a node's launcher, never one of its workers.
+        raise UserError(
+            "fsdprun tune runs as each node's launcher, not as a worker of torchrun or of a "
+            "multi-task srun step: run one tune per node (srun --ntasks-per-node 1 ... with "
+            "--nnodes, --node-rank and --rdzv-endpoint, as for fsdprun train)"
+        )
+    if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint:
+        raise UserError(
+            f"launch.nnodes is {cfg.launch.nnodes}: pass --rdzv-endpoint HOST:PORT (node 0's "
+            "address) and --node-rank on every node"
+        )
+    return resolved
+
+
+@contextlib.contextmanager
+def _failure_told_to(leader):
+    """Node 0's search failing: the other nodes are told why (`leader`, None on one node)."""
     try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"kind": "cpu"}
+        yield
+    except BaseException as e:
+        if leader is not None:
+            why = (str(e).strip().splitlines() or [""])[0]
+            if isinstance(e, UserError):
+                leader.finish({"error": why})
+            else:  # Ctrl-C (or a bug): no waiting for the others on the way out
+                leader.finish({"error": f"{type(e).__name__}{': ' + why if why else ''}"},
+                              wait_s=0)  # fmt: skip
+        raise
+
+
+def _device_memory(args: TuneArgs, cfg: RecipeConfig) -> tuple[int, str, bool]:
+    """The memory per rank candidates must fit, what says so, and whether it is an
+    accelerator's.
+
+    Raises:
+        UserError: on CPU without --device-memory.
+    """
+    device = probe_device(cfg)
+    if args.device_memory_bytes is None and device["kind"] == "cpu":
+        raise UserError(
+            "--device-memory is required on CPU (no accelerator memory to measure); e.g. "
+            "--device-memory 8GB"
+        )
+    memory = args.device_memory_bytes or int(device["free"])
+    source = "--device-memory" if args.device_memory_bytes else (
+        f"free memory of {device.get('name', 'the device')} measured now"
+    )  # fmt: skip
+    return memory, source, device["kind"] != "cpu"
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """What the plan of the candidates depends on."""
+
+    args: TuneArgs
+    cfg: RecipeConfig
+    space: list[SpaceKnob]
+    defaults: bool  # the default space: memory knobs are dominated where not needed
+    memory: int
+    memory_source: str
+    warmup: int
+    rtol: float
+    left_out: dict[str, str]
+
+
+def _plan(s: _Setting, say) -> tuple[list[Candidate], list[Candidate]]:
+    """The candidates, pruned by `fsdprun plan` and the knob tables (printed), and the order
+    they are tried in (the baseline first)."""
+    args = s.args
+    baseline = {k.key: current_value(s.cfg, k.key) for k in s.space}
+    candidates = enumerate_candidates(s.space, baseline)
+    prune(candidates, args.recipe, _overrides(args), device_memory_bytes=s.memory,
+          margin=args.margin, dominate_memory_knobs=s.defaults)  # fmt: skip
+    order = prior_order(candidates)
+    _print_space(say, s.space, candidates, order, s.memory, s.memory_source, args, s.warmup,
+                 s.rtol, s.cfg, s.left_out)  # fmt: skip
+    base = candidates[0]
+    if base.planned_peak_bytes * (1 + args.margin) > s.memory:
+        from fsdprun.report.console import fmt_bytes
+
+        # On stderr even with --json: the baseline runs anyway (it is the reference).
+        peak = fmt_bytes(base.planned_peak_bytes)
+        print(f"warning: the starting recipe plans a peak of {peak} per rank, over the "
+              f"device memory {fmt_bytes(s.memory)} ({s.memory_source}) with the "
+              f"{args.margin:.0%} margin; its trials (the baseline, run first) may run out "
+              "of memory", file=sys.stderr, flush=True)  # fmt: skip
+    return candidates, order
+
+
+def _dry_run_report(
+    s: _Setting, resolved: ResolvedRecipe, candidates: list[Candidate], order: list[Candidate]
+) -> dict[str, Any]:
+    """--dry-run's report: the space, the pruning, the order and the rounds it would run."""
+    args = s.args
+    rounds = halving_schedule(len(order), steps=args.steps, finalists=args.finalists,
+                              repeats=args.repeats)  # fmt: skip
+    return {
+        "recipe": resolved.name, "device_memory_bytes": s.memory, "margin": args.margin,
+        "space": [asdict(k) for k in s.space], "left_out": s.left_out,
+        "order": [c.id for c in order],
+        "rounds": [asdict(r) for r in rounds],
+        "candidates": [{"candidate": c.id, "label": c.label, "overrides": c.overrides,
+                        "status": c.status, "reason": c.reason,
+                        "planned_peak_bytes": c.planned_peak_bytes} for c in candidates],
+    }  # fmt: skip
+
+
+def _open_log(
+    args: TuneArgs, resolved: ResolvedRecipe, space: list[SpaceKnob], started: float
+) -> TrialLog:
+    """OUT/trials.jsonl, with this session noted: a rerun of the same search replays it."""
+    header = {"event": "tune", "search": _search_key(args, space), "recipe": resolved.name,
+              "overrides": _overrides(args)}  # fmt: skip
+    log = TrialLog(args.out_dir / TUNE_LOG_FILE, header)
+    # When the budget started (tune's start, before the checks): status counts from it.
+    began = dt.datetime.fromtimestamp(time.time() - (time.perf_counter() - started), dt.UTC)
+    log.note("session", started_at=began.isoformat(timespec="seconds"), budget_s=args.budget_s,
+             pid=os.getpid())  # fmt: skip
+    return log
+
+
+# ---------------------------------------------------------------------------------------------
+# The search's keys, the budget's spelling, and signals
 
 
 # Launch values that name where a node runs, not what is measured: a search continues with
@@ -210,23 +417,14 @@ def _stop_on_signals():
             signal.signal(s, handler)
 
 
-def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
-    """The whole search; returns the report (its JSON document). With launch.nnodes > 1 every
-    node calls this with the same arguments: node 0 searches, the others run its trials with it
-    (fsdprun.tools.tune.nodes) and return its report.
-
-    Raises:
-        UserError: the recipe is invalid, --device-memory missing on CPU, a bad --space, --out
-            holds another search, or a multi-node tune without --rdzv-endpoint or under
-            torchrun/srun as a worker.
-        NodeLost: another node of a multi-node tune went away.
-        Interrupted: SIGINT (Ctrl-C) or SIGTERM; the message says what is kept.
-    """
+@contextlib.contextmanager
+def _interrupted(out_dir: Path):
+    """A signal that stopped the search (_stop_on_signals) as `Interrupted`: one line saying
+    what the trial log keeps."""
     try:
-        with _stop_on_signals():
-            return _tune(args, say=say)
+        yield
     except _Signal as e:
-        log = args.out_dir / TUNE_LOG_FILE
+        log = out_dir / TUNE_LOG_FILE
         kept = "nothing was written yet"
         if log.is_file():
             n = 0
@@ -240,58 +438,8 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
                           exit_code=128 + e.signum) from None  # fmt: skip
 
 
-def _tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
-    say = say or (lambda text: None)
-    started = time.perf_counter()
-    for option, value in (("--steps", args.steps), ("--repeats", args.repeats),
-                          ("--finalists", args.finalists)):  # fmt: skip
-        if value < 1:
-            raise UserError(f"{option} must be >= 1 (got {value})")
-    base_overrides = [*args.overrides, *args.launch_overrides]
-    resolved = load_recipe(args.recipe, base_overrides)
-    cfg = resolved.config
-    problems = check_data(cfg)
-    if problems:
-        raise UserError("; ".join(problems))
-    device_problem = None if args.dry_run else launch_device_problem(cfg.launch.device)
-    if device_problem:  # every trial would be refused the same way: say it once, up front
-        raise UserError(device_problem)
-    if "RANK" in os.environ:
-        # Each trial is a launch of its own: tune is a node's launcher, never one of its workers.
-        raise UserError(
-            "fsdprun tune runs as each node's launcher, not as a worker of torchrun or of a "
-            "multi-task srun step: run one tune per node (srun --ntasks-per-node 1 ... with "
-            "--nnodes, --node-rank and --rdzv-endpoint, as for fsdprun train)"
-        )
-    launch = cfg.launch
-    if launch.nnodes > 1 and not launch.rdzv_endpoint:
-        raise UserError(
-            f"launch.nnodes is {launch.nnodes}: pass --rdzv-endpoint HOST:PORT (node 0's "
-            "address) and --node-rank on every node"
-        )
-    if launch.nnodes > 1 and launch.node_rank > 0 and not args.dry_run:
-        return _follow(args, cfg, say)
-    leader = None
-    if launch.nnodes > 1 and not args.dry_run:
-        from fsdprun.tools.tune.nodes import Leader
-
-        # Up before the plan prunes (seconds for a large space), so the other nodes join now.
-        leader = Leader(launch.rdzv_endpoint, nnodes=launch.nnodes, search=_nodes_key(args),
-                        timeout_s=launch.rdzv_timeout_s)  # fmt: skip
-    try:
-        report = _lead(args, resolved, cfg, started, say, leader)
-    except BaseException as e:
-        if leader is not None:
-            why = (str(e).strip().splitlines() or [""])[0]
-            if isinstance(e, UserError):
-                leader.finish({"error": why})
-            else:  # Ctrl-C (or a bug): no waiting for the others on the way out
-                leader.finish({"error": f"{type(e).__name__}{': ' + why if why else ''}"},
-                              wait_s=0)  # fmt: skip
-        raise
-    if leader is not None:
-        leader.finish({"report": report})
-    return report
+# ---------------------------------------------------------------------------------------------
+# Several nodes: the nodes but node 0
 
 
 def _nodes_key(args: TuneArgs) -> str:
@@ -309,7 +457,7 @@ def _follow(args: TuneArgs, cfg: RecipeConfig, say) -> dict[str, Any]:
 
     node = cfg.launch.node_rank
     out = args.out_dir / f"node-{node}"
-    overrides = [*args.overrides, *args.launch_overrides]
+    overrides = _overrides(args)
 
     def run_here(trial: dict[str, Any], alive) -> dict[str, Any]:
         diff = dict(o.split("=", 1) for o in trial["overrides"])
@@ -330,95 +478,3 @@ def _follow(args: TuneArgs, cfg: RecipeConfig, say) -> dict[str, Any]:
                         timeout_s=cfg.launch.rdzv_timeout_s, run_here=run_here,
                         say=say)  # fmt: skip
     return dict(report, node_rank=node)
-
-
-def _lead(args, resolved, cfg, started, say, leader) -> dict[str, Any]:
-    """One node's search, or node 0's of several (each trial through `leader`)."""
-    base_overrides = [*args.overrides, *args.launch_overrides]
-    device = probe_device(cfg)
-    accelerator = device["kind"] != "cpu"
-    if args.device_memory_bytes is None and device["kind"] == "cpu":
-        raise UserError(
-            "--device-memory is required on CPU (no accelerator memory to measure); e.g. "
-            "--device-memory 8GB"
-        )
-    memory = args.device_memory_bytes or int(device["free"])
-    memory_source = "--device-memory" if args.device_memory_bytes else (
-        f"free memory of {device.get('name', 'the device')} measured now"
-    )  # fmt: skip
-    left_out: dict[str, str] = {}
-    space, defaults = parse_space(args.space, cfg, accelerator=accelerator,
-                                  allow_numerics=args.allow_numerics,
-                                  refused=refused_alone(args.recipe, base_overrides),
-                                  left_out=left_out)  # fmt: skip
-    warmup = max(cfg.output.timing_warmup_steps, 1)
-    rtol = LOSS_RTOL[cfg.precision.param_dtype.value]
-
-    def plan() -> tuple[list[Candidate], list[Candidate]]:
-        baseline = {k.key: current_value(cfg, k.key) for k in space}
-        candidates = enumerate_candidates(space, baseline)
-        prune(candidates, args.recipe, base_overrides, device_memory_bytes=memory,
-              margin=args.margin, dominate_memory_knobs=defaults)  # fmt: skip
-        order = prior_order(candidates)
-        _print_space(say, space, candidates, order, memory, memory_source, args, warmup, rtol,
-                     cfg, left_out)  # fmt: skip
-        base = candidates[0]
-        if base.planned_peak_bytes * (1 + args.margin) > memory:
-            from fsdprun.report.console import fmt_bytes
-
-            # On stderr even with --json: the baseline runs anyway (it is the reference).
-            peak = fmt_bytes(base.planned_peak_bytes)
-            print(f"warning: the starting recipe plans a peak of {peak} per rank, over the "
-                  f"device memory {fmt_bytes(memory)} ({memory_source}) with the "
-                  f"{args.margin:.0%} margin; its trials (the baseline, run first) may run out "
-                  "of memory", file=sys.stderr, flush=True)  # fmt: skip
-        return candidates, order
-
-    if args.dry_run:
-        candidates, order = plan()
-        rounds = halving_schedule(len(order), steps=args.steps, finalists=args.finalists,
-                                  repeats=args.repeats)  # fmt: skip
-        return {
-            "recipe": resolved.name, "device_memory_bytes": memory, "margin": args.margin,
-            "space": [asdict(k) for k in space], "left_out": left_out,
-            "order": [c.id for c in order],
-            "rounds": [asdict(r) for r in rounds],
-            "candidates": [{"candidate": c.id, "label": c.label, "overrides": c.overrides,
-                            "status": c.status, "reason": c.reason,
-                            "planned_peak_bytes": c.planned_peak_bytes} for c in candidates],
-        }  # fmt: skip
-
-    report: dict[str, Any]
-    # --out before the plan (seconds for a large space) and any trial: a second tune there is
-    # refused, and a place that cannot be written fails now, not at the first write of an hour's
-    # search (the lock's holder and the trial log's header are real writes).
-    with hold_run_dir(args.out_dir, option="--out"):
-        header = {"event": "tune", "search": _search_key(args, space), "recipe": resolved.name,
-                  "overrides": base_overrides}  # fmt: skip
-        log = TrialLog(args.out_dir / TUNE_LOG_FILE, header)
-        # When the budget started (tune's start, before the checks): status counts from it.
-        began = dt.datetime.fromtimestamp(time.time() - (time.perf_counter() - started), dt.UTC)
-        log.note("session", started_at=began.isoformat(timespec="seconds"),
-                 budget_s=args.budget_s, pid=os.getpid())  # fmt: skip
-        candidates, order = plan()
-        if log.records:
-            say(f"continuing {args.out_dir}: {len(log.records)} finished trials in {TUNE_LOG_FILE}")
-        if leader is not None:
-            leader.wait_for_nodes(say)
-        stop, left_out = _search(args, log, order, warmup=warmup, rtol=rtol, started=started,
-                                 say=say, leader=leader)  # fmt: skip
-        for c in candidates:
-            if c.id in left_out:
-                c.reason = left_out[c.id]
-        report = _report(args, resolved, cfg, candidates, log.records, memory, memory_source,
-                         stop, started, rtol)  # fmt: skip
-        _write_tuned(args, report, candidates, cfg)
-        log.note(
-            "done",
-            winner=report["winner"],
-            winner_label=report["winner_label"],
-            verdict=report["verdict"],
-            stopped_early=stop,
-            tuned_yaml=report["tuned_yaml"],
-        )
-    return report

@@ -1,7 +1,8 @@
 """The space of `fsdprun tune`: the knobs, --space and the recipe's `tune:` section parsed into
 the knobs' values, the default space, every candidate (a combination of values), the pruning by
 `fsdprun plan` (over the device memory, refused by the recipe's checks, a knob the engine's knob
-table says does nothing, a memory knob not needed) and the order of the first round.
+table says does nothing, a memory knob not needed) and the order of the first round; the device's
+memory, measured in a subprocess (`probe_device`).
 
 Never imports the trials, the search or the report: a space is decided before anything runs
 (plan is imported only when it prunes).
@@ -10,7 +11,10 @@ Never imports the trials, the search or the report: a space is decided before an
 from __future__ import annotations
 
 import itertools
+import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,6 +50,31 @@ SHORT = {
 }  # fmt: skip
 
 DEFAULT_MARGIN = 0.10  # planned peak x (1 + margin) must fit the device memory
+
+# ---------------------------------------------------------------------------------------------
+# The device
+
+
+def probe_device(cfg: RecipeConfig) -> dict[str, Any]:
+    """The accelerator's kind, name and free memory, measured in a subprocess so that this
+    process never holds a device context while trials run."""
+    if cfg.launch.device.value == "cpu":
+        return {"kind": "cpu"}
+    code = (
+        "import json, torch\n"
+        "d = {'kind': 'cpu'}\n"
+        "if torch.cuda.is_available():\n"
+        "    free, total = torch.cuda.mem_get_info()\n"
+        "    d = {'kind': 'cuda', 'name': torch.cuda.get_device_name(), 'free': free,"
+        " 'total': total}\n"
+        "print(json.dumps(d))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"kind": "cpu"}
+
 
 # ---------------------------------------------------------------------------------------------
 # The space
