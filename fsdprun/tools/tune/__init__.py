@@ -256,8 +256,10 @@ def _tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
     device_problem = None if args.dry_run else launch_device_problem(cfg.launch.device)
     if device_problem:  # every trial would be refused the same way: say it once, up front
         raise UserError(device_problem)
-    if "RANK" in os.environ:
-        # Each trial is a launch of its own: tune is a node's launcher, never one of its workers.
+    if "LOCAL_RANK" in os.environ:
+        # Each trial is a launch of its own: tune is a node's launcher, never one of its workers
+        # (torchrun's and srun tasks' have LOCAL_RANK; a PyTorchJob's pod-level RANK comes
+        # without it, on a node's launcher).
         raise UserError(
             "fsdprun tune runs as each node's launcher, not as a worker of torchrun or of a "
             "multi-task srun step: run one tune per node (srun --ntasks-per-node 1 ... with "
