@@ -343,12 +343,28 @@ def _waiting(cfg: RecipeConfig, plan: LaunchPlan) -> RendezvousProgress | None:
     )  # fmt: skip
 
 
+def _attempt_dirs(plan: LaunchPlan) -> set[Path]:
+    """The attempts' log folders (LOG_DIR/<run id>_<random>/attempt_N): the agent makes one as it
+    starts an attempt's workers, so its rendezvous had completed (a new launch, a new folder)."""
+    return set(Path(plan.config.logs_specs.root_log_dir).glob("*/attempt_*"))
+
+
 def _rendezvous_failed(
-    err: RendezvousError, cfg: RecipeConfig, plan: LaunchPlan, waiting: RendezvousProgress | None
-) -> UserError:
+    err: RendezvousError, cfg: RecipeConfig, plan: LaunchPlan, waiting: RendezvousProgress | None,
+    *, attempts_before: set[Path],
+) -> UserError | WorkerFailed:  # fmt: skip
     """One line for a rendezvous that failed: the nodes that came when it timed out, else the
-    cause (a port in use, an endpoint that does not answer)."""
+    cause (a port in use, an endpoint that does not answer); or, once the run had started, the
+    store on node 0 that went away with it (exit 1, as the job's other nodes)."""
     endpoint, timeout = cfg.launch.rdzv_endpoint, cfg.launch.rdzv_timeout_s
+    if _attempt_dirs(plan) - attempts_before:
+        # The agent keeps talking to the store on node 0 while its workers run: a node 0 that
+        # exited or died (its own log says why) ends the run here as well.
+        return WorkerFailed(
+            f"lost node 0 (the rendezvous store at {endpoint}) while training: it exited or its "
+            "host went away; its own log says why. This node stops too",
+            user_error=False,
+        )
     joined = waiting.joined() if waiting is not None else None
     if isinstance(err, RendezvousTimeoutError) and joined is not None:
         return UserError(
@@ -473,6 +489,7 @@ def _launch(
         forget_data()  # spawned workers tokenize for themselves: no copy here for the whole run
     reporter = Reporter()
     waiting = _waiting(cfg, plan)
+    attempts_before = _attempt_dirs(plan)
     try:
         with (
             _StopOnSignal(run_dir, watch) as stop,
@@ -487,7 +504,10 @@ def _launch(
         _log_failure(run_dir / cfg.output.metrics_file, str(failure))
         raise failure from err
     except RendezvousError as err:
-        raise _rendezvous_failed(err, cfg, plan, waiting) from err
+        failed = _rendezvous_failed(err, cfg, plan, waiting, attempts_before=attempts_before)
+        if isinstance(failed, WorkerFailed):
+            _log_failure(run_dir / cfg.output.metrics_file, str(failed))
+        raise failed from err
     vanished = next((r["vanished"] for r in results.values() if r and r.get("vanished")), None)
     if vanished is not None:
         raise StorageError(watch.message(**vanished))

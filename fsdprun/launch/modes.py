@@ -152,7 +152,8 @@ def _pet(
     typed_endpoint = _typed_endpoint(flags)
     for name in _flag_names():
         var = _pet_name(name)
-        if var not in env or getattr(flags, name) not in (None, False):
+        typed = getattr(flags, name)
+        if var not in env or (typed is not None and typed is not False):  # (0 == False)
             continue
         if name in ENDPOINT_FIELDS and typed_endpoint:
             continue
