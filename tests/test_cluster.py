@@ -14,6 +14,7 @@ Run with `pytest tests/test_cluster.py`.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from test_cli import assert_one_line_error
 from test_train import BASE, assert_same_losses
 from typer.testing import CliRunner
 
+from fsdprun.checkpoint import list_checkpoints
 from fsdprun.cli import app
 from fsdprun.launch.flags import LaunchFlags, launch_overrides
 from fsdprun.launch.modes import decide
@@ -259,6 +261,54 @@ def test_skypilot_nodes_train_and_a_lost_node_fails_the_other(by_hand, tmp_path)
     [line] = (root / "node1.err").read_text().strip().splitlines()
     assert line.startswith("error: ") and ("lost node 0" in line or "lost the connection" in line)
     procs[0].wait(timeout=30)
+
+
+def test_trainjob_shared_volume_example_stops_on_sigterm_and_continues(tmp_path):
+    """examples/kubernetes/trainjob-shared-volume.yaml's command as Trainer runs it in each pod
+    (PET_* set; the shared volume: one folder both "nodes" see): deleting the job (SIGTERM to
+    each pod's first process) stops both nodes at one agreed step with a checkpoint (exit 143);
+    the job applied again resumes there and finishes the run."""
+    doc = yaml.safe_load((EXAMPLES / "kubernetes/trainjob-shared-volume.yaml").read_text())
+    trainer = doc["spec"]["trainer"]
+    run_dir = tmp_path / "volume" / "run"
+    # The example's recipe and volume, made small for this machine.
+    script = (
+        trainer["args"][0]
+        .replace("/runs/llama-8b", str(run_dir))
+        .replace("fsdprun train llama-8b", "fsdprun train debug train.steps=12 output.log_every=1")
+    )
+    assert str(run_dir) in script and "train debug" in script
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 {TRAINJOB_MASTER}\n")
+    bin_dir = Path(zygote_command(tmp_path)).parent  # `fsdprun` on PATH, through the zygote
+
+    def apply() -> list[subprocess.Popen]:
+        port = free_port()
+        return [subprocess.Popen(
+            [*trainer["command"], script], cwd=tmp_path, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=fsdprun_env(**trainjob_env(n, 1, port), FSDPRUN_TEST_HOSTS=str(hosts),
+                            PATH=f"{bin_dir}:{os.environ['PATH']}"),
+        ) for n in (0, 1)]  # fmt: skip
+
+    pods = apply()
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "step" for e in Run(None, run_dir).events):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in pods)
+        time.sleep(0.05)
+    for pod in pods:
+        pod.send_signal(signal.SIGTERM)  # kubectl delete: every pod's first process
+    outputs = [pod.communicate(timeout=120)[0] for pod in pods]
+    assert [pod.returncode for pod in pods] == [143, 143], outputs
+    [saved] = [c for c in list_checkpoints(run_dir) if c.complete][-1:]
+    assert saved.step < 12
+    pods = apply()  # the same TrainJob again
+    outputs = [pod.communicate(timeout=300)[0] for pod in pods]
+    assert [pod.returncode for pod in pods] == [0, 0], outputs
+    assert all(f"resuming {run_dir} from step-{saved.step:08d}" in out for out in outputs)
+    run = Run(None, run_dir)
+    assert {e["step"] for e in run.steps} == set(range(1, 13))
+    assert any(e["event"] == "resume" for e in run.events)
 
 
 def _mkdir(path: Path) -> Path:
