@@ -900,8 +900,12 @@ def compare_cmd(
 ) -> None:
     """Run a recipe under several engines/shardings (same seed and data) and compare them side
     by side: tokens/s, step time, peak memory, model state per rank, final loss."""
+    from fsdprun.launch.modes import forget_platform
     from fsdprun.tools.compare import Interrupted, compare, markdown, parse_configs, render
 
+    # Its runs are this node's alone, launched as the typed flags and the recipe say: their
+    # `fsdprun train` must not take a platform's node count and rank from the environment.
+    forget_platform(os.environ)
     if launch.num_nodes not in (None, 1) or launch.node_rank not in (None, 0):
         # Each configuration is a run of its own, under a run directory named here.
         raise UserError(
@@ -1034,13 +1038,14 @@ def tune_cmd(
         from fsdprun.report.plot import check_png_target
 
         check_png_target(plot_, "--plot")
-    from fsdprun.launch.modes import decide
+    from fsdprun.launch.modes import decide, forget_platform
 
     # As for train: a task of a multi-task srun step is a worker (which tune refuses to be),
     # one task per node with --nnodes is that node's launcher, and so is each node of a
     # platform that sets PET_* or SKYPILOT_* variables.
     mode = decide(os.environ, launch)
     os.environ.update(mode.worker_env)
+    forget_platform(os.environ)
     launch = mode.flags
     memory = None
     if device_memory:

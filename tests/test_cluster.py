@@ -153,6 +153,17 @@ def test_an_environment_fsdprun_cannot_use_is_one_line_naming_the_variable(env, 
     assert_one_line_error(result, *fragments)
 
 
+def test_resume_and_tune_in_a_pytorchjob_pod_are_its_launcher_not_a_worker(tmp_path):
+    """A PyTorchJob's pod-level RANK made `fsdprun resume` and `fsdprun tune` refuse, as if they
+    ran under torchrun: they are the pod's launcher."""
+    env = pytorchjob_env(1, 1, 23456)
+    resumed = CliRunner().invoke(app, ["resume", str(tmp_path / "run")], env=env)
+    assert_one_line_error(resumed, "not an fsdprun run directory")
+    tuned = CliRunner().invoke(app, ["tune", "debug", "--out", str(tmp_path / "o"), "--dry-run",
+                                     "--device-memory", "1GB", "--json"], env=env)  # fmt: skip
+    assert tuned.exit_code == 0, tuned.output
+
+
 # ------------------------------------------------------------------------------------------------
 # Two "nodes" on this machine.
 

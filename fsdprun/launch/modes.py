@@ -31,7 +31,7 @@ Never imports torch, nor an fsdprun module but `errors` and the launch flags' an
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -50,6 +50,7 @@ KINDS = {
     "skypilot": "each node's launcher, from SkyPilot's SKYPILOT_* variables",
     "launcher": "fsdprun's launcher",
 }
+PLATFORM_PREFIXES = ("PET_", "SKYPILOT_")
 # Fields that name the rendezvous store: one typed, the environment's are not used (torchrun
 # too takes a typed --rdzv-endpoint over PET_MASTER_ADDR, which only its static backend reads).
 ENDPOINT_FIELDS = ("rdzv_endpoint", "master_addr", "master_port")
@@ -116,6 +117,14 @@ def decide(env: Mapping[str, str], flags: LaunchFlags) -> LaunchMode:
         return LaunchMode("srun", flags, worker_env=worker_env)
     ignored = tuple(f"{n}={env[n]}" for n in ("RANK", "WORLD_SIZE") if n in env)
     return LaunchMode(kind, merged, read=read, ignored=ignored if kind == "pet" else ())
+
+
+def forget_platform(env: MutableMapping[str, str]) -> None:
+    """Drop the platform's PET_* and SKYPILOT_* variables from `env`: compare and tune, once
+    decided, start each run's `fsdprun train` with the launch as overrides, which those
+    variables, read again by that child, would otherwise override."""
+    for name in [k for k in env if k.startswith(PLATFORM_PREFIXES)]:
+        del env[name]
 
 
 def _flag_names() -> list[str]:
