@@ -149,7 +149,7 @@ def _merge(flags: LaunchFlags, values: dict[str, tuple[object, str]]) -> LaunchF
         # service even then), so the job listens on loopback only.
         values = {k: v for k, v in values.items() if k not in ENDPOINT_FIELDS}
     given = {k: value for k, (value, _) in values.items()}
-    return replace(flags, **given, sources={k: source for k, (_, source) in values.items()})
+    return replace(flags, **given, sources={k: var for k, (_, var) in values.items()})
 
 
 def _pet(
@@ -162,7 +162,8 @@ def _pet(
     for name in _flag_names():
         var = _pet_name(name)
         typed = getattr(flags, name)
-        if var not in env or (typed is not None and typed is not False):  # (0 == False)
+        # `is`, not `in (None, False)`: a typed --node-rank 0 equals False, and wins all the same.
+        if var not in env or (typed is not None and typed is not False):
             continue
         if name in ENDPOINT_FIELDS and typed_endpoint:
             continue
