@@ -4,10 +4,9 @@
 The decision (fsdprun.launch.modes) is checked over a table of each platform's environments. The
 runs are real: two "nodes" on this machine, each an `fsdprun train` started with exactly the
 variables its platform sets (plus FSDPRUN_TEST_HOSTS, the test-only hosts file through which a
-Kubernetes service's name starts to resolve while the nodes wait), train one job whose losses
-are those of the same job started by hand: test_train.py checks that `--nnodes 2
---nproc-per-node 1 --node-rank N` by hand trains with the losses of `world2_micro1`, and the
-debug recipe's losses do not depend on the world size (test_world_size_does_not_change_losses).
+Kubernetes service's name starts to resolve while the nodes wait), train 2 nodes x 2 ranks with
+the losses of the same job started by hand (`--nnodes 2 --nproc-per-node 2 --node-rank N
+--rdzv-endpoint HOST:PORT`).
 
 Run with `pytest tests/test_cluster.py`.
 """
@@ -168,14 +167,18 @@ def test_resume_and_tune_in_a_pytorchjob_pod_are_its_launcher_not_a_worker(tmp_p
 # Two "nodes" on this machine.
 
 
-def _start(tmp_path: Path, envs: list[dict[str, str]], *args: str) -> list[subprocess.Popen]:
-    """One `fsdprun train debug ARGS --run-dir nodeN` per environment, output to nodeN.out/err."""
+def _start(
+    tmp_path: Path, envs: list[dict[str, str]], *args: str, flags=lambda node: []
+) -> list[subprocess.Popen]:
+    """One `fsdprun train debug ARGS FLAGS(N) --run-dir nodeN` per environment, output to
+    nodeN.out/err."""
     fsdprun = zygote_command(tmp_path)
     procs = []
     for node, env in enumerate(envs):
         out, err = (open(tmp_path / f"node{node}.{k}", "w") for k in ("out", "err"))  # noqa: SIM115
+        run_dir = str(tmp_path / f"node{node}")
         procs.append(subprocess.Popen(
-            [fsdprun, "train", "debug", *args, "--run-dir", str(tmp_path / f"node{node}")],
+            [fsdprun, "train", "debug", *args, *flags(node), "--run-dir", run_dir],
             cwd=tmp_path, env=fsdprun_env(**env), stdout=out, stderr=err, text=True,
         ))  # fmt: skip
     return procs
@@ -195,10 +198,23 @@ def _trained(tmp_path: Path, procs: list[subprocess.Popen]) -> Run:
     return run
 
 
-@pytest.fixture
-def by_hand(fsdprun_runs) -> Run:
-    """The debug recipe started by hand at world 2, micro batch 1 (test_train's world2_micro1)."""
-    return fsdprun_runs.train(*BASE, "train.micro_batch_size=1", nproc=2).check()
+# Each platform's job: 2 nodes x 2 ranks (the debug recipe's), micro batch 1: 2 accumulation steps.
+JOB = (*BASE, "train.micro_batch_size=1", "launch.rdzv_timeout_s=120")
+
+
+@pytest.fixture(scope="module")
+def by_hand(tmp_path_factory) -> Run:
+    """The same job started by hand on two "nodes", with no platform's variable:
+    `--nnodes 2 --nproc-per-node 2 --node-rank N --rdzv-endpoint HOST:PORT`."""
+    root = tmp_path_factory.mktemp("by-hand")
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = _start(root, [{}, {}], *JOB, flags=lambda node: [
+        "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+        "--rdzv-endpoint", endpoint])  # fmt: skip
+    run = _trained(root, procs)
+    assert (run.start["world_size"], run.start["grad_accum_steps"]) == (4, 2)
+    assert "launch: fsdprun's launcher\n" in _output(root, 0) + _output(root, 1)
+    return run
 
 
 def test_trainjob_waits_for_node_0s_name_then_trains_2_nodes_x_2_ranks(by_hand, tmp_path):
@@ -206,8 +222,7 @@ def test_trainjob_waits_for_node_0s_name_then_trains_2_nodes_x_2_ranks(by_hand, 
     say what they wait for, the name starts to resolve, and 2 nodes x 2 ranks train the job."""
     port, hosts = free_port(), tmp_path / "hosts"
     test_only = {"FSDPRUN_TEST_HOSTS": str(hosts)}
-    procs = _start(tmp_path, [{**trainjob_env(n, 2, port), **test_only} for n in (0, 1)],
-                   *BASE, "train.micro_batch_size=1", "launch.rdzv_timeout_s=120")  # fmt: skip
+    procs = _start(tmp_path, [{**trainjob_env(n, 2, port), **test_only} for n in (0, 1)], *JOB)
     deadline = time.monotonic() + 120
     waiting = f"waiting for the rendezvous host {TRAINJOB_MASTER} to resolve"
     while not all(waiting in _output(tmp_path, n) for n in (0, 1)):
@@ -225,29 +240,29 @@ def test_trainjob_waits_for_node_0s_name_then_trains_2_nodes_x_2_ranks(by_hand, 
 
 
 def test_pytorchjob_pods_rank_and_world_size_are_not_ranks(by_hand, tmp_path):
-    """A PyTorchJob's pods: RANK and WORLD_SIZE of the pods beside PET_*; the Master's service
-    name (resolving from the start here) and port in MASTER_ADDR/MASTER_PORT."""
+    """A PyTorchJob's pods, 2 x 2 ranks: RANK and WORLD_SIZE of the pods beside PET_*; the
+    Master's service name (resolving from the start here) and port in MASTER_ADDR/MASTER_PORT."""
     hosts = tmp_path / "hosts"
     hosts.write_text(f"127.0.0.1 {PYTORCHJOB_MASTER}\n")
     port = free_port()
-    envs = [{**pytorchjob_env(n, 1, port), "FSDPRUN_TEST_HOSTS": str(hosts)} for n in (0, 1)]
-    run = _trained(tmp_path, _start(tmp_path, envs, *BASE, "train.micro_batch_size=1",
-                                    "launch.rdzv_timeout_s=120"))  # fmt: skip
-    assert run.start["world_size"] == 2
+    envs = [{**pytorchjob_env(n, 2, port), "FSDPRUN_TEST_HOSTS": str(hosts)} for n in (0, 1)]
+    run = _trained(tmp_path, _start(tmp_path, envs, *JOB))
+    assert run.start["world_size"] == 4
     assert_same_losses(by_hand, run)
     # The header is the node's with global rank 0 (the rendezvous' order): either pod.
     header = _output(tmp_path, 0) + _output(tmp_path, 1)
-    assert re.search(r"pod-level RANK=[01], WORLD_SIZE=2 not used \(they count pods\)", header)
+    assert re.search(r"pod-level RANK=[01], WORLD_SIZE=4 not used \(they count pods\)", header)
 
 
 def test_skypilot_nodes_train_and_a_lost_node_fails_the_other(by_hand, tmp_path):
-    """SkyPilot's variables (CPU nodes: SKYPILOT_NUM_GPUS_PER_NODE=0, the recipe's one rank each
-    here; MASTER_PORT from the task's envs) train the job. Then a second job: node 0 killed
-    mid-run (its pod gone) makes node 1 exit non-zero well within the rendezvous timeout."""
+    """SkyPilot's variables (CPU nodes: SKYPILOT_NUM_GPUS_PER_NODE=0, the recipe's 2 ranks each;
+    MASTER_PORT from the task's envs) train the job. Then a second job, 1 rank a node: node 0
+    killed mid-run (its pod gone) makes node 1 exit non-zero well within the rendezvous
+    timeout."""
     port = free_port()
     envs = [{**skypilot_env(n), "MASTER_PORT": str(port)} for n in (0, 1)]
-    one_rank = ("launch.nproc_per_node=1", "train.micro_batch_size=1", "launch.rdzv_timeout_s=60")
-    run = _trained(tmp_path / "a", _start(_mkdir(tmp_path / "a"), envs, *BASE, *one_rank))
+    run = _trained(tmp_path / "a", _start(_mkdir(tmp_path / "a"), envs, *JOB))
+    assert run.start["world_size"] == 4
     assert_same_losses(by_hand, run)
     assert "launch: each node's launcher, from SkyPilot's SKYPILOT_* variables" in _output(
         tmp_path / "a", 0
@@ -257,7 +272,7 @@ def test_skypilot_nodes_train_and_a_lost_node_fails_the_other(by_hand, tmp_path)
     port = free_port()
     envs = [{**skypilot_env(n), "MASTER_PORT": str(port)} for n in (0, 1)]
     root = _mkdir(tmp_path / "b")
-    procs = _start(root, envs, "train.steps=500", "output.log_every=1", *one_rank[:2],
+    procs = _start(root, envs, "train.steps=500", "output.log_every=1", "launch.nproc_per_node=1",
                    f"launch.rdzv_timeout_s={timeout_s}")  # fmt: skip
     deadline = time.monotonic() + 120
     while not re.search(r"^step 2 \|", _output(root, 0) + _output(root, 1), re.M):
