@@ -227,7 +227,7 @@ LONGEST_FIRST = (
     "test_engines.py", "test_hf.py", "test_hf_families.py", "test_matrix.py",
     "test_unresponsive.py", "test_bad_input.py", "test_launch.py", "test_memory_contract.py",
     "test_train.py", "test_data.py",
-    "test_slurm_example.py", "test_process_faults.py", "test_profile.py",
+    "test_cluster.py", "test_slurm_example.py", "test_process_faults.py", "test_profile.py",
 )  # fmt: skip
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import Run, free_port, fsdprun_env, zygote_command
+from conftest import Run, free_port, fsdprun_env, run_fsdprun, zygote_command
 from test_cli import assert_one_line_error
 from test_train import BASE, assert_same_losses
 from typer.testing import CliRunner
@@ -237,6 +237,23 @@ def test_trainjob_waits_for_node_0s_name_then_trains_2_nodes_x_2_ranks(by_hand, 
     out = _output(tmp_path, 0) + _output(tmp_path, 1)
     assert "launch: each node's launcher, from torchrun's PET_* variables" in out
     assert f"PET_MASTER_ADDR={TRAINJOB_MASTER}, PET_MASTER_PORT={port}" in out
+
+
+def test_a_node_0_name_that_never_resolves_gives_up_in_one_line(tmp_path):
+    """A TrainJob whose node 0 never comes up: node 1 waits for its name, saying so, then gives
+    up at the rendezvous timeout in one line (exit 2) and has written nothing."""
+    timeout_s = 2
+    proc = run_fsdprun("train", "debug", f"launch.rdzv_timeout_s={timeout_s}", "--run-dir",
+                       str(tmp_path / "run"), cwd=tmp_path,
+                       env=fsdprun_env(**trainjob_env(1, 1, free_port())))  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"waiting for the rendezvous host {TRAINJOB_MASTER} to resolve")
+    assert proc.stderr.strip() == (
+        f"error: the rendezvous host {TRAINJOB_MASTER} did not resolve within "
+        f"launch.rdzv_timeout_s={timeout_s}: check the name (node 0's host, or its pod's "
+        "service) and that node 0 runs, or raise launch.rdzv_timeout_s"
+    )
+    assert not (tmp_path / "run").exists()
 
 
 def test_pytorchjob_pods_rank_and_world_size_are_not_ranks(by_hand, tmp_path):
