@@ -21,7 +21,8 @@ typed on the command line and the environment; the run header prints the decisio
 - `launcher`: fsdprun's own launcher with the typed flags and the recipe's launch.* alone: one
   node, or a node of a job started by hand or by a script (examples/slurm/).
 
-Flags typed on the command line win over the environment, one by one. A platform's rendezvous
+Flags typed on the command line win over the environment, one by one (a typed --standalone is
+one node, whatever the platform says of nodes). A platform's rendezvous
 address is dropped when the platform says one node: a one-node job listens on loopback only
 (fsdprun.launch.loopback).
 
@@ -141,6 +142,10 @@ def _typed_endpoint(flags: LaunchFlags) -> bool:
 
 def _merge(flags: LaunchFlags, values: dict[str, tuple[object, str]]) -> LaunchFlags:
     """`flags` with the environment's values filled in where nothing was typed."""
+    if flags.standalone:  # typed: one node on loopback, whatever the platform says of nodes
+        values = {
+            k: v for k, v in values.items() if k not in ("nnodes", "node_rank", *ENDPOINT_FIELDS)
+        }
     nnodes, source = values.get("nnodes", (flags.nnodes, flags.source("nnodes")))
     if flags.nnodes is not None:
         nnodes, source = flags.nnodes, flags.source("nnodes")
