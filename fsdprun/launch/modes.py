@@ -22,9 +22,8 @@ typed on the command line and the environment; the run header prints the decisio
   node, or a node of a job started by hand or by a script (examples/slurm/).
 
 Flags typed on the command line win over the environment, one by one (a typed --standalone is
-one node, whatever the platform says of nodes). A platform's rendezvous
-address is dropped when the platform says one node: a one-node job listens on loopback only
-(fsdprun.launch.loopback).
+one node, whatever the platform says of nodes). A platform's rendezvous address is dropped when
+the platform says one node: a one-node job listens on loopback only (fsdprun.launch.loopback).
 
 Never imports torch, nor an fsdprun module but `errors` and the launch flags' and SLURM's.
 """
