@@ -300,12 +300,15 @@ def train(
     launch: LaunchFlags,
 ) -> None:
     """Train a recipe: launch the workers, print throughput and memory tables."""
-    all_overrides = [*(overrides or []), *launch_overrides(launch, run_dir)]
-    from fsdprun.launch.slurm import srun_env
+    from fsdprun.launch.modes import MODE_ENV, decide
 
-    # A task of an srun step is a worker too, unless it is its node's launcher (--nnodes).
-    os.environ.update(srun_env(os.environ, nnodes=launch.num_nodes))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
+    # torchrun's worker, an srun task, or a node's launcher under a platform (PET_*, SKYPILOT_*)
+    # or by hand: decided once, here; the header says which.
+    mode = decide(os.environ, launch)
+    all_overrides = [*(overrides or []), *launch_overrides(mode.flags, run_dir)]
+    os.environ.update(mode.worker_env)
+    os.environ[MODE_ENV] = mode.describe()
+    if mode.is_worker:
         _load("fsdprun.launch.direct", DYNAMO)
         from fsdprun.launch.direct import run_as_worker
 
@@ -365,18 +368,20 @@ def resume(
     launch: LaunchFlags,
 ) -> None:
     """Continue a run from its newest complete checkpoint (any world size)."""
-    from fsdprun.launch.slurm import srun_env
+    from fsdprun.launch.modes import MODE_ENV, decide
     from fsdprun.rundir import recipe_path
     from fsdprun.runlock import hold_run_dir
 
-    if "RANK" in os.environ or srun_env(os.environ, nnodes=launch.num_nodes):
+    mode = decide(os.environ, launch)
+    if mode.is_worker:
         # Every rank would start a launcher of its own on the same run directory.
         raise UserError(
             "fsdprun resume starts its own launcher: run it once per node, not under torchrun "
             "or a multi-task srun step (under torchrun --max-restarts, restarts resume by "
             "themselves)"
         )
-
+    os.environ[MODE_ENV] = mode.describe()
+    launch = mode.flags
     extra = launch_overrides(launch)
     _precheck_resume(run_dir, [*(overrides or []), *extra])
     # Locked before choosing the checkpoint: a run still writing would make the choice stale.
@@ -895,8 +900,12 @@ def compare_cmd(
 ) -> None:
     """Run a recipe under several engines/shardings (same seed and data) and compare them side
     by side: tokens/s, step time, peak memory, model state per rank, final loss."""
+    from fsdprun.launch.modes import forget_platform
     from fsdprun.tools.compare import Interrupted, compare, markdown, parse_configs, render
 
+    # Its runs are this node's alone, launched as the typed flags and the recipe say: their
+    # `fsdprun train` must not take a platform's node count and rank from the environment.
+    forget_platform(os.environ)
     if launch.num_nodes not in (None, 1) or launch.node_rank not in (None, 0):
         # Each configuration is a run of its own, under a run directory named here.
         raise UserError(
@@ -1029,11 +1038,15 @@ def tune_cmd(
         from fsdprun.report.plot import check_png_target
 
         check_png_target(plot_, "--plot")
-    from fsdprun.launch.slurm import srun_env
+    from fsdprun.launch.modes import decide, forget_platform
 
     # As for train: a task of a multi-task srun step is a worker (which tune refuses to be),
-    # one task per node with --nnodes is that node's launcher.
-    os.environ.update(srun_env(os.environ, nnodes=launch.num_nodes))
+    # one task per node with --nnodes is that node's launcher, and so is each node of a
+    # platform that sets PET_* or SKYPILOT_* variables.
+    mode = decide(os.environ, launch)
+    os.environ.update(mode.worker_env)
+    forget_platform(os.environ)
+    launch = mode.flags
     memory = None
     if device_memory:
         memory = parse_size(device_memory, option="--device-memory",

@@ -86,7 +86,12 @@ def free_port() -> int:
 
 
 def fsdprun_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # Never a worker's variables, nor a platform's node count and rank (a suite run in a pod).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith(("PET_", "SKYPILOT_"))
+    }
     env.update(OMP_NUM_THREADS="1", COLUMNS="200", **extra)
     return env
 
@@ -227,7 +232,7 @@ LONGEST_FIRST = (
     "test_engines.py", "test_hf.py", "test_hf_families.py", "test_matrix.py",
     "test_unresponsive.py", "test_bad_input.py", "test_launch.py", "test_memory_contract.py",
     "test_train.py", "test_data.py",
-    "test_slurm_example.py", "test_process_faults.py", "test_profile.py",
+    "test_cluster.py", "test_slurm_example.py", "test_process_faults.py", "test_profile.py",
 )  # fmt: skip
 
 

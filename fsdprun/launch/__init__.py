@@ -1,8 +1,9 @@
-"""Starting workers: the in-process elastic launcher (`elastic`), running under torchrun or srun
-(`direct`, `slurm`), the single-node loopback rendezvous (`loopback`), the waiting lines of a
-multi-node one (`rendezvous`) and `fsdprun resume` (`resume`). The run directory's names
-(`fsdprun.rundir`) and its lock (`fsdprun.runlock`) sit at the package's ground floor, since
-checkpoint, config, report and tools read them too.
+"""Starting workers: how this process was started, from the flags and the environment (`modes`:
+torchrun, srun, Kubeflow's and torchrun's PET_*, SkyPilot), the in-process elastic launcher
+(`elastic`), running under torchrun or srun (`direct`, `slurm`), the single-node loopback
+rendezvous (`loopback`), the waits of a multi-node one (`rendezvous`) and `fsdprun resume`
+(`resume`). The run directory's names (`fsdprun.rundir`) and its lock (`fsdprun.runlock`) sit at
+the package's ground floor, since checkpoint, config, report and tools read them too.
 
 The package never imports the models, nor the engines but float8's device check (which the
 launcher runs before any worker starts): workers (`train.worker`) build them.

@@ -37,7 +37,7 @@ from fsdprun.engines.tp import check_tp_plan
 from fsdprun.errors import StorageError, UserError, diagnostic, write_error
 from fsdprun.launch.killed import describe_sigkill, is_sigkill
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
-from fsdprun.launch.rendezvous import RendezvousProgress
+from fsdprun.launch.rendezvous import RendezvousProgress, wait_for_host
 from fsdprun.report.console import MetricsFollower, Reporter
 from fsdprun.report.metrics import MetricsLog
 from fsdprun.report.trackers import tracker_folder_errors
@@ -176,10 +176,12 @@ class LaunchPlan:
 
 
 def build_launch_plan(
-    cfg: RecipeConfig, run_dir: Path, *, device_kind: str, method: str | None = None
-) -> LaunchPlan:
+    cfg: RecipeConfig, run_dir: Path, *, device_kind: str, method: str | None = None,
+    endpoint: str | None = None,
+) -> LaunchPlan:  # fmt: skip
     """The elastic agent's configuration; `method` = how workers start (default:
-    `start_method(device_kind)`)."""
+    `start_method(device_kind)`), `endpoint` = launch.rdzv_endpoint with its host resolved
+    (`wait_for_host`; default launch.rdzv_endpoint as it is)."""
     launch = cfg.launch
     # read_timeout bounds the wait for the rendezvous store itself (an endpoint that never
     # answers), join_timeout the wait for the other nodes.
@@ -193,7 +195,7 @@ def build_launch_plan(
     rdzv_configs.update(launch.rdzv_conf)  # the user's --rdzv-conf settles what it names
     # A single node binds the rendezvous to loopback with a free port, and everything else of the
     # run to loopback too (fsdprun.launch.loopback): nothing listens outside.
-    endpoint = launch.rdzv_endpoint or f"{LOOPBACK_ADDR}:0"
+    endpoint = endpoint or launch.rdzv_endpoint or f"{LOOPBACK_ADDR}:0"
     local = launch.nnodes == 1 and endpoint_is_local(launch.rdzv_endpoint)
     cpus = os.cpu_count() or 1
     omp = max(1, cpus // launch.nproc_per_node) if device_kind == "cpu" else 1
@@ -339,15 +341,32 @@ def _waiting(cfg: RecipeConfig, plan: LaunchPlan) -> RendezvousProgress | None:
     return RendezvousProgress(
         plan.config.rdzv_endpoint, nnodes=cfg.launch.nnodes, timeout_s=cfg.launch.rdzv_timeout_s,
         run_id=plan.config.run_id, write=lambda line: print(line, flush=True),
+        shown=cfg.launch.rdzv_endpoint,
     )  # fmt: skip
 
 
+def _attempt_dirs(plan: LaunchPlan) -> set[Path]:
+    """The attempts' log folders (LOG_DIR/<run id>_<random>/attempt_N): the agent makes one as it
+    starts an attempt's workers, so its rendezvous had completed (a new launch, a new folder)."""
+    return set(Path(plan.config.logs_specs.root_log_dir).glob("*/attempt_*"))
+
+
 def _rendezvous_failed(
-    err: RendezvousError, cfg: RecipeConfig, plan: LaunchPlan, waiting: RendezvousProgress | None
-) -> UserError:
+    err: RendezvousError, cfg: RecipeConfig, plan: LaunchPlan, waiting: RendezvousProgress | None,
+    *, attempts_before: set[Path],
+) -> UserError | WorkerFailed:  # fmt: skip
     """One line for a rendezvous that failed: the nodes that came when it timed out, else the
-    cause (a port in use, an endpoint that does not answer)."""
-    endpoint, timeout = plan.config.rdzv_endpoint, cfg.launch.rdzv_timeout_s
+    cause (a port in use, an endpoint that does not answer); or, once the run had started, the
+    store on node 0 that went away with it (exit 1, as the job's other nodes)."""
+    endpoint, timeout = cfg.launch.rdzv_endpoint, cfg.launch.rdzv_timeout_s
+    if _attempt_dirs(plan) - attempts_before:
+        # The agent keeps talking to the store on node 0 while its workers run: a node 0 that
+        # exited or died (its own log says why) ends the run here as well.
+        return WorkerFailed(
+            f"lost node 0 (the rendezvous store at {endpoint}) while training: it exited or its "
+            "host went away; its own log says why. This node stops too",
+            user_error=False,
+        )
     joined = waiting.joined() if waiting is not None else None
     if isinstance(err, RendezvousTimeoutError) and joined is not None:
         return UserError(
@@ -412,9 +431,15 @@ def launch_training(
     for line in _hardware_warnings(cfg, kind):
         diagnostic("warning", line)
     method = start_method(kind)  # a bad FSDPRUN_START_METHOD is refused before RUN_DIR exists
+    endpoint = None
+    if cfg.launch.nnodes > 1:
+        # Node 0's name may not resolve yet (a pod not up): wait for it before writing anything.
+        endpoint = wait_for_host(cfg.launch.rdzv_endpoint, timeout_s=cfg.launch.rdzv_timeout_s,
+                                 write=lambda line: print(line, flush=True))  # fmt: skip
     # One run per directory: locked before anything is written in it, for the whole run.
     with hold_run_dir(run_dir, node_rank=cfg.launch.node_rank):
-        return _launch(resolved, run_dir, kind=kind, method=method, resume_from=resume_from)
+        return _launch(resolved, run_dir, kind=kind, method=method, resume_from=resume_from,
+                       endpoint=endpoint)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -443,8 +468,9 @@ def check_tracker_folders(cfg: RecipeConfig, run_dir: Path) -> None:
 
 
 def _launch(
-    resolved: ResolvedRecipe, run_dir: Path, *, kind: str, method: str, resume_from: Path | None
-) -> dict | None:
+    resolved: ResolvedRecipe, run_dir: Path, *, kind: str, method: str, resume_from: Path | None,
+    endpoint: str | None,
+) -> dict | None:  # fmt: skip
     cfg = resolved.config
     if resume_from is None:
         prepare_run_dir(run_dir, resolved)
@@ -453,7 +479,7 @@ def _launch(
         if cfg.launch.node_rank == 0:  # one node does it (the run directory is shared)
             _set_aside_abandoned(run_dir, resume_from)
     watch = RunDirWatch(run_dir)  # the directory this run writes to, and only that one
-    plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method)
+    plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method, endpoint=endpoint)
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
     os.environ.update(plan.env)
     if not os.environ.get("FSDPRUN_DEBUG"):
@@ -483,6 +509,7 @@ def _launch(
                               option="--run-dir") from None  # fmt: skip
     reporter = Reporter()
     waiting = _waiting(cfg, plan)
+    attempts_before = _attempt_dirs(plan)
     try:
         with (
             _StopOnSignal(run_dir, watch) as stop,
@@ -498,7 +525,10 @@ def _launch(
         _log_failure(run_dir / cfg.output.metrics_file, str(failure))
         raise failure from err
     except RendezvousError as err:
-        raise _rendezvous_failed(err, cfg, plan, waiting) from err
+        failed = _rendezvous_failed(err, cfg, plan, waiting, attempts_before=attempts_before)
+        if isinstance(failed, WorkerFailed):
+            _log_failure(run_dir / cfg.output.metrics_file, str(failed))
+        raise failed from err
     vanished = next((r["vanished"] for r in results.values() if r and r.get("vanished")), None)
     if vanished is not None:
         raise StorageError(watch.message(**vanished))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from fsdprun.errors import UserError
@@ -23,9 +23,17 @@ NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT = "127.0.0.1", 29500  # torchrun's (static rendezvous)
 
 
+def named(source: str, value: object) -> str:
+    """How a message names a launch value: `--flag VALUE` as typed, `VARIABLE=VALUE` when the
+    environment gave it (torchrun's PET_* variables, a platform's)."""
+    return f"{source} {value}" if source.startswith("--") else f"{source}={value}"
+
+
 @dataclass(frozen=True)
 class LaunchFlags:
-    """The launch flags as typed (None: not given). Field names are the flags' (`--rdzv-id`)."""
+    """The launch flags (None: not given). Field names are the flags' (`--rdzv-id`). A value the
+    environment gave instead of the command line (fsdprun.launch.modes) names its variable in
+    `sources`, so that a message about it names what the user set."""
 
     nproc_per_node: str | None = None
     nnodes: str | None = None
@@ -44,12 +52,19 @@ class LaunchFlags:
     tee: str | None = None
     local_ranks_filter: str | None = None
     standalone: bool = False
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def source(self, name: str) -> str:
+        """Where the value of field `name` came from: its flag (`--nnodes`), or its variable."""
+        return self.sources.get(name) or "--" + name.replace("_", "-")
 
     def typed(self) -> list[str]:
-        """The flags given, spelled as fsdprun's help spells them, one `--flag value` string each
-        (tune prints them back in the train command it suggests)."""
+        """The flags typed on the command line, spelled as fsdprun's help spells them, one
+        `--flag value` string each (tune prints them back in the train command it suggests)."""
         out = []
         for f in fields(self):
+            if f.name == "sources" or f.name in self.sources:
+                continue
             value = getattr(self, f.name)
             flag = "--" + f.name.replace("_", "-")
             if value is True:
@@ -60,7 +75,7 @@ class LaunchFlags:
 
     @property
     def num_nodes(self) -> int | None:
-        return parse_nnodes(self.nnodes) if self.nnodes is not None else None
+        return parse_nnodes(self.nnodes, self.source("nnodes")) if self.nnodes is not None else None
 
 
 def cpu_count() -> int:
@@ -70,9 +85,10 @@ def cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def nproc_count(value: str) -> int:
+def nproc_count(value: str, source: str = "--nproc-per-node") -> int:
     """`--nproc-per-node` as torchrun reads it: a number, or `cpu` (CPUs), `gpu` (CUDA devices),
-    `xpu` (XPU devices), `auto` (the accelerator's devices, else CPUs).
+    `xpu` (XPU devices), `auto` (the accelerator's devices, else CPUs). `source`: the flag or
+    variable that gave it, for the messages.
 
     Raises:
         UserError: another word, or a device kind this machine does not have.
@@ -82,7 +98,8 @@ def nproc_count(value: str) -> int:
     word = value.strip().lower()
     if word not in NPROC_WORDS:
         raise UserError(
-            f"--nproc-per-node {value!r}: expected a number of workers, or {', '.join(NPROC_WORDS)}"
+            f"{named(source, repr(value))}: expected a number of workers, or "
+            f"{', '.join(NPROC_WORDS)}"
         )
     if word == "cpu":
         return cpu_count()
@@ -100,36 +117,38 @@ def nproc_count(value: str) -> int:
     if not module.is_available():
         kind = "CUDA" if word == "gpu" else "XPU"
         raise UserError(
-            f"--nproc-per-node {word}: torch sees no {kind} device on this machine; give a number "
-            "of workers, or cpu"
+            f"{named(source, word)}: torch sees no {kind} device on this machine; give a number "
+            "of workers (--nproc-per-node N), or cpu"
         )
     return module.device_count()
 
 
-def parse_nnodes(value: str) -> int:
-    """`--nnodes N`, or torchrun's `MIN:MAX` with MIN = MAX.
+def parse_nnodes(value: str, source: str = "--nnodes") -> int:
+    """`--nnodes N`, or torchrun's `MIN:MAX` with MIN = MAX. `source`: the flag or variable that
+    gave it, for the messages.
 
     Raises:
         UserError: not a number, or an elastic range (fsdprun runs a fixed number of nodes).
     """
     parts = value.split(":")
     if len(parts) > 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise UserError(f"--nnodes {value!r}: expected a number of nodes, or MIN:MAX")
+        raise UserError(f"{named(source, repr(value))}: expected a number of nodes, or MIN:MAX")
     low, high = int(parts[0]), int(parts[-1])
     if low > high:
-        raise UserError(f"--nnodes {value}: MIN must not exceed MAX")
+        raise UserError(f"{named(source, value)}: MIN must not exceed MAX")
     if low != high:
         # Every rank's share of the batch and the FSDP shards follow the world size, fixed for a
         # run; a resume reshards to any world size instead.
         raise UserError(
-            f"--nnodes {value}: fsdprun runs a fixed number of nodes, not an elastic range; give "
+            f"{named(source, value)}: fsdprun runs a fixed number of nodes, not an elastic range; "
+            "give "
             f"--nnodes {high} (with --max-restarts for failures), and to go on with fewer nodes, "
             "`fsdprun resume RUN_DIR --nnodes N` (checkpoints reshard to any world size)"
         )
     return high
 
 
-def parse_rdzv_conf(text: str) -> dict[str, str]:
+def parse_rdzv_conf(text: str, source: str = "--rdzv-conf") -> dict[str, str]:
     """`KEY=VALUE,...` (torch's `_parse_rendezvous_config` grammar).
 
     Raises:
@@ -140,21 +159,21 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
         key, _, value = item.partition("=")
         if not key.strip() or not value.strip():
             raise UserError(
-                f"--rdzv-conf {text!r}: expected KEY=VALUE,... (e.g. read_timeout=60,"
+                f"{named(source, repr(text))}: expected KEY=VALUE,... (e.g. read_timeout=60,"
                 "last_call_timeout=30), every key with a value"
             )
         conf[key.strip()] = value.strip()
     return conf
 
 
-def _ranks(text: str) -> list[int]:
+def _ranks(text: str, source: str) -> list[int]:
     try:
         ranks = [int(r) for r in text.split(",")]
     except ValueError:
         ranks = []
     if not ranks:
         raise UserError(
-            f"--local-ranks-filter {text!r}: expected local ranks separated by commas, e.g. 0,1"
+            f"{named(source, repr(text))}: expected local ranks separated by commas, e.g. 0,1"
         )
     return ranks
 
@@ -180,34 +199,43 @@ def launch_overrides(flags: LaunchFlags, run_dir: Path | None = None) -> list[st
     """
     if flags.rdzv_backend is not None and flags.rdzv_backend != "c10d":
         raise UserError(
-            f"--rdzv-backend {flags.rdzv_backend}: fsdprun's rendezvous is always c10d, hosted by "
-            "node 0 at --rdzv-endpoint HOST:PORT (or --master-addr/--master-port); drop "
-            "--rdzv-backend"
+            f"{named(flags.source('rdzv_backend'), flags.rdzv_backend)}: fsdprun's rendezvous is "
+            "always c10d, hosted by node 0 at --rdzv-endpoint HOST:PORT (or --master-addr/"
+            f"--master-port); drop {flags.source('rdzv_backend')}"
         )
     nnodes = flags.num_nodes
     node_rank, endpoint = flags.node_rank, _endpoint(flags)
     if flags.standalone:
         clash = [
-            flag for flag, given in (
-                (f"--nnodes {flags.nnodes}", nnodes not in (None, 1)),
-                (f"--node-rank {node_rank}", node_rank not in (None, 0)),
-                (f"--rdzv-endpoint {flags.rdzv_endpoint}", flags.rdzv_endpoint is not None),
-                (f"--master-addr {flags.master_addr}", flags.master_addr is not None),
-                (f"--master-port {flags.master_port}", flags.master_port is not None),
+            name for name, given in (
+                ("nnodes", nnodes not in (None, 1)),
+                ("node_rank", node_rank not in (None, 0)),
+                ("rdzv_endpoint", flags.rdzv_endpoint is not None),
+                ("master_addr", flags.master_addr is not None),
+                ("master_port", flags.master_port is not None),
             ) if given
         ]  # fmt: skip
         if clash:
+            standalone = flags.source("standalone")
+            values = [named(flags.source(n), getattr(flags, n)) for n in clash]
             raise UserError(
-                f"--standalone is one node with a local rendezvous and cannot go with "
-                f"{', '.join(clash)}: drop --standalone for a multi-node run, or drop "
-                f"{' and '.join(f.split()[0] for f in clash)}"
+                f"{standalone if standalone.startswith('--') else standalone + '=1'} is one node "
+                f"with a local rendezvous and cannot go with {', '.join(values)}: drop "
+                f"{standalone} for a multi-node run, or drop "
+                f"{' and '.join(flags.source(n) for n in clash)}"
             )
         nnodes, node_rank, endpoint = 1, 0, ""
-    conf = parse_rdzv_conf(flags.rdzv_conf) if flags.rdzv_conf is not None else {}
+    conf = (
+        parse_rdzv_conf(flags.rdzv_conf, flags.source("rdzv_conf"))
+        if flags.rdzv_conf is not None
+        else {}
+    )
     join_timeout = conf.pop("join_timeout", None)  # torchrun's name for launch.rdzv_timeout_s
     pairs = {
         "launch.nproc_per_node": (
-            nproc_count(flags.nproc_per_node) if flags.nproc_per_node is not None else None
+            nproc_count(flags.nproc_per_node, flags.source("nproc_per_node"))
+            if flags.nproc_per_node is not None
+            else None
         ),
         "launch.nnodes": nnodes,
         "launch.node_rank": node_rank,
@@ -222,7 +250,7 @@ def launch_overrides(flags: LaunchFlags, run_dir: Path | None = None) -> list[st
         "launch.redirects": flags.redirects,
         "launch.tee": flags.tee,
         "launch.local_ranks_filter": (
-            json.dumps(_ranks(flags.local_ranks_filter))
+            json.dumps(_ranks(flags.local_ranks_filter, flags.source("local_ranks_filter")))
             if flags.local_ranks_filter is not None
             else None
         ),

@@ -231,6 +231,8 @@ class Reporter:
             f"world size {e['world_size']} ({e['nnodes']} node(s)), {e['device_name']}, "
             f"backend {e['backend']}"
         )
+        if e.get("launch"):
+            c.print(f"  launch: {e['launch']}", soft_wrap=True)
         if e.get("weights"):
             c.print(f"  weights: {e['weights']}", soft_wrap=True)
         if e.get("lora"):

@@ -53,6 +53,7 @@ from fsdprun.engines.transforms import apply_activation_checkpointing, apply_com
 from fsdprun.engines.weights import model_state_bytes
 from fsdprun.errors import UserError
 from fsdprun.launch.loopback import worker_store_args
+from fsdprun.launch.modes import MODE_ENV
 from fsdprun.loss import describe_loss
 from fsdprun.models import build_model, model_spec
 from fsdprun.models.lora import apply_lora, num_trainable_params
@@ -392,6 +393,8 @@ def _start_fields(
         "run_dir": str(run_dir),
         "world_size": ranks.world_size,
         "nnodes": cfg.launch.nnodes,
+        # How this node's `fsdprun` was started (fsdprun.launch.modes), as its launcher decided.
+        "launch": os.environ.get(MODE_ENV),
         "device_name": device.name(),
         "backend": dist.get_backend(),
         "engine": engine.kind.value,

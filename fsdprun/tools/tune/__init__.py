@@ -216,8 +216,10 @@ def _checked_recipe(args: TuneArgs) -> ResolvedRecipe:
     device_problem = None if args.dry_run else launch_device_problem(cfg.launch.device)
     if device_problem:
         raise UserError(device_problem)
-    if "RANK" in os.environ:
-        # Each trial is a launch of its own: tune is a node's launcher, never one of its workers.
+    if "LOCAL_RANK" in os.environ:
+        # Each trial is a launch of its own: tune is a node's launcher, never one of its workers
+        # (torchrun's and srun tasks' have LOCAL_RANK; a PyTorchJob's pod-level RANK comes
+        # without it, on a node's launcher).
         raise UserError(
             "fsdprun tune runs as each node's launcher, not as a worker of torchrun or of a "
             "multi-task srun step: run one tune per node (srun --ntasks-per-node 1 ... with "

@@ -1,0 +1,492 @@
+"""`fsdprun train RECIPE` with no launch flags under Kubeflow Trainer v2, a PyTorchJob and SkyPilot
+(docs/cluster.md), and the manifests in examples/kubernetes/ and examples/skypilot/.
+
+The decision (fsdprun.launch.modes) is checked over a table of each platform's environments. The
+runs are real: two "nodes" on this machine, each an `fsdprun train` started with exactly the
+variables its platform sets (plus FSDPRUN_TEST_HOSTS, the test-only hosts file through which a
+Kubernetes service's name starts to resolve while the nodes wait), train 2 nodes x 2 ranks with
+the losses of the same job started by hand (`--nnodes 2 --nproc-per-node 2 --node-rank N
+--rdzv-endpoint HOST:PORT`).
+
+Run with `pytest tests/test_cluster.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import Run, free_port, fsdprun_env, run_fsdprun, zygote_command
+from test_cli import assert_one_line_error
+from test_train import BASE, assert_same_losses
+from typer.testing import CliRunner
+
+from fsdprun.checkpoint import list_checkpoints
+from fsdprun.cli import app
+from fsdprun.launch.flags import LaunchFlags, launch_overrides
+from fsdprun.launch.modes import decide
+from fsdprun.launch.slurm import PORT_BASE, PORT_SPAN
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TRAINJOB_MASTER = "fsdprun-node-0-0.fsdprun"  # what Kubeflow Trainer names node 0
+PYTORCHJOB_MASTER = "fsdprun-master-0"  # what a PyTorchJob names its Master pod
+IPS = "127.0.0.1\n127.0.0.1"  # SKYPILOT_NODE_IPS of two "nodes" on this machine
+
+
+def trainjob_env(node: int, nproc: int, port: int) -> dict[str, str]:
+    """What Kubeflow Trainer v2's torch-distributed runtime sets in node `node`'s pod."""
+    return {"PET_NNODES": "2", "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(node),
+            "PET_MASTER_ADDR": TRAINJOB_MASTER, "PET_MASTER_PORT": str(port)}  # fmt: skip
+
+
+def pytorchjob_env(pod: int, nproc: int, port: int) -> dict[str, str]:
+    """What training-operator v1 sets in a PyTorchJob's pod (Master = pod 0; no elastic policy):
+    WORLD_SIZE and RANK count pods (x nprocPerNode when it is a number)."""
+    return {"MASTER_ADDR": PYTORCHJOB_MASTER, "MASTER_PORT": str(port), "RANK": str(pod),
+            "WORLD_SIZE": str(2 * nproc), "PET_NPROC_PER_NODE": str(nproc),
+            "PET_NODE_RANK": str(pod), "PET_NNODES": "2", "PYTHONUNBUFFERED": "0"}  # fmt: skip
+
+
+def skypilot_env(node: int, gpus: int = 0) -> dict[str, str]:
+    """What SkyPilot sets for `run:` on node `node` of a 2-node task."""
+    return {"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": str(node), "SKYPILOT_NODE_IPS": IPS,
+            "SKYPILOT_NUM_GPUS_PER_NODE": str(gpus), "SKYPILOT_TASK_ID": "sky-2026-12-04-1_x_1",
+            "SKYPILOT_CLUSTER_INFO": "{}"}  # fmt: skip
+
+
+def _launch(env: dict[str, str], **typed) -> tuple[str, list[str], str]:
+    mode = decide(env, LaunchFlags(**typed))
+    return mode.kind, launch_overrides(mode.flags), mode.describe()
+
+
+# One environment a line: (platform, environment, typed flags, kind, overrides that must be there,
+# launch.* keys that must not).
+MODES = [
+    ("none", {}, {}, "launcher", [], ["launch.nnodes", "launch.rdzv_endpoint"]),
+    ("torchrun's worker in a TrainJob pod (PET_* inherited)",
+     {**trainjob_env(1, 2, 29500), "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, {},
+     "torchrun", [], ["launch.nnodes"]),
+    ("TrainJob", trainjob_env(1, 8, 29500), {}, "pet",
+     ["launch.nnodes=2", "launch.node_rank=1", "launch.nproc_per_node=8",
+      f"launch.rdzv_endpoint={TRAINJOB_MASTER}:29500"], []),
+    ("TrainJob, one node: loopback, not node 0's service",
+     {**trainjob_env(0, 8, 29500), "PET_NNODES": "1"}, {}, "pet",
+     ["launch.nnodes=1", "launch.node_rank=0"], ["launch.rdzv_endpoint"]),
+    ("TrainJob, flags win one by one", trainjob_env(1, 8, 29500),
+     {"nproc_per_node": "2", "node_rank": 0, "rdzv_endpoint": "h:1"}, "pet",
+     ["launch.nnodes=2", "launch.node_rank=0", "launch.nproc_per_node=2",
+      "launch.rdzv_endpoint=h:1"], []),
+    ("TrainJob, a typed --standalone is one node", trainjob_env(1, 8, 29500),
+     {"standalone": True}, "pet",
+     ["launch.nnodes=1", "launch.node_rank=0", "launch.rdzv_endpoint=",
+      "launch.nproc_per_node=8"], []),
+    ("PyTorchJob: pod-level RANK/WORLD_SIZE never ranks", pytorchjob_env(1, 8, 23456), {}, "pet",
+     ["launch.nnodes=2", "launch.node_rank=1", "launch.nproc_per_node=8",
+      f"launch.rdzv_endpoint={PYTORCHJOB_MASTER}:23456"], []),
+    ("PyTorchJob, elastic policy with min = max",
+     {**pytorchjob_env(0, 8, 23456), "PET_RDZV_ENDPOINT": "fsdprun-worker-0:23456",
+      "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ID": "job-7", "PET_MAX_RESTARTS": "3",
+      "PET_STANDALONE": ""}, {}, "pet",
+     ["launch.rdzv_endpoint=fsdprun-worker-0:23456", "launch.rdzv_id=job-7",
+      "launch.max_restarts=3"], []),
+    ("SkyPilot GPU node", skypilot_env(1, gpus=8), {}, "skypilot",
+     ["launch.nnodes=2", "launch.node_rank=1", "launch.nproc_per_node=8"], []),
+    ("SkyPilot CPU node, the task's envs export MASTER_PORT",
+     {**skypilot_env(0), "MASTER_PORT": "29511"}, {}, "skypilot",
+     ["launch.nnodes=2", "launch.node_rank=0", "launch.rdzv_endpoint=127.0.0.1:29511"],
+     ["launch.nproc_per_node"]),
+    ("srun task (one of 4 on 2 nodes)",
+     {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+      "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "n[1-2]",
+      "SLURM_JOB_ID": "7", "SLURMD_NODENAME": "n2"}, {}, "srun", [], []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("platform", "env", "typed", "kind", "present", "absent"), MODES,
+                         ids=[m[0] for m in MODES])  # fmt: skip
+def test_launch_mode_from_each_platforms_environment(platform, env, typed, kind, present, absent):
+    got_kind, overrides, described = _launch(env, **typed)
+    assert got_kind == kind
+    for item in present:
+        assert item in overrides, (item, overrides)
+    for key in absent:
+        assert not any(o.startswith(key + "=") for o in overrides), (key, overrides)
+    if "RANK" in env and kind == "pet":  # the header says the pod-level ones were left alone
+        assert f"pod-level RANK={env['RANK']}, WORLD_SIZE={env['WORLD_SIZE']} not used" in described
+
+
+def test_skypilot_port_is_the_same_on_every_node_and_comes_from_the_task():
+    """SkyPilot sets no port: without MASTER_PORT, both nodes derive the same one from
+    SKYPILOT_TASK_ID, below Linux's ephemeral range; another task gets another."""
+    endpoints = [
+        next(o for o in _launch(skypilot_env(n))[1] if o.startswith("launch.rdzv_endpoint="))
+        for n in (0, 1)
+    ]
+    assert endpoints[0] == endpoints[1]
+    port = int(endpoints[0].rpartition(":")[2])
+    assert PORT_BASE <= port < PORT_BASE + PORT_SPAN
+    other = _launch({**skypilot_env(0), "SKYPILOT_TASK_ID": "sky-other"})[1]
+    assert f"launch.rdzv_endpoint=127.0.0.1:{port}" not in other
+
+
+@pytest.mark.parametrize(
+    ("env", "fragments"),
+    [
+        ({**pytorchjob_env(0, 8, 23456), "PET_NNODES": "1:4"},
+         ["PET_NNODES=1:4: fsdprun runs a fixed number of nodes", "give --nnodes 4"]),
+        ({**trainjob_env(0, 8, 29500), "PET_NODE_RANK": "first"},
+         ["PET_NODE_RANK='first': expected a whole number"]),
+        ({**trainjob_env(0, 8, 29500), "PET_STANDALONE": "1"},
+         ["PET_STANDALONE=1 is one node", "PET_NNODES=2"]),
+        ({**trainjob_env(0, 8, 29500), "PET_RDZV_BACKEND": "etcd"},
+         ["PET_RDZV_BACKEND=etcd: fsdprun's rendezvous is always c10d"]),
+        ({"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "w-0:1"}, ["PET_NNODES=2 but no node rank"]),
+        ({**skypilot_env(0), "SKYPILOT_TASK_ID": ""}, ["export MASTER_PORT in the task's"]),
+    ],
+    ids=["min:max", "bad rank", "standalone", "etcd", "no rank", "no port"],
+)  # fmt: skip
+def test_an_environment_fsdprun_cannot_use_is_one_line_naming_the_variable(env, fragments):
+    result = CliRunner().invoke(app, ["train", "debug"], env=env)
+    assert_one_line_error(result, *fragments)
+
+
+def test_resume_and_tune_in_a_pytorchjob_pod_are_its_launcher_not_a_worker(tmp_path):
+    """A PyTorchJob's pod-level RANK made `fsdprun resume` and `fsdprun tune` refuse, as if they
+    ran under torchrun: they are the pod's launcher."""
+    env = pytorchjob_env(1, 1, 23456)
+    resumed = CliRunner().invoke(app, ["resume", str(tmp_path / "run")], env=env)
+    assert_one_line_error(resumed, "not an fsdprun run directory")
+    tuned = CliRunner().invoke(app, ["tune", "debug", "--out", str(tmp_path / "o"), "--dry-run",
+                                     "--device-memory", "1GB", "--json"], env=env)  # fmt: skip
+    assert tuned.exit_code == 0, tuned.output
+
+
+# ------------------------------------------------------------------------------------------------
+# Two "nodes" on this machine.
+
+
+def _start(
+    tmp_path: Path, envs: list[dict[str, str]], *args: str, flags=lambda node: []
+) -> list[subprocess.Popen]:
+    """One `fsdprun train debug ARGS FLAGS(N) --run-dir nodeN` per environment, output to
+    nodeN.out/err."""
+    fsdprun = zygote_command(tmp_path)
+    procs = []
+    for node, env in enumerate(envs):
+        out, err = (open(tmp_path / f"node{node}.{k}", "w") for k in ("out", "err"))  # noqa: SIM115
+        run_dir = str(tmp_path / f"node{node}")
+        procs.append(subprocess.Popen(
+            [fsdprun, "train", "debug", *args, *flags(node), "--run-dir", run_dir],
+            cwd=tmp_path, env=fsdprun_env(**env), stdout=out, stderr=err, text=True,
+        ))  # fmt: skip
+    return procs
+
+
+def _output(tmp_path: Path, node: int) -> str:
+    return "".join((tmp_path / f"node{node}.{k}").read_text() for k in ("out", "err"))
+
+
+def _trained(tmp_path: Path, procs: list[subprocess.Popen]) -> Run:
+    """The job both nodes ran, as the node with global rank 0 recorded it (only it writes
+    metrics)."""
+    for node, proc in enumerate(procs):
+        assert proc.wait(timeout=300) == 0, _output(tmp_path, node)[-3000:]
+    [run] = [r for r in (Run(None, tmp_path / f"node{n}") for n in (0, 1)) if r.events]
+    assert run.start["nnodes"] == 2
+    return run
+
+
+# Each platform's job: 2 nodes x 2 ranks (the debug recipe's), micro batch 1: 2 accumulation steps.
+JOB = (*BASE, "train.micro_batch_size=1", "launch.rdzv_timeout_s=120")
+
+
+@pytest.fixture(scope="module")
+def by_hand(tmp_path_factory) -> Run:
+    """The same job started by hand on two "nodes", with no platform's variable:
+    `--nnodes 2 --nproc-per-node 2 --node-rank N --rdzv-endpoint HOST:PORT`."""
+    root = tmp_path_factory.mktemp("by-hand")
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = _start(root, [{}, {}], *JOB, flags=lambda node: [
+        "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+        "--rdzv-endpoint", endpoint])  # fmt: skip
+    run = _trained(root, procs)
+    assert (run.start["world_size"], run.start["grad_accum_steps"]) == (4, 2)
+    assert "launch: fsdprun's launcher\n" in _output(root, 0) + _output(root, 1)
+    return run
+
+
+def test_trainjob_waits_for_node_0s_name_then_trains_2_nodes_x_2_ranks(by_hand, tmp_path):
+    """Kubeflow Trainer v2's environment, node 0's service name not resolving yet: both nodes
+    say what they wait for, the name starts to resolve, and 2 nodes x 2 ranks train the job."""
+    port, hosts = free_port(), tmp_path / "hosts"
+    test_only = {"FSDPRUN_TEST_HOSTS": str(hosts)}
+    procs = _start(tmp_path, [{**trainjob_env(n, 2, port), **test_only} for n in (0, 1)], *JOB)
+    deadline = time.monotonic() + 120
+    waiting = f"waiting for the rendezvous host {TRAINJOB_MASTER} to resolve"
+    while not all(waiting in _output(tmp_path, n) for n in (0, 1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+            _output(tmp_path, n) for n in (0, 1)
+        ]
+        time.sleep(0.2)
+    hosts.write_text(f"127.0.0.1 {TRAINJOB_MASTER}\n")  # node 0's pod is up
+    run = _trained(tmp_path, procs)
+    assert (run.start["world_size"], run.start["grad_accum_steps"]) == (4, 2)
+    assert_same_losses(by_hand, run)
+    out = _output(tmp_path, 0) + _output(tmp_path, 1)
+    assert "launch: each node's launcher, from torchrun's PET_* variables" in out
+    assert f"PET_MASTER_ADDR={TRAINJOB_MASTER}, PET_MASTER_PORT={port}" in out
+
+
+def test_a_node_0_name_that_never_resolves_gives_up_in_one_line(tmp_path):
+    """A TrainJob whose node 0 never comes up: node 1 waits for its name, saying so, then gives
+    up at the rendezvous timeout in one line (exit 2) and has written nothing."""
+    timeout_s = 2
+    proc = run_fsdprun("train", "debug", f"launch.rdzv_timeout_s={timeout_s}", "--run-dir",
+                       str(tmp_path / "run"), cwd=tmp_path,
+                       env=fsdprun_env(**trainjob_env(1, 1, free_port())))  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"waiting for the rendezvous host {TRAINJOB_MASTER} to resolve")
+    assert proc.stderr.strip() == (
+        f"error: the rendezvous host {TRAINJOB_MASTER} did not resolve within "
+        f"launch.rdzv_timeout_s={timeout_s}: check the name (node 0's host, or its pod's "
+        "service) and that node 0 runs, or raise launch.rdzv_timeout_s"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_pytorchjob_pods_rank_and_world_size_are_not_ranks(by_hand, tmp_path):
+    """A PyTorchJob's pods, 2 x 2 ranks: RANK and WORLD_SIZE of the pods beside PET_*; the
+    Master's service name (resolving from the start here) and port in MASTER_ADDR/MASTER_PORT."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 {PYTORCHJOB_MASTER}\n")
+    port = free_port()
+    envs = [{**pytorchjob_env(n, 2, port), "FSDPRUN_TEST_HOSTS": str(hosts)} for n in (0, 1)]
+    run = _trained(tmp_path, _start(tmp_path, envs, *JOB))
+    assert run.start["world_size"] == 4
+    assert_same_losses(by_hand, run)
+    # The header is the node's with global rank 0 (the rendezvous' order): either pod.
+    header = _output(tmp_path, 0) + _output(tmp_path, 1)
+    assert re.search(r"pod-level RANK=[01], WORLD_SIZE=4 not used \(they count pods\)", header)
+
+
+def test_skypilot_nodes_train_and_a_lost_node_fails_the_other(by_hand, tmp_path):
+    """SkyPilot's variables (CPU nodes: SKYPILOT_NUM_GPUS_PER_NODE=0, the recipe's 2 ranks each;
+    MASTER_PORT from the task's envs) train the job. Then a second job, 1 rank a node: node 0
+    killed mid-run (its pod gone) makes node 1 exit non-zero well within the rendezvous
+    timeout."""
+    port = free_port()
+    envs = [{**skypilot_env(n), "MASTER_PORT": str(port)} for n in (0, 1)]
+    run = _trained(tmp_path / "a", _start(_mkdir(tmp_path / "a"), envs, *JOB))
+    assert run.start["world_size"] == 4
+    assert_same_losses(by_hand, run)
+    assert "launch: each node's launcher, from SkyPilot's SKYPILOT_* variables" in _output(
+        tmp_path / "a", 0
+    ) + _output(tmp_path / "a", 1)
+
+    timeout_s = 30
+    port = free_port()
+    envs = [{**skypilot_env(n), "MASTER_PORT": str(port)} for n in (0, 1)]
+    root = _mkdir(tmp_path / "b")
+    procs = _start(root, envs, "train.steps=500", "output.log_every=1", "launch.nproc_per_node=1",
+                   f"launch.rdzv_timeout_s={timeout_s}")  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not re.search(r"^step 2 \|", _output(root, 0) + _output(root, 1), re.M):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+            _output(root, n) for n in (0, 1)
+        ]
+        time.sleep(0.1)
+    procs[0].send_signal(signal.SIGKILL)  # node 0, which hosts the rendezvous store
+    killed = time.monotonic()
+    code = procs[1].wait(timeout=timeout_s + 30)
+    assert code == 1 and time.monotonic() - killed < timeout_s, _output(root, 1)[-3000:]
+    [line] = (root / "node1.err").read_text().strip().splitlines()
+    assert line.startswith("error: ") and ("lost node 0" in line or "lost the connection" in line)
+    procs[0].wait(timeout=30)
+
+
+def test_trainjob_shared_volume_example_stops_on_sigterm_and_continues(tmp_path):
+    """examples/kubernetes/trainjob-shared-volume.yaml's command as Trainer runs it in each pod
+    (PET_* set; the shared volume: one folder both "nodes" see): deleting the job (SIGTERM to
+    each pod's first process) stops both nodes at one agreed step with a checkpoint (exit 143);
+    the job applied again resumes there and finishes the run."""
+    doc = yaml.safe_load((EXAMPLES / "kubernetes/trainjob-shared-volume.yaml").read_text())
+    trainer = doc["spec"]["trainer"]
+    run_dir = tmp_path / "volume" / "run"
+    # The example's recipe and volume, made small for this machine.
+    script = (
+        trainer["args"][0]
+        .replace("/runs/llama-8b", str(run_dir))
+        .replace("fsdprun train llama-8b", "fsdprun train debug train.steps=12 output.log_every=1")
+    )
+    assert str(run_dir) in script and "train debug" in script
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 {TRAINJOB_MASTER}\n")
+    bin_dir = Path(zygote_command(tmp_path)).parent  # `fsdprun` on PATH, through the zygote
+
+    def apply() -> list[subprocess.Popen]:
+        port = free_port()
+        return [subprocess.Popen(
+            [*trainer["command"], script], cwd=tmp_path, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=fsdprun_env(**trainjob_env(n, 1, port), FSDPRUN_TEST_HOSTS=str(hosts),
+                            PATH=f"{bin_dir}:{os.environ['PATH']}"),
+        ) for n in (0, 1)]  # fmt: skip
+
+    pods = apply()
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "step" for e in Run(None, run_dir).events):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in pods)
+        time.sleep(0.05)
+    for pod in pods:
+        pod.send_signal(signal.SIGTERM)  # kubectl delete: every pod's first process
+    outputs = [pod.communicate(timeout=120)[0] for pod in pods]
+    assert [pod.returncode for pod in pods] == [143, 143], outputs
+    [saved] = [c for c in list_checkpoints(run_dir) if c.complete][-1:]
+    assert saved.step < 12
+    pods = apply()  # the same TrainJob again
+    outputs = [pod.communicate(timeout=300)[0] for pod in pods]
+    assert [pod.returncode for pod in pods] == [0, 0], outputs
+    assert all(f"resuming {run_dir} from step-{saved.step:08d}" in out for out in outputs)
+    run = Run(None, run_dir)
+    assert {e["step"] for e in run.steps} == set(range(1, 13))
+    assert any(e["event"] == "resume" for e in run.events)
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# The shipped manifests name only fields of their platform's published API (2026): Kubeflow
+# Trainer v2.2+ (trainer.kubeflow.org/v1alpha1, pkg/apis/trainer/v1alpha1/trainjob_types.go),
+# training-operator v1 (kubeflow.org/v1 PyTorchJob), Kubernetes core/v1 for what they embed, and
+# SkyPilot's task YAML (docs.skypilot.co, reference/yaml-spec). ANY: a free-form map or value.
+
+ANY = object()
+META = {"name": None, "namespace": None, "labels": ANY, "annotations": ANY}
+ENV_VAR = {"name": None, "value": None, "valueFrom": ANY}
+RESOURCES = {"limits": ANY, "requests": ANY, "claims": ANY}
+VOLUME_MOUNT = {"name": None, "mountPath": None, "subPath": None, "readOnly": None}
+VOLUME = {"name": None, "persistentVolumeClaim": {"claimName": None, "readOnly": None},
+          "emptyDir": {"medium": None, "sizeLimit": None}, "nfs": ANY, "hostPath": ANY,
+          "configMap": ANY, "secret": ANY}  # fmt: skip
+CONTAINER = {"name": None, "image": None, "command": [None], "args": [None], "env": [ENV_VAR],
+             "ports": [{"name": None, "containerPort": None, "protocol": None}],
+             "resources": RESOURCES, "volumeMounts": [VOLUME_MOUNT], "workingDir": None,
+             "imagePullPolicy": None, "securityContext": ANY}  # fmt: skip
+POD_SPEC = {"containers": [CONTAINER], "initContainers": [CONTAINER], "volumes": [VOLUME],
+            "terminationGracePeriodSeconds": None, "restartPolicy": None, "nodeSelector": ANY,
+            "tolerations": [ANY], "affinity": ANY, "serviceAccountName": None,
+            "imagePullSecrets": [ANY], "securityContext": ANY, "hostNetwork": None}  # fmt: skip
+CONTAINER_PATCH = {"name": None, "env": [ENV_VAR], "volumeMounts": [VOLUME_MOUNT],
+                   "securityContext": ANY}  # fmt: skip
+POD_SPEC_PATCH = {"serviceAccountName": None, "volumes": [VOLUME],
+                  "initContainers": [CONTAINER_PATCH], "containers": [CONTAINER_PATCH],
+                  "imagePullSecrets": [ANY], "securityContext": ANY, "nodeSelector": ANY,
+                  "affinity": ANY, "tolerations": [ANY], "schedulingGates": [ANY]}  # fmt: skip
+PATCH_META = {"labels": ANY, "annotations": ANY}
+TRAINJOB = {
+    "apiVersion": None, "kind": None, "metadata": META,
+    "spec": {
+        "runtimeRef": {"name": None, "apiGroup": None, "kind": None},
+        "initializer": ANY,
+        "trainer": {"image": None, "command": [None], "args": [None], "env": [ENV_VAR],
+                    "numNodes": None, "numProcPerNode": None, "resourcesPerNode": RESOURCES},
+        "runtimePatches": [{"manager": None, "trainingRuntimeSpec": {"template": {
+            "metadata": PATCH_META, "spec": {"replicatedJobs": [{"name": None, "template": {
+                "metadata": PATCH_META, "spec": {"template": {
+                    "metadata": PATCH_META, "spec": POD_SPEC_PATCH}}}}]}}}}],
+        "suspend": None, "activeDeadlineSeconds": None, "managedBy": None,
+    },
+}  # fmt: skip
+REPLICA = {"replicas": None, "restartPolicy": None,
+           "template": {"metadata": META, "spec": POD_SPEC}}  # fmt: skip
+PYTORCHJOB = {
+    "apiVersion": None, "kind": None, "metadata": META,
+    "spec": {
+        "runPolicy": {"cleanPodPolicy": None, "ttlSecondsAfterFinished": None,
+                      "activeDeadlineSeconds": None, "backoffLimit": None,
+                      "schedulingPolicy": ANY, "suspend": None, "managedBy": None},
+        "elasticPolicy": {"minReplicas": None, "maxReplicas": None, "rdzvBackend": None,
+                          "rdzvPort": None, "rdzvHost": None, "rdzvId": None, "rdzvConf": ANY,
+                          "standalone": None, "nProcPerNode": None, "maxRestarts": None,
+                          "metrics": ANY},
+        "nprocPerNode": None,
+        "pytorchReplicaSpecs": {"Master": REPLICA, "Worker": REPLICA},
+    },
+}  # fmt: skip
+SKYPILOT = {
+    "name": None, "workdir": None, "num_nodes": None, "envs": ANY, "secrets": ANY,
+    "file_mounts": ANY, "volumes": ANY, "setup": None, "run": None, "config": ANY,
+    "resources": {"infra": None, "cloud": None, "region": None, "zone": None,
+                  "accelerators": None, "accelerator_args": ANY, "cpus": None, "memory": None,
+                  "instance_type": None, "use_spot": None, "disk_size": None, "disk_tier": None,
+                  "network_tier": None, "max_hourly_cost": None, "image_id": None, "ports": ANY,
+                  "labels": ANY, "autostop": ANY, "any_of": ANY, "ordered": ANY,
+                  "job_recovery": ANY},
+}  # fmt: skip
+MANIFESTS = {
+    "kubernetes/trainjob.yaml": ("trainer.kubeflow.org/v1alpha1", "TrainJob", TRAINJOB),
+    "kubernetes/trainjob-shared-volume.yaml": (
+        "trainer.kubeflow.org/v1alpha1", "TrainJob", TRAINJOB),
+    "kubernetes/pytorchjob.yaml": ("kubeflow.org/v1", "PyTorchJob", PYTORCHJOB),
+    "skypilot/train.yaml": (None, None, SKYPILOT),
+}  # fmt: skip
+LAUNCH_FLAGS = [f"--{f.replace('_', '-')}" for f in LaunchFlags.__dataclass_fields__
+                if f != "sources"]  # fmt: skip
+
+
+def _unknown_fields(doc, schema, path: str = "") -> list[str]:
+    """The paths in `doc` that `schema` does not name."""
+    if schema is ANY or schema is None:
+        return [] if schema is ANY or not isinstance(doc, (dict, list)) else [f"{path} (nested)"]
+    if isinstance(schema, list):
+        assert isinstance(doc, list), path
+        return [bad for i, item in enumerate(doc)
+                for bad in _unknown_fields(item, schema[0], f"{path}[{i}]")]  # fmt: skip
+    assert isinstance(doc, dict), path
+    return [bad for key, value in doc.items()
+            for bad in ([f"{path}.{key}"] if key not in schema
+                        else _unknown_fields(value, schema[key], f"{path}.{key}"))]  # fmt: skip
+
+
+def _commands(name: str, doc: dict) -> list[str]:
+    """The shell text or argv of each `fsdprun` the manifest runs."""
+    if name.startswith("skypilot/"):
+        return [doc["run"]]
+    if doc["kind"] == "TrainJob":
+        trainer = doc["spec"]["trainer"]
+        return [" ".join([*trainer["command"], *trainer.get("args", [])])]
+    return [" ".join([*c["command"], *c.get("args", [])])
+            for r in doc["spec"]["pytorchReplicaSpecs"].values()
+            for c in r["template"]["spec"]["containers"]]  # fmt: skip
+
+
+def test_shipped_manifests_name_only_their_platforms_fields_and_no_launch_flag():
+    assert sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.glob("*/*.yaml")) == sorted(
+        MANIFESTS
+    )
+    for name, (api_version, kind, schema) in MANIFESTS.items():
+        doc = yaml.safe_load((EXAMPLES / name).read_text())
+        if kind is not None:
+            assert (doc["apiVersion"], doc["kind"]) == (api_version, kind), name
+        assert _unknown_fields(doc, schema) == [], name
+        for command in _commands(name, doc):
+            assert re.search(r"\bfsdprun (train|resume)\b", command), (name, command)
+            assert not [f for f in LAUNCH_FLAGS if re.search(rf"{f}\b", command)], (name, command)
+        text = yaml.safe_dump(doc)
+        assert "PET_" not in text, name  # Kubeflow Trainer's webhook rejects a user's PET_*
+    trainjob = yaml.safe_load((EXAMPLES / "kubernetes/trainjob.yaml").read_text())["spec"]
+    assert (trainjob["runtimeRef"]["name"], trainjob["trainer"]["numNodes"],
+            trainjob["trainer"]["numProcPerNode"]) == ("torch-distributed", 2, 8)  # fmt: skip
+    # The operator finds MASTER_PORT as the Master's container `pytorch`, port `pytorchjob-port`.
+    job = yaml.safe_load((EXAMPLES / "kubernetes/pytorchjob.yaml").read_text())["spec"]
+    [master] = job["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert (master["name"], master["ports"][0]["name"]) == ("pytorch", "pytorchjob-port")
