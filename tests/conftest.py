@@ -316,6 +316,10 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if not _CPU_BY_TEST:
         return
+    if os.environ.get("FSDPRUN_TEST_CPU_LOG"):  # FILE: every test's CPU and wall seconds, TSV
+        with open(os.environ["FSDPRUN_TEST_CPU_LOG"], "w") as f:
+            for nodeid, (cpu, wall) in sorted(_CPU_BY_TEST.items(), key=lambda i: -i[1][0]):
+                f.write(f"{cpu:.1f}\t{wall:.1f}\t{nodeid}\n")
     costliest = sorted(_CPU_BY_TEST.items(), key=lambda item: -item[1][0])[:25]
     terminalreporter.write_sep("=", "costliest tests in CPU seconds (their processes included)")
     for nodeid, (cpu, wall) in costliest:
