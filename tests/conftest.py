@@ -85,14 +85,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The environment the suite started with: a command's, whatever a test has set in this process
+# since (a monkeypatched variable belongs to that test, not to every command after it).
+_SESSION_ENV = dict(os.environ)
+
+
 def fsdprun_env(**extra: str) -> dict[str, str]:
-    # Never a worker's variables, nor a platform's node count and rank (a suite run in a pod).
+    """The environment of the suite's commands: the session's, one thread per process, wide
+    tables, and HF_HUB_OFFLINE=1 (nothing in the suite may reach a network; tests/test_hub.py
+    takes it out where it tests what a command does online). `extra` adds or replaces. Never a
+    worker's variables, nor a platform's node count and rank (a suite run in a pod).
+
+    Every command gets the same variables that libraries read when they load, so that the zygote
+    (started with them) forks each one instead of exec'ing a new interpreter: a test that set
+    HF_HUB_OFFLINE in this process made every later command of its worker exec afresh (about
+    4.5 CPU s of imports each, ~2x the whole suite's CPU in 2026-12-04's full run)."""
     env = {
         k: v
-        for k, v in os.environ.items()
+        for k, v in _SESSION_ENV.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith(("PET_", "SKYPILOT_"))
     }
-    env.update(OMP_NUM_THREADS="1", COLUMNS="200", **extra)
+    env.update({"OMP_NUM_THREADS": "1", "COLUMNS": "200", "HF_HUB_OFFLINE": "1", **extra})
     return env
 
 
@@ -160,9 +173,11 @@ class Zygote:
                 conn.connect(self.path)
                 conn.sendall(json.dumps(request).encode() + b"\n")
                 reader = conn.makefile("rb")
-                pid = json.loads(reader.readline())["pid"]
+                started_as = json.loads(reader.readline())
+                pid = started_as["pid"]
             except (OSError, ValueError) as e:  # the command never started
                 raise ZygoteGone(str(e)) from e
+            ZYGOTE_COMMANDS["fresh" if started_as.get("fresh") else "forked"] += 1
             conn.settimeout(max(deadline - time.monotonic(), 0.01))
             try:
                 code = json.loads(reader.readline())["code"]
@@ -187,6 +202,9 @@ class Zygote:
 
 
 _ZYGOTE: list[Zygote] = []
+# This process's zygote commands: forked from it, or exec'd afresh (their environment changes what
+# libraries read at import); the summary prints both (pytest_terminal_summary).
+ZYGOTE_COMMANDS = {"forked": 0, "fresh": 0}
 
 
 def zygote_fsdprun(root: Path) -> Path | None:
@@ -302,9 +320,17 @@ def pytest_runtest_makereport(item, call):
     started = item.stash.get(_CPU_AT, None)
     outcome = yield
     now = tree_cpu_s()
+    report = outcome.get_result()
     if started is not None:
-        outcome.get_result().user_properties.append(("cpu_s", now - started))
+        report.user_properties.append(("cpu_s", now - started))
     item.stash[_CPU_AT] = now  # the next phase starts here
+    # The zygote commands exec'd afresh in this phase (counted once: the counter is reset).
+    if ZYGOTE_COMMANDS["fresh"]:
+        report.user_properties.append(("zygote_fresh", ZYGOTE_COMMANDS["fresh"]))
+        ZYGOTE_COMMANDS["fresh"] = 0
+    if ZYGOTE_COMMANDS["forked"]:
+        report.user_properties.append(("zygote_forked", ZYGOTE_COMMANDS["forked"]))
+        ZYGOTE_COMMANDS["forked"] = 0
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -312,15 +338,25 @@ def pytest_runtest_setup(item):
     item.stash[_CPU_AT] = tree_cpu_s()
 
 
+_ZYGOTE_BY_TEST: dict[str, list[int]] = {}  # nodeid -> [forked, fresh], on the controller
+
+
 def pytest_runtest_logreport(report):
     entry = _CPU_BY_TEST.setdefault(report.nodeid, [0.0, 0.0])
     entry[0] += sum(v for k, v in report.user_properties if k == "cpu_s")
     entry[1] += report.duration
+    counts = _ZYGOTE_BY_TEST.setdefault(report.nodeid, [0, 0])
+    counts[0] += sum(v for k, v in report.user_properties if k == "zygote_forked")
+    counts[1] += sum(v for k, v in report.user_properties if k == "zygote_fresh")
 
 
 def pytest_terminal_summary(terminalreporter):
     if not _CPU_BY_TEST:
         return
+    if os.environ.get("FSDPRUN_TEST_CPU_LOG"):  # FILE: every test's CPU and wall seconds, TSV
+        with open(os.environ["FSDPRUN_TEST_CPU_LOG"], "w") as f:
+            for nodeid, (cpu, wall) in sorted(_CPU_BY_TEST.items(), key=lambda i: -i[1][0]):
+                f.write(f"{cpu:.1f}\t{wall:.1f}\t{nodeid}\n")
     costliest = sorted(_CPU_BY_TEST.items(), key=lambda item: -item[1][0])[:25]
     terminalreporter.write_sep("=", "costliest tests in CPU seconds (their processes included)")
     for nodeid, (cpu, wall) in costliest:
@@ -334,6 +370,17 @@ def pytest_terminal_summary(terminalreporter):
         f"tests' CPU: {sum(by_file.values()):.0f} s in all; by file: "
         + ", ".join(f"{Path(n).name} {s:.0f}" for n, s in files)
     )
+    # Commands that exec'd a new interpreter instead of forking from the warm zygote: each
+    # pays the imports again. Those whose environment must differ (tests/test_zygote.py, a few
+    # that set what torch or the HF libraries read at import) belong here; a growing count is a
+    # test leaking a variable into the commands after it.
+    forked = sum(c[0] for c in _ZYGOTE_BY_TEST.values())
+    fresh = {n: c[1] for n, c in _ZYGOTE_BY_TEST.items() if c[1]}
+    terminalreporter.write_line(
+        f"zygote commands: {forked} forked, {sum(fresh.values())} exec'd afresh"
+        + (" (" + ", ".join(f"{n.split('/')[-1]} {k}" for n, k in sorted(
+            fresh.items(), key=lambda i: -i[1])[:8]) + ")" if fresh else "")
+    )  # fmt: skip
 
 
 class Run:

@@ -180,14 +180,16 @@ def test_every_adamw_kernel_trains_the_same_and_auto_takes_fused_where_it_works(
 
 
 def test_compile_per_block_fills_the_cache_dir_and_a_second_run_hits_it(tmp_path):
-    """The suite's one compiled launch (inductor on CPU: ~20-30 s cold): 2 ranks, then the same
-    run again on the same compile.cache_dir, as a restart on fresh nodes sharing it would."""
+    """The suite's one compiled launch (inductor on CPU: ~20-30 s cold), then the same run again
+    on the same compile.cache_dir, as a restart on fresh nodes sharing it would. One rank: each
+    rank compiles the same graphs on its own, so a second one would double the cost and show
+    nothing the summary's per-rank counts (tests/test_compile_cache.py) do not."""
     cache = tmp_path / "cache"  # fresh: the first run compiles everything
     args = ("train.steps=2", "output.log_every=1", "compile.enabled=true",
             "train.micro_batch_size=4", "compile.cache_dir=cache")  # fmt: skip
     cold, warm = (
-        Run(run_fsdprun("train", "debug", *args, "--run-dir", name, cwd=tmp_path),
-            tmp_path / name).check()
+        Run(run_fsdprun("train", "debug", *args, "--nproc-per-node", "1", "--run-dir", name,
+                        cwd=tmp_path), tmp_path / name).check()
         for name in ("cold", "warm")
     )  # fmt: skip
     assert cold.start["compile"] == "per block"

@@ -40,3 +40,24 @@ def test_torchruns_variables_take_effect_in_the_forked_command():
     os.waitpid(pid, 0)
     state = json.loads(os.read(read, 1 << 16))
     assert state == {"threads": 1, "through": True}
+
+
+def test_a_variable_a_test_sets_in_this_process_does_not_make_later_commands_exec(
+    tmp_path, monkeypatch
+):
+    """The suite's commands get the session's environment (conftest.fsdprun_env), not what a
+    test monkeypatched here since: with HF_HUB_OFFLINE set in this process, a command forks from
+    the zygote as before; one whose own environment changes imports execs afresh. Before, the
+    zygote and every command copied this process's environment as it was at that moment: a test
+    that set HF_HUB_OFFLINE made each later command of its worker exec (4.5 CPU s of imports)."""
+    import conftest
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")
+    counts = conftest.ZYGOTE_COMMANDS
+    before = dict(counts)
+    assert conftest.run_fsdprun("recipes", cwd=tmp_path).returncode == 0
+    assert (counts["forked"] - before["forked"], counts["fresh"] - before["fresh"]) == (1, 0)
+    env = conftest.fsdprun_env(TORCH_SHOW_CPP_STACKTRACES="1")
+    assert conftest.run_fsdprun("recipes", cwd=tmp_path, env=env).returncode == 0
+    assert (counts["forked"] - before["forked"], counts["fresh"] - before["fresh"]) == (1, 1)

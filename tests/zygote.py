@@ -32,7 +32,8 @@ datasets' own settings and not huggingface_hub's; with no network in the suite a
 there would fail, not pass.
 
 Protocol, one connection per command: the client sends one JSON line {argv, cwd, env, stdout,
-stderr}; the zygote answers {"pid": N} once the child runs, then {"code": C} when it ends (C as
+stderr}; the zygote answers {"pid": N, "fresh": B} once the child runs (B: it execs a new
+interpreter), then {"code": C} when it ends (C as
 subprocess reports it: negative for a signal).
 
     python tests/zygote.py SOCKET_PATH    # prints "ready" when it listens
@@ -340,8 +341,11 @@ def serve(path: str) -> None:
         for fd in request["fds"]:
             os.close(fd)
         OPEN.add(conn)
+        # "fresh": the command execs a new interpreter (its environment changes imports): the
+        # suite counts those, each a few CPU seconds of imports (tests/conftest.py).
+        answer = {"pid": pid, "fresh": _import_time_env_differs(request["env"])}
         with contextlib.suppress(OSError):  # a client gone: the waiter still reaps the command
-            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            conn.sendall(json.dumps(answer).encode() + b"\n")
         threading.Thread(target=_wait_and_answer, args=(conn, pid), daemon=True).start()
 
 
