@@ -33,12 +33,22 @@ FAMILIES: dict[str, dict] = {
 }
 
 
-def save_tiny_hf(model_type: str, path: Path) -> Path:
-    """The family's tiny random model saved at `path` (seeded: the same weights every session)."""
+def tiny_config(model_type: str, **extra):
+    """The family's tiny transformers config; `extra` sets more fields."""
+    import transformers
+
+    return transformers.AutoConfig.for_model(
+        model_type, **{**COMMON, **FAMILIES[model_type], **extra}
+    )
+
+
+def save_tiny_hf(model_type: str, path: Path, **extra) -> Path:
+    """The family's tiny random model saved at `path` (seeded: the same weights every session);
+    `extra` sets more config fields."""
     import torch
     import transformers
 
-    config = transformers.AutoConfig.for_model(model_type, **COMMON, **FAMILIES[model_type])
+    config = tiny_config(model_type, **extra)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path

@@ -156,13 +156,31 @@ def test_buffers_that_transformers_cannot_fill_are_refused_in_one_line(hf_family
     assert model.hf.model.embed_tokens.embed_scale.item() == pytest.approx(64**0.5)
 
 
-def test_flops_per_token_of_a_mixture_of_experts_count_the_active_experts(hf_family_dirs):
+# Per layer, by hand from tests/hf_families.py (hidden 64, 4 query and 2 kv heads, MLP 128):
+# q and o are 64 x (4 x head_dim), k and v 64 x (2 x head_dim).
+def _attention(head_dim: int) -> int:
+    return 2 * 64 * 4 * head_dim + 2 * 64 * 2 * head_dim
+
+
+@pytest.mark.parametrize(
+    ("family", "extra", "matmul", "width"),
+    [
+        # head_dim 32: q·k and attention·v span 4 x 32 = 128, not the hidden size 64.
+        ("qwen3", {"head_dim": 32}, 2 * (_attention(32) + 3 * 64 * 128) + 256 * 64, 128),
+        # Tied: the output projection multiplies each token once; the table lookup does not.
+        ("gemma3_text", {"head_dim": 32}, 2 * (_attention(32) + 3 * 64 * 128) + 256 * 64, 128),
+        # The router (4 experts) and 2 active experts' gate, up and down (32 wide) of 4.
+        ("qwen3_moe", {}, 2 * (_attention(16) + 4 * 64 + 2 * 3 * 32 * 64) + 256 * 64, 64),
+    ],
+)
+def test_flops_per_token_follow_the_family(tmp_path, family, extra, matmul, width):
+    """The MFU's FLOPs per token, 6 x the weights each token multiplies + 12 x layers x the
+    attention's width x seq_len, counted by hand from the config (config.json alone: no weights
+    are read). Before, the attention term read the hidden size (64 here, not 128)."""
+    from hf_families import tiny_config
+
     from fsdprun.models.hf import SPEC
 
-    cfg = load_recipe("debug", [f"model.hf_path={hf_family_dirs['qwen3_moe']}"]).config.model
-    # By hand from tests/hf_families.py: per layer q, k, v, o (4 heads and 2 kv heads of 16),
-    # the router (4 experts) and 2 active experts' gate, up and down (32 wide); the untied head.
-    attention = 64 * 64 + 2 * (32 * 64) + 64 * 64
-    experts = 2 * 3 * 32 * 64
-    matmul = 2 * (attention + 4 * 64 + experts) + 256 * 64
-    assert SPEC.flops_per_token(cfg, 64) == 6 * matmul + 12 * 2 * 64 * 64
+    tiny_config(family, **extra).save_pretrained(tmp_path)
+    cfg = load_recipe("debug", [f"model.hf_path={tmp_path}"]).config.model
+    assert SPEC.flops_per_token(cfg, 64) == 6 * matmul + 12 * 2 * width * 64

@@ -336,7 +336,6 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     errors = sharding_errors(f, world_size=ws, nproc_per_node=cfg.launch.nproc_per_node, tp=tp)
     shape, tied = _tp_shape(cfg)
     errors += tp_errors(cfg, world_size=ws, shape=shape, tied=tied)
-    errors += _tp_sliding_window_errors(cfg)
     if f.engine is Engine.fsdp1 and f.cpu_offload and _runs_on_cpu(cfg.launch.device):
         # FSDP1's CPUOffload pins host memory, which needs an accelerator; FSDP2's policy can
         # leave it unpinned.
@@ -394,34 +393,6 @@ def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
         return shape, bool(hf.get("tie_word_embeddings", False))
     except (OSError, ValueError, KeyError, TypeError):
         return None, False
-
-
-def _tp_sliding_window_errors(cfg: RecipeConfig) -> list[str]:
-    """A model.hf_path whose attention slides over a window shorter than train.seq_len, under
-    parallel.tp: transformers builds the sliding mask from the length of the activations it
-    sees, which sequence parallel makes the local slice (a Mistral with window 16 on 64 tokens
-    at tp 2: rank 0 dies on a 32-wide mask against 64 gathered positions; a window between the
-    slice and the row would be dropped silently). A window that covers the row changes nothing.
-    """
-    if cfg.parallel.tp <= 1 or cfg.model.hf_path is None:
-        return []
-    try:
-        hf = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return []  # refused on its own
-    window = hf.get("sliding_window")
-    # Qwen2-style configs carry a window they do not use (use_sliding_window: false), newer
-    # ones name the layers that slide (layer_types).
-    slides = hf.get("use_sliding_window") is not False and (
-        hf.get("layer_types") is None or "sliding_attention" in hf["layer_types"]
-    )
-    if not isinstance(window, int) or not slides or window >= cfg.train.seq_len:
-        return []
-    return [
-        f"parallel.tp={cfg.parallel.tp} with model.hf_path's sliding_window ({window}) shorter "
-        f"than train.seq_len ({cfg.train.seq_len}): transformers would build the window's mask "
-        "from the sequence-parallel slice; set train.seq_len <= the window or parallel.tp=1"
-    ]
 
 
 # Device nodes that accelerator drivers create: NVIDIA, WSL2's GPU bridge, AMD ROCm, Intel and
