@@ -184,3 +184,33 @@ def test_flops_per_token_follow_the_family(tmp_path, family, extra, matmul, widt
     tiny_config(family, **extra).save_pretrained(tmp_path)
     cfg = load_recipe("debug", [f"model.hf_path={tmp_path}"]).config.model
     assert SPEC.flops_per_token(cfg, 64) == 6 * matmul + 12 * 2 * width * 64
+
+
+def test_a_router_auxiliary_loss_is_refused_before_launch(tmp_path, monkeypatch):
+    """`fsdprun train debug model.hf_path=MOE` with config.json's output_router_logits: true:
+    transformers would add router_aux_loss_coef x the router's load-balancing loss to each
+    loss, fsdprun's loss does not; one line, exit 2, nothing launched (before, it trained
+    without it, silently)."""
+    from hf_families import tiny_config
+    from typer.testing import CliRunner
+
+    import fsdprun.launch.elastic
+    from fsdprun.cli import app
+
+    def must_not_launch(*args, **kwargs):
+        raise AssertionError("a bad input reached the launcher")
+
+    tiny_config("qwen3_moe", output_router_logits=True).save_pretrained(tmp_path / "moe")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
+    result = CliRunner().invoke(
+        app, ["train", "debug", f"model.hf_path={tmp_path / 'moe'}", "--run-dir", "r"]
+    )
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (
+        "error: model.hf_path's config.json sets output_router_logits: true "
+        "(router_aux_loss_coef 0.001): fsdprun does not add a mixture of experts' router "
+        "auxiliary loss; set output_router_logits to false there (the router then trains on the "
+        "language-model loss alone, as transformers trains it with that setting)"
+    ), line
