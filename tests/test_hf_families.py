@@ -2,8 +2,9 @@
 Phi-3, Qwen3-MoE) train and export exactly as transformers computes them.
 
 For each family's tiny random folder, fsdprun trains the debug recipe (fp32, synthetic data,
-gradient accumulation, warm-up then cosine, clipping at 1.0) for 3 steps on 2 ranks and, with
-full activation checkpointing, on 1 rank (both in the session's gloo pools, tests/gloo_pool.py).
+gradient accumulation, warm-up then cosine, clipping at 1.0) for 3 steps on 2 ranks, with
+full activation checkpointing on 1 rank, and for some families under hybrid sharding on 2
+ranks (all in the session's gloo pools, tests/gloo_pool.py).
 Its losses must equal, within 1e-5, those of an independent plain loop: transformers' own model
 loaded from the same folder, `torch.optim.AdamW`, torch's clipping, the same samples. The 2-rank
 checkpoint's `export --format hf` must load in transformers and give fsdprun's logits.
@@ -13,6 +14,7 @@ Run with `pytest tests/test_hf_families.py`.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from hf_families import FAMILIES
 
 from fsdprun.checkpoint.export import export_checkpoint
 from fsdprun.config import load_recipe
-from fsdprun.data import build_datasets, load_batch
+from fsdprun.data import IGNORE_INDEX, build_datasets, load_batch
 from fsdprun.models.hf import HFCausalLM
 
 transformers = pytest.importorskip("transformers")
@@ -43,11 +45,25 @@ def _load_hf(path):
     )
 
 
-def _reference_losses(folder) -> list[float]:
+def _forward(model, batch) -> torch.Tensor:
+    """transformers' logits of a batch; of fine-tuning rows, each document (and each row's
+    padding) forwarded alone: rows of several documents, cut where doc_ids change."""
+    if batch.doc_ids is None:
+        return model(input_ids=batch.inputs).logits
+    rows = []
+    for tokens, docs in zip(batch.inputs, batch.doc_ids, strict=True):
+        lengths = torch.unique_consecutive(docs, return_counts=True)[1].tolist()
+        rows.append(torch.cat([model(input_ids=doc[None]).logits[0]
+                               for doc in tokens.split(lengths)]))  # fmt: skip
+    return torch.stack(rows)
+
+
+def _reference_losses(folder, *overrides: str) -> list[float]:
     """The debug recipe's 3 steps as a plain loop over transformers' model: the global batch in
-    one forward, token-mean cross entropy, clip_grad_norm_, AdamW with decay on matrices only,
-    linear warm-up then cosine to min_lr_ratio (the schedule docs/recipes.md describes)."""
-    cfg = load_recipe("debug", [f"model.hf_path={folder}", *TRAIN]).config
+    one forward, token-mean cross entropy (over the trained targets), clip_grad_norm_, AdamW with
+    decay on matrices only, linear warm-up then cosine to min_lr_ratio (the schedule
+    docs/recipes.md describes)."""
+    cfg = load_recipe("debug", [f"model.hf_path={folder}", *TRAIN, *overrides]).config
     model = _load_hf(folder).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -65,13 +81,15 @@ def _reference_losses(folder) -> list[float]:
         return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * cosine
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    data, _ = build_datasets(cfg.data, vocab_size=256, seq_len=cfg.train.seq_len, seed=0)
+    vocab = model.config.vocab_size
+    data, _ = build_datasets(cfg.data, vocab_size=vocab, seq_len=cfg.train.seq_len, seed=0)
     batch_size = cfg.train.global_batch_size
     losses = []
     for step in range(total):
         batch = load_batch(data, range(step * batch_size, (step + 1) * batch_size), "cpu")
-        logits = model(input_ids=batch.inputs).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
+        logits = _forward(model, batch)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(),
+                               ignore_index=IGNORE_INDEX)  # fmt: skip
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
         optimizer.step()
@@ -79,6 +97,12 @@ def _reference_losses(folder) -> list[float]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
+
+
+# Hybrid sharding (2 replicas of 1 shard: the replicas' all-reduce, the HF weights read by each
+# replica) for the families whose parameters are unusual: stacked experts, tied embeddings,
+# fused projections. The others shard as Llama does.
+HYBRID = ("qwen3_moe", "gemma3_text", "phi3")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -90,11 +114,46 @@ def test_training_equals_transformers_on_1_and_2_ranks(
     one = gloo_pool_1.train(*TRAIN, f"model.hf_path={folder}", "activation_checkpointing.mode=full")
     assert two.start["weights"] == f"pretrained, read from {folder}"
     assert one.start["activation_checkpointing"] == "full (2 blocks)"
+    runs = [two, one]
+    if family in HYBRID:
+        hybrid = ("fsdp.sharding=hybrid", "fsdp.shard_group_size=1")
+        runs.append(gloo_pool.train(*TRAIN, f"model.hf_path={folder}", *hybrid))
+        assert runs[-1].start["mesh"] == [["replicate", 2], ["shard", 1]], runs[-1].start
     expected = _reference_losses(folder)
-    for run in (two, one):
+    for run in runs:
         assert len(run.losses) == STEPS
         diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
         assert diff < TOL, (family, run.losses, expected)
+
+
+# Chat rows of the shipped chat.jsonl (byte tokenizer: 257 tokens), 128 tokens a row: packed
+# (several conversations a row, positions restarting) and padded (one a row).
+DATA = Path(__file__).parent.parent / "recipes" / "data"
+CHAT = ("data.source=chat", f"data.paths=[{DATA / 'chat.jsonl'}]",
+        f"data.tokenizer={DATA / 'tiny-llama-hf'}", "data.truncate=truncate",
+        "train.seq_len=128")  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe"])
+def test_packed_and_padded_chat_rows_train_as_transformers(family, gloo_pool, tmp_path_factory):
+    """Fine-tuning rows on 2 ranks, packed and padded, give the losses of transformers' model
+    forwarding each conversation alone (the padding apart), trained on the assistant tokens
+    only (1e-5 at every step). Gemma 3: sliding windows and global layers inside packed rows;
+    Qwen3-MoE: padding and neighbouring conversations routed through the experts."""
+    from hf_families import save_tiny_hf
+
+    folder = save_tiny_hf(family, tmp_path_factory.mktemp("chat") / family, vocab_size=257)
+    for pack in ("true", "false"):
+        rows = (*CHAT, f"data.pack={pack}")
+        cfg = load_recipe("debug", [f"model.hf_path={folder}", *rows]).config
+        data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=128, seed=0)
+        doc_ids = load_batch(data, range(cfg.train.global_batch_size), "cpu").doc_ids
+        # What the rows hold: several conversations a row, or one and padding (doc id -1).
+        assert (doc_ids.max() >= 1) if pack == "true" else (doc_ids.min() == -1), doc_ids
+        run = gloo_pool.train(*TRAIN, f"model.hf_path={folder}", *rows)
+        expected = _reference_losses(folder, *rows)
+        diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
+        assert diff < TOL, (family, pack, run.losses, expected)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
