@@ -126,27 +126,28 @@ def test_training_equals_transformers_on_1_and_2_ranks(
         assert diff < TOL, (family, run.losses, expected)
 
 
-# Chat rows of the shipped chat.jsonl (byte tokenizer: 257 tokens), 128 tokens a row: packed
+# Chat rows of the shipped chat.jsonl (byte tokenizer: 257 tokens), 256 tokens a row: packed
 # (several conversations a row, positions restarting) and padded (one a row).
 DATA = Path(__file__).parent.parent / "recipes" / "data"
 CHAT = ("data.source=chat", f"data.paths=[{DATA / 'chat.jsonl'}]",
         f"data.tokenizer={DATA / 'tiny-llama-hf'}", "data.truncate=truncate",
-        "train.seq_len=128")  # fmt: skip
+        "train.seq_len=256")  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe"])
+# Gemma 3 only: its sliding windows and global layers inside packed rows are what the other
+# families' rows add nothing to (their forward on packed rows is checked below); 14 CPU s.
+@pytest.mark.parametrize("family", ["gemma3_text"])
 def test_packed_and_padded_chat_rows_train_as_transformers(family, gloo_pool, tmp_path_factory):
     """Fine-tuning rows on 2 ranks, packed and padded, give the losses of transformers' model
     forwarding each conversation alone (the padding apart), trained on the assistant tokens
-    only (1e-5 at every step). Gemma 3: sliding windows and global layers inside packed rows;
-    Qwen3-MoE: padding and neighbouring conversations routed through the experts."""
+    only (1e-5 at every step)."""
     from hf_families import save_tiny_hf
 
     folder = save_tiny_hf(family, tmp_path_factory.mktemp("chat") / family, vocab_size=257)
     for pack in ("true", "false"):
         rows = (*CHAT, f"data.pack={pack}")
         cfg = load_recipe("debug", [f"model.hf_path={folder}", *rows]).config
-        data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=128, seed=0)
+        data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=256, seed=0)
         doc_ids = load_batch(data, range(cfg.train.global_batch_size), "cpu").doc_ids
         # What the rows hold: several conversations a row, or one and padding (doc id -1).
         assert (doc_ids.max() >= 1) if pack == "true" else (doc_ids.min() == -1), doc_ids
