@@ -8,7 +8,9 @@ runs the group saved, so the command's own checks are what is tested. The whole 
 the resumes went through the command and the sft-demo, hybrid and layout tests came): most of it
 the first test, which starts the pools and trains three runs, the compiled TP run (37 s with
 inductor's cache warm, about 100 s cold), the sft-demo launch (31 CPU s) and the three 4-rank
-resumes (37 CPU s).
+resumes (37 CPU s). The HF families' plans (one task in the session's 2-rank pool for all
+seven, about 7 CPU s once the pool is up; Gemma 3 and Phi-3 trained at tp 2 x dp 2 and on one
+rank, about 13 CPU s each) came after.
 """
 
 from __future__ import annotations
