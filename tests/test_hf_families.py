@@ -127,15 +127,16 @@ def test_training_equals_transformers_on_1_and_2_ranks(
 
 
 # Chat rows of the shipped chat.jsonl (byte tokenizer: 257 tokens), 256 tokens a row: packed
-# (several conversations a row, positions restarting) and padded (one a row).
+# (several conversations a row, positions restarting) and padded (one a row). 4 rows a step,
+# one a micro-batch: 2 accumulated on each of 2 ranks.
 DATA = Path(__file__).parent.parent / "recipes" / "data"
 CHAT = ("data.source=chat", f"data.paths=[{DATA / 'chat.jsonl'}]",
         f"data.tokenizer={DATA / 'tiny-llama-hf'}", "data.truncate=truncate",
-        "train.seq_len=256")  # fmt: skip
+        "train.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=1")  # fmt: skip
 
 
 # Gemma 3 only: its sliding windows and global layers inside packed rows are what the other
-# families' rows add nothing to (their forward on packed rows is checked below); 14 CPU s.
+# families' rows add nothing to (their forward on packed rows is checked below).
 @pytest.mark.parametrize("family", ["gemma3_text"])
 def test_packed_and_padded_chat_rows_train_as_transformers(family, gloo_pool, tmp_path_factory):
     """Fine-tuning rows on 2 ranks, packed and padded, give the losses of transformers' model
