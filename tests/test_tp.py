@@ -57,7 +57,7 @@ def one_error(*overrides: str) -> str:
         (["fsdp.engine=ddp"], "fsdp.engine=ddp cannot shard DTensor"),
         (["lora.rank=4"], "lora.rank=4: LoRA's adapted layers"),
         (["train.loss=chunked"], "train.loss=chunked"),
-        (["model.tie_embeddings=true"], "tied embeddings"),
+        (["model.tie_embeddings=true"], "model.tie_embeddings=true: the built-in Llama's tied"),
         (["fsdp.cpu_offload=true"], "fsdp.cpu_offload=true"),
         (["compile.enabled=true", "activation_checkpointing.mode=full"],
          "activation_checkpointing.mode=full: torch 2.13's compiled checkpoint"),
@@ -106,7 +106,7 @@ def test_hf_folder_dims_are_read_from_its_config(tmp_path):
     found = errors_of(*FOUR, "parallel.tp=4", f"model.hf_path={folder}")
     assert any("num_key_value_heads (2)" in e for e in found), found
     assert not any("vocab_size" in e for e in found), found  # it shards unevenly
-    assert any("tied embeddings" in e for e in found), found
+    assert not any("tie" in e for e in found), found  # split alike and tied again (apply_tp)
     assert not any("intermediate_size" in e for e in found), found
 
 
@@ -434,23 +434,11 @@ def _hf_families_tp_rank(rank: int, world: int, folders: dict[str, str]) -> dict
 
 
 @pytest.fixture(scope="module")
-def tp_family_dirs(hf_family_dirs, tmp_path_factory) -> dict[str, Path]:
-    """The families of tests/hf_families.py that have a TP plan, untied: Gemma ties its
-    embeddings, which TP refuses (see test_hf_folder_the_plan_does_not_verify_is_refused...)."""
-    from hf_families import save_tiny_hf
-
+def tp_family_dirs(hf_family_dirs) -> dict[str, Path]:
+    """The families of tests/hf_families.py that have a TP plan (Gemma's tied, as released)."""
     from fsdprun.families import HF_FAMILIES
 
-    root = tmp_path_factory.mktemp("tp-families")
-    folders = {}
-    for family, folder in hf_family_dirs.items():
-        if isinstance(HF_FAMILIES[family].tp_plan, str):
-            continue
-        tied = json.loads((folder / "config.json").read_text()).get("tie_word_embeddings")
-        folders[family] = (
-            save_tiny_hf(family, root / family, tie_word_embeddings=False) if tied else folder
-        )
-    return folders
+    return {f: d for f, d in hf_family_dirs.items() if not isinstance(HF_FAMILIES[f].tp_plan, str)}
 
 
 def test_each_family_plan_computes_as_the_plain_model(gloo_pool, tp_family_dirs):
@@ -459,9 +447,10 @@ def test_each_family_plan_computes_as_the_plain_model(gloo_pool, tp_family_dirs)
     positions), and the logits and every parameter's gradient equal the plain model's (1e-5),
     plain rows and packed ones. Qwen3's and Gemma 3's per-head q/k norms, Gemma's post-norms,
     embedding scale and (1 + w) norms, Phi-3's fused qkv_proj and gate_up_proj, and the
-    16-token sliding windows inside 32-token rows (Mistral, Gemma) each need their part of the
-    plan: before, qwen3 and phi3 were refused and a window shorter than the row was too (rank 0
-    died on a 16-wide mask against 32 positions)."""
+    16-token sliding windows inside 32-token rows (Mistral, Gemma), and Gemma's tied embedding
+    and output (split alike, tied again: one tensor, one gradient) each need their part of the
+    plan: before, qwen3, phi3 and tied embeddings were refused and a window shorter than the row
+    was too (rank 0 died on a 16-wide mask against 32 positions)."""
     assert set(tp_family_dirs) == {"llama", "qwen2", "qwen3", "mistral", "gemma2",
                                    "gemma3_text", "phi3"}  # fmt: skip
     folders = {family: str(folder) for family, folder in tp_family_dirs.items()}
@@ -479,9 +468,9 @@ def test_each_family_plan_computes_as_the_plain_model(gloo_pool, tp_family_dirs)
 def test_hf_family_tp2_dp2_trains_as_one_rank(trained, tp_family_dirs, tmp_path, monkeypatch,
                                               family):  # fmt: skip
     """Two representative plans trained by the worker's own loop at tp 2 x dp 2 (accumulation,
-    loss parallel): Gemma 3 (per-head norms, post-norms, scaled embedding, sliding windows) and
-    Phi-3 (fused projections split by rows, outputs gathered). The same losses, gradient norms
-    and trained parameters as one rank."""
+    loss parallel): Gemma 3 (per-head norms, post-norms, scaled embedding, sliding windows, tied
+    embeddings read from the folder) and Phi-3 (fused projections split by rows, outputs
+    gathered). The same losses, gradient norms and trained parameters as one rank."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hf = f"model.hf_path={tp_family_dirs[family]}"
     tp = trained.run(4, "parallel.tp=2", hf)
@@ -495,8 +484,6 @@ def test_hf_family_tp2_dp2_trains_as_one_rank(trained, tp_family_dirs, tmp_path,
         ("qwen3_moe", "parallel.tp=2: model.hf_path's qwen3_moe (Qwen3MoeForCausalLM) has no "
          "tensor-parallel plan: a mixture of experts would need expert parallelism, which "
          "fsdprun does not do (docs/limits.md); set parallel.tp=1"),
-        ("gemma2", "tied embeddings (model.tie_embeddings, or tie_word_embeddings in "
-         "model.hf_path's config.json)"),
         # A model type without an entry gets the Llama layout's plan, checked module by module.
         ("olmo2", "model.hf_path's olmo2 (Olmo2ForCausalLM) has no verified tensor-parallel "
          "plan: the plan does not cover self_attn.q_norm, self_attn.k_norm, "
@@ -507,8 +494,8 @@ def test_hf_folder_without_a_verified_plan_is_refused_before_launch(
     hf_family_dirs, tmp_path, monkeypatch, model_type, phrase
 ):
     """`fsdprun train debug model.hf_path=FOLDER parallel.tp=2 --nproc-per-node 4`: one line,
-    exit 2, nothing launched, for a mixture of experts (expert parallelism is out of scope),
-    tied embeddings (Gemma's), and a layout no plan covers. Before, the MoE got the Llama
+    exit 2, nothing launched, for a mixture of experts (expert parallelism is out of scope)
+    and a layout no plan covers. Before, the MoE got the Llama
     plan's layout message about its experts, as if a plan could cover them."""
     from conftest import save_tiny_hf
 
@@ -527,6 +514,27 @@ def test_hf_folder_without_a_verified_plan_is_refused_before_launch(
     (line,) = result.stderr.strip().splitlines()
     assert phrase in line, line
     assert not Path("r").exists()
+
+
+def test_a_plan_splitting_a_tied_tensor_two_ways_is_refused(hf_family_dirs):
+    """Gemma's tied embedding and output stay one tensor under TP because its plan splits both
+    on the vocab (dim 0); a plan that split the output row-wise would untie them: the layout
+    check names the pair (meta model, no processes)."""
+    import torch
+
+    from fsdprun.engines.tp import tp_plan_problem
+    from fsdprun.families import HF_FAMILIES, TPPlan
+    from fsdprun.models.hf import HFCausalLM
+
+    with torch.device("meta"):
+        model = HFCausalLM.from_folder(hf_family_dirs["gemma3_text"])
+    plan = HF_FAMILIES["gemma3_text"].tp_plan
+    assert tp_plan_problem(model, plan, family="gemma3") is None
+    apart = TPPlan(plan.blocks, {**plan.top, "hf.lm_head": "rowwise"}, plan.block_inputs)
+    assert tp_plan_problem(model, apart, family="gemma3") == (
+        "gemma3 has no verified tensor-parallel plan: hf.model.embed_tokens.weight and "
+        "hf.lm_head.weight are one tied tensor the plan splits two ways"
+    )
 
 
 def test_plan_says_why_a_family_has_no_tp_column(hf_family_dirs, monkeypatch):

@@ -389,7 +389,8 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
 
 
 def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
-    """The model dims parallel.tp must divide and whether the embeddings are tied: the
+    """The model dims parallel.tp must divide and whether the built-in Llama's embeddings are
+    tied (which TP refuses; an HF folder's are split alike and tied again): the
     recipe's, or model.hf_path's config.json (read as JSON: no transformers, no torch); no
     dims when that file is unreadable (refused on its own).
 
@@ -413,7 +414,9 @@ def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
             "num_key_value_heads": int(hf.get("num_key_value_heads") or heads),
             "intermediate_size": int(hf["intermediate_size"]),
         }
-        return shape, bool(hf.get("tie_word_embeddings", False))
+        # An HF folder's tied embedding and output are split alike and tied again by
+        # `engines.tp.apply_tp` (its layout check refuses a plan that would split them apart).
+        return shape, False
     except (OSError, ValueError, KeyError, TypeError):
         return None, False
 

@@ -132,6 +132,21 @@ _STYLE_CLASSES = {"colwise": "Linear", "rowwise": "Linear", "output": "Linear",
                   "embedding": "Embedding"}  # fmt: skip
 
 
+# The weight dim each style shards (as _STYLE_CLASSES's modules hold it); the others replicate.
+_STYLE_WEIGHT_DIMS = {"colwise": 0, "colwise_gather": 0, "output": 0, "embedding": 0,
+                      "rowwise": 1, "rowwise_split": 1}  # fmt: skip
+
+
+def _tied(model: nn.Module) -> list[tuple[str, str]]:
+    """(name, first name) of each parameter that is another's tensor (tied embeddings)."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            pairs.append((name, first[id(param)]))
+    return pairs
+
+
 def _fold(paths: list[str], blocks: list[str]) -> str:
     """Module paths as a list that names each block's modules once (`self_attn.q_norm,
     self_attn.k_norm of each decoder layer`), the others (outside the blocks) as they are."""
@@ -169,7 +184,14 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str
         if path in modules and style in _STYLE_CLASSES
         and _STYLE_CLASSES[style] not in {c.__name__ for c in type(modules[path]).__mro__}
     ]  # fmt: skip
-    planned = {path for path, _ in rows}
+    planned = dict(rows)
+    # A tied tensor (Gemma's embedding and output) stays one parameter only where both of its
+    # modules split it alike: `apply_tp` ties the output to the split embedding again.
+    untied = [
+        f"{first} and {name}" for name, first in _tied(model)
+        if len({_STYLE_WEIGHT_DIMS.get(planned.get(n.rpartition(".")[0], ""))
+                for n in (name, first)}) > 1
+    ]  # fmt: skip
     uncovered = [
         path for path, module in modules.items()
         if path not in planned and next(module.parameters(recurse=False), None) is not None
@@ -183,6 +205,8 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str
         problems.append(
             f"{_fold(wrong, blocks)} are not the Linear / Embedding modules the plan splits"
         )
+    if untied:
+        problems.append(f"{', '.join(untied)} are one tied tensor the plan splits two ways")
     if not problems:
         return None
     return f"{family} has no verified tensor-parallel plan: {'; '.join(problems)}"
@@ -228,8 +252,14 @@ def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan | str) -> li
     if problem is not None:
         raise UserError(f"parallel.tp={tp_mesh.size()}: {problem}; set parallel.tp=1")
     rows = plan_rows(model.block_paths(), plan)
+    tied = _tied(model)
     for path, style in rows:
         parallelize_module(model.get_submodule(path), tp_mesh, _style(style, plan, path))
+    # Each style made its module a split parameter of its own: a tied one (checked above to be
+    # split alike) is the first module's again, one tensor with one gradient, as unsplit.
+    for name, first in tied:
+        path, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(path), attr, model.get_parameter(first))
     return rows
 
 
