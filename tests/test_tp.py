@@ -10,7 +10,7 @@ the first test, which starts the pools and trains three runs, the compiled TP ru
 inductor's cache warm, about 100 s cold), the sft-demo launch (31 CPU s) and the three 4-rank
 resumes (37 CPU s). The HF families' plans (one task in the session's 2-rank pool for all
 seven, about 7 CPU s once the pool is up; Gemma 3 and Phi-3 trained at tp 2 x dp 2 and on one
-rank, about 13 CPU s each) came after.
+rank and exported, about 10 CPU s each) came after.
 """
 
 from __future__ import annotations
@@ -470,12 +470,29 @@ def test_hf_family_tp2_dp2_trains_as_one_rank(trained, tp_family_dirs, tmp_path,
     """Two representative plans trained by the worker's own loop at tp 2 x dp 2 (accumulation,
     loss parallel): Gemma 3 (per-head norms, post-norms, scaled embedding, sliding windows, tied
     embeddings read from the folder) and Phi-3 (fused projections split by rows, outputs
-    gathered). The same losses, gradient norms and trained parameters as one rank."""
+    gathered). The same losses, gradient norms and trained parameters as one rank, and the TP
+    checkpoint's `--format hf` export loads in transformers with them (Gemma's still tied)."""
+    import torch
+    import transformers
+
+    from fsdprun.checkpoint.export import export_checkpoint
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hf = f"model.hf_path={tp_family_dirs[family]}"
-    tp = trained.run(4, "parallel.tp=2", hf)
+    tp, one = trained.run(4, "parallel.tp=2", hf), trained.run(1, hf)
     assert tp.start["mesh"] == [["dp_shard", 2], ["tp", 2]]
-    _assert_same(tp, trained.run(1, hf), tmp_path)
+    _assert_same(tp, one, tmp_path)
+    # In-process (the command is covered by test_a_tp_checkpoint_inspects_with_its_mesh...).
+    export_checkpoint(_ckpt(tp, LAST), tmp_path / "hf", fmt="hf")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32, local_files_only=True
+    )
+    trained_one = _model(one, LAST, tmp_path)
+    for name, param in exported.named_parameters():
+        assert (param - trained_one[f"model.hf.{name}"]).abs().max().item() <= TOL, name
+    tied = exported.config.tie_word_embeddings
+    assert tied == (family == "gemma3_text")
+    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) == tied
 
 
 @pytest.mark.parametrize(
