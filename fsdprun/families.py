@@ -5,14 +5,16 @@ Both `config` (which refuses an unknown family before anything loads) and `model
 imports the family's module and reads its `SPEC`) need these names, and `models` reads config's
 sections, so the names live here, at the package's ground floor, rather than in either: config
 then never imports `models`, and the two packages import each other in no circle. Adding a
-family is its module under `fsdprun.models` plus one line in `FAMILIES`.
+family is its module under `fsdprun.models` plus one line in `FAMILIES`. The HuggingFace model
+types fsdprun verifies (`HF_FAMILIES`) and the tensor-parallel plans (`TPPlan`) are data here
+too: a HuggingFace family is one entry, not a branch in the engine.
 
 Never imports torch nor an fsdprun module (`fsdprun config` loads it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Family name -> the module defining its SPEC (imported when a recipe asks for the family).
 FAMILIES = {
@@ -29,6 +31,98 @@ def family_problem(family: str, hf_path: str | None) -> str | None:
     if family == HF_FAMILY and hf_path is None:
         return "model.family: 'hf' needs model.hf_path (a HuggingFace model folder or Hub id)"
     return None
+
+
+# The tensor-parallel styles a `TPPlan` names (`fsdprun.engines.tp` turns each into torch's
+# ParallelStyle; a plan is plain data here, beside the families).
+TP_STYLES = {
+    "colwise": "ColwiseParallel: output features sharded (q/k/v, gate/up)",
+    "rowwise": "RowwiseParallel: input features sharded; output reduce-scattered on the "
+    "sequence (sequence parallel)",
+    "norm": "SequenceParallel: weight replicated, activations sharded on the sequence",
+    "residual_norm": "SequenceParallel on a sub-layer's output before the residual add: weight "
+    "replicated, the local sequence shard handed on",
+    "head_norm": "SequenceParallel on the heads (dim 2) of a per-head q/k norm: weight "
+    "replicated, each rank normalizing its heads",
+    "colwise_gather": "ColwiseParallel, output all-gathered: a fused projection whose model "
+    "slices the whole output (Phi-3's qkv, gate_up)",
+    "rowwise_split": "RowwiseParallel of a whole input (after colwise_gather): each rank takes "
+    "its input columns; output reduce-scattered on the sequence",
+    "block_input": "PrepareModuleInput: all-gather the sequence-sharded input (first argument)",
+    "embedding": "RowwiseParallel: vocab rows sharded; output sharded on the sequence",
+    "output": "ColwiseParallel: vocab sharded, logits left sharded for loss parallel",
+}
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """How a family's model is tensor-parallelized: a style of `TP_STYLES` per module path.
+
+    `blocks`: paths inside each decoder block (relative to it); `top`: paths from the model's
+    root (embedding, final norm, output). The activations between blocks are sharded on the
+    sequence (dim 1, sequence parallel), gathered by each `block_input` module.
+    `block_inputs`: how many positional arguments each `block_input` module takes (layouts are
+    given per argument); 0 = its input is the keyword `hidden_states`.
+    """
+
+    blocks: dict[str, str]
+    top: dict[str, str]
+    block_inputs: dict[str, int] = field(default_factory=dict)
+
+    def extended(self, **blocks: str) -> TPPlan:
+        """This plan with more (or other) block modules: `extended(**{"self_attn.q_norm": ...})`."""
+        return TPPlan({**self.blocks, **blocks}, self.top, self.block_inputs)
+
+
+# HuggingFace decoders with Llama's module names (transformers' own `base_model_tp_plan` splits
+# Llama, Mistral, Qwen2 the same way), with sequence parallel as the built-in Llama: the
+# activations between decoder layers are sharded on the sequence, the norms run on the local
+# slice, and each attention / MLP gathers its input (PrepareModuleInput, Shard(1) -> Replicate).
+# The decoder derives the positions and the causal mask from the activations' (local) length:
+# `fsdprun.models.hf.packed_inputs` passes whole-row position_ids (so the rotary table covers the
+# row), and the mask is either fsdprun's whole 4-D one (packed rows, sliding windows) or none,
+# SDPA's `is_causal` then applying on the gathered sequence. The attention reshapes with -1
+# heads, so column-sharded q/k/v give it the local heads. The decoder layer calls self_attn with
+# the keyword `hidden_states`, the MLP with one positional argument.
+HF_LLAMA_TP = TPPlan(
+    blocks={
+        "input_layernorm": "norm", "self_attn": "block_input", "self_attn.q_proj": "colwise",
+        "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+        "self_attn.o_proj": "rowwise", "post_attention_layernorm": "norm", "mlp": "block_input",
+        "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+    },
+    top={"hf.model.embed_tokens": "embedding", "hf.model.norm": "norm", "hf.lm_head": "output"},
+    block_inputs={"self_attn": 0, "mlp": 1},
+)  # fmt: skip
+# Qwen3's RMSNorm of each head's q and k (over head_dim, after the column-wise q/k_proj): each
+# rank normalizes its own heads with the whole weight, whose gradient sums over every head.
+HEAD_NORMS = {"self_attn.q_norm": "head_norm", "self_attn.k_norm": "head_norm"}
+# Gemma 2 and 3 norm each sub-layer's output before its residual add (post_attention_layernorm
+# there is that, not the MLP's input norm as in Llama) and the MLP's input with
+# pre_feedforward_layernorm. The residual stream is the local sequence shard (the row-wise
+# projections hand it on so): the post-norms hand on theirs the same way. Their embedding scale
+# and (1 + w) norms are the model's own arithmetic on the split tensors.
+GEMMA_NORMS = {"post_attention_layernorm": "residual_norm", "pre_feedforward_layernorm": "norm",
+               "post_feedforward_layernorm": "residual_norm"}  # fmt: skip
+# Phi-3 fuses q, k, v into qkv_proj and gate, up into gate_up_proj, and slices the fused output
+# by the whole model's widths (config.num_attention_heads x head_dim; chunk(2)): a column shard
+# of it is not the local heads' q, k and v. The fused weights are split by rows (1/tp of each on
+# a rank) and their outputs all-gathered, as transformers' own Phi-3 plan does
+# (colwise_gather_output); attention and the activation run whole on every rank, and o_proj and
+# down_proj take their input columns of the whole result.
+PHI3_TP = TPPlan(
+    blocks={
+        "input_layernorm": "norm", "self_attn": "block_input",
+        "self_attn.qkv_proj": "colwise_gather", "self_attn.o_proj": "rowwise_split",
+        "post_attention_layernorm": "norm", "mlp": "block_input",
+        "mlp.gate_up_proj": "colwise_gather", "mlp.down_proj": "rowwise_split",
+    },
+    top=HF_LLAMA_TP.top,
+    block_inputs=HF_LLAMA_TP.block_inputs,
+)  # fmt: skip
+MOE_NO_TP = (
+    "a mixture of experts would need expert parallelism, which fsdprun does not do (docs/limits.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +143,10 @@ class HFFamily:
     lora_mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     """The Linear layers of a block's MLP (`lora.targets: [mlp]`); none where the MLP has no
     Linear to adapt (experts stored as 3-D parameters)."""
+
+    tp_plan: TPPlan | str = HF_LLAMA_TP
+    """parallel.tp's plan (`fsdprun.engines.tp`), or why there is none (one clause). Any plan
+    splits a model only where its modules are the plan's (`tp_plan_problem`, before launch)."""
 
     def lora_groups(self) -> dict[str, tuple[str, ...]]:
         """The `lora.targets` group names and the layer names each stands for."""
@@ -76,10 +174,11 @@ class StackedExperts:
 HF_FAMILIES = {
     "llama": HFFamily(),
     "qwen2": HFFamily(),
-    "qwen3": HFFamily(),
+    "qwen3": HFFamily(tp_plan=HF_LLAMA_TP.extended(**HEAD_NORMS)),
     # The experts are 3-D parameters and the router no Linear either: LoRA adapts attention only.
     "qwen3_moe": HFFamily(
         lora_mlp=(),
+        tp_plan=MOE_NO_TP,
         stacked=(
             StackedExperts(
                 "mlp.experts.gate_up_proj",
@@ -90,8 +189,12 @@ HF_FAMILIES = {
     ),
     "mistral": HFFamily(),
     # transformers builds Gemma 2 with eager attention only: SDPA cannot soft-cap the scores.
-    "gemma2": HFFamily(attn_implementation="eager"),
-    "gemma3_text": HFFamily(),
+    "gemma2": HFFamily(attn_implementation="eager", tp_plan=HF_LLAMA_TP.extended(**GEMMA_NORMS)),
+    "gemma3_text": HFFamily(tp_plan=HF_LLAMA_TP.extended(**GEMMA_NORMS, **HEAD_NORMS)),
     # Fused projections: one Linear for q, k and v, one for the gate and up projections.
-    "phi3": HFFamily(lora_attention=("qkv_proj", "o_proj"), lora_mlp=("gate_up_proj", "down_proj")),
+    "phi3": HFFamily(
+        lora_attention=("qkv_proj", "o_proj"),
+        lora_mlp=("gate_up_proj", "down_proj"),
+        tp_plan=PHI3_TP,
+    ),
 }

@@ -80,13 +80,22 @@ CHAT: dict[str, ChatTokens] = {
 }  # fmt: skip
 
 
-def save_tiny_hf(model_type: str, path: Path) -> Path:
+def tiny_config(model_type: str, **extra):
+    """The family's tiny transformers config; `extra` sets more fields."""
+    import transformers
+
+    return transformers.AutoConfig.for_model(
+        model_type, **{**COMMON, **FAMILIES[model_type], **extra}
+    )
+
+
+def save_tiny_hf(model_type: str, path: Path, **extra) -> Path:
     """The family's tiny random model and its chat tokenizer saved at `path` (seeded: the same
-    weights every session)."""
+    weights every session); `extra` sets more config fields."""
     import torch
     import transformers
 
-    config = transformers.AutoConfig.for_model(model_type, **COMMON, **FAMILIES[model_type])
+    config = tiny_config(model_type, **extra)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     save_chat_tokenizer(CHAT[model_type], path)

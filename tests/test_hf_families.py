@@ -2,8 +2,9 @@
 Phi-3, Qwen3-MoE) train and export exactly as transformers computes them.
 
 For each family's tiny random folder, fsdprun trains the debug recipe (fp32, synthetic data,
-gradient accumulation, warm-up then cosine, clipping at 1.0) for 3 steps on 2 ranks and, with
-full activation checkpointing, on 1 rank (both in the session's gloo pools, tests/gloo_pool.py).
+gradient accumulation, warm-up then cosine, clipping at 1.0) for 3 steps on 2 ranks, with
+full activation checkpointing on 1 rank, and for some families under hybrid sharding on 2
+ranks (all in the session's gloo pools, tests/gloo_pool.py).
 Its losses must equal, within 1e-5, those of an independent plain loop: transformers' own model
 loaded from the same folder, `torch.optim.AdamW`, torch's clipping, the same samples. The 2-rank
 checkpoint's `export --format hf` must load in transformers and give fsdprun's logits.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from typer.testing import CliRunner
 from fsdprun.checkpoint.export import export_checkpoint
 from fsdprun.cli import app
 from fsdprun.config import ChatTurns, DataConfig, DataSource, load_recipe
-from fsdprun.data import build_datasets, load_batch
+from fsdprun.data import IGNORE_INDEX, build_datasets, load_batch
 from fsdprun.data.sft_examples import tokenize_examples
 from fsdprun.engines.adapters import build_lora_model_on_cpu
 from fsdprun.errors import UserError
@@ -50,12 +52,25 @@ def _load_hf(path):
     )
 
 
-def _reference_losses(folder, model=None) -> list[float]:
+def _forward(model, batch) -> torch.Tensor:
+    """transformers' logits of a batch; of fine-tuning rows, each document (and each row's
+    padding) forwarded alone: rows of several documents, cut where doc_ids change."""
+    if batch.doc_ids is None:
+        return model(input_ids=batch.inputs).logits
+    rows = []
+    for tokens, docs in zip(batch.inputs, batch.doc_ids, strict=True):
+        lengths = torch.unique_consecutive(docs, return_counts=True)[1].tolist()
+        rows.append(torch.cat([model(input_ids=doc[None]).logits[0]
+                               for doc in tokens.split(lengths)]))  # fmt: skip
+    return torch.stack(rows)
+
+
+def _reference_losses(folder, *overrides: str, model=None) -> list[float]:
     """The debug recipe's 3 steps as a plain loop over transformers' model (or `model`, such as
-    peft's around it): the global batch in one forward, token-mean cross entropy,
-    clip_grad_norm_, AdamW with decay on matrices only, linear warm-up then cosine to
-    min_lr_ratio (the schedule docs/recipes.md describes)."""
-    cfg = load_recipe("debug", [f"model.hf_path={folder}", *TRAIN]).config
+    peft's around it): the global batch in one forward, token-mean cross entropy (over the
+    trained targets), clip_grad_norm_, AdamW with decay on matrices only, linear warm-up then
+    cosine to min_lr_ratio (the schedule docs/recipes.md describes)."""
+    cfg = load_recipe("debug", [f"model.hf_path={folder}", *TRAIN, *overrides]).config
     model = (model or _load_hf(folder)).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -73,13 +88,15 @@ def _reference_losses(folder, model=None) -> list[float]:
         return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * cosine
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    data, _ = build_datasets(cfg.data, vocab_size=256, seq_len=cfg.train.seq_len, seed=0)
+    vocab = model.config.vocab_size
+    data, _ = build_datasets(cfg.data, vocab_size=vocab, seq_len=cfg.train.seq_len, seed=0)
     batch_size = cfg.train.global_batch_size
     losses = []
     for step in range(total):
         batch = load_batch(data, range(step * batch_size, (step + 1) * batch_size), "cpu")
-        logits = model(input_ids=batch.inputs).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
+        logits = _forward(model, batch)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(),
+                               ignore_index=IGNORE_INDEX)  # fmt: skip
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
         optimizer.step()
@@ -87,6 +104,12 @@ def _reference_losses(folder, model=None) -> list[float]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
+
+
+# Hybrid sharding (2 replicas of 1 shard: the replicas' all-reduce, the HF weights read by each
+# replica) for the families whose parameters are unusual: stacked experts, tied embeddings,
+# fused projections. The others shard as Llama does.
+HYBRID = ("qwen3_moe", "gemma3_text", "phi3")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -98,11 +121,48 @@ def test_training_equals_transformers_on_1_and_2_ranks(
     one = gloo_pool_1.train(*TRAIN, f"model.hf_path={folder}", "activation_checkpointing.mode=full")
     assert two.start["weights"] == f"pretrained, read from {folder}"
     assert one.start["activation_checkpointing"] == "full (2 blocks)"
+    runs = [two, one]
+    if family in HYBRID:
+        hybrid = ("fsdp.sharding=hybrid", "fsdp.shard_group_size=1")
+        runs.append(gloo_pool.train(*TRAIN, f"model.hf_path={folder}", *hybrid))
+        assert runs[-1].start["mesh"] == [["replicate", 2], ["shard", 1]], runs[-1].start
     expected = _reference_losses(folder)
-    for run in (two, one):
+    for run in runs:
         assert len(run.losses) == STEPS
         diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
         assert diff < TOL, (family, run.losses, expected)
+
+
+# Chat rows of the shipped chat.jsonl (byte tokenizer: 257 tokens), 256 tokens a row: packed
+# (several conversations a row, positions restarting) and padded (one a row). 4 rows a step,
+# one a micro-batch: 2 accumulated on each of 2 ranks.
+DATA = Path(__file__).parent.parent / "recipes" / "data"
+CHAT = ("data.source=chat", f"data.paths=[{DATA / 'chat.jsonl'}]",
+        f"data.tokenizer={DATA / 'tiny-llama-hf'}", "data.truncate=truncate",
+        "train.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=1")  # fmt: skip
+
+
+# Gemma 3 only: its sliding windows and global layers inside packed rows are what the other
+# families' rows add nothing to (their forward on packed rows is checked below).
+@pytest.mark.parametrize("family", ["gemma3_text"])
+def test_packed_and_padded_chat_rows_train_as_transformers(family, gloo_pool, tmp_path_factory):
+    """Fine-tuning rows on 2 ranks, packed and padded, give the losses of transformers' model
+    forwarding each conversation alone (the padding apart), trained on the assistant tokens
+    only (1e-5 at every step)."""
+    from hf_families import save_tiny_hf
+
+    folder = save_tiny_hf(family, tmp_path_factory.mktemp("chat") / family, vocab_size=257)
+    for pack in ("true", "false"):
+        rows = (*CHAT, f"data.pack={pack}")
+        cfg = load_recipe("debug", [f"model.hf_path={folder}", *rows]).config
+        data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=256, seed=0)
+        doc_ids = load_batch(data, range(cfg.train.global_batch_size), "cpu").doc_ids
+        # What the rows hold: several conversations a row, or one and padding (doc id -1).
+        assert (doc_ids.max() >= 1) if pack == "true" else (doc_ids.min() == -1), doc_ids
+        run = gloo_pool.train(*TRAIN, f"model.hf_path={folder}", *rows)
+        expected = _reference_losses(folder, *rows)
+        diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
+        assert diff < TOL, (family, pack, run.losses, expected)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -164,16 +224,64 @@ def test_buffers_that_transformers_cannot_fill_are_refused_in_one_line(hf_family
     assert model.hf.model.embed_tokens.embed_scale.item() == pytest.approx(64**0.5)
 
 
-def test_flops_per_token_of_a_mixture_of_experts_count_the_active_experts(hf_family_dirs):
+# Per layer, by hand from tests/hf_families.py (hidden 64, 4 query and 2 kv heads, MLP 128):
+# q and o are 64 x (4 x head_dim), k and v 64 x (2 x head_dim).
+def _attention(head_dim: int) -> int:
+    return 2 * 64 * 4 * head_dim + 2 * 64 * 2 * head_dim
+
+
+@pytest.mark.parametrize(
+    ("family", "extra", "matmul", "width"),
+    [
+        # head_dim 32: q·k and attention·v span 4 x 32 = 128, not the hidden size 64.
+        ("qwen3", {"head_dim": 32}, 2 * (_attention(32) + 3 * 64 * 128) + 256 * 64, 128),
+        # Tied: the output projection multiplies each token once; the table lookup does not.
+        ("gemma3_text", {"head_dim": 32}, 2 * (_attention(32) + 3 * 64 * 128) + 256 * 64, 128),
+        # The router (4 experts) and 2 active experts' gate, up and down (32 wide) of 4.
+        ("qwen3_moe", {}, 2 * (_attention(16) + 4 * 64 + 2 * 3 * 32 * 64) + 256 * 64, 64),
+    ],
+)
+def test_flops_per_token_follow_the_family(tmp_path, family, extra, matmul, width):
+    """The MFU's FLOPs per token, 6 x the weights each token multiplies + 12 x layers x the
+    attention's width x seq_len, counted by hand from the config (config.json alone: no weights
+    are read). Before, the attention term read the hidden size (64 here, not 128)."""
+    from hf_families import tiny_config
+
     from fsdprun.models.hf import SPEC
 
-    cfg = load_recipe("debug", [f"model.hf_path={hf_family_dirs['qwen3_moe']}"]).config.model
-    # By hand from tests/hf_families.py: per layer q, k, v, o (4 heads and 2 kv heads of 16),
-    # the router (4 experts) and 2 active experts' gate, up and down (32 wide); the untied head.
-    attention = 64 * 64 + 2 * (32 * 64) + 64 * 64
-    experts = 2 * 3 * 32 * 64
-    matmul = 2 * (attention + 4 * 64 + experts) + 256 * 64
-    assert SPEC.flops_per_token(cfg, 64) == 6 * matmul + 12 * 2 * 64 * 64
+    tiny_config(family, **extra).save_pretrained(tmp_path)
+    cfg = load_recipe("debug", [f"model.hf_path={tmp_path}"]).config.model
+    assert SPEC.flops_per_token(cfg, 64) == 6 * matmul + 12 * 2 * width * 64
+
+
+def test_a_router_auxiliary_loss_is_refused_before_launch(tmp_path, monkeypatch):
+    """`fsdprun train debug model.hf_path=MOE` with config.json's output_router_logits: true:
+    transformers would add router_aux_loss_coef x the router's load-balancing loss to each
+    loss, fsdprun's loss does not; one line, exit 2, nothing launched (before, it trained
+    without it, silently)."""
+    from hf_families import tiny_config
+    from typer.testing import CliRunner
+
+    import fsdprun.launch.elastic
+    from fsdprun.cli import app
+
+    def must_not_launch(*args, **kwargs):
+        raise AssertionError("a bad input reached the launcher")
+
+    tiny_config("qwen3_moe", output_router_logits=True).save_pretrained(tmp_path / "moe")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
+    result = CliRunner().invoke(
+        app, ["train", "debug", f"model.hf_path={tmp_path / 'moe'}", "--run-dir", "r"]
+    )
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (
+        "error: model.hf_path's config.json sets output_router_logits: true "
+        "(router_aux_loss_coef 0.001): fsdprun does not add a mixture of experts' router "
+        "auxiliary loss; set output_router_logits to false there (the router then trains on the "
+        "language-model loss alone, as transformers trains it with that setting)"
+    ), line
 
 
 # What each family's published template writes before and after an assistant message's content:
@@ -303,7 +411,7 @@ def test_lora_on_attention_and_mlp_equals_peft_and_its_exports_load(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=peft_targets))  # fmt: skip
     assert set(peft.get_peft_model_state_dict(reference)) == set(peft_state_dict(start))
     peft.set_peft_model_state_dict(reference, peft_state_dict(start))
-    expected = _reference_losses(folder, reference)
+    expected = _reference_losses(folder, model=reference)
     diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
     assert len(run.losses) == STEPS and diff < TOL, (family, run.losses, expected)
 

@@ -110,6 +110,17 @@ TP_CELLS: dict[int, dict[str, list[str]]] = {
         ],
     },
 }
+# HuggingFace families (issue 41): fsdp2 over a tiny Qwen3-MoE folder (tests/hf_families.py:
+# 4 experts stacked into [experts, rows, columns] parameters, which 8 and 64 ranks shard by
+# expert, padding) and a Gemma 3 one (tied embeddings, per-head norms). Randomly initialized: the
+# contract is about what a rank holds, not the weights' values. HF_DIR: made in the subprocess.
+HF_MODEL = ["train.seq_len=16", "train.micro_batch_size=1", "precision.reduce_dtype=fp32",
+            "model.init=random"]  # fmt: skip
+HF_CELLS: dict[str, list[str]] = {
+    "fsdp2:full:qwen3_moe": ["model.hf_path=HF_DIR/qwen3_moe"],
+    "fsdp2:hybrid:gemma3_text": ["model.hf_path=HF_DIR/gemma3_text", "fsdp.sharding=hybrid",
+                                 HYBRID],
+}  # fmt: skip
 WORLDS = (8, 64)
 DDP_WORLD = 2  # real gloo ranks
 PARTS = ("params", "grads", "grads_between_micro_steps", "optimizer", "gathered_buffers")
@@ -123,6 +134,8 @@ def overrides(cell: list[str], world: int) -> list[str]:
     dp = world // _tp(cell)  # 2 micro-steps on each data-parallel rank
     launch = [f"launch.nproc_per_node={world}", f"train.global_batch_size={2 * dp}"]
     model = [*MODEL, *TP_MODEL] if _tp(cell) > 1 else MODEL
+    if any(o.startswith("model.hf_path=") for o in cell):
+        model = HF_MODEL
     cell = [o.replace("HALF_DP", str(dp // 2)).replace("HALF", str(world // 2)) for o in cell]
     return [*model, *launch, *cell]
 
@@ -214,7 +227,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     tp, mesh = cfg.parallel.tp, None
     if tp > 1:  # as the worker's _build: TP first, then fully_shard over the dp dims
         mesh = build_device_mesh(cfg, "cpu", world)
-        apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan)
+        apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan(cfg.model))
     engine = build_engine(model, cfg, device=device.torch_device, device_kind="cpu",
                           world_size=world, mesh=mesh)  # fmt: skip
     optimizer = build_optimizer(
@@ -311,6 +324,18 @@ def _fake_world(world: int) -> dict[str, dict]:
         finally:
             gc.collect()  # FSDP's state goes before its process group (FSDP-ON-CPU.md, trap 1)
             dist.destroy_process_group()
+    with tempfile.TemporaryDirectory() as hf_dir:
+        from hf_families import save_tiny_hf
+
+        for label, cell in HF_CELLS.items():
+            family = cell[0].rpartition("/")[2]
+            save_tiny_hf(family, Path(hf_dir) / family)
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+            try:
+                results[label] = _measure([o.replace("HF_DIR", hf_dir) for o in cell], world)
+            finally:
+                gc.collect()
+                dist.destroy_process_group()
     # The TP cells share one group: DTensor caches its redistribution plans by placements and
     # mesh shape, and a plan cached in a destroyed group's cell would name that group's
     # (freed) sub-groups in the next one.

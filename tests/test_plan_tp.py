@@ -47,7 +47,7 @@ def _local_bytes(cfg) -> dict[str, int]:
         with torch.device("meta"):
             model = Transformer(build_model_args(cfg.model))
         if cfg.parallel.tp > 1:
-            apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan)
+            apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan(cfg.model))
             mesh = dp_mesh(mesh)
         apply_fsdp(
             model, mesh=mesh, cfg=cfg.fsdp, param_dtype=cfg.precision.param_dtype,
@@ -133,7 +133,7 @@ def test_tp_block_saves_what_the_activation_formula_says():
     try:
         mesh = build_device_mesh(cfg, "cpu", tp)
         model = Transformer(args).to(torch.bfloat16)
-        apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan)
+        apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan(cfg.model))
         params = {
             (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
             for p in model.parameters()

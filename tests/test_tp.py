@@ -8,7 +8,9 @@ runs the group saved, so the command's own checks are what is tested. The whole 
 the resumes went through the command and the sft-demo, hybrid and layout tests came): most of it
 the first test, which starts the pools and trains three runs, the compiled TP run (37 s with
 inductor's cache warm, about 100 s cold), the sft-demo launch (31 CPU s) and the three 4-rank
-resumes (37 CPU s).
+resumes (37 CPU s). The HF families' plans (one task in the session's 2-rank pool for all
+seven, about 7 CPU s once the pool is up; Gemma 3 and Phi-3 trained at tp 2 x dp 2 and on one
+rank and exported, about 10 CPU s each) came after.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def one_error(*overrides: str) -> str:
         (["fsdp.engine=ddp"], "fsdp.engine=ddp cannot shard DTensor"),
         (["lora.rank=4"], "lora.rank=4: LoRA's adapted layers"),
         (["train.loss=chunked"], "train.loss=chunked"),
-        (["model.tie_embeddings=true"], "tied embeddings"),
+        (["model.tie_embeddings=true"], "model.tie_embeddings=true: the built-in Llama's tied"),
         (["fsdp.cpu_offload=true"], "fsdp.cpu_offload=true"),
         (["compile.enabled=true", "activation_checkpointing.mode=full"],
          "activation_checkpointing.mode=full: torch 2.13's compiled checkpoint"),
@@ -104,7 +106,7 @@ def test_hf_folder_dims_are_read_from_its_config(tmp_path):
     found = errors_of(*FOUR, "parallel.tp=4", f"model.hf_path={folder}")
     assert any("num_key_value_heads (2)" in e for e in found), found
     assert not any("vocab_size" in e for e in found), found  # it shards unevenly
-    assert any("tied embeddings" in e for e in found), found
+    assert not any("tie" in e for e in found), found  # split alike and tied again (apply_tp)
     assert not any("intermediate_size" in e for e in found), found
 
 
@@ -370,92 +372,153 @@ def test_hf_folder_tp2_dp2_trains_as_one_rank(trained, hf_dir, tmp_path, monkeyp
     _assert_same(tp, trained.run(1, f"model.hf_path={hf_dir}"), tmp_path)
 
 
-def _hf_sequence_parallel_rank(rank: int, world: int, hf_dir: str) -> dict:
-    """The HF plan on a tp 2 mesh: the sequence length each decoder layer and the final norm
-    see (hooks on the parallelized model), and the logits against the plain model's, for plain
-    rows and packed ones (positions restarting, doc_ids)."""
+def _hf_families_tp_rank(rank: int, world: int, folders: dict[str, str]) -> dict:
+    """Each family's plan (`fsdprun.families.HF_FAMILIES`) on a tp 2 mesh of this pool's 2
+    ranks, against the plain model of the same random weights: the sequence length each decoder
+    layer and the final norm see, and the logits and every parameter's gradient of a
+    cross-entropy, for plain rows and packed ones (a document boundary at 20 of 32 tokens; the
+    families' 16-token windows cut inside both)."""
     import copy
 
     import torch
+    import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
     from fsdprun.config import load_recipe
     from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh
-    from fsdprun.models.hf import TP_PLAN, HFCausalLM
+    from fsdprun.models.hf import HFCausalLM, hf_family
 
-    torch.manual_seed(0)  # the same random weights on every rank
-    model = HFCausalLM.from_folder(hf_dir)
-    plain = copy.deepcopy(model)
     cfg = load_recipe("debug", [f"launch.nproc_per_node={world}", "parallel.tp=2"]).config
-    apply_tp(model, tp_mesh=tp_mesh(build_device_mesh(cfg, "cpu", world)), plan=TP_PLAN)
-    seen: dict[str, list[int]] = {}
-    for path in [*model.block_paths(), "hf.model.norm"]:
+    mesh = tp_mesh(build_device_mesh(cfg, "cpu", world))
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    packed = {
+        "positions": torch.cat([torch.arange(20), torch.arange(12)]).expand(2, -1),
+        "doc_ids": torch.cat([torch.zeros(20), torch.ones(12)]).long().expand(2, -1),
+    }
 
-        def hook(mod, args, kwargs, path=path):
-            x = args[0] if args else kwargs["hidden_states"]
-            # The norm's SequenceParallel has already made its input a Shard(1) DTensor.
-            x = x.to_local() if isinstance(x, DTensor) else x
-            seen.setdefault(path, []).append(x.shape[1])
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
 
-        model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    positions = torch.cat([torch.arange(10), torch.arange(6)]).expand(2, -1)
-    doc_ids = torch.cat([torch.zeros(10), torch.ones(6)]).long().expand(2, -1)
-    errors = []
-    for packed in ({}, {"positions": positions, "doc_ids": doc_ids}):
-        got = model(tokens, **packed)
-        want = plain(tokens, **packed)
-        errors.append((got.full_tensor() - want).abs().max().item())
-    return {"seen": seen, "errors": errors}
+    results = {}
+    for family, folder in folders.items():
+        torch.manual_seed(0)  # the same random weights on every rank
+        model = HFCausalLM.from_folder(folder)
+        plain = copy.deepcopy(model)
+        apply_tp(model, tp_mesh=mesh, plan=hf_family(model.hf.config).tp_plan)
+        seen: dict[str, list[int]] = {}
+        for path in [*model.block_paths(), "hf.model.norm"]:
+
+            def hook(mod, args, kwargs, path=path, seen=seen):
+                x = args[0] if args else kwargs["hidden_states"]
+                # The norm's SequenceParallel has already made its input a Shard(1) DTensor.
+                x = x.to_local() if isinstance(x, DTensor) else x
+                seen.setdefault(path, []).append(x.shape[1])
+
+            model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
+        logits, grads = [], []
+        for inputs in ({}, packed):
+            model.zero_grad(), plain.zero_grad()
+            got, want = whole(model(tokens, **inputs)), plain(tokens, **inputs)
+            for out in (got, want):
+                F.cross_entropy(out.flatten(0, 1), targets.flatten()).backward()
+            logits.append((got - want).abs().max().item())
+            mine, theirs = dict(model.named_parameters()), dict(plain.named_parameters())
+            assert mine.keys() == theirs.keys()
+            grads.append(
+                max((whole(mine[n].grad) - theirs[n].grad).abs().max().item() for n in mine)
+            )
+        results[family] = {"seen": seen, "logits": logits, "grads": grads}
+    return results
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
-def test_hf_plan_shards_the_activations_between_blocks_on_the_sequence(
-    pools, hf_dir, tmp_path, model_type
-):
-    """Sequence parallel for HF folders: each decoder layer and the final norm get seq / tp
-    positions of the row, and the logits equal the plain model's (plain and packed rows: the
-    positions and the mask cover the whole row although the decoder sees the local slice).
-    Qwen2 (q/k/v biases) and Mistral (a window longer than the row) have the layout the plan
-    verifies, so `fsdprun train` accepts them: this checks that they also compute as one rank."""
-    from conftest import save_tiny_hf
+@pytest.fixture(scope="module")
+def tp_family_dirs(hf_family_dirs) -> dict[str, Path]:
+    """The families of tests/hf_families.py that have a TP plan (Gemma's tied, as released)."""
+    from fsdprun.families import HF_FAMILIES
 
-    folder = hf_dir if model_type == "llama" else save_tiny_hf(tmp_path / model_type, model_type)
-    for result in pools[4].submit(_hf_sequence_parallel_rank, str(folder)):
-        assert result["seen"] == {
-            "hf.model.layers.0": [8, 8],
-            "hf.model.layers.1": [8, 8],
-            "hf.model.norm": [8, 8],
-        }, result
-        assert max(result["errors"]) <= 1e-5, result
+    return {f: d for f, d in hf_family_dirs.items() if not isinstance(HF_FAMILIES[f].tp_plan, str)}
+
+
+def test_each_family_plan_computes_as_the_plain_model(gloo_pool, tp_family_dirs):
+    """Every HF family's TP plan (fsdprun/families.py) on tp 2, in the session's 2-rank pool:
+    sequence parallel between the blocks (each decoder layer and the final norm get seq / tp
+    positions), and the logits and every parameter's gradient equal the plain model's (1e-5),
+    plain rows and packed ones. Qwen3's and Gemma 3's per-head q/k norms, Gemma's post-norms,
+    embedding scale and (1 + w) norms, Phi-3's fused qkv_proj and gate_up_proj, and the
+    16-token sliding windows inside 32-token rows (Mistral, Gemma), and Gemma's tied embedding
+    and output (split alike, tied again: one tensor, one gradient) each need their part of the
+    plan: before, qwen3, phi3 and tied embeddings were refused and a window shorter than the row
+    was too (rank 0 died on a 16-wide mask against 32 positions)."""
+    assert set(tp_family_dirs) == {"llama", "qwen2", "qwen3", "mistral", "gemma2",
+                                   "gemma3_text", "phi3"}  # fmt: skip
+    folders = {family: str(folder) for family, folder in tp_family_dirs.items()}
+    for result in gloo_pool.submit(_hf_families_tp_rank, folders):
+        for family, r in result.items():
+            assert r["seen"] == {
+                "hf.model.layers.0": [16, 16],
+                "hf.model.layers.1": [16, 16],
+                "hf.model.norm": [16, 16],
+            }, (family, r)
+            assert max(r["logits"] + r["grads"]) <= 1e-5, (family, r)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3"])
+def test_hf_family_tp2_dp2_trains_as_one_rank(trained, tp_family_dirs, tmp_path, monkeypatch,
+                                              family):  # fmt: skip
+    """Two representative plans trained by the worker's own loop at tp 2 x dp 2 (accumulation,
+    loss parallel): Gemma 3 (per-head norms, post-norms, scaled embedding, sliding windows, tied
+    embeddings read from the folder) and Phi-3 (fused projections split by rows, outputs
+    gathered). The same losses, gradient norms and trained parameters as one rank, and the TP
+    checkpoint's `--format hf` export loads in transformers with them (Gemma's still tied)."""
+    import torch
+    import transformers
+
+    from fsdprun.checkpoint.export import export_checkpoint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf = f"model.hf_path={tp_family_dirs[family]}"
+    tp, one = trained.run(4, "parallel.tp=2", hf), trained.run(1, hf)
+    assert tp.start["mesh"] == [["dp_shard", 2], ["tp", 2]]
+    _assert_same(tp, one, tmp_path)
+    # In-process (the command is covered by test_a_tp_checkpoint_inspects_with_its_mesh...).
+    export_checkpoint(_ckpt(tp, LAST), tmp_path / "hf", fmt="hf")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32, local_files_only=True
+    )
+    trained_one = _model(one, LAST, tmp_path)
+    for name, param in exported.named_parameters():
+        assert (param - trained_one[f"model.hf.{name}"]).abs().max().item() <= TOL, name
+    tied = exported.config.tie_word_embeddings
+    assert tied == (family == "gemma3_text")
+    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) == tied
 
 
 @pytest.mark.parametrize(
-    ("model_type", "extra", "phrase"),
+    ("model_type", "phrase"),
     [
-        ("qwen3", {}, "model.hf_path's qwen3 (Qwen3ForCausalLM) has no verified tensor-parallel "
-         "plan: the plan does not cover self_attn.q_norm, self_attn.k_norm of each decoder layer; "
-         "set parallel.tp=1"),
-        ("phi3", {}, "the plan does not cover self_attn.qkv_proj, mlp.gate_up_proj of each "
-         "decoder layer; the model has no self_attn.q_proj, self_attn.k_proj"),
-        ("mistral", {"sliding_window": 16}, "model.hf_path's sliding_window (16) shorter than "
-         "train.seq_len (64)"),
+        ("qwen3_moe", "parallel.tp=2: model.hf_path's qwen3_moe (Qwen3MoeForCausalLM) has no "
+         "tensor-parallel plan: a mixture of experts would need expert parallelism, which "
+         "fsdprun does not do (docs/limits.md); set parallel.tp=1"),
+        # A model type without an entry gets the Llama layout's plan, checked module by module.
+        ("olmo2", "model.hf_path's olmo2 (Olmo2ForCausalLM) has no verified tensor-parallel "
+         "plan: the plan does not cover self_attn.q_norm, self_attn.k_norm, "
+         "post_feedforward_layernorm of each decoder layer; the model has no input_layernorm"),
     ],
 )  # fmt: skip
-def test_hf_folder_the_plan_does_not_verify_is_refused_before_launch(
-    tmp_path, monkeypatch, model_type, extra, phrase
+def test_hf_folder_without_a_verified_plan_is_refused_before_launch(
+    hf_family_dirs, tmp_path, monkeypatch, model_type, phrase
 ):
-    """`fsdprun train debug model.hf_path=QWEN3 parallel.tp=2 --nproc-per-node 4`: one line
-    naming the family and the modules its plan leaves out, exit 2, nothing launched. Before,
-    rank 0 died in aten.stack ("must have the same mesh": q_norm's whole weight against the
-    split heads); a fused qkv_proj (phi3), or a window shorter than the row (transformers builds
-    its mask from the sequence-parallel slice), died the same way."""
+    """`fsdprun train debug model.hf_path=FOLDER parallel.tp=2 --nproc-per-node 4`: one line,
+    exit 2, nothing launched, for a mixture of experts (expert parallelism is out of scope)
+    and a layout no plan covers. Before, the MoE got the Llama
+    plan's layout message about its experts, as if a plan could cover them."""
     from conftest import save_tiny_hf
 
     def must_not_launch(*args, **kwargs):
         raise AssertionError("a bad input reached the launcher")
 
-    folder = save_tiny_hf(tmp_path / model_type, model_type, **extra)
+    folder = hf_family_dirs.get(model_type) or save_tiny_hf(tmp_path / model_type, model_type)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
@@ -469,21 +532,40 @@ def test_hf_folder_the_plan_does_not_verify_is_refused_before_launch(
     assert not Path("r").exists()
 
 
-def test_plan_says_why_a_layout_has_no_tp_column(tmp_path, monkeypatch):
-    """`fsdprun plan` of a Qwen3 folder: its TP columns give the reason `train` refuses them,
-    not a memory figure for a split that would not run."""
-    from conftest import save_tiny_hf
+def test_a_plan_splitting_a_tied_tensor_two_ways_is_refused(hf_family_dirs):
+    """Gemma's tied embedding and output stay one tensor under TP because its plan splits both
+    on the vocab (dim 0); a plan that split the output row-wise would untie them: the layout
+    check names the pair (meta model, no processes)."""
+    import torch
 
-    folder = save_tiny_hf(tmp_path / "qwen3", "qwen3")
+    from fsdprun.engines.tp import tp_plan_problem
+    from fsdprun.families import HF_FAMILIES, TPPlan
+    from fsdprun.models.hf import HFCausalLM
+
+    with torch.device("meta"):
+        model = HFCausalLM.from_folder(hf_family_dirs["gemma3_text"])
+    plan = HF_FAMILIES["gemma3_text"].tp_plan
+    assert tp_plan_problem(model, plan, family="gemma3") is None
+    apart = TPPlan(plan.blocks, {**plan.top, "hf.lm_head": "rowwise"}, plan.block_inputs)
+    assert tp_plan_problem(model, apart, family="gemma3") == (
+        "gemma3 has no verified tensor-parallel plan: hf.model.embed_tokens.weight and "
+        "hf.lm_head.weight are one tied tensor the plan splits two ways"
+    )
+
+
+def test_plan_says_why_a_family_has_no_tp_column(hf_family_dirs, monkeypatch):
+    """`fsdprun plan` of a Qwen3-MoE folder: its TP columns give the reason `train` refuses them,
+    not a memory figure for a split that would not run."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = CliRunner().invoke(
-        app, ["plan", "debug", f"model.hf_path={folder}", "--world-size", "4"],
+        app, ["plan", "debug", f"model.hf_path={hf_family_dirs['qwen3_moe']}", "--world-size",
+              "4"],
         env={"COLUMNS": "300"},
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert (
-        "tp 2: not possible, model.hf_path's qwen3 (Qwen3ForCausalLM) has no verified "
-        "tensor-parallel plan: the plan does not cover self_attn.q_norm, self_attn.k_norm"
+        "tp 2: not possible, model.hf_path's qwen3_moe (Qwen3MoeForCausalLM) has no "
+        "tensor-parallel plan: a mixture of experts would need expert parallelism"
     ) in result.stdout, result.stdout
 
 
@@ -526,7 +608,7 @@ def _grads_rank(rank: int, world: int, sharding: str) -> dict:
     with torch.device("meta"):
         model, plain = build_model(cfg.model), build_model(cfg.model)
     mesh = build_device_mesh(cfg, "cpu", world)
-    apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan)
+    apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan(cfg.model))
     apply_fsdp(model, mesh=dp_mesh(mesh), cfg=cfg.fsdp, param_dtype=cfg.precision.param_dtype,
                reduce_dtype=cfg.precision.reduce_dtype, pin_memory=False)  # fmt: skip
     cpu = torch.device("cpu")

@@ -291,9 +291,9 @@ class ParallelConfig:
         "is [dp_replicate, dp_shard, tp] with tp the fastest dim (ranks inside a node); the "
         "data-parallel size is world size / tp. Must divide the heads, kv heads, ffn dim and "
         "train.seq_len (the vocab may shard unevenly); needs fsdp.engine=fsdp2 (no float8, LoRA, "
-        "chunked loss, tied embeddings or cpu offload; compile per block, without activation "
-        "checkpointing) and a model whose module layout its family's plan covers. 1 = off. See "
-        "docs/tensor-parallel.md.",
+        "chunked loss, built-in Llama tied embeddings or cpu offload; compile per block, "
+        "without activation checkpointing) and a model whose module layout its family's plan "
+        "covers (not a mixture of experts). 1 = off. See docs/tensor-parallel.md.",
     )
     tp_across_nodes: bool = _f(
         False,

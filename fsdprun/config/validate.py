@@ -99,6 +99,8 @@ def _model_errors(cfg: RecipeConfig) -> list[str]:
     if m.hf_path is not None:
         if not (Path(m.hf_path) / "config.json").is_file():
             errors.append(f"model.hf_path: {m.hf_path} has no config.json (a HuggingFace folder?)")
+        else:
+            errors += _router_aux_loss_errors(Path(m.hf_path) / "config.json")
         # find_spec only looks the package up: the check stays fast without importing it.
         if importlib.util.find_spec("transformers") is None:
             errors.append("model.hf_path needs transformers: pip install 'fsdprun[hf]'")
@@ -108,6 +110,27 @@ def _model_errors(cfg: RecipeConfig) -> list[str]:
             "raise model.max_seq_len or shorten train.seq_len"
         )
     return errors
+
+
+def _router_aux_loss_errors(config_json: Path) -> list[str]:
+    """A mixture of experts whose config.json asks for the router's auxiliary (load-balancing)
+    loss: transformers adds router_aux_loss_coef x that loss to the language-model loss of each
+    forward, fsdprun's loss does not (its loss reads the logits alone; the auxiliary loss of a
+    micro-batch is not a share of the batch's either), so the router would silently train
+    otherwise than transformers trains it."""
+    try:
+        hf = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return []  # transformers refuses it when the model is built
+    coef = hf.get("router_aux_loss_coef", 0)
+    if hf.get("output_router_logits") is not True or not coef:
+        return []
+    return [
+        f"model.hf_path's config.json sets output_router_logits: true (router_aux_loss_coef "
+        f"{coef}): fsdprun does not add a mixture of experts' router auxiliary loss; set "
+        "output_router_logits to false there (the router then trains on the language-model "
+        "loss alone, as transformers trains it with that setting)"
+    ]
 
 
 def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
@@ -339,7 +362,6 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     errors = sharding_errors(f, world_size=ws, nproc_per_node=cfg.launch.nproc_per_node, tp=tp)
     shape, tied = _tp_shape(cfg)
     errors += tp_errors(cfg, world_size=ws, shape=shape, tied=tied)
-    errors += _tp_sliding_window_errors(cfg)
     if f.engine is Engine.fsdp1 and f.cpu_offload and _runs_on_cpu(cfg.launch.device):
         # FSDP1's CPUOffload pins host memory, which needs an accelerator; FSDP2's policy can
         # leave it unpinned.
@@ -370,7 +392,8 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
 
 
 def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
-    """The model dims parallel.tp must divide and whether the embeddings are tied: the
+    """The model dims parallel.tp must divide and whether the built-in Llama's embeddings are
+    tied (which TP refuses; an HF folder's are split alike and tied again): the
     recipe's, or model.hf_path's config.json (read as JSON: no transformers, no torch); no
     dims when that file is unreadable (refused on its own).
 
@@ -394,37 +417,11 @@ def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
             "num_key_value_heads": int(hf.get("num_key_value_heads") or heads),
             "intermediate_size": int(hf["intermediate_size"]),
         }
-        return shape, bool(hf.get("tie_word_embeddings", False))
+        # An HF folder's tied embedding and output are split alike and tied again by
+        # `engines.tp.apply_tp` (its layout check refuses a plan that would split them apart).
+        return shape, False
     except (OSError, ValueError, KeyError, TypeError):
         return None, False
-
-
-def _tp_sliding_window_errors(cfg: RecipeConfig) -> list[str]:
-    """A model.hf_path whose attention slides over a window shorter than train.seq_len, under
-    parallel.tp: transformers builds the sliding mask from the length of the activations it
-    sees, which sequence parallel makes the local slice (a Mistral with window 16 on 64 tokens
-    at tp 2: rank 0 dies on a 32-wide mask against 64 gathered positions; a window between the
-    slice and the row would be dropped silently). A window that covers the row changes nothing.
-    """
-    if cfg.parallel.tp <= 1 or cfg.model.hf_path is None:
-        return []
-    try:
-        hf = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return []  # refused on its own
-    window = hf.get("sliding_window")
-    # Qwen2-style configs carry a window they do not use (use_sliding_window: false), newer
-    # ones name the layers that slide (layer_types).
-    slides = hf.get("use_sliding_window") is not False and (
-        hf.get("layer_types") is None or "sliding_attention" in hf["layer_types"]
-    )
-    if not isinstance(window, int) or not slides or window >= cfg.train.seq_len:
-        return []
-    return [
-        f"parallel.tp={cfg.parallel.tp} with model.hf_path's sliding_window ({window}) shorter "
-        f"than train.seq_len ({cfg.train.seq_len}): transformers would build the window's mask "
-        "from the sequence-parallel slice; set train.seq_len <= the window or parallel.tp=1"
-    ]
 
 
 # Device nodes that accelerator drivers create: NVIDIA, WSL2's GPU bridge, AMD ROCm, Intel and

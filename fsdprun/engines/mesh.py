@@ -101,7 +101,8 @@ def tp_errors(
         shape: the model's heads, kv heads and ffn dim by the keys that set them (None:
             unknown, e.g. an unreadable model.hf_path, which is refused on its own). Not the
             vocab: it shards unevenly (`fsdprun.config.validate._tp_shape`).
-        tied: the model ties its embedding to its output projection.
+        tied: the built-in Llama ties its embedding to its output projection (HF folders'
+            ties: `fsdprun.engines.tp.apply_tp`).
     """
     tp = tp_degree(cfg)
     if tp < 1:
@@ -162,9 +163,8 @@ def tp_errors(
         ),
         (
             tied,
-            "tied embeddings (model.tie_embeddings, or tie_word_embeddings in model.hf_path's "
-            "config.json): the embedding (row-wise) and output (column-wise) "
-            "would be sharded as two tensors, untying them; use a model without tied embeddings",
+            "model.tie_embeddings=true: the built-in Llama's tied embedding and output are not "
+            "verified under tensor parallel (HF folders' are); set model.tie_embeddings=false",
         ),
         (
             cfg.compile.enabled and cfg.activation_checkpointing.mode is not CheckpointMode.none,

@@ -1,12 +1,15 @@
 """Tensor parallelism (`parallel.tp`): the device mesh with its `tp` dim, the family's plan
-(`ModelSpec.tp_plan`, beside each model) applied with torch's public ParallelStyles, and the
-loss-parallel context the training step runs in.
+(`ModelSpec.tp_plan`) applied with torch's public ParallelStyles, and the loss-parallel context
+the training step runs in.
 
 Order of a build (the worker's `_build`, torchtitan's): `apply_tp` on the meta model, then
 activation checkpointing, then per-block compile, then FSDP2's `fully_shard` over the
 data-parallel dims (`dp_mesh`), then materialization. Every tensor-parallel parameter is then a
 DTensor on the root mesh (FSDP's shard dims x tp), which DCP saves with its placements, so a
 checkpoint reshards to any other tp or dp size on load.
+
+A family's plan (`fsdprun.families.TPPlan`) is data: the HF model types' plans are entries of
+`fsdprun.families.HF_FAMILIES`, the built-in Llama's sits beside its model.
 
 The rules (which degrees are refused, the mesh's dims) are torch-free, in `fsdprun.engines.mesh`;
 `plan_rows` is torch-free too. The other functions import torch where they run.
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING
 from fsdprun.config import RecipeConfig
 from fsdprun.engines.mesh import mesh_dims, tp_degree
 from fsdprun.errors import UserError
-from fsdprun.models import TP_STYLES, TPPlan
+from fsdprun.families import TP_STYLES, TPPlan
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +92,18 @@ def _style(style: str, plan: TPPlan, path: str):
         return RowwiseParallel(output_layouts=between)
     if style == "norm":
         return SequenceParallel()
+    if style == "residual_norm":
+        # Added to the residual stream, which is the plain local shard (RowwiseParallel's and
+        # the embedding's local output): a DTensor would not add to it.
+        return SequenceParallel(use_local_output=True)
+    if style == "head_norm":
+        # (batch, seq, local heads, head_dim) after the column-wise q/k: the heads are dim 2.
+        # The weight's gradient, summed over each rank's heads, is all-reduced by DTensor.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if style == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "rowwise_split":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if style == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if style == "output":
@@ -113,7 +128,23 @@ def _style(style: str, plan: TPPlan, path: str):
 # or an Embedding's weight as fsdprun applies them; `norm` and `block_input` split no weight
 # (SequenceParallel replicates it; PrepareModuleInput only redistributes the inputs).
 _STYLE_CLASSES = {"colwise": "Linear", "rowwise": "Linear", "output": "Linear",
+                  "colwise_gather": "Linear", "rowwise_split": "Linear",
                   "embedding": "Embedding"}  # fmt: skip
+
+
+# The weight dim each style shards (as _STYLE_CLASSES's modules hold it); the others replicate.
+_STYLE_WEIGHT_DIMS = {"colwise": 0, "colwise_gather": 0, "output": 0, "embedding": 0,
+                      "rowwise": 1, "rowwise_split": 1}  # fmt: skip
+
+
+def _tied(model: nn.Module) -> list[tuple[str, str]]:
+    """(name, first name) of each parameter that is another's tensor (tied embeddings)."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            pairs.append((name, first[id(param)]))
+    return pairs
 
 
 def _fold(paths: list[str], blocks: list[str]) -> str:
@@ -130,8 +161,9 @@ def _fold(paths: list[str], blocks: list[str]) -> str:
     return ", ".join([*parts, *top])
 
 
-def tp_plan_problem(model: nn.Module, plan: TPPlan | None, *, family: str) -> str | None:
-    """Why `plan` is not verified for `model`'s module layout (one clause), or None.
+def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str | None:
+    """Why `plan` (a family's plan, or why it has none) is not verified for `model`'s module
+    layout (one clause), or None.
 
     Verified means: every module the plan names exists and is of the class its style splits,
     and every module that holds parameters, in a decoder block or outside, is one the plan
@@ -141,8 +173,8 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | None, *, family: str) -> st
     there, or of another kind (a fused qkv_proj), cannot be split as the plan says. Checked on
     the meta model, whatever the family's model_type says: a layout is what the plan splits.
     """
-    if plan is None:
-        return f"{family} has no tensor-parallel plan"
+    if isinstance(plan, str):
+        return f"{family} has no tensor-parallel plan: {plan}"
     blocks = model.block_paths()
     modules = dict(model.named_modules())
     rows = plan_rows(blocks, plan)
@@ -152,7 +184,14 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | None, *, family: str) -> st
         if path in modules and style in _STYLE_CLASSES
         and _STYLE_CLASSES[style] not in {c.__name__ for c in type(modules[path]).__mro__}
     ]  # fmt: skip
-    planned = {path for path, _ in rows}
+    planned = dict(rows)
+    # A tied tensor (Gemma's embedding and output) stays one parameter only where both of its
+    # modules split it alike: `apply_tp` ties the output to the split embedding again.
+    untied = [
+        f"{first} and {name}" for name, first in _tied(model)
+        if len({_STYLE_WEIGHT_DIMS.get(planned.get(n.rpartition(".")[0], ""))
+                for n in (name, first)}) > 1
+    ]  # fmt: skip
     uncovered = [
         path for path, module in modules.items()
         if path not in planned and next(module.parameters(recurse=False), None) is not None
@@ -166,6 +205,8 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | None, *, family: str) -> st
         problems.append(
             f"{_fold(wrong, blocks)} are not the Linear / Embedding modules the plan splits"
         )
+    if untied:
+        problems.append(f"{', '.join(untied)} are one tied tensor the plan splits two ways")
     if not problems:
         return None
     return f"{family} has no verified tensor-parallel plan: {'; '.join(problems)}"
@@ -188,14 +229,15 @@ def check_tp_plan(cfg: RecipeConfig) -> None:
     spec = model_spec(cfg.model)
     with torch.device("meta"):
         model = spec.build(cfg.model)
-    problem = tp_plan_problem(model, spec.tp_plan, family=model.family_name)
+    problem = tp_plan_problem(model, spec.tp_plan(cfg.model), family=model.family_name)
     if problem is not None:
         raise UserError(f"parallel.tp={cfg.parallel.tp}: {problem}; set parallel.tp=1")
 
 
-def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan) -> list[tuple[str, str]]:
+def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan | str) -> list[tuple[str, str]]:
     """Parallelize `model` (on the meta device or materialized, before checkpointing, compile
-    and FSDP) over `tp_mesh` with the family's `plan`, in place; parameter names do not change.
+    and FSDP) over `tp_mesh` with the family's `plan` (a str: why it has none), in place;
+    parameter names do not change.
 
     Returns:
         (module path, style) of every module parallelized, as `plan_rows` lists them.
@@ -210,8 +252,14 @@ def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan) -> list[tup
     if problem is not None:
         raise UserError(f"parallel.tp={tp_mesh.size()}: {problem}; set parallel.tp=1")
     rows = plan_rows(model.block_paths(), plan)
+    tied = _tied(model)
     for path, style in rows:
         parallelize_module(model.get_submodule(path), tp_mesh, _style(style, plan, path))
+    # Each style made its module a split parameter of its own: a tied one (checked above to be
+    # split alike) is the first module's again, one tensor with one gradient, as unsplit.
+    for name, first in tied:
+        path, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(path), attr, model.get_parameter(first))
     return rows
 
 

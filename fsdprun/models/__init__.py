@@ -21,47 +21,18 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdprun.errors import UserError
-from fsdprun.families import FAMILIES, HF_FAMILY, family_problem
+from fsdprun.families import FAMILIES, HF_FAMILY, TPPlan, family_problem
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from fsdprun.config import ModelConfig
-
-
-# The tensor-parallel styles a `TPPlan` names (`fsdprun.engines.tp` turns each into torch's
-# ParallelStyle; `models` never imports torch.distributed, so a plan is plain data here).
-TP_STYLES = {
-    "colwise": "ColwiseParallel: output features sharded (q/k/v, gate/up)",
-    "rowwise": "RowwiseParallel: input features sharded; output reduce-scattered on the "
-    "sequence (sequence parallel)",
-    "norm": "SequenceParallel: weight replicated, activations sharded on the sequence",
-    "block_input": "PrepareModuleInput: all-gather the sequence-sharded input (first argument)",
-    "embedding": "RowwiseParallel: vocab rows sharded; output sharded on the sequence",
-    "output": "ColwiseParallel: vocab sharded, logits left sharded for loss parallel",
-}
-
-
-@dataclass(frozen=True)
-class TPPlan:
-    """How a family's model is tensor-parallelized: a style of `TP_STYLES` per module path.
-
-    `blocks`: paths inside each decoder block (relative to it); `top`: paths from the model's
-    root (embedding, final norm, output). The activations between blocks are sharded on the
-    sequence (dim 1, sequence parallel), gathered by each `block_input` module.
-    `block_inputs`: how many positional arguments each `block_input` module takes (layouts are
-    given per argument); 0 = its input is the keyword `hidden_states`.
-    """
-
-    blocks: dict[str, str]
-    top: dict[str, str]
-    block_inputs: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -89,8 +60,9 @@ class ModelSpec:
     hf_name: Callable[[str], str]
     hf_config: Callable[[ModelConfig, torch.dtype], dict[str, Any]]
     hf_files: Callable[[ModelConfig], list[Path]]
-    # parallel.tp: the family's tensor-parallel plan (None: the family cannot be split).
-    tp_plan: TPPlan | None = None
+    # parallel.tp: the family's tensor-parallel plan for the model, or why it has none (one
+    # clause; `fsdprun.engines.tp.tp_plan_problem` says it).
+    tp_plan: Callable[[ModelConfig], TPPlan | str] = lambda cfg: "its family has none"
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:

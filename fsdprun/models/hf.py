@@ -18,14 +18,14 @@ import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
 from fsdprun.errors import UserError
-from fsdprun.families import HF_FAMILIES, HFFamily
-from fsdprun.models import ModelSpec, TPPlan
+from fsdprun.families import HF_FAMILIES, HFFamily, TPPlan
+from fsdprun.models import ModelSpec
 from fsdprun.models.attention import document_causal_mask
 from fsdprun.models.llama import ModelArgs
 
@@ -101,11 +101,14 @@ def packed_inputs(
 ) -> dict[str, Any]:
     """The keyword inputs of a transformers decoder for (possibly packed) rows.
 
-    Without positions and doc_ids: `input_ids` and `position_ids` 0..seq-1, so transformers takes
-    its own causal path (no mask: SDPA's `is_causal`). The positions are passed rather than left
-    to transformers, which would count them from the activations' length: under sequence
-    parallel that is the local slice, while the rotary table must cover the whole row (each
-    attention sees it gathered).
+    Without positions and doc_ids, and no window that slides: `input_ids` and `position_ids`
+    0..seq-1, so transformers takes its own causal path (no mask: SDPA's `is_causal`). The
+    positions are passed rather than left to transformers, which would count them from the
+    activations' length: under sequence parallel that is the local slice, while the rotary table
+    must cover the whole row (each attention sees it gathered). For the same reason a model
+    whose layers slide gets fsdprun's mask of the whole row: transformers would build its
+    window's mask from the local slice (under tensor parallel, rank 0 died on a 32-wide mask
+    against 64 gathered positions).
     Otherwise `position_ids` and a boolean 4-D mask (batch, 1, seq, seq) that transformers hands
     to SDPA as it is (masking_utils, transformers >= 4.53): attention causal within each example,
     padding attending to itself. The mask is passed even for positions alone: without one,
@@ -119,9 +122,12 @@ def packed_inputs(
     Raises:
         UserError: transformers older than 4.53 (it wants 4-D masks in another form).
     """
+    slides = any(window is not None for window in (windows or {}).values())
     if positions is None and doc_ids is None:
         whole = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        return {"input_ids": tokens, "position_ids": whole}
+        if not slides:
+            return {"input_ids": tokens, "position_ids": whole}
+        positions = whole.expand(tokens.shape[0], -1)
     transformers = import_transformers()
     from packaging.version import Version  # a dependency of transformers
 
@@ -325,13 +331,24 @@ class HFCausalLM(nn.Module):
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5", ".msgpack")
 
 
+class _Counts(NamedTuple):
+    """What a folder's model counts (`_meta_counts`)."""
+
+    args: ModelArgs
+    num_params: int  # a tied tensor once
+    matmul: int  # the weights each token multiplies
+    attention_width: int  # the query heads x head_dim that q·k and attention·v span
+
+
 @functools.cache
-def _meta_counts(path: str) -> tuple[ModelArgs, int, int]:
-    """The folder's model summary, its parameters (a tied tensor once) and the weights each
+def _meta_counts(path: str) -> _Counts:
+    """The folder's model summary, its parameters (a tied tensor once), the weights each
     token multiplies: every matrix but the embedding tables (a tied output projection
     included: it is its Linear's too; a mixture of experts' router), and of stacked experts
-    the share each token passes through. Counted on a model built on the meta device
-    (allocates nothing; cached: the worker asks more than once)."""
+    the share each token passes through; and its attention's width, query heads x head_dim (not
+    the hidden size: Qwen3 and Gemma releases differ; GQA's kv heads serve several query heads,
+    each of which attends). Counted on a model built on the meta device (allocates nothing;
+    cached: the worker asks more than once)."""
     with torch.device("meta"):
         model = HFCausalLM.from_folder(path)
     num_params = sum(p.numel() for p in model.parameters())
@@ -348,11 +365,13 @@ def _meta_counts(path: str) -> tuple[ModelArgs, int, int]:
                 matmul += param.numel() // param.shape[0] * getattr(config, rule.active_key)
             elif param.ndim >= 2:
                 matmul += param.numel()
-    return model.args, num_params, matmul
+    args = model.args
+    head_dim = getattr(config, "head_dim", None) or args.dim // args.n_heads
+    return _Counts(args, num_params, matmul, args.n_heads * head_dim)
 
 
 def _shape(cfg: ModelConfig) -> ModelConfig:
-    args = _meta_counts(cfg.hf_path)[0]
+    args = _meta_counts(cfg.hf_path).args
     return dataclasses.replace(
         cfg, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
         n_kv_heads=args.n_kv_heads, ffn_dim=args.ffn_dim, vocab_size=args.vocab_size,
@@ -361,9 +380,10 @@ def _shape(cfg: ModelConfig) -> ModelConfig:
 
 
 def _flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """6·N_matmul + 12·n_layers·dim·seq_len, as `fsdprun.models.llama.flops_per_token` counts."""
-    args, _, matmul = _meta_counts(cfg.hf_path)
-    return 6 * matmul + 12 * args.n_layers * args.dim * seq_len
+    """6·N_matmul + 12·n_layers·(n_heads·head_dim)·seq_len: `fsdprun.models.llama.
+    flops_per_token`'s count, with the attention's own width (`_meta_counts`)."""
+    counts = _meta_counts(cfg.hf_path)
+    return 6 * counts.matmul + 12 * counts.args.n_layers * counts.attention_width * seq_len
 
 
 def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -385,32 +405,18 @@ def _hf_files(cfg: ModelConfig) -> list[Path]:
     ]  # fmt: skip
 
 
-# HuggingFace Llama-family module names (Llama, Mistral, Qwen2, ...: transformers' own
-# `base_model_tp_plan` splits them the same way), with sequence parallel as the built-in Llama:
-# the activations between decoder layers are sharded on the sequence, the norms run on the local
-# slice, and each attention / MLP gathers its input (PrepareModuleInput, Shard(1) -> Replicate).
-# The decoder derives the positions and the causal mask from the activations' (local) length:
-# `packed_inputs` passes whole-row position_ids (so the rotary table covers the row), and the
-# mask is either fsdprun's whole 4-D one (packed rows) or none, SDPA's `is_causal` then applying
-# on the gathered sequence. The attention reshapes with -1 heads, so column-sharded q/k/v give it
-# the local heads. The decoder layer calls self_attn with the keyword `hidden_states`, the MLP
-# with one positional argument.
-TP_PLAN = TPPlan(
-    blocks={
-        "input_layernorm": "norm", "self_attn": "block_input", "self_attn.q_proj": "colwise",
-        "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-        "self_attn.o_proj": "rowwise", "post_attention_layernorm": "norm", "mlp": "block_input",
-        "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
-    },
-    top={"hf.model.embed_tokens": "embedding", "hf.model.norm": "norm", "hf.lm_head": "output"},
-    block_inputs={"self_attn": 0, "mlp": 1},
-)  # fmt: skip
+@functools.cache
+def _tp_plan(path: str) -> TPPlan | str:
+    """The tensor-parallel plan of the folder's family (`HF_FAMILIES`), or why it has none."""
+    config = import_transformers().AutoConfig.from_pretrained(path, local_files_only=True)
+    return hf_family(config).tp_plan
+
 
 SPEC = ModelSpec(
     name="hf",
     build=lambda cfg: HFCausalLM.from_folder(cfg.hf_path),
     shape=_shape,
-    num_params=lambda cfg: _meta_counts(cfg.hf_path)[1],
+    num_params=lambda cfg: _meta_counts(cfg.hf_path).num_params,
     flops_per_token=_flops_per_token,
     describe=lambda cfg: f"hf: {cfg.hf_path}",
     # Unknown without the checkpoint's own record (the folder may be gone): none, as before.
@@ -419,5 +425,5 @@ SPEC = ModelSpec(
     hf_name=lambda name: name.removeprefix(HF_PREFIX),
     hf_config=_hf_config,
     hf_files=_hf_files,
-    tp_plan=TP_PLAN,
+    tp_plan=lambda cfg: _tp_plan(cfg.hf_path),
 )

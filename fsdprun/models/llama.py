@@ -22,7 +22,8 @@ from torch import nn
 
 from fsdprun.config.sizes import llama_num_params
 from fsdprun.errors import UserError
-from fsdprun.models import ModelSpec, TPPlan
+from fsdprun.families import TPPlan
+from fsdprun.models import ModelSpec
 from fsdprun.models.attention import AttentionMask, attend, build_attention_mask
 
 if TYPE_CHECKING:
@@ -356,5 +357,5 @@ SPEC = ModelSpec(
     hf_name=hf_llama_name,
     hf_config=hf_llama_config,
     hf_files=lambda cfg: [],
-    tp_plan=TP_PLAN,
+    tp_plan=lambda cfg: TP_PLAN,
 )

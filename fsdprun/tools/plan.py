@@ -65,8 +65,9 @@ from fsdprun.engines.mesh import (
 from fsdprun.engines.tp import plan_rows, tp_plan_problem
 from fsdprun.engines.units import plan_units
 from fsdprun.errors import UserError
+from fsdprun.families import TPPlan
 from fsdprun.loss import describe_loss
-from fsdprun.models import TPPlan, model_spec
+from fsdprun.models import model_spec
 from fsdprun.models.lora import apply_lora, num_trainable_params
 
 ACTIVATION_FORMULA = (
@@ -214,8 +215,10 @@ TP_DEGREES = (1, 2, 4, 8)
 # rank.
 _STYLE_DIMS: dict[str, dict[str, int]] = {
     "colwise": {"weight": 0, "bias": 0},
+    "colwise_gather": {"weight": 0, "bias": 0},
     "output": {"weight": 0, "bias": 0},
     "rowwise": {"weight": 1},
+    "rowwise_split": {"weight": 1},
     "embedding": {"weight": 0},
 }
 # torch's backward of the vocab-sharded embedding (RowwiseParallel on nn.Embedding) gives a
@@ -233,9 +236,9 @@ def tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[in
     return (*shape[:dim], math.ceil(shape[dim] / tp), *shape[dim + 1 :])
 
 
-def tp_whole_grads(model: nn.Module, plan: TPPlan | None) -> frozenset[int]:
+def tp_whole_grads(model: nn.Module, plan: TPPlan | str) -> frozenset[int]:
     """Ids of the parameters whose unsharded gradient is whole under TP (_WHOLE_GRAD_STYLES)."""
-    if plan is None:
+    if isinstance(plan, str):
         return frozenset()
     return frozenset(
         id(p) for path, style in plan_rows(model.block_paths(), plan)
@@ -244,11 +247,11 @@ def tp_whole_grads(model: nn.Module, plan: TPPlan | None) -> frozenset[int]:
     )  # fmt: skip
 
 
-def tp_shard_dims(model: nn.Module, plan: TPPlan | None) -> dict[int, int]:
+def tp_shard_dims(model: nn.Module, plan: TPPlan | str) -> dict[int, int]:
     """Parameter id -> the dim the family's TP `plan` shards it on (as `apply_tp` applies it:
     `plan_rows`); the parameters it does not list are replicated on the TP ranks."""
     dims: dict[int, int] = {}
-    if plan is None:
+    if isinstance(plan, str):
         return dims
     for path, style in plan_rows(model.block_paths(), plan):
         rule = _STYLE_DIMS.get(style, {})
@@ -282,8 +285,8 @@ class _TokenDims:
 def _token_dims(cfg: RecipeConfig) -> _TokenDims:
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
     head_dim = m.dim // m.n_heads
-    plan = model_spec(m).tp_plan
-    seq_shards = tp if plan is not None else 1  # sequence parallel between blocks
+    plan = model_spec(m).tp_plan(m)
+    seq_shards = 1 if isinstance(plan, str) else tp  # sequence parallel between blocks
     return _TokenDims(
         tokens=t.seq_len * t.micro_batch_size,
         seq_tokens=math.ceil(t.seq_len / seq_shards) * t.micro_batch_size,
@@ -414,14 +417,15 @@ def plan_memory(
     with torch.device("meta"):
         model = spec.build(cfg.model)
     # Before LoRA wraps its Linears: what `fsdprun train` checks (its TP columns say why not).
-    layout = tp_plan_problem(model, spec.tp_plan, family=model.family_name)
+    tp_plan = spec.tp_plan(cfg.model)
+    layout = tp_plan_problem(model, tp_plan, family=model.family_name)
     adapted = apply_lora(model, cfg=cfg.lora)
     # The activation estimates read the model's shape: an HF folder's comes from its config.json.
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
     paths = plan_units(model, cfg=cfg.fsdp)
     float8 = float8_plan(cfg)
-    tp_dims = tp_shard_dims(model, spec.tp_plan)
-    whole = tp_whole_grads(model, spec.tp_plan)
+    tp_dims = tp_shard_dims(model, tp_plan)
+    whole = tp_whole_grads(model, tp_plan)
 
     def units_at(tp: int) -> list[list[ParamShape]]:
         return _unit_params(model, paths, float8=float8, tp_dims=tp_dims, whole_grads=whole, tp=tp)

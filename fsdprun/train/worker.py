@@ -242,7 +242,8 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     mesh, tp_rows = None, []
     if tp_degree(cfg) > 1:
         mesh = build_device_mesh(cfg, device.kind, ranks.world_size)
-        tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan)
+        plan = model_spec(cfg.model).tp_plan(cfg.model)
+        tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan)
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
