@@ -113,13 +113,16 @@ def _model_errors(cfg: RecipeConfig) -> list[str]:
 def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     t = cfg.train
     errors = _model_errors(cfg)
-    tp = cfg.parallel.tp
-    # A tp that does not divide the world leaves no data-parallel size to count the batch in:
-    # that error (tp_errors) comes alone, not a batch error with made-up arithmetic.
-    dp = ws // tp if tp >= 1 and ws % tp == 0 else None
+    tp, cp = cfg.parallel.tp, cfg.parallel.cp
+    # A tp (or cp) that does not divide the world leaves no data-parallel size to count the
+    # batch in: that error (tp_errors, cp_errors) comes alone, not a batch error with made-up
+    # arithmetic.
+    dp = ws // (tp * cp) if tp >= 1 and cp >= 1 and ws % (tp * cp) == 0 else None
     per_step = t.micro_batch_size * (dp or 0)
     if dp is not None and t.global_batch_size % per_step:
-        ranks = f"{dp}" if tp == 1 else f"{dp} = world size / parallel.tp"
+        ranks = f"{dp}" if tp * cp == 1 else (
+            f"{dp} = world size / parallel.tp" if cp == 1
+            else f"{dp} = world size / (parallel.tp x parallel.cp)")  # fmt: skip
         errors.append(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
             f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({ranks}) = "
@@ -329,13 +332,19 @@ def _string_errors(cfg: RecipeConfig) -> list[str]:
 def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     # The engines package imports the schema, which runs this package's __init__ and so this
     # module: imported when called, the two packages load in either order.
-    from fsdprun.engines.mesh import sharding_errors, tp_errors
+    from fsdprun.engines.mesh import cp_errors, sharding_errors, tp_errors
 
     f = cfg.fsdp
     tp = cfg.parallel.tp if cfg.parallel.tp >= 1 and ws % cfg.parallel.tp == 0 else 1
-    errors = sharding_errors(f, world_size=ws, nproc_per_node=cfg.launch.nproc_per_node, tp=tp)
+    cp = cfg.parallel.cp if cfg.parallel.cp >= 1 and ws % (cfg.parallel.cp * tp) == 0 else 1
+    errors = sharding_errors(
+        f, world_size=ws, nproc_per_node=cfg.launch.nproc_per_node, tp=tp, cp=cp
+    )
     shape, tied = _tp_shape(cfg)
     errors += tp_errors(cfg, world_size=ws, shape=shape, tied=tied)
+    m = cfg.model
+    kv = None if m.hf_path is not None else (m.n_kv_heads or m.n_heads)
+    errors += cp_errors(cfg, world_size=ws, kv_heads=kv)
     errors += _tp_sliding_window_errors(cfg)
     if f.engine is Engine.fsdp1 and f.cpu_offload and _runs_on_cpu(cfg.launch.device):
         # FSDP1's CPUOffload pins host memory, which needs an accelerator; FSDP2's policy can

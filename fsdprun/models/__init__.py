@@ -91,6 +91,10 @@ class ModelSpec:
     hf_files: Callable[[ModelConfig], list[Path]]
     # parallel.tp: the family's tensor-parallel plan (None: the family cannot be split).
     tp_plan: TPPlan | None = None
+    # parallel.cp: the path, inside each decoder block, of the attention module whose `attend`
+    # (q, k, v, mask, *, enable_gqa) context parallel wraps in its all-to-all; None: the
+    # family's attention has not been verified under context parallel.
+    cp_attention: str | None = None
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:

@@ -89,6 +89,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # The attention call, an attribute so that context parallel (`fsdprun.engines.cp`) can wrap
+    # it in its all-to-all on each instance; the model itself never communicates.
+    attend = staticmethod(attend)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -108,7 +112,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = attend(q, k, v, attn_mask, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = self.attend(q, k, v, attn_mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -353,4 +357,5 @@ SPEC = ModelSpec(
     hf_config=hf_llama_config,
     hf_files=lambda cfg: [],
     tp_plan=TP_PLAN,
+    cp_attention="attention",
 )

@@ -246,8 +246,9 @@ class Reporter:
             c.print(f"  loss: {e['loss']}; float8: {e.get('float8', 'off')}", soft_wrap=True)
         if e.get("compile_cache"):
             c.print(f"  compile cache: {e['compile_cache']}", soft_wrap=True)  # a path stays whole
-        tp = e.get("tp") or 1
-        ranks = f"{e['world_size']} ranks" if tp == 1 else f"{e['world_size'] // tp} dp ranks"
+        tp, cp = e.get("tp") or 1, e.get("cp") or 1
+        ranks = (f"{e['world_size']} ranks" if tp * cp == 1
+                 else f"{e['world_size'] // (tp * cp)} dp ranks")  # fmt: skip
         c.print(
             f"  batch {e['global_batch_size']} seqs x {e['seq_len']} tokens = "
             f"{fmt_count(e['tokens_per_step'])} tokens/step (micro {e['micro_batch_size']} x "
@@ -256,6 +257,11 @@ class Reporter:
         )
         if e.get("mesh"):
             c.print(f"  mesh: {mesh_text(e['mesh'])}")
+        if cp > 1:
+            c.print(
+                f"  context parallel: cp {cp}, {e['cp_impl']} attention (each rank holds "
+                f"{e['seq_len'] // cp} of the {e['seq_len']} tokens of every row)"
+            )
         if e.get("tp_plan"):
             c.print(f"  tensor parallel plan (tp {tp}):")
             for path, style in tp_plan_lines(e["tp_plan"]):
