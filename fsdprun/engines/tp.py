@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
+
 def plan_rows(block_paths: list[str], plan: TPPlan) -> list[tuple[str, str]]:
     """(module path, style) of every module `apply_tp` parallelizes, in application order:
     the top-level modules, then each block's (what the run header and `plan` print)."""

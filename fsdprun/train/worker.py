@@ -46,8 +46,8 @@ from fsdprun.device import (
     resolve_device_kind,
 )
 from fsdprun.engines import build_engine
-from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, float8_plan
 from fsdprun.engines.cp import apply_cp, cp_mesh
+from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, float8_plan
 from fsdprun.engines.mesh import cp_degree, cp_impl, mesh_dims, tp_degree
 from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
