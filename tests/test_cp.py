@@ -269,3 +269,24 @@ def test_resume_is_exact_across_cp_degrees(cp_run, tmp_path, resumed, mesh):
     assert again.start["mesh"] == mesh
     assert [e["step"] for e in again.steps] == [LAST]
     _assert_same(again, cp_run, tmp_path, steps=(LAST,))
+
+
+def test_plan_divides_activations_by_cp_and_shows_each_cp_degree():
+    """`fsdprun plan`: every rank keeps seq / cp tokens of activations, parameters are sharded
+    over dp_shard x cp; the context-parallel line puts each degree beside the recipe's, with
+    whether it fits or why it cannot run. llama-8b at seq 131,072 on 8 x 80 GB (full
+    checkpointing) does not fit without cp, and fits at cp 4 and cp 8."""
+    from fsdprun.tools.plan import plan_memory
+
+    one = plan_memory(load_recipe("debug", FOUR).config).strategies["full"]
+    cp2 = plan_memory(load_recipe("debug", [*FOUR, "parallel.cp=2"]).config).strategies["full"]
+    assert cp2.activations * 2 == one.activations and cp2.shard_group == 4
+    result = CliRunner().invoke(
+        app, ["plan", "llama-8b", "train.seq_len=131072", "model.max_seq_len=131072",
+              "--world-size", "8", "--device-memory", "80GB"], env={"COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("Context parallel")]
+    assert re.search(r"cp 1 \(recipe\) \[dp 8\] [\d.]+ GiB does not fit", line), line
+    assert re.search(r"cp 8 \[dp_shard 1 x cp 8\] [\d.]+ GiB \(compile off\) fits", line), line
+    assert re.search(r"cp 4 \[dp_shard 2 x cp 4\] [\d.]+ GiB \(compile off\) fits", line), line

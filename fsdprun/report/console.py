@@ -469,6 +469,11 @@ def render_plan(plan: dict[str, Any], console: Console, *, full: bool = False) -
         for o in plan["tp_degrees"]:
             if o["missing"]:
                 c.print(f"  tp {o['tp']}: not possible, {escape(o['missing'])}.")
+    if plan.get("cp_degrees"):
+        c.print(_plan_cp_line(plan), soft_wrap=True)
+        for o in plan["cp_degrees"]:
+            if o["missing"]:
+                c.print(f"  cp {o['cp']}: not possible, {escape(o['missing'])}.")
     c.print(_plan_verdict(plan))
 
 
@@ -488,6 +493,22 @@ def _plan_tp_line(plan: dict[str, Any]) -> str:
         f"Tensor parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 total): "
         + ", ".join(parts)
         + "; --full splits each total"
+    )
+
+
+def _plan_cp_line(plan: dict[str, Any]) -> str:
+    """The context-parallel degrees' totals per rank in one line."""
+    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
+    fits = plan["device_memory_bytes"] is not None
+    parts = [
+        f"cp {o['cp']}{' (recipe)' if o['cp'] == plan['cp'] else ''} {o['mesh']} "
+        f"{fmt_bytes(o['memory']['total'])}{' (' + o['note'] + ')' if o.get('note') else ''}"
+        + ((" fits" if o["memory"]["fits"] else " does not fit") if fits else "")
+        for o in plan["cp_degrees"] if o["memory"] is not None
+    ]  # fmt: skip
+    return escape(
+        f"Context parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 "
+        "total, activations / cp): " + ", ".join(parts)
     )
 
 
