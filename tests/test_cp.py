@@ -223,17 +223,20 @@ def test_cp2_dp2_trains_as_dp4_and_one_rank(cp_run, pools, tmp_path):
 
 def test_packed_chat_rows_with_clipping_and_chunked_loss_train_as_one_rank(pools, tmp_path):
     """Packed chat rows (document masks across the cp slices, restarted positions, prompt
-    tokens not trained) under cp 2 x dp 2 with the chunked loss and a clip far below the norm:
-    the losses, trained-target counts, gradient norms, parameters and validation loss of one
-    rank with torch's own clip (the ddp engine) and the plain loss. optim.eps=1 so that AdamW's
-    step follows the clipped gradient's scale (tests/test_tp.py)."""
+    tokens not trained) under cp 2 x dp 2 with the chunked loss, a clip far below the norm and
+    hybrid sharding (the 3-D mesh: FSDP2 shards over each cp pair, replicas all-reduce): the
+    losses, trained-target counts, gradient norms, parameters and validation loss of one rank
+    with torch's own clip (the ddp engine) and the plain loss. optim.eps=1 so that AdamW's step
+    follows the clipped gradient's scale (tests/test_tp.py)."""
     data = Path(__file__).resolve().parents[1] / "recipes" / "data"
     chat = ("data.source=chat", f"data.paths=[{data / 'chat.jsonl'}]",
             f"data.tokenizer={data / 'tiny-llama-hf'}", "data.truncate=truncate",
             "model.vocab_size=258", "data.val_fraction=0.2", f"eval.every_steps={LAST}",
             "eval.batches=1", "train.grad_clip=0.05", "optim.eps=1", "optim.lr=0.5")  # fmt: skip
-    cp = pools[4].train(*COMMON, *chat, "parallel.cp=2", "train.loss=chunked")
+    cp = pools[4].train(*COMMON, *chat, "parallel.cp=2", "train.loss=chunked",
+                        "fsdp.sharding=hybrid", "fsdp.shard_group_size=1")  # fmt: skip
     one = pools[1].train(*COMMON, *chat, "fsdp.engine=ddp")
+    assert cp.start["mesh"] == [["dp_replicate", 2], ["dp_shard", 1], ["cp", 2]]
     assert all(e["grad_norm"] > 0.5 for e in cp.steps)
     assert cp.steps[0]["trained_tokens"] < 8 * 64  # prompts and padding are not trained
     _assert_same(cp, one, tmp_path)

@@ -102,7 +102,7 @@ def knobs(cfg: RecipeConfig, ws: int, add) -> None:
     dims = mesh_dims(cfg, ws)
     if tp_degree(cfg) > 1 or cp_degree(cfg) > 1:
         dp = [f"{n} {name}" for name, n in dims if name != "tp"]
-        flat = " (flattened into one)" if cp_degree(cfg) > 1 else ""
+        flat = " (dp_shard x cp flattened into one)" if cp_degree(cfg) > 1 else ""
         mesh = f"fully_shard over the {' x '.join(dp)} dims of the mesh{flat}"
     elif sharding in _TWO_D:
         mesh = f"2-D mesh ({ws // group} replicate x {group} shard)"
