@@ -45,7 +45,10 @@ def errors_of(*overrides: str) -> list[str]:
         (["parallel.cp=2", "precision.float8=tensorwise"], "with precision.float8=tensorwise"),
         (["parallel.cp=2", "compile.enabled=true"], "parallel.cp=2 with compile.enabled=true"),
         (["parallel.cp=2", "fsdp.cpu_offload=true"], "parallel.cp=2 with fsdp.cpu_offload=true"),
-        (["parallel.cp=2", "parallel.tp=2"], "parallel.cp=2 with parallel.tp=2: cp x tp"),
+        (["parallel.cp=2", "parallel.tp=2"],
+         "n_kv_heads / parallel.tp (2) = 1 per TP rank): the all-to-all gives each rank"),
+        (["parallel.cp=2", "parallel.tp=2", "model.n_kv_heads=4", "train.seq_len=62"],
+         "parallel.cp x parallel.tp (2 x 2) does not divide train.seq_len (62)"),
         (["parallel.cp=2", "train.global_batch_size=6", "train.micro_batch_size=2"],
          "data-parallel ranks (2 = world size / (parallel.tp x parallel.cp))"),
     ],
@@ -292,6 +295,17 @@ def test_packed_chat_rows_with_clipping_and_chunked_loss_train_as_one_rank(pools
     assert cp.steps[0]["trained_tokens"] < 8 * 64  # prompts and padding are not trained
     _assert_same(cp, one, tmp_path)
     assert cp.summary["final_val_loss"] == pytest.approx(one.summary["final_val_loss"], abs=TOL)
+
+
+def test_cp2_tp2_trains_as_one_rank(pools, tmp_path):
+    """cp 2 x tp 2 (the mesh `1 dp_shard x 2 cp x 2 tp`): tensor parallel splits each cp rank's
+    heads and its slice of the sequence (sequence parallel between blocks), the all-to-all then
+    trades the local heads over the cp group; with activation checkpointing, the same losses,
+    gradient norms, counts and parameters as one rank."""
+    both = pools[4].train(*COMMON, "parallel.cp=2", "parallel.tp=2",
+                          "activation_checkpointing.mode=full")  # fmt: skip
+    assert both.start["mesh"] == [["dp_shard", 1], ["cp", 2], ["tp", 2]]
+    _assert_same(both, pools[1].train(*COMMON), tmp_path)
 
 
 def _stopped_at_2(run, tmp_path: Path) -> Path:

@@ -239,16 +239,23 @@ def cp_errors(cfg: RecipeConfig, *, world_size: int, kv_heads: int | None) -> li
             f"parallel.cp ({cp}) does not divide train.seq_len ({cfg.train.seq_len}): each rank "
             f"holds seq_len / cp tokens of every row; choose a cp that divides it"
         )
+    elif tp > 1 and cfg.train.seq_len % (cp * tp):
+        errors.append(
+            f"parallel.cp x parallel.tp ({cp} x {tp}) does not divide train.seq_len "
+            f"({cfg.train.seq_len}): sequence parallel shards each cp rank's seq_len / cp tokens "
+            "over tp; choose degrees whose product divides it"
+        )
     if cfg.parallel.cp_impl is CpImpl.ring:
         errors.append(
             "parallel.cp_impl=ring: torch 2.13's ring attention (context_parallel) has no CPU "
             "kernel (aten._scaled_dot_product_flash_attention_for_cpu has no sharding rule) and "
             "takes no document masks, so fsdprun has not run it; use parallel.cp_impl=alltoall"
         )
-    elif kv_heads is not None and kv_heads % cp:
+    elif kv_heads is not None and kv_heads % tp == 0 and (kv_heads // tp) % cp:
+        per_tp = "" if tp == 1 else f" / parallel.tp ({tp}) = {kv_heads // tp} per TP rank"
         errors.append(
             f"parallel.cp ({cp}) does not divide the model's kv heads ({kv_heads}, model."
-            f"n_kv_heads): the all-to-all gives each rank kv heads / cp of them "
+            f"n_kv_heads{per_tp}): the all-to-all gives each rank kv heads / cp of them "
             f"(parallel.cp_impl={cfg.parallel.cp_impl.value}; ring attention, which needs no "
             "such division, is not available); choose a cp that divides it"
         )
@@ -263,7 +270,6 @@ def cp_errors(cfg: RecipeConfig, *, world_size: int, kv_heads: int | None) -> li
             "model.hf_path: the attention of HuggingFace folders has not been verified under "
             "context parallel; use the built-in model.family=llama or parallel.cp=1",
         ),
-        (tp > 1, f"parallel.tp={tp}: cp x tp has not been verified; set parallel.tp=1"),
         (cfg.lora.rank > 0, f"lora.rank={cfg.lora.rank}: not verified under context parallel; "
                             "set lora.rank=0"),
         (
