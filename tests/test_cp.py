@@ -359,3 +359,20 @@ def test_plan_divides_activations_by_cp_and_shows_each_cp_degree():
     assert re.search(r"cp 1 \(recipe\) \[dp 8\] [\d.]+ GiB does not fit", line), line
     assert re.search(r"cp 8 \[dp_shard 1 x cp 8\] [\d.]+ GiB \(compile off\) fits", line), line
     assert re.search(r"cp 4 \[dp_shard 2 x cp 4\] [\d.]+ GiB \(compile off\) fits", line), line
+
+
+def test_compare_accepts_cp_configurations():
+    from fsdprun.tools.compare import parse_configs
+
+    configs = {c.label: c.overrides for c in parse_configs("fsdp2,fsdp2:cp2,fsdp2:full:cp2:tp2")}
+    assert configs["fsdp2:cp2"] == ("fsdp.engine=fsdp2", "parallel.cp=2")
+    assert configs["fsdp2:full:cp2:tp2"] == (
+        "fsdp.engine=fsdp2",
+        "fsdp.sharding=full",
+        "parallel.tp=2",
+        "parallel.cp=2",
+    )
+    for bad, phrase in [("ddp:cp2", "context parallel (parallel.cp) needs fsdp2; use fsdp2:cp2"),
+                        ("fsdp2:cp2:cp4", "use engine[:sharding][:tpN][:cpN]")]:  # fmt: skip
+        with pytest.raises(UserError, match=re.escape(phrase)):
+            parse_configs(bad)
