@@ -58,13 +58,21 @@ def test_refusals_name_the_key(overrides, phrase):
     assert len(found) == 1, errors_of(*overrides)
 
 
-def test_hf_folders_are_refused_until_verified(tmp_path):
-    folder = tmp_path / "hf"  # what the recipe checks read of a folder: its config.json
-    folder.mkdir()
-    (folder / "config.json").write_text('{"num_attention_heads": 4, "num_key_value_heads": 2}')
-    found = errors_of("parallel.cp=2", f"model.hf_path={folder}")
-    assert any("parallel.cp=2 with model.hf_path: the attention of HuggingFace" in e
-               for e in found), found  # fmt: skip
+def test_hf_folders_other_than_llama_are_refused_until_verified(tmp_path):
+    def folder(model_type: str) -> Path:
+        path = tmp_path / model_type  # what the recipe checks read of a folder: its config.json
+        path.mkdir()
+        (path / "config.json").write_text(
+            f'{{"model_type": "{model_type}", "num_attention_heads": 4, "num_key_value_heads": 2}}'
+        )
+        return path
+
+    found = errors_of("parallel.cp=2", f"model.hf_path={folder('qwen3')}")
+    assert any("parallel.cp=2 with model.hf_path's model_type 'qwen3': its attention has not "
+               "been verified under context parallel" in e for e in found), found  # fmt: skip
+    load_recipe("debug", [*FOUR, "parallel.cp=2", f"model.hf_path={folder('llama')}"])
+    found = errors_of("parallel.cp=4", f"model.hf_path={tmp_path / 'llama'}")
+    assert any("parallel.cp (4) does not divide the model's kv heads (2" in e for e in found)
 
 
 def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):
@@ -159,7 +167,7 @@ def _saved_activations_rank(rank: int, world: int) -> dict:
     from fsdprun.data import Batch
     from fsdprun.engines.cp import apply_cp
     from fsdprun.loss import cross_entropy
-    from fsdprun.models import build_model, model_spec
+    from fsdprun.models import build_model
     from fsdprun.tools.plan import activation_bytes
 
     seq = 2048
@@ -173,7 +181,7 @@ def _saved_activations_rank(rank: int, world: int) -> dict:
         batch = Batch(tokens[:, :-1], tokens[:, 1:])
         if cp > 1:
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-            apply_cp(model, mesh=mesh, spec=model_spec(cfg.model))
+            apply_cp(model, mesh=mesh)
             batch = batch.sequence_shard(rank, cp)
         kept = {p.untyped_storage().data_ptr() for p in [*model.parameters(), model.rope]}
         saved: dict[int, int] = {}
@@ -307,6 +315,56 @@ def test_cp2_tp2_trains_as_one_rank(pools, tmp_path):
                           "activation_checkpointing.mode=full")  # fmt: skip
     assert both.start["mesh"] == [["dp_shard", 1], ["cp", 2], ["tp", 2]]
     _assert_same(both, pools[1].train(*COMMON), tmp_path)
+
+
+def _hf_logits_rank(rank: int, world: int, folder: str) -> list[float]:
+    """The shipped HF Llama folder's logits on this rank's slice under cp 2 (its 2 kv heads)
+    against the plain model's on whole rows: plain rows (no mask: SDPA's causal path on the
+    gathered rows) and packed ones (positions restarting, the whole row's document mask)."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdprun.data import Batch
+    from fsdprun.engines.cp import apply_cp
+    from fsdprun.models.hf import HFCausalLM
+
+    torch.manual_seed(0)  # the same random weights on every rank
+    model = HFCausalLM.from_folder(folder)
+    plain = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))
+    apply_cp(model, mesh=mesh["cp"])
+    cp, me = 2, rank % 2
+    tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1))
+    rows = Batch(tokens, tokens)
+    positions = torch.cat([torch.arange(10), torch.arange(6)]).expand(2, -1)
+    doc_ids = torch.cat([torch.zeros(10), torch.ones(6)]).long().expand(2, -1)
+    packed = Batch(tokens, tokens, positions, doc_ids)
+    errors = []
+    for batch, whole in ((rows, {}), (packed, {"positions": positions, "doc_ids": doc_ids})):
+        mine = batch.sequence_shard(me, cp)
+        got = model(mine.inputs, positions=mine.positions, doc_ids=mine.doc_ids)
+        want = plain(tokens, **whole)[:, me * 16 // cp : (me + 1) * 16 // cp]
+        errors.append((got - want).abs().max().item())
+    return errors
+
+
+def test_hf_llama_folder_attention_equals_whole_rows(pools):
+    folder = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
+    for errors in pools[4].submit(_hf_logits_rank, str(folder)):
+        assert max(errors) <= 1e-5, errors
+
+
+def test_hf_llama_folder_trains_as_one_rank(pools, tmp_path, monkeypatch):
+    """The shipped HF Llama folder (pretrained weights) under cp 2 x dp 2, transformers' SDPA
+    inside the all-to-all (fsdprun's attention implementation): the losses, gradient norms and
+    parameters of one rank."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
+    hf = (f"model.hf_path={folder}", "model.vocab_size=257")
+    cp = pools[4].train(*COMMON, *hf, "parallel.cp=2")
+    _assert_same(cp, pools[1].train(*COMMON, *hf), tmp_path)
 
 
 def _stopped_at_2(run, tmp_path: Path) -> Path:

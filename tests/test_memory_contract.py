@@ -230,7 +230,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     if tp > 1:
         apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan)
     if cp > 1:
-        apply_cp(model, mesh=cp_mesh(mesh), spec=model_spec(cfg.model))
+        apply_cp(model, mesh=cp_mesh(mesh))
     engine = build_engine(model, cfg, device=device.torch_device, device_kind="cpu",
                           world_size=world, mesh=mesh)  # fmt: skip
     optimizer = build_optimizer(

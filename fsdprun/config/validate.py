@@ -342,9 +342,8 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     )
     shape, tied = _tp_shape(cfg)
     errors += tp_errors(cfg, world_size=ws, shape=shape, tied=tied)
-    m = cfg.model
-    kv = None if m.hf_path is not None else (m.n_kv_heads or m.n_heads)
-    errors += cp_errors(cfg, world_size=ws, kv_heads=kv)
+    kv, unverified = cp_attention_facts(cfg)
+    errors += cp_errors(cfg, world_size=ws, kv_heads=kv, unverified=unverified)
     errors += _tp_sliding_window_errors(cfg)
     if f.engine is Engine.fsdp1 and f.cpu_offload and _runs_on_cpu(cfg.launch.device):
         # FSDP1's CPUOffload pins host memory, which needs an accelerator; FSDP2's policy can
@@ -403,6 +402,23 @@ def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
         return shape, bool(hf.get("tie_word_embeddings", False))
     except (OSError, ValueError, KeyError, TypeError):
         return None, False
+
+
+def cp_attention_facts(cfg: RecipeConfig) -> tuple[int | None, str | None]:
+    """(kv heads, the model if its attention is not verified under context parallel) for
+    parallel.cp's checks: the recipe's Llama, or model.hf_path's config.json (read as JSON),
+    whose attention is verified for model_type llama only (fsdprun's all-to-all around
+    transformers' SDPA); (None, None) when that file is unreadable (refused on its own)."""
+    m = cfg.model
+    if m.hf_path is None:
+        return (m.n_kv_heads or m.n_heads), None
+    try:
+        hf = json.loads((Path(m.hf_path) / "config.json").read_text())
+        kv = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+        kind = hf.get("model_type")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+    return kv, None if kind == "llama" else f"model.hf_path's model_type {kind!r}"
 
 
 def _tp_sliding_window_errors(cfg: RecipeConfig) -> list[str]:

@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fsdprun.models import ModelSpec
-
 
 def _exchange(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """All-to-all of dim 0 (cp chunks) over the cp group: chunk j goes to cp rank j, and chunk j
@@ -52,13 +50,13 @@ def heads_to_seq(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def alltoall_attention(attend: Callable, mesh: DeviceMesh) -> Callable:
-    """`attend(q, k, v, mask, *, enable_gqa)` (q, k, v: batch, heads, seq / cp, head_dim) as
+    """`attend(q, k, v, mask, **kwargs)` (q, k, v: batch, heads, seq / cp, head_dim) as
     DeepSpeed-Ulysses computes it over the cp group `mesh`: q, k and v are exchanged in one
     all-to-all (packed on the head dim), `attend` runs on whole rows of heads / cp heads, and
     its output is exchanged back. The mask is the whole row's."""
     import torch
 
-    def attend_cp(q, k, v, mask, *, enable_gqa: bool):
+    def attend_cp(q, k, v, mask, **kwargs):
         cp = mesh.size()
         heads = [q.shape[1] // cp, k.shape[1] // cp, v.shape[1] // cp]
         b, _, s, d = q.shape
@@ -69,7 +67,7 @@ def alltoall_attention(attend: Callable, mesh: DeviceMesh) -> Callable:
         got = _exchange(torch.cat([by_rank(t) for t in (q, k, v)], dim=2), mesh)
         whole = got.permute(1, 2, 0, 3, 4).reshape(b, sum(heads), cp * s, d)
         q, k, v = whole.split(heads, dim=1)
-        out = attend(q, k, v, mask, enable_gqa=enable_gqa)
+        out = attend(q, k, v, mask, **kwargs)
         return heads_to_seq(out, mesh)
 
     return attend_cp
@@ -80,26 +78,24 @@ def cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["cp"]
 
 
-def apply_cp(model: nn.Module, *, mesh: DeviceMesh, spec: ModelSpec) -> int:
-    """Make every decoder block's attention (the family's `cp_attention` module, whose `attend`
-    this replaces) compute across the cp group `mesh`, in place (on the meta model, before
-    activation checkpointing and FSDP; parameters do not change).
+def apply_cp(model: nn.Module, *, mesh: DeviceMesh) -> int:
+    """Make every decoder block's attention (`cp_attention_modules()`, whose `attend` this
+    wraps) compute across the cp group `mesh`, in place (on the meta model, before activation
+    checkpointing and FSDP; parameters do not change).
 
     Returns:
         The number of attention modules changed.
 
     Raises:
-        UserError: the family's attention has not been verified under context parallel (the
+        UserError: the model's attention has not been verified under context parallel (the
             launcher refuses it first; a rank started by torchrun or srun here).
     """
-    if spec.cp_attention is None:
+    modules = model.cp_attention_modules()
+    if not modules:
         raise UserError(
             f"parallel.cp={mesh.size()}: {model.family_name}'s attention has not been verified "
             "under context parallel; set parallel.cp=1"
         )
-    count = 0
-    for block in model.block_paths():
-        attention = model.get_submodule(f"{block}.{spec.cp_attention}")
+    for attention in modules:
         attention.attend = alltoall_attention(attention.attend, mesh)
-        count += 1
-    return count
+    return len(modules)

@@ -215,11 +215,16 @@ def cp_impl(cfg: RecipeConfig) -> str:
     return "alltoall" if cfg.parallel.cp_impl is CpImpl.auto else cfg.parallel.cp_impl.value
 
 
-def cp_errors(cfg: RecipeConfig, *, world_size: int, kv_heads: int | None) -> list[str]:
+def cp_errors(
+    cfg: RecipeConfig, *, world_size: int, kv_heads: int | None, unverified: str | None = None
+) -> list[str]:
     """What parallel.cp refuses, one message per problem.
 
     Args:
-        kv_heads: the built-in model's kv heads (None: an HF folder, refused on its own).
+        kv_heads: the model's kv heads (None: unknown, e.g. an unreadable model.hf_path, which
+            is refused on its own).
+        unverified: the model, when its attention has not been verified under context
+            parallel (an HF folder of another model_type than llama), as messages name it.
     """
     cp, tp = cp_degree(cfg), max(tp_degree(cfg), 1)
     if cp < 1:
@@ -266,9 +271,9 @@ def cp_errors(cfg: RecipeConfig, *, world_size: int, kv_heads: int | None) -> li
             "dp_shard x cp with FSDP2; use fsdp.engine=fsdp2",
         ),
         (
-            cfg.model.hf_path is not None,
-            "model.hf_path: the attention of HuggingFace folders has not been verified under "
-            "context parallel; use the built-in model.family=llama or parallel.cp=1",
+            unverified is not None,
+            f"{unverified}: its attention has not been verified under context parallel (the "
+            "built-in Llama's and HF Llama folders' are); set parallel.cp=1",
         ),
         (cfg.lora.rank > 0, f"lora.rank={cfg.lora.rank}: not verified under context parallel; "
                             "set lora.rank=0"),

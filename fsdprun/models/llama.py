@@ -200,6 +200,10 @@ class Transformer(nn.Module):
         """Module paths of the transformer blocks (FSDP units under the `block` policy)."""
         return [f"layers.{name}" for name in self.layers]
 
+    def cp_attention_modules(self) -> list[nn.Module]:
+        """Each block's attention, whose `attend` context parallel wraps."""
+        return [layer.attention for layer in self.layers.values()]
+
     def init_buffers(self, device: torch.device) -> None:
         """Recompute non-persistent buffers after `to_empty` (they hold garbage then)."""
         self.rope = rope_table(self.args, device=device)
@@ -357,5 +361,4 @@ SPEC = ModelSpec(
     hf_config=hf_llama_config,
     hf_files=lambda cfg: [],
     tp_plan=TP_PLAN,
-    cp_attention="attention",
 )

@@ -53,6 +53,7 @@ from fsdprun.config import (
     Sharding,
     load_recipe,
 )
+from fsdprun.config.validate import cp_attention_facts
 from fsdprun.engines import DTYPE_BYTES, ParamShape, rank_memory, translate, unit_plan
 from fsdprun.engines.float8 import MFU_CONVENTION, Float8Plan, float8_linears, float8_plan
 from fsdprun.engines.mesh import (
@@ -395,8 +396,8 @@ def tp_problem(cfg: RecipeConfig) -> str | None:
     shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads or m.n_heads,
              "model.ffn_dim": m.ffn_dim}  # fmt: skip
     errors = tp_errors(cfg, world_size=cfg.world_size, shape=shape, tied=m.tie_embeddings)
-    kv = None if m.hf_path is not None else m.n_kv_heads or m.n_heads
-    errors += cp_errors(cfg, world_size=cfg.world_size, kv_heads=kv)
+    kv, unverified = cp_attention_facts(cfg)
+    errors += cp_errors(cfg, world_size=cfg.world_size, kv_heads=kv, unverified=unverified)
     return "; ".join(errors) or None
 
 

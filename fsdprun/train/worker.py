@@ -247,7 +247,7 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     if tp_degree(cfg) > 1:
         tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan)
     if cp_degree(cfg) > 1:
-        apply_cp(model, mesh=cp_mesh(mesh), spec=model_spec(cfg.model))
+        apply_cp(model, mesh=cp_mesh(mesh))
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
