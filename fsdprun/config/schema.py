@@ -312,9 +312,9 @@ class ParallelConfig:
         "activations by cp. The mesh is [dp_replicate, dp_shard, cp, tp]; FSDP2 shards the "
         "parameters over dp_shard x cp, so cp ranks hold no duplicate state; the data-parallel "
         "size is world size / (tp x cp). cp x tp must divide the world size and train.seq_len, "
-        "cp the kv heads per TP rank; needs fsdp.engine=fsdp2 and the built-in Llama (no HF "
-        "folders, LoRA, float8, compile or cpu offload yet). 1 = off. See "
-        "docs/context-parallel.md.",
+        "cp the kv heads per TP rank; needs fsdp.engine=fsdp2 and the built-in Llama or an HF "
+        "Llama folder (no other HF model types, LoRA, float8, compile or cpu offload yet). "
+        "1 = off. See docs/context-parallel.md.",
     )
     cp_impl: CpImpl = _f(
         CpImpl.auto,
