@@ -71,6 +71,8 @@ def test_hf_folders_other_than_llama_are_refused_until_verified(tmp_path):
     assert any("parallel.cp=2 with model.hf_path's model_type 'qwen3': its attention has not "
                "been verified under context parallel" in e for e in found), found  # fmt: skip
     load_recipe("debug", [*FOUR, "parallel.cp=2", f"model.hf_path={folder('llama')}"])
+    found = errors_of("parallel.cp=2", "parallel.tp=2", f"model.hf_path={tmp_path / 'llama'}")
+    assert any("cp x tp is verified for the built-in Llama only" in e for e in found), found
     found = errors_of("parallel.cp=4", f"model.hf_path={tmp_path / 'llama'}")
     assert any("parallel.cp (4) does not divide the model's kv heads (2" in e for e in found)
 

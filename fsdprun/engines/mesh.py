@@ -275,6 +275,11 @@ def cp_errors(
             f"{unverified}: its attention has not been verified under context parallel (the "
             "built-in Llama's and HF Llama folders' are); set parallel.cp=1",
         ),
+        (
+            tp > 1 and cfg.model.hf_path is not None,
+            f"parallel.tp={tp} and model.hf_path: cp x tp is verified for the built-in Llama "
+            "only; set parallel.tp=1 or parallel.cp=1",
+        ),
         (cfg.lora.rank > 0, f"lora.rank={cfg.lora.rank}: not verified under context parallel; "
                             "set lora.rank=0"),
         (
