@@ -24,7 +24,9 @@ Tensor parallel (`parallel.tp`, the TP_CELLS): the model is split by the family'
 all-gathers and reduce-scatters, loss parallel's all-reduces, the 2-D gradient-norm reductions)
 runs on the fake group, so TP is measured like the rest; a DTensor counts by its local tensor
 (the wrapper's own storage reports the global size and holds nothing), and DTensor's functional
-all-gathers of activations are not gathered parameters.
+all-gathers of activations are not gathered parameters. Context parallel (the CP_CELLS) is
+built as the worker builds it (`engines.cp.apply_cp`, FSDP2 over dp_shard x cp); its all-to-alls
+run on the fake group too.
 """
 
 from __future__ import annotations
@@ -121,19 +123,30 @@ HF_CELLS: dict[str, list[str]] = {
     "fsdp2:hybrid:gemma3_text": ["model.hf_path=HF_DIR/gemma3_text", "fsdp.sharding=hybrid",
                                  HYBRID],
 }  # fmt: skip
+
+# Context parallel (`parallel.cp`): FSDP2 shards over dp_shard x cp (the TP model: 8 kv heads,
+# which cp divides); with tp too at world 64.
+CP_CELLS: dict[int, dict[str, list[str]]] = {
+    8: {"fsdp2:full:cp2": ["parallel.cp=2"]},
+    64: {
+        "fsdp2:hybrid:cp4": ["parallel.cp=4", "fsdp.sharding=hybrid", HYBRID_TP],
+        "fsdp2:full:cp2:tp2": ["parallel.cp=2", "parallel.tp=2"],
+    },
+}
 WORLDS = (8, 64)
 DDP_WORLD = 2  # real gloo ranks
 PARTS = ("params", "grads", "grads_between_micro_steps", "optimizer", "gathered_buffers")
 
 
-def _tp(cell: list[str]) -> int:
-    return next((int(o.split("=")[1]) for o in cell if o.startswith("parallel.tp=")), 1)
+def _degree(cell: list[str], key: str) -> int:
+    return next((int(o.split("=")[1]) for o in cell if o.startswith(f"parallel.{key}=")), 1)
 
 
 def overrides(cell: list[str], world: int) -> list[str]:
-    dp = world // _tp(cell)  # 2 micro-steps on each data-parallel rank
+    tp, cp = _degree(cell, "tp"), _degree(cell, "cp")
+    dp = world // (tp * cp)  # 2 micro-steps on each data-parallel rank
     launch = [f"launch.nproc_per_node={world}", f"train.global_batch_size={2 * dp}"]
-    model = [*MODEL, *TP_MODEL] if _tp(cell) > 1 else MODEL
+    model = [*MODEL, *TP_MODEL] if tp * cp > 1 else MODEL
     if any(o.startswith("model.hf_path=") for o in cell):
         model = HF_MODEL
     cell = [o.replace("HALF_DP", str(dp // 2)).replace("HALF", str(world // 2)) for o in cell]
@@ -156,6 +169,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     from fsdprun.data.prefetch import BatchLoader
     from fsdprun.device import Device
     from fsdprun.engines import build_engine
+    from fsdprun.engines.cp import apply_cp, cp_mesh
     from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh
     from fsdprun.models import build_model, model_spec
     from fsdprun.models.lora import apply_lora
@@ -224,16 +238,20 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     with torch.device("meta"):
         model = build_model(cfg.model)
     apply_lora(model, cfg=cfg.lora)  # as the worker does; nothing without lora.rank
-    tp, mesh = cfg.parallel.tp, None
-    if tp > 1:  # as the worker's _build: TP first, then fully_shard over the dp dims
+    tp, cp, mesh = cfg.parallel.tp, cfg.parallel.cp, None
+    if tp > 1 or cp > 1:  # as the worker's _build: TP, CP, then fully_shard over the dp dims
         mesh = build_device_mesh(cfg, "cpu", world)
+    if tp > 1:
         apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan(cfg.model))
+    if cp > 1:
+        apply_cp(model, mesh=cp_mesh(mesh))
     engine = build_engine(model, cfg, device=device.torch_device, device_kind="cpu",
                           world_size=world, mesh=mesh)  # fmt: skip
     optimizer = build_optimizer(
         engine.model, cfg=cfg.optim, device_kind="cpu", is_matrix=engine.is_matrix
     )
-    layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, world // tp, tp)
+    layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                         world // (tp * cp), tp, cp)  # fmt: skip
     assert layout.grad_accum_steps == 2
     data, _ = build_datasets(cfg.data, vocab_size=engine.inner.args.vocab_size,
                              seq_len=cfg.train.seq_len, seed=0)  # fmt: skip
@@ -275,7 +293,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     with mode:
         forward_backward(engine, optimizer, None, batches.load_step(0),
                          num_targets=cfg.train.global_batch_size * cfg.train.seq_len,
-                         world_size=layout.world_size, grad_clip=cfg.train.grad_clip,
+                         world_size=layout.reduce_ranks, grad_clip=cfg.train.grad_clip,
                          device=device.torch_device)  # fmt: skip
         measured["grads"] = grads()
         optimizer.step()
@@ -341,7 +359,7 @@ def _fake_world(world: int) -> dict[str, dict]:
     # (freed) sub-groups in the next one.
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        for label, cell in TP_CELLS[world].items():
+        for label, cell in {**TP_CELLS[world], **CP_CELLS[world]}.items():
             results[label] = _measure(cell, world)
             gc.collect()
     finally:

@@ -222,7 +222,9 @@ def test_host_ops_per_step_are_within_5_percent_of_the_plain_loop(tmp_path, prec
     skip of a non-finite step) and must not add more: a clip multiplying each gradient apart
     was 24 more ops a step here (147 launches on llama-1b). float8 at one rank gathers nothing:
     auto leaves float8 all-gather off, and the host work is the plain float8 loop's (torchao's
-    defaults); forcing it on adds the scale precompute and float8 all-gather hooks."""
+    defaults). (Forced on, the scale precompute and float8 all-gather hooks were 349 ops a step
+    against 225.5, 2026-12-04: a cold compile of its own, measured by scripts/bench.py's
+    float8_gather side rather than here.)"""
     pytest.importorskip("torchao")
     extra = ["precision.float8=tensorwise"] if precision == "float8" else []
     ours = _fsdprun_host_ops(tmp_path, "fsdprun", *extra)
@@ -230,6 +232,3 @@ def test_host_ops_per_step_are_within_5_percent_of_the_plain_loop(tmp_path, prec
     assert ours["steps"] == plain["steps"] == 2
     ratio = ours["per_step"] / plain["per_step"]
     assert ratio <= 1.05, (ours["per_step"], plain["per_step"], _ops_table(ours, plain))
-    if precision == "float8":
-        forced = _fsdprun_host_ops(tmp_path, "forced", *extra, "precision.float8_all_gather=true")
-        assert forced["per_step"] > ours["per_step"] * 1.1, _ops_table(forced, ours)

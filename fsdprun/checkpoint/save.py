@@ -74,12 +74,16 @@ def mesh_record(model_state: dict[str, Any], world_size: int) -> dict[str, list]
 
     Read from the state itself rather than from the recipe, so it is the mesh the engine built:
     a DTensor's (fsdp2; fsdp1, whose sharded state dict DCP asks for as DTensors), e.g.
-    {"shape": [2, 2], "dim_names": ["replicate", "shard"]} for hybrid sharding; a 1-D "dp" mesh
+    {"shape": [2, 2], "dim_names": ["replicate", "shard"]} for hybrid sharding, [2, 2] of
+    ["dp_shard", "cp"] under context parallel; a 1-D "dp" mesh
     over every rank when there is none (ddp's replicas).
     """
     mesh = next((v.device_mesh for v in model_state.values() if isinstance(v, DTensor)), None)
     if mesh is None:
         return {"shape": [world_size], "dim_names": ["dp"]}
+    # The whole mesh the tensors' mesh was cut from: under context parallel FSDP shards over a
+    # flattened `dp_shard_cp` dim, which would hide the cp degree the run had.
+    mesh = mesh._get_root_mesh()
     # A 1-D mesh has no names (full and grad_op sharding): "dp", as manifests always said.
     names = list(mesh.mesh_dim_names or ["dp"])
     assert len(names) == mesh.ndim, (names, mesh.shape)

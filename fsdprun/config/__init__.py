@@ -31,6 +31,7 @@ from fsdprun.config.schema import (
     CheckpointMode,
     CompileConfig,
     CompileMode,
+    CpImpl,
     DataConfig,
     DataSource,
     Decay,
@@ -74,7 +75,7 @@ from fsdprun.config.validate import (
 
 __all__ = [
     "CHAT_ROLES", "CLI_SOURCE", "DEFAULT_SOURCE", "STRING_KEYS", "ActivationCheckpointingConfig",
-    "ChatTurns", "CheckpointConfig", "CheckpointMode", "CompileConfig", "CompileMode",
+    "ChatTurns", "CheckpointConfig", "CheckpointMode", "CompileConfig", "CompileMode", "CpImpl",
     "DataConfig", "DataSource", "Decay", "DeviceKind", "Dtype", "Engine", "EvalConfig",
     "Float8", "Float8Filter", "FsdpConfig", "LaunchConfig", "LoraConfig", "LossKind", "ModelConfig",
     "ModelInit", "NonFinite", "OnSaveError", "OptimConfig", "OptimImpl", "OutputConfig",

@@ -74,6 +74,12 @@ class Float8Filter(enum.Enum):
     skip_small = "skip_small"
 
 
+class CpImpl(enum.Enum):
+    auto = "auto"
+    alltoall = "alltoall"
+    ring = "ring"
+
+
 class CompileMode(enum.Enum):
     default = "default"
     reduce_overhead = "reduce-overhead"
@@ -299,6 +305,24 @@ class ParallelConfig:
         False,
         "Allow a parallel.tp larger than launch.nproc_per_node (TP groups spanning nodes, whose "
         "per-layer collectives then cross the slower inter-node links); false = refused.",
+    )
+    cp: int = _f(
+        1,
+        "Context-parallel degree: split each sequence across this many ranks, which divides the "
+        "activations by cp. The mesh is [dp_replicate, dp_shard, cp, tp]; FSDP2 shards the "
+        "parameters over dp_shard x cp, so cp ranks hold no duplicate state; the data-parallel "
+        "size is world size / (tp x cp). cp x tp must divide the world size and train.seq_len, "
+        "cp the kv heads per TP rank; needs fsdp.engine=fsdp2 and the built-in Llama or an HF "
+        "Llama folder (no other HF model types, LoRA, float8, compile or cpu offload yet). "
+        "1 = off. See docs/context-parallel.md.",
+    )
+    cp_impl: CpImpl = _f(
+        CpImpl.auto,
+        "How attention is computed across the split: `alltoall` (DeepSpeed-Ulysses: before "
+        "attention each rank trades its sequence shard of all heads for the whole sequence of "
+        "1/cp of the heads, and back after; needs the kv heads divisible by cp), `ring` (torch's "
+        "ring attention: refused, it has no CPU/gloo path in torch 2.13 and fsdprun has not run "
+        "it), `auto` (alltoall when the heads divide, else refused with the reason).",
     )
 
 
@@ -736,9 +760,9 @@ class RecipeConfig:
 
     @property
     def dp_world_size(self) -> int:
-        """Data-parallel ranks: the world size over the tensor-parallel degree (ranks of one TP
-        group see the same batch)."""
-        return self.world_size // max(self.parallel.tp, 1)
+        """Data-parallel ranks: the world size over the tensor- and context-parallel degrees
+        (the ranks of one TP x CP group see the same samples)."""
+        return self.world_size // (max(self.parallel.tp, 1) * max(self.parallel.cp, 1))
 
 
 def schema_fields() -> dict[str, dataclasses.Field]:

@@ -136,13 +136,16 @@ def _router_aux_loss_errors(config_json: Path) -> list[str]:
 def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     t = cfg.train
     errors = _model_errors(cfg)
-    tp = cfg.parallel.tp
-    # A tp that does not divide the world leaves no data-parallel size to count the batch in:
-    # that error (tp_errors) comes alone, not a batch error with made-up arithmetic.
-    dp = ws // tp if tp >= 1 and ws % tp == 0 else None
+    tp, cp = cfg.parallel.tp, cfg.parallel.cp
+    # A tp (or cp) that does not divide the world leaves no data-parallel size to count the
+    # batch in: that error (tp_errors, cp_errors) comes alone, not a batch error with made-up
+    # arithmetic.
+    dp = ws // (tp * cp) if tp >= 1 and cp >= 1 and ws % (tp * cp) == 0 else None
     per_step = t.micro_batch_size * (dp or 0)
     if dp is not None and t.global_batch_size % per_step:
-        ranks = f"{dp}" if tp == 1 else f"{dp} = world size / parallel.tp"
+        ranks = f"{dp}" if tp * cp == 1 else (
+            f"{dp} = world size / parallel.tp" if cp == 1
+            else f"{dp} = world size / (parallel.tp x parallel.cp)")  # fmt: skip
         errors.append(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
             f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({ranks}) = "
@@ -355,13 +358,18 @@ def _string_errors(cfg: RecipeConfig) -> list[str]:
 def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     # The engines package imports the schema, which runs this package's __init__ and so this
     # module: imported when called, the two packages load in either order.
-    from fsdprun.engines.mesh import sharding_errors, tp_errors
+    from fsdprun.engines.mesh import cp_errors, sharding_errors, tp_errors
 
     f = cfg.fsdp
     tp = cfg.parallel.tp if cfg.parallel.tp >= 1 and ws % cfg.parallel.tp == 0 else 1
-    errors = sharding_errors(f, world_size=ws, nproc_per_node=cfg.launch.nproc_per_node, tp=tp)
+    cp = cfg.parallel.cp if cfg.parallel.cp >= 1 and ws % (cfg.parallel.cp * tp) == 0 else 1
+    errors = sharding_errors(
+        f, world_size=ws, nproc_per_node=cfg.launch.nproc_per_node, tp=tp, cp=cp
+    )
     shape, tied = _tp_shape(cfg)
     errors += tp_errors(cfg, world_size=ws, shape=shape, tied=tied)
+    kv, unverified = cp_attention_facts(cfg)
+    errors += cp_errors(cfg, world_size=ws, kv_heads=kv, unverified=unverified)
     if f.engine is Engine.fsdp1 and f.cpu_offload and _runs_on_cpu(cfg.launch.device):
         # FSDP1's CPUOffload pins host memory, which needs an accelerator; FSDP2's policy can
         # leave it unpinned.
@@ -422,6 +430,23 @@ def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
         return shape, False
     except (OSError, ValueError, KeyError, TypeError):
         return None, False
+
+
+def cp_attention_facts(cfg: RecipeConfig) -> tuple[int | None, str | None]:
+    """(kv heads, the model if its attention is not verified under context parallel) for
+    parallel.cp's checks: the recipe's Llama, or model.hf_path's config.json (read as JSON),
+    whose attention is verified for model_type llama only (fsdprun's all-to-all around
+    transformers' SDPA); (None, None) when that file is unreadable (refused on its own)."""
+    m = cfg.model
+    if m.hf_path is None:
+        return (m.n_kv_heads or m.n_heads), None
+    try:
+        hf = json.loads((Path(m.hf_path) / "config.json").read_text())
+        kv = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+        kind = hf.get("model_type")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+    return kv, None if kind == "llama" else f"model.hf_path's model_type {kind!r}"
 
 
 # Device nodes that accelerator drivers create: NVIDIA, WSL2's GPU bridge, AMD ROCm, Intel and

@@ -6,7 +6,9 @@ Global step g reads samples [g*B, (g+1)*B) for global batch B; within it, micro-
 data-parallel rank r reads the `micro_batch_size` samples starting at
 g*B + (m*world_size + r)*micro_batch_size, world_size being the data-parallel ranks. With tensor
 parallelism (`parallel.tp`) the tp consecutive ranks of one TP group are one data-parallel rank
-(r = rank // tp) and read the same samples.
+(r = rank // tp) and read the same samples; with context parallelism (`parallel.cp`) the cp x tp
+consecutive ranks are (r = rank // (cp x tp)), and cp rank j keeps slice j of each row's
+sequence (`Batch.sequence_shard`).
 
 The front door is `describe_data` (see `spec`): the one description of the dataset a recipe asks
 for (its kind, files, tokenizer, token counts, masks) that the launcher's checks (`preflight`)
@@ -65,21 +67,36 @@ class Dataset(Protocol):
 @dataclass(frozen=True)
 class BatchLayout:
     """How a global batch splits over data-parallel ranks (`world_size` of them) and
-    micro-steps; `tp` ranks (a tensor-parallel group) share each data-parallel rank's samples."""
+    micro-steps; `cp x tp` ranks (a context- and tensor-parallel group) share each data-parallel
+    rank's samples, each cp rank keeping its slice of the sequence."""
 
     global_batch_size: int
     micro_batch_size: int
     world_size: int
     tp: int = 1
+    cp: int = 1
 
     @property
     def num_ranks(self) -> int:
-        """Every rank of the run: data-parallel ranks x tp."""
-        return self.world_size * self.tp
+        """Every rank of the run: data-parallel ranks x cp x tp."""
+        return self.world_size * self.cp * self.tp
+
+    @property
+    def reduce_ranks(self) -> int:
+        """The ranks FSDP averages each gradient over: data-parallel ranks x cp (the cp ranks'
+        gradients are partial sums over their tokens)."""
+        return self.world_size * self.cp
 
     def data_rank(self, rank: int) -> int:
-        """The data-parallel rank of global `rank` (tp is the innermost mesh dim)."""
-        return rank // self.tp
+        """The data-parallel rank of global `rank` (cp and tp are the innermost mesh dims)."""
+        return rank // (self.cp * self.tp)
+
+    def local(self, batch: Batch, rank: int) -> Batch:
+        """The part of a data-parallel rank's `batch` that global `rank` computes: all of it,
+        or under context parallel its cp rank's slice of the sequence."""
+        if self.cp == 1:
+            return batch
+        return batch.sequence_shard((rank // self.tp) % self.cp, self.cp)
 
     @property
     def grad_accum_steps(self) -> int:

@@ -54,6 +54,28 @@ class Batch:
     def pin_memory(self) -> Batch:
         return self._map(lambda t: t.pin_memory())
 
+    def sequence_shard(self, index: int, count: int) -> Batch:
+        """Context parallel's part of this batch for cp rank `index` of `count`: slice `index`
+        of the sequence (seq / count consecutive tokens) of the inputs, targets and positions
+        (windows get their slice's positions: the rotary angles of where the tokens are in the
+        row), and the whole row's doc_ids, from which attention, which sees whole rows, builds
+        its mask."""
+        import torch
+
+        seq = self.inputs.shape[1]
+        part = slice(index * seq // count, (index + 1) * seq // count)
+        positions = self.positions
+        if positions is None:
+            positions = torch.arange(seq).expand(self.inputs.shape[0], -1)
+        return Batch(self.inputs[:, part], self.targets[:, part], positions[:, part],
+                     self.doc_ids)  # fmt: skip
+
+    @property
+    def every_target_trains(self) -> bool:
+        """Windows and synthetic data (no doc_ids: not rows of fine-tuning examples): every
+        target trains, none is IGNORE_INDEX."""
+        return self.doc_ids is None
+
 
 def collate(samples: list) -> Batch:
     """Stack samples (all tensors, or all `Row`s) into a host `Batch`."""

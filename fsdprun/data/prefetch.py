@@ -35,7 +35,7 @@ class StepBatches:
     def every_target_trains(self) -> bool:
         """Windows and synthetic data (no positions): every target trains, none is IGNORE_INDEX,
         so a step's count of trained targets is known without reading or communicating."""
-        return all(b.positions is None for b in self.host)
+        return all(b.every_target_trains for b in self.host)
 
     def num_targets(self) -> int:
         """This rank's trained targets (not IGNORE_INDEX) over the step's micro-batches."""
@@ -50,6 +50,7 @@ class BatchLoader:
     """The micro-batches of one rank, each step's prepared while the step before it trains."""
 
     def __init__(self, data, layout, rank: int, device: torch.device, *, steps: int):
+        """`rank`: the global rank (its data-parallel rank reads, its cp rank slices)."""
         self.data, self.layout, self.rank = data, layout, rank
         self.device, self.steps = device, steps
         # Pinned memory needs an accelerator; on CPU the "copy" is the tensor itself.
@@ -60,8 +61,8 @@ class BatchLoader:
     def _host_batches(self, step: int) -> list[Batch]:
         batches = []
         for micro in range(self.layout.grad_accum_steps):
-            indices = self.layout.indices(step, micro, self.rank)
-            batch = collate([self.data.sample(i) for i in indices])
+            indices = self.layout.indices(step, micro, self.layout.data_rank(self.rank))
+            batch = self.layout.local(collate([self.data.sample(i) for i in indices]), self.rank)
             batches.append(batch.pin_memory() if self.pin else batch)
         return batches
 

@@ -43,6 +43,8 @@ from fsdprun.engines.base import (
 )
 from fsdprun.engines.mesh import (
     backward_prefetch_depth,
+    cp_degree,
+    cp_impl,
     effective_sharding,
     mesh_dims,
     shard_group_size,
@@ -98,9 +100,10 @@ def knobs(cfg: RecipeConfig, ws: int, add) -> None:
     f, p = cfg.fsdp, cfg.precision
     sharding, group = effective_sharding(f), shard_group_size(cfg, ws)
     dims = mesh_dims(cfg, ws)
-    if tp_degree(cfg) > 1:
+    if tp_degree(cfg) > 1 or cp_degree(cfg) > 1:
         dp = [f"{n} {name}" for name, n in dims if name != "tp"]
-        mesh = f"fully_shard over the {' x '.join(dp)} dims of the mesh"
+        flat = " (dp_shard x cp flattened into one)" if cp_degree(cfg) > 1 else ""
+        mesh = f"fully_shard over the {' x '.join(dp)} dims of the mesh{flat}"
     elif sharding in _TWO_D:
         mesh = f"2-D mesh ({ws // group} replicate x {group} shard)"
     else:
@@ -114,6 +117,21 @@ def knobs(cfg: RecipeConfig, ws: int, add) -> None:
             f"device mesh {shape}: parallelize_module with the family's plan over the tp dim "
             f"(ranks of one TP group read the same batch; loss parallel on vocab-sharded "
             f"logits), then fully_shard over the data-parallel dims",
+        )
+    if cp_degree(cfg) > 1:
+        cp, shape = cp_degree(cfg), " x ".join(f"{n} {name}" for name, n in dims)
+        add(
+            "parallel.cp",
+            cp,
+            f"device mesh {shape}: each row's sequence split over {cp} ranks (seq_len / {cp} "
+            "tokens each, with their rotary positions); parameters sharded over dp_shard x cp",
+        )
+        add(
+            "parallel.cp_impl",
+            cfg.parallel.cp_impl,
+            f"{cp_impl(cfg)}: one all-to-all before each attention trades this rank's slice of "
+            f"every head for the whole sequence of heads / {cp}, one after trades back "
+            "(DeepSpeed-Ulysses); attention then sees whole rows and the whole mask",
         )
     add(
         "fsdp.sharding",

@@ -4,10 +4,13 @@ device mesh, the replicas being the other), the backward prefetch depth, which c
 each engine accepts, and the device mesh's named dimensions with tensor parallelism.
 
 The mesh, outermost dim first: `dp_replicate` (hybrid sharding's replicas), `dp_shard` (FSDP's
-shard groups), `cp` (context parallel: reserved, always 1, not built), `tp` (tensor parallel,
-innermost: consecutive ranks, so a TP group sits inside a node on the fastest links). Pipeline
-parallel would be one more dim outside `dp_replicate`. Without TP (`parallel.tp: 1`) the mesh is
-what it always was: 1-D for full/grad_op, `replicate x shard` otherwise.
+shard groups), `cp` (context parallel: the ranks that split one sequence), `tp` (tensor
+parallel, innermost: consecutive ranks, so a TP group sits inside a node on the fastest links).
+FSDP2 shards parameters over `dp_shard x cp` (torchtitan's choice): the cp ranks read the same
+samples but hold different tokens, so their gradients are partial sums that the reduce-scatter
+adds up, and they need not keep duplicate copies of the state. Pipeline parallel would be one
+more dim outside `dp_replicate`. Without TP and CP (`parallel.tp: 1`, `parallel.cp: 1`) the mesh
+is what it always was: 1-D for full/grad_op, `replicate x shard` otherwise.
 
 The engines, `fsdprun plan` and the recipe checks (`fsdprun.config.validate`) all read these,
 so a rule changes in one place. Plain functions of the recipe: never imports torch, nor any
@@ -16,7 +19,14 @@ fsdprun module other than the config schema.
 
 from __future__ import annotations
 
-from fsdprun.config.schema import CheckpointMode, Engine, FsdpConfig, RecipeConfig, Sharding
+from fsdprun.config.schema import (
+    CheckpointMode,
+    CpImpl,
+    Engine,
+    FsdpConfig,
+    RecipeConfig,
+    Sharding,
+)
 
 BACKWARD_PREFETCH_MODES = ("pre", "post", "none")
 
@@ -39,9 +49,8 @@ def effective_sharding(fsdp: FsdpConfig) -> Sharding:
     return {Sharding.grad_op: Sharding.full, Sharding.hybrid_zero2: Sharding.hybrid}.get(s, s)
 
 
-# The mesh's dim names, outermost first (see the module docstring); `cp` is reserved.
+# The mesh's dim names, outermost first (see the module docstring).
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
-CP_SIZE = 1  # context parallel is not built: its dim is always 1 (and left out of the mesh)
 
 
 def tp_degree(cfg: RecipeConfig) -> int:
@@ -49,16 +58,28 @@ def tp_degree(cfg: RecipeConfig) -> int:
     return cfg.parallel.tp
 
 
+def cp_degree(cfg: RecipeConfig) -> int:
+    """parallel.cp: ranks that split one sequence (1 = off)."""
+    return cfg.parallel.cp
+
+
 def dp_size(cfg: RecipeConfig, world_size: int | None = None) -> int:
-    """Data-parallel ranks: the world size over tp (each TP group reads one share of the batch)."""
+    """Data-parallel ranks: the world size over tp x cp (each TP x CP group reads one share of
+    the batch)."""
     ws = world_size if world_size is not None else cfg.world_size
-    return ws // max(tp_degree(cfg), 1)
+    return ws // (max(tp_degree(cfg), 1) * max(cp_degree(cfg), 1))
 
 
-def dp_rank(rank: int, tp: int) -> int:
-    """The data-parallel rank of global `rank`: tp is the innermost mesh dim, so the ranks of
-    one TP group are consecutive and share it."""
-    return rank // tp
+def dp_rank(rank: int, tp: int, cp: int = 1) -> int:
+    """The data-parallel rank of global `rank`: cp and tp are the innermost mesh dims, so the
+    ranks of one TP x CP group are consecutive and share it."""
+    return rank // (tp * cp)
+
+
+def fsdp_shards(cfg: RecipeConfig, world_size: int | None = None) -> int:
+    """Ranks FSDP shards one copy of the model state over: the shard group times cp (FSDP2
+    shards over dp_shard x cp)."""
+    return shard_group_size(cfg, world_size) * max(cp_degree(cfg), 1)
 
 
 def shard_group_size(cfg: RecipeConfig, world_size: int | None = None) -> int:
@@ -69,7 +90,7 @@ def shard_group_size(cfg: RecipeConfig, world_size: int | None = None) -> int:
     if cfg.fsdp.engine is Engine.ddp or sharding is Sharding.none:
         return 1
     if sharding in (Sharding.hybrid, Sharding.hybrid_zero2):
-        per_node = max(cfg.launch.nproc_per_node // tp_degree(cfg), 1)
+        per_node = max(cfg.launch.nproc_per_node // (tp_degree(cfg) * cp_degree(cfg)), 1)
         return cfg.fsdp.shard_group_size or min(per_node, dp)
     return dp
 
@@ -77,19 +98,19 @@ def shard_group_size(cfg: RecipeConfig, world_size: int | None = None) -> int:
 def mesh_dims(cfg: RecipeConfig, world_size: int | None = None) -> list[tuple[str, int]]:
     """The device mesh as (dim name, size), outermost first, as the fsdp2 engine builds it.
 
-    parallel.tp > 1: `dp_shard x tp` for full/grad_op, `dp_replicate x dp_shard x tp` for the
-    hybrid modes and none (cp, always 1, is left out). Without TP: `dp` alone for full/grad_op
-    (a 1-D mesh, unnamed in torch), `replicate x shard` otherwise (the names checkpoints of
-    earlier versions recorded).
+    parallel.tp or parallel.cp > 1: `dp_shard [x cp] [x tp]` for full/grad_op,
+    `dp_replicate x dp_shard [x cp] [x tp]` for the hybrid modes and none (a dim of size 1 of
+    cp or tp is left out). Without either: `dp` alone for full/grad_op (a 1-D mesh, unnamed in
+    torch), `replicate x shard` otherwise (the names checkpoints of earlier versions recorded).
     """
     ws = world_size if world_size is not None else cfg.world_size
-    tp, group = tp_degree(cfg), shard_group_size(cfg, ws)
+    tp, cp, group = tp_degree(cfg), cp_degree(cfg), shard_group_size(cfg, ws)
     one_d = effective_sharding(cfg.fsdp) in (Sharding.full, Sharding.grad_op)
-    if tp == 1:
+    if tp == 1 and cp == 1:
         return [("dp", ws)] if one_d else [("replicate", ws // group), ("shard", group)]
-    dp = ws // tp
+    dp = dp_size(cfg, ws)
     dims = [("dp_shard", dp)] if one_d else [("dp_replicate", dp // group), ("dp_shard", group)]
-    return [*dims, ("tp", tp)]
+    return [*dims, *([("cp", cp)] if cp > 1 else []), *([("tp", tp)] if tp > 1 else [])]
 
 
 def tp_errors(
@@ -188,11 +209,104 @@ def tp_errors(
     return errors
 
 
-def sharding_errors(
-    fsdp: FsdpConfig, *, world_size: int, nproc_per_node: int, tp: int = 1
+def cp_impl(cfg: RecipeConfig) -> str:
+    """The attention parallel.cp_impl resolves to: `alltoall` (also what `auto` picks; ring is
+    refused by `cp_errors`)."""
+    return "alltoall" if cfg.parallel.cp_impl is CpImpl.auto else cfg.parallel.cp_impl.value
+
+
+def cp_errors(
+    cfg: RecipeConfig, *, world_size: int, kv_heads: int | None, unverified: str | None = None
 ) -> list[str]:
-    """What the engine and mesh refuse in the `fsdp:` section, one message per problem (`tp`:
-    parallel.tp, whose groups the shard groups are made of)."""
+    """What parallel.cp refuses, one message per problem.
+
+    Args:
+        kv_heads: the model's kv heads (None: unknown, e.g. an unreadable model.hf_path, which
+            is refused on its own).
+        unverified: the model, when its attention has not been verified under context
+            parallel (an HF folder of another model_type than llama), as messages name it.
+    """
+    cp, tp = cp_degree(cfg), max(tp_degree(cfg), 1)
+    if cp < 1:
+        return [f"parallel.cp must be >= 1 (got {cp})"]
+    if cp == 1:
+        return []
+    errors = []
+    if world_size % (cp * tp):
+        what = f"parallel.cp ({cp})" if tp == 1 else f"parallel.cp x parallel.tp ({cp} x {tp})"
+        errors.append(
+            f"{what} must divide the world size ({world_size}); the data-parallel size is world "
+            f"size / {'cp' if tp == 1 else '(cp x tp)'}: run on a multiple of {cp * tp} ranks "
+            f"or choose a parallel.cp that divides {world_size // tp if tp > 1 else world_size}"
+        )
+    if cfg.train.seq_len % cp:
+        errors.append(
+            f"parallel.cp ({cp}) does not divide train.seq_len ({cfg.train.seq_len}): each rank "
+            f"holds seq_len / cp tokens of every row; choose a cp that divides it"
+        )
+    elif tp > 1 and cfg.train.seq_len % (cp * tp):
+        errors.append(
+            f"parallel.cp x parallel.tp ({cp} x {tp}) does not divide train.seq_len "
+            f"({cfg.train.seq_len}): sequence parallel shards each cp rank's seq_len / cp tokens "
+            "over tp; choose degrees whose product divides it"
+        )
+    if cfg.parallel.cp_impl is CpImpl.ring:
+        errors.append(
+            "parallel.cp_impl=ring: torch 2.13's ring attention (context_parallel) has no CPU "
+            "kernel (aten._scaled_dot_product_flash_attention_for_cpu has no sharding rule) and "
+            "takes no document masks, so fsdprun has not run it; use parallel.cp_impl=alltoall"
+        )
+    elif kv_heads is not None and kv_heads % tp == 0 and (kv_heads // tp) % cp:
+        per_tp = "" if tp == 1 else f" / parallel.tp ({tp}) = {kv_heads // tp} per TP rank"
+        errors.append(
+            f"parallel.cp ({cp}) does not divide the model's kv heads ({kv_heads}, model."
+            f"n_kv_heads{per_tp}): the all-to-all gives each rank kv heads / cp of them "
+            f"(parallel.cp_impl={cfg.parallel.cp_impl.value}; ring attention, which needs no "
+            "such division, is not available); choose a cp that divides it"
+        )
+    refused = (
+        (
+            cfg.fsdp.engine is not Engine.fsdp2,
+            f"fsdp.engine={cfg.fsdp.engine.value}: context parallel shards parameters over "
+            "dp_shard x cp with FSDP2; use fsdp.engine=fsdp2",
+        ),
+        (
+            unverified is not None,
+            f"{unverified}: its attention has not been verified under context parallel (the "
+            "built-in Llama's and HF Llama folders' are); set parallel.cp=1",
+        ),
+        (
+            tp > 1 and cfg.model.hf_path is not None,
+            f"parallel.tp={tp} and model.hf_path: cp x tp is verified for the built-in Llama "
+            "only; set parallel.tp=1 or parallel.cp=1",
+        ),
+        (cfg.lora.rank > 0, f"lora.rank={cfg.lora.rank}: not verified under context parallel; "
+                            "set lora.rank=0"),
+        (
+            cfg.precision.float8.value != "off",
+            f"precision.float8={cfg.precision.float8.value}: not verified under context "
+            "parallel; set precision.float8=off",
+        ),
+        (
+            cfg.compile.enabled,
+            "compile.enabled=true: compiled blocks with the all-to-all inside have not been "
+            "verified; set compile.enabled=false",
+        ),
+        (
+            cfg.fsdp.cpu_offload,
+            "fsdp.cpu_offload=true: not verified under context parallel; set "
+            "fsdp.cpu_offload=false",
+        ),
+    )  # fmt: skip
+    errors += [f"parallel.cp={cp} with {why}" for refuse, why in refused if refuse]
+    return errors
+
+
+def sharding_errors(
+    fsdp: FsdpConfig, *, world_size: int, nproc_per_node: int, tp: int = 1, cp: int = 1
+) -> list[str]:
+    """What the engine and mesh refuse in the `fsdp:` section, one message per problem (`tp`,
+    `cp`: parallel.tp and parallel.cp, whose groups the shard groups are made of)."""
     errors = []
     value = str(fsdp.backward_prefetch)
     if value not in BACKWARD_PREFETCH_MODES and not (value.isdigit() and int(value) >= 1):
@@ -204,9 +318,11 @@ def sharding_errors(
             f"fsdp.reshard_after_forward is an fsdp2 knob; with fsdp.engine={fsdp.engine.value} "
             "set fsdp.sharding (full = reshard, grad_op = keep) instead"
         )
-    # With TP, shard groups are counted in data-parallel ranks (world size / tp).
-    what = "the world size" if tp == 1 else "the data-parallel size (world size / parallel.tp)"
-    dp, per_node = world_size // tp, max(nproc_per_node // tp, 1)
+    # With TP or CP, shard groups are counted in data-parallel ranks (world size / (tp x cp)).
+    what = "the world size" if tp * cp == 1 else (
+        "the data-parallel size (world size / parallel.tp)" if cp == 1
+        else "the data-parallel size (world size / (parallel.tp x parallel.cp))")  # fmt: skip
+    dp, per_node = world_size // (tp * cp), max(nproc_per_node // (tp * cp), 1)
     if fsdp.shard_group_size is not None:
         if fsdp.shard_group_size < 1 or dp % fsdp.shard_group_size:
             errors.append(

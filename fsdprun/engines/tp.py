@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-# The mesh dims FSDP2 shards over, outermost first (those the mesh has).
-DP_DIMS = ("dp_replicate", "dp_shard")
-
 
 def plan_rows(block_paths: list[str], plan: TPPlan) -> list[tuple[str, str]]:
     """(module path, style) of every module `apply_tp` parallelizes, in application order:
@@ -51,8 +48,8 @@ def describe_style(style: str, plan: TPPlan) -> str:
 
 def build_device_mesh(cfg: RecipeConfig, device_kind: str, world_size: int) -> DeviceMesh:
     """The recipe's device mesh with named dims (`fsdprun.engines.mesh.mesh_dims`): with
-    parallel.tp > 1, [dp_replicate,] dp_shard, tp; tp innermost, so a TP group is consecutive
-    ranks (one node)."""
+    parallel.tp or parallel.cp > 1, [dp_replicate,] dp_shard, [cp,] [tp]; tp innermost, so a TP
+    group is consecutive ranks (one node), then cp."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = mesh_dims(cfg, world_size)
@@ -63,10 +60,16 @@ def build_device_mesh(cfg: RecipeConfig, device_kind: str, world_size: int) -> D
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel dims of a TP mesh, what `fully_shard` shards over: dp_shard alone
-    (full, grad_op) or dp_replicate x dp_shard (hybrid, hybrid_zero2, none)."""
-    names = tuple(n for n in DP_DIMS if n in (mesh.mesh_dim_names or ()))
-    return mesh[names[0]] if len(names) == 1 else mesh[names]
+    """The dims `fully_shard` shards over: dp_shard alone (full, grad_op) or dp_replicate x
+    dp_shard (hybrid, hybrid_zero2, none); with a `cp` dim, dp_shard x cp flattened into one
+    (`dp_shard_cp`), so that the cp ranks share one copy of the model state (torchtitan's)."""
+    names = mesh.mesh_dim_names or ()
+    shard = "dp_shard"
+    if "cp" in names:
+        shard = "dp_shard_cp"
+        mesh[("dp_shard", "cp")]._flatten(shard)
+    dims = [*(["dp_replicate"] if "dp_replicate" in names else []), shard]
+    return mesh[dims[0]] if len(dims) == 1 else mesh[tuple(dims)]
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:

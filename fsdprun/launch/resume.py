@@ -4,8 +4,8 @@ The run's saved recipe plus the overrides decide the new session; what may chang
 what cannot change the run's trajectory beyond its length (train.steps) or how it is executed
 (world size, checkpointing, logging, FSDP knobs, tensor-parallel degree, compile). The global
 batch is kept: on a new world size the micro batch shrinks if it must, so the same samples come
-next. A saved parallel.tp that the new world cannot hold is lowered as the micro batch is, unless
-the command names parallel.tp. A LoRA checkpoint's
+next. A saved parallel.tp or parallel.cp that the new world cannot hold is lowered as the micro
+batch is, unless the command names it. A LoRA checkpoint's
 base must be the one it was trained on (its fingerprint, `fsdprun.checkpoint.fingerprint`):
 a changed base is refused unless --accept-base-change, a missing one names --base PATH (a copy
 elsewhere, checked the same way).
@@ -95,6 +95,22 @@ def _fit_tp(cfg: RecipeConfig) -> str | None:
     )
 
 
+def _fit_cp(cfg: RecipeConfig) -> str | None:
+    """Lower a saved parallel.cp that the new world (with the tp it now has) cannot hold to the
+    largest of its divisors that it can, in place, for the reasons of `_fit_tp` (a divisor of
+    the saved cp divides train.seq_len and the kv heads as it did); None when it fits."""
+    cp, tp, world = cfg.parallel.cp, max(cfg.parallel.tp, 1), cfg.world_size
+    if cp <= 1 or world % (cp * tp) == 0:
+        return None
+    new_cp = max(n for n in range(1, cp) if cp % n == 0 and world % (n * tp) == 0)
+    cfg.parallel.cp = new_cp
+    ranks = f"{world} rank" + ("s" if world > 1 else "")
+    return (
+        f"parallel.cp {cp} -> {new_cp}: {ranks} cannot hold the saved context-parallel degree "
+        f"(the checkpoint reshards onto cp {new_cp}; name parallel.cp=N to choose another)"
+    )
+
+
 def _check_base(
     checkpoint: CheckpointStatus, cfg_dict: dict, *, accept_change: bool, verify: bool
 ) -> str | None:
@@ -166,14 +182,20 @@ def resolve_resume(
     notes += [note] if note else []
     if not _names(overrides, "parallel.tp") and (note := _fit_tp(cfg)):
         notes.append(note)
-    # The batch is split over data-parallel ranks (the ranks of a TP group read the same rows).
-    # A named tp that does not divide the world leaves none to count: validate refuses it below.
-    tp, gbs, micro = cfg.parallel.tp, cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if not _names(overrides, "parallel.cp") and (note := _fit_cp(cfg)):
+        notes.append(note)
+    # The batch is split over data-parallel ranks (the ranks of a TP x CP group read the same
+    # rows). A named tp or cp that does not divide the world leaves none to count: validate
+    # refuses it below.
+    gbs, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    tp = cfg.parallel.tp * cfg.parallel.cp  # the ranks that read the same rows
     dp = cfg.world_size // tp if tp >= 1 and cfg.world_size % tp == 0 else None
     ranks = "ranks" if tp == 1 else "data-parallel ranks"
     if dp is not None and gbs % (micro * dp) and not _names(overrides, "train.micro_batch_size"):
         if gbs % dp:
-            world = "a world size" if tp == 1 else "a world size / parallel.tp"
+            world = "a world size" if tp == 1 else (
+                "a world size / parallel.tp" if cfg.parallel.cp == 1
+                else "a world size / (parallel.tp x parallel.cp)")  # fmt: skip
             raise UserError(
                 f"the global batch ({gbs} sequences) cannot be split over {dp} {ranks}; resume "
                 f"on {world} that divides {gbs}"

@@ -8,7 +8,10 @@ HuggingFace causal LM) whatever `model.family` says.
 
 Every model a spec builds maps tokens to logits and offers `args` (its Llama-shaped
 `ModelArgs` summary), `block_paths()` (the decoder blocks FSDP wraps), `init_std(name)`,
-`init_buffers(device)` and `family_name` (what messages call it). `ModelArgs` stays Llama's own
+`init_buffers(device)` and `family_name` (what messages call it); and for context parallel
+`cp_attention_modules()`: each decoder block's attention module, whose `attend(q, k, v, mask,
+**kwargs)` (q, k, v: batch, heads, seq, head_dim; returns the same layout) the all-to-all
+wraps ([] when the family's attention is not verified under it). `ModelArgs` stays Llama's own
 dataclass rather than a neutral shape type: every family fsdprun builds is a Llama-shaped decoder
 (the HF wrapper reads its config.json into one and shares Llama's RoPE), and outside `models`
 only `args.vocab_size` is read. A family of another shape would add its own fields there, not here.

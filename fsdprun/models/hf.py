@@ -155,6 +155,38 @@ def packed_inputs(
     return inputs
 
 
+# transformers' name of fsdprun's attention implementation under context parallel (registered
+# when a model asks for it, `HFCausalLM.cp_attention_modules`).
+CP_ATTENTION = "fsdprun_cp"
+
+
+def _cp_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention implementation under context parallel: the module's `attend`
+    (transformers' SDPA with the all-to-all of `fsdprun.engines.cp` around it) on q, k, v
+    (batch, heads, seq / cp, head_dim); returns (batch, seq / cp, heads, head_dim) and no
+    weights, as transformers' own implementations do."""
+    return module.attend(query, key, value, attention_mask, **kwargs).transpose(1, 2), None
+
+
+def _sdpa_attend(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention on whole rows, in the (batch, heads, seq, head_dim) layout
+    the all-to-all exchanges."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _register_cp_attention() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(CP_ATTENTION, _cp_attention_forward)
+    # The decoder's own causal mask, as for SDPA: none for plain rows (SDPA's is_causal).
+    AttentionMaskInterface.register(CP_ATTENTION, sdpa_mask)
+
+
 class HFCausalLM(nn.Module):
     """Wraps an `AutoModelForCausalLM` so that calling it maps tokens to logits."""
 
@@ -164,6 +196,7 @@ class HFCausalLM(nn.Module):
         self.args = args_from_hf_config(hf_model.config)
         self.windows = attention_windows(hf_model.config)
         self.additive_mask = hf_family(hf_model.config).attn_implementation == "eager"
+        self.cp = False  # context parallel: set by `cp_attention_modules`
         # transformers names the classes that must not be split across devices: the decoder
         # layers, which are exactly the blocks FSDP should wrap.
         self.block_classes = tuple(getattr(hf_model, "_no_split_modules", None) or ())
@@ -231,6 +264,11 @@ class HFCausalLM(nn.Module):
         return self.hf.get_decoder()(**inputs, use_cache=False).last_hidden_state
 
     def _inputs(self, tokens, *, positions, doc_ids) -> dict:
+        if self.cp and doc_ids is None:
+            # Context parallel's plain rows: this rank's slice at its positions, and no mask:
+            # SDPA's is_causal then applies to the whole rows the all-to-all gathers (a mask
+            # made here would be the slice's). Packed rows bring the whole row's doc_ids.
+            return {"input_ids": tokens, "position_ids": positions}
         # Packed rows: each layer type's sliding window cut into the document mask.
         return packed_inputs(tokens, positions=positions, doc_ids=doc_ids, windows=self.windows,
                              additive=self.additive_mask)  # fmt: skip
@@ -258,6 +296,21 @@ class HFCausalLM(nn.Module):
     def lora_groups(self) -> dict[str, tuple[str, ...]]:
         """`lora.targets` groups: the family's attention and MLP Linear names (`HF_FAMILIES`)."""
         return hf_family(self.hf.config).lora_groups()
+
+    def cp_attention_modules(self) -> list[nn.Module]:
+        """Each decoder layer's self_attn, made ready for context parallel: transformers then
+        calls fsdprun's attention implementation (`CP_ATTENTION`), which calls the module's
+        `attend` (transformers' SDPA, which the all-to-all wraps). Verified for model_type
+        llama only (exact against one rank, tests/test_cp.py); [] for the others."""
+        if self.hf.config.model_type != "llama":
+            return []
+        _register_cp_attention()
+        self.hf.config._attn_implementation = CP_ATTENTION
+        self.cp = True
+        modules = [self.get_submodule(f"{path}.self_attn") for path in self.block_paths()]
+        for module in modules:
+            module.attend = functools.partial(_sdpa_attend, module)
+        return modules
 
     def block_paths(self) -> list[str]:
         """Module paths of the decoder layers, in forward order."""

@@ -90,6 +90,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # The attention call, an attribute so that context parallel (`fsdprun.engines.cp`) can wrap
+    # it in its all-to-all on each instance; the model itself never communicates.
+    attend = staticmethod(attend)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -109,7 +113,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = attend(q, k, v, attn_mask, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = self.attend(q, k, v, attn_mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -200,6 +204,10 @@ class Transformer(nn.Module):
     def block_paths(self) -> list[str]:
         """Module paths of the transformer blocks (FSDP units under the `block` policy)."""
         return [f"layers.{name}" for name in self.layers]
+
+    def cp_attention_modules(self) -> list[nn.Module]:
+        """Each block's attention, whose `attend` context parallel wraps."""
+        return [layer.attention for layer in self.layers.values()]
 
     def init_buffers(self, device: torch.device) -> None:
         """Recompute non-persistent buffers after `to_empty` (they hold garbage then)."""

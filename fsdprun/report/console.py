@@ -248,8 +248,9 @@ class Reporter:
             c.print(f"  loss: {e['loss']}; float8: {e.get('float8', 'off')}", soft_wrap=True)
         if e.get("compile_cache"):
             c.print(f"  compile cache: {e['compile_cache']}", soft_wrap=True)  # a path stays whole
-        tp = e.get("tp") or 1
-        ranks = f"{e['world_size']} ranks" if tp == 1 else f"{e['world_size'] // tp} dp ranks"
+        tp, cp = e.get("tp") or 1, e.get("cp") or 1
+        ranks = (f"{e['world_size']} ranks" if tp * cp == 1
+                 else f"{e['world_size'] // (tp * cp)} dp ranks")  # fmt: skip
         c.print(
             f"  batch {e['global_batch_size']} seqs x {e['seq_len']} tokens = "
             f"{fmt_count(e['tokens_per_step'])} tokens/step (micro {e['micro_batch_size']} x "
@@ -258,6 +259,11 @@ class Reporter:
         )
         if e.get("mesh"):
             c.print(f"  mesh: {mesh_text(e['mesh'])}")
+        if cp > 1:
+            c.print(
+                f"  context parallel: cp {cp}, {e['cp_impl']} attention (each rank holds "
+                f"{e['seq_len'] // cp} of the {e['seq_len']} tokens of every row)"
+            )
         if e.get("tp_plan"):
             c.print(f"  tensor parallel plan (tp {tp}):")
             for path, style in tp_plan_lines(e["tp_plan"]):
@@ -465,6 +471,11 @@ def render_plan(plan: dict[str, Any], console: Console, *, full: bool = False) -
         for o in plan["tp_degrees"]:
             if o["missing"]:
                 c.print(f"  tp {o['tp']}: not possible, {escape(o['missing'])}.")
+    if plan.get("cp_degrees"):
+        c.print(_plan_cp_line(plan), soft_wrap=True)
+        for o in plan["cp_degrees"]:
+            if o["missing"]:
+                c.print(f"  cp {o['cp']}: not possible, {escape(o['missing'])}.")
     c.print(_plan_verdict(plan))
 
 
@@ -484,6 +495,22 @@ def _plan_tp_line(plan: dict[str, Any]) -> str:
         f"Tensor parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 total): "
         + ", ".join(parts)
         + "; --full splits each total"
+    )
+
+
+def _plan_cp_line(plan: dict[str, Any]) -> str:
+    """The context-parallel degrees' totals per rank in one line."""
+    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
+    fits = plan["device_memory_bytes"] is not None
+    parts = [
+        f"cp {o['cp']}{' (recipe)' if o['cp'] == plan['cp'] else ''} {o['mesh']} "
+        f"{fmt_bytes(o['memory']['total'])}{' (' + o['note'] + ')' if o.get('note') else ''}"
+        + ((" fits" if o["memory"]["fits"] else " does not fit") if fits else "")
+        for o in plan["cp_degrees"] if o["memory"] is not None
+    ]  # fmt: skip
+    return escape(
+        f"Context parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 "
+        "total, activations / cp): " + ", ".join(parts)
     )
 
 

@@ -51,12 +51,12 @@ class CompareConfig:
 
 
 def parse_configs(text: str) -> list[CompareConfig]:
-    """'ddp,fsdp1,fsdp2:grad_op,fsdp2:full:tp2' -> configurations (engine[:sharding][:tpN],
-    comma-separated; tpN sets parallel.tp=N).
+    """'ddp,fsdp1,fsdp2:grad_op,fsdp2:full:tp2,fsdp2:cp2' -> configurations
+    (engine[:sharding][:tpN][:cpN], comma-separated; tpN sets parallel.tp=N, cpN parallel.cp=N).
 
     Raises:
-        UserError: an unknown engine, sharding or part, a sharding given to ddp, tensor
-            parallel with another engine than fsdp2, or a repeat.
+        UserError: an unknown engine, sharding or part, a sharding given to ddp, tensor or
+            context parallel with another engine than fsdp2, or a repeat.
     """
     engines = [e.value for e in Engine]
     shardings = [s.value for s in Sharding]
@@ -65,11 +65,12 @@ def parse_configs(text: str) -> list[CompareConfig]:
         if not item:
             continue
         engine, *parts = item.split(":")
-        tp = [p for p in parts if re.fullmatch(r"tp[1-9]\d*", p)]
-        rest = [p for p in parts if p not in tp]
-        if len(tp) > 1 or len(rest) > 1:
+        degrees = {kind: [p for p in parts if re.fullmatch(rf"{kind}[1-9]\d*", p)]
+                   for kind in ("tp", "cp")}  # fmt: skip
+        rest = [p for p in parts if not any(p in found for found in degrees.values())]
+        if any(len(found) > 1 for found in degrees.values()) or len(rest) > 1:
             raise UserError(
-                f"--configs: '{item}': use engine[:sharding][:tpN], e.g. fsdp2:full:tp2"
+                f"--configs: '{item}': use engine[:sharding][:tpN][:cpN], e.g. fsdp2:full:tp2"
             )
         sharding = rest[0] if rest else ""
         if engine not in engines:
@@ -87,13 +88,15 @@ def parse_configs(text: str) -> list[CompareConfig]:
                     f"{', '.join(shardings)}"
                 )
             overrides.append(f"fsdp.sharding={sharding}")
-        if tp:
+        for kind, what in (("tp", "tensor"), ("cp", "context")):
+            if not degrees[kind]:
+                continue
             if engine != Engine.fsdp2.value:
                 raise UserError(
-                    f"--configs: '{item}': tensor parallel (parallel.tp) needs fsdp2; use "
+                    f"--configs: '{item}': {what} parallel (parallel.{kind}) needs fsdp2; use "
                     f"fsdp2:{':'.join(parts)}"
                 )
-            overrides.append(f"parallel.tp={tp[0][2:]}")
+            overrides.append(f"parallel.{kind}={degrees[kind][0][2:]}")
         if any(c.label == item for c in configs):
             raise UserError(f"--configs: '{item}' is listed twice")
         configs.append(CompareConfig(item, tuple(overrides)))

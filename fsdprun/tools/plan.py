@@ -53,13 +53,15 @@ from fsdprun.config import (
     Sharding,
     load_recipe,
 )
+from fsdprun.config.validate import cp_attention_facts
 from fsdprun.engines import DTYPE_BYTES, ParamShape, rank_memory, translate, unit_plan
 from fsdprun.engines.float8 import MFU_CONVENTION, Float8Plan, float8_linears, float8_plan
 from fsdprun.engines.mesh import (
     backward_prefetch_depth,
+    cp_errors,
     effective_sharding,
+    fsdp_shards,
     mesh_dims,
-    shard_group_size,
     tp_errors,
 )
 from fsdprun.engines.tp import plan_rows, tp_plan_problem
@@ -94,6 +96,13 @@ TP_ACTIVATION_FORMULA = (
     "products ffn/tp columns, for every token; the logits vocab/tp (loss parallel). The built-in "
     "Llama and HF Llama-family folders both shard the sequence; a family whose plan has no "
     "sequence parallel would keep every token between blocks and in its norms"
+)
+CP_ACTIVATION_FORMULA = (
+    "Activations under context parallel: every rank holds seq/cp tokens of each row from the "
+    "embedding to the loss, and inside attention the whole sequence of heads/cp heads (the "
+    "same bytes), so every figure above is counted at seq/cp tokens; not counted: the "
+    "all-to-all's send and receive buffers (transient) and, for packed rows, the dense "
+    "seq x seq document mask every rank builds on CPU (FlexAttention's block mask on CUDA)"
 )
 BUFFER_FORMULA = (
     "unsharded params in param_dtype, padded as the engine pads them. fsdp2: the peak over forward "
@@ -158,6 +167,8 @@ class MemoryPlan:
     mesh: list[tuple[str, int]] = field(default_factory=list)  # the recipe's: (dim, size)
     tp: int = 1
     tp_degrees: list[dict] = field(default_factory=list)  # TpOption at each degree, side by side
+    cp: int = 1
+    cp_degrees: list[dict] = field(default_factory=list)  # CpOption at each degree, side by side
     activation_formula: str = ACTIVATION_FORMULA
     buffer_formula: str = BUFFER_FORMULA
     notes: list[str] = field(default_factory=list)
@@ -206,6 +217,7 @@ def _unit_params(
 
 # The TP degrees `plan` puts side by side (with the recipe's own): TP spans one node's ranks.
 TP_DEGREES = (1, 2, 4, 8)
+CP_DEGREES = (1, 2, 4, 8)  # parallel.cp degrees plan compares beside the recipe's
 
 # What each style of a family's TP plan (`fsdprun.models.TP_STYLES`, applied as torch's
 # ParallelStyles by `fsdprun.engines.tp`) shards: a Linear's weight is (out, in), an Embedding's
@@ -287,9 +299,12 @@ def _token_dims(cfg: RecipeConfig) -> _TokenDims:
     head_dim = m.dim // m.n_heads
     plan = model_spec(m).tp_plan(m)
     seq_shards = 1 if isinstance(plan, str) else tp  # sequence parallel between blocks
+    # Context parallel: each rank holds seq / cp tokens everywhere (inside attention the whole
+    # sequence of heads / cp heads, the same bytes).
+    seq = math.ceil(t.seq_len / max(cfg.parallel.cp, 1))
     return _TokenDims(
-        tokens=t.seq_len * t.micro_batch_size,
-        seq_tokens=math.ceil(t.seq_len / seq_shards) * t.micro_batch_size,
+        tokens=seq * t.micro_batch_size,
+        seq_tokens=math.ceil(seq / seq_shards) * t.micro_batch_size,
         dim=math.ceil(m.n_heads / tp) * head_dim,
         kv_dim=math.ceil((m.n_kv_heads or m.n_heads) / tp) * head_dim,
         ffn=math.ceil(m.ffn_dim / tp),
@@ -377,12 +392,15 @@ def mesh_text(dims: list[tuple[str, int]]) -> str:
 
 
 def tp_problem(cfg: RecipeConfig) -> str | None:
-    """Why `cfg` cannot train at its parallel.tp (None: it can): what the recipe checks refuse
-    (`engines.mesh.tp_errors`), for the model's own shape (an HF folder's: its config.json)."""
+    """Why `cfg` cannot train at its parallel.tp and parallel.cp (None: it can): what the recipe
+    checks refuse (`engines.mesh.tp_errors`, `cp_errors`), for the model's own shape (an HF
+    folder's: its config.json)."""
     m = cfg.model
     shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads or m.n_heads,
              "model.ffn_dim": m.ffn_dim}  # fmt: skip
     errors = tp_errors(cfg, world_size=cfg.world_size, shape=shape, tied=m.tie_embeddings)
+    kv, unverified = cp_attention_facts(cfg)
+    errors += cp_errors(cfg, world_size=cfg.world_size, kv_heads=kv, unverified=unverified)
     return "; ".join(errors) or None
 
 
@@ -396,6 +414,18 @@ class TpOption:
     memory: StrategyMemory | None = None
     missing: str | None = None
     note: str | None = None  # what the column changes beside tp (e.g. compile off)
+
+
+@dataclass
+class CpOption:
+    """The recipe at one context-parallel degree, same world size and tp: its mesh and rank 0's
+    memory, or why the degree is not possible (`missing`)."""
+
+    cp: int
+    mesh: str | None = None
+    memory: StrategyMemory | None = None
+    missing: str | None = None
+    note: str | None = None  # what the column changes beside cp (compile off)
 
 
 def plan_memory(
@@ -432,14 +462,16 @@ def plan_memory(
 
     units = units_at(cfg.parallel.tp)
     recipe_strategy, strategies = _strategies(cfg, units)
-    tp_degrees = []
+    tp_degrees, cp_degrees = [], []
     if cfg.world_size > 1:
         tp_degrees = _tp_degrees(cfg, units_at, layout=layout)
+        cp_degrees = _cp_degrees(cfg, units)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
         device_memory_text = f"{cfg.launch.device_memory_gb:g}GB"
     if device_memory_bytes is not None:
-        for s in [*strategies.values(), *(o.memory for o in tp_degrees if o.memory)]:
+        options = [*tp_degrees, *cp_degrees]
+        for s in [*strategies.values(), *(o.memory for o in options if o.memory)]:
             s.fits = s.total <= device_memory_bytes
     return MemoryPlan(
         recipe=recipe,
@@ -459,6 +491,8 @@ def plan_memory(
         mesh=mesh_dims(cfg),
         tp=cfg.parallel.tp,
         tp_degrees=[asdict(o) for o in tp_degrees],
+        cp=cfg.parallel.cp,
+        cp_degrees=[asdict(o) for o in cp_degrees],
         notes=_notes(cfg, model, num_adapted=len(adapted), tp_dims=tp_dims),
     )
 
@@ -480,7 +514,7 @@ def _planned_units(
     units, one bucketed all-reduce over the whole model) with each unit's bytes (TP-local)."""
     sharding = effective_sharding(cfg.fsdp)
     memory = rank_memory(
-        cfg, units, sharding=sharding, shards=shard_group_size(cfg),
+        cfg, units, sharding=sharding, shards=fsdp_shards(cfg),
         engine=_sharded_engine(cfg),
     )  # fmt: skip
     return [
@@ -501,8 +535,8 @@ def _strategy_memory(
     cfg: RecipeConfig, units: list[list[ParamShape]], strategy: Sharding, engine: Engine
 ) -> StrategyMemory:
     """Rank 0's memory under `strategy`: FSDP shards the (TP-local) `units` over its shard
-    group of data-parallel ranks (dp_shard; ddp: none)."""
-    shards = shard_group_size(_with_sharding(cfg, strategy, engine))
+    group of data-parallel ranks times cp (dp_shard x cp; ddp: none)."""
+    shards = fsdp_shards(_with_sharding(cfg, strategy, engine))
     m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
     return StrategyMemory(
         shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
@@ -515,9 +549,10 @@ def _strategies(
 ) -> tuple[str, dict[str, StrategyMemory]]:
     """The recipe's strategy, and rank 0's memory under it and under ddp, full, grad_op and
     hybrid (one node's shard groups) to compare. Under TP there is no ddp column (DDP cannot
-    hold DTensor shards): `none` there is FSDP2 replicating over the data-parallel ranks."""
+    hold DTensor shards), nor under CP (which needs fsdp2): `none` there is FSDP2 replicating
+    over the data-parallel ranks."""
     fsdp, sharded = cfg.fsdp, _sharded_engine(cfg)
-    strategies = {} if cfg.parallel.tp > 1 else {
+    strategies = {} if cfg.parallel.tp > 1 or cfg.parallel.cp > 1 else {
         "ddp": _strategy_memory(cfg, units, Sharding.none, Engine.ddp)
     }  # fmt: skip
     for s in (Sharding.full, Sharding.grad_op, Sharding.hybrid):
@@ -564,6 +599,32 @@ def _tp_degrees(cfg: RecipeConfig, units_at, *, layout: str | None) -> list[TpOp
     return options
 
 
+def _cp_degrees(cfg: RecipeConfig, units: list[list[ParamShape]]) -> list[CpOption]:
+    """The recipe at CP_DEGREES and its own degree, at its world size and tp, under its sharding
+    with fsdp2 (the engine CP needs): the mesh and rank 0's memory, or why not (what
+    `fsdprun train` refuses). A degree refused only because of compile is shown with compile
+    off (context parallel refuses compile), as that is the run it could be."""
+    sharding = Sharding.full if cfg.fsdp.engine is Engine.ddp else effective_sharding(cfg.fsdp)
+    fsdp2 = dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, engine=Engine.fsdp2))
+    options = []
+    for cp in sorted({*CP_DEGREES, cfg.parallel.cp}):
+        at = _with_sharding(
+            dataclasses.replace(fsdp2, parallel=dataclasses.replace(cfg.parallel, cp=cp)),
+            sharding,
+        )
+        problem, note = (tp_problem(at) if cp > 1 else None), None
+        if problem is not None and at.compile.enabled:
+            eager = dataclasses.replace(at, compile=dataclasses.replace(at.compile, enabled=False))
+            if tp_problem(eager) is None:
+                at, problem, note = eager, None, "compile off"
+        if problem is not None:
+            options.append(CpOption(cp, missing=problem))
+            continue
+        memory = _strategy_memory(at, units, sharding, Engine.fsdp2)
+        options.append(CpOption(cp, mesh=mesh_text(mesh_dims(at)), memory=memory, note=note))
+    return options
+
+
 def _notes(
     cfg: RecipeConfig, model: nn.Module, *, num_adapted: int, tp_dims: dict[int, int]
 ) -> list[str]:
@@ -580,6 +641,12 @@ def _notes(
             "params: the norms) are whole on every TP rank, so they divide by dp_shard only. "
             f"Gathered buffers are 1/tp of each unit (FSDP gathers over the dp dims only). "
             f"{TP_ACTIVATION_FORMULA}"
+        )
+    if cfg.parallel.cp > 1:
+        notes.append(
+            f"context parallel {cfg.parallel.cp}: FSDP shards every parameter over dp_shard x "
+            f"cp ({fsdp_shards(cfg)} ranks), so the cp ranks hold no duplicate state. "
+            f"{CP_ACTIVATION_FORMULA}"
         )
     notes += [
         "model state: fp32 params 4 B + fp32 grads 4 B + Adam moments 8 B per param "

@@ -68,7 +68,8 @@ def step_num_targets(
     (read on the host, no device sync), all-reduced (SUM) once per step, before the first
     backward. At least 1: a step without any trained target adds zero gradients, not 0/0.
     The `tp` ranks of a tensor-parallel group hold the same batch: the sum over all ranks counts
-    each target tp times.
+    each target tp times. The cp ranks of a context-parallel group each count their own slice of
+    the rows: the sum counts each target once.
     """
     if batches.every_target_trains:
         return tokens_per_step
@@ -89,7 +90,8 @@ def forward_backward(
 
     Args:
         num_targets: N, the step's global count of trained targets (`step_num_targets`).
-        world_size: the data-parallel world size the engine divides reduced gradients by.
+        world_size: the ranks the engine divides reduced gradients by (data-parallel ranks x
+            cp: `BatchLayout.reduce_ranks`).
 
     Returns:
         (the sum of this rank's token losses, the global gradient norm before clipping).
@@ -122,8 +124,9 @@ def evaluate(
 ) -> float:
     """Token mean loss over the first `num_batches` global batches of the validation data.
 
-    Every rank runs its share of each batch: the same number of forwards everywhere, so FSDP's
-    all-gathers line up, then one all-reduce of the loss sum and the count of trained targets.
+    Every rank (`rank`: the global one) runs its share of each batch: the same number of
+    forwards everywhere, so FSDP's all-gathers line up, then one all-reduce of the loss sum and
+    the count of trained targets (under context parallel both over this rank's slice).
     """
     totals = torch.zeros(2, device=device.torch_device, dtype=torch.float32)  # loss sum, count
     # Eval mode: no dropout (HuggingFace configs may set it); no_grad keeps activations unsaved.
@@ -132,7 +135,8 @@ def evaluate(
     with torch.no_grad(), engine.loss_context():
         for index in range(num_batches):
             for micro in range(layout.grad_accum_steps):
-                batch = load_batch(data, layout.indices(index, micro, rank), device.torch_device)
+                indices = layout.indices(index, micro, layout.data_rank(rank))
+                batch = layout.local(load_batch(data, indices, device.torch_device), rank)
                 totals[0] += micro_loss(engine, batch)
                 totals[1] += count_targets(batch.targets)
     engine.model.train()
@@ -303,11 +307,11 @@ class TrainLoop:
         self.loss, self.val_loss = float("nan"), None
         self.last_logged, self.window_start = 0, 0.0
         self.faults = _Faults(rank)
-        # Data by data-parallel rank: the ranks of a tensor-parallel group read the same samples.
-        self.data_rank = layout.data_rank(rank)
         # tensorwise float8 with float8 all-gather: the weights' scales after each update.
         self.float8_all_gather = float8_plan(cfg, layout.num_ranks).all_gather
-        self.batches = BatchLoader(data, layout, self.data_rank, device.torch_device,
+        # Data by data-parallel rank (the ranks of a TP x CP group read the same samples), each
+        # cp rank keeping its slice of the sequence.
+        self.batches = BatchLoader(data, layout, rank, device.torch_device,
                                    steps=cfg.train.steps)  # fmt: skip
 
     def run(self, start_step: int) -> LoopResult:
@@ -384,7 +388,7 @@ class TrainLoop:
                                            tp=self.layout.tp)  # fmt: skip
             loss_sum, grad_norm = forward_backward(
                 t.engine, t.optimizer, t.scaler, batches, num_targets=num_targets,
-                world_size=self.layout.world_size, grad_clip=self.cfg.train.grad_clip,
+                world_size=self.layout.reduce_ranks, grad_clip=self.cfg.train.grad_clip,
                 device=self.device.torch_device, poison=done in self.faults.nonfinite,
             )  # fmt: skip
             pending = agreement.start_read(
@@ -505,7 +509,8 @@ class TrainLoop:
         targets (fewer with fine-tuning data)."""
         with self.heartbeat.watch(done, "step"):
             dist.all_reduce(result.loss_sum, op=dist.ReduceOp.SUM)
-        # Each TP group's ranks computed the same loss (once per group): count it once.
+        # Each TP group's ranks computed the same loss (once per group): count it once. The cp
+        # ranks' sums are over their own tokens: their sum is the group's.
         self.loss = float(result.loss_sum / self.layout.tp / result.num_targets)
         norm = result.grad_norm
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -536,7 +541,7 @@ class TrainLoop:
         with self.heartbeat.watch(done, "eval"):
             self.faults.freeze_at(done, "eval")
             self.val_loss = evaluate(self.t.engine, self.val_data, self.layout,
-                                     num_batches=self.cfg.eval.batches, rank=self.data_rank,
+                                     num_batches=self.cfg.eval.batches, rank=self.rank,
                                      device=self.device)  # fmt: skip
         self.events.emit(
             "eval", step=done, val_loss=self.val_loss, eval_time_s=time.perf_counter() - eval_start,

@@ -46,8 +46,9 @@ from fsdprun.device import (
     resolve_device_kind,
 )
 from fsdprun.engines import build_engine
+from fsdprun.engines.cp import apply_cp, cp_mesh
 from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, float8_plan
-from fsdprun.engines.mesh import mesh_dims, tp_degree
+from fsdprun.engines.mesh import cp_degree, cp_impl, mesh_dims, tp_degree
 from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
 from fsdprun.engines.weights import model_state_bytes
@@ -237,13 +238,18 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     check_float8(cfg.precision.float8.value, device.kind)
     f8 = float8_plan(cfg, ranks.world_size)
     apply_float8(model, mode=f8.mode, all_gather=f8.all_gather, skip_small=f8.skip_small)
-    # Tensor parallel first of the parallelisms (torchtitan's order): TP, then activation
-    # checkpointing, then per-block compile, then FSDP over the mesh's data-parallel dims.
+    # Tensor parallel first of the parallelisms (torchtitan's order): TP, then context
+    # parallel's attention, then activation checkpointing (which recomputes the all-to-all
+    # with the rest of the block), then per-block compile, then FSDP over the mesh's
+    # data-parallel dims (with cp: dp_shard x cp).
     mesh, tp_rows = None, []
-    if tp_degree(cfg) > 1:
+    if tp_degree(cfg) > 1 or cp_degree(cfg) > 1:
         mesh = build_device_mesh(cfg, device.kind, ranks.world_size)
+    if tp_degree(cfg) > 1:
         plan = model_spec(cfg.model).tp_plan(cfg.model)
         tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan)
+    if cp_degree(cfg) > 1:
+        apply_cp(model, mesh=cp_mesh(mesh))
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
@@ -325,9 +331,10 @@ def _train(
         watch=watch,
     )  # fmt: skip
     trainable, facts = _build(cfg, ranks, device)
-    tp = tp_degree(cfg)  # the ranks of a TP group read the same batch
+    # The ranks of a TP x CP group read the same samples (each cp rank keeps its slice).
+    tp, cp = tp_degree(cfg), cp_degree(cfg)
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                         ranks.world_size // tp, tp)  # fmt: skip
+                         ranks.world_size // (tp * cp), tp, cp)  # fmt: skip
     data, val_data = build_datasets(
         cfg.data, vocab_size=trainable.engine.inner.args.vocab_size, seq_len=cfg.train.seq_len,
         seed=cfg.train.seed, with_val=cfg.eval.every_steps > 0, saved=tokenized_dir(run_dir),
@@ -404,6 +411,8 @@ def _start_fields(
         # The device mesh (dim name, size), outermost first, and the TP plan of every module.
         "mesh": [list(dim) for dim in mesh_dims(cfg, ranks.world_size)],
         "tp": tp_degree(cfg),
+        "cp": cp_degree(cfg),
+        "cp_impl": cp_impl(cfg) if cp_degree(cfg) > 1 else None,
         "tp_plan": [list(row) for row in engine.tp_plan],
         "param_dtype": cfg.precision.param_dtype.value,
         "reduce_dtype": cfg.precision.reduce_dtype.value,

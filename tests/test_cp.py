@@ -1,0 +1,438 @@
+"""Context parallelism (`parallel.cp`, docs/context-parallel.md): the refusals before launch, the
+mesh rules, the all-to-all attention against whole-row attention, and the promise that cp x dp
+trains exactly as dp alone and as one rank, plain and packed rows, and resumes across cp
+degrees.
+
+The references train in one persistent 4-rank and one 1-rank gloo group (tests/gloo_pool.py);
+the cp run users type is one `fsdprun train` launch, and the resumes across degrees are
+`fsdprun resume` commands on copies of its folder (through the suite's zygote).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import Run, run_fsdprun
+from typer.testing import CliRunner
+
+import fsdprun.launch.elastic
+from fsdprun.cli import app
+from fsdprun.config import load_recipe
+from fsdprun.engines.mesh import dp_rank, fsdp_shards, mesh_dims
+from fsdprun.errors import UserError
+
+FOUR = ["launch.nproc_per_node=4"]
+
+
+def errors_of(*overrides: str) -> list[str]:
+    with pytest.raises(UserError) as info:
+        load_recipe("debug", [*FOUR, *overrides])
+    return str(info.value).splitlines()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "phrase"),
+    [
+        (["parallel.cp=3"], "parallel.cp (3) must divide the world size (4)"),
+        (["parallel.cp=2", "train.seq_len=63"], "parallel.cp (2) does not divide train.seq_len"),
+        (["parallel.cp=4"], "parallel.cp (4) does not divide the model's kv heads (2"),
+        (["parallel.cp=2", "parallel.cp_impl=ring"], "parallel.cp_impl=ring: torch 2.13's ring"),
+        (["parallel.cp=2", "fsdp.engine=fsdp1"], "parallel.cp=2 with fsdp.engine=fsdp1"),
+        (["parallel.cp=2", "lora.rank=4"], "parallel.cp=2 with lora.rank=4"),
+        (["parallel.cp=2", "precision.float8=tensorwise"], "with precision.float8=tensorwise"),
+        (["parallel.cp=2", "compile.enabled=true"], "parallel.cp=2 with compile.enabled=true"),
+        (["parallel.cp=2", "fsdp.cpu_offload=true"], "parallel.cp=2 with fsdp.cpu_offload=true"),
+        (["parallel.cp=2", "parallel.tp=2"],
+         "n_kv_heads / parallel.tp (2) = 1 per TP rank): the all-to-all gives each rank"),
+        (["parallel.cp=2", "parallel.tp=2", "model.n_kv_heads=4", "train.seq_len=62"],
+         "parallel.cp x parallel.tp (2 x 2) does not divide train.seq_len (62)"),
+        (["parallel.cp=2", "train.global_batch_size=6", "train.micro_batch_size=2"],
+         "data-parallel ranks (2 = world size / (parallel.tp x parallel.cp))"),
+    ],
+)  # fmt: skip
+def test_refusals_name_the_key(overrides, phrase):
+    found = [e for e in errors_of(*overrides) if phrase in e]
+    assert len(found) == 1, errors_of(*overrides)
+
+
+def test_hf_folders_other_than_llama_are_refused_until_verified(tmp_path):
+    def folder(model_type: str) -> Path:
+        path = tmp_path / model_type  # what the recipe checks read of a folder: its config.json
+        path.mkdir()
+        (path / "config.json").write_text(
+            f'{{"model_type": "{model_type}", "num_attention_heads": 4, "num_key_value_heads": 2}}'
+        )
+        return path
+
+    found = errors_of("parallel.cp=2", f"model.hf_path={folder('qwen3')}")
+    assert any("parallel.cp=2 with model.hf_path's model_type 'qwen3': its attention has not "
+               "been verified under context parallel" in e for e in found), found  # fmt: skip
+    load_recipe("debug", [*FOUR, "parallel.cp=2", f"model.hf_path={folder('llama')}"])
+    found = errors_of("parallel.cp=2", "parallel.tp=2", f"model.hf_path={tmp_path / 'llama'}")
+    assert any("cp x tp is verified for the built-in Llama only" in e for e in found), found
+    found = errors_of("parallel.cp=4", f"model.hf_path={tmp_path / 'llama'}")
+    assert any("parallel.cp (4) does not divide the model's kv heads (2" in e for e in found)
+
+
+def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):
+    def must_not_launch(*args, **kwargs):
+        raise AssertionError("a bad input reached the launcher")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
+    result = CliRunner().invoke(
+        app, ["train", "debug", "parallel.cp=2", "parallel.cp_impl=ring", "--nproc-per-node",
+              "4", "--run-dir", "r"],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "parallel.cp_impl=ring" in line and "use parallel.cp_impl=alltoall" in line, line
+    assert not Path("r").exists()
+
+
+def test_mesh_puts_cp_between_dp_shard_and_tp_and_fsdp_shards_over_both():
+    from fsdprun.data import Batch, BatchLayout
+
+    def cfg(*o):
+        return load_recipe("debug", [*FOUR, *o]).config
+
+    cp2 = cfg("parallel.cp=2")
+    assert mesh_dims(cp2) == [("dp_shard", 2), ("cp", 2)] and cp2.dp_world_size == 2
+    assert fsdp_shards(cp2) == 4  # no duplicate state on the cp ranks
+    hybrid = cfg("parallel.cp=2", "fsdp.sharding=hybrid", "fsdp.shard_group_size=1")
+    assert mesh_dims(hybrid) == [("dp_replicate", 2), ("dp_shard", 1), ("cp", 2)]
+    assert fsdp_shards(hybrid) == 2
+    assert [dp_rank(r, 1, 2) for r in range(4)] == [0, 0, 1, 1]
+    # cp rank j of a data-parallel rank keeps slice j of the sequence, positions included, and
+    # the whole row's doc_ids (attention sees whole rows).
+    import torch
+
+    layout = BatchLayout(8, 2, 2, cp=2)
+    tokens = torch.arange(8).expand(2, -1)
+    batch = Batch(tokens, tokens + 1, doc_ids=torch.zeros(2, 8, dtype=torch.long))
+    second = layout.local(batch, 3)
+    assert layout.data_rank(3) == 1 and second.inputs[0].tolist() == [4, 5, 6, 7]
+    assert second.positions[0].tolist() == [4, 5, 6, 7] and second.doc_ids.shape == (2, 8)
+    assert layout.reduce_ranks == 4 and layout.num_ranks == 4
+
+
+# --- the all-to-all attention, in a real gloo group ----------------------------------------------
+
+
+def _attention_rank(rank: int, world: int) -> dict:
+    """Whole-row attention (8 query heads, 4 kv heads: grouped) against the all-to-all's on the
+    rank's slice over a cp group of all 4 ranks, plain causal and with a packed row's document
+    mask: the outputs and the gradients of q, k and v."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdprun.engines.cp import alltoall_attention
+    from fsdprun.models.attention import attend, build_attention_mask
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 16, 8, generator=gen) for h in (8, 4, 4))
+    grad = torch.randn(2, 8, 16, 8, generator=gen)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [-1] * 4, [0] * 16])
+    part = slice(rank * 16 // world, (rank + 1) * 16 // world)
+    cp_attend = alltoall_attention(attend, mesh)
+    errors = []
+    for mask in (None, build_attention_mask(doc_ids, flex=False)):
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = attend(*whole, mask, enable_gqa=True)
+        (want * grad).sum().backward()
+        mine = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
+        got = cp_attend(*mine, mask, enable_gqa=True)
+        (got * grad[:, :, part]).sum().backward()
+        errors.append((got - want[:, :, part]).abs().max().item())
+        errors += [(m.grad - w.grad[:, :, part]).abs().max().item()
+                   for m, w in zip(mine, whole, strict=True)]  # fmt: skip
+    return {"shape": list(got.shape), "errors": errors}
+
+
+def test_alltoall_attention_equals_whole_row_attention(pools):
+    for result in pools[4].submit(_attention_rank):
+        assert result["shape"] == [2, 8, 4, 8], result
+        assert max(result["errors"]) <= 1e-6, result
+
+
+def _saved_activations_rank(rank: int, world: int) -> dict:
+    """Bytes one forward (and the loss) saves for backward on this rank, without cp on the whole
+    row and at cp 4 on its slice (eager fp32, seq 2048: activations dominate), beside what
+    `fsdprun plan` counts for each."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdprun.data import Batch
+    from fsdprun.engines.cp import apply_cp
+    from fsdprun.loss import cross_entropy
+    from fsdprun.models import build_model
+    from fsdprun.tools.plan import activation_bytes
+
+    seq = 2048
+    tokens = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for cp in (1, world):
+        over = [*FOUR, f"parallel.cp={cp}", f"train.seq_len={seq}", f"model.max_seq_len={seq}",
+                "model.n_kv_heads=4", "train.micro_batch_size=1"]  # fmt: skip
+        cfg = load_recipe("debug", over).config
+        model = build_model(cfg.model)
+        batch = Batch(tokens[:, :-1], tokens[:, 1:])
+        if cp > 1:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+            apply_cp(model, mesh=mesh)
+            batch = batch.sequence_shard(rank, cp)
+        kept = {p.untyped_storage().data_ptr() for p in [*model.parameters(), model.rope]}
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = model(batch.inputs, positions=batch.positions)
+            loss = cross_entropy(logits, batch.targets, reduction="sum")
+        loss.backward()  # every rank takes part in the all-to-all's backward
+        out[cp] = (sum(n for ptr, n in saved.items() if ptr not in kept), activation_bytes(cfg))
+    return out
+
+
+def test_activations_fall_by_cp_as_plan_counts(pools):
+    """At cp 4 a rank saves about a quarter of the activations one rank saves for the whole row
+    (measured with saved_tensors_hooks), and each figure is within 10% of `fsdprun plan`'s."""
+    for result in pools[4].submit(_saved_activations_rank):
+        (whole, plan_whole), (mine, plan_mine) = result[1], result[4]
+        assert mine == pytest.approx(whole / 4, rel=0.1), result
+        assert whole == pytest.approx(plan_whole, rel=0.1), result
+        assert mine == pytest.approx(plan_mine, rel=0.1), result
+
+
+# --- training: cp x dp against dp and one rank ----------------------------------------------------
+# As tests/test_tp.py: 4 kv heads (cp 4 divides them), 3 steps of one-sequence micro-batches,
+# checkpoints at steps 2 and 3, optim.eps=1e-4 (so the parameters compare the gradients to 1e-5).
+COMMON = ("model.n_kv_heads=4", "train.steps=3", "train.micro_batch_size=1", "output.log_every=1",
+          "checkpoint.every_steps=2", "schedule.warmup_steps=1", "optim.eps=1e-4")  # fmt: skip
+LAST = 3
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    from gloo_pool import GlooPool
+
+    four = GlooPool(4, tmp_path_factory.mktemp("cp-pool4"))
+    one = GlooPool(1, tmp_path_factory.mktemp("cp-pool1"))
+    yield {4: four, 1: one}
+    four.close()
+    one.close()
+
+
+@pytest.fixture(scope="module")
+def cp_run(tmp_path_factory) -> Run:
+    """`fsdprun train debug parallel.cp=2 ... --nproc-per-node 4` as a user types it, with
+    activation checkpointing (the all-to-all is recomputed in backward) and 2 micro-steps."""
+    root = tmp_path_factory.mktemp("cp-run")
+    proc = run_fsdprun(
+        "train", "debug", "parallel.cp=2", "activation_checkpointing.mode=full", *COMMON,
+        "--nproc-per-node", "4", "--run-dir", str(root / "run"), cwd=root,
+    )  # fmt: skip
+    return Run(proc, root / "run").check()
+
+
+def _ckpt(run, step: int) -> Path:
+    from fsdprun.checkpoint import step_dir
+
+    return step_dir(run.run_dir, step)
+
+
+def _model(run, step: int, tmp: Path) -> dict:
+    from conftest import consolidate, flatten
+
+    full = flatten(consolidate(_ckpt(run, step), tmp / f"{run.run_dir.name}-{step}.pt"))
+    return {k: v for k, v in full.items() if k.startswith("model.")}
+
+
+def _assert_same(run, ref, tmp: Path, *, steps=(1, 2, 3)):
+    got = {e["step"]: e for e in run.steps}
+    want = {e["step"]: e for e in ref.steps}
+    for step in steps:
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=TOL), step
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=TOL), step
+        assert got[step]["trained_tokens"] == want[step]["trained_tokens"], step
+    mine, theirs = _model(run, LAST, tmp), _model(ref, LAST, tmp)
+    assert mine.keys() == theirs.keys()
+    worst = max((mine[k] - theirs[k]).abs().max().item() for k in mine)
+    assert worst <= TOL, worst
+
+
+def test_cp2_dp2_trains_as_dp4_and_one_rank(cp_run, pools, tmp_path):
+    """The losses, gradient norms, trained-token counts and trained parameters of cp 2 x dp 2
+    equal plain FSDP2's on 4 ranks and one rank's; the header says the mesh and the attention;
+    each rank holds a quarter of the parameters (FSDP2 shards over dp_shard x cp)."""
+    start = cp_run.start
+    assert start["mesh"] == [["dp_shard", 2], ["cp", 2]] and start["grad_accum_steps"] == 4
+    assert start["cp"] == 2 and start["cp_impl"] == "alltoall"
+    assert start["param_shard_bytes"] * 4 == pytest.approx(start["param_bytes"], rel=0.01)
+    _assert_same(cp_run, pools[4].train(*COMMON), tmp_path)
+    _assert_same(cp_run, pools[1].train(*COMMON), tmp_path)
+    assert [e["trained_tokens"] for e in cp_run.steps] == [8 * 64] * LAST
+    out = cp_run.proc.stdout
+    assert "mesh: 2 dp_shard x 2 cp" in out, out
+    assert "context parallel: cp 2, alltoall attention (each rank holds 32 of the 64" in out
+    assert "parallel.cp_impl=auto -> alltoall: one all-to-all before each attention" in out
+
+
+def test_packed_chat_rows_with_clipping_and_chunked_loss_train_as_one_rank(pools, tmp_path):
+    """Packed chat rows (document masks across the cp slices, restarted positions, prompt
+    tokens not trained) under cp 2 x dp 2 with the chunked loss, a clip far below the norm and
+    hybrid sharding (the 3-D mesh: FSDP2 shards over each cp pair, replicas all-reduce): the
+    losses, trained-target counts, gradient norms, parameters and validation loss of one rank
+    with torch's own clip (the ddp engine) and the plain loss. optim.eps=1 so that AdamW's step
+    follows the clipped gradient's scale (tests/test_tp.py)."""
+    data = Path(__file__).resolve().parents[1] / "recipes" / "data"
+    chat = ("data.source=chat", f"data.paths=[{data / 'chat.jsonl'}]",
+            f"data.tokenizer={data / 'tiny-llama-hf'}", "data.truncate=truncate",
+            "model.vocab_size=258", "data.val_fraction=0.2", f"eval.every_steps={LAST}",
+            "eval.batches=1", "train.grad_clip=0.05", "optim.eps=1", "optim.lr=0.5")  # fmt: skip
+    cp = pools[4].train(*COMMON, *chat, "parallel.cp=2", "train.loss=chunked",
+                        "fsdp.sharding=hybrid", "fsdp.shard_group_size=1")  # fmt: skip
+    one = pools[1].train(*COMMON, *chat, "fsdp.engine=ddp")
+    assert cp.start["mesh"] == [["dp_replicate", 2], ["dp_shard", 1], ["cp", 2]]
+    assert all(e["grad_norm"] > 0.5 for e in cp.steps)
+    assert cp.steps[0]["trained_tokens"] < 8 * 64  # prompts and padding are not trained
+    _assert_same(cp, one, tmp_path)
+    assert cp.summary["final_val_loss"] == pytest.approx(one.summary["final_val_loss"], abs=TOL)
+
+
+def test_cp2_tp2_trains_as_one_rank(pools, tmp_path):
+    """cp 2 x tp 2 (the mesh `1 dp_shard x 2 cp x 2 tp`): tensor parallel splits each cp rank's
+    heads and its slice of the sequence (sequence parallel between blocks), the all-to-all then
+    trades the local heads over the cp group; with activation checkpointing, the same losses,
+    gradient norms, counts and parameters as one rank (which takes 8 micro-steps where this
+    run takes 2 of 4 sequences: the sums are the same)."""
+    both = pools[4].train(*COMMON, "parallel.cp=2", "parallel.tp=2", "train.micro_batch_size=4",
+                          "activation_checkpointing.mode=full")  # fmt: skip
+    assert both.start["mesh"] == [["dp_shard", 1], ["cp", 2], ["tp", 2]]
+    _assert_same(both, pools[1].train(*COMMON), tmp_path)
+
+
+def _hf_logits_rank(rank: int, world: int, folder: str) -> list[float]:
+    """The shipped HF Llama folder's logits on this rank's slice under cp 2 (its 2 kv heads)
+    against the plain model's on whole rows: plain rows (no mask: SDPA's causal path on the
+    gathered rows) and packed ones (positions restarting, the whole row's document mask)."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdprun.data import Batch
+    from fsdprun.engines.cp import apply_cp
+    from fsdprun.models.hf import HFCausalLM
+
+    torch.manual_seed(0)  # the same random weights on every rank
+    model = HFCausalLM.from_folder(folder)
+    plain = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))
+    apply_cp(model, mesh=mesh["cp"])
+    cp, me = 2, rank % 2
+    tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1))
+    rows = Batch(tokens, tokens)
+    positions = torch.cat([torch.arange(10), torch.arange(6)]).expand(2, -1)
+    doc_ids = torch.cat([torch.zeros(10), torch.ones(6)]).long().expand(2, -1)
+    packed = Batch(tokens, tokens, positions, doc_ids)
+    errors = []
+    for batch, whole in ((rows, {}), (packed, {"positions": positions, "doc_ids": doc_ids})):
+        mine = batch.sequence_shard(me, cp)
+        got = model(mine.inputs, positions=mine.positions, doc_ids=mine.doc_ids)
+        want = plain(tokens, **whole)[:, me * 16 // cp : (me + 1) * 16 // cp]
+        errors.append((got - want).abs().max().item())
+    return errors
+
+
+def test_hf_llama_folder_attention_equals_whole_rows(pools):
+    folder = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
+    for errors in pools[4].submit(_hf_logits_rank, str(folder)):
+        assert max(errors) <= 1e-5, errors
+
+
+def test_hf_llama_folder_trains_as_one_rank(pools, tmp_path, monkeypatch):
+    """The shipped HF Llama folder (pretrained weights) under cp 2 x dp 2, transformers' SDPA
+    inside the all-to-all (fsdprun's attention implementation): the losses, gradient norms and
+    parameters of one rank."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
+    hf = (f"model.hf_path={folder}", "model.vocab_size=257")
+    cp = pools[4].train(*COMMON, *hf, "parallel.cp=2")
+    _assert_same(cp, pools[1].train(*COMMON, *hf), tmp_path)
+
+
+def _stopped_at_2(run, tmp_path: Path) -> Path:
+    """A copy of `run`'s folder as if it had stopped after its step-2 checkpoint."""
+    copy = tmp_path / "run"
+    shutil.copytree(run.run_dir, copy)
+    shutil.rmtree(_ckpt(Run(None, copy), LAST))
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("resumed", "mesh"),
+    [("parallel.cp=1", [["dp", 4]]), ("parallel.cp=4", [["dp_shard", 1], ["cp", 4]])],
+    ids=["cp2-to-dp4", "cp2-to-cp4"],
+)
+def test_resume_is_exact_across_cp_degrees(cp_run, tmp_path, resumed, mesh):
+    """`fsdprun resume RUN parallel.cp=N --nproc-per-node 4` of the cp 2 run stopped after its
+    step-2 checkpoint: DCP reshards the dp_shard x cp shards, so step 3 on dp 4 or cp 4 equals
+    step 3 of the uninterrupted run. `inspect-checkpoint` shows the mesh it was saved on."""
+    run_dir = _stopped_at_2(cp_run, tmp_path)
+    proc = run_fsdprun("inspect-checkpoint", str(_ckpt(cp_run, 2)), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"mesh\s+2 dp_shard × 2 cp", proc.stdout), proc.stdout
+    proc = run_fsdprun("resume", str(run_dir), resumed, "--nproc-per-node", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    again = Run(proc, run_dir)
+    last = max(i for i, e in enumerate(again.events) if e["event"] == "start")
+    again.events = again.events[last:]
+    assert again.start["mesh"] == mesh
+    assert [e["step"] for e in again.steps] == [LAST]
+    _assert_same(again, cp_run, tmp_path, steps=(LAST,))
+
+
+def test_plan_divides_activations_by_cp_and_shows_each_cp_degree():
+    """`fsdprun plan`: every rank keeps seq / cp tokens of activations, parameters are sharded
+    over dp_shard x cp; the context-parallel line puts each degree beside the recipe's, with
+    whether it fits or why it cannot run. llama-8b at seq 131,072 on 8 x 80 GB (full
+    checkpointing) does not fit without cp, and fits at cp 4 and cp 8."""
+    from fsdprun.tools.plan import plan_memory
+
+    one = plan_memory(load_recipe("debug", FOUR).config).strategies["full"]
+    cp2 = plan_memory(load_recipe("debug", [*FOUR, "parallel.cp=2"]).config).strategies["full"]
+    assert cp2.activations * 2 == one.activations and cp2.shard_group == 4
+    result = CliRunner().invoke(
+        app, ["plan", "llama-8b", "train.seq_len=131072", "model.max_seq_len=131072",
+              "--world-size", "8", "--device-memory", "80GB"], env={"COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("Context parallel")]
+    assert re.search(r"cp 1 \(recipe\) \[dp 8\] [\d.]+ GiB does not fit", line), line
+    assert re.search(r"cp 8 \[dp_shard 1 x cp 8\] [\d.]+ GiB \(compile off\) fits", line), line
+    assert re.search(r"cp 4 \[dp_shard 2 x cp 4\] [\d.]+ GiB \(compile off\) fits", line), line
+
+
+def test_compare_accepts_cp_configurations():
+    from fsdprun.tools.compare import parse_configs
+
+    configs = {c.label: c.overrides for c in parse_configs("fsdp2,fsdp2:cp2,fsdp2:full:cp2:tp2")}
+    assert configs["fsdp2:cp2"] == ("fsdp.engine=fsdp2", "parallel.cp=2")
+    assert configs["fsdp2:full:cp2:tp2"] == (
+        "fsdp.engine=fsdp2",
+        "fsdp.sharding=full",
+        "parallel.tp=2",
+        "parallel.cp=2",
+    )
+    for bad, phrase in [("ddp:cp2", "context parallel (parallel.cp) needs fsdp2; use fsdp2:cp2"),
+                        ("fsdp2:cp2:cp4", "use engine[:sharding][:tpN][:cpN]")]:  # fmt: skip
+        with pytest.raises(UserError, match=re.escape(phrase)):
+            parse_configs(bad)
