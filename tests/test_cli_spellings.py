@@ -89,7 +89,12 @@ def test_shell_completion(tmp_path):
     # What that script asks the command for: commands, recipe names, options.
     assert _bash_complete("fsdprun tr", env) == ["train"]
     assert _bash_complete("fsdprun train deb", env) == ["debug"]
-    assert _bash_complete("fsdprun train llama-", env) == ["llama-1b", "llama-70b", "llama-8b"]
+    assert sorted(_bash_complete("fsdprun train llama-", env)) == [
+        "llama-1b",
+        "llama-70b",
+        "llama-8b",
+        "llama-8b-long",
+    ]
     assert "--nproc-per-node" in _bash_complete("fsdprun train debug --nproc", env)
     installed = _in_bash(f"{FSDPRUN} --install-completion", env)
     assert installed.returncode == 0, installed.stderr
