@@ -77,11 +77,17 @@ def _forward(model, batch) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _reference_losses(folder, *overrides: str, model=None) -> list[float]:
+def _reference_losses(
+    folder, *overrides: str, model=None, micro_batches: bool = False
+) -> list[float]:
     """The debug recipe's 3 steps as a plain loop over transformers' model (or `model`, such as
     peft's around it): the global batch in one forward, token-mean cross entropy (over the
     trained targets), clip_grad_norm_, AdamW with decay on matrices only, linear warm-up then
-    cosine to min_lr_ratio (the schedule docs/recipes.md describes)."""
+    cosine to min_lr_ratio (the schedule docs/recipes.md describes).
+    `micro_batches`: a forward per micro-batch instead (rows 2k, 2k + 1: the debug recipe's
+    micro-batches on 1 and 2 ranks alike), whose loss is the one transformers returns with the
+    labels (its router's auxiliary loss included where the config enables it), weighted by the
+    micro-batch's share of the step's trained targets."""
     cfg = load_recipe("debug", [f"model.hf_path={folder}", *TRAIN, *overrides]).config
     model = (model or _load_hf(folder)).train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -106,9 +112,12 @@ def _reference_losses(folder, *overrides: str, model=None) -> list[float]:
     losses = []
     for step in range(total):
         batch = load_batch(data, range(step * batch_size, (step + 1) * batch_size), "cpu")
-        logits = _forward(model, batch)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(),
-                               ignore_index=IGNORE_INDEX)  # fmt: skip
+        if micro_batches:
+            loss = _micro_batched_loss(model, batch, cfg.train.micro_batch_size)
+        else:
+            logits = _forward(model, batch)
+            loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(),
+                                   ignore_index=IGNORE_INDEX)  # fmt: skip
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
         optimizer.step()
@@ -138,6 +147,22 @@ def test_training_equals_transformers_on_1_and_2_ranks(
         assert len(run.losses) == STEPS
         diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
         assert diff < TOL, (family, run.losses, expected)
+
+
+def _micro_batched_loss(model, batch, size: int) -> torch.Tensor:
+    """The step's loss from transformers' own `.loss` of each micro-batch of `size` rows
+    (`shift_labels`: the targets are already the next tokens; padded rows: the 2-D attention
+    mask of their tokens), weighted by its trained targets."""
+    total = (batch.targets != IGNORE_INDEX).sum()
+    real = None if batch.doc_ids is None else (batch.doc_ids >= 0).long()
+    loss = torch.zeros(())
+    for k in range(0, len(batch.inputs), size):
+        targets = batch.targets[k : k + size].contiguous()  # transformers .view()s it
+        mask = None if real is None else real[k : k + size]
+        out = model(input_ids=batch.inputs[k : k + size], attention_mask=mask, labels=targets,
+                    shift_labels=targets)  # fmt: skip
+        loss = loss + out.loss * (targets != IGNORE_INDEX).sum() / total
+    return loss
 
 
 # Chat rows of the shipped chat.jsonl's single-turn conversations (byte tokenizer: 257 tokens;
@@ -272,34 +297,35 @@ def test_flops_per_token_follow_the_family(tmp_path, family, extra, matmul, widt
     assert SPEC.flops_per_token(cfg, 64) == 6 * matmul + 12 * 2 * width * 64
 
 
-def test_a_router_auxiliary_loss_is_refused_before_launch(tmp_path, monkeypatch):
-    """`fsdprun train debug model.hf_path=MOE` with config.json's output_router_logits: true:
-    transformers would add router_aux_loss_coef x the router's load-balancing loss to each
-    loss, fsdprun's loss does not; one line, exit 2, nothing launched (before, it trained
-    without it, silently)."""
-    from hf_families import tiny_config
-    from typer.testing import CliRunner
+def test_the_router_auxiliary_loss_trains_as_transformers_adds_it(
+    tmp_path_factory, gloo_pool, gloo_pool_1
+):
+    """A mixture of experts whose config.json enables the router's auxiliary loss
+    (`output_router_logits: true`, coef 0.1 here): on 2 ranks and on 1 (2 and 4 micro-batches a
+    rank), and on padded chat rows on 2 ranks, fsdprun's losses are those of transformers' model
+    forwarding the same micro-batches (padded rows: with their 2-D attention mask), each loss as
+    transformers returns it (coef x its load-balancing loss added), weighted by the micro-batch's
+    trained targets (1e-5 at every step). Before, such a folder was refused."""
+    from hf_families import save_tiny_hf
 
-    import fsdprun.launch.elastic
-    from fsdprun.cli import app
-
-    def must_not_launch(*args, **kwargs):
-        raise AssertionError("a bad input reached the launcher")
-
-    tiny_config("qwen3_moe", output_router_logits=True).save_pretrained(tmp_path / "moe")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
-    result = CliRunner().invoke(
-        app, ["train", "debug", f"model.hf_path={tmp_path / 'moe'}", "--run-dir", "r"]
-    )
-    assert result.exit_code == 2, result.output
-    (line,) = result.stderr.strip().splitlines()
-    assert line == (
-        "error: model.hf_path's config.json sets output_router_logits: true "
-        "(router_aux_loss_coef 0.001): fsdprun does not add a mixture of experts' router "
-        "auxiliary loss; set output_router_logits to false there (the router then trains on the "
-        "language-model loss alone, as transformers trains it with that setting)"
-    ), line
+    root = tmp_path_factory.mktemp("router")
+    folder = save_tiny_hf("qwen3_moe", root / "moe", vocab_size=257, output_router_logits=True,
+                          router_aux_loss_coef=0.1)  # fmt: skip
+    reference = _load_hf(folder)
+    expected = _reference_losses(folder, model=copy.deepcopy(reference), micro_batches=True)
+    # The auxiliary loss is in them: the folder's losses without it differ.
+    reference.config.output_router_logits = False
+    without = _reference_losses(folder, model=copy.deepcopy(reference), micro_batches=True)
+    reference.config.output_router_logits = True
+    assert abs(without[0] - expected[0]) > 1e-2, (without, expected)
+    padded = (*CHAT, f"data.paths=[{DATA / 'chat.jsonl'}]", "data.pack=false")
+    cases = [(gloo_pool, (), expected), (gloo_pool_1, (), expected),
+             (gloo_pool, padded, _reference_losses(folder, *padded, model=reference,
+                                                   micro_batches=True))]  # fmt: skip
+    for pool, rows, losses in cases:
+        run = pool.train(*TRAIN, f"model.hf_path={folder}", *rows)
+        diff = max(abs(a - b) for a, b in zip(run.losses, losses, strict=True))
+        assert diff < TOL, (pool.world, rows, run.losses, losses)
 
 
 # What each family's published template writes before and after an assistant message's content:
