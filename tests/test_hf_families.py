@@ -3,8 +3,8 @@ Phi-3, Qwen3-MoE) train and export exactly as transformers computes them.
 
 For each family's tiny random folder, fsdprun trains the debug recipe (fp32, synthetic data,
 gradient accumulation, warm-up then cosine, clipping at 1.0) for 3 steps on 2 ranks, with
-full activation checkpointing on 1 rank, and for some families under hybrid sharding on 2
-ranks (all in the session's gloo pools, tests/gloo_pool.py).
+full activation checkpointing on 1 rank, and under hybrid sharding on 2 ranks (all in the
+session's gloo pools, tests/gloo_pool.py).
 Its losses must equal, within 1e-5, those of an independent plain loop: transformers' own model
 loaded from the same folder, `torch.optim.AdamW`, torch's clipping, the same samples. The 2-rank
 checkpoint's `export --format hf` must load in transformers and give fsdprun's logits.
@@ -13,6 +13,7 @@ Run with `pytest tests/test_hf_families.py`.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -46,6 +47,17 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The in-process references on one thread, as each rank computes: the tiny models' ops
+    gain nothing from more, whose waiting threads spin (the packed rows' reference, 2 busy
+    cores: 3.8 -> 0.5 CPU s a run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _load_hf(path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, local_files_only=True
@@ -65,11 +77,17 @@ def _forward(model, batch) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _reference_losses(folder, *overrides: str, model=None) -> list[float]:
+def _reference_losses(
+    folder, *overrides: str, model=None, micro_batches: bool = False
+) -> list[float]:
     """The debug recipe's 3 steps as a plain loop over transformers' model (or `model`, such as
     peft's around it): the global batch in one forward, token-mean cross entropy (over the
     trained targets), clip_grad_norm_, AdamW with decay on matrices only, linear warm-up then
-    cosine to min_lr_ratio (the schedule docs/recipes.md describes)."""
+    cosine to min_lr_ratio (the schedule docs/recipes.md describes).
+    `micro_batches`: a forward per micro-batch instead (rows 2k, 2k + 1: the debug recipe's
+    micro-batches on 1 and 2 ranks alike), whose loss is the one transformers returns with the
+    labels (its router's auxiliary loss included where the config enables it), weighted by the
+    micro-batch's share of the step's trained targets."""
     cfg = load_recipe("debug", [f"model.hf_path={folder}", *TRAIN, *overrides]).config
     model = (model or _load_hf(folder)).train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -94,9 +112,12 @@ def _reference_losses(folder, *overrides: str, model=None) -> list[float]:
     losses = []
     for step in range(total):
         batch = load_batch(data, range(step * batch_size, (step + 1) * batch_size), "cpu")
-        logits = _forward(model, batch)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(),
-                               ignore_index=IGNORE_INDEX)  # fmt: skip
+        if micro_batches:
+            loss = _micro_batched_loss(model, batch, cfg.train.micro_batch_size)
+        else:
+            logits = _forward(model, batch)
+            loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(),
+                                   ignore_index=IGNORE_INDEX)  # fmt: skip
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
         optimizer.step()
@@ -106,12 +127,6 @@ def _reference_losses(folder, *overrides: str, model=None) -> list[float]:
     return losses
 
 
-# Hybrid sharding (2 replicas of 1 shard: the replicas' all-reduce, the HF weights read by each
-# replica) for the families whose parameters are unusual: stacked experts, tied embeddings,
-# fused projections. The others shard as Llama does.
-HYBRID = ("qwen3_moe", "gemma3_text", "phi3")
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_training_equals_transformers_on_1_and_2_ranks(
     family, hf_family_dirs, gloo_pool, gloo_pool_1
@@ -119,13 +134,14 @@ def test_training_equals_transformers_on_1_and_2_ranks(
     folder = hf_family_dirs[family]
     two = gloo_pool.train(*TRAIN, f"model.hf_path={folder}")
     one = gloo_pool_1.train(*TRAIN, f"model.hf_path={folder}", "activation_checkpointing.mode=full")
+    # Hybrid sharding: 2 replicas of 1 shard (the replicas' all-reduce, the HF weights read by
+    # each replica).
+    hybrid = gloo_pool.train(*TRAIN, f"model.hf_path={folder}", "fsdp.sharding=hybrid",
+                             "fsdp.shard_group_size=1")  # fmt: skip
     assert two.start["weights"] == f"pretrained, read from {folder}"
     assert one.start["activation_checkpointing"] == "full (2 blocks)"
-    runs = [two, one]
-    if family in HYBRID:
-        hybrid = ("fsdp.sharding=hybrid", "fsdp.shard_group_size=1")
-        runs.append(gloo_pool.train(*TRAIN, f"model.hf_path={folder}", *hybrid))
-        assert runs[-1].start["mesh"] == [["replicate", 2], ["shard", 1]], runs[-1].start
+    assert hybrid.start["mesh"] == [["replicate", 2], ["shard", 1]], hybrid.start
+    runs = [two, one, hybrid]
     expected = _reference_losses(folder)
     for run in runs:
         assert len(run.losses) == STEPS
@@ -133,34 +149,61 @@ def test_training_equals_transformers_on_1_and_2_ranks(
         assert diff < TOL, (family, run.losses, expected)
 
 
-# Chat rows of the shipped chat.jsonl (byte tokenizer: 257 tokens), 256 tokens a row: packed
-# (several conversations a row, positions restarting) and padded (one a row). 4 rows a step,
-# one a micro-batch: 2 accumulated on each of 2 ranks.
+def _micro_batched_loss(model, batch, size: int) -> torch.Tensor:
+    """The step's loss from transformers' own `.loss` of each micro-batch of `size` rows
+    (`shift_labels`: the targets are already the next tokens; padded rows: the 2-D attention
+    mask of their tokens), weighted by its trained targets."""
+    total = (batch.targets != IGNORE_INDEX).sum()
+    real = None if batch.doc_ids is None else (batch.doc_ids >= 0).long()
+    loss = torch.zeros(())
+    for k in range(0, len(batch.inputs), size):
+        targets = batch.targets[k : k + size].contiguous()  # transformers .view()s it
+        mask = None if real is None else real[k : k + size]
+        out = model(input_ids=batch.inputs[k : k + size], attention_mask=mask, labels=targets,
+                    shift_labels=targets)  # fmt: skip
+        loss = loss + out.loss * (targets != IGNORE_INDEX).sum() / total
+    return loss
+
+
+# Chat rows of the shipped chat.jsonl's single-turn conversations (byte tokenizer: 257 tokens;
+# 52 to 88 tokens each), 160 tokens a row: packed (two conversations in most rows, positions
+# restarting) and padded (one a row). 4 rows a step, one a micro-batch: 2 accumulated on each
+# of 2 ranks.
 DATA = Path(__file__).parent.parent / "recipes" / "data"
-CHAT = ("data.source=chat", f"data.paths=[{DATA / 'chat.jsonl'}]",
-        f"data.tokenizer={DATA / 'tiny-llama-hf'}", "data.truncate=truncate",
-        "train.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=1")  # fmt: skip
+CHAT = ("data.source=chat", f"data.tokenizer={DATA / 'tiny-llama-hf'}", "train.seq_len=160",
+        "train.global_batch_size=4", "train.micro_batch_size=1")  # fmt: skip
 
 
-# Gemma 3 only: its sliding windows and global layers inside packed rows are what the other
-# families' rows add nothing to (their forward on packed rows is checked below).
-@pytest.mark.parametrize("family", ["gemma3_text"])
-def test_packed_and_padded_chat_rows_train_as_transformers(family, gloo_pool, tmp_path_factory):
+@pytest.fixture(scope="module")
+def single_turn_chats(tmp_path_factory) -> Path:
+    """The shipped chat.jsonl's conversations of one user and one assistant message."""
+    path = tmp_path_factory.mktemp("chats") / "single-turn.jsonl"
+    lines = (DATA / "chat.jsonl").read_text().splitlines(keepends=True)
+    path.write_text("".join(line for line in lines if len(json.loads(line)["messages"]) == 2))
+    return path
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_and_padded_chat_rows_train_as_transformers(
+    family, gloo_pool, single_turn_chats, tmp_path_factory
+):
     """Fine-tuning rows on 2 ranks, packed and padded, give the losses of transformers' model
     forwarding each conversation alone (the padding apart), trained on the assistant tokens
-    only (1e-5 at every step)."""
+    only (1e-5 at every step): the document boundaries and the 16-token windows (Gemma's on
+    every other layer) cut attention inside the packed rows as the documents alone have it."""
     from hf_families import save_tiny_hf
 
     folder = save_tiny_hf(family, tmp_path_factory.mktemp("chat") / family, vocab_size=257)
+    reference = _load_hf(folder)  # read once; each variant trains a copy
     for pack in ("true", "false"):
-        rows = (*CHAT, f"data.pack={pack}")
+        rows = (*CHAT, f"data.paths=[{single_turn_chats}]", f"data.pack={pack}")
         cfg = load_recipe("debug", [f"model.hf_path={folder}", *rows]).config
-        data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=256, seed=0)
+        data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=160, seed=0)
         doc_ids = load_batch(data, range(cfg.train.global_batch_size), "cpu").doc_ids
         # What the rows hold: several conversations a row, or one and padding (doc id -1).
         assert (doc_ids.max() >= 1) if pack == "true" else (doc_ids.min() == -1), doc_ids
         run = gloo_pool.train(*TRAIN, f"model.hf_path={folder}", *rows)
-        expected = _reference_losses(folder, *rows)
+        expected = _reference_losses(folder, *rows, model=copy.deepcopy(reference))
         diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
         assert diff < TOL, (family, pack, run.losses, expected)
 
@@ -254,34 +297,35 @@ def test_flops_per_token_follow_the_family(tmp_path, family, extra, matmul, widt
     assert SPEC.flops_per_token(cfg, 64) == 6 * matmul + 12 * 2 * width * 64
 
 
-def test_a_router_auxiliary_loss_is_refused_before_launch(tmp_path, monkeypatch):
-    """`fsdprun train debug model.hf_path=MOE` with config.json's output_router_logits: true:
-    transformers would add router_aux_loss_coef x the router's load-balancing loss to each
-    loss, fsdprun's loss does not; one line, exit 2, nothing launched (before, it trained
-    without it, silently)."""
-    from hf_families import tiny_config
-    from typer.testing import CliRunner
+def test_the_router_auxiliary_loss_trains_as_transformers_adds_it(
+    tmp_path_factory, gloo_pool, gloo_pool_1
+):
+    """A mixture of experts whose config.json enables the router's auxiliary loss
+    (`output_router_logits: true`, coef 0.1 here): on 2 ranks and on 1 (2 and 4 micro-batches a
+    rank), and on padded chat rows on 2 ranks, fsdprun's losses are those of transformers' model
+    forwarding the same micro-batches (padded rows: with their 2-D attention mask), each loss as
+    transformers returns it (coef x its load-balancing loss added), weighted by the micro-batch's
+    trained targets (1e-5 at every step). Before, such a folder was refused."""
+    from hf_families import save_tiny_hf
 
-    import fsdprun.launch.elastic
-    from fsdprun.cli import app
-
-    def must_not_launch(*args, **kwargs):
-        raise AssertionError("a bad input reached the launcher")
-
-    tiny_config("qwen3_moe", output_router_logits=True).save_pretrained(tmp_path / "moe")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
-    result = CliRunner().invoke(
-        app, ["train", "debug", f"model.hf_path={tmp_path / 'moe'}", "--run-dir", "r"]
-    )
-    assert result.exit_code == 2, result.output
-    (line,) = result.stderr.strip().splitlines()
-    assert line == (
-        "error: model.hf_path's config.json sets output_router_logits: true "
-        "(router_aux_loss_coef 0.001): fsdprun does not add a mixture of experts' router "
-        "auxiliary loss; set output_router_logits to false there (the router then trains on the "
-        "language-model loss alone, as transformers trains it with that setting)"
-    ), line
+    root = tmp_path_factory.mktemp("router")
+    folder = save_tiny_hf("qwen3_moe", root / "moe", vocab_size=257, output_router_logits=True,
+                          router_aux_loss_coef=0.1)  # fmt: skip
+    reference = _load_hf(folder)
+    expected = _reference_losses(folder, model=copy.deepcopy(reference), micro_batches=True)
+    # The auxiliary loss is in them: the folder's losses without it differ.
+    reference.config.output_router_logits = False
+    without = _reference_losses(folder, model=copy.deepcopy(reference), micro_batches=True)
+    reference.config.output_router_logits = True
+    assert abs(without[0] - expected[0]) > 1e-2, (without, expected)
+    padded = (*CHAT, f"data.paths=[{DATA / 'chat.jsonl'}]", "data.pack=false")
+    cases = [(gloo_pool, (), expected), (gloo_pool_1, (), expected),
+             (gloo_pool, padded, _reference_losses(folder, *padded, model=reference,
+                                                   micro_batches=True))]  # fmt: skip
+    for pool, rows, losses in cases:
+        run = pool.train(*TRAIN, f"model.hf_path={folder}", *rows)
+        diff = max(abs(a - b) for a, b in zip(run.losses, losses, strict=True))
+        assert diff < TOL, (pool.world, rows, run.losses, losses)
 
 
 # What each family's published template writes before and after an assistant message's content:

@@ -99,8 +99,6 @@ def _model_errors(cfg: RecipeConfig) -> list[str]:
     if m.hf_path is not None:
         if not (Path(m.hf_path) / "config.json").is_file():
             errors.append(f"model.hf_path: {m.hf_path} has no config.json (a HuggingFace folder?)")
-        else:
-            errors += _router_aux_loss_errors(Path(m.hf_path) / "config.json")
         # find_spec only looks the package up: the check stays fast without importing it.
         if importlib.util.find_spec("transformers") is None:
             errors.append("model.hf_path needs transformers: pip install 'fsdprun[hf]'")
@@ -110,27 +108,6 @@ def _model_errors(cfg: RecipeConfig) -> list[str]:
             "raise model.max_seq_len or shorten train.seq_len"
         )
     return errors
-
-
-def _router_aux_loss_errors(config_json: Path) -> list[str]:
-    """A mixture of experts whose config.json asks for the router's auxiliary (load-balancing)
-    loss: transformers adds router_aux_loss_coef x that loss to the language-model loss of each
-    forward, fsdprun's loss does not (its loss reads the logits alone; the auxiliary loss of a
-    micro-batch is not a share of the batch's either), so the router would silently train
-    otherwise than transformers trains it."""
-    try:
-        hf = json.loads(config_json.read_text())
-    except (OSError, ValueError):
-        return []  # transformers refuses it when the model is built
-    coef = hf.get("router_aux_loss_coef", 0)
-    if hf.get("output_router_logits") is not True or not coef:
-        return []
-    return [
-        f"model.hf_path's config.json sets output_router_logits: true (router_aux_loss_coef "
-        f"{coef}): fsdprun does not add a mixture of experts' router auxiliary loss; set "
-        "output_router_logits to false there (the router then trains on the language-model "
-        "loss alone, as transformers trains it with that setting)"
-    ]
 
 
 def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:

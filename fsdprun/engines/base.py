@@ -215,7 +215,8 @@ class Engine:
         `loss(model(inputs), targets)`, or the chunked loss inside the model's forward. Packed
         rows' `positions` and `doc_ids` go to the model. A sum, not a mean: the training loop
         divides by the step's global count of trained targets (micro-batches and ranks hold
-        different counts with fine-tuning data)."""
+        different counts with fine-tuning data). A model that keeps a router auxiliary loss
+        (`HFCausalLM.router_aux_loss`) has it added, weighted by the trained targets."""
         model_kwargs = {}
         if batch.positions is not None:
             model_kwargs = {"positions": batch.positions, "doc_ids": batch.doc_ids}
@@ -227,9 +228,20 @@ class Engine:
             logits = self.model(batch.inputs, **model_kwargs)
             return local_loss(self.loss(logits, targets, reduction="sum"))
         if self.chunked_loss is None:
-            return self.loss(self.model(batch.inputs, **model_kwargs), targets, reduction="sum")
-        head = functools.partial(self.chunked_loss, targets=targets, reduction="sum")
-        return self.model(batch.inputs, head=head, **model_kwargs)
+            loss = self.loss(self.model(batch.inputs, **model_kwargs), targets, reduction="sum")
+        else:
+            head = functools.partial(self.chunked_loss, targets=targets, reduction="sum")
+            loss = self.model(batch.inputs, head=head, **model_kwargs)
+        aux = getattr(self.inner, "router_aux_loss", None)  # set by the forward just run
+        if aux is None:
+            return loss
+        # A mixture of experts' router auxiliary loss (`HFCausalLM`), a mean over the micro-batch
+        # as transformers adds it to its token-mean loss: weighted by the micro-batch's trained
+        # targets here, the step's division by N makes each micro-batch's share what its tokens
+        # are of the step's, as fsdprun weighs its token-mean losses.
+        from fsdprun.loss import num_targets
+
+        return loss + aux * num_targets(targets)
 
     def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
         """Around forward and backward of one micro-batch; `sync` on the last one of a step.

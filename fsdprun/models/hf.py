@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -197,6 +198,23 @@ class HFCausalLM(nn.Module):
         self.windows = attention_windows(hf_model.config)
         self.additive_mask = hf_family(hf_model.config).attn_implementation == "eager"
         self.cp = False  # context parallel: set by `cp_attention_modules`
+        # A mixture of experts whose config.json enables the router's auxiliary loss
+        # (`output_router_logits`, router_aux_loss_coef > 0): each forward keeps
+        # coef x transformers' own load-balancing loss of its router logits in `router_aux_loss`,
+        # which the engine's loss adds (`Engine.forward_loss`).
+        config = hf_model.config
+        coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+        self.router_aux_coef = coef if getattr(config, "output_router_logits", False) else 0.0
+        self.router_aux_loss: torch.Tensor | None = None
+        if self.router_aux_coef:
+            module = importlib.import_module(type(hf_model).__module__)
+            self._load_balancing_loss = getattr(module, "load_balancing_loss_func", None)
+            if self._load_balancing_loss is None:
+                raise UserError(
+                    f"model.hf_path: config.json sets output_router_logits: true, but "
+                    f"{type(hf_model).__name__} has no load_balancing_loss_func to compute the "
+                    "router's auxiliary loss; set output_router_logits to false there"
+                )
         # transformers names the classes that must not be split across devices: the decoder
         # layers, which are exactly the blocks FSDP should wrap.
         self.block_classes = tuple(getattr(hf_model, "_no_split_modules", None) or ())
@@ -246,6 +264,12 @@ class HFCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The logits; with `head`, `head(final hidden states, output weight)`; `positions` and
         `doc_ids` of packed rows as in `Transformer.forward`."""
+        if head is None and self.router_aux_coef:
+            # The decoder, then the output projection: the causal LM's forward would compute the
+            # auxiliary loss itself with the attention mask it is given, which its
+            # load_balancing_loss_func cannot take in fsdprun's 4-D form (packed, padded rows).
+            hidden = self.forward_hidden(tokens, positions=positions, doc_ids=doc_ids)
+            return self.hf.get_output_embeddings()(hidden)
         if head is None:
             inputs = self._inputs(tokens, positions=positions, doc_ids=doc_ids)
             return self.hf(**inputs, use_cache=False).logits
@@ -261,7 +285,27 @@ class HFCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The decoder's last hidden states, the input of the output projection."""
         inputs = self._inputs(tokens, positions=positions, doc_ids=doc_ids)
-        return self.hf.get_decoder()(**inputs, use_cache=False).last_hidden_state
+        out = self.hf.get_decoder()(**inputs, use_cache=False, **self._router_kwargs())
+        self._keep_router_aux_loss(out, doc_ids)
+        return out.last_hidden_state
+
+    def _router_kwargs(self) -> dict[str, bool]:
+        return {"output_router_logits": True} if self.router_aux_coef else {}
+
+    def _keep_router_aux_loss(self, out, doc_ids: torch.Tensor | None) -> None:
+        """coef x the load-balancing loss of the micro-batch's router logits, computed by the
+        model's own module (`load_balancing_loss_func`, as its forward computes it with labels)
+        over the micro-batch's tokens, padding (doc id -1) excluded as transformers excludes it
+        with a 2-D attention mask; a packed row's documents count together."""
+        if not self.router_aux_coef:
+            return
+        real = None if doc_ids is None else (doc_ids >= 0).long()
+        # The causal LM's own expert counts, as its forward passes them (config.json names
+        # them per family: num_experts, num_local_experts).
+        aux = self._load_balancing_loss(
+            out.router_logits, self.hf.num_experts, self.hf.num_experts_per_tok, real
+        )
+        self.router_aux_loss = self.router_aux_coef * aux
 
     def _inputs(self, tokens, *, positions, doc_ids) -> dict:
         if self.cp and doc_ids is None:
