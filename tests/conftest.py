@@ -268,6 +268,11 @@ def pytest_collection_finish(session):
     # (and the full one after each gloo pool task: tests/gloo_pool.py) skip it.
     gc.freeze()
     gc.enable()
+    # torch in this process (the in-process references, models and checks) on one thread, as
+    # the commands' and pools' processes run (OMP_NUM_THREADS=1): its idle intra-op threads
+    # spin, and on a busy 2-core machine a plain reference loop cost 3.8 CPU s instead of 0.5.
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 def pytest_collection_modifyitems(session, config, items):
