@@ -443,6 +443,15 @@ def consolidate(ckpt: Path, out: Path) -> dict:
     return load(out, weights_only=True)
 
 
+def model_at(run: Run, step: int, tmp: Path) -> dict:
+    """The model tensors of `run`'s step-`step` checkpoint, whole, by flattened name
+    ("model.layers.0...")."""
+    from fsdprun.checkpoint import step_dir
+
+    full = flatten(consolidate(step_dir(run.run_dir, step), tmp / f"{run.run_dir.name}-{step}.pt"))
+    return {k: v for k, v in full.items() if k.startswith("model.")}
+
+
 def assert_same_state(a: Path, b: Path, tmp: Path) -> None:
     """Two DCP checkpoints hold bitwise the same model and optimizer state."""
     import torch

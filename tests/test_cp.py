@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import Run, run_fsdprun
+from conftest import Run, model_at, run_fsdprun
 from typer.testing import CliRunner
 
 import fsdprun.launch.elastic
@@ -248,13 +248,6 @@ def _ckpt(run, step: int) -> Path:
     return step_dir(run.run_dir, step)
 
 
-def _model(run, step: int, tmp: Path) -> dict:
-    from conftest import consolidate, flatten
-
-    full = flatten(consolidate(_ckpt(run, step), tmp / f"{run.run_dir.name}-{step}.pt"))
-    return {k: v for k, v in full.items() if k.startswith("model.")}
-
-
 def _assert_same(run, ref, tmp: Path, *, steps=(1, 2, 3)):
     got = {e["step"]: e for e in run.steps}
     want = {e["step"]: e for e in ref.steps}
@@ -262,7 +255,7 @@ def _assert_same(run, ref, tmp: Path, *, steps=(1, 2, 3)):
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=TOL), step
         assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=TOL), step
         assert got[step]["trained_tokens"] == want[step]["trained_tokens"], step
-    mine, theirs = _model(run, LAST, tmp), _model(ref, LAST, tmp)
+    mine, theirs = model_at(run, LAST, tmp), model_at(ref, LAST, tmp)
     assert mine.keys() == theirs.keys()
     worst = max((mine[k] - theirs[k]).abs().max().item() for k in mine)
     assert worst <= TOL, worst

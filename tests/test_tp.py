@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import Run, fsdprun_env, run_fsdprun
+from conftest import Run, fsdprun_env, model_at, run_fsdprun
 from typer.testing import CliRunner
 
 import fsdprun.launch.elastic
@@ -207,13 +207,6 @@ def _ckpt(run, step: int) -> Path:
     return step_dir(run.run_dir, step)
 
 
-def _model(run, step: int, tmp: Path) -> dict:
-    from conftest import consolidate, flatten
-
-    full = flatten(consolidate(_ckpt(run, step), tmp / f"{run.run_dir.name}-{step}.pt"))
-    return {k: v for k, v in full.items() if k.startswith("model.")}
-
-
 def _assert_same(run, ref, tmp: Path, *, steps=(1, 2, 3)):
     got = {e["step"]: e for e in run.steps}
     want = {e["step"]: e for e in ref.steps}
@@ -222,7 +215,7 @@ def _assert_same(run, ref, tmp: Path, *, steps=(1, 2, 3)):
         # Reduced over the dp dims and the TP group: a world-size-times gradient (gloo's wrong
         # AVG, pytorch#162338) or a TP partial left unreduced shows here first.
         assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=TOL), step
-    mine, theirs = _model(run, LAST, tmp), _model(ref, LAST, tmp)
+    mine, theirs = model_at(run, LAST, tmp), model_at(ref, LAST, tmp)
     assert mine.keys() == theirs.keys()
     worst = max((mine[k] - theirs[k]).abs().max().item() for k in mine)
     assert worst <= TOL, worst
@@ -486,7 +479,7 @@ def test_hf_family_tp2_dp2_trains_as_one_rank(trained, tp_family_dirs, tmp_path,
     exported = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "hf", dtype=torch.float32, local_files_only=True
     )
-    trained_one = _model(one, LAST, tmp_path)
+    trained_one = model_at(one, LAST, tmp_path)
     for name, param in exported.named_parameters():
         assert (param - trained_one[f"model.hf.{name}"]).abs().max().item() <= TOL, name
     tied = exported.config.tie_word_embeddings
@@ -671,7 +664,7 @@ def test_a_tp_checkpoint_inspects_with_its_mesh_and_exports_whole_weights(traine
                        cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = dict(transformers.AutoModelForCausalLM.from_pretrained(out).named_parameters())
-    saved = _model(tp, LAST, tmp_path)
+    saved = model_at(tp, LAST, tmp_path)
     assert len(loaded) == len(saved)
     for name, value in saved.items():
         hf = loaded[hf_llama_name(name.removeprefix("model."))]

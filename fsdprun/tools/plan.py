@@ -565,29 +565,42 @@ def _strategies(
     return recipe_strategy, strategies
 
 
+def _as_fsdp2(cfg: RecipeConfig) -> tuple[RecipeConfig, Sharding]:
+    """The recipe with fsdp2 (the engine TP and CP compose with) and the sharding its columns
+    show: a ddp recipe's are what fsdp2 would hold, sharded fully."""
+    sharding = Sharding.full if cfg.fsdp.engine is Engine.ddp else effective_sharding(cfg.fsdp)
+    return dataclasses.replace(
+        cfg, fsdp=dataclasses.replace(cfg.fsdp, engine=Engine.fsdp2)
+    ), sharding
+
+
+def _at_degree(
+    fsdp2: RecipeConfig, sharding: Sharding, degree: int, **parallel: int
+) -> tuple[RecipeConfig, str | None, str | None]:
+    """`fsdp2` at `parallel` (tp= or cp=, of `degree`) under `sharding`: (the config, why
+    `fsdprun train` would refuse it or None, a note). TP and CP refuse compile only with some
+    other knobs (activation checkpointing): a degree refused only for compile is shown with
+    compile off, as that is the run it could be."""
+    at = _with_sharding(
+        dataclasses.replace(fsdp2, parallel=dataclasses.replace(fsdp2.parallel, **parallel)),
+        sharding,
+    )
+    problem = tp_problem(at) if degree > 1 else None
+    if problem is not None and at.compile.enabled:
+        eager = dataclasses.replace(at, compile=dataclasses.replace(at.compile, enabled=False))
+        if tp_problem(eager) is None:
+            return eager, None, "compile off"
+    return at, problem, None
+
+
 def _tp_degrees(cfg: RecipeConfig, units_at, *, layout: str | None) -> list[TpOption]:
     """The recipe at TP_DEGREES and its own degree, at its world size, under its sharding with
     fsdp2 (the engine TP composes with); `units_at(tp)` gives the units at a degree; `layout`:
     why the family's plan does not split the model (`engines.tp.tp_plan_problem`), or None."""
-    sharding = effective_sharding(cfg.fsdp)
-    if cfg.fsdp.engine is Engine.ddp:
-        sharding = Sharding.full  # a ddp recipe's TP columns: what fsdp2 would hold
-    # TP composes with fsdp2 only: an fsdp1 or ddp recipe's columns are what fsdp2 would hold.
-    fsdp2 = dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, engine=Engine.fsdp2))
+    fsdp2, sharding = _as_fsdp2(cfg)
     options = []
     for tp in sorted({*TP_DEGREES, cfg.parallel.tp}):
-        at = _with_sharding(
-            dataclasses.replace(fsdp2, parallel=dataclasses.replace(cfg.parallel, tp=tp)),
-            sharding,
-        )
-        problem = tp_problem(at) if tp > 1 else None
-        note = None
-        if problem is not None and at.compile.enabled:
-            # TP refuses compile only with some other knobs (activation checkpointing): the
-            # degree is possible eagerly, and that is the run such a column describes.
-            eager = dataclasses.replace(at, compile=dataclasses.replace(at.compile, enabled=False))
-            if tp_problem(eager) is None:
-                at, problem, note = eager, None, "compile off"
+        at, problem, note = _at_degree(fsdp2, sharding, tp, tp=tp)
         if tp > 1 and problem is None:
             problem = layout
         if problem is not None:
@@ -604,19 +617,10 @@ def _cp_degrees(cfg: RecipeConfig, units: list[list[ParamShape]]) -> list[CpOpti
     with fsdp2 (the engine CP needs): the mesh and rank 0's memory, or why not (what
     `fsdprun train` refuses). A degree refused only because of compile is shown with compile
     off (context parallel refuses compile), as that is the run it could be."""
-    sharding = Sharding.full if cfg.fsdp.engine is Engine.ddp else effective_sharding(cfg.fsdp)
-    fsdp2 = dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, engine=Engine.fsdp2))
+    fsdp2, sharding = _as_fsdp2(cfg)
     options = []
     for cp in sorted({*CP_DEGREES, cfg.parallel.cp}):
-        at = _with_sharding(
-            dataclasses.replace(fsdp2, parallel=dataclasses.replace(cfg.parallel, cp=cp)),
-            sharding,
-        )
-        problem, note = (tp_problem(at) if cp > 1 else None), None
-        if problem is not None and at.compile.enabled:
-            eager = dataclasses.replace(at, compile=dataclasses.replace(at.compile, enabled=False))
-            if tp_problem(eager) is None:
-                at, problem, note = eager, None, "compile off"
+        at, problem, note = _at_degree(fsdp2, sharding, cp, cp=cp)
         if problem is not None:
             options.append(CpOption(cp, missing=problem))
             continue
