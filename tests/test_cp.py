@@ -38,15 +38,16 @@ def errors_of(*overrides: str) -> list[str]:
     [
         (["parallel.cp=3"], "parallel.cp (3) must divide the world size (4)"),
         (["parallel.cp=2", "train.seq_len=63"], "parallel.cp (2) does not divide train.seq_len"),
-        (["parallel.cp=4"], "parallel.cp (4) does not divide the model's kv heads (2"),
-        (["parallel.cp=2", "parallel.cp_impl=ring"], "parallel.cp_impl=ring: torch 2.13's ring"),
+        (["parallel.cp=4", "parallel.cp_impl=alltoall"],
+         "parallel.cp (4) does not divide the model's kv heads (2"),
         (["parallel.cp=2", "fsdp.engine=fsdp1"], "parallel.cp=2 with fsdp.engine=fsdp1"),
         (["parallel.cp=2", "lora.rank=4"], "parallel.cp=2 with lora.rank=4"),
         (["parallel.cp=2", "precision.float8=tensorwise"], "with precision.float8=tensorwise"),
         (["parallel.cp=2", "compile.enabled=true"], "parallel.cp=2 with compile.enabled=true"),
         (["parallel.cp=2", "fsdp.cpu_offload=true"], "parallel.cp=2 with fsdp.cpu_offload=true"),
-        (["parallel.cp=2", "parallel.tp=2"],
+        (["parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=alltoall"],
          "n_kv_heads / parallel.tp (2) = 1 per TP rank): the all-to-all gives each rank"),
+        (["parallel.cp=2", "parallel.tp=2"], "parallel.tp=2 and parallel.cp_impl=ring (what auto"),
         (["parallel.cp=2", "parallel.tp=2", "model.n_kv_heads=4", "train.seq_len=62"],
          "parallel.cp x parallel.tp (2 x 2) does not divide train.seq_len (62)"),
         (["parallel.cp=2", "train.global_batch_size=6", "train.micro_batch_size=2"],
@@ -73,8 +74,11 @@ def test_hf_folders_other_than_llama_are_refused_until_verified(tmp_path):
     load_recipe("debug", [*FOUR, "parallel.cp=2", f"model.hf_path={folder('llama')}"])
     found = errors_of("parallel.cp=2", "parallel.tp=2", f"model.hf_path={tmp_path / 'llama'}")
     assert any("cp x tp is verified for the built-in Llama only" in e for e in found), found
-    found = errors_of("parallel.cp=4", f"model.hf_path={tmp_path / 'llama'}")
+    found = errors_of("parallel.cp=4", "parallel.cp_impl=alltoall",
+                      f"model.hf_path={tmp_path / 'llama'}")  # fmt: skip
     assert any("parallel.cp (4) does not divide the model's kv heads (2" in e for e in found)
+    # auto takes the ring there, and the ring refuses tensor parallel.
+    load_recipe("debug", [*FOUR, "parallel.cp=4", f"model.hf_path={tmp_path / 'llama'}"])
 
 
 def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):
@@ -84,12 +88,12 @@ def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
     result = CliRunner().invoke(
-        app, ["train", "debug", "parallel.cp=2", "parallel.cp_impl=ring", "--nproc-per-node",
-              "4", "--run-dir", "r"],
+        app, ["train", "debug", "parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=ring",
+              "--nproc-per-node", "4", "--run-dir", "r"],
     )  # fmt: skip
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.strip().splitlines()
-    assert "parallel.cp_impl=ring" in line and "use parallel.cp_impl=alltoall" in line, line
+    assert "parallel.tp=2 and parallel.cp_impl=ring" in line and "set parallel.tp=1" in line, line
     assert not Path("r").exists()
 
 
@@ -429,3 +433,90 @@ def test_compare_accepts_cp_configurations():
                         ("fsdp2:cp2:cp4", "use engine[:sharding][:tpN][:cpN]")]:  # fmt: skip
         with pytest.raises(UserError, match=re.escape(phrase)):
             parse_configs(bad)
+
+
+# --- ring attention (parallel.cp_impl=ring, what auto takes where cp does not divide the heads) --
+
+
+def _ring_rank(rank: int, world: int) -> dict:
+    """Whole-row attention (8 query heads, 2 kv heads: cp 4 cannot split them) against the
+    ring's on the rank's slice over a cp group of all 4 ranks: plain causal, a packed row's
+    dense document mask and its FlexAttention BlockMask, and the dense mask again with the
+    block's rows taken 3 at a time (ROW_CHUNK_BYTES): outputs and the gradients of q, k, v."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdprun.engines import cp
+    from fsdprun.models.attention import attend, build_attention_mask
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 16, 8, generator=gen) for h in (8, 2, 2))
+    grad = torch.randn(2, 8, 16, 8, generator=gen)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [-1] * 4, [0] * 3 + [1] * 13])
+    dense = build_attention_mask(doc_ids, flex=False)
+    part = slice(rank * 16 // world, (rank + 1) * 16 // world)
+    ring = cp.ring_attention(mesh)
+    errors = []
+    cases = [(None, None), (dense, None), (build_attention_mask(doc_ids, flex=True), None),
+             (dense, 3 * 2 * 8 * 4 * 4)]  # fmt: skip
+    for mask, chunk in cases:
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        # The reference takes the dense mask for the BlockMask too (flex has no CPU backward).
+        want = attend(*whole, None if mask is None else dense, enable_gqa=True)
+        (want * grad).sum().backward()
+        mine = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
+        kept, cp.ROW_CHUNK_BYTES = cp.ROW_CHUNK_BYTES, chunk or cp.ROW_CHUNK_BYTES
+        try:
+            got = ring(*mine, mask, dropout=0.0)
+            (got * grad[:, :, part]).sum().backward()
+        finally:
+            cp.ROW_CHUNK_BYTES = kept
+        errors.append((got - want[:, :, part]).abs().max().item())
+        errors += [(m.grad - w.grad[:, :, part]).abs().max().item()
+                   for m, w in zip(mine, whole, strict=True)]  # fmt: skip
+    return {"shape": list(got.shape), "errors": errors}
+
+
+def test_ring_attention_equals_whole_row_attention(pools):
+    for result in pools[4].submit(_ring_rank):
+        assert result["shape"] == [2, 8, 4, 8], result
+        # The ring's own float32 block arithmetic against SDPA's kernel: rounding only.
+        assert max(result["errors"]) <= 5e-6, result
+
+
+def test_ring_is_what_auto_takes_where_cp_does_not_divide_the_heads():
+    """auto: all-to-all where cp divides the kv heads (per TP rank), else the ring; an explicit
+    alltoall that cannot split them is refused naming the ring; the ring with TP is refused."""
+    from fsdprun.engines.mesh import cp_impl
+
+    def impl(kv_heads, *overrides):
+        cfg = load_recipe("debug", [*FOUR, "model.n_kv_heads=4", *overrides]).config
+        return cp_impl(cfg, kv_heads=kv_heads)
+
+    assert impl(2, "parallel.cp=2") == "alltoall" and impl(2, "parallel.cp=4") == "ring"
+    assert impl(4, "parallel.cp=2", "parallel.tp=2") == "alltoall"
+    assert impl(2, "parallel.cp=2", "parallel.tp=2") == "ring"
+    assert impl(4, "parallel.cp=2", "parallel.cp_impl=ring") == "ring"
+    (line,) = errors_of("parallel.cp=4", "model.n_kv_heads=2", "parallel.cp_impl=alltoall")
+    assert "parallel.cp (4) does not divide the model's kv heads (2" in line
+    assert "or parallel.cp_impl=ring (or auto)" in line
+    (line,) = errors_of("parallel.cp=2", "parallel.tp=2", "model.n_kv_heads=2")
+    assert line.startswith("parallel.cp=2 with parallel.tp=2 and parallel.cp_impl=ring (what auto")
+    load_recipe("debug", [*FOUR, "parallel.cp=4", "model.n_kv_heads=2"])  # auto: the ring
+
+
+def test_ring_trains_packed_chat_rows_of_the_hf_folder_as_one_rank(pools, tmp_path, monkeypatch):
+    """The shipped HF Llama folder (2 kv heads) at cp 4, which auto computes with the ring:
+    packed chat rows (the whole row's document mask cut per block, positions restarting,
+    prompts not trained), transformers' scaling passed through, activation checkpointing
+    recomputing the ring: the losses, gradient norms, counts and parameters of one rank."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = Path(__file__).resolve().parents[1] / "recipes" / "data"
+    hf = (f"model.hf_path={data / 'tiny-llama-hf'}", "model.vocab_size=257", "data.source=chat",
+          f"data.paths=[{data / 'chat.jsonl'}]", f"data.tokenizer={data / 'tiny-llama-hf'}",
+          "data.truncate=truncate", "data.val_fraction=0")  # fmt: skip
+    ring = pools[4].train(*COMMON, *hf, "parallel.cp=4", "activation_checkpointing.mode=full")
+    assert ring.start["cp_impl"] == "ring" and ring.start["mesh"] == [["dp_shard", 1], ["cp", 4]]
+    assert ring.steps[0]["trained_tokens"] < 8 * 64  # prompts and padding are not trained
+    _assert_same(ring, pools[1].train(*COMMON, *hf), tmp_path)

@@ -311,18 +311,20 @@ class ParallelConfig:
         "Context-parallel degree: split each sequence across this many ranks, which divides the "
         "activations by cp. The mesh is [dp_replicate, dp_shard, cp, tp]; FSDP2 shards the "
         "parameters over dp_shard x cp, so cp ranks hold no duplicate state; the data-parallel "
-        "size is world size / (tp x cp). cp x tp must divide the world size and train.seq_len, "
-        "cp the kv heads per TP rank; needs fsdp.engine=fsdp2 and the built-in Llama or an HF "
-        "Llama folder (no other HF model types, LoRA, float8, compile or cpu offload yet). "
-        "1 = off. See docs/context-parallel.md.",
+        "size is world size / (tp x cp). cp x tp must divide the world size and train.seq_len "
+        "(and, for the all-to-all, cp the kv heads per TP rank); needs fsdp.engine=fsdp2 and "
+        "the built-in Llama or an HF Llama folder (no other HF model types, LoRA, float8, "
+        "compile or cpu offload yet). 1 = off. See docs/context-parallel.md.",
     )
     cp_impl: CpImpl = _f(
         CpImpl.auto,
         "How attention is computed across the split: `alltoall` (DeepSpeed-Ulysses: before "
         "attention each rank trades its sequence shard of all heads for the whole sequence of "
-        "1/cp of the heads, and back after; needs the kv heads divisible by cp), `ring` (torch's "
-        "ring attention: refused, it has no CPU/gloo path in torch 2.13 and fsdprun has not run "
-        "it), `auto` (alltoall when the heads divide, else refused with the reason).",
+        "1/cp of the heads, and back after; needs the kv heads per TP rank divisible by cp), "
+        "`ring` (ring attention: each rank's keys and values go round the cp group and every "
+        "rank attends its own queries to each slice, exact block by block; any head count, no "
+        "fused kernel; without tensor parallel), `auto` (alltoall when the heads divide, else "
+        "ring).",
     )
 
 

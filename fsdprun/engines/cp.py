@@ -1,6 +1,7 @@
 """Context parallelism (`parallel.cp`, docs/context-parallel.md): each sequence is split across
-the cp ranks of a group, and attention is computed across the split with an all-to-all over
-heads (DeepSpeed-Ulysses).
+the cp ranks of a group, and attention is computed across the split in one of two ways
+(`parallel.cp_impl`): an all-to-all over heads (DeepSpeed-Ulysses), or a ring that passes keys and
+values from rank to rank (ring attention) where the heads do not divide.
 
 Every rank of a cp group holds `seq_len / cp` consecutive tokens of each row (cp rank j the j-th
 slice: `fsdprun.data.Batch.sequence_shard`) from the embedding to the loss; only attention needs
@@ -11,6 +12,17 @@ whole rows with whatever kernel and mask the model uses (SDPA's causal, the dens
 FlexAttention mask of packed rows, built from the whole row's document ids); a second all-to-all
 gives each rank its slice of every head back. The rotary positions are those of the slice
 (`positions` cut from the whole row's), applied before the exchange.
+
+The ring (`ring_attention`) keeps every head and this rank's queries: the keys and values of each
+cp rank's slice go round the group (cp - 1 sends), and each rank computes its queries' attention
+to each slice that arrives, block by block, merging the blocks' softmaxes by their log-sum-exp
+(exact, as flash attention merges tiles). A slice after this rank's own is skipped: every mask
+fsdprun builds is causal. The backward sends the slices round again with their key and value
+gradients, which arrive home after the last step. Each block is computed with matmuls in float32
+(no fused kernel), `ROW_CHUNK_BYTES` of scores at a time, so memory holds one slice of keys and
+values besides this rank's own, not the whole row. It takes the whole row's mask as the all-to-all
+does: None (causal), a dense mask, or a FlexAttention BlockMask (its mask_mod evaluated per
+block).
 
 Parameters are sharded by FSDP2 over `dp_shard x cp` (the mesh's flattened `dp_shard_cp` dim,
 torchtitan's layout): each cp rank's gradient is the part its tokens contribute, and the
@@ -24,6 +36,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsdprun.errors import UserError
+
+# The scores (and, in the backward, their gradients) of at most this many bytes exist at a time
+# in the ring's block computation: the query rows of a block are taken this many at a time.
+ROW_CHUNK_BYTES = 256 * 2**20
 
 if TYPE_CHECKING:
     import torch
@@ -73,15 +89,194 @@ def alltoall_attention(attend: Callable, mesh: DeviceMesh) -> Callable:
     return attend_cp
 
 
+def _block_mask(mask, rows: slice, cols: slice, batch: int, device) -> torch.Tensor | None:
+    """What queries at whole-row positions `rows` may see of keys at `cols`: a boolean
+    (batch or 1, 1, rows, cols) mask (True: may attend), a float mask to add to the scores, or
+    None for all of them; `mask` as `attend` gets it: None (causal), a dense (batch, 1, seq, seq)
+    mask, or a FlexAttention BlockMask."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if mask is None:
+        if rows.start >= cols.stop:
+            return None  # a slice wholly before the queries: causal sees all of it
+        r = torch.arange(rows.start, rows.stop, device=device)
+        c = torch.arange(cols.start, cols.stop, device=device)
+        return (r[:, None] >= c[None, :])[None, None]
+    if isinstance(mask, BlockMask):
+        b = torch.arange(batch, device=device)[:, None, None]
+        h = torch.zeros((), dtype=torch.long, device=device)
+        r = torch.arange(rows.start, rows.stop, device=device)[None, :, None]
+        c = torch.arange(cols.start, cols.stop, device=device)[None, None, :]
+        return mask.mask_mod(b, h, r, c)[:, None]
+    return mask[:, :, rows, cols]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float):
+    """Scaled q k^T with a block's mask applied (-inf where a query may not attend)."""
+    import torch
+
+    s = (q @ k.transpose(-1, -2)) * scale
+    if mask is None:
+        return s
+    if mask.dtype == torch.bool:
+        return s.masked_fill(~mask, float("-inf"))
+    return s + mask
+
+
+def _row_chunks(batch: int, heads: int, rows: int, cols: int):
+    """Slices of a block's query rows whose scores take at most ROW_CHUNK_BYTES (float32)."""
+    step = max(1, ROW_CHUNK_BYTES // max(1, batch * heads * cols * 4))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+class _Ring:
+    """The cp group's ring: send to the next cp rank, receive from the previous one."""
+
+    def __init__(self, mesh: DeviceMesh):
+        import torch.distributed as dist
+
+        self.group = mesh.get_group()
+        self.size, self.rank = mesh.size(), mesh.get_local_rank()
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+
+    def start(self, tensors: list[torch.Tensor]):
+        """Send `tensors` on and start receiving the previous rank's (same shapes); returns
+        (the received tensors, a wait function)."""
+        import torch
+        import torch.distributed as dist
+
+        tensors = [t.contiguous() for t in tensors]  # gloo sends and receives dense buffers
+        got = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, g, self.prev, self.group) for g in got]
+        works = dist.batch_isend_irecv(ops)
+
+        def wait() -> list[torch.Tensor]:
+            for w in works:
+                w.wait()
+            return got
+
+        return wait
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v (batch, kv_heads, seq, dim) with each kv head repeated for its query heads."""
+    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
+
+
+def _reduce_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of `_expand_kv`: the query heads' parts summed per kv head."""
+    b, h, s, d = t.shape
+    return t.view(b, kv_heads, h // kv_heads, s, d).sum(2) if h != kv_heads else t
+
+
+def _ring_function():
+    import torch
+
+    class RingAttention(torch.autograd.Function):
+        """Ring attention of this rank's q slice against every cp rank's k, v slices."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, mask, scale, ring):
+            b, h, n, _ = q.shape
+            me = ring.rank
+            rows = slice(me * n, (me + 1) * n)
+            qf = q.float()
+            out = torch.zeros(b, h, n, v.shape[-1], dtype=torch.float32, device=q.device)
+            lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
+            kv = [k, v]
+            for step in range(ring.size):
+                wait = ring.start(kv) if step < ring.size - 1 else None
+                owner = (me - step) % ring.size  # whose slice this is
+                if owner <= me:  # a later slice is masked whole (causal)
+                    cols = slice(owner * n, (owner + 1) * n)
+                    bm = _block_mask(mask, rows, cols, b, q.device)
+                    kf, vf = (_expand_kv(t, h).float() for t in kv)
+                    for c in _row_chunks(b, h, n, n):
+                        s = _scores(qf[:, :, c], kf, None if bm is None else bm[:, :, c], scale)
+                        new = torch.logaddexp(lse[:, :, c], torch.logsumexp(s, dim=-1))
+                        out[:, :, c] = out[:, :, c] * torch.exp(lse[:, :, c] - new)[..., None] + (
+                            torch.exp(s - new[..., None]) @ vf
+                        )
+                        lse[:, :, c] = new
+                if wait is not None:
+                    kv = wait()
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.mask, ctx.scale, ctx.ring = mask, scale, ring
+            return out.to(q.dtype)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v, out, lse = ctx.saved_tensors
+            mask, scale, ring = ctx.mask, ctx.scale, ctx.ring
+            b, h, n, _ = q.shape
+            me = ring.rank
+            rows = slice(me * n, (me + 1) * n)
+            qf, do = q.float(), grad_out.float()
+            delta = (do * out).sum(-1)  # (b, h, n): the softmax's backward term
+            dq = torch.zeros_like(qf)
+            # Each slice travels with the gradients of its keys and values so far.
+            travel = [k, v, torch.zeros_like(k, dtype=torch.float32),
+                      torch.zeros_like(v, dtype=torch.float32)]  # fmt: skip
+            for step in range(ring.size):
+                owner = (me - step) % ring.size
+                kk, vv, dk, dv = travel
+                if owner <= me:
+                    cols = slice(owner * n, (owner + 1) * n)
+                    bm = _block_mask(mask, rows, cols, b, q.device)
+                    kf, vf = _expand_kv(kk, h).float(), _expand_kv(vv, h).float()
+                    dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
+                    for c in _row_chunks(b, h, n, n):
+                        s = _scores(qf[:, :, c], kf, None if bm is None else bm[:, :, c], scale)
+                        p = torch.exp(s - lse[:, :, c, None])
+                        dvf += p.transpose(-1, -2) @ do[:, :, c]
+                        ds = p * (do[:, :, c] @ vf.transpose(-1, -2) - delta[:, :, c, None])
+                        dq[:, :, c] += (ds @ kf) * scale
+                        dkf += (ds.transpose(-1, -2) @ qf[:, :, c]) * scale
+                    dk = dk + _reduce_kv(dkf, kk.shape[1])
+                    dv = dv + _reduce_kv(dvf, vv.shape[1])
+                # After the last step the slice is one rank short of home: one more send.
+                travel = (
+                    ring.start([kk, vv, dk, dv])() if step < ring.size - 1 else [kk, vv, dk, dv]
+                )
+            dk, dv = ring.start([travel[2], travel[3]])() if ring.size > 1 else travel[2:]
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+    return RingAttention
+
+
+def ring_attention(mesh: DeviceMesh, *, scale_of: Callable | None = None) -> Callable:
+    """`attend(q, k, v, mask, **kwargs)` computed by ring attention over the cp group `mesh`
+    (module docstring): q (batch, heads, seq / cp, head_dim), k and v (batch, kv_heads, ...) of
+    this rank's slice; the mask is the whole row's. The scale is 1/sqrt(head_dim) unless
+    `scale_of(kwargs)` names another (transformers passes `scaling`). Dropout is not applied:
+    a caller that asks for it is refused."""
+    ring = _Ring(mesh)
+    function = _ring_function()
+
+    def attend_ring(q, k, v, mask, **kwargs):
+        if kwargs.get("dropout"):
+            raise UserError(
+                "parallel.cp_impl=ring: attention dropout is not supported by the ring; set the "
+                "model's attention dropout to 0 or use parallel.cp_impl=alltoall"
+            )
+        scale = (scale_of(kwargs) if scale_of else None) or q.shape[-1] ** -0.5
+        return function.apply(q, k, v, mask, scale, ring)
+
+    return attend_ring
+
+
 def cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The `cp` dim of the mesh: one cp group per data-parallel (and tp) rank."""
     return mesh["cp"]
 
 
-def apply_cp(model: nn.Module, *, mesh: DeviceMesh) -> int:
+def apply_cp(model: nn.Module, *, mesh: DeviceMesh, impl: str = "alltoall") -> int:
     """Make every decoder block's attention (`cp_attention_modules()`, whose `attend` this
-    wraps) compute across the cp group `mesh`, in place (on the meta model, before activation
-    checkpointing and FSDP; parameters do not change).
+    wraps or, for `impl` "ring", replaces) compute across the cp group `mesh`, in place (on the
+    meta model, before activation checkpointing and FSDP; parameters do not change).
 
     Returns:
         The number of attention modules changed.
@@ -97,5 +292,8 @@ def apply_cp(model: nn.Module, *, mesh: DeviceMesh) -> int:
             "under context parallel; set parallel.cp=1"
         )
     for attention in modules:
-        attention.attend = alltoall_attention(attention.attend, mesh)
+        if impl == "ring":
+            attention.attend = ring_attention(mesh, scale_of=lambda kw: kw.get("scaling"))
+        else:
+            attention.attend = alltoall_attention(attention.attend, mesh)
     return len(modules)

@@ -20,6 +20,7 @@ from fsdprun.config import (
     Sharding,
     WrapPolicy,
 )
+from fsdprun.config.validate import cp_attention_facts
 from fsdprun.engines.base import (
     ADAM_STATE_BYTES,
     ADAM_STEP_BYTES,
@@ -126,12 +127,17 @@ def knobs(cfg: RecipeConfig, ws: int, add) -> None:
             f"device mesh {shape}: each row's sequence split over {cp} ranks (seq_len / {cp} "
             "tokens each, with their rotary positions); parameters sharded over dp_shard x cp",
         )
+        impl = cp_impl(cfg, cp_attention_facts(cfg)[0])
         add(
             "parallel.cp_impl",
             cfg.parallel.cp_impl,
-            f"{cp_impl(cfg)}: one all-to-all before each attention trades this rank's slice of "
+            f"{impl}: one all-to-all before each attention trades this rank's slice of "
             f"every head for the whole sequence of heads / {cp}, one after trades back "
-            "(DeepSpeed-Ulysses); attention then sees whole rows and the whole mask",
+            "(DeepSpeed-Ulysses); attention then sees whole rows and the whole mask"
+            if impl == "alltoall"
+            else f"{impl}: each rank's keys and values go round the {cp} ranks of its cp group "
+            f"({cp - 1} sends), every rank attends its queries to each slice as it arrives, "
+            "merged by log-sum-exp (ring attention; every head stays on every rank)",
         )
     add(
         "fsdp.sharding",

@@ -209,10 +209,15 @@ def tp_errors(
     return errors
 
 
-def cp_impl(cfg: RecipeConfig) -> str:
-    """The attention parallel.cp_impl resolves to: `alltoall` (also what `auto` picks; ring is
-    refused by `cp_errors`)."""
-    return "alltoall" if cfg.parallel.cp_impl is CpImpl.auto else cfg.parallel.cp_impl.value
+def cp_impl(cfg: RecipeConfig, kv_heads: int | None = None) -> str:
+    """The attention parallel.cp_impl resolves to: `auto` takes `alltoall` where parallel.cp
+    divides the kv heads per TP rank (`kv_heads`: the model's, None when not known), else
+    `ring`."""
+    if cfg.parallel.cp_impl is not CpImpl.auto:
+        return cfg.parallel.cp_impl.value
+    tp = max(tp_degree(cfg), 1)
+    divides = kv_heads is None or (kv_heads % tp == 0 and (kv_heads // tp) % cp_degree(cfg) == 0)
+    return "alltoall" if divides else "ring"
 
 
 def cp_errors(
@@ -250,19 +255,13 @@ def cp_errors(
             f"({cfg.train.seq_len}): sequence parallel shards each cp rank's seq_len / cp tokens "
             "over tp; choose degrees whose product divides it"
         )
-    if cfg.parallel.cp_impl is CpImpl.ring:
-        errors.append(
-            "parallel.cp_impl=ring: torch 2.13's ring attention (context_parallel) has no CPU "
-            "kernel (aten._scaled_dot_product_flash_attention_for_cpu has no sharding rule) and "
-            "takes no document masks, so fsdprun has not run it; use parallel.cp_impl=alltoall"
-        )
-    elif kv_heads is not None and kv_heads % tp == 0 and (kv_heads // tp) % cp:
+    impl = cp_impl(cfg, kv_heads)
+    if impl == "alltoall" and kv_heads is not None and kv_heads % tp == 0 and (kv_heads // tp) % cp:
         per_tp = "" if tp == 1 else f" / parallel.tp ({tp}) = {kv_heads // tp} per TP rank"
         errors.append(
             f"parallel.cp ({cp}) does not divide the model's kv heads ({kv_heads}, model."
-            f"n_kv_heads{per_tp}): the all-to-all gives each rank kv heads / cp of them "
-            f"(parallel.cp_impl={cfg.parallel.cp_impl.value}; ring attention, which needs no "
-            "such division, is not available); choose a cp that divides it"
+            f"n_kv_heads{per_tp}): the all-to-all gives each rank kv heads / cp of them; choose "
+            "a cp that divides it, or parallel.cp_impl=ring (or auto), which needs no such division"
         )
     refused = (
         (
@@ -291,6 +290,12 @@ def cp_errors(
             cfg.compile.enabled,
             "compile.enabled=true: compiled blocks with the all-to-all inside have not been "
             "verified; set compile.enabled=false",
+        ),
+        (
+            impl == "ring" and tp > 1,
+            f"parallel.tp={tp} and parallel.cp_impl=ring (what {cfg.parallel.cp_impl.value} "
+            "takes for these heads): the ring is verified without tensor parallel only; set "
+            "parallel.tp=1, or a cp that divides the kv heads per TP rank (all-to-all)",
         ),
         (
             cfg.fsdp.cpu_offload,
