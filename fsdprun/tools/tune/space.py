@@ -38,6 +38,7 @@ MEMORY_KNOBS = {
     "fsdp.cpu_offload": "false",
     "activation_checkpointing.mode": "none",
     "train.loss": "plain",
+    "parallel.cp": "1",
 }
 # cpu_offload is only tried where nothing else fits, whatever the space says.
 ALWAYS_DOMINATED = ("fsdp.cpu_offload",)
@@ -46,7 +47,7 @@ SHORT = {
     "fsdp.forward_prefetch": "fwd_prefetch", "fsdp.backward_prefetch": "bwd_prefetch",
     "fsdp.limit_all_gathers": "limit_ag", "fsdp.reshard_after_forward": "reshard",
     "activation_checkpointing.mode": "ac", "compile.enabled": "compile", "train.loss": "loss",
-    "fsdp.cpu_offload": "offload", "fsdp.wrap": "wrap",
+    "fsdp.cpu_offload": "offload", "fsdp.wrap": "wrap", "parallel.cp": "cp",
 }  # fmt: skip
 
 DEFAULT_MARGIN = 0.10  # planned peak x (1 + margin) must fit the device memory
@@ -108,6 +109,23 @@ def micro_batch_choices(cfg: RecipeConfig) -> list[str]:
     return [str(d) for d in range(1, per_rank + 1) if per_rank % d == 0]
 
 
+def cp_choices(cfg: RecipeConfig) -> list[str]:
+    """Context-parallel degrees to search: each that splits a row within a node (it divides
+    the node's ranks per TP group) and divides train.seq_len with parallel.tp; the recipe's
+    own included."""
+    tp = cfg.parallel.tp if cfg.parallel.tp >= 1 and cfg.world_size % cfg.parallel.tp == 0 else 1
+    per_node = max(cfg.launch.nproc_per_node // tp, 1)
+    fits = [d for d in range(1, per_node + 1)
+            if per_node % d == 0 and cfg.train.seq_len % (d * tp) == 0]  # fmt: skip
+    return [str(d) for d in sorted({*fits, max(cfg.parallel.cp, 1)})]
+
+
+def needs_context_parallel(cfg: RecipeConfig, memory: int, margin: float) -> bool:
+    """Whether tune's default space searches parallel.cp: the recipe does not split rows and
+    its plan does not fit `memory` (with `margin`); cp divides the activations."""
+    return cfg.parallel.cp <= 1 and _planned(cfg)[0] * (1 + margin) > memory
+
+
 # Whether the recipe's checks refuse KEY=VALUE whatever the space's other knobs (KEYS) are: its
 # refusal, else None (see `refused_alone`).
 Refusal = Callable[[str, str, set[str]], str | None]
@@ -115,9 +133,13 @@ Refusal = Callable[[str, str, set[str]], str | None]
 
 def default_space(
     cfg: RecipeConfig, *, accelerator: bool, refused: Refusal | None = None,
-    left_out: dict[str, str] | None = None,
+    left_out: dict[str, str] | None = None, cp: bool = False,
 ) -> list[SpaceKnob]:  # fmt: skip
     """What an engineer tuning FSDP by hand tries first, from the recipe's own values.
+
+    `cp`: also context parallel's degrees (`cp_choices`), for a recipe whose plan does not fit
+    without (`needs_context_parallel`); like the other memory knobs, a degree is tried only
+    where the same candidate at cp 1 does not fit.
 
     compile is searched on accelerators only (a CPU's inductor build costs more than short trials
     can win back); hybrid sharding only across several nodes. The space follows the recipe: a
@@ -147,6 +169,8 @@ def default_space(
         # what a measured trial can overrule). The mode and the filter change the numerics:
         # --space with --allow-numerics.
         space.append(("precision.float8_all_gather", ["null", "true", "false"]))
+    if cp and len(cp_choices(cfg)) > 1:
+        space.append(("parallel.cp", cp_choices(cfg)))
     if cfg.fsdp.engine.value == "ddp":
         space = [(k, v) for k, v in space if not k.startswith("fsdp.")]
     keys = {key for key, _ in space}
@@ -197,7 +221,7 @@ def canonical(value: Any) -> str:
 
 def parse_space(
     items: list[str], cfg: RecipeConfig, *, accelerator: bool, allow_numerics: bool,
-    refused: Refusal | None = None, left_out: dict[str, str] | None = None,
+    refused: Refusal | None = None, left_out: dict[str, str] | None = None, cp: bool = False,
 ) -> tuple[list[SpaceKnob], bool]:  # fmt: skip
     """The space from the recipe's `tune:` section and the --space items; and whether it is the
     default one (then memory knobs are dominated: tried only where the same candidate without
@@ -205,7 +229,8 @@ def parse_space(
 
     The command line wins: --space items without `defaults` are the whole space; with
     `defaults` they change only their knobs of the recipe's space, which is the default space
-    (tune.defaults) with tune.space's knobs set. `refused` and `left_out`: see default_space.
+    (tune.defaults) with tune.space's knobs set. `refused`, `left_out` and `cp`: see
+    default_space.
 
     Raises:
         UserError: a key that is not a tuning knob, a numerics knob without --allow-numerics,
@@ -213,8 +238,16 @@ def parse_space(
     """
     replace = bool(items) and "defaults" not in items
     defaults = not replace and cfg.tune.defaults
-    knobs = {k.key: k for k in default_space(cfg, accelerator=accelerator, refused=refused,
-                                             left_out=left_out)} if defaults else {}  # fmt: skip
+    knobs = (
+        {}
+        if not defaults
+        else {
+            k.key: k
+            for k in default_space(
+                cfg, accelerator=accelerator, refused=refused, left_out=left_out, cp=cp
+            )
+        }
+    )
     given: list[tuple[str, str, list[str]]] = []
     if not replace:
         given += [("tune.space", key, list(vals)) for key, vals in cfg.tune.space.items()]
