@@ -18,13 +18,16 @@ it names exist, and the `fsdprun[extra]` it installs is a declared extra. The tw
 itself runs, `bash scripts/setup.sh` and `python -m pytest`, are skipped.
 
 The docs' placeholders are given small real files in the working directory: `my.yaml` and
-`my-sft.yaml` (recipes extending `debug` and `sft-demo`), `corpus/*.txt` and `chat.jsonl` (the
-shipped text and chat data), `path/to/llama-folder` and `path/to/hf-folder` (the shipped tiny
-HuggingFace folder); `recipes/` is the repository's, so `recipes/data/...` paths resolve.
+`my-sft.yaml` (recipes extending `debug` and `sft-demo`, 4 steps: a reader's own recipe, whose
+length the docs do not say), `corpus/*.txt` and `chat.jsonl` (the shipped text and chat data),
+`path/to/llama-folder` and `path/to/hf-folder` (the shipped tiny HuggingFace folder);
+`recipes/` is the repository's, so `recipes/data/...` paths resolve.
 
-Run with `pytest tests/test_docs.py -s -n 0` to see the costliest commands: about 230 CPU s and
-2 min 50 s alone on a 2-core machine (2026-12-03, `fsdprun` through the suite's zygote), most
-of it in the training launches the docs show.
+Run with `pytest tests/test_docs.py -s -n 0` to see the costliest commands: about 118 CPU s
+(137 before the docs' key examples named `train.steps=4`) and 4 min 45 s on a shared 2-core
+machine (2026-12-05, `fsdprun` through the suite's zygote), most of it in the training
+launches the docs show; the costliest, `torchrun ... -m fsdprun` (11 CPU s), execs torchrun and
+its workers afresh, as `python -m fsdprun` is run nowhere else in the suite.
 """
 
 from __future__ import annotations
@@ -153,10 +156,10 @@ def make_workspace(root: Path) -> Path:
     data = ROOT / "recipes" / "data"
     (root / "recipes").symlink_to(ROOT / "recipes", target_is_directory=True)
     (root / "my.yaml").write_text(
-        "# fsdprun train my.yaml: the debug recipe, one sequence per micro-batch\n"
-        "extends: debug\ntrain:\n  micro_batch_size: 1\n"
+        "# fsdprun train my.yaml: the debug recipe, one sequence per micro-batch, 4 steps\n"
+        "extends: debug\ntrain:\n  micro_batch_size: 1\n  steps: 4\n"
     )
-    (root / "my-sft.yaml").write_text("extends: sft-demo\n")
+    (root / "my-sft.yaml").write_text("extends: sft-demo\ntrain:\n  steps: 4\n")
     (root / "corpus").mkdir()
     shutil.copy(data / "tiny.txt", root / "corpus" / "tiny.txt")
     shutil.copy(data / "chat.jsonl", root / "chat.jsonl")
