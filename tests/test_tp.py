@@ -1,16 +1,13 @@
 """Tensor parallelism (`parallel.tp`, docs/tensor-parallel.md): the refusals before launch, the
 mesh rules, and (in real gloo processes) the promise that tp x dp trains exactly as plain FSDP2.
 
-The trained runs share one persistent 4-rank and one 1-rank gloo group (no launch each); the
-resumes across meshes are `fsdprun resume` commands (through the suite's zygote) on copies of
-runs the group saved, so the command's own checks are what is tested. The whole file took
-300 s (273 CPU s) on the shared 2-core machine under a load of about 9 (2026-12-04; 140 s before
-the resumes went through the command and the sft-demo, hybrid and layout tests came): most of it
-the first test, which starts the pools and trains three runs, the compiled TP run (37 s with
-inductor's cache warm, about 100 s cold), the sft-demo launch (31 CPU s) and the three 4-rank
-resumes (37 CPU s). The HF families' plans (one task in the session's 2-rank pool for all
-seven, about 7 CPU s once the pool is up; Gemma 3 and Phi-3 trained at tp 2 x dp 2 and on one
-rank and exported, about 10 CPU s each) came after.
+The trained runs share the session's 4-, 2- and 1-rank gloo groups (tests/conftest.py; no
+launch each; tests/test_cp.py trains in the same 4- and 1-rank ones and reads the same plain
+references); the resumes across meshes are `fsdprun resume` commands (through the suite's
+zygote) on copies of the tp 2 x dp 2 run, so the command's own checks are what is tested. Most
+of the file's CPU: starting the 4 ranks (about 15 CPU s on the shared 2-core machine), the
+first compile of the TP blocks (about 16 CPU s in the 2-rank group, inductor's cache warm),
+the ranks' first HF model (transformers' import), and the 4-rank resumes (about 9 CPU s each).
 """
 
 from __future__ import annotations
