@@ -534,6 +534,18 @@ def gloo_pool_1(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gloo_pool_4(tmp_path_factory):
+    """Four ranks in one gloo process group for the session (as `gloo_pool`): the tp x dp and
+    cp x dp meshes of tests/test_tp.py and tests/test_cp.py, which share it and their dp 4
+    references (starting 4 ranks costs about 15 CPU s on the shared 2-core machine)."""
+    from gloo_pool import GlooPool
+
+    pool = GlooPool(4, tmp_path_factory.mktemp("gloo-pool-4"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def gloo_pool(tmp_path_factory):
     """Two ranks in one persistent gloo process group for the session (tests/gloo_pool.py):
     engine-level tests train in it instead of launching `fsdprun train` each."""

@@ -3,9 +3,9 @@ mesh rules, the all-to-all attention against whole-row attention, and the promis
 trains exactly as dp alone and as one rank, plain and packed rows, and resumes across cp
 degrees.
 
-The references train in one persistent 4-rank and one 1-rank gloo group (tests/gloo_pool.py);
-the cp run users type is one `fsdprun train` launch, and the resumes across degrees are
-`fsdprun resume` commands on copies of its folder (through the suite's zygote).
+The runs train in the session's persistent 4-rank and 1-rank gloo groups (tests/gloo_pool.py,
+shared with tests/test_tp.py and its plain references); the resumes across degrees are
+`fsdprun resume` commands on copies of the cp run's folder (through the suite's zygote).
 """
 
 from __future__ import annotations
@@ -224,26 +224,18 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def pools(tmp_path_factory):
-    from gloo_pool import GlooPool
-
-    four = GlooPool(4, tmp_path_factory.mktemp("cp-pool4"))
-    one = GlooPool(1, tmp_path_factory.mktemp("cp-pool1"))
-    yield {4: four, 1: one}
-    four.close()
-    one.close()
+def pools(gloo_pool_4, gloo_pool_1):
+    """The session's 4- and 1-rank groups (tests/conftest.py): tests/test_tp.py trains the same
+    plain references (dp 4 and one rank, the same COMMON) in them, each once."""
+    return {4: gloo_pool_4, 1: gloo_pool_1}
 
 
 @pytest.fixture(scope="module")
-def cp_run(tmp_path_factory) -> Run:
-    """`fsdprun train debug parallel.cp=2 ... --nproc-per-node 4` as a user types it, with
-    activation checkpointing (the all-to-all is recomputed in backward) and 2 micro-steps."""
-    root = tmp_path_factory.mktemp("cp-run")
-    proc = run_fsdprun(
-        "train", "debug", "parallel.cp=2", "activation_checkpointing.mode=full", *COMMON,
-        "--nproc-per-node", "4", "--run-dir", str(root / "run"), cwd=root,
-    )  # fmt: skip
-    return Run(proc, root / "run").check()
+def cp_run(pools) -> Run:
+    """cp 2 x dp 2 with activation checkpointing (the all-to-all is recomputed in backward) and
+    2 micro-steps, trained by the worker's own loop in the session's 4-rank group (the resumes
+    below are `fsdprun resume` commands on copies of its folder)."""
+    return pools[4].train(*COMMON, "parallel.cp=2", "activation_checkpointing.mode=full")
 
 
 def _ckpt(run, step: int) -> Path:
@@ -276,10 +268,21 @@ def test_cp2_dp2_trains_as_dp4_and_one_rank(cp_run, pools, tmp_path):
     _assert_same(cp_run, pools[4].train(*COMMON), tmp_path)
     _assert_same(cp_run, pools[1].train(*COMMON), tmp_path)
     assert [e["trained_tokens"] for e in cp_run.steps] == [8 * 64] * LAST
-    out = cp_run.proc.stdout
+    out = _header(start)
     assert "mesh: 2 dp_shard x 2 cp" in out, out
     assert "context parallel: cp 2, alltoall attention (each rank holds 32 of the 64" in out
     assert "parallel.cp_impl=auto -> alltoall: one all-to-all before each attention" in out
+
+
+def _header(start: dict) -> str:
+    """The run header and knob table as the console prints them from the start event."""
+    from rich.console import Console
+
+    from fsdprun.report.console import Reporter
+
+    console = Console(record=True, width=200, highlight=False)
+    Reporter(console, live=False).handle(start)
+    return console.export_text()
 
 
 def test_packed_chat_rows_with_clipping_and_chunked_loss_train_as_one_rank(pools, tmp_path):

@@ -1,16 +1,13 @@
 """Tensor parallelism (`parallel.tp`, docs/tensor-parallel.md): the refusals before launch, the
 mesh rules, and (in real gloo processes) the promise that tp x dp trains exactly as plain FSDP2.
 
-The trained runs share one persistent 4-rank and one 1-rank gloo group (no launch each); the
-resumes across meshes are `fsdprun resume` commands (through the suite's zygote) on copies of
-runs the group saved, so the command's own checks are what is tested. The whole file took
-300 s (273 CPU s) on the shared 2-core machine under a load of about 9 (2026-12-04; 140 s before
-the resumes went through the command and the sft-demo, hybrid and layout tests came): most of it
-the first test, which starts the pools and trains three runs, the compiled TP run (37 s with
-inductor's cache warm, about 100 s cold), the sft-demo launch (31 CPU s) and the three 4-rank
-resumes (37 CPU s). The HF families' plans (one task in the session's 2-rank pool for all
-seven, about 7 CPU s once the pool is up; Gemma 3 and Phi-3 trained at tp 2 x dp 2 and on one
-rank and exported, about 10 CPU s each) came after.
+The trained runs share the session's 4-, 2- and 1-rank gloo groups (tests/conftest.py; no
+launch each; tests/test_cp.py trains in the same 4- and 1-rank ones and reads the same plain
+references); the resumes across meshes are `fsdprun resume` commands (through the suite's
+zygote) on copies of the tp 2 x dp 2 run, so the command's own checks are what is tested. Most
+of the file's CPU: starting the 4 ranks (about 15 CPU s on the shared 2-core machine), the
+first compile of the TP blocks (about 16 CPU s in the 2-rank group, inductor's cache warm),
+the ranks' first HF model (transformers' import), and the 4-rank resumes (about 9 CPU s each).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import Run, fsdprun_env, model_at, run_fsdprun
+from conftest import Run, model_at, run_fsdprun
 from typer.testing import CliRunner
 
 import fsdprun.launch.elastic
@@ -174,16 +171,15 @@ COMMON = ("model.n_kv_heads=4", "train.steps=3", "train.micro_batch_size=1", "ou
           "checkpoint.every_steps=2", "schedule.warmup_steps=1", "optim.eps=1e-4")  # fmt: skip
 LAST = 3
 TOL = 1e-5
+# The tp 2 x dp 2 run: trained once, its checkpoints resumed, inspected and exported below.
+TP2 = ("parallel.tp=2", "activation_checkpointing.mode=full")
 
 
 @pytest.fixture(scope="module")
-def pools(tmp_path_factory, gloo_pool, gloo_pool_1):
-    """4 ranks of the module's own, and the session's 2- and 1-rank groups (tests/conftest.py)."""
-    from gloo_pool import GlooPool
-
-    four = GlooPool(4, tmp_path_factory.mktemp("tp-pool4"))
-    yield {4: four, 2: gloo_pool, 1: gloo_pool_1}
-    four.close()
+def pools(gloo_pool_4, gloo_pool, gloo_pool_1):
+    """The session's 4-, 2- and 1-rank groups (tests/conftest.py; tests/test_cp.py trains its
+    references in the same 4- and 1-rank ones)."""
+    return {4: gloo_pool_4, 2: gloo_pool, 1: gloo_pool_1}
 
 
 class Trained:
@@ -224,7 +220,7 @@ def _assert_same(run, ref, tmp: Path, *, steps=(1, 2, 3)):
 def test_tp2_dp2_trains_as_fsdp2_on_4_ranks_and_1_rank(trained, tmp_path):
     """tp 2 x dp 2 with accumulation (4 micro-steps) and activation checkpointing: losses,
     gradient norms and the trained parameters equal plain FSDP2's on 4 ranks and one rank's."""
-    tp = trained.run(4, "parallel.tp=2", "activation_checkpointing.mode=full")
+    tp = trained.run(4, *TP2)
     start = tp.start
     assert start["mesh"] == [["dp_shard", 2], ["tp", 2]] and start["grad_accum_steps"] == 4
     assert ["layers.0.attention.wq", "colwise"] in start["tp_plan"]
@@ -245,15 +241,6 @@ def test_tp2_dp2_trains_as_fsdp2_on_4_ranks_and_1_rank(trained, tmp_path):
     assert "fully_shard over the 2 dp_shard dims of the mesh" in header
 
 
-def test_tp_under_hybrid_sharding_trains_as_one_rank(trained, tmp_path):
-    """docs/tensor-parallel.md: TP combines with every sharding mode. Full and grad_op train in
-    the tests above and in test_matrix.py; hybrid with shard groups of one data-parallel rank
-    puts the 3-D mesh's dp_replicate dim under TP (none builds the same mesh)."""
-    tp = trained.run(4, "parallel.tp=2", "fsdp.sharding=hybrid", "fsdp.shard_group_size=1")
-    assert tp.start["mesh"] == [["dp_replicate", 2], ["dp_shard", 1], ["tp", 2]]
-    _assert_same(tp, trained.run(1), tmp_path)
-
-
 def test_clipped_tp_trains_as_torch_clips_one_rank(trained, tmp_path):
     """A clip far below the norm, on the 2-D mesh (Shard and Replicate gradients): as torch's
     clip_grad_norm_ does it on one rank (the ddp engine). optim.eps=1: AdamW's step follows
@@ -270,9 +257,12 @@ def test_compiled_tp_blocks_train_as_eager_tp(trained, tmp_path):
     async reduce-scatter (an AsyncCollectiveTensor); handed to the compiled block as it is,
     torch 2.13's AOTAutograd dropped the embedding's gradient (grad norm 0.440 instead of
     0.573: pytorch#191113). On 2 ranks (tp 2, no dp): every rank compiles its blocks on its own,
-    and the TP group, where the reduce-scatter happens, is the same as at tp 2 x dp 2."""
-    eager = trained.run(2, "parallel.tp=2")
-    compiled = trained.run(2, "parallel.tp=2", "compile.enabled=true")
+    and the TP group, where the reduce-scatter happens, is the same as at tp 2 x dp 2. Micro-
+    batches of 4 sequences: 2 micro-steps a step (accumulation through the compiled blocks)
+    instead of the 8 that one-sequence micro-batches take at dp 1."""
+    micro = ("parallel.tp=2", "train.micro_batch_size=4")
+    eager = trained.run(2, *micro)
+    compiled = trained.run(2, *micro, "compile.enabled=true")
     assert compiled.start["compile"] == "per block"
     _assert_same(compiled, eager, tmp_path)
 
@@ -288,20 +278,20 @@ def _header(start: dict) -> str:
 
 
 @pytest.mark.parametrize(
-    ("saved", "resumed", "world"),
+    ("resumed", "world"),
     [
-        (("parallel.tp=2",), ("parallel.tp=1",), 4),  # tp2 x dp2 -> dp4
-        (("parallel.tp=2",), ("parallel.tp=4",), 4),  # tp2 x dp2 -> tp4
-        (("parallel.tp=2",), (), 1),  # tp2 x dp2 -> one rank, tp not named: lowered to 1
+        (("parallel.tp=1",), 4),  # tp2 x dp2 -> dp4
+        (("parallel.tp=4",), 4),  # tp2 x dp2 -> tp4
+        ((), 1),  # tp2 x dp2 -> one rank, tp not named: lowered to 1
     ],
     ids=["tp2xdp2-to-dp4", "tp2xdp2-to-tp4", "tp2xdp2-to-1"],
 )
-def test_resume_is_exact_across_tp_degrees_and_dp_sizes(trained, tmp_path, saved, resumed, world):
+def test_resume_is_exact_across_tp_degrees_and_dp_sizes(trained, tmp_path, resumed, world):
     """`fsdprun resume RUN [parallel.tp=N] --nproc-per-node W` of a run stopped after its step-2
     checkpoint: DCP saved the DTensor shards with their placements, so step 3 under another mesh
     equals step 3 of the uninterrupted run. Before, the command refused any parallel.tp change
     ("resume cannot change parallel.tp") and a tp 2 run on one rank (tp 2 does not divide 1)."""
-    whole = trained.run(4, *saved)
+    whole = trained.run(4, *TP2)
     run_dir = _stopped_at_2(whole, tmp_path)
     proc = run_fsdprun("resume", str(run_dir), *resumed, "--nproc-per-node", str(world),
                        cwd=tmp_path)  # fmt: skip
@@ -323,7 +313,7 @@ def test_resume_is_exact_across_tp_degrees_and_dp_sizes(trained, tmp_path, saved
 def test_resume_refuses_a_named_tp_the_world_cannot_hold(trained, tmp_path):
     """A tp the command names is kept, not lowered: on 2 ranks, tp 4 is refused in one line that
     names the fix, before anything launches."""
-    run_dir = _stopped_at_2(trained.run(4, "parallel.tp=2"), tmp_path)
+    run_dir = _stopped_at_2(trained.run(4, *TP2), tmp_path)
     proc = run_fsdprun("resume", str(run_dir), "parallel.tp=4", "--nproc-per-node", "2",
                        cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -655,7 +645,7 @@ def test_a_tp_checkpoint_inspects_with_its_mesh_and_exports_whole_weights(traine
 
     from fsdprun.models.llama import hf_llama_name
 
-    tp = trained.run(4, "parallel.tp=2", "activation_checkpointing.mode=full")
+    tp = trained.run(4, *TP2)
     proc = run_fsdprun("inspect-checkpoint", str(_ckpt(tp, LAST)), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert re.search(r"mesh\s+2 dp_shard × 2 tp", proc.stdout), proc.stdout
@@ -673,14 +663,19 @@ def test_a_tp_checkpoint_inspects_with_its_mesh_and_exports_whole_weights(traine
 
 def test_chat_rows_with_masked_targets_train_and_evaluate_as_one_rank(trained, tmp_path):
     """Packed chat rows (document masks, restarted positions, prompt tokens not trained) under
-    tp 2 x dp 2: the trained targets are counted once per TP group, so the losses, the
-    validation loss and the trained-target counts equal one rank's."""
+    tp 2 with hybrid sharding: the trained targets are counted once per TP group, so the losses,
+    the validation loss and the trained-target counts equal one rank's. docs/tensor-parallel.md:
+    TP combines with every sharding mode; full trains above, grad_op in test_matrix.py, and
+    hybrid with shard groups of one data-parallel rank here puts the 3-D mesh's dp_replicate dim
+    under TP (no other test builds that mesh)."""
     data = Path(__file__).resolve().parents[1] / "recipes" / "data"
     chat = ("data.source=chat", f"data.paths=[{data / 'chat.jsonl'}]",
             f"data.tokenizer={data / 'tiny-llama-hf'}", "data.truncate=truncate",
             "model.vocab_size=258", "data.val_fraction=0.2", f"eval.every_steps={LAST}",
             "eval.batches=1")  # fmt: skip
-    tp, one = trained.run(4, "parallel.tp=2", *chat), trained.run(1, *chat)
+    hybrid = ("fsdp.sharding=hybrid", "fsdp.shard_group_size=1")
+    tp, one = trained.run(4, "parallel.tp=2", *hybrid, *chat), trained.run(1, *chat)
+    assert tp.start["mesh"] == [["dp_replicate", 2], ["dp_shard", 1], ["tp", 2]]
     counts = [e["trained_tokens"] for e in tp.steps]
     assert counts == [e["trained_tokens"] for e in one.steps] and counts[0] < 8 * 64
     _assert_same(tp, one, tmp_path)
@@ -688,8 +683,8 @@ def test_chat_rows_with_masked_targets_train_and_evaluate_as_one_rank(trained, t
 
 
 def test_sft_demo_trains_at_tp2_as_one_rank(pools, tmp_path):
-    """`fsdprun train sft-demo parallel.tp=2`, as docs/tensor-parallel.md shows it (there on 4
-    ranks; here on 2, tp 2 alone: the vocabulary's split is the TP group's, and tp 2 x dp 2
+    """sft-demo at parallel.tp=2, as docs/tensor-parallel.md shows it (there on 4 ranks; here on
+    the session's 2, tp 2 alone: the vocabulary's split is the TP group's, and tp 2 x dp 2
     trains as one rank in the tests above): the shipped HF folder (vocab 257, the byte
     tokenizer's: sharded unevenly, 129 + 128 rows) on packed chat rows trains and evaluates as
     one rank. Before, every shipped HF demo was refused under TP ("does not divide the model's
@@ -697,11 +692,7 @@ def test_sft_demo_trains_at_tp2_as_one_rank(pools, tmp_path):
     # optim.eps=1e-4 as in COMMON: the trained parameters then compare the gradients to 1e-5.
     short = ("train.steps=3", "output.log_every=1", f"eval.every_steps={LAST}", "eval.batches=1",
              "optim.eps=1e-4")  # fmt: skip
-    proc = run_fsdprun(
-        "train", "sft-demo", "parallel.tp=2", *short, "--nproc-per-node", "2", "--run-dir",
-        str(tmp_path / "run"), cwd=tmp_path, env=fsdprun_env(HF_HUB_OFFLINE="1"),
-    )  # fmt: skip
-    tp = Run(proc, tmp_path / "run").check()
+    tp = pools[2].train(*short, "parallel.tp=2", recipe="sft-demo")
     assert tp.start["mesh"] == [["dp_shard", 1], ["tp", 2]]
     one = pools[1].train(*short, recipe="sft-demo")
     assert [e["trained_tokens"] for e in tp.steps] == [e["trained_tokens"] for e in one.steps]
