@@ -83,6 +83,8 @@ def test_default_space_searches_math_knobs_only(recipe):
     assert default and {k.key for k in space} <= set(T_space.MATH_KNOBS)
     mb = next(k for k in space if k.key == "train.micro_batch_size")
     assert mb.values == ("1", "2", "4", "8")  # every divisor of 16 / 2 ranks
+    # Not a float8 recipe: no float8_all_gather (test_tune_searches_float8_all_gather_...).
+    assert "precision.float8_all_gather" not in {k.key for k in space}
     assert "compile.enabled" not in {k.key for k in space}  # CPU: no compile by default
     gpu, _ = T_space.parse_space(["defaults", "fsdp.wrap=block,none"], cfg, accelerator=True,
                                  allow_numerics=False)  # fmt: skip
@@ -1062,18 +1064,12 @@ def test_tune_searches_float8_all_gather_where_float8_runs_and_its_filter_as_num
     env = fsdprun_env(**{TEST_ON_CPU_ENV: "1"})
     base = tune_cmd(recipe, tmp_path / "o", "precision.float8=tensorwise", "--device-memory",
                     "1GB", "--dry-run", "--json")  # fmt: skip
-    proc = run_fsdprun(*base, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    space = {k["key"]: k["values"] for k in json.loads(proc.stdout)["space"]}
-    assert space["precision.float8_all_gather"] == ["null", "true", "false"]
-    plain = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB", "--dry-run",
-                                  "--json"), cwd=tmp_path, env=env)  # fmt: skip
-    keys = {k["key"] for k in json.loads(plain.stdout)["space"]}
-    assert "precision.float8_all_gather" not in keys
     numerics = ["--space", "defaults", "--space", "precision.float8_filter=default,skip_small"]
     refused = run_fsdprun(*base, *numerics, cwd=tmp_path, env=env)
     assert refused.returncode == 2 and "--allow-numerics" in refused.stderr, refused.stderr
+    # The default space (`defaults`) and the filter beside it: one dry run plans both.
     proc = run_fsdprun(*base, *numerics, "--allow-numerics", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     space = {k["key"]: k["values"] for k in json.loads(proc.stdout)["space"]}
+    assert space["precision.float8_all_gather"] == ["null", "true", "false"]
     assert space["precision.float8_filter"] == ["default", "skip_small"]
