@@ -201,6 +201,129 @@ class Zygote:
         self.proc.wait()
 
 
+class Started:
+    """`fsdprun ARGS` left running, for a test that signals or watches it, with what it uses of
+    subprocess.Popen(text=True): pid, poll, wait, send_signal, kill, communicate, returncode
+    (`start_fsdprun`). Forked from the zygote: `pid` is the command's own process (a session of
+    its own; its launcher, whose workers are its children), so a signal reaches the command
+    itself, not a client. Its stdout and stderr go to files, read by `communicate`. Once it has
+    ended nothing more is killed (its workers and children must go by the command's own means);
+    dropped while it runs (the test failed), its process group is killed."""
+
+    def __init__(self, zygote: Zygote, args: list[str], *, cwd: Path, env: dict[str, str]):
+        import json
+
+        zygote.count += 1
+        self.args = [FSDPRUN, *args]
+        self._files = [zygote.root / f"cmd{zygote.count}.{k}" for k in ("out", "err")]
+        self._buffer, self._output, self.returncode = b"", None, None
+        request = {"argv": args, "cwd": str(cwd), "env": env, "stdout": str(self._files[0]),
+                   "stderr": str(self._files[1])}  # fmt: skip
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(zygote.path)
+            self._conn.sendall(json.dumps(request).encode() + b"\n")
+            started = json.loads(self._line(None))
+        except (OSError, ValueError) as e:  # the command never started
+            self._conn.close()
+            raise ZygoteGone(str(e)) from e
+        self.pid = started["pid"]
+        ZYGOTE_COMMANDS["fresh" if started.get("fresh") else "forked"] += 1
+
+    def _line(self, timeout: float | None) -> bytes | None:
+        """The zygote's next line, or None if none came within `timeout`."""
+        import select
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            if not select.select([self._conn], [], [], left)[0]:
+                return None
+            data = self._conn.recv(1 << 16)
+            if not data:
+                raise OSError("the zygote closed the connection")
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def wait(self, timeout: float | None = None) -> int:
+        import json
+
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = json.loads(line)["code"]
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.wait(0)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        if self._output is None:
+            self._output = tuple(p.read_text(errors="replace") for p in self._files)
+            for p in self._files:
+                p.unlink()
+        return self._output
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes (not zombies) whose command line or an open file names `text`: a
+    command's launcher and workers, exec'd (their command line) or forked from the zygote (the
+    lock, logs and metrics they hold open in their run directory)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state in ("Z", "X"):
+                continue
+            named = text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            fds = [] if named else list((proc / "fd").iterdir())
+        except (OSError, IndexError):  # gone, or not ours to read
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed since the listing
+                named = named or text in os.readlink(fd)
+        if named:
+            found.append(int(proc.name))
+    return found
+
+
+def start_fsdprun(*args: str, cwd: Path, env: dict[str, str] | None = None):
+    """`fsdprun ARGS` started, not waited for: a `Started` command forked from the zygote, or
+    with FSDPRUN_TEST_NO_ZYGOTE=1 a subprocess.Popen of the console script (stdout and stderr
+    piped, text)."""
+    env = env or fsdprun_env()
+    if not os.environ.get("FSDPRUN_TEST_NO_ZYGOTE"):
+        for _ in range(2):
+            try:
+                return Started(_zygote(), list(args), cwd=cwd, env=env)
+            except ZygoteGone:  # once more with a new zygote: the command had not started
+                _ZYGOTE[0].close()
+                _ZYGOTE.clear()
+    return subprocess.Popen(
+        [FSDPRUN, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
 _ZYGOTE: list[Zygote] = []
 # This process's zygote commands: forked from it, or exec'd afresh (their environment changes what
 # libraries read at import); the summary prints both (pytest_terminal_summary).

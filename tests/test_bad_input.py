@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun
+from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_command
 from typer.testing import CliRunner
 
 import fsdprun.device
@@ -235,19 +235,21 @@ def test_rendezvous_endpoint_that_never_answers(tmp_path):
         port = s.getsockname()[1]
     proc = run_fsdprun(
         "train", "debug", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "1",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "launch.rdzv_timeout_s=2",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "launch.rdzv_timeout_s=1",
         "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=120,
     )  # fmt: skip
     line = _one_line_exit_2(proc)
-    assert "failed within launch.rdzv_timeout_s=2" in line and "timed out" in line
+    assert "failed within launch.rdzv_timeout_s=1" in line and "timed out" in line
 
 
 def test_a_node_waiting_for_the_others_says_so_and_gives_up_in_one_line(tmp_path):
-    # Node 0 of 2 alone: it hosts the rendezvous store, joins, and waits for node 1.
-    timeout_s = 6
+    # Node 0 of 2 alone: it hosts the rendezvous store, joins, and waits for node 1. Its lines
+    # as they come, through the zygote's client (the command gets the client's pipes).
+    timeout_s = 5
     port = free_port()
     proc = subprocess.Popen(
-        [FSDPRUN, "train", "debug", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+        [zygote_command(tmp_path), "train", "debug", "--nnodes", "2", "--node-rank", "0",
+         "--nproc-per-node", "1",
          "--rdzv-endpoint", f"127.0.0.1:{port}", f"launch.rdzv_timeout_s={timeout_s}",
          "--run-dir", str(tmp_path / "run")],
         cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import FSDPRUN, Run, assert_same_state, fsdprun_env, run_fsdprun
+from conftest import Run, assert_same_state, fsdprun_env, run_fsdprun, start_fsdprun
 
 from fsdprun.checkpoint import list_checkpoints, step_dir, verify_checkpoint
 from fsdprun.tools.compare import CompareConfig, run_config
@@ -95,14 +95,11 @@ def test_a_restart_with_no_steps_left_reports_cleanly(straight: Run, tmp_path):
     assert "no steps ran in this launch (it started at step 40 of 40)" in proc.stdout
 
 
-def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [FSDPRUN, "train", "debug", *args, "--run-dir", str(tmp_path / "run")], cwd=tmp_path,
-        env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+def _start(tmp_path: Path, *args: str):
+    return start_fsdprun("train", "debug", *args, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
+def _wait_for_step(run_dir: Path, step: int, proc) -> None:
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= step:
@@ -140,10 +137,7 @@ def test_a_stop_file_stops_at_a_checkpoint_exits_0_and_piped_lines_stay_whole(
     # would break every line at 80 columns, the run directory's path among them.
     run_dir = tmp_path / ("a-folder-whose-name-alone-is-longer-than-forty-columns" * 2) / "run"
     env = {k: v for k, v in fsdprun_env().items() if k != "COLUMNS"}
-    proc = subprocess.Popen(
-        [FSDPRUN, "train", "debug", *BASE, "--run-dir", str(run_dir)], cwd=tmp_path, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = start_fsdprun("train", "debug", *BASE, "--run-dir", str(run_dir), cwd=tmp_path, env=env)
     _wait_for_step(run_dir, 2, proc)
     (run_dir / "STOP").write_text("")
     out, err = proc.communicate(timeout=120)
@@ -283,13 +277,13 @@ def test_fp16_skip_backs_off_the_loss_scale_and_trains_on(tmp_path):
 def test_a_rank_that_stops_answering_is_named(tmp_path):
     start = time.time()
     proc = run_fsdprun(
-        "train", "debug", "train.steps=6", "launch.timeout_s=5", "--run-dir",
+        "train", "debug", "train.steps=6", "launch.timeout_s=4", "--run-dir",
         str(tmp_path / "run"), cwd=tmp_path, env=fsdprun_env(FSDPRUN_HANG_AT="1:3"),
     )  # fmt: skip
     assert proc.returncode == 1
     line = proc.stderr.strip()
     assert "\n" not in line and "rank 0 failed" in line
-    assert "a collective timed out at step 3 (launch.timeout_s=5)" in line
+    assert "a collective timed out at step 3 (launch.timeout_s=4)" in line
     assert "stopped answering: rank 1 (last step 2)" in line
     assert time.time() - start < 90
 

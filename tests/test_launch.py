@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_command
+from conftest import Run, free_port, fsdprun_env, run_fsdprun, start_fsdprun, zygote_command
 from rich.console import Console
 
 from fsdprun.checkpoint import list_checkpoints
@@ -80,12 +80,8 @@ def _listening_sockets(root: int) -> set[tuple[int, str, int]]:
 
 def test_a_single_node_run_listens_on_loopback_only(tmp_path):
     # Restarts on (before the fix, the one setting where rank 0 hosted the workers' store).
-    proc = subprocess.Popen(
-        [FSDPRUN, "train", "debug", "train.steps=4", "launch.max_restarts=1",
-         "--run-dir", str(tmp_path / "run")],
-        cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    proc = start_fsdprun("train", "debug", "train.steps=4", "launch.max_restarts=1",
+                         "--run-dir", str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
     seen: set[tuple[int, str, int]] = set()
     while proc.poll() is None:
         seen |= _listening_sockets(proc.pid)
@@ -434,10 +430,8 @@ def test_srun_tasks_train_together_as_one_job(tmp_path):
     step = {**SRUN_STEP, "MASTER_PORT": str(free_port())}  # tests run side by side on one host
     args = ["train", "debug", "train.steps=3", "output.log_every=1", "--run-dir", str(run_dir)]
     procs = [
-        subprocess.Popen(
-            [FSDPRUN, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=fsdprun_env(**step, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
-        )
+        start_fsdprun(*args, cwd=tmp_path,
+                      env=fsdprun_env(**step, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)))
         for r in (0, 1)
     ]  # fmt: skip
     outs = [p.communicate(timeout=300) for p in procs]

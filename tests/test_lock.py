@@ -14,23 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import FSDPRUN, Run, fsdprun_env, run_fsdprun
+from conftest import Run, Started, fsdprun_env, run_fsdprun, start_fsdprun
 
 from fsdprun.rundir import heartbeat_path, lock_path
 from fsdprun.runlock import hold_run_dir
 
 
-def _popen(tmp_path: Path, *args: str, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [FSDPRUN, *args], cwd=tmp_path, env=fsdprun_env(**env), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
-def _race(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen, subprocess.Popen, str]:
+def _race(tmp_path: Path, *args: str, **env: str) -> tuple[Started, Started, str]:
     """Start the same command twice at once; returns (the one holding the run directory, the
     refused one, the refused one's stderr)."""
-    procs = [_popen(tmp_path, *args, **env) for _ in range(2)]
+    procs = [start_fsdprun(*args, cwd=tmp_path, env=fsdprun_env(**env)) for _ in range(2)]
     deadline = time.time() + 180
     while time.time() < deadline and all(p.poll() is None for p in procs):
         time.sleep(0.05)
@@ -42,7 +35,7 @@ def _race(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen, sub
     return winner, refused, err
 
 
-def _resume_frozen(run_dir: Path, proc: subprocess.Popen) -> None:
+def _resume_frozen(run_dir: Path, proc: Started) -> None:
     """SIGCONT rank 0 once FSDPRUN_FREEZE_AT has stopped it."""
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:

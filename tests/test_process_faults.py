@@ -12,17 +12,10 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from conftest import FSDPRUN, fsdprun_env
+from conftest import processes_naming, start_fsdprun
 
 from fsdprun.launch.killed import mem_total_bytes
 from fsdprun.report.console import fmt_bytes
-
-
-def _popen(cwd: Path, *args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen(
-        [FSDPRUN, *args], cwd=cwd, env=fsdprun_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, **popen,
-    )  # fmt: skip
 
 
 def _heartbeat(run_dir: Path, rank: int) -> dict | None:
@@ -31,7 +24,7 @@ def _heartbeat(run_dir: Path, rank: int) -> dict | None:
     return None
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, ranks=(0, 1)) -> list[dict]:
+def _wait_for_step(run_dir: Path, step: int, proc, ranks=(0, 1)) -> list[dict]:
     """Every rank's heartbeat once each has reached `step`."""
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
@@ -55,8 +48,8 @@ def test_a_worker_killed_by_sigkill_is_named_with_its_step_log_and_the_oom_hint(
     # The agent checks its workers once a second here, so rank 0, which loses its connection at
     # once, has exited too by the agent's next check: the rank killed must still be the one named.
     run_dir = tmp_path / "run"
-    proc = _popen(tmp_path, "train", "debug", "train.steps=100000", "launch.monitor_interval_s=1",
-                  "--run-dir", str(run_dir))  # fmt: skip
+    proc = start_fsdprun("train", "debug", "train.steps=100000", "launch.monitor_interval_s=1",
+                         "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
     try:
         victim = _wait_for_step(run_dir, 2, proc)[1]
         os.kill(victim["pid"], signal.SIGKILL)
@@ -80,25 +73,9 @@ def test_a_worker_killed_by_sigkill_is_named_with_its_step_log_and_the_oom_hint(
     assert "dmesg" in line and "oom-kill" in line and "journalctl -k" in line
 
 
-def _live_processes_naming(text: str) -> list[int]:
-    """Processes (not zombies) whose command line names `text`."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if text in cmdline and state not in ("Z", "X"):
-            found.append(int(proc.name))
-    return found
-
-
 def _survivors(text: str, within_s: float) -> list[int]:
     deadline = time.time() + within_s
-    while (alive := _live_processes_naming(text)) and time.time() < deadline:
+    while (alive := processes_naming(text)) and time.time() < deadline:
         time.sleep(0.05)
     return alive
 
@@ -111,10 +88,8 @@ def test_a_killed_compare_takes_its_current_run_with_it(tmp_path):
 
     for attempt in range(3):
         out_dir = tmp_path / f"cmp{attempt}"
-        proc = _popen(
-            tmp_path, "compare", "debug", "--configs", "ddp,fsdp2", "--steps", "100000",
-            "--run-dir", str(out_dir),
-        )  # fmt: skip
+        proc = start_fsdprun("compare", "debug", "--configs", "ddp,fsdp2", "--steps", "100000",
+                             "--run-dir", str(out_dir), cwd=tmp_path)  # fmt: skip
         try:
             _wait_for_step(out_dir / "ddp", 0, proc)  # both workers of the first run are up
             proc.send_signal(signal.SIGTERM)
@@ -140,14 +115,14 @@ def test_a_killed_compare_takes_its_current_run_with_it(tmp_path):
             assert saved.complete and saved.step == step  # the run stopped at a checkpoint
             assert not (out_dir / "fsdp2").exists()
         finally:
-            for pid in _live_processes_naming(str(out_dir)):
+            for pid in processes_naming(str(out_dir)):
                 with suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             if proc.poll() is None:
                 proc.kill()
 
 
-def _wait_for_checkpoint(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
+def _wait_for_checkpoint(run_dir: Path, step: int, proc) -> None:
     manifest = run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None and not manifest.exists():
@@ -168,7 +143,7 @@ def test_a_run_whose_directory_vanishes_stops_in_one_line_and_writes_nothing_the
     args = ("train", "debug", "checkpoint.every_steps=2", "output.log_every=1")
     # Deleted, then SIGTERM.
     run_dir = tmp_path / "run"
-    proc = _popen(tmp_path, *args, "train.steps=100000", "--run-dir", str(run_dir))
+    proc = start_fsdprun(*args, "train.steps=100000", "--run-dir", str(run_dir), cwd=tmp_path)
     try:
         _wait_for_checkpoint(run_dir, 2, proc)
         run_dir.rename(tmp_path / "doomed")  # then removed: as `rm -rf` with nothing left behind
@@ -187,12 +162,12 @@ def test_a_run_whose_directory_vanishes_stops_in_one_line_and_writes_nothing_the
                            f"it stopped at step {step} without saving")  # fmt: skip
     assert line.endswith("), was in it and is gone too") and "the last checkpoint, step-" in line
     assert not run_dir.exists()  # nothing recreated it
-    assert not _live_processes_naming(str(run_dir))
+    assert not processes_naming(str(run_dir))
 
     # Moved away and recreated, no signal: the run notices by itself and writes nothing into
     # the new folder.
     run_dir, moved = tmp_path / "run2", tmp_path / "run2.moved"
-    proc = _popen(tmp_path, *args, "train.steps=40", "--run-dir", str(run_dir))
+    proc = start_fsdprun(*args, "train.steps=40", "--run-dir", str(run_dir), cwd=tmp_path)
     try:
         _wait_for_checkpoint(run_dir, 2, proc)
         run_dir.rename(moved)

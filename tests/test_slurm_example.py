@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FSDPRUN, Run, free_port, fsdprun_env, run_fsdprun, zygote_command
+from conftest import Run, free_port, fsdprun_env, run_fsdprun, zygote_command
 
 from fsdprun.checkpoint import list_checkpoints
 
@@ -48,8 +48,11 @@ def cluster(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     port = free_port()
+    # The scripts' `$FSDPRUN` through the suite's zygote: each command its own process, as
+    # run_fsdprun's; the client forwards the preemptible script's SIGTERM to it.
+    fsdprun = zygote_command(tmp_path)
 
-    def start(script: str, *args: str, fsdprun: str = FSDPRUN) -> list[subprocess.Popen]:
+    def start(script: str, *args: str) -> list[subprocess.Popen]:
         procs = []
         for node in (0, 1):
             env = fsdprun_env(
@@ -77,11 +80,8 @@ def test_sbatch_runs_one_launcher_per_node_as_one_job(cluster):
     --nnodes 1` of its step-2 checkpoint reshards onto one node's one rank and gives the job's
     own steps 3 and 4 (another world size sums in another order: to 1e-6)."""
     start, tmp_path = cluster
-    # The script's `$FSDPRUN` through the suite's zygote (each its own process, as run_fsdprun's;
-    # the preemptible script, which forwards signals to it, runs the real one).
-    fsdprun = zygote_command(tmp_path)
     args = ("train.steps=4", "output.log_every=1", "checkpoint.every_steps=2")
-    results = _finish(start("train.sbatch", *args, fsdprun=fsdprun))
+    results = _finish(start("train.sbatch", *args))
     assert [rc for rc, _ in results] == [0, 0], results
     run = Run(None, tmp_path / "run")
     assert [e["step"] for e in run.steps] == [1, 2, 3, 4]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import fsdprun_env, processes_naming, run_fsdprun, start_fsdprun
 
 from fsdprun.config import DeviceKind, launch_device_problem, load_recipe
 from fsdprun.errors import UserError
@@ -28,7 +29,6 @@ from fsdprun.tools.tune import report as T_report
 from fsdprun.tools.tune import search as T_search
 from fsdprun.tools.tune import space as T_space
 from fsdprun.tools.tune import trials as T_trials
-from tests.conftest import FSDPRUN, fsdprun_env, run_fsdprun
 
 RECIPE = "extends: debug\ntrain:\n  global_batch_size: 16\n  micro_batch_size: 1\n"
 
@@ -83,6 +83,8 @@ def test_default_space_searches_math_knobs_only(recipe):
     assert default and {k.key for k in space} <= set(T_space.MATH_KNOBS)
     mb = next(k for k in space if k.key == "train.micro_batch_size")
     assert mb.values == ("1", "2", "4", "8")  # every divisor of 16 / 2 ranks
+    # Not a float8 recipe: no float8_all_gather (test_tune_searches_float8_all_gather_...).
+    assert "precision.float8_all_gather" not in {k.key for k in space}
     assert "compile.enabled" not in {k.key for k in space}  # CPU: no compile by default
     gpu, _ = T_space.parse_space(["defaults", "fsdp.wrap=block,none"], cfg, accelerator=True,
                                  allow_numerics=False)  # fmt: skip
@@ -531,21 +533,13 @@ def test_tuned_yaml_of_relative_paths_trains_from_another_directory(tmp_path):
     assert (elsewhere / "run" / "metrics.jsonl").is_file()
 
 
-def _trials_left(out: Path, within_s: float = 5) -> list[str]:
+def _trials_left(out: Path, within_s: float = 5) -> list[int]:
     """The processes still naming the search's trial directories after `within_s` (a trial's
     launcher and workers get SIGKILL as tune dies; reaping them takes a moment)."""
     deadline = time.monotonic() + within_s
-    while True:
-        left = subprocess.run(["pgrep", "-f", str(out / "trials")], capture_output=True, text=True)
-        pids = left.stdout.split()
-        if not pids or time.monotonic() > deadline:
-            return pids
+    while (pids := processes_naming(str(out / "trials"))) and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-def _sigint_as_a_terminal_gives_it() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    return pids
 
 
 def _signals(pid: int) -> dict[str, str]:
@@ -571,8 +565,7 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
 
     # Continue with a failing trial, and kill -9 tune in the trial after it.
     env = fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c1-0:FSDPRUN_FAIL_AT=0:2")
-    popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    popen = start_fsdprun(*args, "--budget", "10m", cwd=tmp_path, env=env)
     deadline = time.monotonic() + 120
     running = out / "trials" / "r0-c0-1"  # made by the trial's own `fsdprun train`
     while not running.exists() and time.monotonic() < deadline:
@@ -595,14 +588,11 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     # The trial hangs at its first step, so it is still running when the signal comes (a trial
     # that finished first made tune end well before it, on a loaded machine).
     # tune starts as a terminal's foreground command does, SIGINT neither ignored nor blocked
-    # (a test process can pass on either, and a Python started so never raises
-    # KeyboardInterrupt).
+    # (start_fsdprun's command, as a fresh Python, raises KeyboardInterrupt on it).
     for signum in (signal.SIGINT, signal.SIGTERM):
         began = time.time()
-        popen = subprocess.Popen([FSDPRUN, *args, "--budget", "10m"], cwd=tmp_path,
-                                 env=fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c0-1:FSDPRUN_HANG_AT=0:1"),
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 preexec_fn=_sigint_as_a_terminal_gives_it)  # fmt: skip
+        hang = fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c0-1:FSDPRUN_HANG_AT=0:1")
+        popen = start_fsdprun(*args, "--budget", "10m", cwd=tmp_path, env=hang)
         trial_log = out / "logs" / "r0-c0-1.log"
         # The killed tune's r0-c0-1 directory is removed before the log is opened for the new
         # trial, so a directory after that is the new trial's `fsdprun train` running.
@@ -624,6 +614,7 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
                 "FSDPRUN_FAIL_AT" in status[3])  # fmt: skip
             handled = _signals(popen.pid)
             assert int(handled["SigCgt"], 16) & (1 << (signal.SIGINT - 1)), handled
+            assert not int(handled["SigBlk"], 16) & (1 << (signal.SIGINT - 1)), handled
         popen.send_signal(signum)
         _, err = popen.communicate(timeout=60)
         assert popen.returncode == 128 + signum and "Traceback" not in err, err[-2000:]
@@ -637,8 +628,8 @@ def test_tune_survives_failure_hang_budget_and_kill(tmp_path, recipe):
     # Again: the interrupted trial runs again, the finished ones do not; one that hangs is killed
     # at its timeout, recorded, and the search still ends with a report. The timeout: three times
     # what the same candidate's first trial took here (r0-c0-1 must still finish in it), at
-    # least 20 s, so the hung trial costs the suite what a trial is given and no more.
-    timeout_s = min(45, max(20, round(3 * first[0]["wall_s"])))
+    # least 12 s, so the hung trial costs the suite what a trial is given and no more.
+    timeout_s = min(45, max(12, round(3 * first[0]["wall_s"])))
     env = fsdprun_env(FSDPRUN_TUNE_FAULT="r0-c1-1:FSDPRUN_HANG_AT=0:2")
     proc = run_fsdprun(*args, "--budget", "10m", "--trial-timeout", str(timeout_s), cwd=tmp_path,
                        env=env, timeout=400)  # fmt: skip
@@ -883,7 +874,7 @@ def test_nodes_protocol_follower_runs_node0s_trials_and_refuses_other_arguments(
     report; a follower with other arguments is refused; a node 0 that goes away stops it."""
     import threading
 
-    from tests.conftest import free_port
+    from conftest import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     leader = T_nodes.Leader(endpoint, nnodes=2, search="key", timeout_s=20)
@@ -941,7 +932,7 @@ def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recip
     runs node 0's trials in node 0's order, both print node 0's report, and only node 0 writes
     trials.jsonl and tuned.yaml. The space is the recipe's tune: section, which the trials'
     training ignores."""
-    from tests.conftest import free_port, zygote_command
+    from conftest import free_port, zygote_command
 
     recipe.write_text(RECIPE + "tune:\n  defaults: false\n  space:\n    "
                       "train.micro_batch_size: [1, 2]\n")  # fmt: skip
@@ -1073,18 +1064,12 @@ def test_tune_searches_float8_all_gather_where_float8_runs_and_its_filter_as_num
     env = fsdprun_env(**{TEST_ON_CPU_ENV: "1"})
     base = tune_cmd(recipe, tmp_path / "o", "precision.float8=tensorwise", "--device-memory",
                     "1GB", "--dry-run", "--json")  # fmt: skip
-    proc = run_fsdprun(*base, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    space = {k["key"]: k["values"] for k in json.loads(proc.stdout)["space"]}
-    assert space["precision.float8_all_gather"] == ["null", "true", "false"]
-    plain = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "--device-memory", "1GB", "--dry-run",
-                                  "--json"), cwd=tmp_path, env=env)  # fmt: skip
-    keys = {k["key"] for k in json.loads(plain.stdout)["space"]}
-    assert "precision.float8_all_gather" not in keys
     numerics = ["--space", "defaults", "--space", "precision.float8_filter=default,skip_small"]
     refused = run_fsdprun(*base, *numerics, cwd=tmp_path, env=env)
     assert refused.returncode == 2 and "--allow-numerics" in refused.stderr, refused.stderr
+    # The default space (`defaults`) and the filter beside it: one dry run plans both.
     proc = run_fsdprun(*base, *numerics, "--allow-numerics", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     space = {k["key"]: k["values"] for k in json.loads(proc.stdout)["space"]}
+    assert space["precision.float8_all_gather"] == ["null", "true", "false"]
     assert space["precision.float8_filter"] == ["default", "skip_small"]

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from contextlib import suppress
 from pathlib import Path
 
 import pytest
-from conftest import FSDPRUN, fsdprun_env, run_fsdprun
+from conftest import fsdprun_env, run_fsdprun, start_fsdprun
 
 from fsdprun.rundir import lock_path
 from fsdprun.runlock import is_locked
@@ -52,11 +51,8 @@ def test_no_worker_outlives_a_killed_launcher(tmp_path):
     # waited forever for the dead agent: most attempts left both workers behind.
     for attempt in range(5):
         run_dir = tmp_path / f"run{attempt}"
-        proc = subprocess.Popen(
-            [FSDPRUN, "train", "debug", "train.steps=100000", "--run-dir", str(run_dir)],
-            cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        proc = start_fsdprun("train", "debug", "train.steps=100000", "--run-dir", str(run_dir),
+                             cwd=tmp_path)  # fmt: skip
         workers: list[int] = []
         try:
             deadline = time.time() + 120

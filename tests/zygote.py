@@ -18,8 +18,10 @@ status; and a command whose client dies (compare or tune killed, a trial killed 
 is killed with its process group, as the real child would die with its parent.
 
 What a fork cannot show, the suite tests with real processes: startup and import behaviour
-(tests/test_cli_startup.py probes fresh interpreters), and every test that signals or watches an
-`fsdprun` process starts it with Popen (its compare or tune children then run exec'd as well).
+(tests/test_cli_startup.py probes fresh interpreters). A test that signals or watches an `fsdprun`
+process starts it with conftest.start_fsdprun, forked here too: the test holds the command's own
+pid (a signal reaches the command, not a client), and once the command has ended nothing more is
+killed for it, so that its workers and its compare or tune children must go by its own means.
 A command whose environment changes what torch, wandb or the HuggingFace libraries read when they
 load (TORCH_*, PYTORCH_*, OMP_*, MKL_*, LD_*, PYTHON*, WANDB_*, HF_*, HUGGINGFACE_*,
 TRANSFORMERS_*, TOKENIZERS_*) execs afresh (a real `fsdprun` process in the forked child's place),
