@@ -350,7 +350,12 @@ def test_trainjob_shared_volume_example_stops_on_sigterm_and_continues(tmp_path)
     [saved] = [c for c in list_checkpoints(run_dir) if c.complete][-1:]
     assert saved.step < 12
     pods = apply()  # the same TrainJob again
-    outputs = [pod.communicate(timeout=300)[0] for pod in pods]
+    try:
+        outputs = [pod.communicate(timeout=300)[0] for pod in pods]
+    except subprocess.TimeoutExpired:  # say what each pod said, not only that one hung
+        for pod in pods:
+            pod.kill()
+        pytest.fail(f"a pod of the resumed job hung: {[p.communicate()[0] for p in pods]}")
     assert [pod.returncode for pod in pods] == [0, 0], outputs
     assert all(f"resuming {run_dir} from step-{saved.step:08d}" in out for out in outputs)
     run = Run(None, run_dir)
