@@ -2,9 +2,10 @@
 machine cannot run as processes (8 and 64), for every engine and sharding.
 
 One subprocess (`python tests/test_memory_contract.py`) measures every world size in turn on
-torch's fake process group: one process plays rank 0, collectives move no data. It builds a small Llama
-with uneven shapes through fsdprun's own `build_engine`, trains one step of 2 micro-steps through
-the training loop's own `forward_backward`, and a dispatch mode sees every tensor the step creates.
+torch's fake process group: one process plays rank 0, collectives move no data. It builds a small
+Llama with uneven shapes through fsdprun's own `build_engine`, trains one step of 2 micro-steps
+through the training loop's own `forward_backward`, and a dispatch mode sees every tensor the step
+creates.
 Rank 0's bytes are read from the storages themselves, so padding and flat parameters count:
 
 - params: the storages behind the wrapped model's parameters;
@@ -69,8 +70,11 @@ CELLS: dict[str, list[str]] = {
     "fsdp2:full:bf16:unsharded": BF16 + UNSHARDED,
     "fsdp2:hybrid:unsharded": ["fsdp.sharding=hybrid", HYBRID, *UNSHARDED],
     "fsdp2:none:bf16": ["fsdp.sharding=none", *BF16],
-    "fsdp2:full:prefetch": ["model.n_layers=3", "fsdp.forward_prefetch=2",
-                            "fsdp.backward_prefetch=2"],
+    "fsdp2:full:prefetch": [
+        "model.n_layers=3",
+        "fsdp.forward_prefetch=2",
+        "fsdp.backward_prefetch=2",
+    ],
     "fsdp2:full:tied": ["model.tie_embeddings=true"],
     "fsdp2:full:lora": LORA,
     "fsdp2:grad_op:bf16:lora": ["fsdp.sharding=grad_op", *BF16, *LORA],
@@ -399,11 +403,11 @@ def _ddp_world() -> dict[str, dict]:
 def _main() -> None:
     gc.disable()  # while torch loads (fsdprun.cli._load does the same)
     import torch
+    from hf_families import save_tiny_hf
 
     # What _measure uses, loaded once: the ddp ranks fork with it.
-    import fsdprun.train.loop  # noqa: F401
     import fsdprun.tools.plan  # noqa: F401
-    from hf_families import save_tiny_hf
+    import fsdprun.train.loop  # noqa: F401
 
     torch.set_num_threads(1)
     # Fake collectives leave their outputs uninitialized; denormal garbage makes CPU math slow.
