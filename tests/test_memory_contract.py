@@ -41,6 +41,7 @@ import sys
 import tempfile
 import traceback
 import weakref
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -383,7 +384,9 @@ def _ddp_world() -> dict[str, dict]:
         code = 1
         try:
             store = dist.FileStore(store_path, DDP_WORLD)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=DDP_WORLD)
+            # A rank that failed leaves its peer in a collective: it gives up after 5 minutes.
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=DDP_WORLD,
+                                    timeout=timedelta(seconds=300))  # fmt: skip
             results = {label: _measure(cell, DDP_WORLD) for label, cell in DDP_CELLS.items()}
             gc.collect()
             dist.destroy_process_group()
