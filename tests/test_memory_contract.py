@@ -47,7 +47,7 @@ from pathlib import Path
 import pytest
 
 # The model: a debug-sized Llama whose dims divide neither 8 nor 64 ranks evenly. Two blocks: a
-# first and a last one (which fsdp2 keeps gathered for backward); PREFETCH's cell has three, so
+# first and a last one (which fsdp2 keeps gathered for backward); the prefetch cell has three, so
 # that two units ahead is not the whole rest of the model.
 MODEL = ["model.dim=96", "model.n_heads=6", "model.n_kv_heads=2", "model.ffn_dim=190",
          "model.vocab_size=257", "model.n_layers=2", "train.seq_len=16",
