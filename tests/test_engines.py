@@ -34,10 +34,10 @@ CONFIGS = "ddp,fsdp1,fsdp1:none,fsdp2:grad_op,fsdp2:hybrid,fsdp2:hybrid_zero2,fs
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     """The debug recipe at 4 ranks (hybrid: 2 x 2, tp2: tp 2 x dp 2) under seven configurations,
-    5 steps each."""
+    3 steps each (enough for the losses to part if an engine learned otherwise)."""
     tmp = tmp_path_factory.mktemp("compare")
     proc = run_fsdprun(
-        "compare", "debug", "--configs", CONFIGS, "--steps", "5", "--nproc-per-node", "4",
+        "compare", "debug", "--configs", CONFIGS, "--steps", "3", "--nproc-per-node", "4",
         *FP32, "fsdp.shard_group_size=2", "output.log_every=1", "checkpoint.save_final=false",
         "--run-dir", str(tmp / "cmp"), "--json", cwd=tmp, timeout=600,
     )  # fmt: skip
@@ -49,7 +49,7 @@ def compared(tmp_path_factory):
 def test_every_engine_and_strategy_gives_the_same_losses(compared):
     _, results = compared
     ref = results["ddp"]["losses"]
-    assert len(ref) == 5
+    assert len(ref) == 3
     for label, r in results.items():
         assert r["ok"], (label, r["error"])
         assert r["losses"] == pytest.approx(ref, abs=1e-5), label

@@ -96,18 +96,20 @@ def _excluded(cell: dict) -> bool:
     return _pair_rule(cell, NOT_APPLICABLE) or _pair_rule(cell, [r for r, _ in REFUSED])
 
 
-def pairwise(axes: dict[str, list], excluded, cost, tries: int = 50) -> list[dict]:
+def pairwise(axes: dict[str, list], excluded, cell_cost, cost, tries: int = 50) -> list[dict]:
     """A deterministic covering set: every allowed pair of values of two axes appears in at least
     one cell, and no cell is `excluded`. Greedy, over `tries` seeded orders of the pairs and axes;
     returns the set of least `cost` (a cell is a few seconds of launches, so every one saved
-    counts)."""
-    sets = [_greedy_cover(axes, excluded, random.Random(seed)) for seed in range(tries)]
+    counts). `cell_cost` (of a cell, or of the part of one filled so far) breaks the greedy's
+    ties."""
+    sets = [_greedy_cover(axes, excluded, cell_cost, random.Random(seed)) for seed in range(tries)]
     return min(sets, key=cost)
 
 
-def _greedy_cover(axes: dict[str, list], excluded, rng: random.Random) -> list[dict]:
+def _greedy_cover(axes: dict[str, list], excluded, cell_cost, rng: random.Random) -> list[dict]:
     """Each cell starts from an uncovered pair (picked by `rng`) and fills the other axes, in an
-    order `rng` shuffles, with the first value that covers the most uncovered pairs."""
+    order `rng` shuffles, with the value that covers the most uncovered pairs, the cheapest of
+    those by `cell_cost`, else the first."""
     names = list(axes)
     order = {n: i for i, n in enumerate(names)}
     uncovered = {
@@ -124,7 +126,7 @@ def _greedy_cover(axes: dict[str, list], excluded, rng: random.Random) -> list[d
         rest = [n for n in names if n not in cell]
         rng.shuffle(rest)
         for name in rest:
-            best, best_gain = None, -1
+            best, best_key = None, None
             for value in axes[name]:
                 trial = {**cell, name: value}
                 if excluded(trial):
@@ -134,8 +136,9 @@ def _greedy_cover(axes: dict[str, list], excluded, rng: random.Random) -> list[d
                      (name, value, n, cell[n])) in uncovered
                     for n in cell
                 )  # fmt: skip
-                if gain > best_gain:
-                    best, best_gain = value, gain
+                key = (gain, -cell_cost(trial))
+                if best_key is None or key > best_key:
+                    best, best_key = value, key
             assert best is not None, f"no allowed value of {name} for {cell}"
             cell[name] = best
         cell = {n: cell[n] for n in names}
@@ -164,8 +167,13 @@ def test_the_covering_set_covers_every_allowed_pair():
     # The tp cells are allowed cells, each of both tp values appears.
     assert not any(_excluded(c) for c in TP_CELLS)
     assert {c["tp"] for c in CELLS} == set(TP_AXIS)
-    # Each launch is seconds of CI time: the cells, resumed ones twice, and their references.
-    assert len(cells) <= 20 and _launches(cells) <= 32, (len(cells), _launches(cells))
+    # Each launch is seconds of CI time: the cells, resumed ones twice, and their references. The
+    # pairs themselves need 5 torchrun cells and 5 resumed ones (each meets the 5 shardings) and
+    # 6 of 4 ranks (each hybrid sharding meets 3 engines): the set has no more of those.
+    assert len(cells) <= 18 and _launches(cells) <= 32, (len(cells), _launches(cells))
+    assert sum(_world(c) == 4 for c in cells) == 6
+    assert sum(c["launch"] == "torchrun" for c in cells) == 5
+    assert sum(c["resume"] != "none" for c in cells) == 5
     assert _launches(CELLS) <= _launches(cells) + 5
 
 
@@ -180,7 +188,8 @@ def _cell_id(cell: dict) -> str:
 def _world(cell: dict) -> int:
     # Hybrid modes get two shard groups of 2 (a 2 x 2 mesh), tp 2 a tp 2 x dp 2 mesh, the rest
     # 2 ranks.
-    return 4 if cell["sharding"] in ("hybrid", "hybrid_zero2") or cell.get("tp", 1) > 1 else 2
+    hybrid = cell.get("sharding") in ("hybrid", "hybrid_zero2")
+    return 4 if hybrid or cell.get("tp", 1) > 1 else 2
 
 
 def _dp(cell: dict) -> int:
@@ -297,13 +306,31 @@ def _reference_args(cell: dict, hf_bf16: Path) -> tuple[str, ...]:
 
 
 def _launches(cells: list[dict]) -> int:
-    """What a covering set costs: a launch per cell (two for a resumed one) and one per distinct
-    reference run (not a launch now, but still a run)."""
+    """A launch per cell (two for a resumed one) and one per distinct reference run (not a
+    launch now, but still a run)."""
     refs = {_reference_args(c, Path("hf-bf16")) for c in cells}
     return len(refs) + sum(1 + (c["resume"] != "none") for c in cells)
 
 
-PAIRWISE = [{**cell, "tp": 1} for cell in pairwise(AXES, _excluded, _launches)]
+def _cell_cost(cell: dict) -> int:
+    """A cell's cost in rank starts (of a cell, or of the part of one filled so far): measured
+    on the 2-core machine, each rank of a launch costs about 0.55 CPU s (2 ranks 1.1 s, 4 ranks
+    2.3 s), and torchrun's agent, a fresh interpreter importing torch, 2 ranks more (3.0 s for
+    2 ranks); a resumed cell launches again, on `_resume_world` ranks."""
+    cost = _world(cell) + 2 * (cell.get("launch") == "torchrun")
+    if cell.get("resume", "none") != "none":
+        cost += _resume_world(cell)
+    return cost
+
+
+def _cost(cells: list[dict]) -> float:
+    """What a covering set costs: its cells' rank starts, and a little for each distinct
+    reference (a run in the one-rank gloo pool: no launch)."""
+    refs = {_reference_args(c, Path("hf-bf16")) for c in cells}
+    return sum(map(_cell_cost, cells)) + 0.3 * len(refs)
+
+
+PAIRWISE = [{**cell, "tp": 1} for cell in pairwise(AXES, _excluded, _cell_cost, _cost)]
 CELLS = PAIRWISE + TP_CELLS
 
 
@@ -325,25 +352,18 @@ def _run_cell(cell: dict, hf_bf16: Path, root: Path) -> tuple[list, Path]:
 
 
 @pytest.fixture(scope="session")
-def matrix(tmp_path_factory, hf_bf16_folder) -> dict:
+def matrix(tmp_path_factory, hf_bf16_folder, gloo_pool_1) -> dict:
     """Every cell, two at a time: a launch spends much of its few seconds starting processes and
     waiting on sockets, so two side by side on the 2-core CI machine take far less than two in a
-    row. The distinct references train one after another in a one-rank persistent gloo process
-    group (tests/gloo_pool.py: the worker's own `_train`, as a launched rank trains; what is
-    compared is the training, the launches are the cells'). Each cell's test then checks its
-    own result."""
-    from gloo_pool import GlooPool
-
+    row. The distinct references train one after another in the session's one-rank persistent
+    gloo process group (tests/gloo_pool.py: the worker's own `_train`, as a launched rank trains;
+    what is compared is the training, the launches are the cells'). Each cell's test then checks
+    its own result."""
     root = tmp_path_factory.mktemp("matrix")
     refs = sorted({_reference_args(c, hf_bf16_folder) for c in CELLS})
-    pool = GlooPool(1, root / "pool")
-    (root / "pool").mkdir()
 
     def references() -> dict[tuple[str, ...], Run]:
-        try:
-            return {args: pool.train(*args) for args in refs}
-        finally:
-            pool.close()
+        return {args: gloo_pool_1.train(*args) for args in refs}
 
     # The longest first (a resumed cell launches twice, a hybrid one starts 4 ranks), the
     # one-rank references last: neither thread idles long at the end.

@@ -1,10 +1,11 @@
 """The memory contract: what `fsdprun plan` says a rank holds is what it holds, at world sizes this
 machine cannot run as processes (8 and 64), for every engine and sharding.
 
-Each world size runs in its own subprocess (`python tests/test_memory_contract.py 8`) on torch's
-fake process group: one process plays rank 0, collectives move no data. It builds a small Llama
-with uneven shapes through fsdprun's own `build_engine`, trains one step of 2 micro-steps through
-the training loop's own `forward_backward`, and a dispatch mode sees every tensor the step creates.
+One subprocess (`python tests/test_memory_contract.py`) measures every world size in turn on
+torch's fake process group: one process plays rank 0, collectives move no data. It builds a small
+Llama with uneven shapes through fsdprun's own `build_engine`, trains one step of 2 micro-steps
+through the training loop's own `forward_backward`, and a dispatch mode sees every tensor the step
+creates.
 Rank 0's bytes are read from the storages themselves, so padding and flat parameters count:
 
 - params: the storages behind the wrapped model's parameters;
@@ -16,7 +17,8 @@ Rank 0's bytes are read from the storages themselves, so padding and flat parame
   all-gather outputs and the tensors the modules compute with; for ddp, autocast's copies).
 
 ddp cannot run on the fake group (its reducer waits for the all-reduce's result) and holds the
-same at any world size, as the plan says: it is measured on 2 real gloo ranks.
+same at any world size, as the plan says: it is measured on 2 real gloo ranks, the subprocess
+and a fork of it, before the fake worlds.
 
 Tensor parallel (`parallel.tp`, the TP_CELLS): the model is split by the family's TP plan
 (`engines.tp.apply_tp`, as the worker does) on the [dp_replicate?, dp_shard, tp] mesh before
@@ -37,14 +39,18 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
 import weakref
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-# The model: a debug-sized Llama whose dims divide neither 8 nor 64 ranks evenly.
+# The model: a debug-sized Llama whose dims divide neither 8 nor 64 ranks evenly. Two blocks: a
+# first and a last one (which fsdp2 keeps gathered for backward); the prefetch cell has three, so
+# that two units ahead is not the whole rest of the model.
 MODEL = ["model.dim=96", "model.n_heads=6", "model.n_kv_heads=2", "model.ffn_dim=190",
-         "model.vocab_size=257", "model.n_layers=3", "train.seq_len=16",
+         "model.vocab_size=257", "model.n_layers=2", "train.seq_len=16",
          "train.micro_batch_size=1", "precision.reduce_dtype=fp32"]  # fmt: skip
 BF16 = ["precision.param_dtype=bf16"]
 UNSHARDED = ["fsdp.accumulate_unsharded=true"]
@@ -65,7 +71,11 @@ CELLS: dict[str, list[str]] = {
     "fsdp2:full:bf16:unsharded": BF16 + UNSHARDED,
     "fsdp2:hybrid:unsharded": ["fsdp.sharding=hybrid", HYBRID, *UNSHARDED],
     "fsdp2:none:bf16": ["fsdp.sharding=none", *BF16],
-    "fsdp2:full:prefetch": ["fsdp.forward_prefetch=2", "fsdp.backward_prefetch=2"],
+    "fsdp2:full:prefetch": [
+        "model.n_layers=3",
+        "fsdp.forward_prefetch=2",
+        "fsdp.backward_prefetch=2",
+    ],
     "fsdp2:full:tied": ["model.tie_embeddings=true"],
     "fsdp2:full:lora": LORA,
     "fsdp2:grad_op:bf16:lora": ["fsdp.sharding=grad_op", *BF16, *LORA],
@@ -329,31 +339,19 @@ def planned(cell: list[str], world: int) -> dict[str, int]:
     return _planned(load_recipe("debug", overrides(cell, world)).config)
 
 
-def _fake_world(world: int) -> dict[str, dict]:
+def _fake_world(world: int, hf_dir: str) -> dict[str, dict]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     results = {}
-    for label, cell in CELLS.items():
+    for label, cell in {**CELLS, **HF_CELLS}.items():
         # A fresh group per cell: FSDP1 and DeviceMesh keep per-group state.
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
-            results[label] = _measure(cell, world)
+            results[label] = _measure([o.replace("HF_DIR", hf_dir) for o in cell], world)
         finally:
             gc.collect()  # FSDP's state goes before its process group (FSDP-ON-CPU.md, trap 1)
             dist.destroy_process_group()
-    with tempfile.TemporaryDirectory() as hf_dir:
-        from hf_families import save_tiny_hf
-
-        for label, cell in HF_CELLS.items():
-            family = cell[0].rpartition("/")[2]
-            save_tiny_hf(family, Path(hf_dir) / family)
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-            try:
-                results[label] = _measure([o.replace("HF_DIR", hf_dir) for o in cell], world)
-            finally:
-                gc.collect()
-                dist.destroy_process_group()
     # The TP cells share one group: DTensor caches its redistribution plans by placements and
     # mesh shape, and a plan cached in a destroyed group's cell would name that group's
     # (freed) sub-groups in the next one.
@@ -368,37 +366,64 @@ def _fake_world(world: int) -> dict[str, dict]:
     return results
 
 
-def _gloo_rank(rank: int, store_path: str, out: str) -> None:
+def _ddp_world() -> dict[str, dict]:
+    """The ddp cells on DDP_WORLD real gloo ranks: this process (rank 0) and forks of it, which
+    start with torch and fsdprun loaded."""
     import torch.distributed as dist
 
-    store = dist.FileStore(store_path, DDP_WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=DDP_WORLD)
-    results = {label: _measure(cell, DDP_WORLD) for label, cell in DDP_CELLS.items()}
-    gc.collect()
-    dist.destroy_process_group()
-    if rank == 0:
-        Path(out).write_text(json.dumps(results))
-
-
-def _ddp_world() -> dict[str, dict]:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.spawn(_gloo_rank, args=(os.path.join(tmp, "store"), out), nprocs=DDP_WORLD)
-        return json.loads(Path(out).read_text())
+        store_path = os.path.join(tmp, "store")
+        children = []
+        rank = 0
+        for r in range(1, DDP_WORLD):
+            pid = os.fork()
+            if pid == 0:
+                rank = r
+                break
+            children.append(pid)
+        code = 1
+        try:
+            store = dist.FileStore(store_path, DDP_WORLD)
+            # A rank that failed leaves its peer in a collective: it gives up after 5 minutes.
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=DDP_WORLD,
+                                    timeout=timedelta(seconds=300))  # fmt: skip
+            results = {label: _measure(cell, DDP_WORLD) for label, cell in DDP_CELLS.items()}
+            gc.collect()
+            dist.destroy_process_group()
+            code = 0
+        except BaseException:
+            if rank:
+                traceback.print_exc()
+            raise
+        finally:
+            if rank:  # a fork leaves here, whatever happened: only rank 0 goes on
+                os._exit(code)
+        for pid in children:
+            assert os.waitpid(pid, 0)[1] == 0, f"ddp rank of pid {pid} failed"
+    return results
 
 
-def _main(which: str) -> None:
+def _main() -> None:
     gc.disable()  # while torch loads (fsdprun.cli._load does the same)
     import torch
+    from hf_families import save_tiny_hf
+
+    # What _measure uses, loaded once: the ddp ranks fork with it.
+    import fsdprun.tools.plan  # noqa: F401
+    import fsdprun.train.loop  # noqa: F401
 
     torch.set_num_threads(1)
     # Fake collectives leave their outputs uninitialized; denormal garbage makes CPU math slow.
     torch.set_flush_denormal(True)
     gc.freeze()  # the collections between cells then skip torch's own objects
     gc.enable()
-    results = _ddp_world() if which == "ddp" else _fake_world(int(which))
+    results = {"ddp": _ddp_world()}
+    with tempfile.TemporaryDirectory() as hf_dir:
+        for cell in HF_CELLS.values():
+            family = cell[0].rpartition("/")[2]
+            save_tiny_hf(family, Path(hf_dir) / family)
+        for world in WORLDS:
+            results[str(world)] = _fake_world(world, hf_dir)
     print(json.dumps(results))
 
 
@@ -407,30 +432,13 @@ def _main(which: str) -> None:
 
 @pytest.fixture(scope="module")
 def measured():
-    """{"8" | "64" | "ddp": {cell: {"measured": bytes by part, "planned": ...}}}; the three
-    subprocesses run side by side."""
+    """{"8" | "64" | "ddp": {cell: {"measured": bytes by part, "planned": ...}}}, from one
+    subprocess: torch, fsdprun and the HF folders are loaded and made once for all three."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {
-        which: subprocess.Popen(
-            [sys.executable, __file__, which], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=env,
-        )
-        for which in (*map(str, WORLDS), "ddp")
-    }  # fmt: skip
-    results = {}
-
-    def get(which: str) -> dict[str, dict]:
-        if which not in results:
-            out, err = procs[which].communicate(timeout=300)
-            assert procs[which].returncode == 0, err[-3000:]
-            results[which] = json.loads(out.strip().splitlines()[-1])
-        return results[which]
-
-    yield get
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _check(got: dict[str, int], want: dict[str, int], label: str) -> None:
@@ -443,7 +451,7 @@ def _check(got: dict[str, int], want: dict[str, int], label: str) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_every_engine_and_sharding_holds_what_plan_says(measured, world):
-    for label, r in measured(str(world)).items():
+    for label, r in measured[str(world)].items():
         _check(r["measured"], r["planned"], f"{label} at world {world}")
 
 
@@ -451,7 +459,7 @@ def test_every_engine_and_sharding_holds_what_plan_says(measured, world):
 def test_accumulation_holds_the_gradient_shard_not_the_model(measured, world):
     # Issue 10 item 1: with gradient sync off on the first micro-step, FSDP kept the whole
     # model's unsharded gradients (8x the shard at 8 ranks) until the last one.
-    results = {label: r["measured"] for label, r in measured(str(world)).items()}
+    results = {label: r["measured"] for label, r in measured[str(world)].items()}
     for label in ("fsdp2:full", "fsdp2:hybrid", "fsdp1:full", "fsdp1:hybrid", "fsdp2:full:tp2",
                   "fsdp2:hybrid:tp2"):  # fmt: skip
         r = results[label]
@@ -465,11 +473,11 @@ def test_accumulation_holds_the_gradient_shard_not_the_model(measured, world):
 
 
 def test_ddp_holds_what_plan_says_at_any_world_size(measured):
-    for label, r in measured("ddp").items():
+    for label, r in measured["ddp"].items():
         _check(r["measured"], r["planned"], f"{label} at world {DDP_WORLD}")
         for world in WORLDS:  # nothing is sharded: the plan does not depend on the world size
             assert planned(DDP_CELLS[label], world) == r["planned"], (label, world)
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    _main()
