@@ -145,21 +145,24 @@ def test_clipping_scales_gradients_as_torch_does_under_every_engine(gloo_pool):
 def test_every_adamw_kernel_trains_the_same_and_auto_takes_fused_where_it_works(
     world2_micro1: Run, gloo_pool, tmp_path
 ):
-    """fused (what `auto` picks on CPU too), foreach and for_loop: the same math. Under fp16
-    with an FSDP engine the sharded gradient scaler breaks torch's fused step, so `auto` takes
-    foreach there (the fp16 test above trains with it) and an explicit `fused` is refused."""
+    """fused (what `auto` picks on CPU: the launched run's kernel), foreach and for_loop: the
+    same math. Under fp16 with an FSDP engine the sharded gradient scaler breaks torch's fused
+    step, so `auto` takes foreach there (the fp16 test above trains with it) and an explicit
+    `fused` is refused."""
     import torch
 
     from fsdprun.config import OptimImpl, load_recipe
     from fsdprun.train.optim import build_optimizer, resolved_implementation
 
-    micro1 = (*BASE, "train.micro_batch_size=1")
-    for impl in ("fused", "foreach", "for_loop"):
-        assert_same_losses(world2_micro1, gloo_pool.train(*micro1, f"optim.implementation={impl}"))
-
     cfg = load_recipe("debug").config.optim
     model = torch.nn.Linear(4, 4)
+    # world2_micro1 trains with `auto`, which is torch's fused AdamW on CPU.
+    assert resolved_implementation(OptimImpl.auto, "cpu") is OptimImpl.fused
     assert build_optimizer(model, cfg=cfg, device_kind="cpu").defaults["fused"] is True
+    micro1 = (*BASE, "train.micro_batch_size=1")
+    for impl in ("foreach", "for_loop"):
+        assert_same_losses(world2_micro1, gloo_pool.train(*micro1, f"optim.implementation={impl}"))
+
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     fp16 = build_optimizer(model, cfg=cfg, device_kind="cpu", scaler=ShardedGradScaler("cpu"))
