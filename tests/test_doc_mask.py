@@ -13,8 +13,6 @@ FlexAttention path is checked against the dense mask on CPU here and on CUDA (`g
 from __future__ import annotations
 
 import functools
-import gc
-import os
 from pathlib import Path
 
 import pytest
@@ -418,14 +416,12 @@ def test_flex_only_where_its_kernel_runs():
 # FSDP2 at world 2 (gloo): one forward/backward of packed rows equals one process.
 
 
-def _fsdp_worker(rank: int, store_path: str, out: str) -> None:
+def _fsdp_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """One forward/backward of this rank's packed row under FSDP2, in the session's gloo pool
+    (tests/gloo_pool.py): the ranks' losses and the full gradients."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     model = _llama()
     for block in model.layers.values():
         fully_shard(block)
@@ -436,14 +432,11 @@ def _fsdp_worker(rank: int, store_path: str, out: str) -> None:
                              reduction="sum")  # fmt: skip
     loss = model(mine["tokens"], head=head, positions=mine["positions"], doc_ids=mine["doc_ids"])
     loss.backward()  # FSDP averages the gradients over the 2 ranks
-    losses = [torch.zeros(()) for _ in range(2)]
+    losses = [torch.zeros(()) for _ in range(world)]
     dist.all_gather(losses, loss.detach())
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    if rank == 0:
-        torch.save({"losses": torch.stack(losses), "grads": grads}, out)
-    del model, grads
-    gc.collect()
-    dist.destroy_process_group()
+    del model  # its device mesh before the pool's next task (tests/gloo_pool.py collects)
+    return {"losses": torch.stack(losses), "grads": grads}
 
 
 def _two_rows() -> dict[str, torch.Tensor]:
@@ -451,12 +444,8 @@ def _two_rows() -> dict[str, torch.Tensor]:
     return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
 
 
-def test_fsdp2_at_world_2_gives_the_single_process_gradients(tmp_path):
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "rank0.pt"
-    mp.spawn(_fsdp_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True)
-    got = torch.load(out, weights_only=True)
+def test_fsdp2_at_world_2_gives_the_single_process_gradients(gloo_pool):
+    got, _ = gloo_pool.submit(_fsdp_rank)
     model = _llama()
     batch = _two_rows()
     losses = []

@@ -1,14 +1,14 @@
 """HuggingFace models (`model.hf_path`) and `fsdprun export --format hf`.
 
-A tiny random Llama saved by transformers' `save_pretrained` is trained by the real `fsdprun`
-command at world 2 (fp32): its first loss must equal transformers' own single-process forward on
-the same batch, and a few steps must lower it. Exports in HF format must load with
-`AutoModelForCausalLM.from_pretrained` and hold exactly the trained weights (HF-sourced run) or
-give fsdprun's logits (built-in Llama run), and name the run's end-of-text token. The shipped
-folder (hf-finetune-demo) trains with the same losses under fsdp2 full/hybrid/none, fsdp1 and ddp
-and from a config.json saying bfloat16 (fp32 weights and AdamW state), and its validation loss
-with attention dropout is transformers' eval-mode forward. Run with `pytest tests/test_hf.py`
-(about 2 minutes of CPU: 11 short training runs).
+A tiny random Llama saved by transformers' `save_pretrained` is trained at world 2 (fp32; the
+worker's own training, in the session's gloo pool): its first loss must equal transformers' own
+single-process forward on the same batch, and a few steps must lower it. Exports in HF format
+must load with `AutoModelForCausalLM.from_pretrained` and hold exactly the trained weights
+(HF-sourced run) or give fsdprun's logits (built-in Llama run), and name the run's end-of-text
+token. The shipped folder (hf-finetune-demo) trains with the same losses under fsdp2
+full/hybrid/none, fsdp1 and ddp and from a config.json saying bfloat16 (fp32 weights and AdamW
+state), and its validation loss with attention dropout is transformers' eval-mode forward. Run
+with `pytest tests/test_hf.py` (8 short training runs, 2 of them launched).
 """
 
 from __future__ import annotations
@@ -55,14 +55,11 @@ def hf_dir(tmp_path_factory) -> Path:
     return path
 
 
-def _train(root: Path, name: str, *overrides: str) -> tuple[Path, list[dict]]:
-    run_dir = root / name
-    proc = run_fsdprun(
-        "train", "debug", "train.steps=4", "output.log_every=1", *overrides,
-        "--run-dir", str(run_dir), cwd=root, env=ENV, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return run_dir, read_events(run_dir / "metrics.jsonl")
+def _train(pool, *overrides: str) -> tuple[Path, list[dict]]:
+    """The debug recipe, 4 steps, trained by 2 ranks of the session's gloo pool as launched
+    ranks train it (tests/gloo_pool.py): these tests check the weights, not the launch."""
+    run = pool.train("train.steps=4", "output.log_every=1", *overrides)
+    return run.run_dir, run.events
 
 
 def _export(ckpt: Path, out: Path, fmt: str) -> None:
@@ -77,9 +74,9 @@ def _load_hf(path: Path):
 
 
 @pytest.fixture(scope="module")
-def hf_run(hf_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
+def hf_run(hf_dir, gloo_pool) -> tuple[Path, list[dict]]:
     """fsdprun fine-tunes the HF model at world 2, fp32 (the debug recipe), 4 steps."""
-    return _train(tmp_path_factory.mktemp("hf_run"), "run", f"model.hf_path={hf_dir}")
+    return _train(gloo_pool, f"model.hf_path={hf_dir}")
 
 
 def test_first_loss_matches_transformers_and_training_lowers_it(hf_dir, hf_run):
@@ -122,8 +119,8 @@ def test_hf_export_of_hf_run(hf_dir, hf_run, tmp_path):
     assert not torch.equal(original["model.norm.weight"], loaded["model.norm.weight"])
 
 
-def test_random_init_of_hf_model(hf_dir, hf_run, tmp_path):
-    _, events = _train(tmp_path, "run", f"model.hf_path={hf_dir}", "model.init=random",
+def test_random_init_of_hf_model(hf_dir, hf_run, gloo_pool):
+    _, events = _train(gloo_pool, f"model.hf_path={hf_dir}", "model.init=random",
                        "train.steps=1", "schedule.warmup_steps=0")  # fmt: skip
     first = [e["loss"] for e in events if e["event"] == "step"][0]
     start = next(e for e in events if e["event"] == "start")
@@ -132,10 +129,10 @@ def test_random_init_of_hf_model(hf_dir, hf_run, tmp_path):
     assert torch.isfinite(torch.tensor(first)) and abs(first - pretrained) > 1e-4
 
 
-def test_hf_export_of_builtin_llama_gives_the_same_logits(tmp_path):
+def test_hf_export_of_builtin_llama_gives_the_same_logits(gloo_pool, tmp_path):
     # Byte-tokenized text: the export must name its end-of-text token (256), not Llama's 1 and 2.
     text = ["data.source=text", f"data.paths=[{RECIPES / 'tiny.txt'}]", "model.vocab_size=257"]
-    run_dir, _ = _train(tmp_path, "run", "train.steps=2", *text)
+    run_dir, _ = _train(gloo_pool, "train.steps=2", *text)
     ckpt = run_dir / "checkpoints" / "step-00000002"
     _export(ckpt, tmp_path / "hf", "hf")
     _export(ckpt, tmp_path / "plain", "safetensors")
@@ -245,7 +242,8 @@ def _hf_copy(dest: Path, *, drop: tuple[str, ...] = (), **config: object) -> Pat
 def test_pretrained_weights_load_under_every_engine_and_sharding(
     demo_runs, demo_reference, overrides, nproc
 ):
-    run = demo_runs.train(*DEMO, *overrides, nproc=nproc, recipe="hf-finetune-demo").check()
+    run = demo_runs.train(*DEMO, *overrides, "checkpoint.save_final=false", nproc=nproc,
+                          recipe="hf-finetune-demo").check()  # fmt: skip
     assert len(run.losses) == len(demo_reference)
     for got, want in zip(run.losses, demo_reference, strict=True):
         assert abs(got - want) < TOL, (run.losses, demo_reference)

@@ -1,10 +1,10 @@
 """HuggingFace families (tests/hf_families.py: Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3,
 Phi-3, Qwen3-MoE) train and export exactly as transformers computes them.
 
-For each family's tiny random folder, fsdprun trains the debug recipe (fp32, synthetic data,
-gradient accumulation, warm-up then cosine, clipping at 1.0) for 3 steps on 2 ranks, with
-full activation checkpointing on 1 rank, and under hybrid sharding on 2 ranks (all in the
-session's gloo pools, tests/gloo_pool.py).
+For each family's tiny random folder, fsdprun trains the debug recipe (fp32, gradient
+accumulation, warm-up then cosine, clipping at 1.0) for 3 steps: synthetic data on 2 ranks,
+packed chat rows under hybrid sharding on 2 ranks, padded chat rows with full activation
+checkpointing on 1 rank (all in the session's gloo pools, tests/gloo_pool.py).
 Its losses must equal, within 1e-5, those of an independent plain loop: transformers' own model
 loaded from the same folder, `torch.optim.AdamW`, torch's clipping, the same samples. The 2-rank
 checkpoint's `export --format hf` must load in transformers and give fsdprun's logits.
@@ -127,26 +127,77 @@ def _reference_losses(
     return losses
 
 
+# Chat rows of the shipped chat.jsonl's single-turn conversations (byte tokenizer: 257 tokens;
+# 52 to 88 tokens each), 160 tokens a row: packed (two conversations in most rows, positions
+# restarting) and padded (one a row). 4 rows a step, one a micro-batch: 2 accumulated on each
+# of 2 ranks, 4 on 1.
+DATA = Path(__file__).parent.parent / "recipes" / "data"
+CHAT = ("data.source=chat", f"data.tokenizer={DATA / 'tiny-llama-hf'}", "train.seq_len=160",
+        "train.global_batch_size=4", "train.micro_batch_size=1")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single_turn_chats(tmp_path_factory) -> Path:
+    """The shipped chat.jsonl's conversations of one user and one assistant message."""
+    path = tmp_path_factory.mktemp("chats") / "single-turn.jsonl"
+    lines = (DATA / "chat.jsonl").read_text().splitlines(keepends=True)
+    path.write_text("".join(line for line in lines if len(json.loads(line)["messages"]) == 2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_folders(tmp_path_factory) -> dict[str, Path]:
+    """Each family's tiny folder with the byte tokenizer's 257 embeddings, for the chat rows."""
+    from hf_families import save_tiny_hf
+
+    root = tmp_path_factory.mktemp("chat")
+    return {family: save_tiny_hf(family, root / family, vocab_size=257) for family in FAMILIES}
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_training_equals_transformers_on_1_and_2_ranks(
-    family, hf_family_dirs, gloo_pool, gloo_pool_1
+    family, hf_family_dirs, chat_folders, gloo_pool, gloo_pool_1, single_turn_chats
 ):
+    """Three runs of the family, each against the plain loop over transformers' model (1e-5 at
+    every step): the debug recipe's synthetic rows on 2 ranks (full sharding; its checkpoint is
+    the export test's); chat rows packed, on 2 ranks under hybrid sharding (2 replicas of 1
+    shard: their all-reduce, the HF weights read by each replica); chat rows padded, on 1 rank
+    (4 micro-batches accumulated) with full activation checkpointing. The chat rows' reference
+    forwards each conversation alone (the padding apart), trained on the assistant tokens only:
+    the document boundaries and the 16-token windows (Gemma's on every other layer) cut
+    attention inside the packed rows as the documents alone have it."""
     folder = hf_family_dirs[family]
     two = gloo_pool.train(*TRAIN, f"model.hf_path={folder}")
-    one = gloo_pool_1.train(*TRAIN, f"model.hf_path={folder}", "activation_checkpointing.mode=full")
-    # Hybrid sharding: 2 replicas of 1 shard (the replicas' all-reduce, the HF weights read by
-    # each replica).
-    hybrid = gloo_pool.train(*TRAIN, f"model.hf_path={folder}", "fsdp.sharding=hybrid",
-                             "fsdp.shard_group_size=1")  # fmt: skip
     assert two.start["weights"] == f"pretrained, read from {folder}"
-    assert one.start["activation_checkpointing"] == "full (2 blocks)"
-    assert hybrid.start["mesh"] == [["replicate", 2], ["shard", 1]], hybrid.start
-    runs = [two, one, hybrid]
-    expected = _reference_losses(folder)
-    for run in runs:
-        assert len(run.losses) == STEPS
-        diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
-        assert diff < TOL, (family, run.losses, expected)
+    _assert_losses(two, _reference_losses(folder), family)
+
+    chat = chat_folders[family]
+    reference = _load_hf(chat)  # read once; each variant trains a copy
+    rows = (*CHAT, f"data.paths=[{single_turn_chats}]")
+    variants = {  # pool, the rows, the engine's knobs (no test reads these runs' checkpoints)
+        "packed": (gloo_pool, "data.pack=true", "fsdp.sharding=hybrid", "fsdp.shard_group_size=1"),
+        "padded": (gloo_pool_1, "data.pack=false", "activation_checkpointing.mode=full"),
+    }
+    runs = {}
+    for name, (pool, pack, *knobs) in variants.items():
+        cfg = load_recipe("debug", [f"model.hf_path={chat}", *rows, pack]).config
+        data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=160, seed=0)
+        doc_ids = load_batch(data, range(cfg.train.global_batch_size), "cpu").doc_ids
+        # What the rows hold: several conversations a row, or one and padding (doc id -1).
+        assert (doc_ids.max() >= 1) if name == "packed" else (doc_ids.min() == -1), doc_ids
+        runs[name] = pool.train(*TRAIN, f"model.hf_path={chat}", *rows, pack, *knobs,
+                                "checkpoint.save_final=false")  # fmt: skip
+        expected = _reference_losses(chat, *rows, pack, model=copy.deepcopy(reference))
+        _assert_losses(runs[name], expected, (family, name))
+    assert runs["packed"].start["mesh"] == [["replicate", 2], ["shard", 1]], runs["packed"].start
+    assert runs["padded"].start["activation_checkpointing"] == "full (2 blocks)"
+    assert runs["padded"].start["grad_accum_steps"] == 4
+
+
+def _assert_losses(run, expected: list[float], what) -> None:
+    assert len(run.losses) == STEPS
+    diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
+    assert diff < TOL, (what, run.losses, expected)
 
 
 def _micro_batched_loss(model, batch, size: int) -> torch.Tensor:
@@ -163,49 +214,6 @@ def _micro_batched_loss(model, batch, size: int) -> torch.Tensor:
                     shift_labels=targets)  # fmt: skip
         loss = loss + out.loss * (targets != IGNORE_INDEX).sum() / total
     return loss
-
-
-# Chat rows of the shipped chat.jsonl's single-turn conversations (byte tokenizer: 257 tokens;
-# 52 to 88 tokens each), 160 tokens a row: packed (two conversations in most rows, positions
-# restarting) and padded (one a row). 4 rows a step, one a micro-batch: 2 accumulated on each
-# of 2 ranks.
-DATA = Path(__file__).parent.parent / "recipes" / "data"
-CHAT = ("data.source=chat", f"data.tokenizer={DATA / 'tiny-llama-hf'}", "train.seq_len=160",
-        "train.global_batch_size=4", "train.micro_batch_size=1")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def single_turn_chats(tmp_path_factory) -> Path:
-    """The shipped chat.jsonl's conversations of one user and one assistant message."""
-    path = tmp_path_factory.mktemp("chats") / "single-turn.jsonl"
-    lines = (DATA / "chat.jsonl").read_text().splitlines(keepends=True)
-    path.write_text("".join(line for line in lines if len(json.loads(line)["messages"]) == 2))
-    return path
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_packed_and_padded_chat_rows_train_as_transformers(
-    family, gloo_pool, single_turn_chats, tmp_path_factory
-):
-    """Fine-tuning rows on 2 ranks, packed and padded, give the losses of transformers' model
-    forwarding each conversation alone (the padding apart), trained on the assistant tokens
-    only (1e-5 at every step): the document boundaries and the 16-token windows (Gemma's on
-    every other layer) cut attention inside the packed rows as the documents alone have it."""
-    from hf_families import save_tiny_hf
-
-    folder = save_tiny_hf(family, tmp_path_factory.mktemp("chat") / family, vocab_size=257)
-    reference = _load_hf(folder)  # read once; each variant trains a copy
-    for pack in ("true", "false"):
-        rows = (*CHAT, f"data.paths=[{single_turn_chats}]", f"data.pack={pack}")
-        cfg = load_recipe("debug", [f"model.hf_path={folder}", *rows]).config
-        data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=160, seed=0)
-        doc_ids = load_batch(data, range(cfg.train.global_batch_size), "cpu").doc_ids
-        # What the rows hold: several conversations a row, or one and padding (doc id -1).
-        assert (doc_ids.max() >= 1) if pack == "true" else (doc_ids.min() == -1), doc_ids
-        run = gloo_pool.train(*TRAIN, f"model.hf_path={folder}", *rows)
-        expected = _reference_losses(folder, *rows, model=copy.deepcopy(reference))
-        diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
-        assert diff < TOL, (family, pack, run.losses, expected)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -301,11 +309,12 @@ def test_the_router_auxiliary_loss_trains_as_transformers_adds_it(
     tmp_path_factory, gloo_pool, gloo_pool_1
 ):
     """A mixture of experts whose config.json enables the router's auxiliary loss
-    (`output_router_logits: true`, coef 0.1 here): on 2 ranks and on 1 (2 and 4 micro-batches a
-    rank), and on padded chat rows on 2 ranks, fsdprun's losses are those of transformers' model
-    forwarding the same micro-batches (padded rows: with their 2-D attention mask), each loss as
-    transformers returns it (coef x its load-balancing loss added), weighted by the micro-batch's
-    trained targets (1e-5 at every step). Before, such a folder was refused."""
+    (`output_router_logits: true`, coef 0.1 here): on the debug recipe's rows on 2 ranks (2
+    micro-batches a rank) and on padded chat rows on 1 (4 micro-batches), fsdprun's losses are
+    those of transformers' model forwarding the same micro-batches (padded rows: with their 2-D
+    attention mask), each loss as transformers returns it (coef x its load-balancing loss
+    added), weighted by the micro-batch's trained targets (1e-5 at every step). Before, such a
+    folder was refused."""
     from hf_families import save_tiny_hf
 
     root = tmp_path_factory.mktemp("router")
@@ -319,11 +328,11 @@ def test_the_router_auxiliary_loss_trains_as_transformers_adds_it(
     reference.config.output_router_logits = True
     assert abs(without[0] - expected[0]) > 1e-2, (without, expected)
     padded = (*CHAT, f"data.paths=[{DATA / 'chat.jsonl'}]", "data.pack=false")
-    cases = [(gloo_pool, (), expected), (gloo_pool_1, (), expected),
-             (gloo_pool, padded, _reference_losses(folder, *padded, model=reference,
-                                                   micro_batches=True))]  # fmt: skip
+    cases = [(gloo_pool, (), expected),
+             (gloo_pool_1, padded, _reference_losses(folder, *padded, model=reference,
+                                                     micro_batches=True))]  # fmt: skip
     for pool, rows, losses in cases:
-        run = pool.train(*TRAIN, f"model.hf_path={folder}", *rows)
+        run = pool.train(*TRAIN, f"model.hf_path={folder}", *rows, "checkpoint.save_final=false")
         diff = max(abs(a - b) for a, b in zip(run.losses, losses, strict=True))
         assert diff < TOL, (pool.world, rows, run.losses, losses)
 

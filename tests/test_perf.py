@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import Run
+from conftest import Run, read_tables
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -169,25 +170,44 @@ def _scripts():
     return scripts, importlib.import_module("bench"), importlib.import_module("trace_summary")
 
 
-def _fsdprun_host_ops(tmp_path, name: str, *extra: str) -> float:
-    from conftest import Run, fsdprun_env, run_fsdprun
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    """The folder of this module's compiled runs, which share one compile cache in it (`cache`):
+    fresh, as on a CI machine, so fsdprun's runs compile cold into it, and each plain loop after
+    fsdprun's run of its precision reuses what that compiled."""
+    return tmp_path_factory.mktemp("compiled")
+
+
+def _fsdprun_compiled(root: Path, name: str, *extra: str) -> Run:
+    """fsdprun's compiled one-rank run of HOST_OPS, steps 5 and 6 traced, on `root`'s cache."""
+    from conftest import fsdprun_env, run_fsdprun
 
     from fsdprun.engines.float8 import TEST_ON_CPU_ENV
 
-    _, _, trace_summary = _scripts()
-    run_dir = tmp_path / name
+    run_dir = root / name
     proc = run_fsdprun(
-        "train", "debug", *HOST_OPS, *extra, "profile.enabled=true", "profile.wait=3",
-        "profile.warmup=1", "profile.active=2", "checkpoint.save_final=false",
-        "--nproc-per-node", "1", "--run-dir", str(run_dir), cwd=tmp_path,
+        "train", "debug", *HOST_OPS, *extra, "compile.cache_dir=cache", "profile.enabled=true",
+        "profile.wait=3", "profile.warmup=1", "profile.active=2", "checkpoint.save_final=false",
+        "--nproc-per-node", "1", "--run-dir", str(run_dir), cwd=root,
         env=fsdprun_env(**{TEST_ON_CPU_ENV: "1"}),
     )  # fmt: skip
-    Run(proc, run_dir).check()
-    events = trace_summary.load_events(run_dir / "profile" / "rank-0.pt.trace.json")
-    return trace_summary.host_ops(events)
+    return Run(proc, run_dir).check()
 
 
-def _plain_host_ops(tmp_path, name: str, *extra: str) -> float:
+@pytest.fixture(scope="module")
+def bf16_cold(compiled) -> Run:
+    """fsdprun's bf16 run, the first to compile into the module's cache."""
+    return _fsdprun_compiled(compiled, "fsdprun-bf16")
+
+
+def _host_ops(run: Run) -> dict:
+    _, _, trace_summary = _scripts()
+    return trace_summary.host_ops(
+        trace_summary.load_events(run.run_dir / "profile" / "rank-0.pt.trace.json")
+    )
+
+
+def _plain_host_ops(root: Path, name: str, *extra: str) -> dict:
     import dataclasses
     import pickle
     import subprocess
@@ -197,11 +217,12 @@ def _plain_host_ops(tmp_path, name: str, *extra: str) -> float:
 
     scripts, bench, trace_summary = _scripts()
     cfg = load_recipe("debug", [*HOST_OPS, *extra, "launch.nproc_per_node=1"]).config
-    trace = tmp_path / f"{name}.json"
+    trace = root / f"{name}.json"
     spec = dataclasses.replace(bench.build_plain_spec(cfg, "cpu"), profile_trace=str(trace),
                                profile_wait=3, profile_active=2)  # fmt: skip
     env = fsdprun_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")  # fmt: skip
+                      WORLD_SIZE="1", LOCAL_RANK="0",
+                      TORCHINDUCTOR_CACHE_DIR=str(root / "cache"))  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", PLAIN_RANK, scripts, pickle.dumps(spec).hex()],
         env=env, capture_output=True, text=True, timeout=600,
@@ -217,7 +238,7 @@ def _ops_table(ours: dict, plain: dict) -> str:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "float8"])
-def test_host_ops_per_step_are_within_5_percent_of_the_plain_loop(tmp_path, precision):
+def test_host_ops_per_step_are_within_5_percent_of_the_plain_loop(compiled, request, precision):
     """fsdprun's step adds what the plain loop has not (the agreement's flags, the on-device
     skip of a non-finite step) and must not add more: a clip multiplying each gradient apart
     was 24 more ops a step here (147 launches on llama-1b). float8 at one rank gathers nothing:
@@ -227,8 +248,39 @@ def test_host_ops_per_step_are_within_5_percent_of_the_plain_loop(tmp_path, prec
     float8_gather side rather than here.)"""
     pytest.importorskip("torchao")
     extra = ["precision.float8=tensorwise"] if precision == "float8" else []
-    ours = _fsdprun_host_ops(tmp_path, "fsdprun", *extra)
-    plain = _plain_host_ops(tmp_path, "plain", *extra)
+    if precision == "bf16":
+        run = request.getfixturevalue("bf16_cold")
+    else:
+        run = _fsdprun_compiled(compiled, f"fsdprun-{precision}", *extra)
+    ours = _host_ops(run)
+    plain = _plain_host_ops(compiled, f"plain-{precision}", *extra)
     assert ours["steps"] == plain["steps"] == 2
     ratio = ours["per_step"] / plain["per_step"]
     assert ratio <= 1.05, (ours["per_step"], plain["per_step"], _ops_table(ours, plain))
+
+
+def test_compile_per_block_fills_the_cache_dir_and_a_second_run_hits_it(compiled, bf16_cold):
+    """The bf16 run above compiled into a fresh compile.cache_dir (inductor on CPU: ~20-30 s
+    cold); the same run again on the same folder, as a restart on fresh nodes sharing it would,
+    hits it. One rank: each rank compiles the same graphs on its own, so a second one would
+    double the cost and show nothing the summary's per-rank counts (tests/test_compile_cache.py)
+    do not."""
+    cold, cache = bf16_cold, compiled / "cache"
+    warm = _fsdprun_compiled(compiled, "fsdprun-bf16-warm")
+    assert cold.start["compile"] == "per block"
+    assert cold.start["compile_cache"] == f"{cache} (compile.cache_dir)"
+    first, second = cold.summary["compile"], warm.summary["compile"]
+    assert first["cache_dir"] == second["cache_dir"] == str(cache)
+    for counts in (first["fx_graph"], first["aot_autograd"]):
+        assert counts["miss"] > 0, first
+    for counts in (second["fx_graph"], second["aot_autograd"]):
+        assert counts["hit"] > 0 and counts["miss"] == 0, second
+    # Hits skip inductor's code generation and C++ builds: the bulk of a cold compile.
+    assert 0 < second["time_s"] < first["time_s"], (first, second)
+    assert list((cache / "fxgraph").rglob("*")) and list((cache / "aotautograd").rglob("*"))
+    rows = dict(read_tables(warm.proc.stdout)["Throughput"][1])
+    hits = second["fx_graph"]["hit"]
+    assert rows["compile time"] == f"{second['time_s']:.1f} s"
+    assert rows["FX graph cache"] == f"{hits} of {hits} hit"
+    # The same kernels: the last step's loss (the only one logged) to the bit.
+    assert warm.losses == cold.losses and len(cold.losses) == 1

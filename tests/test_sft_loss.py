@@ -76,12 +76,13 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         return Run(proc, run_dir).check()
 
     def train_and_resume() -> tuple[Run, Run]:
-        """The world-2 run, then a copy of it resumed from its step-2 checkpoint on 4 ranks."""
+        """The world-2 run, then a copy of it resumed from its step-2 checkpoint on 1 rank (a
+        world of 4 is w4-micro1's)."""
         run = train("w2-micro2")
         resumed = root / "resumed"
         shutil.copytree(run.run_dir, resumed)
         shutil.rmtree(step_dir(resumed, 4))
-        proc = run_fsdprun("resume", str(resumed), "--nproc-per-node", "4", cwd=root)
+        proc = run_fsdprun("resume", str(resumed), "--nproc-per-node", "1", cwd=root)
         return run, Run(proc, resumed).check()
 
     def sft_demo() -> Run:
