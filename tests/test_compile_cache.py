@@ -1,7 +1,7 @@
 """`compile.cache_dir` (where torch's compile caches go) and the summary's compile figures: the
 key's resolution and checks, the refusal of a folder that cannot be written, and the rendering.
 
-The compiled run that fills a fresh cache and reuses it is in tests/test_train.py
+The compiled run that fills a fresh cache and reuses it is in tests/test_perf.py
 (`test_compile_per_block_fills_the_cache_dir_and_a_second_run_hits_it`): one compile for both.
 """
 
