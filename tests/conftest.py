@@ -369,11 +369,11 @@ def _zygote() -> Zygote:
 # order, and a long one started last would leave one worker alone at the end. The others keep
 # their order.
 LONGEST_FIRST = (
-    "test_docs.py", "test_faults.py", "test_checkpoint.py", "test_tune.py", "test_tp.py",
-    "test_engines.py", "test_hf.py", "test_hf_families.py", "test_matrix.py",
-    "test_unresponsive.py", "test_bad_input.py", "test_launch.py", "test_memory_contract.py",
-    "test_train.py", "test_data.py",
-    "test_cluster.py", "test_slurm_example.py", "test_process_faults.py", "test_profile.py",
+    "test_docs.py", "test_tp.py", "test_cp.py", "test_faults.py", "test_tune.py", "test_perf.py",
+    "test_matrix.py", "test_checkpoint.py", "test_engines.py", "test_hf_families.py",
+    "test_memory_contract.py", "test_cluster.py", "test_bad_input.py", "test_hf.py",
+    "test_launch.py", "test_train.py", "test_data.py", "test_unresponsive.py",
+    "test_slurm_example.py", "test_process_faults.py", "test_profile.py",
 )  # fmt: skip
 
 
