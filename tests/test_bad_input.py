@@ -240,6 +240,9 @@ def test_rendezvous_endpoint_that_never_answers(tmp_path):
     )  # fmt: skip
     line = _one_line_exit_2(proc)
     assert "failed within launch.rdzv_timeout_s=1" in line and "timed out" in line
+    # The progress line's own connection attempt neither outlives the rendezvous nor reports
+    # after it (it held the exit up to 4 s and then said "waiting ... (5 s of 1 s)").
+    assert "s of 1 s)" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
 def test_a_node_waiting_for_the_others_says_so_and_gives_up_in_one_line(tmp_path):

@@ -145,8 +145,10 @@ class RendezvousProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # The thread may be blocked connecting to a store that never answers: it writes
+        # nothing once done, and as a daemon it does not hold the command's exit.
         self._done.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=0.2)
 
     def waited_s(self) -> float:
         return time.monotonic() - self.start
@@ -158,6 +160,8 @@ class RendezvousProgress:
     def _run(self) -> None:
         while not self._done.wait(interval_s(self.timeout_s)):
             state = self._read_state()
+            if self._done.is_set():
+                return  # the rendezvous ended while the store was read: its outcome says it
             if state is not None:
                 if state.complete:
                     return  # the agents start their workers now: the run header follows
@@ -177,8 +181,10 @@ class RendezvousProgress:
         host, _, port = self.endpoint.rpartition(":")
         try:
             if self._store is None:
+                # Connecting blocks up to its timeout: never past the rendezvous's own.
+                wait = min(2.0, self.timeout_s)
                 self._store = TCPStore(
-                    host, int(port), is_master=False, timeout=timedelta(seconds=2),
+                    host, int(port), is_master=False, timeout=timedelta(seconds=wait),
                     wait_for_workers=False,
                 )  # fmt: skip
             if not self._store.check([self.key]):
