@@ -17,6 +17,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -495,3 +497,50 @@ def test_shipped_manifests_name_only_their_platforms_fields_and_no_launch_flag()
     job = yaml.safe_load((EXAMPLES / "kubernetes/pytorchjob.yaml").read_text())["spec"]
     [master] = job["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert (master["name"], master["ports"][0]["name"]) == ("pytorch", "pytorchjob-port")
+
+
+def test_nodes_sharing_the_run_directory_write_its_recipe_without_a_gap(tmp_path):
+    """Every node of a resumed multi-node run writes RUN_DIR/recipe.yaml, and on a shared volume
+    (trainjob-shared-volume.yaml) they do it at once while `fsdprun resume` on another node reads
+    it: recipe.yaml is never missing (it was renamed away, then written: a node resolving the
+    run in between failed, and the other waited out the rendezvous), no node fails, and the
+    earlier recipe is kept once."""
+    from fsdprun.config import load_recipe
+    from fsdprun.launch.elastic import write_recipe
+    from fsdprun.rundir import recipe_path
+
+    old, new = load_recipe("debug"), load_recipe("debug", ["train.steps=12"])
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave as finely as two nodes' processes would
+    try:
+        for trial in range(40):
+            run_dir = _mkdir(tmp_path / f"run{trial}")
+            write_recipe(run_dir, old)
+            first = recipe_path(run_dir).read_text()
+            start, errors, gaps = threading.Barrier(3), [], []
+
+            def node(start=start, errors=errors, run_dir=run_dir):
+                start.wait()
+                try:
+                    write_recipe(run_dir, new)
+                except Exception as e:  # noqa: BLE001 - what a node would die of
+                    errors.append(e)
+
+            def reader(start=start, gaps=gaps, run_dir=run_dir):
+                start.wait()
+                for _ in range(200):
+                    if not recipe_path(run_dir).exists():
+                        gaps.append(1)
+
+            threads = [threading.Thread(target=f) for f in (node, node, reader)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors and not gaps, (trial, errors, gaps)
+            names = sorted(p.name for p in run_dir.iterdir() if p.suffix == ".yaml")
+            assert names == ["recipe.1.yaml", "recipe.yaml"], (trial, names)
+            assert (run_dir / "recipe.1.yaml").read_text() == first
+            assert "steps: 12" in recipe_path(run_dir).read_text()
+    finally:
+        sys.setswitchinterval(switch)

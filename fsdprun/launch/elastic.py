@@ -141,18 +141,70 @@ def prepare_run_dir(run_dir: Path, resolved: ResolvedRecipe) -> None:
 
 
 def write_recipe(run_dir: Path, resolved: ResolvedRecipe) -> None:
-    """Write RUN_DIR/recipe.yaml; an earlier one (a resumed run's) is kept as recipe.N.yaml."""
+    """Write RUN_DIR/recipe.yaml; the one there before, where it differs (a resume that changed
+    keys), is kept as recipe.N.yaml.
+
+    Every node of a multi-node run calls this, and nodes may share RUN_DIR (one volume): so
+    recipe.yaml is replaced atomically (a node reading it meanwhile, `fsdprun resume` resolving
+    the run, sees the old or the new one, never none), a node that finds the new one there
+    already writes nothing, and an earlier recipe is kept once by its content (the second node
+    finds its copy there and keeps none).
+    """
     target = recipe_path(run_dir)
+    text = f"{recipe_header(resolved.name)}\n{resolved.to_yaml()}"
     try:
         logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
-        if target.exists():
-            n = 1
-            while earlier_recipe_path(run_dir, n).exists():
-                n += 1
-            target.rename(earlier_recipe_path(run_dir, n))
-        target.write_text(f"{recipe_header(resolved.name)}\n{resolved.to_yaml()}")
+        try:
+            current = target.read_text()
+        except FileNotFoundError:
+            current = None
+        if current != text:
+            if current is not None:
+                _keep_earlier_recipe(run_dir, current)
+            with _written(run_dir, text) as tmp:
+                os.replace(tmp, target)
     except OSError as e:
         raise UserError(f"cannot write the run directory {run_dir}: {e.strerror}") from e
+
+
+@contextlib.contextmanager
+def _written(run_dir: Path, text: str):
+    """A new file of RUN_DIR holding `text`, named for this writer alone; removed after unless
+    the caller moved it."""
+    import tempfile
+
+    fd, name = tempfile.mkstemp(dir=run_dir, prefix=".recipe.", suffix=".tmp")
+    tmp = Path(name)
+    try:
+        os.fchmod(fd, 0o644)  # as a recipe.yaml written in place (mkstemp's is 0600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        yield tmp
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _keep_earlier_recipe(run_dir: Path, text: str) -> None:
+    """`text` (an earlier recipe.yaml) as the first free recipe.N.yaml, unless some
+    recipe.N.yaml holds it already. Linked into place whole, so a node that finds the name taken
+    reads the other's complete copy."""
+    with _written(run_dir, text) as tmp:
+        n = 1
+        while True:
+            kept = earlier_recipe_path(run_dir, n)
+            try:
+                os.link(tmp, kept)
+                return
+            except FileExistsError:
+                if kept.read_text() == text:
+                    return
+            except OSError:  # a volume without hard links: created exclusively, then written
+                with contextlib.suppress(FileExistsError), kept.open("x") as f:
+                    f.write(text)
+                    return
+                if kept.read_text() == text:
+                    return
+            n += 1
 
 
 def _set_aside_abandoned(run_dir: Path, resume_from: Path) -> None:
