@@ -32,6 +32,7 @@ reduce-scatter sums them. The rules (what is refused, the mesh's dims) are torch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -142,8 +143,8 @@ class _Ring:
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
 
     def start(self, tensors: list[torch.Tensor]):
-        """Send `tensors` on and start receiving the previous rank's (same shapes); returns
-        (the received tensors, a wait function)."""
+        """Send `tensors` on and start receiving the previous rank's (same shapes); returns a
+        function that waits for both and gives the received tensors."""
         import torch
         import torch.distributed as dist
 
@@ -172,6 +173,7 @@ def _reduce_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t.view(b, kv_heads, h // kv_heads, s, d).sum(2) if h != kv_heads else t
 
 
+@functools.cache
 def _ring_function():
     import torch
 
@@ -247,12 +249,12 @@ def _ring_function():
     return RingAttention
 
 
-def ring_attention(mesh: DeviceMesh, *, scale_of: Callable | None = None) -> Callable:
+def ring_attention(mesh: DeviceMesh) -> Callable:
     """`attend(q, k, v, mask, **kwargs)` computed by ring attention over the cp group `mesh`
     (module docstring): q (batch, heads, seq / cp, head_dim), k and v (batch, kv_heads, ...) of
     this rank's slice; the mask is the whole row's. The scale is 1/sqrt(head_dim) unless
-    `scale_of(kwargs)` names another (transformers passes `scaling`). Dropout is not applied:
-    a caller that asks for it is refused."""
+    kwargs name another (transformers passes `scaling`). Dropout is not applied: a caller that
+    asks for it is refused."""
     ring = _Ring(mesh)
     function = _ring_function()
 
@@ -262,7 +264,7 @@ def ring_attention(mesh: DeviceMesh, *, scale_of: Callable | None = None) -> Cal
                 "parallel.cp_impl=ring: attention dropout is not supported by the ring; set the "
                 "model's attention dropout to 0 or use parallel.cp_impl=alltoall"
             )
-        scale = (scale_of(kwargs) if scale_of else None) or q.shape[-1] ** -0.5
+        scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
         return function.apply(q, k, v, mask, scale, ring)
 
     return attend_ring
@@ -293,7 +295,7 @@ def apply_cp(model: nn.Module, *, mesh: DeviceMesh, impl: str = "alltoall") -> i
         )
     for attention in modules:
         if impl == "ring":
-            attention.attend = ring_attention(mesh, scale_of=lambda kw: kw.get("scaling"))
+            attention.attend = ring_attention(mesh)
         else:
             attention.attend = alltoall_attention(attention.attend, mesh)
     return len(modules)

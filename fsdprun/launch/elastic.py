@@ -186,25 +186,31 @@ def _written(run_dir: Path, text: str):
 
 def _keep_earlier_recipe(run_dir: Path, text: str) -> None:
     """`text` (an earlier recipe.yaml) as the first free recipe.N.yaml, unless some
-    recipe.N.yaml holds it already. Linked into place whole, so a node that finds the name taken
+    recipe.N.yaml holds it already. Put into place whole, so a node that finds the name taken
     reads the other's complete copy."""
     with _written(run_dir, text) as tmp:
         n = 1
         while True:
             kept = earlier_recipe_path(run_dir, n)
             try:
-                os.link(tmp, kept)
+                _place(tmp, kept)
                 return
             except FileExistsError:
                 if kept.read_text() == text:
                     return
-            except OSError:  # a volume without hard links: created exclusively, then written
-                with contextlib.suppress(FileExistsError), kept.open("x") as f:
-                    f.write(text)
-                    return
-                if kept.read_text() == text:
-                    return
             n += 1
+
+
+def _place(tmp: Path, kept: Path) -> None:
+    """`tmp` also at `kept`, which must not exist (FileExistsError): a hard link, or on a volume
+    without them an exclusively created copy."""
+    try:
+        os.link(tmp, kept)
+    except FileExistsError:
+        raise
+    except OSError:
+        with kept.open("x") as f:
+            f.write(tmp.read_text())
 
 
 def _set_aside_abandoned(run_dir: Path, resume_from: Path) -> None:

@@ -101,10 +101,15 @@ def current_value(cfg: RecipeConfig, key: str) -> str:
     return _text(getattr(getattr(cfg, section), name))
 
 
+def _tp(cfg: RecipeConfig) -> int:
+    """The recipe's tensor-parallel degree, 1 where it does not divide the world (refused)."""
+    return cfg.parallel.tp if cfg.parallel.tp >= 1 and cfg.world_size % cfg.parallel.tp == 0 else 1
+
+
 def micro_batch_choices(cfg: RecipeConfig) -> list[str]:
     """Every micro-batch size that divides one data-parallel rank's share of the global batch
     (the ranks of a tensor-parallel group share their micro-batch)."""
-    tp = cfg.parallel.tp if cfg.parallel.tp >= 1 and cfg.world_size % cfg.parallel.tp == 0 else 1
+    tp = _tp(cfg)
     per_rank = cfg.train.global_batch_size // (cfg.world_size // tp)
     return [str(d) for d in range(1, per_rank + 1) if per_rank % d == 0]
 
@@ -113,7 +118,7 @@ def cp_choices(cfg: RecipeConfig) -> list[str]:
     """Context-parallel degrees to search: each that splits a row within a node (it divides
     the node's ranks per TP group) and divides train.seq_len with parallel.tp; the recipe's
     own included."""
-    tp = cfg.parallel.tp if cfg.parallel.tp >= 1 and cfg.world_size % cfg.parallel.tp == 0 else 1
+    tp = _tp(cfg)
     per_node = max(cfg.launch.nproc_per_node // tp, 1)
     fits = [d for d in range(1, per_node + 1)
             if per_node % d == 0 and cfg.train.seq_len % (d * tp) == 0]  # fmt: skip
@@ -169,8 +174,8 @@ def default_space(
         # what a measured trial can overrule). The mode and the filter change the numerics:
         # --space with --allow-numerics.
         space.append(("precision.float8_all_gather", ["null", "true", "false"]))
-    if cp and len(cp_choices(cfg)) > 1:
-        space.append(("parallel.cp", cp_choices(cfg)))
+    if cp and len(degrees := cp_choices(cfg)) > 1:
+        space.append(("parallel.cp", degrees))
     if cfg.fsdp.engine.value == "ddp":
         space = [(k, v) for k, v in space if not k.startswith("fsdp.")]
     keys = {key for key, _ in space}
