@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,22 @@ def test_train_default_run_dir(launches):
     assert target.parent == Path("runs")
     assert target.name.startswith("debug-")
     assert resolved.config.output.run_dir == str(target)
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(launches, tmp_path, monkeypatch):
+    # A script launching short runs back to back: the clock shows one second for all three.
+    # The second once found the first's checkpoints in "its" folder and was refused.
+    monkeypatch.chdir(tmp_path)
+    frozen = time.localtime(1_800_000_000)
+    monkeypatch.setattr("fsdprun.rundir.time.localtime", lambda _=None: frozen)
+    for _ in range(3):
+        result = runner.invoke(app, ["train", "debug", "--nproc-per-node", "1"])
+        assert result.exit_code == 0, result.output
+        (launches[-1][1] / "checkpoints").mkdir(parents=True)  # as the run would leave it
+    stamp = time.strftime("%Y%m%d-%H%M%S", frozen)
+    names = [target.name for _, target in launches]
+    assert names == [f"debug-{stamp}", f"debug-{stamp}-2", f"debug-{stamp}-3"]
+    assert [r.config.output.run_dir for r, _ in launches] == [str(t) for _, t in launches]
 
 
 @pytest.mark.parametrize("name", ["run #1", "2024-01-01"])
