@@ -160,8 +160,10 @@ class RendezvousProgress:
     def _run(self) -> None:
         while not self._done.wait(interval_s(self.timeout_s)):
             state = self._read_state()
-            if self._done.is_set():
-                return  # the rendezvous ended while the store was read: its outcome says it
+            if self._done.is_set() or self.waited_s() >= self.timeout_s:
+                # The rendezvous ended while the store was read, or is about to give up (on a
+                # loaded machine its failure can take a moment to surface): its outcome says it.
+                return
             if state is not None:
                 if state.complete:
                     return  # the agents start their workers now: the run header follows
