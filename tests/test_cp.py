@@ -10,6 +10,7 @@ shared with tests/test_tp.py and its plain references); the resumes across degre
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -95,6 +96,34 @@ def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):
     (line,) = result.stderr.strip().splitlines()
     assert "parallel.tp=2 and parallel.cp_impl=ring" in line and "set parallel.tp=1" in line, line
     assert not Path("r").exists()
+
+
+def test_ring_refuses_an_hf_folder_with_attention_dropout_before_launch(tmp_path, monkeypatch):
+    """The ring applies no dropout: a folder whose config.json asks for attention dropout is
+    refused in one line before any rank starts (it once reached the ranks' first forward). The
+    all-to-all, which keeps transformers' own attention, trains it."""
+    launched = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch",
+                        lambda *a, **k: launched.append(a) or (lambda *a, **k: {}))  # fmt: skip
+    folder = tmp_path / "hf"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "recipes/data/tiny-llama-hf", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    assert config["num_key_value_heads"] == 2  # cp 4 does not divide them: auto takes the ring
+    for impl in ("auto", "ring"):
+        result = CliRunner().invoke(
+            app, ["train", "debug", f"model.hf_path={folder}", "parallel.cp=4",
+                  f"parallel.cp_impl={impl}", "--nproc-per-node", "4", "--run-dir", "r"],
+        )  # fmt: skip
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert "parallel.cp=4 with parallel.cp_impl=ring" in line, line
+        assert "attention dropout 0.1 (its config.json's attention_dropout)" in line, line
+        assert ("(what auto takes for these heads)" in line) == (impl == "auto"), line
+        assert not Path("r").exists() and not launched
+    # cp 2 divides the 2 kv heads: auto takes the all-to-all, which keeps the dropout.
+    assert load_recipe("debug", [*FOUR, f"model.hf_path={folder}", "parallel.cp=2"])
 
 
 def test_mesh_puts_cp_between_dp_shard_and_tp_and_fsdp_shards_over_both():

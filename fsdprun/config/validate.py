@@ -345,8 +345,9 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     )
     shape, tied = _tp_shape(cfg)
     errors += tp_errors(cfg, world_size=ws, shape=shape, tied=tied)
-    kv, unverified = cp_attention_facts(cfg)
-    errors += cp_errors(cfg, world_size=ws, kv_heads=kv, unverified=unverified)
+    kv, unverified, dropout = cp_attention_facts(cfg)
+    errors += cp_errors(cfg, world_size=ws, kv_heads=kv, unverified=unverified,
+                        attention_dropout=dropout)  # fmt: skip
     if f.engine is Engine.fsdp1 and f.cpu_offload and _runs_on_cpu(cfg.launch.device):
         # FSDP1's CPUOffload pins host memory, which needs an accelerator; FSDP2's policy can
         # leave it unpinned.
@@ -409,21 +410,23 @@ def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
         return None, False
 
 
-def cp_attention_facts(cfg: RecipeConfig) -> tuple[int | None, str | None]:
-    """(kv heads, the model if its attention is not verified under context parallel) for
-    parallel.cp's checks: the recipe's Llama, or model.hf_path's config.json (read as JSON),
-    whose attention is verified for model_type llama only (fsdprun's all-to-all around
-    transformers' SDPA); (None, None) when that file is unreadable (refused on its own)."""
+def cp_attention_facts(cfg: RecipeConfig) -> tuple[int | None, str | None, float]:
+    """(kv heads, the model if its attention is not verified under context parallel, its
+    attention dropout) for parallel.cp's checks: the recipe's Llama (no attention dropout), or
+    model.hf_path's config.json (read as JSON), whose attention is verified for model_type
+    llama only (fsdprun's all-to-all around transformers' SDPA, or the ring); (None, None, 0.0)
+    when that file is unreadable (refused on its own)."""
     m = cfg.model
     if m.hf_path is None:
-        return (m.n_kv_heads or m.n_heads), None
+        return (m.n_kv_heads or m.n_heads), None, 0.0
     try:
         hf = json.loads((Path(m.hf_path) / "config.json").read_text())
         kv = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
         kind = hf.get("model_type")
+        dropout = float(hf.get("attention_dropout") or 0.0)
     except (OSError, ValueError, KeyError, TypeError):
-        return None, None
-    return kv, None if kind == "llama" else f"model.hf_path's model_type {kind!r}"
+        return None, None, 0.0
+    return kv, None if kind == "llama" else f"model.hf_path's model_type {kind!r}", dropout
 
 
 # Device nodes that accelerator drivers create: NVIDIA, WSL2's GPU bridge, AMD ROCm, Intel and

@@ -221,7 +221,8 @@ def cp_impl(cfg: RecipeConfig, kv_heads: int | None = None) -> str:
 
 
 def cp_errors(
-    cfg: RecipeConfig, *, world_size: int, kv_heads: int | None, unverified: str | None = None
+    cfg: RecipeConfig, *, world_size: int, kv_heads: int | None, unverified: str | None = None,
+    attention_dropout: float = 0.0,
 ) -> list[str]:
     """What parallel.cp refuses, one message per problem.
 
@@ -230,6 +231,8 @@ def cp_errors(
             is refused on its own).
         unverified: the model, when its attention has not been verified under context
             parallel (an HF folder of another model_type than llama), as messages name it.
+        attention_dropout: the model's (an HF folder's attention_dropout), which the ring
+            does not apply.
     """
     cp, tp = cp_degree(cfg), max(tp_degree(cfg), 1)
     if cp < 1:
@@ -256,6 +259,8 @@ def cp_errors(
             "over tp; choose degrees whose product divides it"
         )
     impl = cp_impl(cfg, kv_heads)
+    ring = "parallel.cp_impl=ring" + (
+        " (what auto takes for these heads)" if cfg.parallel.cp_impl is CpImpl.auto else "")
     if impl == "alltoall" and kv_heads is not None and kv_heads % tp == 0 and (kv_heads // tp) % cp:
         per_tp = "" if tp == 1 else f" / parallel.tp ({tp}) = {kv_heads // tp} per TP rank"
         errors.append(
@@ -296,6 +301,12 @@ def cp_errors(
             f"parallel.tp={tp} and parallel.cp_impl=ring (what {cfg.parallel.cp_impl.value} "
             "takes for these heads): the ring is verified without tensor parallel only; set "
             "parallel.tp=1, or a cp that divides the kv heads per TP rank (all-to-all)",
+        ),
+        (
+            impl == "ring" and attention_dropout > 0,
+            f"{ring} and the model's attention dropout {attention_dropout:g} (its config.json's "
+            "attention_dropout): the ring applies no dropout; set it to 0 in config.json, or "
+            "a cp that divides the kv heads (all-to-all)",
         ),
         (
             cfg.fsdp.cpu_offload,

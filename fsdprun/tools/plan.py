@@ -399,8 +399,9 @@ def tp_problem(cfg: RecipeConfig) -> str | None:
     shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads or m.n_heads,
              "model.ffn_dim": m.ffn_dim}  # fmt: skip
     errors = tp_errors(cfg, world_size=cfg.world_size, shape=shape, tied=m.tie_embeddings)
-    kv, unverified = cp_attention_facts(cfg)
-    errors += cp_errors(cfg, world_size=cfg.world_size, kv_heads=kv, unverified=unverified)
+    kv, unverified, dropout = cp_attention_facts(cfg)
+    errors += cp_errors(cfg, world_size=cfg.world_size, kv_heads=kv, unverified=unverified,
+                        attention_dropout=dropout)  # fmt: skip
     return "; ".join(errors) or None
 
 
