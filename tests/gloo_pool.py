@@ -101,7 +101,7 @@ class GlooPool:
             if p.is_alive():
                 p.kill()
                 p.join(10)
-        self.procs = []
+        self.procs, self.tasks = [], []  # a later submit starts afresh (and may close again)
 
     def submit(self, fn, *args, timeout: float = TIMEOUT_S) -> list:
         """fn(rank, world, *args) on every rank (a module-level function); its results by rank."""

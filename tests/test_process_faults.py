@@ -12,6 +12,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
+import pytest
 from conftest import processes_naming, start_fsdprun
 
 from fsdprun.launch.killed import mem_total_bytes
@@ -204,3 +205,72 @@ def test_run_dir_watch_tells_deleted_moved_and_recreated(tmp_path):
     (tmp_path / "elsewhere").rmdir()
     assert watch.vanished() and watch.moved_to() is None
     assert watch.message(step=3, checkpoint=None).endswith("; no checkpoint had been saved")
+
+
+def _save_while_run_dir_vanishes(rank: int, world: int, run_dir: str, when: str) -> dict:
+    """One save of a small state on every rank of the pool, with RUN_DIR moved away by rank 0
+    at `when`: before it moves an old step folder aside, before the manifest is written, or
+    after it is written (as an operator's `mv` or `rm -rf` lands between the save's first look
+    and its last write). What each rank's save ended in."""
+    import torch
+
+    from fsdprun.checkpoint import save as save_module
+    from fsdprun.config import config_to_dict, load_recipe
+    from fsdprun.rundir import RunDirVanished, RunDirWatch
+
+    path = Path(run_dir)
+    cfg = load_recipe("debug", []).config
+    checkpointer = save_module.Checkpointer(
+        run_dir=path, cfg=cfg.checkpoint, rank=rank, world_size=world,
+        recipe=config_to_dict(cfg), watch=RunDirWatch(path), warn=lambda line: None,
+    )  # fmt: skip
+    checkpointer.records.append(save_module.SaveRecord(2, str(path / "x"), 0.0))  # sizes known
+    torch.distributed.barrier()  # every rank watches RUN_DIR before rank 0 moves it
+    real_move, real_manifest = save_module.move_aside, save_module.write_manifest
+
+    def away() -> None:
+        if rank == 0:
+            path.rename(path.with_name(path.name + ".moved"))
+
+    def move_aside(folder):
+        away()
+        return real_move(folder)
+
+    def write_manifest(folder, **kwargs):
+        if when == "before-manifest":
+            away()
+        written = real_manifest(folder, **kwargs)
+        if when == "after-manifest":
+            away()
+        return written
+
+    if when == "before-move-aside":
+        save_module.move_aside = move_aside
+    save_module.write_manifest = write_manifest
+    state = {"model": {"w": torch.full((8,), float(rank))}}
+    try:
+        checkpointer.save(4, state, {"step": 4})
+        return {"outcome": "saved"}
+    except RunDirVanished as e:
+        return {"outcome": "vanished", "step": e.step,
+                "records": [r.step for r in checkpointer.records]}  # fmt: skip
+    finally:
+        save_module.move_aside, save_module.write_manifest = real_move, real_manifest
+
+
+@pytest.mark.parametrize("when", ["before-move-aside", "before-manifest", "after-manifest"])
+def test_a_run_directory_moved_during_a_save_ends_the_save_as_vanished_on_every_rank(
+    gloo_pool, tmp_path, when
+):
+    # Before: moved while rank 0 wrote the manifest, the save's clean-up asked for the free
+    # space of the vanished RUN_DIR, and rank 0 died of its FileNotFoundError ("rank 0 failed:
+    # exit code 1" instead of the one line saying where the run and its checkpoints went).
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step-00000004").mkdir(parents=True)  # an old one to move aside
+    results = gloo_pool.submit(_save_while_run_dir_vanishes, str(run_dir), when)
+    written = [2, 4] if when == "after-manifest" else [2]
+    assert results == [{"outcome": "vanished", "step": 4, "records": written}] * 2, results
+    moved = tmp_path / "run.moved"
+    assert not run_dir.exists() and moved.is_dir()  # nothing recreated RUN_DIR
+    manifest = moved / "checkpoints" / "step-00000004" / "manifest.json"
+    assert manifest.is_file() == (when == "after-manifest")

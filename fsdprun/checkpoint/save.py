@@ -284,12 +284,19 @@ class Checkpointer:
         path = step_dir(self.run_dir, step)
         # DCP creates the folder with its parents: a RUN_DIR deleted (or replaced) under the run
         # would be recreated. Every rank looks, and all agree, before anyone writes.
-        vanished = self.watch is not None and self.watch.vanished()
+        vanished = self._vanished()
         # Only rank 0 looks (another rank's DCP writer may already be creating the folder when a
         # rank checks), and nobody starts writing before an old folder is moved aside.
         if self.rank == 0 and not vanished:
-            self._check_space(f"checkpoint {path.name}")
-            move_aside(path)
+            try:
+                self._check_space(f"checkpoint {path.name}")
+                move_aside(path)
+            except OSError:
+                if not self._vanished():
+                    raise
+            # Looked again: gone meanwhile, DCP would recreate it. (What is left is the instant
+            # between the agreement below and DCP's mkdir; the end of the save looks again.)
+            vanished = self._vanished()
         gone: list[bool] = [False] * self.world_size
         dist.all_gather_object(gone, vanished)  # also the barrier after move_aside
         if any(gone):
@@ -358,29 +365,47 @@ class Checkpointer:
         # write failed never leaves the others waiting in a collective.
         mine = {"checksums": pending.checksums or {},
                 "error": None if error is None else _error_text(error),
-                "vanished": self.watch is not None and self.watch.vanished()}  # fmt: skip
+                "vanished": self._vanished()}  # fmt: skip
         gathered: list[dict[str, Any]] = [{}] * self.world_size
         dist.all_gather_object(gathered, mine)
         if any(g["vanished"] for g in gathered):
             raise RunDirVanished(record.step)  # no manifest, no clean-up under RUN_DIR
-        outcome: list[str | None] = [None]
+        # Rank 0's outcome for every rank: why the save failed (None: it did not), whether
+        # the manifest was written, and whether RUN_DIR vanished meanwhile (the manifest's write
+        # or the clean-up then fails for that reason alone, and nothing more is written there).
+        outcome: list[Any] = [None, False, False]
         if self.rank == 0:
-            failed = {rank: g["error"] for rank, g in enumerate(gathered) if g["error"]}
-            if not failed:
-                try:
-                    self._write_manifest(record, pending, gathered)
-                except Exception as e:  # the other ranks wait for the outcome below
-                    failed = {0: _error_text(e)}
-            if failed:
-                outcome[0] = self._give_up(path, failed, pending.estimate)
-            else:
-                self._apply_keep_last()
-                self._check_space("the next checkpoint")
+            try:
+                failed = {rank: g["error"] for rank, g in enumerate(gathered) if g["error"]}
+                if not failed:
+                    try:
+                        self._write_manifest(record, pending, gathered)
+                        outcome[1] = True
+                    except Exception as e:  # the other ranks wait for the outcome below
+                        failed = {0: _error_text(e)}
+                if self._vanished():
+                    outcome[2] = True
+                elif failed:
+                    outcome[0] = self._give_up(path, failed, pending.estimate)
+                else:
+                    self._apply_keep_last()
+                    self._check_space("the next checkpoint")
+            except OSError:
+                if not self._vanished():
+                    raise
+                outcome[2] = True
         dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is not None:
-            raise SaveFailed(record.step, outcome[0])
-        self.records.append(record)
+        message, written, vanished = outcome
+        if written:
+            self.records.append(record)  # in the folder RUN_DIR was, wherever that is now
+        if vanished:
+            raise RunDirVanished(record.step)
+        if message is not None:
+            raise SaveFailed(record.step, message)
         return record
+
+    def _vanished(self) -> bool:
+        return self.watch is not None and self.watch.vanished()
 
     def _write_manifest(self, record: SaveRecord, pending: _Pending, gathered: list) -> None:
         # DCP's coordinator (rank 0) writes .metadata only after gathering every rank's write
