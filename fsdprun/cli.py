@@ -294,7 +294,12 @@ def train(
     recipe: Recipe,
     overrides: Overrides = None,
     run_dir: Annotated[
-        Path | None, typer.Option("--run-dir", help="Run directory (default runs/<recipe>-<time>).")
+        Path | None,
+        typer.Option(
+            "--run-dir",
+            help="Run directory (default runs/<recipe>-<time>; multi-node: "
+            "runs/<recipe>-<rdzv id>).",
+        ),
     ] = None,
     *,
     launch: LaunchFlags,
@@ -322,7 +327,9 @@ def train(
     _load("fsdprun.launch.elastic", DYNAMO)
     from fsdprun.launch.elastic import launch_training
 
-    target = Path(resolved.config.output.run_dir or default_run_dir(resolved.name))
+    nodes = resolved.config.launch
+    job = nodes.rdzv_id if nodes.nnodes > 1 else None  # every node must name the same folder
+    target = Path(resolved.config.output.run_dir or default_run_dir(resolved.name, job=job))
     resolved.config.output.run_dir = str(target)
     launch_training(resolved, target)
 

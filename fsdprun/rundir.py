@@ -42,14 +42,22 @@ TUNE_LOG_FILE = "trials.jsonl"  # a `fsdprun tune` --out's trial log (fsdprun.to
 _STEP_DIR = re.compile(r"step-([0-9]+)")
 
 
-def default_run_dir(recipe_name: str, *, now: float | None = None) -> Path:
+def default_run_dir(recipe_name: str, *, job: str | None = None, now: float | None = None) -> Path:
     """runs/<recipe>-<YYYYmmdd-HHMMSS> under the working directory: output.run_dir's default.
 
     A name already taken (a run started in the same second, say by a script launching short
     runs back to back) gets -2, -3, ...: a new run never lands in an earlier run's folder. Two
     launchers racing for one name in the same instant are told apart by the run lock, which
     refuses the second in one line.
+
+    Args:
+        job: for a multi-node run, launch.rdzv_id: runs/<recipe>-<job>, the name every node's
+            launcher computes alike without talking to the others (their clocks and start
+            times differ), as an external launcher's ranks use its job id. Taken as it is: a
+            folder that already holds a run is refused by the launch, naming `fsdprun resume`.
     """
+    if job is not None:
+        return Path("runs") / f"{recipe_name}-{job}"
     base = Path("runs") / f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
     path, n = base, 1
     while path.exists() or path.is_symlink():

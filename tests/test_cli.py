@@ -235,6 +235,30 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(launches, tmp_
     assert [r.config.output.run_dir for r, _ in launches] == [str(t) for _, t in launches]
 
 
+def test_every_node_of_a_multi_node_run_names_the_same_default_run_dir(
+    launches, tmp_path, monkeypatch
+):
+    # Each node's launcher once named its own runs/<recipe>-<its clock>: on a shared filesystem
+    # a checkpoint's shards went to as many folders as nodes. launch.rdzv_id is the same on all.
+    monkeypatch.chdir(tmp_path)
+    nodes = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "node0:29500"]
+    for node_rank, extra in ((0, []), (1, []), (1, ["launch.rdzv_id=job-7"])):
+        result = runner.invoke(
+            app, ["train", "debug", *extra, *nodes, "--node-rank", str(node_rank)]
+        )
+        assert result.exit_code == 0, result.output
+        Path(launches[-1][1]).mkdir(parents=True, exist_ok=True)  # a shared folder: node 0's
+    assert [target for _, target in launches] == [
+        Path("runs/debug-fsdprun"),
+        Path("runs/debug-fsdprun"),
+        Path("runs/debug-job-7"),
+    ]
+    # One node: the time, as before.
+    result = runner.invoke(app, ["train", "debug", "--nproc-per-node", "1"])
+    assert result.exit_code == 0, result.output
+    assert launches[-1][1].name.startswith("debug-20")
+
+
 @pytest.mark.parametrize("name", ["run #1", "2024-01-01"])
 def test_train_run_dir_is_taken_verbatim(launches, tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)

@@ -626,7 +626,9 @@ class LaunchConfig:
 @dataclass
 class OutputConfig:
     run_dir: str | None = _f(
-        None, "Run directory; null = runs/<recipe>-<YYYYmmdd-HHMMSS> under the working dir."
+        None,
+        "Run directory; null = runs/<recipe>-<YYYYmmdd-HHMMSS> under the working dir "
+        "(multi-node: runs/<recipe>-<launch.rdzv_id>, the same on every node).",
     )
     log_every: int = _f(10, "Log (and write metrics.jsonl) every this many steps.")
     metrics_file: str = _f(

@@ -221,7 +221,11 @@ def cp_impl(cfg: RecipeConfig, kv_heads: int | None = None) -> str:
 
 
 def cp_errors(
-    cfg: RecipeConfig, *, world_size: int, kv_heads: int | None, unverified: str | None = None,
+    cfg: RecipeConfig,
+    *,
+    world_size: int,
+    kv_heads: int | None,
+    unverified: str | None = None,
     attention_dropout: float = 0.0,
 ) -> list[str]:
     """What parallel.cp refuses, one message per problem.
@@ -260,7 +264,8 @@ def cp_errors(
         )
     impl = cp_impl(cfg, kv_heads)
     ring = "parallel.cp_impl=ring" + (
-        " (what auto takes for these heads)" if cfg.parallel.cp_impl is CpImpl.auto else "")
+        " (what auto takes for these heads)" if cfg.parallel.cp_impl is CpImpl.auto else ""
+    )
     if impl == "alltoall" and kv_heads is not None and kv_heads % tp == 0 and (kv_heads // tp) % cp:
         per_tp = "" if tp == 1 else f" / parallel.tp ({tp}) = {kv_heads // tp} per TP rank"
         errors.append(
