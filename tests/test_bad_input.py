@@ -463,6 +463,7 @@ BAD_VALUES = {
 # kind (of STRING_KEYS) -> the labels above it must refuse
 BAD_BY_KIND = {
     "name": ["control-char", "empty"],
+    "job_id": ["control-char", "empty", "in-a-folder", "dot"],
     "class": ["control-char", "empty", "not-a-name"],
     "file": ["control-char", "empty", "folder"],
     "folder": ["control-char", "empty", "file"],

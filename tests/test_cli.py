@@ -257,6 +257,13 @@ def test_every_node_of_a_multi_node_run_names_the_same_default_run_dir(
     result = runner.invoke(app, ["train", "debug", "--nproc-per-node", "1"])
     assert result.exit_code == 0, result.output
     assert launches[-1][1].name.startswith("debug-20")
+    # A job id that would name a folder elsewhere is refused before launch.
+    for job in ("a/b", ".."):
+        result = runner.invoke(
+            app, ["train", "debug", *nodes, "--node-rank", "0", "--rdzv-id", job]
+        )
+        assert_one_line_error(result, f"launch.rdzv_id: '{job}' is no folder name")
+    assert len(launches) == 4
 
 
 @pytest.mark.parametrize("name", ["run #1", "2024-01-01"])

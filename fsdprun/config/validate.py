@@ -208,7 +208,7 @@ def _profile_errors(p: ProfileConfig, device: DeviceKind, world_size: int) -> li
 # `file`/`folder` (a path that must not be the other kind; existence is checked where the path
 # is used), `path` (either kind), `text` (free text, control characters allowed), `endpoint`
 # (HOST:PORT, checked in validate), `run_file` (a .jsonl file name inside the run directory: the
-# only place fsdprun writes).
+# only place fsdprun writes), `job_id` (a name without `/` that folders are named after).
 STRING_KEYS: dict[str, tuple[str, str]] = {
     "model.family": ("name", "a model family (llama)"),
     "model.hf_path": ("folder", "a HuggingFace model folder, or null"),
@@ -225,7 +225,7 @@ STRING_KEYS: dict[str, tuple[str, str]] = {
     "compile.cache_dir": ("folder", "a folder for torch's compile caches, or null"),
     "checkpoint.load_from": ("folder", "a checkpoint folder (RUN_DIR/checkpoints/step-N), or null"),
     "launch.rdzv_endpoint": ("endpoint", "HOST:PORT, or empty for one node"),
-    "launch.rdzv_id": ("name", "a job id, the same on every node"),
+    "launch.rdzv_id": ("job_id", "a job id, the same on every node, usable in a folder name"),
     "launch.role": ("name", "a role name"),
     "launch.log_dir": ("folder", "a folder for the ranks' logs, or null for RUN_DIR/logs"),
     "launch.redirects": ("name", "0, 1, 2, 3 or LOCAL_RANK:0-3 pairs"),
@@ -298,6 +298,9 @@ def _string_problem(kind: str, value: str, run_dir: str | None) -> str | None:
     path = Path(value)
     if kind == "class" and not value.isidentifier():
         return "is not a class name"
+    if kind == "job_id" and ("/" in value or value in (".", "..")):
+        # It names folders: the logs' <rdzv_id>_<random>, a multi-node run's runs/<recipe>-<id>.
+        return "is no folder name"
     if kind == "file" and value != "byte" and path.is_dir():
         return "is a folder"
     if kind == "folder" and path.exists() and not path.is_dir():
