@@ -365,7 +365,7 @@ def _zygote() -> Zygote:
 
 
 # The files that take longest (CI's --durations and a JUnit report, 2026-12-02), longest first:
-# under `-n 2 --dist loadfile` (pyproject.toml) files are handed to the workers in collection
+# under `-n 3 --dist loadfile` (pyproject.toml) files are handed to the workers in collection
 # order, and a long one started last would leave one worker alone at the end. The others keep
 # their order.
 LONGEST_FIRST = (
