@@ -370,21 +370,23 @@ class Checkpointer:
         dist.all_gather_object(gathered, mine)
         if any(g["vanished"] for g in gathered):
             raise RunDirVanished(record.step)  # no manifest, no clean-up under RUN_DIR
-        # Rank 0's outcome for every rank: why the save failed (None: it did not), whether
-        # the manifest was written, and whether RUN_DIR vanished meanwhile (the manifest's write
-        # or the clean-up then fails for that reason alone, and nothing more is written there).
-        outcome: list[Any] = [None, False, False]
+        # Rank 0's outcome for every rank: why the save failed (None: it did not), and whether
+        # it failed because RUN_DIR vanished meanwhile (then nothing more is written there). A
+        # checkpoint whose manifest is written stands even if RUN_DIR goes right after: its
+        # clean-up is skipped, and the loop stops the run at its next step.
+        outcome: list[Any] = [None, False]
         if self.rank == 0:
+            written = False
             try:
                 failed = {rank: g["error"] for rank, g in enumerate(gathered) if g["error"]}
                 if not failed:
                     try:
                         self._write_manifest(record, pending, gathered)
-                        outcome[1] = True
+                        written = True
                     except Exception as e:  # the other ranks wait for the outcome below
                         failed = {0: _error_text(e)}
-                if self._vanished():
-                    outcome[2] = True
+                if failed and self._vanished():
+                    outcome[1] = True
                 elif failed:
                     outcome[0] = self._give_up(path, failed, pending.estimate)
                 else:
@@ -393,15 +395,14 @@ class Checkpointer:
             except OSError:
                 if not self._vanished():
                     raise
-                outcome[2] = True
+                outcome[1] = not written
         dist.broadcast_object_list(outcome, src=0)
-        message, written, vanished = outcome
-        if written:
-            self.records.append(record)  # in the folder RUN_DIR was, wherever that is now
+        message, vanished = outcome
         if vanished:
-            raise RunDirVanished(record.step)
+            raise RunDirVanished(record.step)  # no manifest, no clean-up under RUN_DIR
         if message is not None:
             raise SaveFailed(record.step, message)
+        self.records.append(record)
         return record
 
     def _vanished(self) -> bool:
