@@ -42,7 +42,7 @@ TUNE_LOG_FILE = "trials.jsonl"  # a `fsdprun tune` --out's trial log (fsdprun.to
 _STEP_DIR = re.compile(r"step-([0-9]+)")
 
 
-def default_run_dir(recipe_name: str, *, job: str | None = None, now: float | None = None) -> Path:
+def default_run_dir(recipe_name: str, *, job: str | None = None) -> Path:
     """runs/<recipe>-<YYYYmmdd-HHMMSS> under the working directory: output.run_dir's default.
 
     A name already taken (a run started in the same second, say by a script launching short
@@ -58,7 +58,7 @@ def default_run_dir(recipe_name: str, *, job: str | None = None, now: float | No
     """
     if job is not None:
         return Path("runs") / f"{recipe_name}-{job}"
-    base = Path("runs") / f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+    base = Path("runs") / f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime())}"
     path, n = base, 1
     while path.exists() or path.is_symlink():
         n += 1

@@ -261,7 +261,7 @@ def _save_while_run_dir_vanishes(rank: int, world: int, run_dir: str, when: str)
 
 
 @pytest.mark.parametrize("when", ["before-move-aside", "before-manifest", "after-manifest"])
-def test_a_run_directory_moved_during_a_save_ends_the_save_as_vanished_on_every_rank(
+def test_a_run_directory_moved_during_a_save_kills_no_rank_and_is_not_recreated(
     gloo_pool, tmp_path, when
 ):
     # Before: moved while rank 0 wrote the manifest, the save's clean-up asked for the free

@@ -359,7 +359,6 @@ class Checkpointer:
             error = error or pending.error
         record = pending.record
         record.total_s = time.perf_counter() - pending.started
-        path = Path(record.path)
         # Each rank hashed the files it wrote and says whether its part failed; rank 0 writes
         # the manifest, or gives up on the folder, and tells every rank which: a rank whose
         # write failed never leaves the others waiting in a collective.
@@ -370,32 +369,7 @@ class Checkpointer:
         dist.all_gather_object(gathered, mine)
         if any(g["vanished"] for g in gathered):
             raise RunDirVanished(record.step)  # no manifest, no clean-up under RUN_DIR
-        # Rank 0's outcome for every rank: why the save failed (None: it did not), and whether
-        # it failed because RUN_DIR vanished meanwhile (then nothing more is written there). A
-        # checkpoint whose manifest is written stands even if RUN_DIR goes right after: its
-        # clean-up is skipped, and the loop stops the run at its next step.
-        outcome: list[Any] = [None, False]
-        if self.rank == 0:
-            written = False
-            try:
-                failed = {rank: g["error"] for rank, g in enumerate(gathered) if g["error"]}
-                if not failed:
-                    try:
-                        self._write_manifest(record, pending, gathered)
-                        written = True
-                    except Exception as e:  # the other ranks wait for the outcome below
-                        failed = {0: _error_text(e)}
-                if failed and self._vanished():
-                    outcome[1] = True
-                elif failed:
-                    outcome[0] = self._give_up(path, failed, pending.estimate)
-                else:
-                    self._apply_keep_last()
-                    self._check_space("the next checkpoint")
-            except OSError:
-                if not self._vanished():
-                    raise
-                outcome[1] = not written
+        outcome = self._outcome(record, pending, gathered) if self.rank == 0 else [None, False]
         dist.broadcast_object_list(outcome, src=0)
         message, vanished = outcome
         if vanished:
@@ -407,6 +381,31 @@ class Checkpointer:
 
     def _vanished(self) -> bool:
         return self.watch is not None and self.watch.vanished()
+
+    def _outcome(self, record: SaveRecord, pending: _Pending, gathered: list) -> list[Any]:
+        """Rank 0, once every rank's part is written: the manifest, or the give-up, and the
+        clean-up. Returns, for every rank: why the save failed (None: it did not), and whether
+        it failed because RUN_DIR vanished meanwhile (then nothing more is written there). A
+        checkpoint whose manifest is written stands even if RUN_DIR goes right after: its
+        clean-up is skipped, and the loop stops the run at its next step."""
+        failed = {rank: g["error"] for rank, g in enumerate(gathered) if g["error"]}
+        if not failed:
+            try:
+                self._write_manifest(record, pending, gathered)
+            except Exception as e:  # the other ranks wait for the outcome
+                failed = {0: _error_text(e)}
+        try:
+            if failed:
+                if self._vanished():
+                    return [None, True]
+                return [self._give_up(Path(record.path), failed, pending.estimate), False]
+            self._apply_keep_last()
+            self._check_space("the next checkpoint")
+        except OSError:
+            if not self._vanished():
+                raise
+            return [None, bool(failed)]
+        return [None, False]
 
     def _write_manifest(self, record: SaveRecord, pending: _Pending, gathered: list) -> None:
         # DCP's coordinator (rank 0) writes .metadata only after gathering every rank's write

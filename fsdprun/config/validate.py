@@ -432,6 +432,14 @@ def cp_attention_facts(cfg: RecipeConfig) -> tuple[int | None, str | None, float
     return kv, None if kind == "llama" else f"model.hf_path's model_type {kind!r}", dropout
 
 
+def model_cp_impl(cfg: RecipeConfig) -> str:
+    """The attention parallel.cp_impl resolves to for the recipe's model (its kv heads, as
+    `cp_attention_facts` reads them)."""
+    from fsdprun.engines.mesh import cp_impl
+
+    return cp_impl(cfg, cp_attention_facts(cfg)[0])
+
+
 # Device nodes that accelerator drivers create: NVIDIA, WSL2's GPU bridge, AMD ROCm, Intel and
 # other DRM GPUs, Ascend NPUs. Without any of them no torch build sees an accelerator.
 _ACCELERATOR_NODES = ("/dev/nvidia*", "/dev/dxg", "/dev/kfd", "/dev/dri/renderD*", "/dev/davinci*")

@@ -20,7 +20,7 @@ from fsdprun.config import (
     Sharding,
     WrapPolicy,
 )
-from fsdprun.config.validate import cp_attention_facts
+from fsdprun.config.validate import model_cp_impl
 from fsdprun.engines.base import (
     ADAM_STATE_BYTES,
     ADAM_STEP_BYTES,
@@ -45,7 +45,6 @@ from fsdprun.engines.base import (
 from fsdprun.engines.mesh import (
     backward_prefetch_depth,
     cp_degree,
-    cp_impl,
     effective_sharding,
     mesh_dims,
     shard_group_size,
@@ -127,7 +126,7 @@ def knobs(cfg: RecipeConfig, ws: int, add) -> None:
             f"device mesh {shape}: each row's sequence split over {cp} ranks (seq_len / {cp} "
             "tokens each, with their rotary positions); parameters sharded over dp_shard x cp",
         )
-        impl = cp_impl(cfg, cp_attention_facts(cfg)[0])
+        impl = model_cp_impl(cfg)
         add(
             "parallel.cp_impl",
             cfg.parallel.cp_impl,

@@ -38,7 +38,7 @@ from fsdprun.checkpoint import (
 )
 from fsdprun.compile_cache import combine_ranks, compile_stats, describe_cache_dir, use_cache_dir
 from fsdprun.config import Dtype, ModelConfig, ModelInit, RecipeConfig, config_to_dict, load_recipe
-from fsdprun.config.validate import cp_attention_facts
+from fsdprun.config.validate import model_cp_impl
 from fsdprun.data import BatchLayout, Dataset, build_datasets
 from fsdprun.device import (
     Device,
@@ -49,7 +49,7 @@ from fsdprun.device import (
 from fsdprun.engines import build_engine
 from fsdprun.engines.cp import apply_cp, cp_mesh
 from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, float8_plan
-from fsdprun.engines.mesh import cp_degree, cp_impl, mesh_dims, tp_degree
+from fsdprun.engines.mesh import cp_degree, mesh_dims, tp_degree
 from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
 from fsdprun.engines.weights import model_state_bytes
@@ -250,7 +250,7 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         plan = model_spec(cfg.model).tp_plan(cfg.model)
         tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan)
     if cp_degree(cfg) > 1:
-        apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, cp_attention_facts(cfg)[0]))
+        apply_cp(model, mesh=cp_mesh(mesh), impl=model_cp_impl(cfg))
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
@@ -413,7 +413,7 @@ def _start_fields(
         "mesh": [list(dim) for dim in mesh_dims(cfg, ranks.world_size)],
         "tp": tp_degree(cfg),
         "cp": cp_degree(cfg),
-        "cp_impl": cp_impl(cfg, cp_attention_facts(cfg)[0]) if cp_degree(cfg) > 1 else None,
+        "cp_impl": model_cp_impl(cfg) if cp_degree(cfg) > 1 else None,
         "tp_plan": [list(row) for row in engine.tp_plan],
         "param_dtype": cfg.precision.param_dtype.value,
         "reduce_dtype": cfg.precision.reduce_dtype.value,

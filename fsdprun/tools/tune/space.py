@@ -243,16 +243,11 @@ def parse_space(
     """
     replace = bool(items) and "defaults" not in items
     defaults = not replace and cfg.tune.defaults
-    knobs = (
-        {}
-        if not defaults
-        else {
-            k.key: k
-            for k in default_space(
-                cfg, accelerator=accelerator, refused=refused, left_out=left_out, cp=cp
-            )
-        }
-    )
+    knobs: dict[str, SpaceKnob] = {}
+    if defaults:
+        space = default_space(cfg, accelerator=accelerator, refused=refused, left_out=left_out,
+                              cp=cp)  # fmt: skip
+        knobs = {k.key: k for k in space}
     given: list[tuple[str, str, list[str]]] = []
     if not replace:
         given += [("tune.space", key, list(vals)) for key, vals in cfg.tune.space.items()]
