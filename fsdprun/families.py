@@ -1,13 +1,16 @@
-"""The model families' names: which module defines each family's `ModelSpec`, and why a recipe's
-`model.family` / `model.hf_path` choose none.
+"""The model families as data: which module defines each family's `ModelSpec`, why a recipe's
+`model.family` / `model.hf_path` choose none, and what each family can do (`Family`): its
+tensor-parallel plan, its LoRA groups, whether its attention is exact under context parallel,
+where its experts live, and how its layers split into pipeline stages.
 
-Both `config` (which refuses an unknown family before anything loads) and `models` (which
-imports the family's module and reads its `SPEC`) need these names, and `models` reads config's
-sections, so the names live here, at the package's ground floor, rather than in either: config
-then never imports `models`, and the two packages import each other in no circle. Adding a
-family is its module under `fsdprun.models` plus one line in `FAMILIES`. The HuggingFace model
-types fsdprun verifies (`HF_FAMILIES`) and the tensor-parallel plans (`TPPlan`) are data here
-too: a HuggingFace family is one entry, not a branch in the engine.
+Both `config` (which refuses an unknown family, and a layout the family cannot take, before
+anything loads) and `models` (which imports the family's module and reads its `SPEC`) need these
+facts, and `models` reads config's sections, so they live here, at the package's ground floor,
+rather than in either: config then never imports `models`, and the two packages import each
+other in no circle. Adding a family is its module under `fsdprun.models`, one line in `FAMILIES`
+and its entry in `BUILTIN_FAMILIES`; adding a HuggingFace model type is one `HF_FAMILIES` entry
+(and its row in tests/hf_families.py). A capability is a field here, never a branch on a
+family's name in the engine, the checks or the model.
 
 Never imports torch nor an fsdprun module (`fsdprun config` loads it).
 """
@@ -126,27 +129,54 @@ MOE_NO_TP = (
 
 
 @dataclass(frozen=True)
-class HFFamily:
-    """What a transformers model type (config.json's `model_type`) needs of the `hf` family.
+class Stages:
+    """How a family's model splits into pipeline stages: the modules before the decoder blocks
+    (on the first stage), the container of the blocks (split between the stages), and the
+    modules after them (on the last stage), as module paths from the model's root."""
 
-    The decoder layers FSDP wraps come from the model's own `_no_split_modules`, the non-persistent
-    buffers from its `_init_weights` (`fsdprun.models.hf`): neither needs an entry.
+    first: tuple[str, ...]
+    blocks: str
+    last: tuple[str, ...]
+
+
+# transformers' causal LMs of Llama's shape: model.embed_tokens (and the rotary embedding the
+# decoder computes its positions with), model.layers, then model.norm and lm_head.
+HF_STAGES = Stages(("hf.model.embed_tokens", "hf.model.rotary_emb"), "hf.model.layers",
+                   ("hf.model.norm", "hf.lm_head"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Family:
+    """What fsdprun knows a model family can do: the built-in Llama's entry
+    (`BUILTIN_FAMILIES`) and each transformers model type's (config.json's `model_type`,
+    `HF_FAMILIES`) are declared the same way.
+
+    For HuggingFace models, the decoder layers FSDP wraps come from the model's own
+    `_no_split_modules`, the non-persistent buffers from its `_init_weights`
+    (`fsdprun.models.hf`): neither needs an entry.
     """
 
-    attn_implementation: str = "sdpa"
-    """transformers' attention implementation to build with; "sdpa" unless the model refuses
-    it (it must also accept fsdprun's 4-D boolean masks of packed rows)."""
-    stacked: tuple[StackedExperts, ...] = ()
-    """Parameters that checkpoints store expert by expert (`fsdprun.engines.hf_weights`)."""
+    tp_plan: TPPlan | str = HF_LLAMA_TP
+    """parallel.tp's plan (`fsdprun.engines.tp`), or why there is none (one clause). Any plan
+    splits a model only where its modules are the plan's (`tp_plan_problem`, before launch)."""
     lora_attention: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """The Linear layers of a block's attention: what `lora.targets: [attention]` adapts."""
     lora_mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     """The Linear layers of a block's MLP (`lora.targets: [mlp]`); none where the MLP has no
     Linear to adapt (experts stored as 3-D parameters)."""
-
-    tp_plan: TPPlan | str = HF_LLAMA_TP
-    """parallel.tp's plan (`fsdprun.engines.tp`), or why there is none (one clause). Any plan
-    splits a model only where its modules are the plan's (`tp_plan_problem`, before launch)."""
+    cp_attention: bool = False
+    """Whether the family's attention is exact under context parallel (tests/test_cp.py against
+    one rank): the all-to-all and the ring wrap it (`cp_attention_modules`)."""
+    experts: str | None = None
+    """The module of each decoder block that holds its experts (a mixture of experts; expert
+    parallel shards it), None for a dense model."""
+    stages: Stages | None = HF_STAGES
+    """How the layers split into pipeline stages (None: not declared)."""
+    attn_implementation: str = "sdpa"
+    """transformers' attention implementation to build with; "sdpa" unless the model refuses
+    it (it must also accept fsdprun's 4-D boolean masks of packed rows). HF models only."""
+    stacked: tuple[StackedExperts, ...] = ()
+    """Parameters that checkpoints store expert by expert (`fsdprun.engines.hf_weights`)."""
 
     def lora_groups(self) -> dict[str, tuple[str, ...]]:
         """The `lora.targets` group names and the layer names each stands for."""
@@ -172,12 +202,13 @@ class StackedExperts:
 # whose HF export gives fsdprun's logits (tests/test_hf_families.py; the table in
 # docs/families.md). Others still load: they take the defaults, unverified.
 HF_FAMILIES = {
-    "llama": HFFamily(),
-    "qwen2": HFFamily(),
-    "qwen3": HFFamily(tp_plan=HF_LLAMA_TP.extended(**HEAD_NORMS)),
+    "llama": Family(cp_attention=True),
+    "qwen2": Family(),
+    "qwen3": Family(tp_plan=HF_LLAMA_TP.extended(**HEAD_NORMS)),
     # The experts are 3-D parameters and the router no Linear either: LoRA adapts attention only.
-    "qwen3_moe": HFFamily(
+    "qwen3_moe": Family(
         lora_mlp=(),
+        experts="mlp.experts",
         tp_plan=MOE_NO_TP,
         stacked=(
             StackedExperts(
@@ -187,14 +218,54 @@ HF_FAMILIES = {
             StackedExperts("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)),
         ),
     ),
-    "mistral": HFFamily(),
+    "mistral": Family(),
     # transformers builds Gemma 2 with eager attention only: SDPA cannot soft-cap the scores.
-    "gemma2": HFFamily(attn_implementation="eager", tp_plan=HF_LLAMA_TP.extended(**GEMMA_NORMS)),
-    "gemma3_text": HFFamily(tp_plan=HF_LLAMA_TP.extended(**GEMMA_NORMS, **HEAD_NORMS)),
+    "gemma2": Family(attn_implementation="eager", tp_plan=HF_LLAMA_TP.extended(**GEMMA_NORMS)),
+    "gemma3_text": Family(tp_plan=HF_LLAMA_TP.extended(**GEMMA_NORMS, **HEAD_NORMS)),
     # Fused projections: one Linear for q, k and v, one for the gate and up projections.
-    "phi3": HFFamily(
+    "phi3": Family(
         lora_attention=("qkv_proj", "o_proj"),
         lora_mlp=("gate_up_proj", "down_proj"),
         tp_plan=PHI3_TP,
     ),
 }
+
+# The built-in families, declared as the HuggingFace types are.
+# Megatron's split with sequence parallel (torchtitan's Llama plan): between blocks the
+# activations are sharded on the sequence; each norm works on its shard; the attention and
+# feed-forward inputs are all-gathered (`block_input`), their first matmuls column-sharded and
+# their last row-sharded, reduce-scattered back onto the sequence. The output stays
+# vocab-sharded for loss parallel: the whole logits are never gathered.
+LLAMA_TP = TPPlan(
+    blocks={
+        "attention_norm": "norm", "attention": "block_input", "attention.wq": "colwise",
+        "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+        "ffn_norm": "norm", "feed_forward": "block_input", "feed_forward.w1": "colwise",
+        "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+    },
+    top={"tok_embeddings": "embedding", "norm": "norm", "output": "output"},
+    # Attention takes (x, rope, attn_mask), the feed-forward (x).
+    block_inputs={"attention": 3, "feed_forward": 1},
+)  # fmt: skip
+BUILTIN_FAMILIES = {
+    "llama": Family(
+        tp_plan=LLAMA_TP,
+        lora_attention=("wq", "wk", "wv", "wo"),
+        lora_mlp=("w1", "w3", "w2"),
+        cp_attention=True,
+        stages=Stages(("tok_embeddings",), "layers", ("norm", "output")),
+    ),
+}
+
+
+# A family registered in `FAMILIES` without an entry here: it can do nothing it has not declared.
+UNDECLARED = Family(tp_plan="its family declares none", lora_attention=(), lora_mlp=(),
+                    stages=None)  # fmt: skip
+
+
+def family_entry(family: str, model_type: str | None = None) -> Family:
+    """What the recipe's model can do: its built-in family's entry, or for `hf` its model
+    type's (`HF_FAMILIES`; the defaults, unverified, for a type not listed)."""
+    if family == HF_FAMILY:
+        return HF_FAMILIES.get(model_type, Family())
+    return BUILTIN_FAMILIES.get(family, UNDECLARED)

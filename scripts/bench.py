@@ -57,8 +57,9 @@ from fsdprun.config import (
     Sharding,
     load_recipe,
 )
+from fsdprun.config.layout import effective_sharding
 from fsdprun.device import resolve_device_kind
-from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding
+from fsdprun.engines.base import backward_prefetch_depth
 from fsdprun.errors import UserError
 from fsdprun.models.llama import build_model_args
 from fsdprun.report.metrics import read_events

@@ -71,6 +71,8 @@ _MASKS = (
     (re.compile(r"wall time [\d.]+ s"), "wall time <s>"),
     (re.compile(r"in [\d.]+ s \(training blocked [\d.]+ s\)"), "in <s>"),
     (re.compile(r"\b\d[\d.]* s\b(?= to import| of)"), "<s>"),
+    # glog's prefix of a library's warning: its time and the process id.
+    (re.compile(r"^W\d{4} [\d:.]+ +\d+ ", re.M), "W<time> <pid> "),
 )
 
 
@@ -114,8 +116,8 @@ def snapshot() -> dict[str, str]:
         outputs = {}
         with ThreadPoolExecutor(2) as pool:
             cmds = _commands(tmp)
-            for key, text in zip(cmds, pool.map(lambda a: _run(a, tmp), cmds.values())):
-                outputs[key] = text
+            texts = pool.map(lambda a: _run(a, tmp), cmds.values())
+            outputs.update(zip(cmds, texts, strict=True))
         for name, over in LAYOUTS.items():  # one 4-rank run at a time: two cores
             outputs.update(_train(name, over, tmp))
     return outputs

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 import fsdprun.launch.elastic
 from fsdprun.cli import app
 from fsdprun.config import load_recipe
-from fsdprun.engines.mesh import dp_rank, fsdp_shards, mesh_dims
+from fsdprun.config.layout import Layout
 from fsdprun.errors import UserError
 
 FOUR = ["launch.nproc_per_node=4"]
@@ -133,12 +133,12 @@ def test_mesh_puts_cp_between_dp_shard_and_tp_and_fsdp_shards_over_both():
         return load_recipe("debug", [*FOUR, *o]).config
 
     cp2 = cfg("parallel.cp=2")
-    assert mesh_dims(cp2) == [("dp_shard", 2), ("cp", 2)] and cp2.dp_world_size == 2
-    assert fsdp_shards(cp2) == 4  # no duplicate state on the cp ranks
+    assert Layout.of(cp2).mesh_dims == [("dp_shard", 2), ("cp", 2)] and Layout.of(cp2).dp == 2
+    assert Layout.of(cp2).fsdp_shards == 4  # no duplicate state on the cp ranks
     hybrid = cfg("parallel.cp=2", "fsdp.sharding=hybrid", "fsdp.shard_group_size=1")
-    assert mesh_dims(hybrid) == [("dp_replicate", 2), ("dp_shard", 1), ("cp", 2)]
-    assert fsdp_shards(hybrid) == 2
-    assert [dp_rank(r, 1, 2) for r in range(4)] == [0, 0, 1, 1]
+    assert Layout.of(hybrid).mesh_dims == [("dp_replicate", 2), ("dp_shard", 1), ("cp", 2)]
+    assert Layout.of(hybrid).fsdp_shards == 2
+    assert [Layout.of(cp2).dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
     # cp rank j of a data-parallel rank keeps slice j of the sequence, positions included, and
     # the whole row's doc_ids (attention sees whole rows).
     import torch
@@ -200,10 +200,10 @@ def _saved_activations_rank(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdprun.data import Batch
+    from fsdprun.engines.activations import activation_bytes
     from fsdprun.engines.cp import apply_cp
     from fsdprun.loss import cross_entropy
     from fsdprun.models import build_model
-    from fsdprun.tools.plan import activation_bytes
 
     seq = 2048
     tokens = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(1))
@@ -520,11 +520,14 @@ def test_ring_attention_equals_whole_row_attention(pools):
 def test_ring_is_what_auto_takes_where_cp_does_not_divide_the_heads():
     """auto: all-to-all where cp divides the kv heads (per TP rank), else the ring; an explicit
     alltoall that cannot split them is refused naming the ring; the ring with TP is refused."""
-    from fsdprun.engines.mesh import cp_impl
+    import dataclasses
+
+    from fsdprun.config.layout import cp_impl
+    from fsdprun.config.model_facts import model_facts
 
     def impl(kv_heads, *overrides):
         cfg = load_recipe("debug", [*FOUR, "model.n_kv_heads=4", *overrides]).config
-        return cp_impl(cfg, kv_heads=kv_heads)
+        return cp_impl(cfg, dataclasses.replace(model_facts(cfg.model), n_kv_heads=kv_heads))
 
     assert impl(2, "parallel.cp=2") == "alltoall" and impl(2, "parallel.cp=4") == "ring"
     assert impl(4, "parallel.cp=2", "parallel.tp=2") == "alltoall"

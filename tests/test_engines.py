@@ -421,12 +421,12 @@ def test_fsdp2_materializes_offloaded_parameters_on_the_cpu(monkeypatch, offload
     engine asks for the values is checked ("meta" stands in for a GPU here)."""
     # What build imports as it runs, imported first: a module first imported under the patch
     # below would keep the stub for good (adapters imports init_weights by name).
-    from fsdprun.engines import adapters, fsdp2, tp, units  # noqa: F401
+    from fsdprun.engines import adapters, fsdp2, mesh, tp, units  # noqa: F401
     from fsdprun.engines import weights as W
     from fsdprun.models.llama import ModelArgs, Transformer
 
     seen = {}
-    monkeypatch.setattr(units, "build_mesh", lambda *a, **k: None)
+    monkeypatch.setattr(mesh, "build_device_mesh", lambda *a, **k: None)
     monkeypatch.setattr(fsdp2, "apply_fsdp", lambda *a, **k: [])
     monkeypatch.setattr(W, "init_weights", lambda model, **kw: seen.update(kw))
     cfg = load_recipe("debug", [f"fsdp.cpu_offload={str(offload).lower()}"]).config

@@ -308,7 +308,7 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
 def test_hybrid_shards_within_the_node_an_external_launcher_reports():
-    from fsdprun.engines.mesh import shard_group_size
+    from fsdprun.config.layout import Layout
     from fsdprun.launch.direct import launch_overrides
 
     # llama-1b says one device per node; torchrun (or srun) started the job as it is.
@@ -317,7 +317,7 @@ def test_hybrid_shards_within_the_node_an_external_launcher_reports():
         env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local), "RANK": str(world - 1)}
         overrides = [*batch, *launch_overrides(env)]
         cfg = load_recipe("llama-1b", overrides, world_size=world).config
-        assert shard_group_size(cfg, world) == local
+        assert Layout.of(cfg, world).shard_group == local
         launch = cfg.launch
         assert (launch.nproc_per_node, launch.nnodes, launch.node_rank) == (
             local, world // local, world // local - 1)  # fmt: skip

@@ -148,7 +148,8 @@ def test_chunked_loss_refuses_an_hf_model_with_logit_soft_capping():
 
 def test_plan_counts_the_chunked_loss_instead_of_the_logits():
     from fsdprun.config import load_recipe
-    from fsdprun.tools.plan import loss_bytes, plan_recipe
+    from fsdprun.engines.activations import loss_bytes
+    from fsdprun.tools.plan import plan_recipe
 
     big = ["model.vocab_size=32000", "precision.param_dtype=fp32", "train.micro_batch_size=8",
            "launch.nproc_per_node=1"]  # fmt: skip

@@ -175,12 +175,14 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     from torch.utils._pytree import tree_leaves
 
     from fsdprun.config import load_recipe
+    from fsdprun.config.layout import Layout
     from fsdprun.data import BatchLayout, build_datasets
     from fsdprun.data.prefetch import BatchLoader
     from fsdprun.device import Device
     from fsdprun.engines import build_engine
-    from fsdprun.engines.cp import apply_cp, cp_mesh
-    from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh
+    from fsdprun.engines.cp import apply_cp
+    from fsdprun.engines.mesh import build_device_mesh, cp_mesh, tp_mesh
+    from fsdprun.engines.tp import apply_tp
     from fsdprun.models import build_model, model_spec
     from fsdprun.models.lora import apply_lora
     from fsdprun.train.loop import forward_backward
@@ -250,7 +252,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     apply_lora(model, cfg=cfg.lora)  # as the worker does; nothing without lora.rank
     tp, cp, mesh = cfg.parallel.tp, cfg.parallel.cp, None
     if tp > 1 or cp > 1:  # as the worker's _build: TP, CP, then fully_shard over the dp dims
-        mesh = build_device_mesh(cfg, "cpu", world)
+        mesh = build_device_mesh(Layout.of(cfg, world), "cpu")
     if tp > 1:
         apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan(cfg.model))
     if cp > 1:

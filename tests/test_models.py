@@ -178,3 +178,24 @@ def test_fsdprun_plan_of_an_hf_folder():
     result = CliRunner().invoke(app, ["plan", "hf-finetune-demo", "--world-size", "4"])
     assert result.exit_code == 0, result.output
     assert "hf-finetune-demo: 131.52K params" in result.output
+
+
+def test_the_built_in_and_hf_models_keep_the_model_contract_and_their_family_entry():
+    """`CausalLM` (the typed contract) holds for both families' models, and what each can do
+    comes from its `fsdprun.families` entry, the built-in Llama's declared as an HF type's."""
+    from fsdprun.config.model_facts import model_facts
+    from fsdprun.families import BUILTIN_FAMILIES, HF_FAMILIES, UNDECLARED, family_entry
+    from fsdprun.models import CausalLM, build_model
+
+    for cfg, entry in ((ModelConfig(n_layers=2), BUILTIN_FAMILIES["llama"]),
+                       (ModelConfig(hf_path=str(HF_DEMO)), HF_FAMILIES["llama"])):  # fmt: skip
+        with torch.device("meta"):
+            model = build_model(cfg)
+        assert isinstance(model, CausalLM), type(model)
+        assert model_facts(cfg).entry is entry
+        assert model.lora_groups() == entry.lora_groups()
+        assert model_spec(cfg).tp_plan(cfg) is entry.tp_plan
+        assert len(model.cp_attention_modules()) == 2  # both declare cp_attention
+        names = dict(model.named_modules())
+        assert {*entry.stages.first, entry.stages.blocks, *entry.stages.last} <= set(names)
+    assert family_entry("toy") is UNDECLARED and not UNDECLARED.cp_attention

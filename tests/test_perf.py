@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from fsdprun.config import ActivationCheckpointingConfig, CheckpointMode, load_recipe
+from fsdprun.engines.activations import selective_block_bytes
 from fsdprun.engines.transforms import apply_activation_checkpointing, selective_policy
 from fsdprun.models.llama import (
     ModelArgs,
@@ -24,7 +25,6 @@ from fsdprun.models.llama import (
     build_model_args,
     rope_table,
 )
-from fsdprun.tools.plan import selective_block_bytes
 
 BASE = ("train.steps=6", "output.log_every=1", "train.micro_batch_size=1")  # as test_train
 

@@ -14,10 +14,11 @@ from typer.testing import CliRunner
 
 from fsdprun.cli import app
 from fsdprun.config import load_recipe
+from fsdprun.engines.activations import block_activation_bytes
 from fsdprun.engines.fsdp2 import apply_fsdp
 from fsdprun.engines.weights import model_state_bytes
 from fsdprun.models.llama import Transformer, TransformerBlock, build_model_args, rope_table
-from fsdprun.tools.plan import block_activation_bytes, plan_memory, plan_recipe
+from fsdprun.tools.plan import plan_memory, plan_recipe
 
 runner = CliRunner()
 P_70B = 70_553_706_496

@@ -17,11 +17,14 @@ from typer.testing import CliRunner
 
 from fsdprun.cli import app
 from fsdprun.config import load_recipe
+from fsdprun.config.layout import Layout
+from fsdprun.engines.activations import block_activation_bytes
 from fsdprun.engines.fsdp2 import apply_fsdp
-from fsdprun.engines.tp import apply_tp, build_device_mesh, dp_mesh, tp_mesh
+from fsdprun.engines.mesh import build_device_mesh, dp_mesh, tp_mesh
+from fsdprun.engines.tp import apply_tp
 from fsdprun.models import model_spec
 from fsdprun.models.llama import Transformer, build_model_args, rope_table
-from fsdprun.tools.plan import block_activation_bytes, plan_memory
+from fsdprun.tools.plan import plan_memory
 
 runner = CliRunner()
 
@@ -43,7 +46,7 @@ def _local_bytes(cfg) -> dict[str, int]:
     world = cfg.world_size
     _fake_group(world)
     try:
-        mesh = build_device_mesh(cfg, "cpu", world)
+        mesh = build_device_mesh(Layout.of(cfg, world), "cpu")
         with torch.device("meta"):
             model = Transformer(build_model_args(cfg.model))
         if cfg.parallel.tp > 1:
@@ -131,7 +134,7 @@ def test_tp_block_saves_what_the_activation_formula_says():
     args = build_model_args(cfg.model)
     _fake_group(tp)
     try:
-        mesh = build_device_mesh(cfg, "cpu", tp)
+        mesh = build_device_mesh(Layout.of(cfg, tp), "cpu")
         model = Transformer(args).to(torch.bfloat16)
         apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan(cfg.model))
         params = {

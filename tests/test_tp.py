@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 import fsdprun.launch.elastic
 from fsdprun.cli import app
 from fsdprun.config import load_recipe
-from fsdprun.engines.mesh import dp_rank, dp_size, mesh_dims, shard_group_size
+from fsdprun.config.layout import Layout
 from fsdprun.errors import UserError
 
 FOUR = ["launch.nproc_per_node=4"]
@@ -88,7 +88,7 @@ def test_tp_must_divide_the_world_and_the_batch_counts_dp_ranks():
     )
     # global 8 = micro 2 x dp 2 x 2 micro-steps: valid under tp2 x dp2, and micro 4 x dp 2 too
     cfg = load_recipe("debug", [*FOUR, "parallel.tp=2", "train.micro_batch_size=4"]).config
-    assert cfg.dp_world_size == 2
+    assert Layout.of(cfg).dp == 2
     (batch,) = [e for e in errors_of(*FOUR, "parallel.tp=2", "train.micro_batch_size=3")
                 if "global_batch_size" in e]  # fmt: skip
     assert "data-parallel ranks (2 = world size / parallel.tp)" in batch
@@ -111,15 +111,15 @@ def test_mesh_dims_put_tp_innermost():
     def cfg(*o):
         return load_recipe("debug", [*FOUR, *o]).config
 
-    assert mesh_dims(cfg("parallel.tp=2")) == [("dp_shard", 2), ("tp", 2)]
+    assert Layout.of(cfg("parallel.tp=2")).mesh_dims == [("dp_shard", 2), ("tp", 2)]
     hybrid = cfg("parallel.tp=2", "fsdp.sharding=hybrid", "launch.nproc_per_node=8",
                  "train.global_batch_size=16")  # fmt: skip
     # 8 ranks on a node, tp 2: the shard group is the node's 4 data-parallel ranks.
-    assert mesh_dims(hybrid, 16) == [("dp_replicate", 2), ("dp_shard", 4), ("tp", 2)]
-    assert shard_group_size(hybrid, 16) == 4 and dp_size(hybrid, 16) == 8
-    assert mesh_dims(cfg()) == [("dp", 4)]  # without TP: as before
-    assert mesh_dims(cfg("fsdp.sharding=hybrid")) == [("replicate", 1), ("shard", 4)]
-    assert [dp_rank(r, 2) for r in range(4)] == [0, 0, 1, 1]
+    assert Layout.of(hybrid, 16).mesh_dims == [("dp_replicate", 2), ("dp_shard", 4), ("tp", 2)]
+    assert Layout.of(hybrid, 16).shard_group == 4 and Layout.of(hybrid, 16).dp == 8
+    assert Layout.of(cfg()).mesh_dims == [("dp", 4)]  # without TP: as before
+    assert Layout.of(cfg("fsdp.sharding=hybrid")).mesh_dims == [("replicate", 1), ("shard", 4)]
+    assert [Layout.of(cfg("parallel.tp=2")).dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
 
 
 def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):
@@ -368,11 +368,13 @@ def _hf_families_tp_rank(rank: int, world: int, folders: dict[str, str]) -> dict
     from torch.distributed.tensor import DTensor
 
     from fsdprun.config import load_recipe
-    from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh
+    from fsdprun.config.layout import Layout
+    from fsdprun.engines.mesh import build_device_mesh, tp_mesh
+    from fsdprun.engines.tp import apply_tp
     from fsdprun.models.hf import HFCausalLM, hf_family
 
     cfg = load_recipe("debug", [f"launch.nproc_per_node={world}", "parallel.tp=2"]).config
-    mesh = tp_mesh(build_device_mesh(cfg, "cpu", world))
+    mesh = tp_mesh(build_device_mesh(Layout.of(cfg, world), "cpu"))
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
     packed = {
@@ -572,15 +574,10 @@ def _grads_rank(rank: int, world: int, sharding: str) -> dict:
     import torch.distributed as dist
 
     from fsdprun.config import load_recipe
+    from fsdprun.config.layout import Layout
     from fsdprun.engines.fsdp2 import apply_fsdp
-    from fsdprun.engines.tp import (
-        apply_tp,
-        build_device_mesh,
-        dp_mesh,
-        local_loss,
-        loss_context,
-        tp_mesh,
-    )
+    from fsdprun.engines.mesh import build_device_mesh, dp_mesh, tp_mesh
+    from fsdprun.engines.tp import apply_tp, local_loss, loss_context
     from fsdprun.engines.weights import init_weights
     from fsdprun.loss import cross_entropy
     from fsdprun.models import build_model, model_spec
@@ -590,7 +587,7 @@ def _grads_rank(rank: int, world: int, sharding: str) -> dict:
     cfg = load_recipe("debug", over).config
     with torch.device("meta"):
         model, plain = build_model(cfg.model), build_model(cfg.model)
-    mesh = build_device_mesh(cfg, "cpu", world)
+    mesh = build_device_mesh(Layout.of(cfg, world), "cpu")
     apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan(cfg.model))
     apply_fsdp(model, mesh=dp_mesh(mesh), cfg=cfg.fsdp, param_dtype=cfg.precision.param_dtype,
                reduce_dtype=cfg.precision.reduce_dtype, pin_memory=False)  # fmt: skip

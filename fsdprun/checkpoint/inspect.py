@@ -39,6 +39,7 @@ from fsdprun.checkpoint.manifest import (
     verify_checkpoint,
 )
 from fsdprun.config import ModelConfig
+from fsdprun.config.layout import mesh_text
 from fsdprun.errors import UserError
 from fsdprun.models import model_spec
 from fsdprun.report.console import Cell, fmt_bytes, fmt_count
@@ -480,9 +481,7 @@ def _render_checkpoint(doc: dict[str, Any], console: Console, *, full: bool) -> 
 
 def _mesh_text(mesh: dict[str, list]) -> str:
     """'2 replicate × 2 shard' (the device mesh the tensors were sharded over)."""
-    return " × ".join(
-        f"{n} {name}" for n, name in zip(mesh["shape"], mesh["dim_names"], strict=True)
-    )
+    return mesh_text(list(zip(mesh["dim_names"], mesh["shape"], strict=True)), joiner=" × ")
 
 
 def _render_diff(diff: dict[str, Any], console: Console) -> None:

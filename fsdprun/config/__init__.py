@@ -6,7 +6,9 @@ table (`reference`) and the size parser of the command line (`sizes`).
 value came from; every mistake is a `UserError` of one line. The package never imports torch
 (only `validate` reaches fsdprun.device, to resolve launch.device=auto on a machine with
 accelerator device nodes), nor fsdprun.data/train/launch/models (the family names are
-`fsdprun.families`'); of the engines it reads only the sharding rules (`fsdprun.engines.mesh`).
+`fsdprun.families`'), nor the engines. It owns the two facts every room asks: the parallel
+layout (`layout`: every degree, the mesh's dims and the rules that refuse a layout) and the
+model's facts (`model_facts`: config.json read once).
 """
 
 from fsdprun.config.load import (

@@ -763,12 +763,6 @@ class RecipeConfig:
     def world_size(self) -> int:
         return self.launch.nproc_per_node * self.launch.nnodes
 
-    @property
-    def dp_world_size(self) -> int:
-        """Data-parallel ranks: the world size over the tensor- and context-parallel degrees
-        (the ranks of one TP x CP group see the same samples)."""
-        return self.world_size // (max(self.parallel.tp, 1) * max(self.parallel.cp, 1))
-
 
 def schema_fields() -> dict[str, dataclasses.Field]:
     """Every leaf key of the schema as a dotted name, in declaration order."""

@@ -1,6 +1,7 @@
-"""Cross-field checks of a resolved recipe: ranges, shapes, batch arithmetic, the engine's
-sharding rules (`fsdprun.engines.mesh`), string and path keys by kind, trackers and profiling.
-`validate` returns every problem as one line each, so they are shown together.
+"""Cross-field checks of a resolved recipe: ranges, shapes, batch arithmetic, the parallel
+layout's rules (`fsdprun.config.layout`, for the model's facts: `fsdprun.config.model_facts`),
+string and path keys by kind, trackers and profiling. `validate` returns every problem as one
+line each, so they are shown together.
 
 The data files themselves are checked by `fsdprun.data.preflight.check_data`, which the
 commands that use them call (`fsdprun config`, the launchers): the data package depends on
@@ -17,7 +18,6 @@ import difflib
 import enum
 import glob
 import importlib.util
-import json
 import math
 import re
 from pathlib import Path
@@ -25,6 +25,8 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+from fsdprun.config.layout import Layout, layout_errors
+from fsdprun.config.model_facts import model_facts
 from fsdprun.config.schema import (
     CHAT_ROLES,
     TUNE_KNOBS,
@@ -113,15 +115,15 @@ def _model_errors(cfg: RecipeConfig) -> list[str]:
 def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     t = cfg.train
     errors = _model_errors(cfg)
-    tp, cp = cfg.parallel.tp, cfg.parallel.cp
+    layout = Layout.of(cfg, ws)
     # A tp (or cp) that does not divide the world leaves no data-parallel size to count the
-    # batch in: that error (tp_errors, cp_errors) comes alone, not a batch error with made-up
+    # batch in: that error (the layout's) comes alone, not a batch error with made-up
     # arithmetic.
-    dp = ws // (tp * cp) if tp >= 1 and cp >= 1 and ws % (tp * cp) == 0 else None
+    dp = layout.dp if layout.fits_world else None
     per_step = t.micro_batch_size * (dp or 0)
     if dp is not None and t.global_batch_size % per_step:
-        ranks = f"{dp}" if tp * cp == 1 else (
-            f"{dp} = world size / parallel.tp" if cp == 1
+        ranks = f"{dp}" if layout.row_group == 1 else (
+            f"{dp} = world size / parallel.tp" if layout.cp == 1
             else f"{dp} = world size / (parallel.tp x parallel.cp)")  # fmt: skip
         errors.append(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
@@ -336,21 +338,8 @@ def _string_errors(cfg: RecipeConfig) -> list[str]:
 
 
 def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
-    # The engines package imports the schema, which runs this package's __init__ and so this
-    # module: imported when called, the two packages load in either order.
-    from fsdprun.engines.mesh import cp_errors, sharding_errors, tp_errors
-
     f = cfg.fsdp
-    tp = cfg.parallel.tp if cfg.parallel.tp >= 1 and ws % cfg.parallel.tp == 0 else 1
-    cp = cfg.parallel.cp if cfg.parallel.cp >= 1 and ws % (cfg.parallel.cp * tp) == 0 else 1
-    errors = sharding_errors(
-        f, world_size=ws, nproc_per_node=cfg.launch.nproc_per_node, tp=tp, cp=cp
-    )
-    shape, tied = _tp_shape(cfg)
-    errors += tp_errors(cfg, world_size=ws, shape=shape, tied=tied)
-    kv, unverified, dropout = cp_attention_facts(cfg)
-    errors += cp_errors(cfg, world_size=ws, kv_heads=kv, unverified=unverified,
-                        attention_dropout=dropout)  # fmt: skip
+    errors = layout_errors(cfg, model_facts(cfg.model), world_size=ws)
     if f.engine is Engine.fsdp1 and f.cpu_offload and _runs_on_cpu(cfg.launch.device):
         # FSDP1's CPUOffload pins host memory, which needs an accelerator; FSDP2's policy can
         # leave it unpinned.
@@ -378,66 +367,6 @@ def _fsdp_errors(cfg: RecipeConfig, ws: int) -> list[str]:
                 "tensors; set optim.weight_decay=0 or keep use_orig_params=true"
             )
     return errors
-
-
-def _tp_shape(cfg: RecipeConfig) -> tuple[dict[str, int] | None, bool]:
-    """The model dims parallel.tp must divide and whether the built-in Llama's embeddings are
-    tied (which TP refuses; an HF folder's are split alike and tied again): the
-    recipe's, or model.hf_path's config.json (read as JSON: no transformers, no torch); no
-    dims when that file is unreadable (refused on its own).
-
-    Not the vocabulary: DTensor shards the embedding's rows and the output's columns unevenly
-    (rank 0 the ceil), and loss parallel masks the targets by each rank's own vocab range, so
-    a vocab of 257 (the byte tokenizer's, the shipped demos') trains as on one rank at tp 2
-    (tests/test_tp.py, tests/test_matrix.py) and tp 4 (measured, with a resume and an export).
-    """
-    m = cfg.model
-    if cfg.parallel.tp <= 1:
-        return None, False
-    if m.hf_path is None:
-        n_kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
-        shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": n_kv, "model.ffn_dim": m.ffn_dim}
-        return shape, m.tie_embeddings
-    try:
-        hf = json.loads((Path(m.hf_path) / "config.json").read_text())
-        heads = int(hf["num_attention_heads"])
-        shape = {
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(hf.get("num_key_value_heads") or heads),
-            "intermediate_size": int(hf["intermediate_size"]),
-        }
-        # An HF folder's tied embedding and output are split alike and tied again by
-        # `engines.tp.apply_tp` (its layout check refuses a plan that would split them apart).
-        return shape, False
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, False
-
-
-def cp_attention_facts(cfg: RecipeConfig) -> tuple[int | None, str | None, float]:
-    """(kv heads, the model if its attention is not verified under context parallel, its
-    attention dropout) for parallel.cp's checks: the recipe's Llama (no attention dropout), or
-    model.hf_path's config.json (read as JSON), whose attention is verified for model_type
-    llama only (fsdprun's all-to-all around transformers' SDPA, or the ring); (None, None, 0.0)
-    when that file is unreadable (refused on its own)."""
-    m = cfg.model
-    if m.hf_path is None:
-        return (m.n_kv_heads or m.n_heads), None, 0.0
-    try:
-        hf = json.loads((Path(m.hf_path) / "config.json").read_text())
-        kv = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
-        kind = hf.get("model_type")
-        dropout = float(hf.get("attention_dropout") or 0.0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, None, 0.0
-    return kv, None if kind == "llama" else f"model.hf_path's model_type {kind!r}", dropout
-
-
-def model_cp_impl(cfg: RecipeConfig) -> str:
-    """The attention parallel.cp_impl resolves to for the recipe's model (its kv heads, as
-    `cp_attention_facts` reads them)."""
-    from fsdprun.engines.mesh import cp_impl
-
-    return cp_impl(cfg, cp_attention_facts(cfg)[0])
 
 
 # Device nodes that accelerator drivers create: NVIDIA, WSL2's GPU bridge, AMD ROCm, Intel and

@@ -14,11 +14,11 @@ Never imports torch at module load: `fsdprun config` runs it without torch.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from fsdprun.config import RecipeConfig
+from fsdprun.config.model_facts import model_facts
 from fsdprun.data.sft import build_sft_datasets
 from fsdprun.data.spec import FILE_KEYS, DataKind, DataSpec, describe_data
 from fsdprun.data.text import check_text_file
@@ -46,24 +46,15 @@ class Vocabulary:
 
 
 def model_vocabulary(cfg: RecipeConfig) -> Vocabulary | None:
-    """The vocabulary the model will really have: model.vocab_size, or for a model.hf_path
-    model its config.json's vocab_size (None when that cannot be read: the worker's build then
-    reports the folder)."""
+    """The vocabulary the model will really have (`model_facts`): model.vocab_size, or for a
+    model.hf_path model its config.json's vocab_size (a multimodal folder's text_config's; None
+    when that cannot be read: the worker's build then reports the folder)."""
     if cfg.model.hf_path is None:
         return Vocabulary(cfg.model.vocab_size, "model.vocab_size", hf=False)
-    file = Path(cfg.model.hf_path) / "config.json"
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    facts = model_facts(cfg.model)
+    if facts is None or facts.vocab_size is None:
         return None
-    if not isinstance(config, dict):
-        return None
-    size = config.get("vocab_size")
-    if size is None and isinstance(config.get("text_config"), dict):
-        size = config["text_config"].get("vocab_size")  # a multimodal folder's language model
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-        return None
-    return Vocabulary(size, f"vocab_size in {file}", hf=True)
+    return Vocabulary(facts.vocab_size, f"vocab_size in {facts.source}", hf=True)
 
 
 def check_data(cfg: RecipeConfig) -> list[str]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from fsdprun.config.model_facts import config_json
 from fsdprun.data.files import DESCRIPTION, check_input_file, token_dtype_for
 from fsdprun.data.lazy_numpy import np
 from fsdprun.errors import UserError
@@ -139,8 +140,10 @@ def find_eos_id(path: Path, token_to_id: Any, vocab_size: int) -> int | None:
         named = named.get("content")
     if isinstance(named, str) and (found := token_to_id(named)) is not None:
         return found
-    for name in ("config.json", "generation_config.json"):
-        ids = _json_beside(path, name).get("eos_token_id")
+    # The model's config.json (read where every config.json is) before generation_config.json.
+    configs = (config_json(path.parent) or {}, _json_beside(path, "generation_config.json"))
+    for config in configs:
+        ids = config.get("eos_token_id")
         first = ids[0] if isinstance(ids, list) and ids else ids
         if isinstance(first, int) and not isinstance(first, bool) and 0 <= first < vocab_size:
             return first

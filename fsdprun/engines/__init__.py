@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from fsdprun.config import Engine as EngineKind
 from fsdprun.config import LossKind, RecipeConfig, Sharding
+from fsdprun.config.layout import Layout
 from fsdprun.engines.base import (
     DTYPE_BYTES,
     Engine,
@@ -49,9 +50,8 @@ __all__ = [
 
 def translate(cfg: RecipeConfig, world_size: int | None = None) -> list[Knob]:
     """What the recipe's engine does with each `fsdp.*` and precision key (no model needed)."""
-    ws = world_size if world_size is not None else cfg.world_size
     knobs = KnobTable()
-    engine_module(cfg.fsdp.engine).knobs(cfg, ws, knobs.add)
+    engine_module(cfg.fsdp.engine).knobs(cfg, Layout.of(cfg, world_size), knobs.add)
     return list(knobs)
 
 
@@ -101,7 +101,7 @@ def build_engine(
         weights: pretrained weights (`model.hf_path`) instead of the seeded initial ones: read
             shard-wise into fsdp2's shards, whole into ddp's model before wrapping, and unit by
             unit as FSDP1 materializes each unit before flattening it.
-        mesh: the device mesh `fsdprun.engines.tp.build_device_mesh` built for a model that
+        mesh: the device mesh `fsdprun.engines.mesh.build_device_mesh` built for a model that
             `apply_tp` already split (parallel.tp > 1; fsdp2 only): fully_shard shards over
             its data-parallel dims. None: the engine builds its own.
         tp_plan: what `apply_tp` returned (the run header's plan).

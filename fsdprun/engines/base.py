@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from fsdprun.config import Dtype, RecipeConfig, Sharding
+from fsdprun.config import Dtype, FsdpConfig, RecipeConfig, Sharding
 from fsdprun.config import Engine as EngineKind
+from fsdprun.config.layout import BACKWARD_PREFETCH_MODES, Layout
 
 if TYPE_CHECKING:
     import torch
@@ -140,9 +141,17 @@ class RankMemory:
 
 def accumulation_steps(cfg: RecipeConfig) -> int:
     """Micro-steps per optimizer step at the recipe's world size: the batch splits over the
-    data-parallel ranks (world size / parallel.tp; a TP group shares its micro-batches)."""
+    data-parallel ranks (world size / (tp x cp); a TP x CP group shares its micro-batches)."""
     t = cfg.train
-    return t.global_batch_size // (t.micro_batch_size * cfg.dp_world_size)
+    return t.global_batch_size // (t.micro_batch_size * Layout.of(cfg).dp)
+
+
+def backward_prefetch_depth(fsdp: FsdpConfig) -> int:
+    """fsdp.backward_prefetch as a depth: pre/post = 1 unit, none = 0, N = N (validated)."""
+    value = str(fsdp.backward_prefetch)
+    if value in BACKWARD_PREFETCH_MODES:
+        return 0 if value == "none" else 1
+    return int(value)
 
 
 def gathered_bytes(units: list[list[ParamShape]], elems: list[int], param_bytes: int) -> list[int]:

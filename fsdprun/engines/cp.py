@@ -27,7 +27,9 @@ block).
 Parameters are sharded by FSDP2 over `dp_shard x cp` (the mesh's flattened `dp_shard_cp` dim,
 torchtitan's layout): each cp rank's gradient is the part its tokens contribute, and the
 reduce-scatter sums them. The rules (what is refused, the mesh's dims) are torch-free, in
-`fsdprun.engines.mesh`; this module imports torch where it runs.
+`fsdprun.config.layout`; the mesh is built by `fsdprun.engines.mesh`. What context parallel does
+to a rank's activations (`cp_local_seq`, `CP_ACTIVATION_FORMULA`) is the rule `fsdprun plan`
+composes. This module imports torch where it runs.
 """
 
 from __future__ import annotations
@@ -270,11 +272,6 @@ def ring_attention(mesh: DeviceMesh) -> Callable:
     return attend_ring
 
 
-def cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The `cp` dim of the mesh: one cp group per data-parallel (and tp) rank."""
-    return mesh["cp"]
-
-
 def apply_cp(model: nn.Module, *, mesh: DeviceMesh, impl: str = "alltoall") -> int:
     """Make every decoder block's attention (`cp_attention_modules()`, whose `attend` this
     wraps or, for `impl` "ring", replaces) compute across the cp group `mesh`, in place (on the
@@ -299,3 +296,21 @@ def apply_cp(model: nn.Module, *, mesh: DeviceMesh, impl: str = "alltoall") -> i
         else:
             attention.attend = alltoall_attention(attention.attend, mesh)
     return len(modules)
+
+
+# ---- memory: what context parallel leaves on a rank (`fsdprun plan`) ----
+
+CP_ACTIVATION_FORMULA = (
+    "Activations under context parallel: every rank holds seq/cp tokens of each row from the "
+    "embedding to the loss, and inside attention the whole sequence of heads/cp heads (the "
+    "same bytes), so every figure above is counted at seq/cp tokens; not counted: the "
+    "all-to-all's send and receive buffers (transient) and, for packed rows, the dense "
+    "seq x seq document mask every rank builds on CPU (FlexAttention's block mask on CUDA)"
+)
+
+
+def cp_local_seq(seq_len: int, cp: int) -> int:
+    """The tokens of each row a rank holds under context parallel degree `cp`: its slice,
+    from the embedding to the loss (inside the all-to-all's attention the whole sequence of
+    heads / cp heads: the same bytes)."""
+    return -(-seq_len // max(cp, 1))

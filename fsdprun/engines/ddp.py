@@ -13,6 +13,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from fsdprun.config import Dtype, FsdpConfig, RecipeConfig, Sharding
+from fsdprun.config.layout import Layout
 from fsdprun.engines.base import (
     DTYPE_BYTES,
     DTYPE_NAMES,
@@ -47,7 +48,7 @@ def accumulation(cfg: RecipeConfig) -> str:
     return LOCAL
 
 
-def knobs(cfg: RecipeConfig, ws: int, add) -> None:
+def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
     """Add what DistributedDataParallel does with each `fsdp.*` and precision key."""
     f, p = cfg.fsdp, cfg.precision
     add("fsdp.engine", "ddp", "DistributedDataParallel: every rank holds the whole model state")

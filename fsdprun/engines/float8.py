@@ -85,11 +85,11 @@ class Float8Plan:
 
 def float8_plan(cfg, world_size: int | None = None) -> Float8Plan:
     """The float8 settings of recipe `cfg` at `world_size` (default: the recipe's)."""
+    from fsdprun.config.layout import Layout
     from fsdprun.config.schema import Float8Filter
-    from fsdprun.engines.mesh import shard_group_size
 
     mode = cfg.precision.float8.value
-    group = shard_group_size(cfg, world_size)
+    group = Layout.of(cfg, world_size).shard_group
     on, why = all_gather_choice(mode, cfg.precision.float8_all_gather, group)
     return Float8Plan(mode, on, why, cfg.precision.float8_filter is Float8Filter.skip_small)
 

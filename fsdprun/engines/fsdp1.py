@@ -23,6 +23,7 @@ from fsdprun.config import (
     Sharding,
     WrapPolicy,
 )
+from fsdprun.config.layout import Layout, effective_sharding
 from fsdprun.engines.base import (
     ADAM_STATE_BYTES,
     ADAM_STEP_BYTES,
@@ -39,12 +40,12 @@ from fsdprun.engines.base import (
     RankMemory,
     UnitPlan,
     accumulation_steps,
+    backward_prefetch_depth,
     clean_name,
     gathered_bytes,
     reshards_after_forward,
     unsharded_grads_text,
 )
-from fsdprun.engines.mesh import backward_prefetch_depth, effective_sharding, shard_group_size
 from fsdprun.errors import UserError
 
 if TYPE_CHECKING:
@@ -109,12 +110,13 @@ def _mixed_precision_text(cfg: RecipeConfig) -> str:
     )
 
 
-def knobs(cfg: RecipeConfig, ws: int, add) -> None:
-    """Add what FullyShardedDataParallel does with each `fsdp.*` and precision key at world
-    size `ws`."""
+def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
+    """Add what FullyShardedDataParallel does with each `fsdp.*` and precision key under
+    `layout`."""
     f = cfg.fsdp
-    sharding, group = effective_sharding(f), shard_group_size(cfg, ws)
-    mesh = f" on a ({ws // group} x {group}) replicate x shard mesh" if sharding in _HYBRID else ""
+    sharding, group = layout.sharding, layout.shard_group
+    mesh = (f" on a ({layout.dp_replicate} x {group}) replicate x shard mesh"
+            if sharding in _HYBRID else "")  # fmt: skip
     add("fsdp.engine", "fsdp1", "FullyShardedDataParallel (flat parameters per unit)")
     add(
         "fsdp.sharding",
@@ -314,7 +316,8 @@ def build(
         ShardingStrategy,
     )
 
-    from fsdprun.engines.units import build_mesh, own_params
+    from fsdprun.engines.mesh import build_device_mesh
+    from fsdprun.engines.units import own_params
     from fsdprun.engines.weights import TORCH_DTYPES
 
     f, p = cfg.fsdp, cfg.precision
@@ -329,7 +332,7 @@ def build(
     prefetch = _backward_prefetch(f)
     kwargs = {}
     if sharding in _HYBRID:
-        kwargs["device_mesh"] = build_mesh(cfg, device_kind, world_size)
+        kwargs["device_mesh"] = build_device_mesh(Layout.of(cfg, world_size), device_kind)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # FSDP1's deprecation notice
         wrapped = FullyShardedDataParallel(

@@ -20,7 +20,8 @@ from fsdprun.config import (
     Sharding,
     WrapPolicy,
 )
-from fsdprun.config.validate import model_cp_impl
+from fsdprun.config.layout import Layout, cp_impl, effective_sharding
+from fsdprun.config.model_facts import model_facts
 from fsdprun.engines.base import (
     ADAM_STATE_BYTES,
     ADAM_STEP_BYTES,
@@ -38,17 +39,10 @@ from fsdprun.engines.base import (
     RankMemory,
     UnitPlan,
     accumulation_steps,
+    backward_prefetch_depth,
     gathered_bytes,
     reshards_after_forward,
     unsharded_grads_text,
-)
-from fsdprun.engines.mesh import (
-    backward_prefetch_depth,
-    cp_degree,
-    effective_sharding,
-    mesh_dims,
-    shard_group_size,
-    tp_degree,
 )
 
 if TYPE_CHECKING:
@@ -95,38 +89,38 @@ def _backward_prefetch_text(bwd: str, depth: int) -> str:
     return f"set_modules_to_backward_prefetch: {depth} units ahead"
 
 
-def knobs(cfg: RecipeConfig, ws: int, add) -> None:
-    """Add what fully_shard does with each `fsdp.*` and precision key at world size `ws`."""
+def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
+    """Add what fully_shard does with each `fsdp.*` and precision key under `layout`."""
     f, p = cfg.fsdp, cfg.precision
-    sharding, group = effective_sharding(f), shard_group_size(cfg, ws)
-    dims = mesh_dims(cfg, ws)
-    if tp_degree(cfg) > 1 or cp_degree(cfg) > 1:
+    sharding, group, ws = layout.sharding, layout.shard_group, layout.world_size
+    dims = layout.mesh_dims
+    if layout.is_tp or layout.is_cp:
         dp = [f"{n} {name}" for name, n in dims if name != "tp"]
-        flat = " (dp_shard x cp flattened into one)" if cp_degree(cfg) > 1 else ""
+        flat = " (dp_shard x cp flattened into one)" if layout.is_cp else ""
         mesh = f"fully_shard over the {' x '.join(dp)} dims of the mesh{flat}"
     elif sharding in _TWO_D:
-        mesh = f"2-D mesh ({ws // group} replicate x {group} shard)"
+        mesh = f"2-D mesh ({layout.dp_replicate} replicate x {group} shard)"
     else:
         mesh = f"1-D mesh of {ws} ranks"
     add("fsdp.engine", "fsdp2", "fully_shard (per-parameter DTensor shards)")
-    if tp_degree(cfg) > 1:
-        shape = " x ".join(f"{n} {name}" for name, n in dims)
+    if layout.is_tp:
         add(
             "parallel.tp",
-            tp_degree(cfg),
-            f"device mesh {shape}: parallelize_module with the family's plan over the tp dim "
-            f"(ranks of one TP group read the same batch; loss parallel on vocab-sharded "
-            f"logits), then fully_shard over the data-parallel dims",
+            layout.tp,
+            f"device mesh {layout.describe()}: parallelize_module with the family's plan over "
+            "the tp dim (ranks of one TP group read the same batch; loss parallel on "
+            "vocab-sharded logits), then fully_shard over the data-parallel dims",
         )
-    if cp_degree(cfg) > 1:
-        cp, shape = cp_degree(cfg), " x ".join(f"{n} {name}" for name, n in dims)
+    if layout.is_cp:
+        cp = layout.cp
         add(
             "parallel.cp",
             cp,
-            f"device mesh {shape}: each row's sequence split over {cp} ranks (seq_len / {cp} "
+            f"device mesh {layout.describe()}: each row's sequence split over {cp} ranks "
+            f"(seq_len / {cp} "
             "tokens each, with their rotary positions); parameters sharded over dp_shard x cp",
         )
-        impl = model_cp_impl(cfg)
+        impl = cp_impl(cfg, model_facts(cfg.model))
         add(
             "parallel.cp_impl",
             cfg.parallel.cp_impl,
@@ -386,11 +380,14 @@ def build(
     import torch
 
     from fsdprun.engines.adapters import init_adapters
-    from fsdprun.engines.tp import dp_mesh
-    from fsdprun.engines.units import build_mesh
+    from fsdprun.engines.mesh import build_device_mesh, dp_mesh
     from fsdprun.engines.weights import init_weights
 
-    fsdp_mesh = dp_mesh(mesh) if mesh is not None else build_mesh(cfg, device_kind, world_size)
+    fsdp_mesh = (
+        dp_mesh(mesh)
+        if mesh is not None
+        else build_device_mesh(Layout.of(cfg, world_size), device_kind)
+    )
     units = apply_fsdp(
         model, mesh=fsdp_mesh, cfg=cfg.fsdp,
         param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,

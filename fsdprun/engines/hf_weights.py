@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdprun.engines.weights import set_full_value
 from fsdprun.errors import UserError
-from fsdprun.families import HFFamily
+from fsdprun.families import Family
 from fsdprun.models.hf import HF_PREFIX, hf_family
 from fsdprun.models.lora import is_adapter_name
 
@@ -90,7 +90,7 @@ def shard_rows(param: torch.Tensor) -> tuple[int, int]:
     return start, stop
 
 
-def _expert_parts(family: HFFamily, hf_name: str, num_experts: int) -> list[list[str]] | None:
+def _expert_parts(family: Family, hf_name: str, num_experts: int) -> list[list[str]] | None:
     """The checkpoint names of each expert's parts of the stacked parameter `hf_name`, or None
     when the family stacks no such parameter."""
     for rule in family.stacked:

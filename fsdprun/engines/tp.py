@@ -1,6 +1,7 @@
-"""Tensor parallelism (`parallel.tp`): the device mesh with its `tp` dim, the family's plan
-(`ModelSpec.tp_plan`) applied with torch's public ParallelStyles, and the loss-parallel context
-the training step runs in.
+"""Tensor parallelism (`parallel.tp`): the family's plan (`ModelSpec.tp_plan`) applied with
+torch's public ParallelStyles over the mesh's `tp` dim, the loss-parallel context the training
+step runs in, and what a plan does to memory (the shape each parameter keeps on a TP rank, and
+the activations under sequence parallel, `TP_ACTIVATION_FORMULA`), which `fsdprun plan` composes.
 
 Order of a build (the worker's `_build`, torchtitan's): `apply_tp` on the meta model, then
 activation checkpointing, then per-block compile, then FSDP2's `fully_shard` over the
@@ -11,18 +12,20 @@ checkpoint reshards to any other tp or dp size on load.
 A family's plan (`fsdprun.families.TPPlan`) is data: the HF model types' plans are entries of
 `fsdprun.families.HF_FAMILIES`, the built-in Llama's sits beside its model.
 
-The rules (which degrees are refused, the mesh's dims) are torch-free, in `fsdprun.engines.mesh`;
-`plan_rows` is torch-free too. The other functions import torch where they run.
+The rules (which degrees are refused, the mesh's dims) are torch-free, in
+`fsdprun.config.layout`; the mesh is built by `fsdprun.engines.mesh`. `plan_rows` and the
+memory rules are torch-free too. The other functions import torch where they run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import TYPE_CHECKING
 
 from fsdprun.config import RecipeConfig
-from fsdprun.engines.mesh import mesh_dims, tp_degree
+from fsdprun.config.layout import Layout
 from fsdprun.errors import UserError
 from fsdprun.families import TP_STYLES, TPPlan
 
@@ -44,37 +47,6 @@ def plan_rows(block_paths: list[str], plan: TPPlan) -> list[tuple[str, str]]:
 def describe_style(style: str, plan: TPPlan) -> str:
     """One line for a style of `plan` (the knob table's and plan's text)."""
     return TP_STYLES[style]
-
-
-def build_device_mesh(cfg: RecipeConfig, device_kind: str, world_size: int) -> DeviceMesh:
-    """The recipe's device mesh with named dims (`fsdprun.engines.mesh.mesh_dims`): with
-    parallel.tp or parallel.cp > 1, [dp_replicate,] dp_shard, [cp,] [tp]; tp innermost, so a TP
-    group is consecutive ranks (one node), then cp."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dims = mesh_dims(cfg, world_size)
-    if len(dims) == 1:
-        return init_device_mesh(device_kind, (world_size,))
-    names = tuple(name for name, _ in dims)
-    return init_device_mesh(device_kind, tuple(n for _, n in dims), mesh_dim_names=names)
-
-
-def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The dims `fully_shard` shards over: dp_shard alone (full, grad_op) or dp_replicate x
-    dp_shard (hybrid, hybrid_zero2, none); with a `cp` dim, dp_shard x cp flattened into one
-    (`dp_shard_cp`), so that the cp ranks share one copy of the model state (torchtitan's)."""
-    names = mesh.mesh_dim_names or ()
-    shard = "dp_shard"
-    if "cp" in names:
-        shard = "dp_shard_cp"
-        mesh[("dp_shard", "cp")]._flatten(shard)
-    dims = [*(["dp_replicate"] if "dp_replicate" in names else []), shard]
-    return mesh[dims[0]] if len(dims) == 1 else mesh[tuple(dims)]
-
-
-def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The `tp` dim of the mesh: one TP group per data-parallel rank."""
-    return mesh["tp"]
 
 
 def _style(style: str, plan: TPPlan, path: str):
@@ -135,9 +107,18 @@ _STYLE_CLASSES = {"colwise": "Linear", "rowwise": "Linear", "output": "Linear",
                   "embedding": "Embedding"}  # fmt: skip
 
 
-# The weight dim each style shards (as _STYLE_CLASSES's modules hold it); the others replicate.
-_STYLE_WEIGHT_DIMS = {"colwise": 0, "colwise_gather": 0, "output": 0, "embedding": 0,
-                      "rowwise": 1, "rowwise_split": 1}  # fmt: skip
+# What each style shards: a Linear's weight is (out, in), an Embedding's (vocab, dim).
+# Column-wise (and the vocab-sharded output) splits a Linear's outputs: dim 0 and its bias;
+# row-wise its inputs: dim 1, the bias replicated; the embedding its vocab rows. The norms (and
+# `block_input`, which owns no parameter) keep their parameters whole on every TP rank.
+_STYLE_DIMS: dict[str, dict[str, int]] = {
+    "colwise": {"weight": 0, "bias": 0},
+    "colwise_gather": {"weight": 0, "bias": 0},
+    "output": {"weight": 0, "bias": 0},
+    "rowwise": {"weight": 1},
+    "rowwise_split": {"weight": 1},
+    "embedding": {"weight": 0},
+}
 
 
 def _tied(model: nn.Module) -> list[tuple[str, str]]:
@@ -192,7 +173,7 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str
     # modules split it alike: `apply_tp` ties the output to the split embedding again.
     untied = [
         f"{first} and {name}" for name, first in _tied(model)
-        if len({_STYLE_WEIGHT_DIMS.get(planned.get(n.rpartition(".")[0], ""))
+        if len({_STYLE_DIMS.get(planned.get(n.rpartition(".")[0], ""), {}).get("weight")
                 for n in (name, first)}) > 1
     ]  # fmt: skip
     uncovered = [
@@ -223,7 +204,7 @@ def check_tp_plan(cfg: RecipeConfig) -> None:
     Raises:
         UserError: one line naming the family, the modules and the fix.
     """
-    if not is_tp(cfg):
+    if not Layout.of(cfg).is_tp:
         return
     import torch
 
@@ -335,5 +316,52 @@ def local_loss(loss: torch.Tensor) -> torch.Tensor:
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def is_tp(cfg: RecipeConfig) -> bool:
-    return tp_degree(cfg) > 1
+# ---- memory: what a plan leaves on a TP rank (`fsdprun plan`) ----
+
+TP_ACTIVATION_FORMULA = (
+    "Activations under TP (sequence parallel): the norms' fp32 inputs and their values before "
+    "the weight, the blocks' inputs (all a checkpointed block keeps) hold seq/tp tokens; the "
+    "norm outputs are all-gathered on the sequence before q/k/v and gate/up, which keep that "
+    "full copy; q, k, v and the attention output hold the local heads, gate/up and their "
+    "products ffn/tp columns, for every token; the logits vocab/tp (loss parallel). The built-in "
+    "Llama and HF Llama-family folders both shard the sequence; a family whose plan has no "
+    "sequence parallel would keep every token between blocks and in its norms"
+)
+# torch's backward of the vocab-sharded embedding (RowwiseParallel on nn.Embedding) gives a
+# replicated, whole gradient; FSDP redistributes it to the vocab shard only when it reduces it.
+# Kept between micro-steps (fsdp.accumulate_unsharded), it is the whole table on every rank
+# (measured: tests/test_memory_contract.py, its unsharded tp8 cell).
+_WHOLE_GRAD_STYLES = ("embedding",)
+
+
+def tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+    """Tensor-parallel rank 0's local shape of a parameter of `shape` sharded on `dim` (None:
+    replicated) over `tp` ranks: Shard(dim) chunks as torch.chunk does, ceil(n / tp) first."""
+    if dim is None or tp == 1:
+        return shape
+    return (*shape[:dim], math.ceil(shape[dim] / tp), *shape[dim + 1 :])
+
+
+def tp_whole_grads(model: nn.Module, plan: TPPlan | str) -> frozenset[int]:
+    """Ids of the parameters whose unsharded gradient is whole under TP (_WHOLE_GRAD_STYLES)."""
+    if isinstance(plan, str):
+        return frozenset()
+    return frozenset(
+        id(p) for path, style in plan_rows(model.block_paths(), plan)
+        if style in _WHOLE_GRAD_STYLES
+        for p in model.get_submodule(path).parameters(recurse=False)
+    )  # fmt: skip
+
+
+def tp_shard_dims(model: nn.Module, plan: TPPlan | str) -> dict[int, int]:
+    """Parameter id -> the dim the family's TP `plan` shards it on (as `apply_tp` applies it:
+    `plan_rows`); the parameters it does not list are replicated on the TP ranks."""
+    dims: dict[int, int] = {}
+    if isinstance(plan, str):
+        return dims
+    for path, style in plan_rows(model.block_paths(), plan):
+        rule = _STYLE_DIMS.get(style, {})
+        for name, p in model.get_submodule(path).named_parameters(recurse=False):
+            if name in rule:
+                dims[id(p)] = rule[name]
+    return dims

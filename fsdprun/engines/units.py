@@ -1,22 +1,15 @@
-"""Which modules of a model become FSDP units (the recipe's wrap policy), which parameters each
-one owns, and the device mesh they shard over: what fsdp2 and fsdp1 build from, and what
-`fsdprun plan` counts.
+"""Which modules of a model become FSDP units (the recipe's wrap policy) and which parameters each
+one owns: what fsdp2 and fsdp1 build from, and what `fsdprun plan` counts. (The mesh they shard
+over: `fsdprun.engines.mesh`.)
 
-Needs torch (`nn.Module` trees, `init_device_mesh`); never imports an engine module.
+Needs torch (`nn.Module` trees); never imports an engine module.
 """
 
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdprun.config import (
-    FsdpConfig,
-    RecipeConfig,
-    Sharding,
-    WrapPolicy,
-)
-from fsdprun.engines.mesh import effective_sharding, shard_group_size
+from fsdprun.config import FsdpConfig, WrapPolicy
 from fsdprun.errors import UserError
 
 
@@ -101,14 +94,3 @@ def own_params(model: nn.Module, unit_paths: list[str]) -> dict[str, int]:
     for p in model.parameters():  # shared (tied) parameters come once
         counts[owner[id(p)]] += p.numel()
     return counts
-
-
-def build_mesh(cfg: RecipeConfig, device_kind: str, world_size: int) -> DeviceMesh:
-    """1-D over all ranks for full/grad_op; replicate x shard for the hybrid modes and none, even
-    where one of the two dims is 1 (FSDP1's hybrid strategies require a 2-D mesh)."""
-    group = shard_group_size(cfg, world_size)
-    if effective_sharding(cfg.fsdp) in (Sharding.full, Sharding.grad_op):
-        return init_device_mesh(device_kind, (world_size,))
-    return init_device_mesh(
-        device_kind, (world_size // group, group), mesh_dim_names=("replicate", "shard")
-    )

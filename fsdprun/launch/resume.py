@@ -22,6 +22,7 @@ from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint
 from fsdprun.checkpoint.fingerprint import ACCEPT_FLAG, compare_base, refusal
 from fsdprun.checkpoint.manifest import lora_base
 from fsdprun.config import RecipeConfig, ResolvedRecipe, config_to_dict, load_recipe, validate
+from fsdprun.config.layout import Layout
 from fsdprun.data.preflight import check_data
 from fsdprun.errors import UserError
 from fsdprun.rundir import RECIPE_FILE, recipe_name, recipe_path
@@ -67,47 +68,33 @@ def _names(overrides: list[str], key: str) -> bool:
     return any(o.removeprefix("~").split("=", 1)[0] == key for o in overrides)
 
 
-def _fit_tp(cfg: RecipeConfig) -> str | None:
-    """Lower a saved parallel.tp that the new world cannot hold to the largest of its divisors
-    that it can, in place; returns the note, or None when the saved tp fits.
+# The degrees a resume re-fits, in order (cp's fit depends on the tp it then has), and what
+# its note calls each.
+_REFIT = {"tp": "tensor-parallel", "cp": "context-parallel"}
+
+
+def _fit(cfg: RecipeConfig, dim: str) -> str | None:
+    """Lower a saved parallel.<dim> (tp, cp) that the new world cannot hold to the largest of
+    its divisors that it can (`Layout.refit`), in place; returns the note, or None when the
+    saved degree fits.
 
     `fsdprun resume RUN --nproc-per-node 1` of a tp 2 run is a resume "at any world size", which
     the command promises (as it shrinks the micro batch to keep the global batch): a user who
     only changed the world has not asked for TP, and refusing would make them learn a key to
-    undo a degree the checkpoint does not depend on. A divisor of the saved tp divides the
-    model's heads, ffn and vocab and train.seq_len as the saved one did. A tp the command names
-    is the user's choice: it is kept, and refused by validate if it does not fit.
+    undo a degree the checkpoint does not depend on. A divisor of the saved degree divides what
+    the saved one did (heads, ffn, vocab, train.seq_len). A degree the command names is the
+    user's choice: it is kept, and refused by validate if it does not fit.
     """
-    tp, per_node, world = cfg.parallel.tp, cfg.launch.nproc_per_node, cfg.world_size
-
-    def fits(n: int) -> bool:
-        within = per_node % n == 0 if n <= per_node else cfg.parallel.tp_across_nodes
-        return world % n == 0 and within
-
-    if tp <= 1 or fits(tp):
+    layout = Layout.of(cfg)
+    old, new = getattr(layout, dim), layout.refit(dim)
+    if new is None:
         return None
-    new_tp = max(n for n in range(1, tp) if tp % n == 0 and fits(n))
-    cfg.parallel.tp = new_tp
+    setattr(cfg.parallel, dim, new)
+    world = layout.world_size
     ranks = f"{world} rank" + ("s" if world > 1 else "")
     return (
-        f"parallel.tp {tp} -> {new_tp}: {ranks} cannot hold the saved tensor-parallel degree "
-        f"(the checkpoint reshards onto tp {new_tp}; name parallel.tp=N to choose another)"
-    )
-
-
-def _fit_cp(cfg: RecipeConfig) -> str | None:
-    """Lower a saved parallel.cp that the new world (with the tp it now has) cannot hold to the
-    largest of its divisors that it can, in place, for the reasons of `_fit_tp` (a divisor of
-    the saved cp divides train.seq_len and the kv heads as it did); None when it fits."""
-    cp, tp, world = cfg.parallel.cp, max(cfg.parallel.tp, 1), cfg.world_size
-    if cp <= 1 or world % (cp * tp) == 0:
-        return None
-    new_cp = max(n for n in range(1, cp) if cp % n == 0 and world % (n * tp) == 0)
-    cfg.parallel.cp = new_cp
-    ranks = f"{world} rank" + ("s" if world > 1 else "")
-    return (
-        f"parallel.cp {cp} -> {new_cp}: {ranks} cannot hold the saved context-parallel degree "
-        f"(the checkpoint reshards onto cp {new_cp}; name parallel.cp=N to choose another)"
+        f"parallel.{dim} {old} -> {new}: {ranks} cannot hold the saved {_REFIT[dim]} degree "
+        f"(the checkpoint reshards onto {dim} {new}; name parallel.{dim}=N to choose another)"
     )
 
 
@@ -180,21 +167,20 @@ def resolve_resume(
         checkpoint, config_to_dict(cfg), accept_change=accept_base_change, verify=verify
     )
     notes += [note] if note else []
-    if not _names(overrides, "parallel.tp") and (note := _fit_tp(cfg)):
-        notes.append(note)
-    if not _names(overrides, "parallel.cp") and (note := _fit_cp(cfg)):
-        notes.append(note)
+    for dim in _REFIT:
+        if not _names(overrides, f"parallel.{dim}") and (note := _fit(cfg, dim)):
+            notes.append(note)
     # The batch is split over data-parallel ranks (the ranks of a TP x CP group read the same
     # rows). A named tp or cp that does not divide the world leaves none to count: validate
     # refuses it below.
     gbs, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    tp = cfg.parallel.tp * cfg.parallel.cp  # the ranks that read the same rows
-    dp = cfg.world_size // tp if tp >= 1 and cfg.world_size % tp == 0 else None
-    ranks = "ranks" if tp == 1 else "data-parallel ranks"
+    layout = Layout.of(cfg)
+    dp = layout.dp if layout.fits_world else None
+    ranks = "ranks" if layout.row_group == 1 else "data-parallel ranks"
     if dp is not None and gbs % (micro * dp) and not _names(overrides, "train.micro_batch_size"):
         if gbs % dp:
-            world = "a world size" if tp == 1 else (
-                "a world size / parallel.tp" if cfg.parallel.cp == 1
+            world = "a world size" if layout.row_group == 1 else (
+                "a world size / parallel.tp" if layout.cp == 1
                 else "a world size / (parallel.tp x parallel.cp)")  # fmt: skip
             raise UserError(
                 f"the global batch ({gbs} sequences) cannot be split over {dp} {ranks}; resume "

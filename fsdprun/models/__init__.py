@@ -6,15 +6,14 @@ A family is a module under `fsdprun.models` that defines `SPEC`; `FAMILIES` name
 `export --format hf` all go through the spec. `model.hf_path` chooses the `hf` family (any local
 HuggingFace causal LM) whatever `model.family` says.
 
-Every model a spec builds maps tokens to logits and offers `args` (its Llama-shaped
-`ModelArgs` summary), `block_paths()` (the decoder blocks FSDP wraps), `init_std(name)`,
-`init_buffers(device)` and `family_name` (what messages call it); and for context parallel
-`cp_attention_modules()`: each decoder block's attention module, whose `attend(q, k, v, mask,
-**kwargs)` (q, k, v: batch, heads, seq, head_dim; returns the same layout) the all-to-all
-wraps ([] when the family's attention is not verified under it). `ModelArgs` stays Llama's own
-dataclass rather than a neutral shape type: every family fsdprun builds is a Llama-shaped decoder
-(the HF wrapper reads its config.json into one and shares Llama's RoPE), and outside `models`
-only `args.vocab_size` is read. A family of another shape would add its own fields there, not here.
+Every model a spec builds keeps the contract `CausalLM` (a typed Protocol, below): it maps
+tokens to logits, names its decoder blocks, initializes its parameters and buffers, and gives
+what LoRA and context parallel take hold of. What a family *can* do (its TP plan, LoRA groups,
+whether its attention is exact under context parallel, its experts, its pipeline stages) is data
+in `fsdprun.families`, not methods here. `ModelArgs` stays Llama's own dataclass rather than a
+neutral shape type: every family fsdprun builds is a Llama-shaped decoder (the HF wrapper reads
+its config.json into one and shares Llama's RoPE), and outside `models` only `args.vocab_size`
+is read. A family of another shape would add its own fields there, not here.
 
 This module never imports torch at load (a family's module does, when a recipe asks for it); no
 module of `models` imports torch.distributed.
@@ -26,7 +25,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from fsdprun.errors import UserError
 from fsdprun.families import FAMILIES, HF_FAMILY, TPPlan, family_problem
@@ -36,6 +35,61 @@ if TYPE_CHECKING:
     from torch import nn
 
     from fsdprun.config import ModelConfig
+    from fsdprun.models.llama import ModelArgs
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What every model a `ModelSpec` builds offers (an `nn.Module`): the built-in Llama
+    (`models.llama.Transformer`) and any HuggingFace folder (`models.hf.HFCausalLM`)."""
+
+    args: ModelArgs  # the Llama-shaped summary: counts, FLOPs, the synthetic data's vocab
+    family_name: str  # what messages call the model ("model.family llama")
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The logits of `tokens` (batch, seq); with `head`, `head(final hidden states, output
+        weight)` instead; `positions` and `doc_ids` of packed rows (doc id -1: padding)."""
+        ...
+
+    def forward_hidden(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states, the input of the output projection."""
+        ...
+
+    def block_paths(self) -> list[str]:
+        """Module paths of the decoder blocks, in forward order (the FSDP units of `block`)."""
+        ...
+
+    def init_std(self, name: str) -> float | None:
+        """`normal(0, std)` of parameter `name` for a seeded init; None: all ones (a norm)."""
+        ...
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Recompute the non-persistent buffers (RoPE tables) after `to_empty`."""
+        ...
+
+    def lora_groups(self) -> dict[str, tuple[str, ...]]:
+        """`lora.targets` group names -> the Linear names each stands for (`Family`)."""
+        ...
+
+    def cp_attention_modules(self) -> list[nn.Module]:
+        """Each decoder block's attention module, whose `attend(q, k, v, mask, **kwargs)` (q, k,
+        v: batch, heads, seq, head_dim; returns the same layout) context parallel wraps or
+        replaces; [] where the family's attention is not exact under it
+        (`Family.cp_attention`)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +99,7 @@ class ModelSpec:
 
     name: str
     # The model on the current default device: call it under `torch.device("meta")`.
-    build: Callable[[ModelConfig], nn.Module]
+    build: Callable[[ModelConfig], CausalLM]
     # The section with its architecture keys (dim, n_layers, n_heads, n_kv_heads, ffn_dim,
     # vocab_size, ...) as the built model has them: what plan's activation estimates read.
     shape: Callable[[ModelConfig], ModelConfig]
@@ -81,7 +135,7 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
     return importlib.import_module(FAMILIES[family]).SPEC
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+def build_model(cfg: ModelConfig) -> CausalLM:
     """The recipe's model on the current default device (call it under `torch.device("meta")`).
 
     Raises:

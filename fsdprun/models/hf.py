@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import functools
 import importlib
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -24,8 +23,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from fsdprun.config.model_facts import config_json, model_facts
 from fsdprun.errors import UserError
-from fsdprun.families import HF_FAMILIES, HFFamily, TPPlan
+from fsdprun.families import HF_FAMILY, Family, TPPlan, family_entry
 from fsdprun.models import ModelSpec
 from fsdprun.models.attention import document_causal_mask
 from fsdprun.models.llama import ModelArgs
@@ -66,9 +66,9 @@ def args_from_hf_config(config) -> ModelArgs:
     )
 
 
-def hf_family(config) -> HFFamily:
+def hf_family(config) -> Family:
     """The family entry of a HuggingFace config (the defaults for an unlisted model type)."""
-    return HF_FAMILIES.get(getattr(config, "model_type", None), HFFamily())
+    return family_entry(HF_FAMILY, getattr(config, "model_type", None))
 
 
 def attention_windows(config) -> dict[str, int | None]:
@@ -344,9 +344,10 @@ class HFCausalLM(nn.Module):
     def cp_attention_modules(self) -> list[nn.Module]:
         """Each decoder layer's self_attn, made ready for context parallel: transformers then
         calls fsdprun's attention implementation (`CP_ATTENTION`), which calls the module's
-        `attend` (transformers' SDPA, which the all-to-all wraps). Verified for model_type
-        llama only (exact against one rank, tests/test_cp.py); [] for the others."""
-        if self.hf.config.model_type != "llama":
+        `attend` (transformers' SDPA, which the all-to-all wraps); [] for a model type whose
+        attention is not exact under context parallel (`Family.cp_attention`: tests/test_cp.py
+        against one rank)."""
+        if not hf_family(self.hf.config).cp_attention:
             return []
         _register_cp_attention()
         self.hf.config._attn_implementation = CP_ATTENTION
@@ -485,13 +486,13 @@ def _flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 
 def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The folder's config.json as it is (the export's dtype does not change it)."""
-    file = Path(cfg.hf_path) / "config.json"
-    if not file.is_file():
+    config = config_json(cfg.hf_path)
+    if config is None:
         raise UserError(
             f"the run's model.hf_path {cfg.hf_path} has no config.json any more; the HF export "
             "copies its config and tokenizer files from there"
         )
-    return json.loads(file.read_text())
+    return config
 
 
 def _hf_files(cfg: ModelConfig) -> list[Path]:
@@ -502,11 +503,10 @@ def _hf_files(cfg: ModelConfig) -> list[Path]:
     ]  # fmt: skip
 
 
-@functools.cache
-def _tp_plan(path: str) -> TPPlan | str:
+def _tp_plan(cfg: ModelConfig) -> TPPlan | str:
     """The tensor-parallel plan of the folder's family (`HF_FAMILIES`), or why it has none."""
-    config = import_transformers().AutoConfig.from_pretrained(path, local_files_only=True)
-    return hf_family(config).tp_plan
+    facts = model_facts(cfg)
+    return family_entry(HF_FAMILY, facts.model_type if facts else None).tp_plan
 
 
 SPEC = ModelSpec(
@@ -522,5 +522,5 @@ SPEC = ModelSpec(
     hf_name=lambda name: name.removeprefix(HF_PREFIX),
     hf_config=_hf_config,
     hf_files=_hf_files,
-    tp_plan=lambda cfg: _tp_plan(cfg.hf_path),
+    tp_plan=_tp_plan,
 )

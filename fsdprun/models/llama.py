@@ -22,9 +22,13 @@ from torch import nn
 
 from fsdprun.config.sizes import llama_num_params
 from fsdprun.errors import UserError
-from fsdprun.families import TPPlan
+from fsdprun.families import BUILTIN_FAMILIES
 from fsdprun.models import ModelSpec
 from fsdprun.models.attention import AttentionMask, attend, build_attention_mask
+
+# What the family can do (its TP plan, LoRA groups, context parallel, pipeline stages): data in
+# `fsdprun.families`, declared as the HuggingFace model types are.
+FAMILY = BUILTIN_FAMILIES["llama"]
 
 if TYPE_CHECKING:
     from fsdprun.config import ModelConfig
@@ -198,15 +202,18 @@ class Transformer(nn.Module):
         return self.norm(h)
 
     def lora_groups(self) -> dict[str, tuple[str, ...]]:
-        """`lora.targets` groups: the attention and the feed-forward Linear names."""
-        return {"attention": ("wq", "wk", "wv", "wo"), "mlp": ("w1", "w3", "w2")}
+        """`lora.targets` groups: the attention and the feed-forward Linear names (`FAMILY`)."""
+        return FAMILY.lora_groups()
 
     def block_paths(self) -> list[str]:
         """Module paths of the transformer blocks (FSDP units under the `block` policy)."""
         return [f"layers.{name}" for name in self.layers]
 
     def cp_attention_modules(self) -> list[nn.Module]:
-        """Each block's attention, whose `attend` context parallel wraps."""
+        """Each block's attention, whose `attend` context parallel wraps ([] where the family's
+        attention is not exact under it: `Family.cp_attention`)."""
+        if not FAMILY.cp_attention:
+            return []
         return [layer.attention for layer in self.layers.values()]
 
     def init_buffers(self, device: torch.device) -> None:
@@ -337,23 +344,6 @@ def _tied_params(cfg: ModelConfig) -> dict[str, str]:
     return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
 
 
-# Megatron's split with sequence parallel (torchtitan's Llama plan): between blocks the
-# activations are sharded on the sequence; each norm works on its shard; the attention and
-# feed-forward inputs are all-gathered (`block_input`), their first matmuls column-sharded and
-# their last row-sharded, reduce-scattered back onto the sequence. The output stays
-# vocab-sharded for loss parallel: the whole logits are never gathered.
-TP_PLAN = TPPlan(
-    blocks={
-        "attention_norm": "norm", "attention": "block_input", "attention.wq": "colwise",
-        "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
-        "ffn_norm": "norm", "feed_forward": "block_input", "feed_forward.w1": "colwise",
-        "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
-    },
-    top={"tok_embeddings": "embedding", "norm": "norm", "output": "output"},
-    # Attention takes (x, rope, attn_mask), the feed-forward (x).
-    block_inputs={"attention": 3, "feed_forward": 1},
-)  # fmt: skip
-
 SPEC = ModelSpec(
     name="llama",
     build=lambda cfg: Transformer(build_model_args(cfg)),
@@ -365,5 +355,5 @@ SPEC = ModelSpec(
     hf_name=hf_llama_name,
     hf_config=hf_llama_config,
     hf_files=lambda cfg: [],
-    tp_plan=lambda cfg: TP_PLAN,
+    tp_plan=lambda cfg: FAMILY.tp_plan,
 )

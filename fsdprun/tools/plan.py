@@ -33,77 +33,46 @@ The same accounting holds for fsdp1 and fsdp2, each with its own padding. Gradie
 adds nothing by default (gradients are reduce-scattered into their shards on every micro-step);
 with fsdp.accumulate_unsharded every rank also holds the whole model's unsharded gradients.
 
-Gathered buffers and activations are estimates; `ACTIVATION_FORMULA` says how they are computed.
+Gathered buffers and activations are estimates: each engine's memory rule and each parallel
+dimension's own (`engines.activations.ACTIVATION_FORMULA`, tensor parallel's and context
+parallel's beside their code) say how they are computed; this module composes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
 from fsdprun.config import (
-    CheckpointMode,
     Engine,
     LossKind,
     RecipeConfig,
     Sharding,
     load_recipe,
 )
-from fsdprun.config.validate import cp_attention_facts
-from fsdprun.engines import DTYPE_BYTES, ParamShape, rank_memory, translate, unit_plan
+from fsdprun.config.layout import Layout, effective_sharding, layout_errors
+from fsdprun.config.model_facts import model_facts
+from fsdprun.engines import ParamShape, rank_memory, translate, unit_plan
+from fsdprun.engines.activations import ACTIVATION_FORMULA, activation_bytes
+from fsdprun.engines.base import backward_prefetch_depth
+from fsdprun.engines.cp import CP_ACTIVATION_FORMULA
 from fsdprun.engines.float8 import MFU_CONVENTION, Float8Plan, float8_linears, float8_plan
-from fsdprun.engines.mesh import (
-    backward_prefetch_depth,
-    cp_errors,
-    effective_sharding,
-    fsdp_shards,
-    mesh_dims,
-    tp_errors,
+from fsdprun.engines.tp import (
+    TP_ACTIVATION_FORMULA,
+    tp_local_shape,
+    tp_plan_problem,
+    tp_shard_dims,
+    tp_whole_grads,
 )
-from fsdprun.engines.tp import plan_rows, tp_plan_problem
 from fsdprun.engines.units import plan_units
 from fsdprun.errors import UserError
-from fsdprun.families import TPPlan
 from fsdprun.loss import describe_loss
 from fsdprun.models import model_spec
 from fsdprun.models.lora import apply_lora, num_trainable_params
 
-ACTIVATION_FORMULA = (
-    "per block and token, eager: 8*dim (the fp32 input of each RMSNorm) + c*(6*dim + 4*ffn_dim + "
-    "2*kv_dim), c = bytes of param_dtype (each norm's value before and after its weight, q after "
-    "RoPE, the attention output; k and v after RoPE; w1, w3, silu and product outputs); "
-    "compiled (compile.enabled): c*(6*dim + 2*kv_dim + 3*ffn_dim) + 4*(n_heads + 2) (AOTAutograd "
-    "recomputes the norms and keeps the fp32 statistics only); both counted with "
-    "saved_tensors_hooks on a Llama block (within 2%). A checkpointed block keeps only its input, "
-    "seq*micro*dim*c, and one block is recomputed at a time; plus the logits, "
-    "seq*micro*vocab*(c + 8) eager (their fp32 copy and log-softmax in the loss) or "
-    "seq*micro*(vocab*c + 8) with the loss compiled. Selective checkpointing (every block) keeps "
-    "per token c*(5*dim + 2*kv_dim + 2*ffn_dim) + 4*n_heads (the block input, the matmul and "
-    "attention outputs, attention's fp32 logsumexp), plus one block recomputed at a time. "
-    "train.loss=chunked replaces the logits by seq*micro*dim*c + vocab*dim*(c + 4) (the "
-    "gradients of the hidden states and the output weight, its fp32 accumulator) + "
-    "chunk*vocab*(c + 12) (one chunk's logits, log-probabilities and their gradient)"
-)
-TP_ACTIVATION_FORMULA = (
-    "Activations under TP (sequence parallel): the norms' fp32 inputs and their values before "
-    "the weight, the blocks' inputs (all a checkpointed block keeps) hold seq/tp tokens; the "
-    "norm outputs are all-gathered on the sequence before q/k/v and gate/up, which keep that "
-    "full copy; q, k, v and the attention output hold the local heads, gate/up and their "
-    "products ffn/tp columns, for every token; the logits vocab/tp (loss parallel). The built-in "
-    "Llama and HF Llama-family folders both shard the sequence; a family whose plan has no "
-    "sequence parallel would keep every token between blocks and in its norms"
-)
-CP_ACTIVATION_FORMULA = (
-    "Activations under context parallel: every rank holds seq/cp tokens of each row from the "
-    "embedding to the loss, and inside attention the whole sequence of heads/cp heads (the "
-    "same bytes), so every figure above is counted at seq/cp tokens; not counted: the "
-    "all-to-all's send and receive buffers (transient) and, for packed rows, the dense "
-    "seq x seq document mask every rank builds on CPU (FlexAttention's block mask on CUDA)"
-)
 BUFFER_FORMULA = (
     "unsharded params in param_dtype, padded as the engine pads them. fsdp2: the peak over forward "
     "and backward of its all-gather outputs and unsharded parameters, unit by unit (in forward a "
@@ -213,167 +182,9 @@ def _unit_params(
     return units
 
 
-# ---- tensor parallel (parallel.tp) ----
-
 # The TP degrees `plan` puts side by side (with the recipe's own): TP spans one node's ranks.
 TP_DEGREES = (1, 2, 4, 8)
 CP_DEGREES = (1, 2, 4, 8)  # parallel.cp degrees plan compares beside the recipe's
-
-# What each style of a family's TP plan (`fsdprun.models.TP_STYLES`, applied as torch's
-# ParallelStyles by `fsdprun.engines.tp`) shards: a Linear's weight is (out, in), an Embedding's
-# (vocab, dim). Column-wise (and the vocab-sharded output) splits a Linear's outputs: dim 0 and
-# its bias; row-wise its inputs: dim 1, the bias replicated; the embedding its vocab rows. The
-# norms (and `block_input`, which owns no parameter) keep their parameters whole on every TP
-# rank.
-_STYLE_DIMS: dict[str, dict[str, int]] = {
-    "colwise": {"weight": 0, "bias": 0},
-    "colwise_gather": {"weight": 0, "bias": 0},
-    "output": {"weight": 0, "bias": 0},
-    "rowwise": {"weight": 1},
-    "rowwise_split": {"weight": 1},
-    "embedding": {"weight": 0},
-}
-# torch's backward of the vocab-sharded embedding (RowwiseParallel on nn.Embedding) gives a
-# replicated, whole gradient; FSDP redistributes it to the vocab shard only when it reduces it.
-# Kept between micro-steps (fsdp.accumulate_unsharded), it is the whole table on every rank
-# (measured: tests/test_memory_contract.py, its unsharded tp8 cell).
-_WHOLE_GRAD_STYLES = ("embedding",)
-
-
-def tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
-    """Tensor-parallel rank 0's local shape of a parameter of `shape` sharded on `dim` (None:
-    replicated) over `tp` ranks: Shard(dim) chunks as torch.chunk does, ceil(n / tp) first."""
-    if dim is None or tp == 1:
-        return shape
-    return (*shape[:dim], math.ceil(shape[dim] / tp), *shape[dim + 1 :])
-
-
-def tp_whole_grads(model: nn.Module, plan: TPPlan | str) -> frozenset[int]:
-    """Ids of the parameters whose unsharded gradient is whole under TP (_WHOLE_GRAD_STYLES)."""
-    if isinstance(plan, str):
-        return frozenset()
-    return frozenset(
-        id(p) for path, style in plan_rows(model.block_paths(), plan)
-        if style in _WHOLE_GRAD_STYLES
-        for p in model.get_submodule(path).parameters(recurse=False)
-    )  # fmt: skip
-
-
-def tp_shard_dims(model: nn.Module, plan: TPPlan | str) -> dict[int, int]:
-    """Parameter id -> the dim the family's TP `plan` shards it on (as `apply_tp` applies it:
-    `plan_rows`); the parameters it does not list are replicated on the TP ranks."""
-    dims: dict[int, int] = {}
-    if isinstance(plan, str):
-        return dims
-    for path, style in plan_rows(model.block_paths(), plan):
-        rule = _STYLE_DIMS.get(style, {})
-        for name, p in model.get_submodule(path).named_parameters(recurse=False):
-            if name in rule:
-                dims[id(p)] = rule[name]
-    return dims
-
-
-@dataclass(frozen=True)
-class _TokenDims:
-    """What one rank's activations are made of under tensor parallel degree tp (1 = none).
-
-    Under sequence parallel the norms and the residual stream between blocks hold seq / tp
-    tokens (`seq_tokens`); inside attention and the feed-forward every token is there, with the
-    local heads (`dim`, `kv_dim`: the q/attention-output and k/v widths) and ffn / tp columns
-    (`ffn`); the norm outputs are all-gathered on the sequence before the column-wise matmuls,
-    which keep that full-sequence copy (`tokens` x dim) for backward; the row-wise matmuls
-    (o, down) compute full-sequence partial sums before their reduce-scatter; the logits are
-    vocab / tp wide (loss parallel). Rank 0's shares: ceil."""
-
-    tokens: int  # seq x micro
-    seq_tokens: int  # ceil(seq / tp) x micro
-    dim: int  # ceil(n_heads / tp) x head_dim
-    kv_dim: int
-    ffn: int
-    heads: int
-    vocab: int
-
-
-def _token_dims(cfg: RecipeConfig) -> _TokenDims:
-    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
-    head_dim = m.dim // m.n_heads
-    plan = model_spec(m).tp_plan(m)
-    seq_shards = 1 if isinstance(plan, str) else tp  # sequence parallel between blocks
-    # Context parallel: each rank holds seq / cp tokens everywhere (inside attention the whole
-    # sequence of heads / cp heads, the same bytes).
-    seq = math.ceil(t.seq_len / max(cfg.parallel.cp, 1))
-    return _TokenDims(
-        tokens=seq * t.micro_batch_size,
-        seq_tokens=math.ceil(seq / seq_shards) * t.micro_batch_size,
-        dim=math.ceil(m.n_heads / tp) * head_dim,
-        kv_dim=math.ceil((m.n_kv_heads or m.n_heads) / tp) * head_dim,
-        ffn=math.ceil(m.ffn_dim / tp),
-        heads=math.ceil(m.n_heads / tp),
-        vocab=math.ceil(m.vocab_size / tp),
-    )
-
-
-def block_activation_bytes(cfg: RecipeConfig) -> int:
-    """Bytes one transformer block saves for backward for one micro-batch, not checkpointed
-    (see ACTIVATION_FORMULA; under parallel.tp, TP_ACTIVATION_FORMULA)."""
-    dim, c, d = cfg.model.dim, DTYPE_BYTES[cfg.precision.param_dtype], _token_dims(cfg)
-    if cfg.compile.enabled:
-        # Sequence-sharded: the block input, h, the two fp32 norm statistics; the rest as eager.
-        return d.seq_tokens * (2 * c * dim + 8) + d.tokens * (
-            c * (2 * dim + 2 * d.dim + 2 * d.kv_dim + 3 * d.ffn) + 4 * d.heads
-        )
-    # Sequence-sharded: each norm's fp32 input and its value before the weight.
-    return d.seq_tokens * (8 * dim + 2 * c * dim) + d.tokens * c * (
-        2 * dim + 2 * d.dim + 2 * d.kv_dim + 4 * d.ffn
-    )
-
-
-def selective_block_bytes(cfg: RecipeConfig) -> int:
-    """Bytes one block keeps under selective checkpointing for one micro-batch (see
-    ACTIVATION_FORMULA): the block input (sequence-sharded under TP), o's and down's outputs
-    (whole: before their reduce-scatter), q, k, v, attention, gate and up outputs (local
-    heads and columns) and attention's fp32 logsumexp."""
-    dim, c, d = cfg.model.dim, DTYPE_BYTES[cfg.precision.param_dtype], _token_dims(cfg)
-    return d.seq_tokens * c * dim + d.tokens * (
-        c * (2 * dim + 2 * d.dim + 2 * d.kv_dim + 2 * d.ffn) + 4 * d.heads
-    )
-
-
-def loss_bytes(cfg: RecipeConfig) -> int:
-    """Bytes the loss keeps for one micro-batch: the logits (plain) or the chunked loss's saved
-    gradients plus one chunk (see ACTIVATION_FORMULA); vocab / tp wide under loss parallel."""
-    m, t = cfg.model, cfg.train
-    c, d = DTYPE_BYTES[cfg.precision.param_dtype], _token_dims(cfg)
-    tokens, vocab = d.tokens, d.vocab
-    if t.loss is LossKind.chunked:
-        chunk = min(t.loss_chunk_size, tokens)
-        return tokens * m.dim * c + vocab * m.dim * (c + 4) + chunk * vocab * (c + 12)
-    if cfg.compile.enabled:  # the compiled loss keeps the logits and two fp32 values per token
-        return tokens * (vocab * c + 8)
-    return tokens * vocab * (c + 8)
-
-
-def activation_bytes(cfg: RecipeConfig) -> int:
-    """Activations one rank keeps for backward for one micro-batch (estimate; see
-    ACTIVATION_FORMULA)."""
-    m = cfg.model
-    c = DTYPE_BYTES[cfg.precision.param_dtype]
-    block = block_activation_bytes(cfg)
-    ac = cfg.activation_checkpointing
-    checkpointed = {
-        CheckpointMode.none: 0,
-        CheckpointMode.full: m.n_layers,
-        CheckpointMode.selective: m.n_layers,
-        CheckpointMode.every_n: len(range(0, m.n_layers, max(ac.every_n, 1))),
-    }[ac.mode]
-    per_checkpointed = (  # a fully checkpointed block keeps its (sequence-sharded) input
-        selective_block_bytes(cfg)
-        if ac.mode is CheckpointMode.selective
-        else _token_dims(cfg).seq_tokens * m.dim * c
-    )
-    kept = checkpointed * per_checkpointed + (m.n_layers - checkpointed) * block
-    recompute = block if checkpointed else 0  # one block's activations while it is recomputed
-    return kept + recompute + loss_bytes(cfg)
 
 
 def _with_sharding(
@@ -393,16 +204,9 @@ def mesh_text(dims: list[tuple[str, int]]) -> str:
 
 def tp_problem(cfg: RecipeConfig) -> str | None:
     """Why `cfg` cannot train at its parallel.tp and parallel.cp (None: it can): what the recipe
-    checks refuse (`engines.mesh.tp_errors`, `cp_errors`), for the model's own shape (an HF
-    folder's: its config.json)."""
-    m = cfg.model
-    shape = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads or m.n_heads,
-             "model.ffn_dim": m.ffn_dim}  # fmt: skip
-    errors = tp_errors(cfg, world_size=cfg.world_size, shape=shape, tied=m.tie_embeddings)
-    kv, unverified, dropout = cp_attention_facts(cfg)
-    errors += cp_errors(cfg, world_size=cfg.world_size, kv_heads=kv, unverified=unverified,
-                        attention_dropout=dropout)  # fmt: skip
-    return "; ".join(errors) or None
+    checks refuse of its layout (`config.layout.layout_errors`, the same rules), for the model's
+    own facts (an HF folder's: its config.json)."""
+    return "; ".join(layout_errors(cfg, model_facts(cfg.model))) or None
 
 
 @dataclass
@@ -449,7 +253,7 @@ def plan_memory(
         model = spec.build(cfg.model)
     # Before LoRA wraps its Linears: what `fsdprun train` checks (its TP columns say why not).
     tp_plan = spec.tp_plan(cfg.model)
-    layout = tp_plan_problem(model, tp_plan, family=model.family_name)
+    split_problem = tp_plan_problem(model, tp_plan, family=model.family_name)
     adapted = apply_lora(model, cfg=cfg.lora)
     # The activation estimates read the model's shape: an HF folder's comes from its config.json.
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
@@ -461,11 +265,12 @@ def plan_memory(
     def units_at(tp: int) -> list[list[ParamShape]]:
         return _unit_params(model, paths, float8=float8, tp_dims=tp_dims, whole_grads=whole, tp=tp)
 
-    units = units_at(cfg.parallel.tp)
+    layout = Layout.of(cfg)
+    units = units_at(layout.tp)
     recipe_strategy, strategies = _strategies(cfg, units)
     tp_degrees, cp_degrees = [], []
     if cfg.world_size > 1:
-        tp_degrees = _tp_degrees(cfg, units_at, layout=layout)
+        tp_degrees = _tp_degrees(cfg, units_at, split_problem=split_problem)
         cp_degrees = _cp_degrees(cfg, units)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
@@ -489,10 +294,10 @@ def plan_memory(
         device_memory_text=device_memory_text if device_memory_bytes is not None else None,
         units=_planned_units(cfg, units, paths, _full_counts(model, paths)),
         strategies=strategies,
-        mesh=mesh_dims(cfg),
-        tp=cfg.parallel.tp,
+        mesh=layout.mesh_dims,
+        tp=layout.tp,
         tp_degrees=[asdict(o) for o in tp_degrees],
-        cp=cfg.parallel.cp,
+        cp=layout.cp,
         cp_degrees=[asdict(o) for o in cp_degrees],
         notes=_notes(cfg, model, num_adapted=len(adapted), tp_dims=tp_dims),
     )
@@ -515,7 +320,7 @@ def _planned_units(
     units, one bucketed all-reduce over the whole model) with each unit's bytes (TP-local)."""
     sharding = effective_sharding(cfg.fsdp)
     memory = rank_memory(
-        cfg, units, sharding=sharding, shards=fsdp_shards(cfg),
+        cfg, units, sharding=sharding, shards=Layout.of(cfg).fsdp_shards,
         engine=_sharded_engine(cfg),
     )  # fmt: skip
     return [
@@ -537,7 +342,7 @@ def _strategy_memory(
 ) -> StrategyMemory:
     """Rank 0's memory under `strategy`: FSDP shards the (TP-local) `units` over its shard
     group of data-parallel ranks times cp (dp_shard x cp; ddp: none)."""
-    shards = fsdp_shards(_with_sharding(cfg, strategy, engine))
+    shards = Layout.of(_with_sharding(cfg, strategy, engine)).fsdp_shards
     m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
     return StrategyMemory(
         shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
@@ -553,7 +358,8 @@ def _strategies(
     hold DTensor shards), nor under CP (which needs fsdp2): `none` there is FSDP2 replicating
     over the data-parallel ranks."""
     fsdp, sharded = cfg.fsdp, _sharded_engine(cfg)
-    strategies = {} if cfg.parallel.tp > 1 or cfg.parallel.cp > 1 else {
+    layout = Layout.of(cfg)
+    strategies = {} if layout.is_tp or layout.is_cp else {
         "ddp": _strategy_memory(cfg, units, Sharding.none, Engine.ddp)
     }  # fmt: skip
     for s in (Sharding.full, Sharding.grad_op, Sharding.hybrid):
@@ -594,20 +400,21 @@ def _at_degree(
     return at, problem, None
 
 
-def _tp_degrees(cfg: RecipeConfig, units_at, *, layout: str | None) -> list[TpOption]:
+def _tp_degrees(cfg: RecipeConfig, units_at, *, split_problem: str | None) -> list[TpOption]:
     """The recipe at TP_DEGREES and its own degree, at its world size, under its sharding with
-    fsdp2 (the engine TP composes with); `units_at(tp)` gives the units at a degree; `layout`:
-    why the family's plan does not split the model (`engines.tp.tp_plan_problem`), or None."""
+    fsdp2 (the engine TP composes with); `units_at(tp)` gives the units at a degree;
+    `split_problem`: why the family's plan does not split the model
+    (`engines.tp.tp_plan_problem`), or None."""
     fsdp2, sharding = _as_fsdp2(cfg)
     options = []
-    for tp in sorted({*TP_DEGREES, cfg.parallel.tp}):
+    for tp in sorted({*TP_DEGREES, Layout.of(cfg).tp}):
         at, problem, note = _at_degree(fsdp2, sharding, tp, tp=tp)
         if tp > 1 and problem is None:
-            problem = layout
+            problem = split_problem
         if problem is not None:
             options.append(TpOption(tp, missing=problem))
             continue
-        mesh = mesh_dims(at)
+        mesh = Layout.of(at).mesh_dims
         memory = _strategy_memory(at, units_at(tp), sharding, Engine.fsdp2)
         options.append(TpOption(tp, mesh=mesh_text(mesh), memory=memory, note=note))
     return options
@@ -620,13 +427,14 @@ def _cp_degrees(cfg: RecipeConfig, units: list[list[ParamShape]]) -> list[CpOpti
     off (context parallel refuses compile), as that is the run it could be."""
     fsdp2, sharding = _as_fsdp2(cfg)
     options = []
-    for cp in sorted({*CP_DEGREES, cfg.parallel.cp}):
+    for cp in sorted({*CP_DEGREES, Layout.of(cfg).cp}):
         at, problem, note = _at_degree(fsdp2, sharding, cp, cp=cp)
         if problem is not None:
             options.append(CpOption(cp, missing=problem))
             continue
         memory = _strategy_memory(at, units, sharding, Engine.fsdp2)
-        options.append(CpOption(cp, mesh=mesh_text(mesh_dims(at)), memory=memory, note=note))
+        options.append(CpOption(cp, mesh=mesh_text(Layout.of(at).mesh_dims), memory=memory,
+                                note=note))  # fmt: skip
     return options
 
 
@@ -634,23 +442,23 @@ def _notes(
     cfg: RecipeConfig, model: nn.Module, *, num_adapted: int, tp_dims: dict[int, int]
 ) -> list[str]:
     """What the plan counts and how, and what it leaves out."""
-    fsdp = cfg.fsdp
+    fsdp, layout = cfg.fsdp, Layout.of(cfg)
     notes = []
-    if cfg.parallel.tp > 1:
+    if layout.is_tp:
         replicated = [n for n, p in model.named_parameters() if id(p) not in tp_dims]
         whole = sum(p.numel() for p in model.parameters() if id(p) not in tp_dims)
         notes.append(
-            f"tensor parallel {cfg.parallel.tp}: each parameter is TP rank 0's local shard "
+            f"tensor parallel {layout.tp}: each parameter is TP rank 0's local shard "
             "(column-wise q/k/v and gate/up, row-wise o and down, the embedding and output on "
             f"the vocab), then FSDP's over dp_shard; {len(replicated)} tensors ({whole:,} "
             "params: the norms) are whole on every TP rank, so they divide by dp_shard only. "
             f"Gathered buffers are 1/tp of each unit (FSDP gathers over the dp dims only). "
             f"{TP_ACTIVATION_FORMULA}"
         )
-    if cfg.parallel.cp > 1:
+    if layout.is_cp:
         notes.append(
-            f"context parallel {cfg.parallel.cp}: FSDP shards every parameter over dp_shard x "
-            f"cp ({fsdp_shards(cfg)} ranks), so the cp ranks hold no duplicate state. "
+            f"context parallel {layout.cp}: FSDP shards every parameter over dp_shard x "
+            f"cp ({layout.fsdp_shards} ranks), so the cp ranks hold no duplicate state. "
             f"{CP_ACTIVATION_FORMULA}"
         )
     notes += [

@@ -38,7 +38,8 @@ from fsdprun.checkpoint import (
 )
 from fsdprun.compile_cache import combine_ranks, compile_stats, describe_cache_dir, use_cache_dir
 from fsdprun.config import Dtype, ModelConfig, ModelInit, RecipeConfig, config_to_dict, load_recipe
-from fsdprun.config.validate import model_cp_impl
+from fsdprun.config.layout import Layout, cp_impl
+from fsdprun.config.model_facts import model_facts
 from fsdprun.data import BatchLayout, Dataset, build_datasets
 from fsdprun.device import (
     Device,
@@ -47,10 +48,10 @@ from fsdprun.device import (
     resolve_device_kind,
 )
 from fsdprun.engines import build_engine
-from fsdprun.engines.cp import apply_cp, cp_mesh
+from fsdprun.engines.cp import apply_cp
 from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, float8_plan
-from fsdprun.engines.mesh import cp_degree, mesh_dims, tp_degree
-from fsdprun.engines.tp import apply_tp, build_device_mesh, tp_mesh, wait_block_inputs
+from fsdprun.engines.mesh import build_device_mesh, cp_mesh, tp_mesh
+from fsdprun.engines.tp import apply_tp, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
 from fsdprun.engines.weights import model_state_bytes
 from fsdprun.errors import UserError
@@ -243,14 +244,15 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     # parallel's attention, then activation checkpointing (which recomputes the all-to-all
     # with the rest of the block), then per-block compile, then FSDP over the mesh's
     # data-parallel dims (with cp: dp_shard x cp).
+    layout = Layout.of(cfg, ranks.world_size)
     mesh, tp_rows = None, []
-    if tp_degree(cfg) > 1 or cp_degree(cfg) > 1:
-        mesh = build_device_mesh(cfg, device.kind, ranks.world_size)
-    if tp_degree(cfg) > 1:
+    if layout.is_tp or layout.is_cp:
+        mesh = build_device_mesh(layout, device.kind)
+    if layout.is_tp:
         plan = model_spec(cfg.model).tp_plan(cfg.model)
         tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan)
-    if cp_degree(cfg) > 1:
-        apply_cp(model, mesh=cp_mesh(mesh), impl=model_cp_impl(cfg))
+    if layout.is_cp:
+        apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, model_facts(cfg.model)))
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
@@ -333,9 +335,9 @@ def _train(
     )  # fmt: skip
     trainable, facts = _build(cfg, ranks, device)
     # The ranks of a TP x CP group read the same samples (each cp rank keeps its slice).
-    tp, cp = tp_degree(cfg), cp_degree(cfg)
+    parallel = Layout.of(cfg, ranks.world_size)
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                         ranks.world_size // (tp * cp), tp, cp)  # fmt: skip
+                         parallel.dp, parallel.tp, parallel.cp)  # fmt: skip
     data, val_data = build_datasets(
         cfg.data, vocab_size=trainable.engine.inner.args.vocab_size, seq_len=cfg.train.seq_len,
         seed=cfg.train.seed, with_val=cfg.eval.every_steps > 0, saved=tokenized_dir(run_dir),
@@ -393,7 +395,7 @@ def _start_fields(
 ) -> dict[str, Any]:  # fmt: skip
     """The `start` event: what the header shows and metrics.jsonl keeps about the run."""
     num_params_, flops_per_token_ = counts
-    compile_ = cfg.compile
+    compile_, parallel = cfg.compile, Layout.of(cfg, ranks.world_size)
     return {
         "recipe": recipe_name or run_dir.name,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # plot's title
@@ -410,10 +412,10 @@ def _start_fields(
         "engine_knobs": [dataclasses.asdict(k) for k in engine.knobs],
         "fsdp_units": [u.path or "<root>" for u in engine.units],
         # The device mesh (dim name, size), outermost first, and the TP plan of every module.
-        "mesh": [list(dim) for dim in mesh_dims(cfg, ranks.world_size)],
-        "tp": tp_degree(cfg),
-        "cp": cp_degree(cfg),
-        "cp_impl": model_cp_impl(cfg) if cp_degree(cfg) > 1 else None,
+        "mesh": [list(dim) for dim in parallel.mesh_dims],
+        "tp": parallel.tp,
+        "cp": parallel.cp,
+        "cp_impl": cp_impl(cfg, model_facts(cfg.model)) if parallel.is_cp else None,
         "tp_plan": [list(row) for row in engine.tp_plan],
         "param_dtype": cfg.precision.param_dtype.value,
         "reduce_dtype": cfg.precision.reduce_dtype.value,

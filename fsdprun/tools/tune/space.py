@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import TUNE_KNOBS, TUNE_NUMERICS_KNOBS, load_recipe
+from fsdprun.config.layout import Layout
 from fsdprun.config.validate import tune_space_errors
 from fsdprun.errors import UserError
 
@@ -101,16 +102,18 @@ def current_value(cfg: RecipeConfig, key: str) -> str:
     return _text(getattr(getattr(cfg, section), name))
 
 
-def _tp(cfg: RecipeConfig) -> int:
-    """The recipe's tensor-parallel degree, 1 where it does not divide the world (refused)."""
-    return cfg.parallel.tp if cfg.parallel.tp >= 1 and cfg.world_size % cfg.parallel.tp == 0 else 1
+def _fitting(cfg: RecipeConfig) -> Layout:
+    """The recipe's layout, with tp and cp 1 where they do not fit the world (refused)."""
+    layout = Layout.of(cfg)
+    if not layout.at(cp=1).fits_world:
+        layout = layout.at(tp=1)
+    return layout if layout.fits_world else layout.at(cp=1)
 
 
 def micro_batch_choices(cfg: RecipeConfig) -> list[str]:
     """Every micro-batch size that divides one data-parallel rank's share of the global batch
-    (the ranks of a tensor-parallel group share their micro-batch)."""
-    tp = _tp(cfg)
-    per_rank = cfg.train.global_batch_size // (cfg.world_size // tp)
+    (the ranks of a TP x CP group share their micro-batch)."""
+    per_rank = cfg.train.global_batch_size // _fitting(cfg).dp
     return [str(d) for d in range(1, per_rank + 1) if per_rank % d == 0]
 
 
@@ -118,17 +121,18 @@ def cp_choices(cfg: RecipeConfig) -> list[str]:
     """Context-parallel degrees to search: each that splits a row within a node (it divides
     the node's ranks per TP group) and divides train.seq_len with parallel.tp; the recipe's
     own included."""
-    tp = _tp(cfg)
-    per_node = max(cfg.launch.nproc_per_node // tp, 1)
+    layout = _fitting(cfg).at(cp=1)
+    per_node = max(layout.nproc_per_node // layout.row_group, 1)
+    seq = cfg.train.seq_len
     fits = [d for d in range(1, per_node + 1)
-            if per_node % d == 0 and cfg.train.seq_len % (d * tp) == 0]  # fmt: skip
-    return [str(d) for d in sorted({*fits, max(cfg.parallel.cp, 1)})]
+            if per_node % d == 0 and seq % layout.at(cp=d).row_group == 0]  # fmt: skip
+    return [str(d) for d in sorted({*fits, max(Layout.of(cfg).cp, 1)})]
 
 
 def needs_context_parallel(cfg: RecipeConfig, memory: int, margin: float) -> bool:
     """Whether tune's default space searches parallel.cp: the recipe does not split rows and
     its plan does not fit `memory` (with `margin`); cp divides the activations."""
-    return cfg.parallel.cp <= 1 and _planned(cfg)[0] * (1 + margin) > memory
+    return not Layout.of(cfg).is_cp and _planned(cfg)[0] * (1 + margin) > memory
 
 
 # Whether the recipe's checks refuse KEY=VALUE whatever the space's other knobs (KEYS) are: its

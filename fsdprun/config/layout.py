@@ -1,0 +1,448 @@
+"""The parallel layout of a run, decided once: every degree of the device mesh, the sizes derived
+from them, the mesh's named dims, and every rule that refuses a layout (torchtitan's
+`ParallelDims`).
+
+The mesh, outermost dim first: `pp` (pipeline stages), `dp_replicate` (hybrid sharding's
+replicas), `dp_shard` (FSDP's shard groups), `cp` (context parallel: the ranks that split one
+sequence), `tp` (tensor parallel, innermost: consecutive ranks, so a TP group sits inside a node
+on the fastest links). FSDP2 shards parameters over `dp_shard x cp` (torchtitan's choice): the
+cp ranks read the same samples but hold different tokens, so their gradients are partial sums
+that the reduce-scatter adds up, and they need not keep duplicate copies of the state. Expert
+parallel (`ep`) has no dim of its own: its groups are carved out of `dp_shard x cp`, as
+torchtitan's are. `pp` and `ep` are degree 1 until their dimensions land (no recipe key sets them
+yet).
+Without TP and CP the mesh is what it always was: 1-D for full/grad_op, `replicate x shard`
+otherwise (the names checkpoints of earlier versions recorded).
+
+Everything that needs a degree or a size asks a `Layout`: the recipe checks, plan, tune's space,
+resume's re-fit, the engines' knob tables and builds, the worker. Nothing else does arithmetic on
+`cfg.parallel.*`. The torch `DeviceMesh` is built from a Layout in one function
+(`fsdprun.engines.mesh.build_device_mesh`). Torch-free: imports the schema, the model facts and
+nothing above config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fsdprun.config.model_facts import ModelFacts
+from fsdprun.config.schema import (
+    CheckpointMode,
+    CpImpl,
+    Engine,
+    FsdpConfig,
+    RecipeConfig,
+    Sharding,
+)
+
+# Every dim a mesh may have, outermost first (see the module docstring).
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+BACKWARD_PREFETCH_MODES = ("pre", "post", "none")
+_HYBRID = (Sharding.hybrid, Sharding.hybrid_zero2)
+
+
+def effective_sharding(fsdp: FsdpConfig) -> Sharding:
+    """fsdp.sharding with fsdp2's reshard_after_forward override applied."""
+    s, raf = fsdp.sharding, fsdp.reshard_after_forward
+    if raf is None or fsdp.engine is not Engine.fsdp2:
+        return s
+    if raf is False:
+        return {Sharding.full: Sharding.grad_op, Sharding.hybrid: Sharding.hybrid_zero2}.get(s, s)
+    return {Sharding.grad_op: Sharding.full, Sharding.hybrid_zero2: Sharding.hybrid}.get(s, s)
+
+
+def mesh_text(dims: list[tuple[str, int]] | list[list], joiner: str = " x ") -> str:
+    """A mesh's dims as the header and inspect print them: `2 dp_shard x 2 tp`."""
+    return joiner.join(f"{n} {name}" for name, n in dims)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The degrees of a run at one world size, and what follows from them.
+
+    Build it with `Layout.of(cfg)`; the degrees are the recipe's as given (a refused layout
+    still has one, so that its refusals can be worded: `fits_world` says whether the sizes
+    mean anything).
+    """
+
+    world_size: int
+    nproc_per_node: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+    engine: Engine = Engine.fsdp2
+    sharding: Sharding = Sharding.full  # fsdp.sharding with fsdp2's reshard override applied
+    shard_group_size: int | None = None  # fsdp.shard_group_size as the recipe gives it
+    tp_across_nodes: bool = False
+
+    @classmethod
+    def of(cls, cfg: RecipeConfig, world_size: int | None = None) -> Layout:
+        """The layout of recipe `cfg` at `world_size` (default: its launch.* world)."""
+        return cls(
+            world_size=world_size if world_size is not None else cfg.world_size,
+            nproc_per_node=cfg.launch.nproc_per_node,
+            tp=cfg.parallel.tp,
+            cp=cfg.parallel.cp,
+            engine=cfg.fsdp.engine,
+            sharding=effective_sharding(cfg.fsdp),
+            shard_group_size=cfg.fsdp.shard_group_size,
+            tp_across_nodes=cfg.parallel.tp_across_nodes,
+        )
+
+    @property
+    def fits_world(self) -> bool:
+        """Whether every degree is >= 1 and their product divides the world size."""
+        degrees = (self.pp, self.cp, self.tp)
+        return min(degrees) >= 1 and self.world_size % (self.pp * self.cp * self.tp) == 0
+
+    @property
+    def row_group(self) -> int:
+        """Ranks that read the same rows of the batch: a cp x tp group (cp and tp are the
+        innermost dims, so they are consecutive ranks)."""
+        return max(self.cp, 1) * max(self.tp, 1)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the world over pp x cp x tp (each cp x tp group of a stage
+        reads one share of the batch)."""
+        return self.world_size // (max(self.pp, 1) * self.row_group)
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global `rank` (its row group's index)."""
+        return rank // self.row_group
+
+    @property
+    def is_tp(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def is_cp(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def shard_group(self) -> int:
+        """Data-parallel ranks that share one copy of the model state under the effective
+        sharding (with TP each of them holds 1/tp of that copy's tensors besides)."""
+        if self.engine is Engine.ddp or self.sharding is Sharding.none:
+            return 1
+        if self.sharding in _HYBRID:
+            per_node = max(self.nproc_per_node // self.row_group, 1)
+            return self.shard_group_size or min(per_node, self.dp)
+        return self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of the model state: the data-parallel ranks over the shard group."""
+        return self.dp // self.shard_group
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks FSDP shards one copy of the model state over: the shard group times cp
+        (FSDP2 shards over dp_shard x cp)."""
+        return self.shard_group * max(self.cp, 1)
+
+    @property
+    def one_d(self) -> bool:
+        """Whether FSDP's data-parallel dims are one (full and grad_op sharding)."""
+        return self.sharding in (Sharding.full, Sharding.grad_op)
+
+    @property
+    def mesh_dims(self) -> list[tuple[str, int]]:
+        """The device mesh as (dim name, size), outermost first, as the engines build it.
+
+        parallel.tp or parallel.cp > 1: `dp_shard [x cp] [x tp]` for full/grad_op,
+        `dp_replicate x dp_shard [x cp] [x tp]` for the hybrid modes and none (a dim of size 1
+        of cp or tp is left out). Without either: `dp` alone for full/grad_op (a 1-D mesh,
+        unnamed in torch), `replicate x shard` otherwise (the names checkpoints of earlier
+        versions recorded).
+        """
+        replicate, group = self.dp_replicate, self.shard_group
+        if self.tp == 1 and self.cp == 1:
+            if self.one_d:
+                return [("dp", self.world_size)]
+            return [("replicate", replicate), ("shard", group)]
+        dims = [("dp_shard", self.dp)] if self.one_d else [("dp_replicate", replicate),
+                                                           ("dp_shard", group)]  # fmt: skip
+        return [*dims, *([("cp", self.cp)] if self.is_cp else []),
+                *([("tp", self.tp)] if self.is_tp else [])]  # fmt: skip
+
+    def describe(self) -> str:
+        """The mesh in one line, as the run header prints it: `2 dp_shard x 2 tp`."""
+        return mesh_text(self.mesh_dims)
+
+    def refit(self, dim: str) -> int | None:
+        """The largest divisor of this layout's `dim` degree ("tp", then "cp") that its world
+        holds, where the degree itself does not (None: it fits). For `fsdprun resume` on
+        another world: a divisor of a saved degree divides what the saved one divided (heads,
+        ffn, vocab, train.seq_len). tp must divide a node's ranks (unless tp_across_nodes);
+        cp x tp must divide the world."""
+
+        def fits(n: int) -> bool:
+            if dim == "tp":
+                per_node = self.nproc_per_node
+                within = per_node % n == 0 if n <= per_node else self.tp_across_nodes
+                return self.world_size % n == 0 and within
+            return self.world_size % (n * max(self.tp, 1)) == 0
+
+        degree = getattr(self, dim)
+        if degree <= 1 or fits(degree):
+            return None
+        return max(n for n in range(1, degree) if degree % n == 0 and fits(n))
+
+    def at(self, **degrees: int) -> Layout:
+        """This layout with other degrees (tp=, cp=), for plan's and tune's side-by-side
+        columns and resume's re-fit."""
+        return dataclasses.replace(self, **degrees)
+
+
+def cp_impl(cfg: RecipeConfig, facts: ModelFacts | None) -> str:
+    """The attention parallel.cp_impl resolves to: `auto` takes `alltoall` where parallel.cp
+    divides the kv heads per TP rank (the model's, unknown when `facts` is None), else
+    `ring`."""
+    if cfg.parallel.cp_impl is not CpImpl.auto:
+        return cfg.parallel.cp_impl.value
+    kv_heads = facts.n_kv_heads if facts is not None else None
+    tp, cp = max(cfg.parallel.tp, 1), cfg.parallel.cp
+    divides = kv_heads is None or (kv_heads % tp == 0 and (kv_heads // tp) % cp == 0)
+    return "alltoall" if divides else "ring"
+
+
+def layout_errors(
+    cfg: RecipeConfig, facts: ModelFacts | None, *, world_size: int | None = None
+) -> list[str]:
+    """What the recipe's layout refuses at `world_size` (default: its launch.* world), one
+    message per problem: the shard groups, tensor parallel, context parallel, and the
+    dimensions not built yet. `facts`: the model's (None: an unreadable model.hf_path, which
+    is refused on its own)."""
+    layout = Layout.of(cfg, world_size)
+    ws = layout.world_size
+    # The shard groups are counted in the data-parallel ranks of the degrees that fit (a
+    # degree that does not is refused below, once).
+    tp = layout.tp if layout.tp >= 1 and ws % layout.tp == 0 else 1
+    cp = layout.cp if layout.cp >= 1 and ws % (layout.cp * tp) == 0 else 1
+    errors = _sharding_errors(cfg.fsdp, layout.at(tp=tp, cp=cp))
+    return errors + _tp_errors(cfg, layout, facts) + _cp_errors(cfg, layout, facts)
+
+
+def _tp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> list[str]:
+    """What parallel.tp refuses, one message per problem. The model's heads, kv heads and ffn
+    must divide by it; not the vocab: DTensor shards the embedding's rows and the output's
+    columns unevenly (rank 0 the ceil), and loss parallel masks the targets by each rank's own
+    vocab range, so a vocab of 257 (the byte tokenizer's, the shipped demos') trains as on one
+    rank at tp 2 (tests/test_tp.py, tests/test_matrix.py) and tp 4 (measured, with a resume and
+    an export)."""
+    tp, world_size = layout.tp, layout.world_size
+    if tp < 1:
+        return [f"parallel.tp must be >= 1 (got {tp})"]
+    if tp == 1:
+        return []
+    errors = []
+    per_node = layout.nproc_per_node
+    if world_size % tp:
+        # Then tp does not divide launch.nproc_per_node either (a factor of the world): one
+        # message for the one fact.
+        errors.append(
+            f"parallel.tp ({tp}) must divide the world size ({world_size}); the data-parallel "
+            f"size is world size / tp: run on a multiple of {tp} ranks or choose a parallel.tp "
+            f"that divides {world_size}"
+        )
+    elif tp > per_node and not layout.tp_across_nodes:
+        errors.append(
+            f"parallel.tp ({tp}) exceeds launch.nproc_per_node ({per_node}): TP groups would "
+            "span nodes; lower parallel.tp or set parallel.tp_across_nodes=true"
+        )
+    elif tp <= per_node and per_node % tp:
+        errors.append(
+            f"parallel.tp ({tp}) must divide launch.nproc_per_node ({per_node}), so that no TP "
+            "group straddles two nodes"
+        )
+    for key, value in ((facts.tp_shape() if facts else None) or {}).items():
+        if value % tp:
+            errors.append(
+                f"parallel.tp ({tp}) does not divide the model's {key} ({value}); choose a tp "
+                f"that divides it"
+            )
+    if cfg.train.seq_len % tp:
+        errors.append(
+            f"parallel.tp ({tp}) does not divide train.seq_len ({cfg.train.seq_len}): sequence "
+            "parallel shards the activations between blocks on the sequence"
+        )
+    # An HF folder's tied embedding and output are split alike and tied again by
+    # `engines.tp.apply_tp` (its layout check refuses a plan that would split them apart).
+    tied = facts is not None and not facts.hf and facts.tie_embeddings
+    refused = (
+        (
+            cfg.fsdp.engine is not Engine.fsdp2,
+            f"fsdp.engine={cfg.fsdp.engine.value} cannot shard DTensor (tensor-parallel) "
+            "parameters; use fsdp.engine=fsdp2",
+        ),
+        (
+            cfg.precision.float8.value != "off",
+            f"precision.float8={cfg.precision.float8.value} needs torchao's float8 TP styles, "
+            "which fsdprun does not apply; set precision.float8=off",
+        ),
+        (
+            cfg.lora.rank > 0,
+            f"lora.rank={cfg.lora.rank}: LoRA's adapted layers are not nn.Linear, which the "
+            "column/row-wise plans shard; set lora.rank=0 or parallel.tp=1",
+        ),
+        (
+            cfg.train.loss.value == "chunked",
+            "train.loss=chunked: under TP the loss is computed on vocab-sharded logits (loss "
+            "parallel), so the whole logits never exist anyway; set train.loss=plain",
+        ),
+        (
+            tied,
+            "model.tie_embeddings=true: the built-in Llama's tied embedding and output are not "
+            "verified under tensor parallel (HF folders' are); set model.tie_embeddings=false",
+        ),
+        (
+            cfg.compile.enabled and cfg.activation_checkpointing.mode is not CheckpointMode.none,
+            f"compile.enabled=true and activation_checkpointing.mode="
+            f"{cfg.activation_checkpointing.mode.value}: torch 2.13's compiled checkpoint of a "
+            "tensor-parallel block fails in its first forward (AOTAutograd saves a DeviceMesh "
+            "for backward); set activation_checkpointing.mode=none or compile.enabled=false",
+        ),
+        (
+            cfg.compile.enabled and not cfg.compile.per_block,
+            "compile.per_block=false: fsdprun checks per-block compile of tensor-parallel "
+            "models only; set compile.per_block=true",
+        ),
+        (
+            cfg.fsdp.cpu_offload,
+            "fsdp.cpu_offload=true: FSDP2's offload of tensor-parallel (2-D) parameters is "
+            "not supported by fsdprun; set fsdp.cpu_offload=false or parallel.tp=1",
+        ),
+    )
+    errors += [f"parallel.tp={tp} with {why}" for refuse, why in refused if refuse]
+    return errors
+
+
+def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> list[str]:
+    """What parallel.cp refuses, one message per problem: the kv heads come from `facts`
+    (unknown when None), and so do whether the family's attention is exact under context
+    parallel (`Family.cp_attention`) and its attention dropout, which the ring does not
+    apply."""
+    cp, tp, world_size = layout.cp, max(layout.tp, 1), layout.world_size
+    if cp < 1:
+        return [f"parallel.cp must be >= 1 (got {cp})"]
+    if cp == 1:
+        return []
+    kv_heads = facts.n_kv_heads if facts is not None else None
+    unverified = facts.cp_unverified() if facts is not None else None
+    attention_dropout = facts.attention_dropout if facts is not None else 0.0
+    errors = []
+    if world_size % (cp * tp):
+        what = f"parallel.cp ({cp})" if tp == 1 else f"parallel.cp x parallel.tp ({cp} x {tp})"
+        errors.append(
+            f"{what} must divide the world size ({world_size}); the data-parallel size is world "
+            f"size / {'cp' if tp == 1 else '(cp x tp)'}: run on a multiple of {cp * tp} ranks "
+            f"or choose a parallel.cp that divides {world_size // tp if tp > 1 else world_size}"
+        )
+    if cfg.train.seq_len % cp:
+        errors.append(
+            f"parallel.cp ({cp}) does not divide train.seq_len ({cfg.train.seq_len}): each rank "
+            f"holds seq_len / cp tokens of every row; choose a cp that divides it"
+        )
+    elif tp > 1 and cfg.train.seq_len % (cp * tp):
+        errors.append(
+            f"parallel.cp x parallel.tp ({cp} x {tp}) does not divide train.seq_len "
+            f"({cfg.train.seq_len}): sequence parallel shards each cp rank's seq_len / cp tokens "
+            "over tp; choose degrees whose product divides it"
+        )
+    impl = cp_impl(cfg, facts)
+    ring = "parallel.cp_impl=ring" + (
+        " (what auto takes for these heads)" if cfg.parallel.cp_impl is CpImpl.auto else ""
+    )
+    if impl == "alltoall" and kv_heads is not None and kv_heads % tp == 0 and (kv_heads // tp) % cp:
+        per_tp = "" if tp == 1 else f" / parallel.tp ({tp}) = {kv_heads // tp} per TP rank"
+        errors.append(
+            f"parallel.cp ({cp}) does not divide the model's kv heads ({kv_heads}, model."
+            f"n_kv_heads{per_tp}): the all-to-all gives each rank kv heads / cp of them; choose "
+            "a cp that divides it, or parallel.cp_impl=ring (or auto), which needs no such division"
+        )
+    refused = (
+        (
+            cfg.fsdp.engine is not Engine.fsdp2,
+            f"fsdp.engine={cfg.fsdp.engine.value}: context parallel shards parameters over "
+            "dp_shard x cp with FSDP2; use fsdp.engine=fsdp2",
+        ),
+        (
+            unverified is not None,
+            f"{unverified}: its attention has not been verified under context parallel (the "
+            "built-in Llama's and HF Llama folders' are); set parallel.cp=1",
+        ),
+        (
+            tp > 1 and cfg.model.hf_path is not None,
+            f"parallel.tp={tp} and model.hf_path: cp x tp is verified for the built-in Llama "
+            "only; set parallel.tp=1 or parallel.cp=1",
+        ),
+        (cfg.lora.rank > 0, f"lora.rank={cfg.lora.rank}: not verified under context parallel; "
+                            "set lora.rank=0"),
+        (
+            cfg.precision.float8.value != "off",
+            f"precision.float8={cfg.precision.float8.value}: not verified under context "
+            "parallel; set precision.float8=off",
+        ),
+        (
+            cfg.compile.enabled,
+            "compile.enabled=true: compiled blocks with the all-to-all inside have not been "
+            "verified; set compile.enabled=false",
+        ),
+        (
+            impl == "ring" and tp > 1,
+            f"parallel.tp={tp} and parallel.cp_impl=ring (what {cfg.parallel.cp_impl.value} "
+            "takes for these heads): the ring is verified without tensor parallel only; set "
+            "parallel.tp=1, or a cp that divides the kv heads per TP rank (all-to-all)",
+        ),
+        (
+            impl == "ring" and attention_dropout > 0,
+            f"{ring} and the model's attention dropout {attention_dropout:g} (its config.json's "
+            "attention_dropout): the ring applies no dropout; set it to 0 in config.json, or "
+            "a cp that divides the kv heads (all-to-all)",
+        ),
+        (
+            cfg.fsdp.cpu_offload,
+            "fsdp.cpu_offload=true: not verified under context parallel; set "
+            "fsdp.cpu_offload=false",
+        ),
+    )  # fmt: skip
+    errors += [f"parallel.cp={cp} with {why}" for refuse, why in refused if refuse]
+    return errors
+
+
+def _sharding_errors(fsdp: FsdpConfig, layout: Layout) -> list[str]:
+    """What the engine and mesh refuse in the `fsdp:` section, one message per problem (the
+    shard groups are made of `layout`'s data-parallel ranks)."""
+    errors = []
+    value = str(fsdp.backward_prefetch)
+    if value not in BACKWARD_PREFETCH_MODES and not (value.isdigit() and int(value) >= 1):
+        errors.append(
+            f"fsdp.backward_prefetch: '{value}' is not valid; use pre, post, none or a depth >= 1"
+        )
+    if fsdp.engine is not Engine.fsdp2 and fsdp.reshard_after_forward is not None:
+        errors.append(
+            f"fsdp.reshard_after_forward is an fsdp2 knob; with fsdp.engine={fsdp.engine.value} "
+            "set fsdp.sharding (full = reshard, grad_op = keep) instead"
+        )
+    # With TP or CP, shard groups are counted in data-parallel ranks (world size / (tp x cp)).
+    what = "the world size" if layout.row_group == 1 else (
+        "the data-parallel size (world size / parallel.tp)" if layout.cp == 1
+        else "the data-parallel size (world size / (parallel.tp x parallel.cp))")  # fmt: skip
+    dp, per_node = layout.dp, max(layout.nproc_per_node // layout.row_group, 1)
+    world_size, nproc_per_node = layout.world_size, layout.nproc_per_node
+    if fsdp.shard_group_size is not None:
+        if fsdp.shard_group_size < 1 or dp % fsdp.shard_group_size:
+            errors.append(
+                f"fsdp.shard_group_size ({fsdp.shard_group_size}) must divide {what} ({dp})"
+            )
+    elif fsdp.sharding in _HYBRID and dp % min(per_node, dp):
+        errors.append(
+            f"fsdp.sharding={fsdp.sharding.value}: launch.nproc_per_node ({nproc_per_node}) "
+            f"must divide the world size ({world_size}); set fsdp.shard_group_size"
+        )
+    if fsdp.engine is Engine.ddp and fsdp.cpu_offload:
+        errors.append("fsdp.cpu_offload needs a sharding engine; use fsdp.engine=fsdp1 or fsdp2")
+    return errors
