@@ -163,7 +163,7 @@ def test_a_stop_file_stops_at_a_checkpoint_exits_0_and_piped_lines_stay_whole(
     copy = shutil.copytree(run_dir, tmp_path / "copy")
     done = subprocess.CompletedProcess([], 0, out, err)
     result = run_config(
-        "debug", [], CompareConfig("fsdp2", ()), copy, SimpleNamespace(run=lambda cmd: done)
+        "debug", [], CompareConfig("fsdp2", ()), copy, SimpleNamespace(run=lambda cmd, **kw: done)
     )
     assert not result.ok and result.error == f"stopped at step {stop_step} of 40 (stop file)"
     # Resume continues exactly; its closing line, also whole, says the run finished.

@@ -29,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fsdprun"
 # The package's ground floor: modules every package may import (they import only one another).
 GROUND_FLOOR = (
     "fsdprun.errors", "fsdprun.device", "fsdprun.rundir", "fsdprun.runlock", "fsdprun.loss",
-    "fsdprun.families",
+    "fsdprun.families", "fsdprun.children",
 )  # fmt: skip
 # What a ground-floor module may import above it inside a function, with the reason.
 GROUND_FLOOR_LAZY = {
@@ -62,10 +62,12 @@ NEVER_IMPORTS = {
     "tools": ("train", "launch"),
     "launch": ("models", "engines"),
     # The torch-free ground floor: `fsdprun status`, the launcher's lock, config's metrics-file
-    # default and family check; the open-file limit, checked before anything heavy loads.
+    # default and family check, compare's and tune's children; the open-file limit, checked
+    # before anything heavy loads.
     "rundir": ("torch",),
     "runlock": ("torch",),
     "families": ("torch",),
+    "children": ("torch",),
     "limits": ("torch",),
 }
 # The modules a rule above lets a room import all the same, with the reason.

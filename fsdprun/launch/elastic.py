@@ -27,6 +27,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdprun.checkpoint import read_manifest, set_aside_after
+from fsdprun.children import handled_signals
 from fsdprun.compile_cache import check_cache_dir
 from fsdprun.config import RecipeConfig, ResolvedRecipe, accelerator_device_nodes
 from fsdprun.data import save_tokenized
@@ -79,15 +80,7 @@ class _StopOnSignal:
         self.run_dir, self.watch = run_dir, watch
         self.signum: int | None = None
 
-    def __enter__(self) -> _StopOnSignal:
-        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
+    def handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:
             # The agent then kills the workers with SIGKILL: no grace period.
@@ -568,9 +561,10 @@ def _launch(
     reporter = Reporter()
     waiting = _waiting(cfg, plan)
     attempts_before = _attempt_dirs(plan)
+    stop = _StopOnSignal(run_dir, watch)
     try:
         with (
-            _StopOnSignal(run_dir, watch) as stop,
+            handled_signals(stop.handle),
             MetricsFollower(run_dir / cfg.output.metrics_file, reporter),
             waiting or contextlib.nullcontext(),
             _removed_at_the_end(tokenized_dir(run_dir), watch),

@@ -21,7 +21,6 @@ Never imports torch: each configuration runs as an `fsdprun train` subprocess.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -32,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdprun.children import ForwardSignals
 from fsdprun.config import Engine, Sharding, load_recipe
 from fsdprun.data import forget_data
 from fsdprun.data.preflight import check_data
@@ -145,67 +145,22 @@ class Interrupted(Exception):
         self.exit_code = exit_code
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int, libc) -> None:
-    """In the child between fork and exec: SIGKILL when compare dies (the setting survives exec),
-    and exit at once if compare already died before it was set."""
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-class _Runs:
-    """The run in progress, and the signals forwarded to it."""
-
-    def __init__(self):
-        self.child: subprocess.Popen | None = None
-        self.signum: int | None = None
-        # Loaded here, not in the child: the child between fork and exec only calls it.
-        self.libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-    def __enter__(self) -> _Runs:
-        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.signum = self.signum or signum
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)  # a first one stops it at a checkpoint, a second aborts
-
-    def run(self, cmd: list[str]) -> subprocess.CompletedProcess:
-        parent = os.getpid()
-        libc = self.libc
-        self.child = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
-            # Its own process group: a terminal's Ctrl-C reaches it once, forwarded by compare.
-            process_group=0,
-            preexec_fn=(lambda: _die_with_parent(parent, libc)) if libc is not None else None,
-        )  # fmt: skip
-        try:
-            out, err = self.child.communicate()
-        finally:
-            code, self.child = self.child.wait(), None
-        return subprocess.CompletedProcess(cmd, code, out, err)
-
-
 def run_config(
     recipe: str,
     overrides: list[str],
     config: CompareConfig,
     run_dir: Path,
-    runs: _Runs | None = None,
+    runs: ForwardSignals | None = None,
 ) -> CompareResult:
     """One `fsdprun train` run of `config`; its figures, or its error."""
     all_overrides = [*overrides, *config.overrides]
     cmd = [*_fsdprun_command(), "train", recipe, *all_overrides, "--run-dir", str(run_dir)]
     start = time.perf_counter()
-    proc = (runs or _Runs()).run(cmd)
+    proc = (runs or ForwardSignals()).run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
+        # Its own process group: a terminal's Ctrl-C reaches it once, forwarded by compare.
+        process_group=0,
+    )  # fmt: skip
     wall = time.perf_counter() - start
     run_dir.mkdir(parents=True, exist_ok=True)
     compare_log_path(run_dir).write_text(proc.stdout + proc.stderr)
@@ -263,7 +218,7 @@ def compare(
     results = []
     # Each configuration's run locks its own directory; this lock keeps a second compare out of
     # the whole set.
-    with hold_run_dir(out_dir), _Runs() as runs:
+    with hold_run_dir(out_dir), ForwardSignals() as runs:
         for config in configs:
             if runs.signum is not None:
                 break

@@ -11,12 +11,10 @@ Never imports the engines, the models nor the data.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdprun.children import die_with
 from fsdprun.rundir import (
     RunDirWatch,
     heartbeat_dir,
@@ -419,47 +418,16 @@ def die_with_launcher() -> None:
     torch's worker wrapper asks for SIGINT on parent death, which fsdprun would turn into a
     graceful stop whose end waits, forever, for the dead agent to collect the result. A worker
     nobody can collect or restart must not hold its memory and ports: SIGKILL instead (Linux
-    prctl, when the launcher is the parent), else a thread that polls the launcher's pid. A
-    launcher stopped with SIGTERM/SIGINT still stops the run at a checkpoint; only a launcher
-    that dies without a word takes its workers with it, unsaved, as a kill -9 of the workers
-    themselves would.
+    prctl, when the launcher is the parent), else a thread that polls the launcher's pid
+    (fsdprun.children.die_with). A launcher stopped with SIGTERM/SIGINT still stops the run at a
+    checkpoint; only a launcher that dies without a word takes its workers with it, unsaved, as
+    a kill -9 of the workers themselves would.
     """
-    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
-    if not launcher:
-        return
     # Under fork and spawn the parent is the launcher (its elastic agent runs in-process); under
-    # forkserver it is the forkserver, which may outlive a killed launcher.
-    parent = os.getppid()
-    armed = False
-    if sys.platform.startswith("linux") and parent == launcher:
-        libc = ctypes.CDLL(None, use_errno=True)
-        armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    # A launcher that died before the prctl would never fire it.
-    if (armed and os.getppid() != launcher) or not _alive(launcher):
-        os._exit(1)
-    if not armed:
-        threading.Thread(target=_watch_launcher, args=(launcher,), daemon=True).start()
+    # forkserver it is the forkserver, which may outlive a killed launcher: die_with polls then.
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+    if launcher:
+        die_with(launcher)
 
 
 LAUNCHER_PID_ENV = "FSDPRUN_LAUNCHER_PID"
-_PR_SET_PDEATHSIG = 1
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process runs (a zombie waiting to be reaped does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    stat = Path(f"/proc/{pid}/stat")
-    with contextlib.suppress(OSError, IndexError):
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
-
-
-def _watch_launcher(pid: int) -> None:
-    while _alive(pid):
-        time.sleep(0.5)
-    os._exit(1)

@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdprun.children import handled_signals
 from fsdprun.config import launch_device_problem, load_recipe
 from fsdprun.data.preflight import check_data
 from fsdprun.data.spec import forget_data
@@ -398,11 +399,6 @@ def _stop_on_signals():
     """SIGINT and SIGTERM raise _Signal where the search is (a trial's process group is then
     killed on the way out, and nothing of it logged); later ones while it stops do nothing. A
     SIGINT that this process ignores (started in the background) stays ignored."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():  # only it may set handlers
-        yield
-        return
     caught: list[int] = []
 
     def handle(signum: int, frame: object) -> None:
@@ -410,15 +406,8 @@ def _stop_on_signals():
             caught.append(signum)
             raise _Signal(signum)
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    for s, handler in previous.items():
-        if handler is not signal.SIG_IGN:
-            signal.signal(s, handle)
-    try:
+    with handled_signals(handle, keep_ignored=True):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ or the report: a trial is a subprocess, and what to run next is search.py's.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdprun.children import start_child
 from fsdprun.config import load_recipe
 from fsdprun.errors import StorageError, UserError, write_error
 from fsdprun.report.metrics import read_events
@@ -62,13 +62,6 @@ def trial_id(round_index: int, cand: Candidate, rep: int) -> str:
 
 def _fsdprun_command() -> list[str]:
     return [sys.executable, "-m", "fsdprun"]
-
-
-def _die_with_parent() -> None:
-    # A tune killed with SIGKILL must not leave its trial (and so its workers) running: the trial
-    # launcher gets SIGKILL when tune dies (its workers die with it, see train/guard.py).
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _fault_env(tid: str) -> dict[str, str]:
@@ -141,8 +134,12 @@ def run_trial(
     }  # fmt: skip
     start = time.perf_counter()
     with log_file as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+        # A tune killed with SIGKILL must not leave its trial (and so its workers) running: the
+        # trial launcher dies with tune (its workers with it, see train/guard.py). Its own
+        # session: tune kills the whole group at a timeout, and a terminal's Ctrl-C reaches tune
+        # alone, which then kills it.
+        proc = start_child(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                           start_new_session=True)  # fmt: skip
         try:
             _wait_trial(proc, timeout_s, alive)
         except subprocess.TimeoutExpired:
