@@ -354,6 +354,9 @@ def train(
     os.environ.update(mode.worker_env)
     os.environ[MODE_ENV] = mode.describe()
     if mode.is_worker:
+        from fsdprun.report.notices import show_known_notices
+
+        show_known_notices()  # a rank's log file keeps everything its libraries say
         _load("fsdprun.launch.direct", DYNAMO)
         from fsdprun.launch.direct import run_as_worker
 
@@ -1206,4 +1209,10 @@ def main() -> None:
         # it is set before the first import; workers get the user's setting back (launch.py).
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
         os.environ[CPP_LOG_MARK] = "1"
+    if not os.environ.get("FSDPRUN_DEBUG"):
+        from fsdprun.report.notices import hide_known_notices
+
+        # The libraries' known deprecation notices, likewise: the first line of a run is its
+        # header. Named, each with its reason, in fsdprun.report.notices.
+        hide_known_notices()
     app()

@@ -4,8 +4,9 @@
 `config` (with `--explain`, and with data files to check) and `status` must not load it, on
 success and on a user error; `train`, `resume` and `compare` refuse a key typo or a missing file
 before their launcher loads it. `recipes` reads its cards without merging a recipe, and text
-options reach a command without typer's pydantic adapters. Each command runs in a fresh
-interpreter. Run with `pytest tests/test_cli_startup.py`; `scripts/bench_startup.py` times them.
+options reach a command without typer's pydantic adapters. What a user reads first of a run is
+its header, not the libraries' notices. Each command runs in a fresh interpreter. Run with
+`pytest tests/test_cli_startup.py`; `scripts/bench_startup.py` times them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 import subprocess
 import sys
 
-from conftest import fsdprun_env
+from conftest import FSDPRUN, fsdprun_env
 
 from fsdprun.config import accelerator_device_nodes
 
@@ -319,3 +320,28 @@ def test_text_options_reach_commands_as_typers_own_adapters_give_them():
                 assert (got, type(got)) == (want, type(want)), (command.name, param.name, value)
                 checked += 1
     assert checked > 50
+
+
+def test_a_run_of_an_hf_folder_opens_with_its_header(tmp_path):
+    """The first line a user reads of `fsdprun train` on a HuggingFace folder is fsdprun's
+    header. The launcher's plan loads transformers, whose quantizers import torchao wherever it
+    is installed; torchao then wrote that its CUDA kernel libraries failed to load (on a CPU
+    torch) and torch 2.13 that registering Enums as pytree constants is deprecated, four lines
+    before the header (issue 57). Only fsdprun's own `warning:` and `note:` lines may come
+    first, and no known notice anywhere on the console. A fresh process, as a user starts it:
+    the suite's zygote imported transformers (and printed the notices) long before."""
+    from fsdprun.report.notices import KNOWN_NOTICES
+
+    proc = subprocess.run(
+        [FSDPRUN, "train", "hf-finetune-demo", "train.steps=1", "eval.every_steps=0",
+         "checkpoint.save_final=false", "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=fsdprun_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lines = proc.stdout.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("fsdprun hf-finetune-demo: "))
+    first = [line for line in lines[:header] if not line.startswith(("warning: ", "note: "))]
+    assert not first, lines[: header + 1]
+    for notice in KNOWN_NOTICES:
+        assert not [line for line in lines if re.search(notice.pattern, line)], notice.name
