@@ -16,22 +16,21 @@ commands that train) when it runs; tests/test_cli_startup.py checks the read-onl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import importlib
-import importlib.metadata
 import inspect
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
 
 from fsdprun import __version__
-from fsdprun.config import builtin_recipes, explain, launch_device_problem, load_recipe
 from fsdprun.errors import StorageError, UserError, describe_os_error, diagnostic, write_error
 from fsdprun.launch.flags import LaunchFlags, launch_overrides
 from fsdprun.report.output import output_console
@@ -63,6 +62,42 @@ if _option_type is not None:
     typer.core.TyperOption.display_type_rich = _flag_type
 
 
+def _text_as_typed() -> None:
+    """Typer (0.28 on) converts every parameter's value through a pydantic TypeAdapter, built
+    when the parameter is first processed, even for text that stays text: the first build
+    imports pydantic, about 60 ms of each `fsdprun recipes` or `fsdprun config` (2026-12).
+    Here a `str` parameter's text and a `list[str]` parameter's texts are handed on as typer's
+    adapter hands them on (the same text; a list); every other value (a number, a path) goes
+    through typer's own adapter, built when first needed. Left alone by a typer that lacks
+    these internals or lays them out otherwise (0.27, the H200 image's, has no adapters)."""
+    build = getattr(typer.core, "build_runtime_param", None)
+    coercion = sys.modules.get("typer._coercion")
+    base = getattr(coercion, "RuntimeParam", None)
+    if build is None or base is None or not dataclasses.is_dataclass(base):
+        return
+    if [f.name for f in dataclasses.fields(base)] != ["parameter_info", "annotation"]:
+        return
+    adapted = functools.cache(build)
+
+    @dataclasses.dataclass(frozen=True)
+    class TextAsTyped(base):
+        descriptor: Any  # typer's TypeDescriptor
+
+        def _coerce_value(self, value, param, ctx):
+            # (typer's `coerce` has returned None, or () for a list, for a value not given.)
+            if self.descriptor.file_annotation is None and self.parameter_info.parser is None:
+                if self.annotation is str and type(value) is str:
+                    return value
+                if self.annotation == list[str] and all(type(v) is str for v in value):
+                    return list(value)
+            return adapted(self.descriptor)._coerce_value(value, param=param, ctx=ctx)
+
+    typer.core.build_runtime_param = lambda d: TextAsTyped(d.parameter_info, d.annotation, d)
+
+
+_text_as_typed()
+
+
 app = typer.Typer(
     help="Train LLMs with PyTorch FSDP from layered YAML recipes.\n\nOptions also take "
     "torchrun's spellings (--nproc_per_node, --node_rank, --rdzv_endpoint, --max_restarts).",
@@ -79,6 +114,8 @@ err_console = output_console(stderr=True, highlight=False, soft_wrap=True)
 
 def _complete_recipe(incomplete: str) -> list[str]:
     # Built-in names here; the shell's own file completion (`complete -o default`) adds paths.
+    from fsdprun.config import builtin_recipes
+
     return [name for name in builtin_recipes() if name.startswith(incomplete)]
 
 
@@ -270,6 +307,8 @@ DYNAMO = "torch._dynamo"
 def _version(value: bool) -> None:
     if value:
         # From the package metadata: importing torch for its version string takes seconds.
+        import importlib.metadata  # here: its email parser costs every other command ~20 ms
+
         try:
             torch_version = importlib.metadata.version("torch")
         except importlib.metadata.PackageNotFoundError:
@@ -305,6 +344,7 @@ def train(
     launch: LaunchFlags,
 ) -> None:
     """Train a recipe: launch the workers, print throughput and memory tables."""
+    from fsdprun.config import load_recipe
     from fsdprun.launch.modes import MODE_ENV, decide
 
     # torchrun's worker, an srun task, or a node's launcher under a platform (PET_*, SKYPILOT_*)
@@ -314,6 +354,9 @@ def train(
     os.environ.update(mode.worker_env)
     os.environ[MODE_ENV] = mode.describe()
     if mode.is_worker:
+        from fsdprun.report.notices import show_known_notices
+
+        show_known_notices()  # a rank's log file keeps everything its libraries say
         _load("fsdprun.launch.direct", DYNAMO)
         from fsdprun.launch.direct import run_as_worker
 
@@ -344,6 +387,8 @@ def _check_data(cfg) -> None:
 
 def _check_before_launch(cfg) -> None:
     """The data files, and a recipe for accelerators on a machine without one."""
+    from fsdprun.config import launch_device_problem
+
     _check_data(cfg)
     problem = launch_device_problem(cfg.launch.device)
     if problem:
@@ -406,6 +451,8 @@ def _precheck_resume(run_dir: Path, overrides: list[str]) -> None:
     """What can be told from the run directory's files before torch loads (~2 s): that it is a
     run directory, that the overrides name real keys, that it holds a checkpoint at all.
     `resolve_resume` then checks the rest (completeness, what a resume may change)."""
+    from fsdprun.config import launch_device_problem, load_recipe
+
     if not recipe_path(run_dir).is_file():
         raise UserError(f"{run_dir}: not an fsdprun run directory (no {RECIPE_FILE})")
     cfg = load_recipe(str(recipe_path(run_dir)), overrides, check=False).config
@@ -456,6 +503,8 @@ def config_cmd(
     nnodes: NnodesOpt = None,
 ) -> None:
     """Print the fully resolved recipe as YAML (exit 2 with the error if it is invalid)."""
+    from fsdprun.config import explain, load_recipe
+
     extra = launch_overrides(LaunchFlags(nproc_per_node=nproc_per_node, nnodes=nnodes))
     resolved = load_recipe(recipe, [*(overrides or []), *extra])
     _check_data(resolved.config)
@@ -908,6 +957,7 @@ def compare_cmd(
 ) -> None:
     """Run a recipe under several engines/shardings (same seed and data) and compare them side
     by side: tokens/s, step time, peak memory, model state per rank, final loss."""
+    from fsdprun.config import load_recipe
     from fsdprun.launch.modes import forget_platform
     from fsdprun.tools.compare import Interrupted, compare, markdown, parse_configs, render
 
@@ -1038,7 +1088,7 @@ def tune_cmd(
 ) -> None:
     """Choose the FSDP knobs on this hardware: plan prunes, short measured trials decide, the
     winner is written as a recipe layer (OUT/tuned.yaml)."""
-    from fsdprun.config import parse_size
+    from fsdprun.config import load_recipe, parse_size
     from fsdprun.tools.tune import Interrupted, TuneArgs, parse_duration, render, tune
     from fsdprun.tools.tune.nodes import NodeLost
 
@@ -1159,4 +1209,10 @@ def main() -> None:
         # it is set before the first import; workers get the user's setting back (launch.py).
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
         os.environ[CPP_LOG_MARK] = "1"
+    if not os.environ.get("FSDPRUN_DEBUG"):
+        from fsdprun.report.notices import hide_known_notices
+
+        # The libraries' known deprecation notices, likewise: the first line of a run is its
+        # header. Named, each with its reason, in fsdprun.report.notices.
+        hide_known_notices()
     app()

@@ -3,17 +3,20 @@
 `import torch` alone takes ~1.6 s on a small machine, so `--help`, `--version`, `recipes`,
 `config` (with `--explain`, and with data files to check) and `status` must not load it, on
 success and on a user error; `train`, `resume` and `compare` refuse a key typo or a missing file
-before their launcher loads it. Each command runs in a fresh interpreter. Run with
-`pytest tests/test_cli_startup.py`.
+before their launcher loads it. `recipes` reads its cards without merging a recipe, and text
+options reach a command without typer's pydantic adapters. What a user reads first of a run is
+its header, not the libraries' notices. Each command runs in a fresh interpreter. Run with
+`pytest tests/test_cli_startup.py`; `scripts/bench_startup.py` times them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
-from conftest import fsdprun_env
+from conftest import FSDPRUN, fsdprun_env
 
 from fsdprun.config import accelerator_device_nodes
 
@@ -210,3 +213,135 @@ def test_cli_works_with_a_typer_that_lacks_the_option_type_column(tmp_path):
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           cwd=tmp_path, env=fsdprun_env(), timeout=120)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+# `fsdprun recipes` with the merge of recipe layers refused, then `config` (which merges) with
+# text options: what each printed, and what was loaded by then.
+RECIPES_PROBE = """
+import json, sys
+import fsdprun.config.load as load
+from typer.testing import CliRunner
+from fsdprun.cli import app
+
+merged, real_merge = [], load._merge
+
+def refuse(layers):
+    merged.append(layers[-1].source)
+    raise AssertionError("a recipe was merged")
+
+load._merge = refuse
+recipes = CliRunner().invoke(app, ["recipes"])
+loaded = {m: m in sys.modules for m in ("torch", "pydantic")}
+load._merge = real_merge
+configs = [CliRunner().invoke(app, args).exit_code for args in (
+    ["config", "debug", "optim.lr=1e-3", "~train.seed", "--nproc-per-node", "2"],
+    ["config", "debug", "--explain"],
+)]
+print(json.dumps({"code": recipes.exit_code, "output": recipes.output, "merged": merged,
+                  "loaded": loaded, "configs": configs, "pydantic": "pydantic" in sys.modules}))
+"""
+
+
+def test_recipes_reads_its_cards_without_merging_a_recipe(tmp_path):
+    """`fsdprun recipes` reads the few keys each card shows from the recipes' layers as plain
+    YAML: merging every built-in recipe through OmegaConf was half its time (issue 57) and grew
+    with each recipe. Its cards are the merged recipes' all the same. Neither it nor `config`
+    loads torch, nor typer's pydantic adapters for text options (60 ms)."""
+    from fsdprun.config import builtin_recipes, load_recipe
+    from fsdprun.config.reference import runs_on
+    from fsdprun.config.sizes import model_num_params
+    from fsdprun.report.console import fmt_count
+
+    proc = subprocess.run(
+        [sys.executable, "-c", RECIPES_PROBE], cwd=tmp_path, env=fsdprun_env(),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["code"] == 0 and not got["merged"], got
+    assert got["loaded"] == {"torch": False, "pydantic": False}, got["loaded"]
+    assert got["configs"] == [0, 0] and not got["pydantic"], got
+    # Each line as the merged recipe has it: name, where it runs, parameters, description.
+    lines = got["output"].splitlines()
+    assert len(lines) == len(builtin_recipes())
+    for line, (name, description) in zip(lines, builtin_recipes().items(), strict=True):
+        cfg = load_recipe(name, [], check=False).config
+        count = model_num_params(cfg.model)
+        expected = [name, runs_on(cfg.launch), fmt_count(count) if count else "?", description]
+        assert re.split(r"\s{2,}", line.strip(), maxsplit=3) == expected, line
+
+
+def test_a_card_whose_keys_need_the_merge_is_merged(tmp_path):
+    """A card key that is not a plain value (a ${...} reference, text the schema converts to a
+    number or a flag) is read from the merged recipe, so the card still shows its figures."""
+    from fsdprun.config import load_recipe
+    from fsdprun.config.reference import recipe_card, runs_on
+    from fsdprun.config.sizes import model_num_params
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(
+        "extends: debug\ntrain:\n  micro_batch_size: 4\n"
+        "launch:\n  nproc_per_node: ${train.micro_batch_size}\n  nnodes: '3'\n"
+        "model:\n  tie_embeddings: 'on'\n"
+    )
+    card = recipe_card(str(recipe), "mine")
+    cfg = load_recipe(str(recipe), [], check=False).config
+    assert card.runs_on == runs_on(cfg.launch) == "3 nodes x 4 CPU ranks"
+    assert card.num_params == model_num_params(cfg.model)
+    assert cfg.model.tie_embeddings and card.num_params < recipe_card("debug", "").num_params
+
+
+def test_text_options_reach_commands_as_typers_own_adapters_give_them():
+    """The CLI hands a `str` or `list[str]` parameter's text on without building typer's
+    pydantic adapter (fsdprun.cli._text_as_typed): what each command of the app receives must
+    be what typer's own adapter gives, value and type, for every such parameter."""
+    import pytest
+
+    coercion = pytest.importorskip("typer._coercion")
+    if not hasattr(coercion, "build_runtime_param"):
+        pytest.skip("this typer has no adapters to compare with")
+    import typer.main
+
+    from fsdprun.cli import app
+
+    group = typer.main.get_command(app)
+    texts = ["debug", "optim.lr=3e-4", "", " spaced ", "ünï/cödé", "~train.seed", "-"]
+    checked = 0
+    for command in [group, *group.commands.values()]:
+        for param in command.params:
+            descriptor = getattr(param, "type_descriptor", None)
+            if descriptor is None or descriptor.annotation not in (str, list[str]):
+                continue
+            values = [tuple(texts)] if descriptor.annotation == list[str] else texts
+            ours, typers = param.get_runtime_param(), coercion.build_runtime_param(descriptor)
+            for value in [None, *values]:
+                got = ours.coerce(value, param=param, ctx=None)
+                want = typers.coerce(value, param=param, ctx=None)
+                assert (got, type(got)) == (want, type(want)), (command.name, param.name, value)
+                checked += 1
+    assert checked > 50
+
+
+def test_a_run_of_an_hf_folder_opens_with_its_header(tmp_path):
+    """The first line a user reads of `fsdprun train` on a HuggingFace folder is fsdprun's
+    header. The launcher's plan loads transformers, whose quantizers import torchao wherever it
+    is installed; torchao then wrote that its CUDA kernel libraries failed to load (on a CPU
+    torch) and torch 2.13 that registering Enums as pytree constants is deprecated, four lines
+    before the header (issue 57). Only fsdprun's own `warning:` and `note:` lines may come
+    first, and no known notice anywhere on the console. A fresh process, as a user starts it:
+    the suite's zygote imported transformers (and printed the notices) long before."""
+    from fsdprun.report.notices import KNOWN_NOTICES
+
+    proc = subprocess.run(
+        [FSDPRUN, "train", "hf-finetune-demo", "train.steps=1", "eval.every_steps=0",
+         "checkpoint.save_final=false", "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=fsdprun_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lines = proc.stdout.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("fsdprun hf-finetune-demo: "))
+    first = [line for line in lines[:header] if not line.startswith(("warning: ", "note: "))]
+    assert not first, lines[: header + 1]
+    for notice in KNOWN_NOTICES:
+        assert not [line for line in lines if re.search(notice.pattern, line)], notice.name
