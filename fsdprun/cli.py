@@ -467,7 +467,7 @@ def recipes() -> None:
     """List the built-in recipes: where each runs (launch.device, nproc_per_node, nnodes), its
     model's parameter count and what it is for."""
     from fsdprun.config.reference import builtin_recipe_cards
-    from fsdprun.report.console import fmt_count
+    from fsdprun.fmt import fmt_count
 
     rows = [(c.name, c.runs_on, fmt_count(c.num_params) if c.num_params else "?", c.description)
             for c in builtin_recipe_cards()]  # fmt: skip
@@ -656,7 +656,7 @@ def export(
     """Write a checkpoint's model weights as full tensors: no model, GPU or process group."""
     _load("fsdprun.checkpoint.export")
     from fsdprun.checkpoint.export import export_checkpoint
-    from fsdprun.report.console import fmt_bytes, fmt_count
+    from fsdprun.fmt import fmt_bytes, fmt_count
 
     result = export_checkpoint(
         checkpoint, out, fmt=format_, dtype=dtype, max_shard_size=max_shard_size, base=base,

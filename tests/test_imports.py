@@ -28,13 +28,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fsdprun"
 
 # The package's ground floor: modules every package may import (they import only one another).
 GROUND_FLOOR = (
-    "fsdprun.errors", "fsdprun.device", "fsdprun.rundir", "fsdprun.runlock", "fsdprun.loss",
-    "fsdprun.families",
+    "fsdprun.errors", "fsdprun.fmt", "fsdprun.device", "fsdprun.rundir", "fsdprun.runlock",
+    "fsdprun.loss", "fsdprun.families",
 )  # fmt: skip
-# What a ground-floor module may import above it inside a function, with the reason.
-GROUND_FLOOR_LAZY = {
-    "fsdprun.errors": {"fsdprun.report.console": "a file-size limit's message spells its bytes"},
-}
 
 # Imports that config may make inside a function, with the reason; all others are at load time.
 CONFIG_LAZY_IMPORTS = {
@@ -247,15 +243,13 @@ def test_loading_and_validating_a_recipe_loads_no_torch():
 
 
 def test_the_ground_floor_imports_nothing_above_it():
-    """errors, device, the run directory's names and lock and the loss import, of fsdprun, only
-    one another (at any level, but the reasoned exceptions inside a function), so that every
-    package may import them without a circle."""
+    """errors, the number formats, device, the run directory's names and lock, the loss and the
+    family names import, of fsdprun, only one another (at any level, inside functions too), so
+    that every package may import them without a circle."""
     bad = [
         line
         for module in GROUND_FLOOR
         for line in direct_violations([module], ("fsdprun",), allowed=GROUND_FLOOR)
-        if line.split(" imports ")[1] not in GROUND_FLOOR_LAZY.get(module, {})
-        or line.split(" imports ")[1] in imports_of(module).at_load
     ]
     assert not bad, bad
 

@@ -299,7 +299,7 @@ def _plan(s: _Setting, say) -> tuple[list[Candidate], list[Candidate]]:
                  s.rtol, s.cfg, s.left_out)  # fmt: skip
     base = candidates[0]
     if base.planned_peak_bytes * (1 + args.margin) > s.memory:
-        from fsdprun.report.console import fmt_bytes
+        from fsdprun.fmt import fmt_bytes
 
         # On stderr even with --json: the baseline runs anyway (it is the reference).
         peak = fmt_bytes(base.planned_peak_bytes)
