@@ -34,8 +34,6 @@ GROUND_FLOOR = (
 
 # Imports that config may make inside a function, with the reason; all others are at load time.
 CONFIG_LAZY_IMPORTS = {
-    # validate reads a bound's value as a recipe's YAML reads it; load imports validate.
-    "fsdprun.config.load": "validate's bounds read a value as the recipe's YAML does",
     # Resolving launch.device=auto needs torch, asked only where /dev has accelerator nodes.
     "fsdprun.device": "resolves launch.device=auto on a machine with accelerators",
     # A recipe naming a Hub id (config.hub) looks it up in the cache, or downloads it.

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+from fsdprun.config.plain_yaml import load_yaml
 from fsdprun.config.schema import (
     CHAT_ROLES,
     TUNE_KNOBS,
@@ -594,8 +595,6 @@ _VALUE_BOUNDS = {
 
 
 def _yaml_value(text: str):
-    from fsdprun.config.load import load_yaml  # load imports this module
-
     try:
         return load_yaml(str(text))
     except (yaml.YAMLError, ValueError):  # the schema then refuses the text as it is
