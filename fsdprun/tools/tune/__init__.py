@@ -67,7 +67,6 @@ from fsdprun.tools.tune.search import (
     DEFAULT_FINALISTS,
     DEFAULT_REPEATS,
     DEFAULT_STEPS,
-    Round,
     _search,
     halving_schedule,
 )
@@ -84,7 +83,7 @@ from fsdprun.tools.tune.space import (
     prune,
     refused_alone,
 )
-from fsdprun.tools.tune.trials import LOSS_RTOL, TrialLog, run_trial
+from fsdprun.tools.tune.trials import LOSS_RTOL, Round, TrialLog, run_trial
 
 if TYPE_CHECKING:
     from fsdprun.config import RecipeConfig, ResolvedRecipe
