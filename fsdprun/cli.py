@@ -743,7 +743,7 @@ def prepare_data_cmd(
         folder = hub_folder(tokenizer, key="--tokenizer", mode="download")
         tokenizer = str(folder / "tokenizer.json" if source == "text" else folder)
     if source != "text":
-        from fsdprun.data.sft import prepare_sft_examples
+        from fsdprun.data.prepared import prepare_sft_examples
 
         desc = prepare_sft_examples(
             inputs, out, source=source, tokenizer=tokenizer, val_fraction=val_fraction,
