@@ -516,7 +516,7 @@ def recipes() -> None:
     """List the built-in recipes: where each runs (launch.device, nproc_per_node, nnodes), its
     model's parameter count and what it is for."""
     from fsdprun.config.reference import builtin_recipe_cards
-    from fsdprun.report.console import fmt_count
+    from fsdprun.fmt import fmt_count
 
     rows = [(c.name, c.runs_on, fmt_count(c.num_params) if c.num_params else "?", c.description)
             for c in builtin_recipe_cards()]  # fmt: skip
@@ -705,7 +705,7 @@ def export(
     """Write a checkpoint's model weights as full tensors: no model, GPU or process group."""
     _load("fsdprun.checkpoint.export")
     from fsdprun.checkpoint.export import export_checkpoint
-    from fsdprun.report.console import fmt_bytes, fmt_count
+    from fsdprun.fmt import fmt_bytes, fmt_count
 
     result = export_checkpoint(
         checkpoint, out, fmt=format_, dtype=dtype, max_shard_size=max_shard_size, base=base,
@@ -792,7 +792,7 @@ def prepare_data_cmd(
         folder = hub_folder(tokenizer, key="--tokenizer", mode="download")
         tokenizer = str(folder / "tokenizer.json" if source == "text" else folder)
     if source != "text":
-        from fsdprun.data.sft import prepare_sft_examples
+        from fsdprun.data.prepared import prepare_sft_examples
 
         desc = prepare_sft_examples(
             inputs, out, source=source, tokenizer=tokenizer, val_fraction=val_fraction,

@@ -5,8 +5,7 @@ anything else is a bug or a runtime failure and keeps its traceback. Set FSDPRUN
 the traceback of these too. Errors, `warning:` and `note:` lines all go to stderr, so that
 `fsdprun train ... > log` keeps them in view and stdout holds the command's own output.
 
-Never imports an fsdprun module at module load (every module imports this one); the console only
-inside the function that prints.
+Imports of fsdprun only the ground floor's number formats (`fmt`): every module imports this one.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ from __future__ import annotations
 import errno
 import sys
 from typing import Literal
+
+from fsdprun.fmt import fmt_bytes
 
 
 class UserError(Exception):
@@ -61,8 +62,6 @@ def describe_os_error(error: OSError) -> str:
         return "disk quota exceeded"
     if error.errno == errno.EFBIG:
         import resource  # Unix only, like EFBIG from a limit
-
-        from fsdprun.report.console import fmt_bytes
 
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if limit == resource.RLIM_INFINITY:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from fsdprun.errors import StorageError, describe_os_error, find_os_error
-from fsdprun.report.console import fmt_bytes
+from fsdprun.fmt import fmt_bytes
 
 
 @contextlib.contextmanager

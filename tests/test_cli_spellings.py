@@ -105,7 +105,7 @@ def test_shell_completion(tmp_path):
 
 def test_recipes_lists_where_each_runs_its_computed_size_and_whole_sentences():
     from fsdprun.config import builtin_recipes, load_recipe
-    from fsdprun.report.console import fmt_count
+    from fsdprun.fmt import fmt_count
     from fsdprun.tools.plan import plan_recipe
 
     result = runner.invoke(app, ["recipes"])

@@ -20,6 +20,7 @@ from fsdprun.checkpoint.export import export_checkpoint
 from fsdprun.config import LoraConfig, load_recipe
 from fsdprun.engines.weights import init_weights
 from fsdprun.errors import UserError
+from fsdprun.fmt import fmt_count
 from fsdprun.models import build_model
 from fsdprun.models.lora import (
     LoraLinear,
@@ -30,7 +31,6 @@ from fsdprun.models.lora import (
     peft_adapter_config,
     peft_state_dict,
 )
-from fsdprun.report.console import fmt_count
 from fsdprun.report.metrics import read_events
 from fsdprun.tools.plan import plan_memory
 from fsdprun.train.optim import build_optimizer

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import processes_naming, start_fsdprun
 
+from fsdprun.fmt import fmt_bytes
 from fsdprun.launch.killed import mem_total_bytes
-from fsdprun.report.console import fmt_bytes
 
 
 def _heartbeat(run_dir: Path, rank: int) -> dict | None:

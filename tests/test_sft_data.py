@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import fsdprun_env
 from typer.testing import CliRunner
 
 from fsdprun.cli import app
 from fsdprun.config import ChatTurns, DataConfig, DataSource, Truncate
 from fsdprun.data import IGNORE_INDEX, BatchLayout, build_datasets, load_batch, sft_examples
-from fsdprun.data.sft import prepare_sft_examples
+from fsdprun.data.prepared import prepare_sft_examples
 from fsdprun.data.sft_examples import tokenize_examples
 from fsdprun.data.text import ByteTokenizer, HFTokenizer
 from fsdprun.errors import UserError
@@ -310,7 +311,7 @@ def test_a_prepared_folder_trains_the_same_rows_without_tokenizing(tmp_path, mon
         raise AssertionError("a prepared folder is not tokenized again")
 
     monkeypatch.setattr(sft_examples, "tokenize_examples", no_tokenizing)
-    monkeypatch.setattr("fsdprun.data.sft.tokenize_examples", no_tokenizing)
+    monkeypatch.setattr("fsdprun.data.spec.tokenize_examples", no_tokenizing)
     prepared_cfg = DataConfig(
         source=DataSource.tokens, paths=[str(tmp_path / "p" / "train.bin")],
         val_paths=[str(tmp_path / "p" / "val.bin")], chat_turns=ChatTurns.last,
@@ -420,6 +421,56 @@ def test_the_shipped_chat_file_passes_the_checks(tmp_path):
     )
     result = CliRunner().invoke(app, ["config", str(recipe)])
     assert result.exit_code == 0, result.output
+
+
+# (case, recipe lines beside three conversations of the shipped chat file, the message's start;
+# None: the checks pass). Fitting, split and vocabulary are what rows would refuse.
+ROW_CHECKS = [
+    ("fine", "", None),
+    ("no-example-fits", "train:\n  seq_len: 8\n",
+     "train data: none of its 3 examples fits train.seq_len + 1 = 9 tokens"),
+    ("no-val-example-fits", "data:\n  val_paths: [long.jsonl]\n",
+     "val data: none of its 1 examples fits train.seq_len + 1 = 256 tokens"),
+    ("split", "data:\n  val_fraction: 0.1\n",
+     "data.val_fraction=0.1 of 3 examples leaves 0 for validation and 3 for training"),
+    ("val-file", "data:\n  val_paths: [nothere.jsonl]\n", "data.val_paths: "),
+    # The training examples are checked before data.val_paths is read, as the rows are built.
+    ("train-before-val", "train:\n  seq_len: 8\ndata:\n  val_paths: [nothere.jsonl]\n",
+     "train data: none of its 3 examples fits"),
+    ("vocabulary", "model:\n  vocab_size: 100\n", "data: the examples hold token id"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "extra", "message"), ROW_CHECKS, ids=[c[0] for c in ROW_CHECKS])
+def test_the_preflight_checks_examples_as_rows_take_them_and_builds_no_rows(
+    tmp_path, monkeypatch, case, extra, message
+):
+    (tmp_path / "d.jsonl").write_text("\n".join(CHAT.read_text().splitlines()[:3]) + "\n")
+    long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                           "content": "word " * 300}]}  # fmt: skip
+    write_jsonl(tmp_path / "long.jsonl", [long])
+    sections = {
+        "model": {"vocab_size": 257, "max_seq_len": 256},
+        "train": {"seq_len": 255},
+        "data": {"source": "chat", "paths": ["d.jsonl"], "tokenizer": str(TINY)},
+    }
+    for section, values in (yaml.safe_load(extra) or {}).items():
+        sections[section].update(values)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("extends: debug\n" + yaml.safe_dump(sections))
+
+    def no_rows(*args, **kwargs):
+        raise AssertionError("the preflight builds no rows")
+
+    monkeypatch.setattr("fsdprun.data.sft.SFTData.__init__", no_rows)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["config", str(recipe)])
+    if message is None:
+        assert result.exit_code == 0, (result.output, result.exception)
+        return
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines_out = result.stderr.strip().splitlines()
+    assert len(lines_out) == 1 and lines_out[0].startswith(f"error: {message}"), result.stderr
 
 
 # `fsdprun ARGS` run in this process as the console script runs it (the launcher's preflight

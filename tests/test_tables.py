@@ -15,7 +15,8 @@ from rich.console import Console
 from test_launch import _events
 
 from fsdprun.checkpoint.inspect import inspect_path, render
-from fsdprun.report.console import Reporter, fmt_bytes, fmt_count, render_plan
+from fsdprun.fmt import fmt_bytes, fmt_count
+from fsdprun.report.console import Reporter, render_plan
 from fsdprun.tools.plan import plan_recipe
 
 

@@ -303,7 +303,7 @@ def test_halving_schedule_and_budget():
         (20, 4, 1), (7, 8, 1), (3, 16, 3),
     ]  # fmt: skip
     assert T_search.halving_schedule(3, steps=2, finalists=2, repeats=2) == [
-        T_search.Round(0, 3, 2, 2)
+        T_trials.Round(0, 3, 2, 2)
     ]
     cost = T_search.schedule_cost_s(rounds, overhead_s=10, step_s=1)
     assert cost == 20 * 14 + 7 * 18 + 9 * 26

@@ -41,8 +41,9 @@ from fsdprun.checkpoint.manifest import (
 from fsdprun.config import ModelConfig
 from fsdprun.config.layout import mesh_text
 from fsdprun.errors import UserError
+from fsdprun.fmt import fmt_bytes, fmt_count
 from fsdprun.models import model_spec
-from fsdprun.report.console import Cell, fmt_bytes, fmt_count
+from fsdprun.report.console import Cell
 from fsdprun.rundir import checkpoint_root, manifest_path
 
 GROUPS = (("model", "model."), ("optimizer", "optim."))  # every other key is in "other"

@@ -43,7 +43,7 @@ from fsdprun.checkpoint.manifest import file_sha256, list_checkpoints, lora_base
 from fsdprun.checkpoint.restore import move_aside
 from fsdprun.config import CheckpointConfig
 from fsdprun.errors import describe_os_error, find_os_error
-from fsdprun.report.console import fmt_bytes
+from fsdprun.fmt import fmt_bytes
 from fsdprun.rundir import RunDirVanished, RunDirWatch, checkpoint_root, step_dir
 
 

@@ -1,6 +1,7 @@
 """Recipes: the typed schema (`schema`), layered loading with `extends:`, command-line
-overrides and provenance (`load`), cross-field checks (`validate`), the generated reference
-table (`reference`) and the size parser of the command line (`sizes`).
+overrides and provenance (`load`), cross-field checks (`validate`), YAML read as plain data
+(`plain_yaml`), the generated reference table (`reference`) and the size parser of the command
+line (`sizes`).
 
 `load_recipe("debug", ["optim.lr=1e-3"])` returns one validated `RecipeConfig` plus where each
 value came from; every mistake is a `UserError` of one line. The package never imports torch

@@ -1,4 +1,4 @@
-"""Reading recipes: YAML files read as plain data (`RecipeLoader`), `extends:` layers,
+"""Reading recipes: YAML files read as plain data (`plain_yaml`), `extends:` layers,
 `key=value` / `~key` overrides, the merge into one `RecipeConfig`, and where each value came
 from (`explain`).
 
@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdprun.config.hub import hub_folder, is_hub_id
+from fsdprun.config.plain_yaml import NotPlainData, load_yaml
 from fsdprun.config.schema import SECTIONS, RecipeConfig, schema_fields
 from fsdprun.config.validate import validate
 from fsdprun.errors import UserError
@@ -106,71 +107,10 @@ def _builtin_text(name: str) -> str | None:
     return entry.read_text() if entry.is_file() else None
 
 
-# A recipe is a few screens of plain data: section, key, value, at most a list of values.
-MAX_YAML_DEPTH = 8
-
-
-class _NotPlainData(yaml.MarkedYAMLError):
-    """YAML that a recipe refuses although it parses: anchors, aliases, deep nesting."""
-
-
-class RecipeLoader(yaml.SafeLoader):
-    """PyYAML's safe loader without anchors and aliases (`&name`, `*name`) and with bounded
-    nesting. Nine levels of ten aliases each are 485 bytes of text that expand to 10^9 values
-    once merged; a recipe reuses values with `extends:` or `${key}` references instead. The
-    composer is recursive: the depth bound keeps a deep nest from exhausting the stack."""
-
-    _depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise _NotPlainData(
-                problem="YAML anchors and aliases (&name, *name) are not allowed; a recipe is "
-                "plain data (reuse values with `extends:` or ${section.key} references)",
-                problem_mark=event.start_mark,
-            )
-        if self._depth >= MAX_YAML_DEPTH:
-            raise _NotPlainData(
-                problem=f"nested deeper than {MAX_YAML_DEPTH} levels; a recipe value is a plain "
-                "value or a list of them",
-                problem_mark=event.start_mark,
-            )
-        self._depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-# YAML 1.1 reads yes/no/on/off (any case) as booleans, so `precision.float8: off`, a value of
-# that enum, became False and was refused. Here only true and false are booleans, as in YAML
-# 1.2; a boolean key still takes yes/no/on/off (the schema converts those strings).
-_BOOL = "tag:yaml.org,2002:bool"
-RecipeLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-RecipeLoader.add_implicit_resolver(
-    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-
-
-def load_yaml(text: str) -> Any:
-    """YAML text as Python data, the way recipes and overrides are read (see `RecipeLoader`).
-
-    Raises:
-        yaml.YAMLError: not YAML, a tag other than the standard ones, an anchor, an alias, too
-            deep.
-        ValueError: a value Python refuses to convert (an integer of more than 4300 digits).
-    """
-    return yaml.load(text, Loader=RecipeLoader)  # a SafeLoader: no object construction
-
-
 def _read_yaml(text: str, source: str) -> dict[str, Any]:
     try:
         data = load_yaml(text)
-    except _NotPlainData as e:
+    except NotPlainData as e:
         mark = e.problem_mark
         raise UserError(f"{source}: line {mark.line + 1}: {e.problem}") from e
     except ValueError as e:
@@ -399,7 +339,7 @@ def _parse_value(key: str, raw: str, f: dataclasses.Field) -> Any:
         return None if f.type == "str | None" and raw in ("null", "~") else raw
     try:
         return load_yaml(raw) if raw.strip() else ""
-    except _NotPlainData as e:
+    except NotPlainData as e:
         raise UserError(f"{CLI_SOURCE}: {key}: {e.problem}") from e
     except ValueError as e:
         raise UserError(f"{CLI_SOURCE}: {key}: unreadable value ({str(e).split(':')[0]})") from e

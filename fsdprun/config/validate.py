@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from fsdprun.config.layout import Layout, layout_errors
 from fsdprun.config.model_facts import model_facts
+from fsdprun.config.plain_yaml import load_yaml
 from fsdprun.config.schema import (
     CHAT_ROLES,
     TUNE_KNOBS,
@@ -523,8 +524,6 @@ _VALUE_BOUNDS = {
 
 
 def _yaml_value(text: str):
-    from fsdprun.config.load import load_yaml  # load imports this module
-
     try:
         return load_yaml(str(text))
     except (yaml.YAMLError, ValueError):  # the schema then refuses the text as it is

@@ -15,8 +15,9 @@ for (its kind, files, tokenizer, token counts, masks) that the launcher's checks
 and `build_datasets` here both read, and that keeps what it tokenized for the other. Kinds:
 `synthetic` (no files), `tokens` (pre-tokenized .bin/.npy files, see `files`), `text`
 (.txt/.jsonl tokenized at start, see `text`); token and text data become shuffled windows
-(`windows`). Fine-tuning examples (`chat`, `instruct`, `hf_dataset`, or a folder `prepare-data`
-made of them, see `sft_examples` and `sft`) become rows of whole examples with masked targets.
+(`windows`). Fine-tuning examples (`chat`, `instruct`, `hf_dataset`, see `sft_examples`, or a
+folder `prepare-data` made of them, see `prepared`) become rows of whole examples with masked
+targets (`sft`).
 `load_batch` gives a `Batch` (see `batch`) for either. Validation data is built the same way
 from data.val_paths, or from the last data.val_fraction of the training windows (examples).
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fsdprun.config import RecipeConfig
 from fsdprun.config.model_facts import model_facts
-from fsdprun.data.sft import build_sft_datasets
+from fsdprun.data.sft import fit_examples, split_examples
 from fsdprun.data.spec import FILE_KEYS, DataKind, DataSpec, describe_data
 from fsdprun.data.text import check_text_file
 from fsdprun.data.windows import num_val_windows
@@ -133,13 +133,13 @@ def _check_split(num_windows: int, val_fraction: float) -> list[str]:
 def _check_sft(cfg: RecipeConfig, spec: DataSpec) -> list[str]:
     """Fine-tuning examples: every file and record readable (bad file, missing field, no
     messages, no assistant turn, a template that cannot be masked, a hub name: the first one
-    found), at least one example fitting a row, a usable split, ids within the vocabulary."""
-    d = cfg.data
-    train, val = build_sft_datasets(
-        spec, vocab_size=2**62, seq_len=cfg.train.seq_len, seed=0,
-        with_val=bool(d.val_paths or d.val_fraction),
-    )  # fmt: skip
-    top = max(int(ds.examples.tokens.max()) for ds in (train, val) if ds is not None)
+    found), a usable split, at least one example of each stream fitting a row, ids within the
+    vocabulary. The steps that the workers' rows take (`split_examples`, `fit_examples`), on
+    the examples the `DataSpec` keeps for them; no rows are built."""
+    d, row_len, top = cfg.data, cfg.train.seq_len + 1, 0
+    for stream, loaded in split_examples(spec, with_val=bool(d.val_paths or d.val_fraction)):
+        fit_examples(loaded.examples, row_len=row_len, truncate=d.truncate, stream=stream)
+        top = max(top, int(loaded.examples.tokens.max()))
     vocab = model_vocabulary(cfg)
     if vocab and top >= vocab.size:
         if not vocab.hf:

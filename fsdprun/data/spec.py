@@ -46,7 +46,7 @@ from typing import Any
 from fsdprun.config import DataConfig, DataSource
 from fsdprun.data.files import TokenFile, inspect_token_file
 from fsdprun.data.lazy_numpy import np
-from fsdprun.data.sft import concat_examples, open_prepared, prepared_description
+from fsdprun.data.prepared import concat_examples, open_prepared, prepared_description
 from fsdprun.data.sft_examples import SFT_SOURCES, Examples, tokenize_examples
 from fsdprun.data.text import NO_EOS, ByteTokenizer, HFTokenizer, build_tokenizer, tokenize_to_array
 

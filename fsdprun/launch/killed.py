@@ -17,6 +17,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from fsdprun.fmt import fmt_bytes
 from fsdprun.rundir import heartbeat_paths, logs_dir
 
 # Where the kernel says it killed a process for memory.
@@ -75,8 +76,6 @@ def describe_sigkill(
 ) -> str:
     """One line about a worker killed by SIGKILL: rank, step, pid and log, then why it was
     probably killed (the OOM killer: planned peak, the machine's memory, the kernel log)."""
-    from fsdprun.report.console import fmt_bytes
-
     found = _heartbeat_of(run_dir, pid)
     log = _agent_log(run_dir, local_rank, cfg)
     where = ""

@@ -35,7 +35,27 @@ if TYPE_CHECKING:
     from torch import nn
 
     from fsdprun.config import ModelConfig
-    from fsdprun.models.llama import ModelArgs
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The Llama-shaped summary every model offers (`CausalLM.args`): counts, FLOPs and the
+    synthetic data's vocabulary read it (the HF wrapper fills it from config.json)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
 
 
 @runtime_checkable

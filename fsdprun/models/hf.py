@@ -26,9 +26,8 @@ from torch import nn
 from fsdprun.config.model_facts import config_json, model_facts
 from fsdprun.errors import UserError
 from fsdprun.families import HF_FAMILY, Family, TPPlan, family_entry
-from fsdprun.models import ModelSpec
+from fsdprun.models import ModelArgs, ModelSpec
 from fsdprun.models.attention import document_causal_mask
-from fsdprun.models.llama import ModelArgs
 
 if TYPE_CHECKING:
     from fsdprun.config import ModelConfig

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 from fsdprun.config.sizes import llama_num_params
 from fsdprun.errors import UserError
 from fsdprun.families import BUILTIN_FAMILIES
-from fsdprun.models import ModelSpec
+from fsdprun.models import ModelArgs, ModelSpec
 from fsdprun.models.attention import AttentionMask, attend, build_attention_mask
 
 # What the family can do (its TP plan, LoRA groups, context parallel, pipeline stages): data in
@@ -32,24 +31,6 @@ FAMILY = BUILTIN_FAMILIES["llama"]
 
 if TYPE_CHECKING:
     from fsdprun.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    max_seq_len: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
 
 def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:

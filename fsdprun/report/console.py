@@ -24,26 +24,9 @@ from rich.table import Table
 from rich.text import Text
 
 from fsdprun.errors import diagnostic
+from fsdprun.fmt import fmt_bytes, fmt_count
 from fsdprun.report.metrics import read_events
 from fsdprun.report.output import output_console
-
-GIB = 1024**3
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_count(n: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{n:.0f}"
 
 
 def _differs(trained: float | None, tokens: float) -> bool:

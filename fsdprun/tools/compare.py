@@ -272,7 +272,7 @@ ROWS = (
 def cells(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the side-by-side table: each value with its ratio to the first
     configuration (the first one that ran)."""
-    from fsdprun.report.console import fmt_bytes
+    from fsdprun.fmt import fmt_bytes
 
     results = report["results"]
     base = next((r for r in results if r["ok"]), None)

@@ -26,7 +26,7 @@ import torch
 
 from fsdprun.config import ProfileConfig
 from fsdprun.errors import describe_os_error, diagnostic, find_os_error
-from fsdprun.report.console import fmt_bytes
+from fsdprun.fmt import fmt_bytes
 from fsdprun.rundir import profile_dir, snapshot_path, trace_path
 
 NEARLY_FULL_BYTES = 1 << 20  # less free than this after a failed export: the disk was full

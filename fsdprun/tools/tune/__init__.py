@@ -68,7 +68,6 @@ from fsdprun.tools.tune.search import (
     DEFAULT_FINALISTS,
     DEFAULT_REPEATS,
     DEFAULT_STEPS,
-    Round,
     _search,
     halving_schedule,
 )
@@ -85,7 +84,7 @@ from fsdprun.tools.tune.space import (
     prune,
     refused_alone,
 )
-from fsdprun.tools.tune.trials import LOSS_RTOL, TrialLog, run_trial
+from fsdprun.tools.tune.trials import LOSS_RTOL, Round, TrialLog, run_trial
 
 if TYPE_CHECKING:
     from fsdprun.config import RecipeConfig, ResolvedRecipe
@@ -300,7 +299,7 @@ def _plan(s: _Setting, say) -> tuple[list[Candidate], list[Candidate]]:
                  s.rtol, s.cfg, s.left_out)  # fmt: skip
     base = candidates[0]
     if base.planned_peak_bytes * (1 + args.margin) > s.memory:
-        from fsdprun.report.console import fmt_bytes
+        from fsdprun.fmt import fmt_bytes
 
         # On stderr even with --json: the baseline runs anyway (it is the reference).
         peak = fmt_bytes(base.planned_peak_bytes)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from fsdprun.errors import write_error
+from fsdprun.fmt import fmt_bytes
 from fsdprun.report.metrics import percentile
 from fsdprun.tools.tune.search import pareto_front, select
 from fsdprun.tools.tune.space import space_sources
@@ -99,8 +100,6 @@ def tuned_layer(
 def _print_space(
     say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg, left_out
 ):  # fmt: skip
-    from fsdprun.report.console import fmt_bytes
-
     say(f"space ({len(candidates)} candidates) from {space_sources(args.space, cfg)}:")
     for k in space:
         mark = "  [numerics: changes the math]" if k.numerics else ""
@@ -261,8 +260,6 @@ def render(report: dict[str, Any], console: Console) -> None:
     """The ranked table, each candidate's reason or plan disagreement below it (one line each,
     so the table fits 80 columns), the verdict and the command that trains the tuned layer."""
     from rich.table import Table
-
-    from fsdprun.report.console import fmt_bytes
 
     def pair(measured: int | None, planned: int | None) -> str:
         return (fmt_bytes(measured) if measured else "-") + "\n/ " + (

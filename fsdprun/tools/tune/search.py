@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from fsdprun.report.metrics import percentile
-from fsdprun.tools.tune.trials import loss_problem, run_trial, trial_id
+from fsdprun.tools.tune.trials import Round, loss_problem, run_trial, trial_id
 
 if TYPE_CHECKING:
     from fsdprun.tools.tune.space import Candidate
@@ -33,14 +33,6 @@ MIN_TIMEOUT_S = 300.0  # then 4x the expected trial time, at least this (x2 with
 
 # ---------------------------------------------------------------------------------------------
 # The schedule
-
-
-@dataclass(frozen=True)
-class Round:
-    index: int
-    num_candidates: int  # the baseline included
-    measured_steps: int
-    repeats: int
 
 
 def halving_schedule(

@@ -23,6 +23,7 @@ from fsdprun.config import TUNE_KNOBS, TUNE_NUMERICS_KNOBS, load_recipe
 from fsdprun.config.layout import Layout
 from fsdprun.config.validate import tune_space_errors
 from fsdprun.errors import UserError
+from fsdprun.fmt import fmt_bytes
 
 if TYPE_CHECKING:
     from fsdprun.config import RecipeConfig
@@ -385,8 +386,6 @@ def prune(
     back at the baseline's (or free) value is decided first: a candidate that the twin's knob
     table makes a duplicate, or that a fitting twin makes unnecessary, is pruned without
     resolving its recipe (resolving costs a tenth of a second; the default space has hundreds)."""
-    from fsdprun.report.console import fmt_bytes
-
     planner = planner or _planned
     by_knobs = {tuple(sorted(c.knobs.items())): c for c in candidates}
     inert_of: dict[str, list[str]] = {}

@@ -3,8 +3,9 @@
 one trial record (or a one-line reason); the loss check against the baseline; and the trial log
 OUT/trials.jsonl that a rerun continues from.
 
-Never imports the training loop, the launcher, the search (its Round is named for types only)
-or the report: a trial is a subprocess, and what to run next is search.py's.
+Never imports the training loop, the launcher, the search or the report: a trial is a
+subprocess, and what to run next is search.py's (its schedule is a list of `Round`s, defined
+here because each trial is run for one).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +31,6 @@ from fsdprun.rundir import metrics_path
 from fsdprun.tools.compare import error_line
 
 if TYPE_CHECKING:
-    from fsdprun.tools.tune.search import Round
     from fsdprun.tools.tune.space import Candidate
 
 
@@ -54,6 +55,17 @@ TRIAL_OVERRIDES = (
 
 # ---------------------------------------------------------------------------------------------
 # Trials
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of the search's successive halving: every trial of it measures `measured_steps`
+    steps, `repeats` times per candidate."""
+
+    index: int
+    num_candidates: int  # the baseline included
+    measured_steps: int
+    repeats: int
 
 
 def trial_id(round_index: int, cand: Candidate, rep: int) -> str:
