@@ -68,7 +68,7 @@ NEVER_IMPORTS = {
 # The modules a rule above lets a room import all the same, with the reason.
 NEVER_IMPORTS_ALLOWED = {
     ("launch", "engines.float8"): "the device check before workers start",
-    ("launch", "engines.tp"): "the model's layout against its TP plan before workers start",
+    ("launch", "engines.preflight"): "what the workers' build would refuse, before they start",
 }
 
 

@@ -177,6 +177,12 @@ class ModelConfig:
         "With model.hf_path: `pretrained` loads the folder's weights (each rank reads only its "
         "shard), `random` initializes them.",
     )
+    trust_remote_code: bool = _f(
+        False,
+        "With model.hf_path: run the Python code a folder ships for its model (config.json's "
+        "`auto_map`), as transformers' trust_remote_code does. Off: such a folder is refused "
+        "before launch, naming its model type (a rank never asks on its terminal).",
+    )
 
 
 @dataclass

@@ -102,6 +102,14 @@ def _model_errors(cfg: RecipeConfig) -> list[str]:
     if m.hf_path is not None:
         if not (Path(m.hf_path) / "config.json").is_file():
             errors.append(f"model.hf_path: {m.hf_path} has no config.json (a HuggingFace folder?)")
+        elif (facts := model_facts(m)) and facts.remote_code and not m.trust_remote_code:
+            # transformers would run the folder's Python (or, on a terminal, ask first: a rank
+            # must never wait for an answer).
+            errors.append(
+                f"model.hf_path: {m.hf_path} ships its own model code for model_type "
+                f"{facts.model_type!r} (config.json's auto_map); fsdprun runs it only with "
+                "model.trust_remote_code=true"
+            )
         # find_spec only looks the package up: the check stays fast without importing it.
         if importlib.util.find_spec("transformers") is None:
             errors.append("model.hf_path needs transformers: pip install 'fsdprun[hf]'")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -43,16 +43,38 @@ def weight_files(path: Path) -> dict[str, Path]:
     """
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(
+                f"model.hf_path: {index} is not a safetensors index (no weight_map: {e}); "
+                "download the folder's weights again"
+            ) from e
         return {name: path / file for name, file in weight_map.items()}
     single = path / SINGLE_FILE
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with open_weights(single) as f:
             return dict.fromkeys(f.keys(), single)
     raise UserError(
         f"model.hf_path: {path} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors "
         "weights are read; or set model.init=random)"
     )
+
+
+def open_weights(file: Path):
+    """`safe_open` of one safetensors file of the folder.
+
+    Raises:
+        UserError: the file is missing or its header cannot be read (a download cut short),
+            naming it.
+    """
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise UserError(
+            f"model.hf_path: {file} cannot be read ({str(e).strip() or type(e).__name__}): an "
+            "incomplete or damaged download; download the folder's weights again"
+        ) from e
 
 
 def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -179,7 +201,7 @@ class HFWeights:
     def _file_slice(self, hf_name: str):
         file = self._files[hf_name]
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
+            self._handles[file] = open_weights(file)
         return self._handles[file].get_slice(hf_name)
 
     def full(self, name: str) -> torch.Tensor:

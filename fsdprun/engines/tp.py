@@ -196,26 +196,19 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str
     return f"{family} has no verified tensor-parallel plan: {'; '.join(problems)}"
 
 
-def check_tp_plan(cfg: RecipeConfig) -> None:
-    """Refuse, before any worker starts, a recipe whose model the family's TP plan does not
-    verifiably split (`tp_plan_problem`); builds the model on the meta device (an HF folder's:
-    its config.json alone, no weights).
-
-    Raises:
-        UserError: one line naming the family, the modules and the fix.
-    """
-    if not Layout.of(cfg).is_tp:
-        return
-    import torch
-
+def tp_refusal(cfg: RecipeConfig, model: nn.Module) -> str | None:
+    """Why the family's TP plan does not verifiably split `model` (built on the meta device,
+    before LoRA wraps its Linears) at the recipe's parallel.tp (`tp_plan_problem`), as the one
+    line `fsdprun train` and `plan` refuse it with; None without TP or where the plan splits
+    it."""
+    layout = Layout.of(cfg)
+    if not layout.is_tp:
+        return None
     from fsdprun.models import model_spec
 
-    spec = model_spec(cfg.model)
-    with torch.device("meta"):
-        model = spec.build(cfg.model)
-    problem = tp_plan_problem(model, spec.tp_plan(cfg.model), family=model.family_name)
-    if problem is not None:
-        raise UserError(f"parallel.tp={cfg.parallel.tp}: {problem}; set parallel.tp=1")
+    plan = model_spec(cfg.model).tp_plan(cfg.model)
+    problem = tp_plan_problem(model, plan, family=model.family_name)
+    return None if problem is None else f"parallel.tp={layout.tp}: {problem}; set parallel.tp=1"
 
 
 def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan | str) -> list[tuple[str, str]]:

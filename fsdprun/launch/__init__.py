@@ -5,6 +5,7 @@ rendezvous (`loopback`), the waits of a multi-node one (`rendezvous`) and `fsdpr
 (`resume`). The run directory's names (`fsdprun.rundir`) and its lock (`fsdprun.runlock`) sit at
 the package's ground floor, since checkpoint, config, report and tools read them too.
 
-The package never imports the models, nor the engines but float8's device check (which the
-launcher runs before any worker starts): workers (`train.worker`) build them.
+The package never imports the models, nor the engines but what the launcher checks before any
+worker starts (float8's device check, `engines.preflight`'s model check): workers
+(`train.worker`) build them.
 """

@@ -34,7 +34,7 @@ from fsdprun.data import save_tokenized
 from fsdprun.data.preflight import check_data
 from fsdprun.device import check_nproc, memory_per_rank, resolve_device_kind
 from fsdprun.engines.float8 import check_float8
-from fsdprun.engines.tp import check_tp_plan
+from fsdprun.engines.preflight import check_model
 from fsdprun.errors import StorageError, UserError, diagnostic, write_error
 from fsdprun.launch.killed import describe_sigkill, is_sigkill
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
@@ -475,7 +475,7 @@ def launch_training(
         raise UserError("; ".join(data_problems))
     check_tracker_folders(cfg, run_dir)
     check_cache_dir(cfg.compile.cache_dir)
-    check_tp_plan(cfg)  # the model's layout against its TP plan (meta device; seconds for HF)
+    check_model(cfg)  # what the workers' build would refuse (meta device; seconds for HF)
     kind = resolve_device_kind(cfg.launch.device.value)
     check_nproc(kind, cfg.launch.nproc_per_node)
     check_float8(cfg.precision.float8.value, kind)  # float8 matmuls need CUDA capability >= 8.9

@@ -229,16 +229,28 @@ class HFCausalLM(nn.Module):
         return f"model.hf_path's {self.hf.config.model_type} ({type(self.hf).__name__})"
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> HFCausalLM:
-        """Build the architecture of the folder's config.json (weights are not read).
+    def from_folder(cls, path: str | Path, *, trust_remote_code: bool = False) -> HFCausalLM:
+        """Build the architecture of the folder's config.json (weights are not read); with
+        `trust_remote_code`, from the model code the folder ships (config.json's auto_map).
 
         transformers allocates on the current default device: call this under
         `torch.device("meta")` to allocate nothing.
+
+        Raises:
+            UserError: a config.json transformers cannot read or does not know (an unknown
+                model_type), in one line. transformers is told the folder's code may not run
+                unless `trust_remote_code`: it then refuses rather than asks on a terminal.
         """
         transformers = import_transformers()
         from packaging.version import Version  # a dependency of transformers
 
-        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        trust = {"trust_remote_code": trust_remote_code}
+        try:
+            config = transformers.AutoConfig.from_pretrained(
+                str(path), local_files_only=True, **trust
+            )
+        except (ValueError, KeyError, OSError) as e:
+            raise UserError(f"model.hf_path: {path}: {_first_sentence(e)}") from e
         # fp32 whatever the folder's config.json says (most Llama releases say bfloat16, which
         # from_config would follow): these are the sharded master weights and what AdamW's state
         # is made like; compute in lower precision comes from precision.param_dtype's policy.
@@ -247,10 +259,11 @@ class HFCausalLM(nn.Module):
         fp32 = {"dtype" if new_name else "torch_dtype": torch.float32}
         try:
             hf_model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=hf_family(config).attn_implementation, **fp32
-            )
+                config, attn_implementation=hf_family(config).attn_implementation, **fp32,
+                **trust,
+            )  # fmt: skip
         except ValueError as e:
-            raise UserError(f"model.hf_path: {path}: {e}") from e
+            raise UserError(f"model.hf_path: {path}: {_first_sentence(e)}") from e
         return cls(hf_model)
 
     def forward(
@@ -424,6 +437,13 @@ class HFCausalLM(nn.Module):
         return [name for name, buf in own.items() if buf.isnan().any()]
 
 
+def _first_sentence(error: Exception) -> str:
+    """The first line of a library's error message (transformers' run to several paragraphs),
+    for a one-line refusal."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text.strip()
+
+
 # Weight files of a HuggingFace folder: an export replaces them by the trained weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5", ".msgpack")
 
@@ -438,7 +458,7 @@ class _Counts(NamedTuple):
 
 
 @functools.cache
-def _meta_counts(path: str) -> _Counts:
+def _meta_counts(path: str, trust_remote_code: bool = False) -> _Counts:
     """The folder's model summary, its parameters (a tied tensor once), the weights each
     token multiplies: every matrix but the embedding tables (a tied output projection
     included: it is its Linear's too; a mixture of experts' router), and of stacked experts
@@ -447,7 +467,7 @@ def _meta_counts(path: str) -> _Counts:
     each of which attends). Counted on a model built on the meta device (allocates nothing;
     cached: the worker asks more than once)."""
     with torch.device("meta"):
-        model = HFCausalLM.from_folder(path)
+        model = HFCausalLM.from_folder(path, trust_remote_code=trust_remote_code)
     num_params = sum(p.numel() for p in model.parameters())
     config = model.hf.config
     stacked = {rule.param.rpartition(".")[2]: rule for rule in hf_family(config).stacked}
@@ -468,7 +488,7 @@ def _meta_counts(path: str) -> _Counts:
 
 
 def _shape(cfg: ModelConfig) -> ModelConfig:
-    args = _meta_counts(cfg.hf_path).args
+    args = _meta_counts(cfg.hf_path, cfg.trust_remote_code).args
     return dataclasses.replace(
         cfg, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
         n_kv_heads=args.n_kv_heads, ffn_dim=args.ffn_dim, vocab_size=args.vocab_size,
@@ -479,7 +499,7 @@ def _shape(cfg: ModelConfig) -> ModelConfig:
 def _flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """6·N_matmul + 12·n_layers·(n_heads·head_dim)·seq_len: `fsdprun.models.llama.
     flops_per_token`'s count, with the attention's own width (`_meta_counts`)."""
-    counts = _meta_counts(cfg.hf_path)
+    counts = _meta_counts(cfg.hf_path, cfg.trust_remote_code)
     return 6 * counts.matmul + 12 * counts.args.n_layers * counts.attention_width * seq_len
 
 
@@ -510,9 +530,9 @@ def _tp_plan(cfg: ModelConfig) -> TPPlan | str:
 
 SPEC = ModelSpec(
     name="hf",
-    build=lambda cfg: HFCausalLM.from_folder(cfg.hf_path),
+    build=lambda cfg: HFCausalLM.from_folder(cfg.hf_path, trust_remote_code=cfg.trust_remote_code),
     shape=_shape,
-    num_params=lambda cfg: _meta_counts(cfg.hf_path).num_params,
+    num_params=lambda cfg: _meta_counts(cfg.hf_path, cfg.trust_remote_code).num_params,
     flops_per_token=_flops_per_token,
     describe=lambda cfg: f"hf: {cfg.hf_path}",
     # Unknown without the checkpoint's own record (the folder may be gone): none, as before.

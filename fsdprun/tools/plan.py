@@ -64,6 +64,7 @@ from fsdprun.engines.tp import (
     TP_ACTIVATION_FORMULA,
     tp_local_shape,
     tp_plan_problem,
+    tp_refusal,
     tp_shard_dims,
     tp_whole_grads,
 )
@@ -254,6 +255,9 @@ def plan_memory(
     # Before LoRA wraps its Linears: what `fsdprun train` checks (its TP columns say why not).
     tp_plan = spec.tp_plan(cfg.model)
     split_problem = tp_plan_problem(model, tp_plan, family=model.family_name)
+    # The recipe's own degree: refused as `fsdprun train` refuses it (engines.preflight).
+    if (refusal := tp_refusal(cfg, model)) is not None:
+        raise UserError(refusal)
     adapted = apply_lora(model, cfg=cfg.lora)
     # The activation estimates read the model's shape: an HF folder's comes from its config.json.
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
