@@ -1140,7 +1140,8 @@ def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recip
     two nodes would run it): every trial is one job of world size 2 across both, the follower
     runs node 0's trials in node 0's order, both print node 0's report, and only node 0 writes
     trials.jsonl and tuned.yaml. The space is the recipe's tune: section, which the trials'
-    training ignores."""
+    training ignores. No confirmation (--confirm 0): its pairs are trials like these, through
+    the same path, and would make the test's length depend on which candidate wins."""
     from conftest import free_port, zygote_command
 
     recipe.write_text(RECIPE + "tune:\n  defaults: false\n  space:\n    "
@@ -1154,7 +1155,7 @@ def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recip
         [fsdprun, "tune", str(recipe), "--out", str(tmp_path / f"o{n}"), "--nnodes", "2",
          "--node-rank", str(n), "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
          "--steps", "2", "--repeats", "1", "--finalists", "1", "--device-memory", "1GB",
-         "--budget", "5m", "--json"],
+         "--confirm", "0", "--budget", "5m", "--json"],
         cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     ) for n in (0, 1)]  # fmt: skip

@@ -28,11 +28,11 @@ measured trials decide, the winner comes out as a recipe layer.
    measured noise, two standard errors of the difference of the medians (from each side's
    interquartile range and number of steps). Otherwise the starting recipe stays. Of the
    candidates that beat it so and are within the noise of the fastest, the one that changes the
-   fewest knobs wins, and the verdict says so.
-4b. Confirmation: the winner and the starting recipe run again, --confirm interleaved pairs of
-   trials as long as the last round's; the report gives the measured ratio (median of the
-   pairs, with their min and max) beside the search's. A winner whose confirmation trial fails,
-   or that measures no faster than the starting recipe, is not kept.
+   fewest knobs wins, and the verdict says so. Then the confirmation: the winner and the
+   starting recipe run again, --confirm interleaved pairs of trials as long as the last round's,
+   and the report gives the measured ratio (median of the pairs, with their min and max) beside
+   the search's. A winner whose confirmation trial fails, or that measures no faster than the
+   starting recipe, is not kept.
 5. Safety: a trial that fails, runs out of memory, hangs past its timeout (its whole process group
    is killed) or whose first losses disagree with the baseline's (LOSS_RTOL) is recorded with a
    one-line reason and the search goes on. OUT/trials.jsonl gets one record per finished trial,

@@ -494,8 +494,9 @@ def _confirm(
         todo = [cid for cid in confirm_order(winner.id, k) if log.get(confirm_id(cid, k)) is None]
         est = clock.estimate(rnd.measured_steps)
         if todo and clock.spent(None if est is None else est * len(todo)):
+            left = f"pair {k + 1}" if k + 1 == args.confirm else f"pairs {k + 1} to {args.confirm}"
             return (f"--budget {args.budget_s:.0f} s spent after {clock.elapsed():.0f} s: "
-                    f"pairs {k + 1} to {args.confirm} not run")  # fmt: skip
+                    f"{left} not run")  # fmt: skip
         for cid in confirm_order(winner.id, k):
             tid = confirm_id(cid, k)
             if cid in todo:
