@@ -28,6 +28,7 @@ from fsdprun.tools.tune.search import (
     confirm_round,
     confirm_skipped,
     confirmation_of,
+    pairs_text,
     pareto_front,
     select,
 )
@@ -133,8 +134,8 @@ def _print_space(
     say(f"each trial: {warmup} warm-up steps (time to first step), then {args.steps} measured "
         f"steps in round 0, doubling each round; loss check: first {LOSS_STEPS} losses within "
         f"rtol {rtol:g} of the baseline's")  # fmt: skip
-    confirm = (f"then {args.confirm} interleaved pairs of the winner and the starting recipe "
-               "measure its gain (--confirm)")  # fmt: skip
+    confirm = (f"then {pairs_text(args.confirm)} of the winner and the starting recipe measure "
+               "its gain (--confirm)")  # fmt: skip
     say(confirm if args.confirm else "then no confirmation (--confirm 0)")
 
 
@@ -230,8 +231,16 @@ def _not_kept(sel: Selection, conf: Confirmation, labels: dict[str, str]) -> str
     if conf.failed:
         return said + (f"its confirmation trial {conf.failed} did not end well: the starting "
                        "recipe stays")  # fmt: skip
-    return said + (f"measured {conf.ratio:.2f}x it after the search (median of "
-                   f"{len(conf.pairs)} interleaved pairs): the starting recipe stays")  # fmt: skip
+    return said + (f"measured {conf.ratio:.2f}x it after the search ({_of_pairs(conf)}): the "
+                   "starting recipe stays")  # fmt: skip
+
+
+def _of_pairs(conf: Confirmation, *, spread: bool = False) -> str:
+    """Which pairs a measured ratio is of: "median of 3 interleaved pairs" (with their range)."""
+    if len(conf.pairs) == 1:
+        return "one interleaved pair"
+    return f"median of {pairs_text(len(conf.pairs))}" + (
+        f", {conf.low:.2f}x to {conf.high:.2f}x" if spread else "")  # fmt: skip
 
 
 def _confirmation_doc(
@@ -248,8 +257,8 @@ def _confirmation_doc(
     else:
         verb = "confirmed" if conf.holds else "not confirmed"
         line = (f"{verb}: {who} measured {conf.ratio:.2f}x the starting recipe's tokens/s after "
-                f"the search (median of {len(conf.pairs)} interleaved pairs, {conf.low:.2f}x to "
-                f"{conf.high:.2f}x); the search's figure {conf.predicted:.2f}x")  # fmt: skip
+                f"the search ({_of_pairs(conf, spread=True)}); the search's figure "
+                f"{conf.predicted:.2f}x")  # fmt: skip
         if len(conf.pairs) < conf.pairs_asked:
             why = conf.failed or conf.stopped or "the other pairs' trials failed"
             line += f"; {len(conf.pairs)} of {conf.pairs_asked} pairs ({why})"

@@ -427,6 +427,10 @@ def confirm_skipped(sel: Selection, pairs: int, baseline: str = "c0") -> str | N
     return None
 
 
+def pairs_text(n: int) -> str:
+    return f"{n} interleaved pair" + ("" if n == 1 else "s")
+
+
 def confirm_id(cand_id: str, pair: int) -> str:
     return f"confirm-{cand_id}-{pair}"
 
@@ -488,7 +492,7 @@ def _confirm(
     rnd = confirm_round(sel, args.steps, args.confirm)
     clock = _Clock(args, log.records, started)
     cands = {winner.id: winner, base.id: base}
-    say(f"confirmation: {args.confirm} interleaved pairs of {winner.id} ({winner.label}) and the "
+    say(f"confirmation: {pairs_text(args.confirm)} of {winner.id} ({winner.label}) and the "
         f"starting recipe, {rnd.measured_steps} measured steps each")  # fmt: skip
     for k in range(args.confirm):
         todo = [cid for cid in confirm_order(winner.id, k) if log.get(confirm_id(cid, k)) is None]
