@@ -1057,6 +1057,14 @@ def tune_cmd(
     finalists: Annotated[
         int, typer.Option("--finalists", help="Challengers that reach the last round.")
     ] = 2,
+    confirm: Annotated[
+        int,
+        typer.Option(
+            "--confirm",
+            help="Interleaved pairs of the winner and the starting recipe run after the "
+            "search, each trial as long as the last round's, to measure the gain (0: none).",
+        ),
+    ] = 3,
     trial_timeout: Annotated[
         float | None,
         typer.Option(
@@ -1117,8 +1125,8 @@ def tune_cmd(
         recipe=recipe, overrides=list(overrides or []), launch_overrides=launch_overrides(launch),
         launch_flags=launch.typed(), out_dir=out, budget_s=parse_duration(budget, "--budget"),
         device_memory_bytes=memory, space=list(space or []), allow_numerics=allow_numerics,
-        steps=steps, repeats=repeats, finalists=finalists, trial_timeout_s=trial_timeout,
-        dry_run=dry_run,
+        steps=steps, repeats=repeats, finalists=finalists, confirm=confirm,
+        trial_timeout_s=trial_timeout, dry_run=dry_run,
     )  # fmt: skip
 
     def say(text: str) -> None:

@@ -77,6 +77,7 @@ def bench(recipe: str, *, work: Path, launch: list[str], tune_args: list[str], s
     report = json.loads(proc.stdout)
     print(f"tune: {report['num_trials']} trials in {tune_s:.0f} s; {report['verdict']}")
     print(f"winner: {report['winner']} {report['winner_label']} ({report['hardware']})")
+    print(report["confirmation"]["line"])  # tune's own measured ratio, beside the one timed here
     sides = {"start": recipe, "tuned": str(out / "tuned.yaml")}
     figures: dict[str, list[float]] = {name: [] for name in sides}
     common = [
@@ -99,7 +100,8 @@ def bench(recipe: str, *, work: Path, launch: list[str], tune_args: list[str], s
     ratio = statistics.median(figures["tuned"]) / statistics.median(figures["start"])
     print(f"tuned / start: {ratio:.2f}x tokens/s (medians); tune took {tune_s:.0f} s")
     return {"ratio": ratio, "tune_s": tune_s, "figures": figures, "winner": report["winner_label"],
-            "verdict": report["verdict"], "hardware": report["hardware"]}  # fmt: skip
+            "verdict": report["verdict"], "hardware": report["hardware"],
+            "tune_measured_ratio": report["measured_ratio"]}  # fmt: skip
 
 
 def main_gpu(work: Path, cases: list[str]) -> int:

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import fsdprun_env, processes_naming, run_fsdprun, start_fsdprun
+from rich.console import Console
 
 from fsdprun.config import DeviceKind, launch_device_problem, load_recipe
 from fsdprun.errors import UserError
@@ -320,6 +322,17 @@ def test_halving_schedule_and_budget():
     assert (
         T_search.fit_to_budget(20, 1, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3) == 2
     )
+    # The confirmation's pairs (each trial as long as the last round's) are part of the cost,
+    # so the budget that covered 20 candidates without them covers fewer with them.
+    confirmed = T_search.schedule_cost_s(rounds, overhead_s=10, step_s=1, confirm=3)
+    assert confirmed == cost + 3 * 2 * 26
+    n = T_search.fit_to_budget(20, cost, overhead_s=10, step_s=1, steps=4, finalists=2, repeats=3,
+                               confirm=3)  # fmt: skip
+    assert 3 <= n < 20
+    assert T_search.schedule_cost_s(
+        T_search.halving_schedule(n, steps=4, finalists=2, repeats=3), overhead_s=10, step_s=1,
+        confirm=3,
+    ) <= cost  # fmt: skip
 
 
 def test_parse_duration():
@@ -336,9 +349,10 @@ def test_parse_duration():
 # Selection
 
 
-def trial(cand, rnd, rep, times, status="ok", tokens=1000):
+def trial(cand, rnd, rep, times, status="ok", tokens=1000, overrides=()):
     return {"id": f"r{rnd}-{cand}-{rep}", "candidate": cand, "label": cand, "round": rnd,
-            "status": status, "step_times_s": times, "tokens_per_step": tokens}  # fmt: skip
+            "status": status, "step_times_s": times, "tokens_per_step": tokens,
+            "overrides": list(overrides)}  # fmt: skip
 
 
 def test_select_needs_more_than_the_noise():
@@ -360,6 +374,39 @@ def test_select_needs_more_than_the_noise():
     sel = T_search.select([trial("c0", 0, 0, [], "oom"), *close, *fast])
     assert sel.winner == "c1" and "no trial of the starting recipe succeeded" in sel.verdict
     assert T_search.select([trial("c0", 0, 0, [], "oom"), *failed]).winner == "c0"
+
+
+def test_select_prefers_fewer_knobs_within_the_noise():
+    """Of the challengers that beat the baseline beyond the noise, one within the noise of the
+    fastest that changes fewer knobs wins, and the verdict says so; one clearly slower, or one
+    that does not beat the baseline beyond the noise, does not."""
+
+    def steps(mean):  # a spread of +-10%: the noise between two sides of 8 steps is ~19%
+        return [mean * (0.9 + 0.2 * (k % 2)) for k in range(8)]
+
+    base = trial("c0", 0, 0, steps(1.0))
+    two = trial("c3", 0, 0, steps(0.49), overrides=["train.micro_batch_size=2", "fsdp.x=1"])
+    one = trial("c2", 0, 0, steps(0.50), overrides=["train.micro_batch_size=2"])
+    sel = T_search.select([base, two, one])
+    assert sel.winner == "c2" and sel.beats_noise and sel.passed_over == "c3", sel.verdict
+    assert sel.gain == pytest.approx(1.0)
+    assert sel.verdict.startswith("c2 (c2) beats the starting recipe by +100.0%, more than the "
+                                  "measured noise (±")  # fmt: skip
+    assert "; preferred to the fastest, c3 (c3, +104.1%), as within the measured noise of it" in (
+        sel.verdict
+    ) and sel.verdict.endswith("changes fewer knobs from the recipe (1 against 2)")
+    # The fastest stays where the one with fewer knobs is slower beyond the noise...
+    slow = trial("c2", 0, 0, steps(0.75), overrides=["train.micro_batch_size=2"])
+    sel = T_search.select([base, two, slow])
+    assert sel.winner == "c3" and sel.passed_over is None and "preferred" not in sel.verdict
+    # ...and one that changes fewer knobs but is within the noise of the baseline never wins.
+    idle = trial("c1", 0, 0, steps(0.98), overrides=["fsdp.x=1"])
+    assert T_search.select([base, one, idle]).winner == "c2"
+    # Compared in another round (fewer measured steps) than the fastest: not a rival.
+    early = [trial("c0", 1, 0, steps(1.0)),
+             trial("c3", 1, 0, steps(0.49), overrides=["a=1", "b=1"])]  # fmt: skip
+    sel = T_search.select([base, one, *early])
+    assert sel.winner == "c3" and sel.passed_over is None
 
 
 def test_select_is_a_function_of_the_log():
@@ -447,11 +494,12 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     # a margin that survives a loaded machine; mb=8 plans over the device memory.
     # A learning-rate warm-up longer than a trial (llama-1b's 10 steps against 3 + 2 on the
     # H200: every trial was refused): the trials run it cut to their length.
+    # Then the confirmation's 2 pairs of real trials: the gain measured after the search.
     out = tmp_path / "out"
     proc = run_fsdprun(
         *tune_cmd(recipe, out, "schedule.warmup_steps=12", "--space",
                   "train.micro_batch_size=1,4,8", "--device-memory", "6MiB", "--steps", "8",
-                  "--repeats", "2", "--budget", "10m", "--json", "--plot",
+                  "--repeats", "2", "--confirm", "2", "--budget", "10m", "--json", "--plot",
                   str(tmp_path / "tune.png")),
         cwd=tmp_path,
     )  # fmt: skip
@@ -473,6 +521,32 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     assert [r["id"] for r in records] == ["r0-c0-0", "r0-c1-0", "r0-c0-1", "r0-c1-1"]
     assert all(r["status"] == "ok" and r.get("loss_checked", True) for r in records)
     assert all(len(r["step_times_s"]) == r["measured_steps"] == 8 for r in records)
+    # The confirmation: 2 pairs after the search, as long as its trials, the order alternating;
+    # its ratio is the median of the pairs' (winner / baseline median tokens/s), each side read
+    # here from its trial's own metrics.jsonl.
+    confirm = [d for d in map(json.loads, (out / "trials.jsonl").open()) if d["event"] == "confirm"]
+    assert [r["id"] for r in confirm] == ["confirm-c0-0", "confirm-c1-0", "confirm-c1-1",
+                                          "confirm-c0-1"]  # fmt: skip
+    assert all(r["status"] == "ok" and r["measured_steps"] == 8 for r in confirm), confirm
+    assert confirm[1]["loss_checked"] and confirm[2]["loss_checked"]
+
+    def tokens_per_s(tid: str) -> float:
+        events = [json.loads(x) for x in (out / "trials" / tid / "metrics.jsonl").open()]
+        start, summary = next(e for e in events if e["event"] == "start"), events[-1]
+        times = summary["step_times_s"][summary["timing_warmup_steps"] :]
+        return statistics.median(start["tokens_per_step"] / t for t in times)
+
+    pairs = [tokens_per_s(f"confirm-c1-{k}") / tokens_per_s(f"confirm-c0-{k}") for k in (0, 1)]
+    conf = report["confirmation"]
+    assert [p["ratio"] for p in conf["pairs"]] == pytest.approx(pairs)
+    assert report["measured_ratio"] == pytest.approx(statistics.median(pairs))
+    assert report["measured_ratio"] > 1 and conf["holds"], conf["line"]
+    assert conf["predicted"] == pytest.approx(1 + report["gain"])
+    header = (out / "tuned.yaml").read_text().splitlines()[3]
+    assert header == f"# C{conf['line'][1:]}." and header.startswith("# Confirmed: c1 (mb=4) ")
+    console = Console(record=True, width=400)
+    T_report.render(report, console)
+    assert conf["line"] in console.export_text().splitlines()
     # tuned.yaml: only allowed knobs, and it trains with the original's fp32 losses.
     tuned = yaml.safe_load((out / "tuned.yaml").read_text())
     assert tuned.pop("extends") == str(recipe.resolve())
@@ -753,11 +827,11 @@ def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypat
     monkeypatch.setattr(T_search.time, "perf_counter", lambda: clock[0])
     cands = [T_space.Candidate(i, {"k": str(i)}, {"k": str(i)} if i else {}) for i in range(6)]
 
-    def search(budget_s: float, out: Path):
+    def search(budget_s: float, out: Path, confirm: int = 0):
         out.mkdir(exist_ok=True)
         args = T.TuneArgs(recipe="r", overrides=[], launch_overrides=[], launch_flags=[],
-                          out_dir=out, budget_s=budget_s, steps=2, repeats=2,
-                          finalists=1)  # fmt: skip
+                          out_dir=out, budget_s=budget_s, steps=2, repeats=2, finalists=1,
+                          confirm=confirm)  # fmt: skip
         log = T_trials.TrialLog(out / "trials.jsonl", {"event": "tune", "search": "s"})
         start = clock[0]
         stop, left = T_search._search(
@@ -772,7 +846,7 @@ def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypat
     assert T_search.select(log.records).winner == "c5"
     resolved = load_recipe("debug")
     args = T.TuneArgs(recipe="debug", overrides=[], launch_overrides=[], launch_flags=[],
-                      out_dir=tmp_path / "a", budget_s=1e4)  # fmt: skip
+                      out_dir=tmp_path / "a", budget_s=1e4, confirm=0)  # fmt: skip
     report = T_report._report(args, resolved, resolved.config, cands, log.records, 10**9, "given",
                        None, 0.0, 1e-4)  # fmt: skip
     reasons = {r["candidate"]: r["reason"] for r in report["candidates"]}
@@ -785,6 +859,14 @@ def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypat
     assert set(left) == {"c3", "c4", "c5"} and "covers the schedule of 3" in left["c3"]
     assert ran == ["r0-c0-0", "r0-c1-0", "r0-c2-0", "r1-c0-0", "r1-c2-0", "r1-c0-1", "r1-c2-1"]
     assert stop is None and spent <= 95
+    # The same budget with 2 confirmation pairs to come (4 trials of 14 s): the schedule it
+    # covers is 2 candidates'; 95 + 56 s covers the 3 again.
+    ran.clear()
+    stop, left, log, spent = search(95, tmp_path / "b3", confirm=2)
+    assert ran == ["r0-c0-0", "r0-c1-0", "r0-c0-1", "r0-c1-1"] and len(left) == 4
+    ran.clear()
+    stop, left, log, spent = search(95 + 56, tmp_path / "b4", confirm=2)
+    assert set(left) == {"c3", "c4", "c5"} and spent <= 95
     # Cut to 2: the first round becomes the last one, with its repeats.
     ran.clear()
     stop, left, log, spent = search(60, tmp_path / "b2")
@@ -799,6 +881,133 @@ def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypat
     stop, _, log, _ = search(1e4, tmp_path / "c")
     assert stop is None and not set(ran) & set(done)
     assert len({r["id"] for r in log.records}) == len(log.records)
+
+
+def test_tune_prefers_fewer_knobs_and_reports_the_gain_it_confirms(tmp_path, recipe, monkeypatch):
+    """`fsdprun tune` as typed, its trials' `fsdprun train` replaced by records of a designed
+    speed (the real trials: test_tune_moves_to_a_larger_micro_batch_that_fits), on a clock each
+    trial advances by its length. mb=2 halves the step time and fwd_prefetch=1 takes 2% off it,
+    every step +-10%: `mb=2 fwd_prefetch=1` is the fastest, `mb=2` within the noise of it with
+    one knob fewer wins, and the verdict says so. Then the confirmation: the winner and the
+    starting recipe in interleaved pairs (B W W B B W) while the machine slows 10% a trial; the
+    measured ratio is the median of the pairs', beside the search's 2.00x, in the report and in
+    tuned.yaml's header. A rerun runs nothing again. A winner the confirmation measures no
+    faster, or whose confirmation trial fails, is not kept; a spent budget cuts the pairs."""
+    import types
+
+    from typer.testing import CliRunner
+
+    from fsdprun.cli import app
+
+    clock, ran, drill = [0.0], [], {}
+
+    def fake_trial(recipe_, overrides, cand, *, tid, round_, warmup, out_dir, timeout_s):
+        n = sum(t.startswith("confirm-") for t in ran)  # confirmation trials before this one
+        ran.append(tid)
+        mb2 = cand.knobs["train.micro_batch_size"] == "2"
+        step_s = (0.5 if mb2 else 1.0) * (0.98 if cand.knobs["fsdp.forward_prefetch"] == "1" else 1)
+        rec = {"event": "trial", "id": tid, "candidate": cand.id, "label": cand.label,
+               "overrides": cand.overrides, "round": round_.index,
+               "measured_steps": round_.measured_steps, "warmup_steps": warmup}  # fmt: skip
+        if tid.startswith("confirm-"):
+            step_s *= 1 + 0.1 * n
+            if mb2 and drill.get("winner") == "as slow":
+                step_s *= 2.04  # the search's gain was luck: slower than the baseline
+            if tid == drill.get("fail"):
+                clock[0] += 2.0
+                return dict(rec, status="failed", reason="exit 1: drill", wall_s=2.0)
+        times = [step_s * (0.9 + 0.2 * (k % 2)) for k in range(round_.measured_steps)]
+        clock[0] += 3 + sum(times)
+        return dict(rec, status="ok", wall_s=3 + sum(times), step_times_s=times,
+                    tokens_per_step=1000, losses=[5.0, 4.9, 4.8], peak_bytes=2**20,
+                    model_state_bytes=2**10, memory_kind="RSS", mfu=None,
+                    time_to_first_step_s=1.0)  # fmt: skip
+
+    monkeypatch.setattr(T_search, "run_trial", fake_trial)
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time)
+    for module in (T, T_search, T_report):
+        monkeypatch.setattr(module, "time", fake_time)
+    monkeypatch.delenv("RANK", raising=False)
+
+    def tune(out: Path, *extra: str):
+        ran.clear()
+        result = CliRunner().invoke(app, [
+            "tune", str(recipe), "--out", str(out), "--nproc-per-node", "2", "--device-memory",
+            "1GB", "--space", "train.micro_batch_size=1,2", "--space",
+            "fsdp.forward_prefetch=0,1", "--steps", "8", "--repeats", "1", "--finalists", "3",
+            *extra,
+        ], env={"COLUMNS": "200"})  # fmt: skip
+        assert result.exit_code == 0, result.output
+        return result
+
+    out = tmp_path / "o"
+    report = json.loads(tune(out, "--budget", "10m", "--json").stdout)
+    ids = {r["label"]: r["candidate"] for r in report["candidates"]}
+    one, two = ids["mb=2"], ids["mb=2 fwd_prefetch=1"]
+    assert report["winner_label"] == "mb=2" and report["passed_over"] == two, report["verdict"]
+    assert report["verdict"].startswith(f"{one} (mb=2) beats the starting recipe by +100.0%")
+    assert report["verdict"].endswith(
+        f"; preferred to the fastest, {two} (mb=2 fwd_prefetch=1, +104.1%), as within the "
+        "measured noise of it (±18.4%) it changes fewer knobs from the recipe (1 against 2)"
+    )  # fmt: skip
+    # The confirmation: after the search's 4 trials, 3 pairs, their order alternating.
+    assert ran[4:] == [f"confirm-{c}-{k}" for k, pair in enumerate(["c0 w", "w c0", "c0 w"])
+                       for c in pair.replace("w", one).split()]  # fmt: skip
+    slow = [1 + 0.1 * n for n in range(6)]  # each confirmation trial's slowing, in order
+    # Each pair: baseline step time / winner step time (their spreads alike, so it cancels).
+    pairs = [slow[0] / (0.5 * slow[1]), slow[3] / (0.5 * slow[2]), slow[4] / (0.5 * slow[5])]
+    conf = report["confirmation"]
+    assert [p["ratio"] for p in conf["pairs"]] == pytest.approx(pairs)
+    assert report["measured_ratio"] == pytest.approx(sorted(pairs)[1])
+    assert (conf["low"], conf["high"]) == pytest.approx((min(pairs), max(pairs)))
+    assert conf["predicted"] == pytest.approx(2.0) and conf["holds"]
+    line = (
+        f"confirmed: {one} (mb=2) measured 1.87x the starting recipe's tokens/s after the "
+        "search (median of 3 interleaved pairs, 1.82x to 2.17x); the search's figure 2.00x"
+    )
+    assert conf["line"] == line
+    tuned = (out / "tuned.yaml").read_text()
+    assert f"\n# {line[0].upper()}{line[1:]}.\n" in tuned
+    assert yaml.safe_load(tuned)["train"] == {"micro_batch_size": 2}
+    assert sum(d["event"] == "confirm" for d in map(json.loads, (out / "trials.jsonl").open())) == 6
+    # Again: every trial is in the log, none runs; the table says the same.
+    text = tune(out, "--budget", "10m").stdout
+    assert ran == [] and line in text and "preferred to the fastest" in text
+    assert "4 trials and 6 confirming" in text
+
+    # The winner measured slower than the starting recipe after the search: it stays.
+    drill["winner"] = "as slow"
+    report = json.loads(tune(tmp_path / "slower", "--budget", "10m", "--json").stdout)
+    assert report["winner"] == "c0" and report["gain"] == 0 and report["measured_ratio"] < 1
+    assert report["verdict"] == (
+        f"{one} (mb=2) beat the starting recipe by +100.0% in the search, but measured "
+        f"{report['measured_ratio']:.2f}x it after the search (median of 3 interleaved pairs): "
+        "the starting recipe stays")  # fmt: skip
+    assert yaml.safe_load((tmp_path / "slower" / "tuned.yaml").read_text()) == {
+        "extends": str(recipe.resolve())}  # fmt: skip
+    # A confirmation trial of the winner fails: it stays too, and no further pair runs.
+    drill.clear()
+    drill["fail"] = f"confirm-{one}-1"
+    report = json.loads(tune(tmp_path / "fails", "--budget", "10m", "--json").stdout)
+    assert ran[4:] == ["confirm-c0-0", f"confirm-{one}-0", f"confirm-{one}-1"]
+    assert report["winner"] == "c0" and report["verdict"].endswith(
+        f"but its confirmation trial confirm-{one}-1 (failed: exit 1: drill) did not end well: "
+        "the starting recipe stays")  # fmt: skip
+    # A budget that covers the search and one pair: the winner stays, on one pair's figure.
+    drill.clear()
+    report = json.loads(tune(tmp_path / "budget", "--budget", "60s", "--json").stdout)
+    conf = report["confirmation"]
+    assert ran[4:] == ["confirm-c0-0", f"confirm-{one}-0"] and report["winner"] == one
+    assert conf["ratio"] == pytest.approx(pairs[0]) and conf["line"].endswith(
+        "; 1 of 3 pairs (--budget 60 s spent after 54 s: pairs 2 to 3 not run)")  # fmt: skip
+    # The starting recipe wins, or --confirm 0: nothing to confirm, and the report says why.
+    report = json.loads(tune(tmp_path / "none", "--budget", "10m", "--confirm", "0",
+                             "--json").stdout)  # fmt: skip
+    assert len(ran) == 4 and report["confirmation"] == {
+        "skipped": "--confirm 0", "line": "no confirmation: --confirm 0"}  # fmt: skip
+    result = CliRunner().invoke(app, ["tune", str(recipe), "--out", str(tmp_path / "x"),
+                                      "--device-memory", "1GB", "--confirm", "-1"])  # fmt: skip
+    assert result.exit_code == 2 and "--confirm must be >= 0" in result.output
 
 
 def test_tune_command_hands_the_train_launch_flags_to_tune(monkeypatch, tmp_path):
@@ -931,7 +1140,8 @@ def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recip
     two nodes would run it): every trial is one job of world size 2 across both, the follower
     runs node 0's trials in node 0's order, both print node 0's report, and only node 0 writes
     trials.jsonl and tuned.yaml. The space is the recipe's tune: section, which the trials'
-    training ignores."""
+    training ignores. No confirmation (--confirm 0): its pairs are trials like these, through
+    the same path, and would make the test's length depend on which candidate wins."""
     from conftest import free_port, zygote_command
 
     recipe.write_text(RECIPE + "tune:\n  defaults: false\n  space:\n    "
@@ -945,7 +1155,7 @@ def test_tune_on_two_nodes_runs_the_same_trials_and_node0_writes(tmp_path, recip
         [fsdprun, "tune", str(recipe), "--out", str(tmp_path / f"o{n}"), "--nnodes", "2",
          "--node-rank", str(n), "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
          "--steps", "2", "--repeats", "1", "--finalists", "1", "--device-memory", "1GB",
-         "--budget", "5m", "--json"],
+         "--confirm", "0", "--budget", "5m", "--json"],
         cwd=tmp_path, env=fsdprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     ) for n in (0, 1)]  # fmt: skip

@@ -26,7 +26,13 @@ measured trials decide, the winner comes out as a recipe layer.
    highest round both they and the baseline reached, on the per-step tokens/s of all their
    trials there; the best one wins only if its gain over the baseline's median exceeds the
    measured noise, two standard errors of the difference of the medians (from each side's
-   interquartile range and number of steps). Otherwise the starting recipe stays.
+   interquartile range and number of steps). Otherwise the starting recipe stays. Of the
+   candidates that beat it so and are within the noise of the fastest, the one that changes the
+   fewest knobs wins, and the verdict says so. Then the confirmation: the winner and the
+   starting recipe run again, --confirm interleaved pairs of trials as long as the last round's,
+   and the report gives the measured ratio (median of the pairs, with their min and max) beside
+   the search's. A winner whose confirmation trial fails, or that measures no faster than the
+   starting recipe, is not kept.
 5. Safety: a trial that fails, runs out of memory, hangs past its timeout (its whole process group
    is killed) or whose first losses disagree with the baseline's (LOSS_RTOL) is recorded with a
    one-line reason and the search goes on. OUT/trials.jsonl gets one record per finished trial,
@@ -65,11 +71,15 @@ from fsdprun.rundir import TUNE_LOG_FILE
 from fsdprun.runlock import hold_run_dir
 from fsdprun.tools.tune.report import _print_space, _report, _write_tuned, render
 from fsdprun.tools.tune.search import (
+    DEFAULT_CONFIRM,
     DEFAULT_FINALISTS,
     DEFAULT_REPEATS,
     DEFAULT_STEPS,
+    _confirm,
     _search,
+    confirm_skipped,
     halving_schedule,
+    select,
 )
 from fsdprun.tools.tune.space import (
     DEFAULT_MARGIN,
@@ -111,6 +121,7 @@ class TuneArgs:
     steps: int = DEFAULT_STEPS
     repeats: int = DEFAULT_REPEATS
     finalists: int = DEFAULT_FINALISTS
+    confirm: int = DEFAULT_CONFIRM  # pairs of the winner and the baseline after the search
     trial_timeout_s: float | None = None
     margin: float = DEFAULT_MARGIN
     dry_run: bool = False  # print the space, the pruning and the order; run nothing
@@ -176,12 +187,21 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
                 for c in candidates:
                     if c.id in not_tried:
                         c.reason = not_tried[c.id]
-                # (4) The selection, the report and tuned.yaml.
+                # (4) The selection, its confirmation, the report and tuned.yaml.
+                sel, confirm_stop = select(log.records), None
+                if confirm_skipped(sel, args.confirm) is None:
+                    winner = next(c for c in candidates if c.id == sel.winner)
+                    confirm_stop = _confirm(args, log, sel, winner, order[0], warmup=warmup,
+                                            rtol=rtol, started=started, say=say,
+                                            leader=leader)  # fmt: skip
                 report = _report(args, resolved, cfg, candidates, log.records, memory,
-                                 memory_source, stop, started, rtol)  # fmt: skip
+                                 memory_source, stop, started, rtol,
+                                 confirmations=log.confirmations,
+                                 confirm_stop=confirm_stop)  # fmt: skip
                 _write_tuned(args, report, candidates, cfg)
                 log.note("done", winner=report["winner"], winner_label=report["winner_label"],
                          verdict=report["verdict"], stopped_early=stop,
+                         measured_ratio=report["measured_ratio"],
                          tuned_yaml=report["tuned_yaml"])  # fmt: skip
         if leader is not None:
             leader.finish({"report": report})
@@ -207,6 +227,8 @@ def _checked_recipe(args: TuneArgs) -> ResolvedRecipe:
                           ("--finalists", args.finalists)):  # fmt: skip
         if value < 1:
             raise UserError(f"{option} must be >= 1 (got {value})")
+    if args.confirm < 0:
+        raise UserError(f"--confirm must be >= 0 (0: no confirmation; got {args.confirm})")
     resolved = load_recipe(args.recipe, _overrides(args))
     cfg = resolved.config
     problems = check_data(cfg)
@@ -322,6 +344,7 @@ def _dry_run_report(
         "space": [asdict(k) for k in s.space], "left_out": s.left_out,
         "order": [c.id for c in order],
         "rounds": [asdict(r) for r in rounds],
+        "confirm": {"pairs": args.confirm, "measured_steps": rounds[-1].measured_steps},
         "candidates": [{"candidate": c.id, "label": c.label, "overrides": c.overrides,
                         "status": c.status, "reason": c.reason,
                         "planned_peak_bytes": c.planned_peak_bytes} for c in candidates],
@@ -423,7 +446,7 @@ def _interrupted(out_dir: Path):
             with contextlib.suppress(OSError):
                 for line in log.read_bytes().splitlines():
                     with contextlib.suppress(ValueError):
-                        n += json.loads(line).get("event") == "trial"
+                        n += json.loads(line).get("event") in ("trial", "confirm")
             kept = (f"{n} finished trial(s) are kept in {log} (a trial in progress is stopped "
                     "and not logged)")  # fmt: skip
         raise Interrupted(f"tune interrupted by {e}: {kept}; rerun the same command to continue",

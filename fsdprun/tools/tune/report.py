@@ -1,6 +1,7 @@
 """The output of `fsdprun tune`: the space and pruning printed before the trials, the report (its
-JSON document: every candidate's figures beside its plan, the verdict), tuned.yaml (the winning
-knobs as a layer over the user's recipe) and the table `render` prints.
+JSON document: every candidate's figures beside its plan, the verdict, the confirmation's
+measured ratio), tuned.yaml (the winning knobs as a layer over the user's recipe) and the table
+`render` prints.
 
 Never imports the nodes' protocol nor runs a trial: it reads the trial log's records (of
 trials.py only the wording and the loss check's length it prints).
@@ -22,7 +23,16 @@ import yaml
 from fsdprun.errors import write_error
 from fsdprun.fmt import fmt_bytes
 from fsdprun.report.metrics import percentile
-from fsdprun.tools.tune.search import pareto_front, select
+from fsdprun.tools.tune.search import (
+    Confirmation,
+    Selection,
+    confirm_round,
+    confirm_skipped,
+    confirmation_of,
+    pairs_text,
+    pareto_front,
+    select,
+)
 from fsdprun.tools.tune.space import space_sources
 from fsdprun.tools.tune.trials import CONTINUES, LOSS_STEPS
 
@@ -44,11 +54,12 @@ TUNED_FILE = "tuned.yaml"
 
 def tuned_layer(
     recipe_ref: str, overrides: list[str], winner: Candidate, *, config: RecipeConfig,
-    verdict: str, hardware: str, command: str,
+    verdict: str, hardware: str, command: str, measured: str | None = None,
 ) -> str:  # fmt: skip
     """tuned.yaml: extends the user's recipe and sets only the winning knobs (plus the user's own
     command-line overrides, which are part of the recipe that was tuned; `config` is that
-    recipe resolved, whose paths the layer writes)."""
+    recipe resolved, whose paths the layer writes). Its header: the command that trains it, the
+    hardware, the verdict and `measured` (the confirmation's line)."""
     from fsdprun.config import parse_overrides, schema_fields
     from fsdprun.config.load import PATH_KEYS
     from fsdprun.config.validate import STRING_KEYS
@@ -87,6 +98,7 @@ def tuned_layer(
         f"# {command}",
         f"# Tuned by fsdprun tune on {today}, {hardware}.",
         f"# {verdict}.",
+        *([f"# {measured[0].upper()}{measured[1:]}."] if measured else []),
         "# This layer sets only the winning knobs"
         + (" (and the command line's overrides of the tuned recipe)." if overrides else "."),
     ]
@@ -121,11 +133,19 @@ def _print_space(
     say(f"each trial: {warmup} warm-up steps (time to first step), then {args.steps} measured "
         f"steps in round 0, doubling each round; loss check: first {LOSS_STEPS} losses within "
         f"rtol {rtol:g} of the baseline's")  # fmt: skip
+    confirm = (f"then {pairs_text(args.confirm)} of the winner and the starting recipe measure "
+               "its gain (--confirm)")  # fmt: skip
+    say(confirm if args.confirm else "then no confirmation (--confirm 0)")
 
 
 def _report(args, resolved, cfg, candidates, records, memory, memory_source, stop, started,
-            rtol) -> dict[str, Any]:  # fmt: skip
+            rtol, *, confirmations=(), confirm_stop=None) -> dict[str, Any]:  # fmt: skip
     sel = select(records)
+    skipped = confirm_skipped(sel, args.confirm)
+    conf = None if skipped else confirmation_of(
+        list(confirmations), sel, pairs=args.confirm, stopped=confirm_stop,
+        measured_steps=confirm_round(sel, args.steps, args.confirm).measured_steps,
+    )  # fmt: skip
     by_id = {c.id: c for c in candidates}
     hardware = _hardware(records, cfg)
     rows = []
@@ -175,7 +195,9 @@ def _report(args, resolved, cfg, candidates, records, memory, memory_source, sto
                      or "dropped by successive halving",
                      "planned_peak_bytes": c.planned_peak_bytes})  # fmt: skip
     # A candidate dropped after round 0 keeps its round-0 figures; say why it stopped.
-    winner = by_id[sel.winner]
+    labels = {c.id: c.label for c in candidates}
+    holds = conf is None or conf.holds
+    winner = by_id[sel.winner if holds else candidates[0].id]
     ref = _recipe_ref(args.recipe)
     tuned = args.out_dir / TUNED_FILE
     command = " ".join(["fsdprun", "train", str(tuned), *args.launch_flags])
@@ -187,14 +209,59 @@ def _report(args, resolved, cfg, candidates, records, memory, memory_source, sto
         "device_memory_bytes": memory, "device_memory_source": memory_source,
         "margin": args.margin, "loss_rtol": rtol, "budget_s": args.budget_s,
         "elapsed_s": time.perf_counter() - started, "stopped_early": stop,
-        "num_trials": len(records),
+        "num_trials": len(records), "num_confirm_trials": len(confirmations),
         "winner": winner.id, "winner_label": winner.label, "winner_overrides": winner.overrides,
-        "gain": sel.gain if sel.beats_noise else 0.0, "best_gain": sel.gain,
-        "noise": sel.noise, "beats_noise": sel.beats_noise, "verdict": sel.verdict,
+        "gain": sel.gain if sel.beats_noise and holds else 0.0, "best_gain": sel.gain,
+        "noise": sel.noise, "beats_noise": sel.beats_noise,
+        "verdict": sel.verdict if holds else _not_kept(sel, conf, labels),
+        "passed_over": sel.passed_over,
+        "measured_ratio": conf.ratio if conf else None,
+        "confirmation": _confirmation_doc(conf, skipped, labels),
         "tuned_yaml": str(tuned), "command": command,
         "pareto": pareto_front(points),
         "candidates": rows,
     }  # fmt: skip
+
+
+def _not_kept(sel: Selection, conf: Confirmation, labels: dict[str, str]) -> str:
+    """The verdict where the confirmation overturns the search's winner."""
+    said = (f"{sel.winner} ({labels[sel.winner]}) beat the starting recipe by {sel.gain:+.1%} in "
+            "the search, but ")  # fmt: skip
+    if conf.failed:
+        return said + (f"its confirmation trial {conf.failed} did not end well: the starting "
+                       "recipe stays")  # fmt: skip
+    return said + (f"measured {conf.ratio:.2f}x it after the search ({_of_pairs(conf)}): the "
+                   "starting recipe stays")  # fmt: skip
+
+
+def _of_pairs(conf: Confirmation, *, spread: bool = False) -> str:
+    """Which pairs a measured ratio is of: "median of 3 interleaved pairs" (with their range)."""
+    if len(conf.pairs) == 1:
+        return "one interleaved pair"
+    return f"median of {pairs_text(len(conf.pairs))}" + (
+        f", {conf.low:.2f}x to {conf.high:.2f}x" if spread else "")  # fmt: skip
+
+
+def _confirmation_doc(
+    conf: Confirmation | None, skipped: str | None, labels: dict[str, str]
+) -> dict[str, Any]:
+    """The report's `confirmation`: its figures and the line printed and written into
+    tuned.yaml's header."""
+    if conf is None:
+        return {"skipped": skipped, "line": f"no confirmation: {skipped}"}
+    who = f"{conf.winner} ({labels[conf.winner]})"
+    if conf.ratio is None:
+        why = conf.failed or conf.stopped or "no pair of trials completed"
+        line = f"not confirmed: {who} measured against the starting recipe in no pair ({why})"
+    else:
+        verb = "confirmed" if conf.holds else "not confirmed"
+        line = (f"{verb}: {who} measured {conf.ratio:.2f}x the starting recipe's tokens/s after "
+                f"the search ({_of_pairs(conf, spread=True)}); the search's figure "
+                f"{conf.predicted:.2f}x")  # fmt: skip
+        if len(conf.pairs) < conf.pairs_asked:
+            why = conf.failed or conf.stopped or "the other pairs' trials failed"
+            line += f"; {len(conf.pairs)} of {conf.pairs_asked} pairs ({why})"
+    return {"skipped": None, **dataclasses.asdict(conf), "line": line}
 
 
 def plan_flags(c: Candidate, ok: list[dict[str, Any]], *, margin: float) -> list[str]:
@@ -239,7 +306,8 @@ def _write_tuned(
     if report["stopped_early"]:
         verdict += f" ({report['stopped_early']})"
     text = tuned_layer(report["recipe_ref"], args.overrides, winner, config=cfg, verdict=verdict,
-                       hardware=report["hardware"], command=report["command"])  # fmt: skip
+                       hardware=report["hardware"], command=report["command"],
+                       measured=report["confirmation"]["line"])  # fmt: skip
     path = Path(report["tuned_yaml"])
     tmp = path.with_suffix(".yaml.tmp")
     try:
@@ -267,8 +335,11 @@ def render(report: dict[str, Any], console: Console) -> None:
         )  # fmt: skip
 
     kind = next((r["memory_kind"] for r in report["candidates"] if r.get("memory_kind")), "")
+    confirmed = report.get("num_confirm_trials")
     table = Table(title=f"fsdprun tune {report['recipe']}: {report['hardware']}, "
-                  f"{report['num_trials']} trials in {report['elapsed_s']:.0f} s")  # fmt: skip
+                  f"{report['num_trials']} trials"
+                  + (f" and {confirmed} confirming" if confirmed else "")
+                  + f" in {report['elapsed_s']:.0f} s")  # fmt: skip
     # MFU only where a device's peak is known (never on CPU): a column of n/a costs the width.
     mfu = any(r.get("mfu") is not None for r in report["candidates"])
     columns = ("#", "knobs", "status", "tokens/s", "gain", *(["MFU"] if mfu else []),
@@ -309,6 +380,7 @@ def render(report: dict[str, Any], console: Console) -> None:
     if report["stopped_early"]:
         console.print(f"stopped early: {report['stopped_early']}")
     console.print(report["verdict"])
+    console.print(report["confirmation"]["line"])
     node = report.get("node_rank", 0)
     who = "wrote" if node == 0 else f"node 0 wrote (on its machine; --out holds node-{node}/ here)"
     console.print(f"{who} {report['tuned_yaml']}; train it with:\n  {report['command']}")

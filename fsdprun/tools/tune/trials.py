@@ -254,13 +254,17 @@ def loss_problem(losses: list[float], reference: list[float], rtol: float) -> st
 
 
 class TrialLog:
-    """OUT/trials.jsonl: a header naming the search, then one record per finished trial, and
-    the notes `fsdprun status` reads (each run's `session`: its start and budget; `done`: the
-    verdict). Each line is appended and fsynced, so a killed tune leaves whole records only; a
-    torn last line (a kill inside the write) is cut off when the log is opened again."""
+    """OUT/trials.jsonl: a header naming the search, then one record per finished trial (event
+    `trial`: the search's, in `records`; `confirm`: the confirmation's after it, in
+    `confirmations`), and the notes `fsdprun status` reads (each run's `session`: its start and
+    budget; `done`: the verdict). Each line is appended and fsynced, so a killed tune leaves
+    whole records only; a torn last line (a kill inside the write) is cut off when the log is
+    opened again."""
 
     def __init__(self, path: Path, header: dict[str, Any]):
-        self.path, self.records = path, []
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self.confirmations: list[dict[str, Any]] = []
         if path.exists():
             good, lines = 0, path.read_bytes().split(b"\n")
             docs = []
@@ -284,6 +288,7 @@ class TrialLog:
                         "arguments to continue it"
                     )
                 self.records = [d for d in docs[1:] if d.get("event") == "trial"]
+                self.confirmations = [d for d in docs[1:] if d.get("event") == "confirm"]
                 return
         self._append(header)
 
@@ -306,11 +311,11 @@ class TrialLog:
 
     def add(self, record: dict[str, Any]) -> None:
         self._append(record)
-        self.records.append(record)
+        (self.confirmations if record.get("event") == "confirm" else self.records).append(record)
 
     def note(self, event: str, **fields: Any) -> None:
         """A line for `fsdprun status`, not a trial."""
         self._append({"event": event, **fields})
 
     def get(self, tid: str) -> dict[str, Any] | None:
-        return next((r for r in self.records if r["id"] == tid), None)
+        return next((r for r in (*self.records, *self.confirmations) if r["id"] == tid), None)
