@@ -427,6 +427,23 @@ def test_nodes_that_disagree_on_the_node_count_each_say_so(tmp_path):
         assert (tmp_path / f"node{node}.err").read_text().strip() == said
 
 
+def test_what_the_nodes_disagree_on_is_named_with_each_nodes_value():
+    from fsdprun.launch.rendezvous import NodeFacts, disagreement
+
+    def node(rank: int, nnodes: int, source: str = "PET_NNODES", host: str = "h") -> NodeFacts:
+        return NodeFacts(f"{host}{rank}{nnodes}", host, rank, nnodes, source)
+
+    assert disagreement([node(0, 2), node(1, 2)]) is None
+    assert disagreement([node(0, 2)]) is None  # alone so far
+    assert disagreement([node(1, 4, "--nnodes"), node(0, 2)]) == (
+        "the nodes disagree on the node count: node 0 has PET_NNODES=2, node 1 has --nnodes 4; "
+        "start every node of the job with the same number of nodes"
+    )
+    assert disagreement([node(0, 2, host="a"), node(0, 2, host="b")]) == (
+        "two nodes have node rank 0 (a, b): give each node of the job its own node rank, 0 to 1"
+    )
+
+
 def test_train_resume_auto_refuses_only_another_recipe(tmp_path):
     """`--resume auto` over a run directory of another recipe (a key a resume could not change)
     is refused in one line naming the key; without it, any earlier run is refused. Under

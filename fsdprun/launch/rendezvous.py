@@ -53,6 +53,7 @@ from pathlib import Path
 from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
@@ -303,14 +304,15 @@ class NodeRankRendezvous(RendezvousHandler):
         return self._inner.use_agent_store
 
     def next_rendezvous(self) -> RendezvousInfo:
-        self._publish()
-        problem = disagreement(self._published())
-        if problem is not None:
-            # This node found it: every other node learns it from the store (the rendezvous
-            # closed: each one's join fails, and it reads why).
-            self._store.set(self._key + "verdict", problem)
-            self._inner.set_closed()
-            self._leave(problem)
+        with _store_errors():
+            self._publish()
+            problem = disagreement(self._published())
+            if problem is not None:
+                # This node found it: every other node learns it from the store (the rendezvous
+                # closed: each one's join fails, and it reads why).
+                self._store.set(self._key + "verdict", problem)
+                self._inner.set_closed()
+                self._leave(problem)
         try:
             info = self._inner.next_rendezvous()
         except RendezvousClosedError:
@@ -318,7 +320,8 @@ class NodeRankRendezvous(RendezvousHandler):
             if verdict is None:
                 raise
             self._leave(verdict)
-        facts = self._published()
+        with _store_errors():
+            facts = self._published()
         ranks = sorted(f.node_rank for f in facts)
         problem = disagreement(facts)
         if problem is None and ranks != list(range(info.world_size)):
@@ -367,20 +370,38 @@ class NodeRankRendezvous(RendezvousHandler):
         return list(found.values())
 
     def _verdict(self) -> str | None:
+        """Why another node closed the rendezvous, if it wrote why (None: it did not, or the
+        store is gone)."""
         key = self._key + "verdict"
-        return self._store.get(key).decode() if self._store.check([key]) else None
+        try:
+            return self._store.get(key).decode() if self._store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store went away: torch's own error says so
+            return None
 
     def _leave(self, problem: str) -> None:
         """Raise the disagreement, once the other nodes have read it if this node hosts the
         store (it goes away with this process)."""
-        if not self._is_host:
-            self._store.add(self._key + "read", 1)
-        else:
-            others = len(self._published()) - 1
-            deadline = time.monotonic() + VERDICT_WAIT_S
-            while self._store.add(self._key + "read", 0) < others and time.monotonic() < deadline:
-                time.sleep(0.1)
+        with contextlib.suppress(Exception):  # a store gone takes nothing from the message
+            if not self._is_host:
+                self._store.add(self._key + "read", 1)
+            else:
+                others = len(self._published()) - 1
+                deadline = time.monotonic() + VERDICT_WAIT_S
+                read = self._key + "read"
+                while self._store.add(read, 0) < others and time.monotonic() < deadline:
+                    time.sleep(0.1)
         raise NodesDisagree(problem)
+
+
+@contextlib.contextmanager
+def _store_errors():
+    """A failure of the rendezvous store (its host gone) as torch's handler reports one."""
+    try:
+        yield
+    except RendezvousError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the store's errors are RuntimeError subclasses
+        raise RendezvousConnectionError(f"the rendezvous store failed: {e}") from e
 
 
 def _create_nodes_handler(params: RendezvousParameters) -> RendezvousHandler:
