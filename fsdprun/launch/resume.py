@@ -219,9 +219,10 @@ def resolve_resume(
     if errors:
         raise UserError("; ".join(errors))
 
+    # --base: model.hf_path was checked above.
     changed = _changed_key(checkpoint.manifest["recipe"], cfg,
                            allowed=("model.hf_path",) if base is not None else ())  # fmt: skip
-    if changed is not None:  # --base: model.hf_path was checked above
+    if changed is not None:
         key, old, new = changed
         raise UserError(
             f"resume cannot change {key} ({old!r} -> {new!r}): the checkpoint holds a "
