@@ -340,6 +340,16 @@ def train(
             "runs/<recipe>-<rdzv id>).",
         ),
     ] = None,
+    resume: Annotated[
+        str,
+        typer.Option(
+            "--resume",
+            help="never: refuse a run directory that holds a run. auto: the command to run "
+            "every time a job starts: start the run, continue it from its newest complete "
+            "checkpoint, train it again from step 0 when none is complete (earlier logs kept), "
+            "or do nothing when it is finished; refuses a run directory of another recipe.",
+        ),
+    ] = "never",
     *,
     launch: LaunchFlags,
 ) -> None:
@@ -347,9 +357,18 @@ def train(
     from fsdprun.config import load_recipe
     from fsdprun.launch.modes import MODE_ENV, decide
 
+    if resume not in RESUME_CHOICES:
+        raise UserError(f"--resume {resume!r}: use one of {', '.join(RESUME_CHOICES)}")
     # torchrun's worker, an srun task, or a node's launcher under a platform (PET_*, SKYPILOT_*)
     # or by hand: decided once, here; the header says which.
     mode = decide(os.environ, launch)
+    if mode.is_worker and resume == "auto":
+        # Every rank would decide on its own; fsdprun's launcher decides once per node.
+        raise UserError(
+            "--resume auto is fsdprun's launcher's: run `fsdprun train RECIPE --resume auto` "
+            "once per node (docs/cluster.md), not under torchrun or a multi-task srun step "
+            "(under torchrun --max-restarts, restarts resume by themselves)"
+        )
     all_overrides = [*(overrides or []), *launch_overrides(mode.flags, run_dir)]
     os.environ.update(mode.worker_env)
     os.environ[MODE_ENV] = mode.describe()
@@ -374,7 +393,17 @@ def train(
     job = nodes.rdzv_id if nodes.nnodes > 1 else None  # every node must name the same folder
     target = Path(resolved.config.output.run_dir or default_run_dir(resolved.name, job=job))
     resolved.config.output.run_dir = str(target)
-    launch_training(resolved, target)
+    launch_training(resolved, target, auto_resume=resume == "auto",
+                    nnodes_from=_nnodes_from(mode.flags))  # fmt: skip
+
+
+# `train --resume`: see fsdprun.launch.resume.resolve_auto.
+RESUME_CHOICES = ("never", "auto")
+
+
+def _nnodes_from(flags: LaunchFlags) -> str:
+    """Where launch.nnodes came from: a flag, a platform's variable, else the recipe."""
+    return flags.source("nnodes") if flags.nnodes is not None else "launch.nnodes"
 
 
 def _check_data(cfg) -> None:
@@ -444,7 +473,8 @@ def resume(
         else contextlib.nullcontext()
     ):
         _resume(run_dir, overrides, extra, step=step, verify=verify,
-                accept_base_change=accept_base_change, base=base)  # fmt: skip
+                accept_base_change=accept_base_change, base=base,
+                nnodes_from=_nnodes_from(launch))  # fmt: skip
 
 
 def _precheck_resume(run_dir: Path, overrides: list[str]) -> None:
@@ -466,7 +496,7 @@ def _precheck_resume(run_dir: Path, overrides: list[str]) -> None:
 
 def _resume(
     run_dir: Path, overrides: list[str] | None, extra: list[str], *, step: int | None,
-    verify: bool, accept_base_change: bool, base: Path | None,
+    verify: bool, accept_base_change: bool, base: Path | None, nnodes_from: str,
 ) -> None:  # fmt: skip
     _load("fsdprun.launch.elastic", "fsdprun.launch.resume", DYNAMO)
     from fsdprun.launch.elastic import launch_training
@@ -476,16 +506,9 @@ def _resume(
         run_dir, [*(overrides or []), *extra], step=step, verify=verify,
         accept_base_change=accept_base_change, base=base,
     )  # fmt: skip
-    for bad in resume.skipped:
-        diagnostic("warning", f"skipping incomplete checkpoint {bad.path}: {bad.reason}")
-    for note in resume.notes:
-        diagnostic("note", note)
-    manifest = resume.checkpoint.manifest
-    print(
-        f"resuming {run_dir} from {resume.checkpoint.path.name} (step {resume.checkpoint.step}, "
-        f"saved on {manifest['world_size']} ranks) on {resume.resolved.config.world_size} ranks"
-    )
-    launch_training(resume.resolved, run_dir, resume_from=resume.checkpoint.path)
+    resume.announce(run_dir)
+    launch_training(resume.resolved, run_dir, resume_from=resume.checkpoint.path,
+                    nnodes_from=nnodes_from)  # fmt: skip
 
 
 @app.command("config")

@@ -152,7 +152,7 @@ def _train_rank(rank: int, world: int, run_dir: str, recipe_name: str):
 
     cfg = load_recipe(str(recipe_path(Path(run_dir))), world_size=world).config
     device = build_worker_device(resolve_device_kind(cfg.launch.device.value), rank)
-    worker._check_same_recipe(cfg)
+    worker._check_same_start(cfg, None)
     ranks = worker.Ranks(rank, rank, world)
     return worker._train(cfg, Path(run_dir), ranks, device, render=False,
                          recipe_name=recipe_name, resume_from=None)  # fmt: skip

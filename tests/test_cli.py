@@ -45,7 +45,7 @@ def launches(monkeypatch) -> list[tuple[ResolvedRecipe, Path]]:
     """Patch the launcher; each call to it is recorded as (resolved recipe, run dir)."""
     calls: list[tuple[ResolvedRecipe, Path]] = []
 
-    def fake_launch_training(resolved: ResolvedRecipe, run_dir: Path) -> None:
+    def fake_launch_training(resolved: ResolvedRecipe, run_dir: Path, **how) -> None:
         calls.append((resolved, run_dir))
 
     monkeypatch.setattr("fsdprun.launch.elastic.launch_training", fake_launch_training)
@@ -348,7 +348,7 @@ def test_train_invalid_recipe_does_not_launch(launches):
 def test_train_failed_worker_is_one_line_exit_1(monkeypatch):
     from fsdprun.launch.elastic import WorkerFailed
 
-    def failing_launch(resolved: ResolvedRecipe, run_dir: Path) -> None:
+    def failing_launch(resolved: ResolvedRecipe, run_dir: Path, **how) -> None:
         raise WorkerFailed("rank 1 failed: boom (log: x/logs/rank1.log)", user_error=False)
 
     monkeypatch.setattr("fsdprun.launch.elastic.launch_training", failing_launch)

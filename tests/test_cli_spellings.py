@@ -310,6 +310,7 @@ def test_the_agent_is_configured_as_torchrun_configures_it(tmp_path, monkeypatch
     from torch.distributed.run import config_from_args, parse_args
 
     from fsdprun.launch.elastic import build_launch_plan
+    from fsdprun.launch.rendezvous import NODES_BACKEND
 
     configs = []
     monkeypatch.setattr(
@@ -330,8 +331,10 @@ def test_the_agent_is_configured_as_torchrun_configures_it(tmp_path, monkeypatch
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args sets it otherwise
     theirs, _, _ = config_from_args(parse_args([*flags, "--rdzv-backend", "c10d", "train.py"]))
     for name in ("min_nodes", "max_nodes", "nproc_per_node", "run_id", "role", "rdzv_endpoint",
-                 "rdzv_backend", "max_restarts", "monitor_interval"):  # fmt: skip
+                 "max_restarts", "monitor_interval"):  # fmt: skip
         assert getattr(ours, name) == getattr(theirs, name), name
+    # torch's c10d handler, under fsdprun's name: node N takes group rank N (launch/rendezvous).
+    assert (ours.rdzv_backend, theirs.rdzv_backend) == (NODES_BACKEND, "c10d")
     for key, value in theirs.rdzv_configs.items():
         assert str(ours.rdzv_configs[key]) == str(value), key
     for name in ("_root_log_dir", "_redirects", "_tee", "_local_ranks_filter"):

@@ -6,7 +6,8 @@ runs are real: two "nodes" on this machine, each an `fsdprun train` started with
 variables its platform sets (plus FSDPRUN_TEST_HOSTS, the test-only hosts file through which a
 Kubernetes service's name starts to resolve while the nodes wait), train 2 nodes x 2 ranks with
 the losses of the same job started by hand (`--nnodes 2 --nproc-per-node 2 --node-rank N
---rdzv-endpoint HOST:PORT`).
+--rdzv-endpoint HOST:PORT`). Node 1 starts first in each (a pod scheduled before node 0's):
+global rank 0, whose node prints the run and keeps metrics.jsonl, must still land on node 0.
 
 Run with `pytest tests/test_cluster.py`.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from fsdprun.cli import app
 from fsdprun.launch.flags import LaunchFlags, launch_overrides
 from fsdprun.launch.modes import decide
 from fsdprun.launch.slurm import PORT_BASE, PORT_SPAN
+from fsdprun.report.metrics import read_events
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TRAINJOB_MASTER = "fsdprun-node-0-0.fsdprun"  # what Kubeflow Trainer names node 0
@@ -48,11 +51,13 @@ def trainjob_env(node: int, nproc: int, port: int) -> dict[str, str]:
 
 
 def pytorchjob_env(pod: int, nproc: int, port: int) -> dict[str, str]:
-    """What training-operator v1 sets in a PyTorchJob's pod (Master = pod 0; no elastic policy):
-    WORLD_SIZE and RANK count pods (x nprocPerNode when it is a number)."""
-    return {"MASTER_ADDR": PYTORCHJOB_MASTER, "MASTER_PORT": str(port), "RANK": str(pod),
+    """What training-operator v1.9 sets in a PyTorchJob's pod (Master = pod 0; no elastic
+    policy; pkg/controller.v1/pytorch/envvar.go and master.go): WORLD_SIZE and RANK count pods
+    (x nprocPerNode when it is a number); PET_MASTER_* repeat MASTER_*."""
+    return {"MASTER_ADDR": PYTORCHJOB_MASTER, "MASTER_PORT": str(port),
+            "PET_MASTER_ADDR": PYTORCHJOB_MASTER, "PET_MASTER_PORT": str(port), "RANK": str(pod),
             "WORLD_SIZE": str(2 * nproc), "PET_NPROC_PER_NODE": str(nproc),
-            "PET_NODE_RANK": str(pod), "PET_NNODES": "2", "PYTHONUNBUFFERED": "0"}  # fmt: skip
+            "PET_NODE_RANK": str(pod), "PET_NNODES": "2", "PYTHONUNBUFFERED": "1"}  # fmt: skip
 
 
 def skypilot_env(node: int, gpus: int = 0) -> dict[str, str]:
@@ -177,17 +182,24 @@ def _start(
     tmp_path: Path, envs: list[dict[str, str]], *args: str, flags=lambda node: []
 ) -> list[subprocess.Popen]:
     """One `fsdprun train debug ARGS FLAGS(N) --run-dir nodeN` per environment, output to
-    nodeN.out/err."""
+    nodeN.out/err; node 1 first, node 0 once node 1 waits (for node 0's name or its rendezvous):
+    torch's c10d rendezvous gave the first comer of one host name global rank 0."""
     fsdprun = zygote_command(tmp_path)
-    procs = []
-    for node, env in enumerate(envs):
+    procs: dict[int, subprocess.Popen] = {}
+    for node in reversed(range(len(envs))):
         out, err = (open(tmp_path / f"node{node}.{k}", "w") for k in ("out", "err"))  # noqa: SIM115
         run_dir = str(tmp_path / f"node{node}")
-        procs.append(subprocess.Popen(
+        procs[node] = subprocess.Popen(
             [fsdprun, "train", "debug", *args, *flags(node), "--run-dir", run_dir],
-            cwd=tmp_path, env=fsdprun_env(**env), stdout=out, stderr=err, text=True,
-        ))  # fmt: skip
-    return procs
+            cwd=tmp_path, env=fsdprun_env(**envs[node]), stdout=out, stderr=err, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while node and "waiting" not in _output(tmp_path, node):
+            assert procs[node].poll() is None and time.monotonic() < deadline, _output(
+                tmp_path, node
+            )
+            time.sleep(0.1)
+    return [procs[node] for node in range(len(envs))]
 
 
 def _output(tmp_path: Path, node: int) -> str:
@@ -195,11 +207,13 @@ def _output(tmp_path: Path, node: int) -> str:
 
 
 def _trained(tmp_path: Path, procs: list[subprocess.Popen]) -> Run:
-    """The job both nodes ran, as the node with global rank 0 recorded it (only it writes
-    metrics)."""
+    """The job both nodes ran, as global rank 0 recorded it: on node 0 (node 1 started first),
+    which keeps metrics.jsonl and prints the run's step lines and summary."""
     for node, proc in enumerate(procs):
         assert proc.wait(timeout=300) == 0, _output(tmp_path, node)[-3000:]
-    [run] = [r for r in (Run(None, tmp_path / f"node{n}") for n in (0, 1)) if r.events]
+    run = Run(None, tmp_path / "node0")
+    assert run.events and not (tmp_path / "node1" / "metrics.jsonl").exists()
+    assert re.search(r"^step 6 \|.*\n(.*\n)*final loss", _output(tmp_path, 0), re.M)
     assert run.start["nnodes"] == 2
     return run
 
@@ -219,7 +233,7 @@ def by_hand(tmp_path_factory) -> Run:
         "--rdzv-endpoint", endpoint])  # fmt: skip
     run = _trained(root, procs)
     assert (run.start["world_size"], run.start["grad_accum_steps"]) == (4, 2)
-    assert "launch: fsdprun's launcher\n" in _output(root, 0) + _output(root, 1)
+    assert "launch: fsdprun's launcher\n" in _output(root, 0)
     return run
 
 
@@ -240,7 +254,7 @@ def test_trainjob_waits_for_node_0s_name_then_trains_2_nodes_x_2_ranks(by_hand, 
     run = _trained(tmp_path, procs)
     assert (run.start["world_size"], run.start["grad_accum_steps"]) == (4, 2)
     assert_same_losses(by_hand, run)
-    out = _output(tmp_path, 0) + _output(tmp_path, 1)
+    out = _output(tmp_path, 0)  # node 0's launcher prints the run (its header and steps)
     assert "launch: each node's launcher, from torchrun's PET_* variables" in out
     assert f"PET_MASTER_ADDR={TRAINJOB_MASTER}, PET_MASTER_PORT={port}" in out
 
@@ -272,9 +286,11 @@ def test_pytorchjob_pods_rank_and_world_size_are_not_ranks(by_hand, tmp_path):
     run = _trained(tmp_path, _start(tmp_path, envs, *JOB))
     assert run.start["world_size"] == 4
     assert_same_losses(by_hand, run)
-    # The header is the node's with global rank 0 (the rendezvous' order): either pod.
-    header = _output(tmp_path, 0) + _output(tmp_path, 1)
-    assert re.search(r"pod-level RANK=[01], WORLD_SIZE=4 not used \(they count pods\)", header)
+    # The header is node 0's, the Master pod's: its launcher runs global rank 0. v1.9's
+    # PET_MASTER_* name the rendezvous.
+    header = _output(tmp_path, 0)
+    assert "pod-level RANK=0, WORLD_SIZE=4 not used (they count pods)" in header
+    assert f"PET_MASTER_ADDR={PYTORCHJOB_MASTER}, PET_MASTER_PORT={port}" in header
 
 
 def test_skypilot_nodes_train_and_a_lost_node_fails_the_other(by_hand, tmp_path):
@@ -312,57 +328,166 @@ def test_skypilot_nodes_train_and_a_lost_node_fails_the_other(by_hand, tmp_path)
     procs[0].wait(timeout=30)
 
 
-def test_trainjob_shared_volume_example_stops_on_sigterm_and_continues(tmp_path):
+def test_trainjob_shared_volume_example_is_one_command_for_every_start(tmp_path):
     """examples/kubernetes/trainjob-shared-volume.yaml's command as Trainer runs it in each pod
-    (PET_* set; the shared volume: one folder both "nodes" see): deleting the job (SIGTERM to
-    each pod's first process) stops both nodes at one agreed step with a checkpoint (exit 143);
-    the job applied again resumes there and finishes the run."""
+    (PET_* set; the shared volume: one folder both "nodes" see), the same command each time the
+    job is applied: a crash before any checkpoint (exit 1); the job again trains from step 0,
+    the crash's logs kept, and deleting it (SIGTERM to each pod's first process) stops both
+    nodes at one agreed step with a checkpoint (exit 143); the job again resumes there and
+    finishes the run; once more, it has nothing to do (exit 0). `fsdprun train` refused the
+    second start ("already holds a run"), exit 2 on every retry."""
     doc = yaml.safe_load((EXAMPLES / "kubernetes/trainjob-shared-volume.yaml").read_text())
-    trainer = doc["spec"]["trainer"]
-    run_dir = tmp_path / "volume" / "run"
-    # The example's recipe and volume, made small for this machine.
-    script = (
-        trainer["args"][0]
-        .replace("/runs/llama-8b", str(run_dir))
-        .replace("fsdprun train llama-8b", "fsdprun train debug train.steps=12 output.log_every=1")
-    )
-    assert str(run_dir) in script and "train debug" in script
+    command = doc["spec"]["trainer"]["command"]
+    volume = tmp_path / "volume"
+    run_dir = volume / "llama-8b"
+    # The example's recipe and volume, made small for this machine (its checkpoint.every_steps
+    # saves nothing in 12 steps: only a stop or the end does).
+    argv = [a.replace("/runs/", f"{volume}/") for a in command]
+    argv[argv.index("llama-8b")] = "debug"
+    argv += ["train.steps=12", "output.log_every=1"]
+    assert argv[:3] == ["fsdprun", "train", "debug"] and "--resume" in argv, argv
     hosts = tmp_path / "hosts"
     hosts.write_text(f"127.0.0.1 {TRAINJOB_MASTER}\n")
     bin_dir = Path(zygote_command(tmp_path)).parent  # `fsdprun` on PATH, through the zygote
 
-    def apply() -> list[subprocess.Popen]:
+    def apply(**extra: str) -> list[subprocess.Popen]:
         port = free_port()
         return [subprocess.Popen(
-            [*trainer["command"], script], cwd=tmp_path, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            argv, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=fsdprun_env(**trainjob_env(n, 1, port), FSDPRUN_TEST_HOSTS=str(hosts),
-                            PATH=f"{bin_dir}:{os.environ['PATH']}"),
+                            PATH=f"{bin_dir}:{os.environ['PATH']}", **extra),
         ) for n in (0, 1)]  # fmt: skip
 
-    pods = apply()
+    def finish(pods: list[subprocess.Popen]) -> list[str]:
+        try:
+            return [pod.communicate(timeout=300)[0] for pod in pods]
+        except subprocess.TimeoutExpired:  # say what each pod said, not only that one hung
+            for pod in pods:
+                pod.kill()
+            pytest.fail(f"a pod hung: {[p.communicate()[0] for p in pods]}")
+
+    def starts() -> int:
+        return sum(e["event"] == "start" for e in Run(None, run_dir).events)
+
+    pods = apply(FSDPRUN_FAIL_AT="1:3")  # rank 1 (node 1) fails at step 3: nothing saved
+    outputs = finish(pods)
+    assert all(pod.returncode == 1 for pod in pods), outputs
+    assert not list_checkpoints(run_dir) and [e["step"] for e in Run(None, run_dir).steps] == [1, 2]
+
+    pods = apply()  # the same TrainJob again
     deadline = time.monotonic() + 120
-    while not any(e["event"] == "step" for e in Run(None, run_dir).events):
+    while starts() < 2 or Run(None, run_dir).events[-1]["event"] != "step":
         assert time.monotonic() < deadline and all(p.poll() is None for p in pods)
         time.sleep(0.05)
     for pod in pods:
         pod.send_signal(signal.SIGTERM)  # kubectl delete: every pod's first process
-    outputs = [pod.communicate(timeout=120)[0] for pod in pods]
+    outputs = finish(pods)
     assert [pod.returncode for pod in pods] == [143, 143], outputs
+    assert all("holds no complete checkpoint: training again from step 0" in o for o in outputs)
+    assert "the earlier sessions' metrics kept as metrics.earlier-1.jsonl" in outputs[0]
+    earlier = read_events(run_dir / "metrics.earlier-1.jsonl")  # the crashed session's, kept
+    assert [e["step"] for e in earlier if e["event"] == "step"] == [1, 2]
+    assert earlier[-1]["event"] == "failed"
     [saved] = [c for c in list_checkpoints(run_dir) if c.complete][-1:]
     assert saved.step < 12
-    pods = apply()  # the same TrainJob again
-    try:
-        outputs = [pod.communicate(timeout=300)[0] for pod in pods]
-    except subprocess.TimeoutExpired:  # say what each pod said, not only that one hung
-        for pod in pods:
-            pod.kill()
-        pytest.fail(f"a pod of the resumed job hung: {[p.communicate()[0] for p in pods]}")
+
+    pods = apply()  # and again
+    outputs = finish(pods)
     assert [pod.returncode for pod in pods] == [0, 0], outputs
     assert all(f"resuming {run_dir} from step-{saved.step:08d}" in out for out in outputs)
+    assert re.search(r"^step 12 \|", outputs[0], re.M)  # node 0 prints the run
     run = Run(None, run_dir)
-    assert {e["step"] for e in run.steps} == set(range(1, 13))
+    assert [e["step"] for e in run.steps] == list(range(1, 13))
     assert any(e["event"] == "resume" for e in run.events)
+
+    pods = apply()  # a finished run: nothing to do, and nothing written
+    outputs = finish(pods)
+    assert [pod.returncode for pod in pods] == [0, 0], outputs
+    assert all(f"{run_dir} finished its 12 steps; nothing to train" in out for out in outputs)
+    assert Run(None, run_dir).events == run.events
+
+
+def test_nodes_that_disagree_on_the_node_count_each_say_so(tmp_path):
+    """PET_NNODES 2 on node 0 and 3 on node 1 (a TrainJob edited between two pods' starts): each
+    node says, in one line (exit 2), that the nodes disagree on the node count, naming each
+    node's variable. Node 0 said "2 of 2 nodes joined ...", node 1 "2 of 3" or torch's raw
+    "Failed to recv"."""
+    port = free_port()
+    envs = [{**trainjob_env(n, 1, port), "PET_MASTER_ADDR": "127.0.0.1"} for n in (0, 1)]
+    envs[1]["PET_NNODES"] = "3"
+    # A global batch that 2 and 3 ranks both divide: each node's recipe is valid on its own.
+    procs = _start(tmp_path, envs, "train.global_batch_size=6", "train.micro_batch_size=1",
+                   "launch.rdzv_timeout_s=60")  # fmt: skip
+    said = (
+        "error: the nodes disagree on the node count: node 0 has PET_NNODES=2, node 1 has "
+        "PET_NNODES=3; start every node of the job with the same number of nodes"
+    )
+    for node, proc in enumerate(procs):
+        assert proc.wait(timeout=120) == 2, _output(tmp_path, node)
+        assert (tmp_path / f"node{node}.err").read_text().strip() == said
+
+
+def test_what_the_nodes_disagree_on_is_named_with_each_nodes_value():
+    from fsdprun.launch.rendezvous import NodeFacts, disagreement
+
+    def node(rank: int, nnodes: int, source: str = "PET_NNODES", host: str = "h") -> NodeFacts:
+        return NodeFacts(f"{host}{rank}{nnodes}", host, rank, nnodes, source)
+
+    assert disagreement([node(0, 2), node(1, 2)]) is None
+    assert disagreement([node(0, 2)]) is None  # alone so far
+    assert disagreement([node(1, 4, "--nnodes"), node(0, 2)]) == (
+        "the nodes disagree on the node count: node 0 has PET_NNODES=2, node 1 has --nnodes 4; "
+        "start every node of the job with the same number of nodes"
+    )
+    assert disagreement([node(0, 2, host="a"), node(0, 2, host="b")]) == (
+        "two nodes have node rank 0 (a, b): give each node of the job its own node rank, 0 to 1"
+    )
+
+
+def test_train_resume_auto_refuses_only_another_recipe(tmp_path):
+    """`--resume auto` over a run directory of another recipe (a key a resume could not change)
+    is refused in one line naming the key; without it, any earlier run is refused. Under
+    torchrun's variables (each rank its own launcher) it is refused too."""
+    from fsdprun.config import load_recipe
+    from fsdprun.launch.elastic import write_recipe
+
+    run_dir = tmp_path / "run"
+    write_recipe(run_dir, load_recipe("debug"))
+    (run_dir / "metrics.jsonl").write_text("")  # a run began here
+    other = run_fsdprun("train", "debug", "model.dim=32", "--run-dir", str(run_dir), "--resume",
+                        "auto", cwd=tmp_path)  # fmt: skip
+    assert other.returncode == 2, other.stdout + other.stderr
+    assert other.stderr.strip() == (
+        f"error: {run_dir} holds a run of another recipe (model.dim: 64 there, 32 here); "
+        f"choose another --run-dir, or continue that run with `fsdprun resume {run_dir}`"
+    )
+    plain = run_fsdprun("train", "debug", "--run-dir", str(run_dir), cwd=tmp_path)
+    assert plain.returncode == 2 and "already holds a run" in plain.stderr
+    worker = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    result = CliRunner().invoke(app, ["train", "debug", "--resume", "auto"], env=worker)
+    assert_one_line_error(result, "--resume auto is fsdprun's launcher's")
+
+
+def _platform_table(doc: str, heading: str) -> set[str]:
+    """The variables named in the first column of the table under `heading` of cluster.md."""
+    section = doc.split(heading, 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return {name for row in rows for name in re.findall(r"`([A-Z][A-Z_]+)`", row.split("|")[1])}
+
+
+def test_cluster_docs_name_every_variable_each_platform_sets():
+    """docs/cluster.md's table for each platform names every variable the platform sets (the
+    environments these tests start the nodes with): its PyTorchJob table lacked v1.9's
+    PET_MASTER_ADDR and PET_MASTER_PORT."""
+    doc = (EXAMPLES.parent / "docs" / "cluster.md").read_text()
+    tables = {
+        "### Kubeflow Trainer v2 (TrainJob)": trainjob_env(0, 8, 29500),
+        "### PyTorchJob (training-operator v1)": pytorchjob_env(0, 8, 23456),
+        "### SkyPilot": skypilot_env(0),
+    }
+    for heading, env in tables.items():
+        named = _platform_table(doc, heading)
+        assert set(env) - {"PYTHONUNBUFFERED", "SKYPILOT_CLUSTER_INFO"} <= named, heading
 
 
 def _mkdir(path: Path) -> Path:
@@ -372,9 +497,11 @@ def _mkdir(path: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------------
 # The shipped manifests name only fields of their platform's published API (2026): Kubeflow
-# Trainer v2.2+ (trainer.kubeflow.org/v1alpha1, pkg/apis/trainer/v1alpha1/trainjob_types.go),
-# training-operator v1 (kubeflow.org/v1 PyTorchJob), Kubernetes core/v1 for what they embed, and
-# SkyPilot's task YAML (docs.skypilot.co, reference/yaml-spec). ANY: a free-form map or value.
+# Trainer v2.2+ (trainer.kubeflow.org/v1alpha1, pkg/apis/trainer/v1alpha1/trainjob_types.go;
+# terminationGracePeriodSeconds in a runtime patch from v2.3), training-operator v1
+# (kubeflow.org/v1 PyTorchJob), Kubernetes core/v1 for what they embed (a PersistentVolumeClaim),
+# and SkyPilot's task YAML (docs.skypilot.co, reference/yaml-spec). ANY: a free-form map or
+# value.
 
 ANY = object()
 META = {"name": None, "namespace": None, "labels": ANY, "annotations": ANY}
@@ -397,7 +524,8 @@ CONTAINER_PATCH = {"name": None, "env": [ENV_VAR], "volumeMounts": [VOLUME_MOUNT
 POD_SPEC_PATCH = {"serviceAccountName": None, "volumes": [VOLUME],
                   "initContainers": [CONTAINER_PATCH], "containers": [CONTAINER_PATCH],
                   "imagePullSecrets": [ANY], "securityContext": ANY, "nodeSelector": ANY,
-                  "affinity": ANY, "tolerations": [ANY], "schedulingGates": [ANY]}  # fmt: skip
+                  "affinity": ANY, "tolerations": [ANY], "schedulingGates": [ANY],
+                  "terminationGracePeriodSeconds": None}  # fmt: skip
 PATCH_META = {"labels": ANY, "annotations": ANY}
 TRAINJOB = {
     "apiVersion": None, "kind": None, "metadata": META,
@@ -439,13 +567,26 @@ SKYPILOT = {
                   "labels": ANY, "autostop": ANY, "any_of": ANY, "ordered": ANY,
                   "job_recovery": ANY},
 }  # fmt: skip
+PVC = {
+    "apiVersion": None, "kind": None, "metadata": META,
+    "spec": {"accessModes": [None], "storageClassName": None, "volumeMode": None,
+             "resources": {"requests": ANY, "limits": ANY}, "selector": ANY,
+             "volumeName": None, "dataSource": ANY},
+}  # fmt: skip
 MANIFESTS = {
     "kubernetes/trainjob.yaml": ("trainer.kubeflow.org/v1alpha1", "TrainJob", TRAINJOB),
     "kubernetes/trainjob-shared-volume.yaml": (
         "trainer.kubeflow.org/v1alpha1", "TrainJob", TRAINJOB),
     "kubernetes/pytorchjob.yaml": ("kubeflow.org/v1", "PyTorchJob", PYTORCHJOB),
+    "kubernetes/pytorchjob-shared-volume.yaml": ("kubeflow.org/v1", "PyTorchJob", PYTORCHJOB),
+    "kubernetes/pvc.yaml": ("v1", "PersistentVolumeClaim", PVC),
+    "kubernetes/shell.yaml": ("v1", "Pod", {"apiVersion": None, "kind": None, "metadata": META,
+                                            "spec": POD_SPEC}),
     "skypilot/train.yaml": (None, None, SKYPILOT),
 }  # fmt: skip
+# The jobs that keep their run directory on the claim of pvc.yaml (the others: a pod's disk).
+SHARED = ("kubernetes/trainjob-shared-volume.yaml", "kubernetes/pytorchjob-shared-volume.yaml",
+          "skypilot/train.yaml")  # fmt: skip
 LAUNCH_FLAGS = [f"--{f.replace('_', '-')}" for f in LaunchFlags.__dataclass_fields__
                 if f != "sources"]  # fmt: skip
 
@@ -464,16 +605,37 @@ def _unknown_fields(doc, schema, path: str = "") -> list[str]:
                         else _unknown_fields(value, schema[key], f"{path}.{key}"))]  # fmt: skip
 
 
-def _commands(name: str, doc: dict) -> list[str]:
-    """The shell text or argv of each `fsdprun` the manifest runs."""
+def _commands(name: str, doc: dict) -> list[list[str]]:
+    """The argv of each `fsdprun` the manifest runs."""
     if name.startswith("skypilot/"):
-        return [doc["run"]]
+        return [shlex.split(doc["run"])]
     if doc["kind"] == "TrainJob":
         trainer = doc["spec"]["trainer"]
-        return [" ".join([*trainer["command"], *trainer.get("args", [])])]
-    return [" ".join([*c["command"], *c.get("args", [])])
+        return [[*trainer["command"], *trainer.get("args", [])]]
+    return [[*c["command"], *c.get("args", [])]
             for r in doc["spec"]["pytorchReplicaSpecs"].values()
             for c in r["template"]["spec"]["containers"]]  # fmt: skip
+
+
+def _pods(doc: dict) -> list[tuple[dict, dict, list[dict]]]:
+    """(pod spec, fsdprun's container, its env) of each kind of pod a Kubernetes job makes: a
+    TrainJob's from its runtime patch of the `node` job (the trainer's env beside it)."""
+    if doc["kind"] == "PyTorchJob":
+        return [(spec, c, c.get("env", [])) for r in doc["spec"]["pytorchReplicaSpecs"].values()
+                for spec in [r["template"]["spec"]] for c in spec["containers"]]  # fmt: skip
+    [patch] = doc["spec"]["runtimePatches"]
+    [node] = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    spec = node["template"]["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    assert (node["name"], container["name"]) == ("node", "node")  # torch-distributed's names
+    return [(spec, container, doc["spec"]["trainer"].get("env", []))]
+
+
+def _mounted(spec: dict, container: dict, path: str) -> dict:
+    """The volume `container` mounts at `path`."""
+    [mount] = [m for m in container.get("volumeMounts", []) if m["mountPath"] == path]
+    [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    return volume
 
 
 def test_shipped_manifests_name_only_their_platforms_fields_and_no_launch_flag():
@@ -485,9 +647,6 @@ def test_shipped_manifests_name_only_their_platforms_fields_and_no_launch_flag()
         if kind is not None:
             assert (doc["apiVersion"], doc["kind"]) == (api_version, kind), name
         assert _unknown_fields(doc, schema) == [], name
-        for command in _commands(name, doc):
-            assert re.search(r"\bfsdprun (train|resume)\b", command), (name, command)
-            assert not [f for f in LAUNCH_FLAGS if re.search(rf"{f}\b", command)], (name, command)
         text = yaml.safe_dump(doc)
         assert "PET_" not in text, name  # Kubeflow Trainer's webhook rejects a user's PET_*
     trainjob = yaml.safe_load((EXAMPLES / "kubernetes/trainjob.yaml").read_text())["spec"]
@@ -497,6 +656,47 @@ def test_shipped_manifests_name_only_their_platforms_fields_and_no_launch_flag()
     job = yaml.safe_load((EXAMPLES / "kubernetes/pytorchjob.yaml").read_text())["spec"]
     [master] = job["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert (master["name"], master["ports"][0]["name"]) == ("pytorch", "pytorchjob-port")
+
+
+def test_shipped_jobs_run_the_repeatable_command_with_a_cluster_runs_defaults():
+    """Every job's command is the one that is safe to repeat (`train RECIPE ... --resume auto`,
+    no launch flag, keys `fsdprun config` accepts, checkpoint.every_steps set); every Kubernetes
+    pod has a memory /dev/shm; the shared-volume jobs keep the run directory, the compile cache
+    and HF_HOME on the claim pvc.yaml ships (ReadWriteMany) and give the stop's save a grace
+    period (a TrainJob's through runtimePatches); nothing installs a `fsdprun` from an index."""
+    claim = yaml.safe_load((EXAMPLES / "kubernetes/pvc.yaml").read_text())
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for name in MANIFESTS:
+        text = (EXAMPLES / name).read_text()
+        assert "pip install fsdprun" not in text, name  # not published: the image, or the wheel
+        doc = yaml.safe_load(text)
+        if doc.get("kind") == "Pod":  # the shell on the volume
+            [shell] = doc["spec"]["containers"]
+            runs = _mounted(doc["spec"], shell, "/runs")["persistentVolumeClaim"]
+            assert runs["claimName"] == claim["metadata"]["name"]
+        if doc.get("kind") in ("PersistentVolumeClaim", "Pod"):
+            continue
+        for argv in _commands(name, doc):
+            assert argv[:2] == ["fsdprun", "train"] and argv[-2:] == ["--resume", "auto"], argv
+            assert not [f for f in LAUNCH_FLAGS if f in argv], (name, argv)
+            overrides = [a for a in argv[3:] if "=" in a and not a.startswith("-")]
+            assert any(o.startswith("checkpoint.every_steps=") for o in overrides), argv
+            checked = CliRunner().invoke(app, ["config", argv[2], *overrides])
+            assert checked.exit_code == 0, (name, checked.output)
+            run_dir = argv[argv.index("--run-dir") + 1]
+            if name in SHARED:
+                assert run_dir.startswith("/runs/"), argv
+                assert "compile.cache_dir=/runs/compile-cache" in overrides, argv
+        if name.startswith("skypilot/"):
+            assert doc["envs"]["HF_HOME"].startswith("/runs/") and "/runs" in doc["file_mounts"]
+            continue
+        for spec, container, env in _pods(doc):
+            assert _mounted(spec, container, "/dev/shm")["emptyDir"]["medium"] == "Memory", name
+            if name in SHARED:
+                runs = _mounted(spec, container, "/runs")["persistentVolumeClaim"]
+                assert runs["claimName"] == claim["metadata"]["name"], name
+                assert {"name": "HF_HOME", "value": "/runs/hf"} in env, name
+                assert spec["terminationGracePeriodSeconds"] >= 120, name
 
 
 def test_nodes_sharing_the_run_directory_write_its_recipe_without_a_gap(tmp_path):

@@ -10,11 +10,13 @@ says, runs once. `fsdprun` and `python` are this
 environment's. Each command must exit 0, or with the status its comment names, `(exit N)`.
 
 Markers, in a command's trailing comment: `needs: gpu`, `needs: nodes` (several machines),
-`needs: network` (downloads, uploads, a server to browse) and `needs: idle machine` (a
-benchmark, whose figures mean nothing on a shared CI machine). Such a command is not run; its
-syntax is checked (`bash -n`), its `fsdprun train|compare|plan|config` invocation is checked
-for recipe and keys with `fsdprun config` (same recipe, overrides and node shape), the scripts
-it names exist, and the `fsdprun[extra]` it installs is a declared extra. The two commands CI
+`needs: cluster` (a Kubernetes cluster, a container engine and registry, a cloud account:
+`kubectl`, `helm`, `docker`, `sky`), `needs: network` (downloads, uploads, a server to browse)
+and `needs: idle machine` (a benchmark, whose figures mean nothing on a shared CI machine). Such
+a command is not run; its syntax is checked (`bash -n`), its `fsdprun train|compare|plan|config`
+invocation is checked for recipe and keys with `fsdprun config` (same recipe, overrides and node
+shape), the scripts, examples and docker files it names exist, and the `fsdprun[extra]` it
+installs is a declared extra. The two commands CI
 itself runs, `bash scripts/setup.sh` and `python -m pytest`, are skipped.
 
 The docs' placeholders are given small real files in the working directory: `my.yaml` and
@@ -50,7 +52,7 @@ from typer.testing import CliRunner
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_FENCES = {"bash", "sh", "shell"}
-NEEDS = {"gpu", "nodes", "network", "idle"}  # the word after `needs:`
+NEEDS = {"gpu", "nodes", "cluster", "network", "idle"}  # the word after `needs:`
 # Run by CI itself (.ci/run): the setup script and the test suite.
 SKIPPED = (re.compile(r"\bscripts/setup\.sh\b"), re.compile(r"-m pytest\b"))
 TIMEOUT_S = 600
@@ -287,6 +289,9 @@ def check_marked(command: Command, cwd: Path) -> None:
         if re.match(r"(\S*/)?scripts/\S+\.(py|sh)$", word):
             script = word.split("scripts/", 1)[1]
             assert (ROOT / "scripts" / script).is_file(), f"{command.where}: no scripts/{script}"
+        # A file of the repository a walkthrough applies or builds from (globs: one at least).
+        if re.match(r"(examples|docker)/\S+\.(yaml|sh|sbatch)$", word):
+            assert list(ROOT.glob(word)), f"{command.where}: no {word}"
         for extra in re.findall(r"^fsdprun\[(\w+)\]$", word):
             extras = importlib.metadata.metadata("fsdprun").get_all("Provides-Extra")
             assert extra in extras, f"{command.where}: fsdprun[{extra}] is no extra"
@@ -367,6 +372,10 @@ def test_parser_reads_markers_exits_and_continuations(tmp_path):
         ("fsdprun compare llama-8b --nproc-per-node 3 --configs fsdp2   # needs: gpu", "config"),
         ("pip install 'fsdprun[nope]'   # needs: network", "fsdprun[nope] is no extra"),
         ("python scripts/missing.py   # needs: gpu", "no scripts/missing.py"),
+        (
+            "kubectl apply -f examples/kubernetes/nope.yaml   # needs: cluster",
+            "no examples/kubernetes/nope.yaml",
+        ),
         ("fsdprun train debug 'optim.lr=1   # needs: gpu", "unexpected EOF"),
     ],
 )

@@ -19,6 +19,7 @@ from fsdprun.device import BACKENDS, check_nproc, process_group_backend, resolve
 from fsdprun.errors import UserError
 from fsdprun.launch.elastic import build_launch_plan
 from fsdprun.launch.loopback import RDZV_BACKEND
+from fsdprun.launch.rendezvous import NODE_RANK_CONF, NODES_BACKEND
 from fsdprun.models import model_spec
 from fsdprun.report.console import Reporter
 from fsdprun.tools.plan import CPU_FLOPS_PER_CORE, hardware_warnings, plan_memory
@@ -38,9 +39,10 @@ def test_single_node_binds_loopback_and_multi_node_uses_the_given_endpoint(tmp_p
     cfg = load_recipe("debug", over).config
     plan = build_launch_plan(cfg, tmp_path, device_kind="cpu")
     assert plan.config.rdzv_endpoint == "10.1.2.3:29400"
-    assert plan.config.rdzv_backend == "c10d" and plan.config.local_addr is None
+    assert plan.config.rdzv_backend == NODES_BACKEND and plan.config.local_addr is None
     assert plan.env == {}  # multi-node: torch's own choices (see the README)
     assert plan.config.rdzv_configs["is_host"] is False
+    assert plan.config.rdzv_configs[NODE_RANK_CONF] == 1  # node 1 takes group rank 1
     assert (plan.config.min_nodes, plan.config.max_nodes) == (2, 2)
 
 

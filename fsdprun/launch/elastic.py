@@ -38,9 +38,17 @@ from fsdprun.engines.preflight import check_model
 from fsdprun.errors import StorageError, UserError, diagnostic, write_error
 from fsdprun.launch.killed import describe_sigkill, is_sigkill
 from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
-from fsdprun.launch.rendezvous import RendezvousProgress, wait_for_host
+from fsdprun.launch.rendezvous import (
+    NNODES_FROM_CONF,
+    NODE_RANK_CONF,
+    NODES_BACKEND,
+    NodesDisagree,
+    RendezvousProgress,
+    wait_for_host,
+)
+from fsdprun.launch.resume import resolve_auto
 from fsdprun.report.console import MetricsFollower, Reporter
-from fsdprun.report.metrics import MetricsLog
+from fsdprun.report.metrics import MetricsLog, drop_all_steps
 from fsdprun.report.trackers import tracker_folder_errors
 from fsdprun.rundir import (
     RunDirWatch,
@@ -217,6 +225,19 @@ def _set_aside_abandoned(run_dir: Path, resume_from: Path) -> None:
         )
 
 
+def _set_aside_earlier_session(run_dir: Path, cfg: RecipeConfig) -> None:
+    """Before a run trains again from step 0 (`--resume auto` with no complete checkpoint):
+    its incomplete checkpoints moved aside (a save of the same step would move them anyway),
+    and its metrics' step records dropped, the file as it was kept (as an elastic restart
+    without a checkpoint does). TensorBoard drops the earlier steps itself (purge_step)."""
+    moved = set_aside_after(run_dir, 0)
+    kept = drop_all_steps(run_dir / cfg.output.metrics_file)
+    said = [f"{len(moved)} incomplete checkpoint(s) set aside"] if moved else []
+    said += [f"the earlier sessions' metrics kept as {kept.name}"] if kept is not None else []
+    if said:
+        diagnostic("note", "; ".join(said))
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """What `elastic_launch` is given, derived from the recipe (testable without launching)."""
@@ -228,11 +249,12 @@ class LaunchPlan:
 
 def build_launch_plan(
     cfg: RecipeConfig, run_dir: Path, *, device_kind: str, method: str | None = None,
-    endpoint: str | None = None,
+    endpoint: str | None = None, nnodes_from: str = "launch.nnodes",
 ) -> LaunchPlan:  # fmt: skip
     """The elastic agent's configuration; `method` = how workers start (default:
     `start_method(device_kind)`), `endpoint` = launch.rdzv_endpoint with its host resolved
-    (`wait_for_host`; default launch.rdzv_endpoint as it is)."""
+    (`wait_for_host`; default launch.rdzv_endpoint as it is), `nnodes_from` = where
+    launch.nnodes came from (`--nnodes`, a platform's variable), for a message naming it."""
     launch = cfg.launch
     # read_timeout bounds the wait for the rendezvous store itself (an endpoint that never
     # answers), join_timeout the wait for the other nodes.
@@ -241,8 +263,11 @@ def build_launch_plan(
         "read_timeout": launch.rdzv_timeout_s,
     }
     if launch.nnodes > 1:
-        # Node 0 hosts the rendezvous store; the others only connect to it.
-        rdzv_configs["is_host"] = launch.node_rank == 0
+        # Node 0 hosts the rendezvous store; the others only connect to it. fsdprun's
+        # rendezvous checks that the nodes agree and gives node N group rank N
+        # (fsdprun.launch.rendezvous).
+        rdzv_configs.update({"is_host": launch.node_rank == 0, NODE_RANK_CONF: launch.node_rank,
+                             NNODES_FROM_CONF: nnodes_from})  # fmt: skip
     rdzv_configs.update(launch.rdzv_conf)  # the user's --rdzv-conf settles what it names
     # A single node binds the rendezvous to loopback with a free port, and everything else of the
     # run to loopback too (fsdprun.launch.loopback): nothing listens outside.
@@ -256,7 +281,7 @@ def build_launch_plan(
         nproc_per_node=launch.nproc_per_node,
         run_id=launch.rdzv_id,
         role=launch.role,
-        rdzv_backend=RDZV_BACKEND if local else "c10d",
+        rdzv_backend=RDZV_BACKEND if local else NODES_BACKEND,
         rdzv_endpoint=endpoint,
         local_addr=endpoint.rpartition(":")[0] if local else None,
         rdzv_configs=rdzv_configs,
@@ -410,6 +435,8 @@ def _rendezvous_failed(
     cause (a port in use, an endpoint that does not answer); or, once the run had started, the
     store on node 0 that went away with it (exit 1, as the job's other nodes)."""
     endpoint, timeout = cfg.launch.rdzv_endpoint, cfg.launch.rdzv_timeout_s
+    if isinstance(err, NodesDisagree):
+        return UserError(str(err))
     if _attempt_dirs(plan) - attempts_before:
         # The agent keeps talking to the store on node 0 while its workers run: a node 0 that
         # exited or died (its own log says why) ends the run here as well.
@@ -451,12 +478,17 @@ def _hardware_warnings(cfg: RecipeConfig, kind: str) -> list[str]:
 
 
 def launch_training(
-    resolved: ResolvedRecipe, run_dir: Path, *, resume_from: Path | None = None
-) -> dict | None:
+    resolved: ResolvedRecipe, run_dir: Path, *, resume_from: Path | None = None,
+    auto_resume: bool = False, nnodes_from: str = "launch.nnodes",
+) -> dict | None:  # fmt: skip
     """Run the whole job on this node; returns rank 0's summary when it ran here.
 
     A new run gets a fresh run directory; a resumed one (`resume_from`, a complete checkpoint)
-    appends to its run directory.
+    appends to its run directory. `auto_resume` (`train --resume auto`): whatever the run
+    directory holds of this recipe decides, under its lock (`resolve_auto`): a new run, a
+    resume from its newest complete checkpoint, the run again from step 0, or nothing for a
+    finished run. `nnodes_from` names where launch.nnodes came from, for the rendezvous'
+    messages.
 
     Raises:
         UserError: a problem with the recipe or the machine (checked before any worker starts).
@@ -487,10 +519,23 @@ def launch_training(
         # Node 0's name may not resolve yet (a pod not up): wait for it before writing anything.
         endpoint = wait_for_host(cfg.launch.rdzv_endpoint, timeout_s=cfg.launch.rdzv_timeout_s,
                                  write=lambda line: print(line, flush=True))  # fmt: skip
-    # One run per directory: locked before anything is written in it, for the whole run.
+    # One run per directory: locked before anything is written in it, for the whole run (and
+    # before --resume auto reads it: a run still writing would make its choice stale).
     with hold_run_dir(run_dir, node_rank=cfg.launch.node_rank):
+        restart = False
+        if auto_resume:
+            start = resolve_auto(run_dir, resolved)
+            for line in start.notes:
+                diagnostic("note", line)
+            if start.action == "finished":
+                print(start.message, flush=True)
+                return None
+            if start.action == "resume":
+                start.resume.announce(run_dir)
+                resume_from = start.resume.checkpoint.path
+            restart = start.action == "restart"
         return _launch(resolved, run_dir, kind=kind, method=method, resume_from=resume_from,
-                       endpoint=endpoint)  # fmt: skip
+                       endpoint=endpoint, restart=restart, nnodes_from=nnodes_from)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -520,17 +565,21 @@ def check_tracker_folders(cfg: RecipeConfig, run_dir: Path) -> None:
 
 def _launch(
     resolved: ResolvedRecipe, run_dir: Path, *, kind: str, method: str, resume_from: Path | None,
-    endpoint: str | None,
+    endpoint: str | None, restart: bool, nnodes_from: str,
 ) -> dict | None:  # fmt: skip
     cfg = resolved.config
-    if resume_from is None:
+    if resume_from is None and not restart:
         prepare_run_dir(run_dir, resolved)
     else:
         write_recipe(run_dir, resolved)
         if cfg.launch.node_rank == 0:  # one node does it (the run directory is shared)
-            _set_aside_abandoned(run_dir, resume_from)
+            if restart:
+                _set_aside_earlier_session(run_dir, cfg)
+            else:
+                _set_aside_abandoned(run_dir, resume_from)
     watch = RunDirWatch(run_dir)  # the directory this run writes to, and only that one
-    plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method, endpoint=endpoint)
+    plan = build_launch_plan(cfg, run_dir, device_kind=kind, method=method, endpoint=endpoint,
+                             nnodes_from=nnodes_from)  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", str(plan.omp_threads))
     os.environ.update(plan.env)
     if not os.environ.get("FSDPRUN_DEBUG"):

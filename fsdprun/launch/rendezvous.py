@@ -13,6 +13,23 @@ joined of how many (read from the rendezvous state the agents keep in the c10d s
 endpoint, as a second client of that store), how long it has waited and when it gives up.
 `joined()` is what the launcher's one-line timeout message reports.
 
+The rendezvous itself is torch's c10d, under fsdprun's name (`NODES_BACKEND`, registered with
+torch's public handler registry) with two things added, because torch's c10d handler orders
+nodes by arrival order's tie-break (their host name, then process id) and takes each node's own
+count of nodes on trust:
+
+- Each node's launcher publishes its node rank and node count in the rendezvous store before it
+  joins. A node that finds another that disagrees (another node count, or the same node rank)
+  writes one line naming every node's value, closes the rendezvous, and every node fails with
+  that line (exit 2): the store's host (node 0) waits for the others to have read it before it
+  exits. Without it, node 0 said "2 of 2 nodes joined" and the other "2 of 3" or torch's raw
+  "Failed to recv".
+- Once the rendezvous is complete, each node takes its node rank as its rank in the group, so
+  global rank 0 (the rank that writes metrics.jsonl, whose launcher prints the step lines) runs
+  on node 0, as torchrun's static rendezvous promises; torch's c10d put it on whichever node
+  sorted first, node 1 when both ran on hosts of one name. The workers' store stays where torch
+  put it (the node torch ranked first hosts it; every worker connects to it as a client).
+
 Never imports the engines nor the models.
 """
 
@@ -21,18 +38,33 @@ from __future__ import annotations
 import base64
 import contextlib
 import ipaddress
+import json
 import os
 import pickle
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from torch.distributed import TCPStore
+from torch.distributed import Store, TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from fsdprun.errors import UserError
+from fsdprun.launch.flags import named
 
 # torch's c10d rendezvous backend keeps its state under this key plus the run id
 # (torch.distributed.elastic.rendezvous.c10d_rendezvous_backend), base64 of a pickled
@@ -198,3 +230,191 @@ class RendezvousProgress:
             return pickle.loads(base64.b64decode(raw))  # noqa: S301
         except Exception:  # noqa: BLE001 - a store not up yet, going away, or another torch
             return None
+
+
+# ------------------------------------------------------------------------------------------------
+# fsdprun's multi-node rendezvous: torch's c10d, node ranks as given, nodes that agree.
+
+NODES_BACKEND = "fsdprun-c10d"
+# What the launcher adds to the rendezvous configuration (torch's c10d reads none of them).
+NODE_RANK_CONF, NNODES_FROM_CONF = "fsdprun_node_rank", "fsdprun_nnodes_from"
+# How long node 0, which hosts the store, waits for the other nodes to read why the rendezvous
+# closed before it exits (its store goes with it). Each node polls the state about every second.
+VERDICT_WAIT_S = 10.0
+
+
+class NodesDisagree(RendezvousError):
+    """The nodes of one job were started with different node counts, or two with one node rank:
+    one line naming each node's value, which every node says."""
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What one node's launcher was started with, as it publishes it before joining."""
+
+    token: str  # this launcher process, across its rendezvous rounds
+    host: str
+    node_rank: int
+    nnodes: int
+    nnodes_from: str  # how a message names the count's source: PET_NNODES, --nnodes, ...
+
+
+def disagreement(facts: list[NodeFacts]) -> str | None:
+    """One line naming what the nodes disagree on, or None when they agree (so far)."""
+    by_rank = sorted(facts, key=lambda f: (f.node_rank, f.host))
+    if len({f.nnodes for f in facts}) > 1:
+        said = ", ".join(
+            f"node {f.node_rank} has {named(f.nnodes_from, f.nnodes)}" for f in by_rank
+        )
+        return (
+            f"the nodes disagree on the node count: {said}; start every node of the job with "
+            "the same number of nodes"
+        )
+    ranks = [f.node_rank for f in by_rank]
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:
+        hosts = ", ".join(f.host for f in by_rank if f.node_rank == twice[0])
+        return (
+            f"two nodes have node rank {twice[0]} ({hosts}): give each node of the job its own "
+            f"node rank, 0 to {by_rank[0].nnodes - 1}"
+        )
+    return None
+
+
+class NodeRankRendezvous(RendezvousHandler):
+    """torch's c10d rendezvous handler (`inner`), with the nodes' agreement checked and node ranks
+    as group ranks (see the module's docstring).
+
+    Args:
+        inner: torch's c10d handler.
+        store: the rendezvous store (node 0 hosts it), where the nodes publish their facts.
+        facts: this node's.
+        is_host: this node hosts the store.
+    """
+
+    def __init__(self, inner: RendezvousHandler, store: Store, *, facts: NodeFacts, is_host: bool):
+        self._inner, self._store, self._facts, self._is_host = inner, store, facts, is_host
+        self._key = f"fsdprun/{inner.get_run_id()}/"
+
+    def get_backend(self) -> str:
+        return NODES_BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        with _store_errors():
+            self._publish()
+            problem = disagreement(self._published())
+            if problem is not None:
+                # This node found it: every other node learns it from the store (the rendezvous
+                # closed: each one's join fails, and it reads why).
+                self._store.set(self._key + "verdict", problem)
+                self._inner.set_closed()
+                self._leave(problem)
+        try:
+            info = self._inner.next_rendezvous()
+        except RendezvousClosedError:
+            verdict = self._verdict()
+            if verdict is None:
+                raise
+            self._leave(verdict)
+        with _store_errors():
+            facts = self._published()
+        ranks = sorted(f.node_rank for f in facts)
+        problem = disagreement(facts)
+        if problem is None and ranks != list(range(info.world_size)):
+            problem = (
+                f"the {info.world_size} nodes that joined have node ranks {ranks}: give each "
+                f"node its own node rank, 0 to {info.world_size - 1}"
+            )
+        if problem is not None:
+            raise NodesDisagree(problem)
+        if not self.use_agent_store:
+            # Worker rank 0 then hosts the workers' store on the address torch published for
+            # the node it ranked first (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): keep its order.
+            return info
+        return RendezvousInfo(
+            info.store, self._facts.node_rank, info.world_size, info.bootstrap_store_info
+        )
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._inner.shutdown()
+
+    def _publish(self) -> None:
+        # A slot of its own (`add` hands out each number once), read by every node.
+        slot = self._store.add(self._key + "count", 1)
+        self._store.set(f"{self._key}node/{slot}", json.dumps(asdict(self._facts)))
+
+    def _published(self) -> list[NodeFacts]:
+        """Every node's facts, the latest of each launcher (a restart publishes again)."""
+        count = self._store.add(self._key + "count", 0)
+        keys = [f"{self._key}node/{slot}" for slot in range(1, count + 1)]
+        found = {}
+        for raw in self._store.multi_get(keys) if keys else []:
+            facts = NodeFacts(**json.loads(raw))
+            found[facts.token] = facts
+        return list(found.values())
+
+    def _verdict(self) -> str | None:
+        """Why another node closed the rendezvous, if it wrote why (None: it did not, or the
+        store is gone)."""
+        key = self._key + "verdict"
+        try:
+            return self._store.get(key).decode() if self._store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store went away: torch's own error says so
+            return None
+
+    def _leave(self, problem: str) -> None:
+        """Raise the disagreement, once the other nodes have read it if this node hosts the
+        store (it goes away with this process)."""
+        with contextlib.suppress(Exception):  # a store gone takes nothing from the message
+            if not self._is_host:
+                self._store.add(self._key + "read", 1)
+            else:
+                others = len(self._published()) - 1
+                deadline = time.monotonic() + VERDICT_WAIT_S
+                read = self._key + "read"
+                while self._store.add(read, 0) < others and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        raise NodesDisagree(problem)
+
+
+@contextlib.contextmanager
+def _store_errors():
+    """A failure of the rendezvous store (its host gone) as torch's handler reports one."""
+    try:
+        yield
+    except RendezvousError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the store's errors are RuntimeError subclasses
+        raise RendezvousConnectionError(f"the rendezvous store failed: {e}") from e
+
+
+def _create_nodes_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's c10d handler (as torch's registry creates it for "c10d"), wrapped."""
+    backend, store = create_backend(params)
+    inner = create_handler(store, backend, params)
+    node_rank = params.get_as_int(NODE_RANK_CONF, 0) or 0
+    facts = NodeFacts(
+        token=uuid.uuid4().hex, host=socket.gethostname(), node_rank=node_rank,
+        nnodes=params.max_nodes, nnodes_from=params.get(NNODES_FROM_CONF, "launch.nnodes"),
+    )  # fmt: skip
+    is_host = bool(params.get_as_bool("is_host", node_rank == 0))
+    return NodeRankRendezvous(inner, store, facts=facts, is_host=is_host)
+
+
+rendezvous_handler_registry.register(NODES_BACKEND, _create_nodes_handler)

@@ -10,22 +10,30 @@ base must be the one it was trained on (its fingerprint, `fsdprun.checkpoint.fin
 a changed base is refused unless --accept-base-change, a missing one names --base PATH (a copy
 elsewhere, checked the same way).
 
+`fsdprun train RECIPE --resume auto` (`resolve_auto`) is the command a job runs every time it
+starts, whatever it left behind: a new run in an empty run directory; the run continued from its
+newest complete checkpoint, by the rules above, with the command's recipe as the resumed one; or,
+where no checkpoint is complete, the run started again from step 0 (the earlier session's
+metrics kept); nothing at all for a finished run. It refuses a run directory that holds another
+recipe: a key that a resume could not change differs from RUN_DIR/recipe.yaml's.
+
 Never imports the engines nor the models: it reads the run's folder and launches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint
+from fsdprun.checkpoint import CheckpointStatus, find_resume_checkpoint, list_checkpoints
 from fsdprun.checkpoint.fingerprint import ACCEPT_FLAG, compare_base, refusal
 from fsdprun.checkpoint.manifest import lora_base
 from fsdprun.config import RecipeConfig, ResolvedRecipe, config_to_dict, load_recipe, validate
 from fsdprun.config.layout import Layout
 from fsdprun.data.preflight import check_data
-from fsdprun.errors import UserError
-from fsdprun.rundir import RECIPE_FILE, recipe_name, recipe_path
+from fsdprun.errors import UserError, diagnostic
+from fsdprun.report.metrics import integer, read_events, run_state
+from fsdprun.rundir import RECIPE_FILE, checkpoint_root, metrics_path, recipe_name, recipe_path
 from fsdprun.train.optim import lr_factor
 
 # Keys (or prefixes) a resumed run may change. `parallel.`: DCP saved every tensor-parallel
@@ -43,6 +51,20 @@ class ResolvedResume:
     checkpoint: CheckpointStatus
     skipped: list[CheckpointStatus]
     notes: list[str]
+
+    def announce(self, run_dir: Path) -> None:
+        """What a resume says before it launches: the checkpoints it skipped, its notes, and
+        the checkpoint it continues from."""
+        for bad in self.skipped:
+            diagnostic("warning", f"skipping incomplete checkpoint {bad.path}: {bad.reason}")
+        for note in self.notes:
+            diagnostic("note", note)
+        print(
+            f"resuming {run_dir} from {self.checkpoint.path.name} (step {self.checkpoint.step}, "
+            f"saved on {self.checkpoint.manifest['world_size']} ranks) on "
+            f"{self.resolved.config.world_size} ranks",
+            flush=True,
+        )
 
 
 def _flat(d: dict) -> dict[str, object]:
@@ -197,14 +219,13 @@ def resolve_resume(
     if errors:
         raise UserError("; ".join(errors))
 
-    saved = _flat(checkpoint.manifest["recipe"])
-    for key, value in _flat(config_to_dict(cfg)).items():
-        if key.startswith(RESUMABLE) or key not in saved or saved[key] == value:
-            continue
-        if base is not None and key == "model.hf_path":  # --base: checked above
-            continue
+    # --base: model.hf_path was checked above.
+    changed = _changed_key(checkpoint.manifest["recipe"], cfg,
+                           allowed=("model.hf_path",) if base is not None else ())  # fmt: skip
+    if changed is not None:
+        key, old, new = changed
         raise UserError(
-            f"resume cannot change {key} ({saved[key]!r} -> {value!r}): the checkpoint holds a "
+            f"resume cannot change {key} ({old!r} -> {new!r}): the checkpoint holds a "
             "different run; start a new run with checkpoint.load_from="
             f"{checkpoint.path} to start from its weights"
         )
@@ -213,17 +234,132 @@ def resolve_resume(
             f"{checkpoint.path.name} is already at step {checkpoint.step} of train.steps="
             f"{cfg.train.steps}; pass train.steps=N (N > {checkpoint.step}) to train further"
         )
-    saved_steps = saved.get("train.steps", cfg.train.steps)
+    note = _schedule_note(checkpoint, cfg)
+    notes += [note] if note else []
+    return ResolvedResume(resolved, checkpoint, skipped, notes)
+
+
+def _changed_key(
+    saved: dict, cfg: RecipeConfig, *, allowed: tuple[str, ...] = ()
+) -> tuple[str, object, object] | None:
+    """The first key a resume may not change (not RESUMABLE) whose value differs between the
+    `saved` recipe (as config_to_dict gives it) and `cfg`: (key, saved value, new value)."""
+    before = _flat(saved)
+    for key, value in _flat(config_to_dict(cfg)).items():
+        if key.startswith(RESUMABLE) or key in allowed or key not in before:
+            continue
+        if before[key] != value:
+            return key, before[key], value
+    return None
+
+
+def _schedule_note(checkpoint: CheckpointStatus, cfg: RecipeConfig) -> str | None:
+    """A note when the resumed run's train.steps is not the checkpoint's: the decay spans
+    train.steps, so another length is another schedule from here on."""
+    saved_steps = _flat(checkpoint.manifest["recipe"]).get("train.steps", cfg.train.steps)
     before, after = (
         cfg.optim.lr * lr_factor(checkpoint.step, cfg=cfg.schedule, total_steps=total)
         for total in (saved_steps, cfg.train.steps)
     )
-    if before != after:
-        # The decay spans train.steps: another length is another schedule from here on.
-        how = "stretches" if cfg.train.steps > saved_steps else "shortens"
-        notes.append(
-            f"train.steps {saved_steps} -> {cfg.train.steps} {how} the "
-            f"{cfg.schedule.decay.value} schedule: the learning rate of step "
-            f"{checkpoint.step + 1} is {after:.3g} (it was {before:.3g})"
+    if before == after:
+        return None
+    how = "stretches" if cfg.train.steps > saved_steps else "shortens"
+    return (
+        f"train.steps {saved_steps} -> {cfg.train.steps} {how} the "
+        f"{cfg.schedule.decay.value} schedule: the learning rate of step "
+        f"{checkpoint.step + 1} is {after:.3g} (it was {before:.3g})"
+    )
+
+
+@dataclass
+class AutoStart:
+    """What `fsdprun train --resume auto` does with its run directory.
+
+    Attributes:
+        action: "start" (a new run), "resume" (from `resume.checkpoint`), "restart" (from step
+            0: the run directory holds a run of this recipe without a complete checkpoint) or
+            "finished" (nothing left to train: `message` says why).
+        resume: the resumed run, for "resume".
+        notes: what the launcher says before it launches.
+    """
+
+    action: str
+    resume: ResolvedResume | None = None
+    notes: list[str] = field(default_factory=list)
+    message: str = ""
+
+
+def resolve_auto(run_dir: Path, resolved: ResolvedRecipe) -> AutoStart:
+    """How `fsdprun train RECIPE --resume auto` goes on in `run_dir` (see the module's docstring).
+
+    `resolved` is the command's recipe, checked for its world: a resume takes it as it is (the
+    rules of `resolve_resume` against the checkpoint), and nothing is re-fitted. Every node of a
+    multi-node job decides alike from the same folder: nothing here writes.
+
+    Raises:
+        UserError: `run_dir` holds a run of another recipe, a run without its recipe.yaml, or a
+            checkpoint whose LoRA base is missing or changed.
+    """
+    cfg = resolved.config
+    if not recipe_path(run_dir).is_file():
+        if checkpoint_root(run_dir).exists() or metrics_path(run_dir).exists():
+            raise UserError(
+                f"{run_dir} holds a run without its {RECIPE_FILE}, which --resume auto compares "
+                "with the recipe; choose another --run-dir"
+            )
+        return AutoStart("start")
+    saved = load_recipe(str(recipe_path(run_dir)), check=False).config
+    changed = _changed_key(config_to_dict(saved), cfg)
+    if changed is not None:
+        key, old, new = changed
+        raise UserError(
+            f"{run_dir} holds a run of another recipe ({key}: {old!r} there, {new!r} here); "
+            "choose another --run-dir, or continue that run with `fsdprun resume "
+            f"{run_dir}`"
         )
-    return ResolvedResume(resolved, checkpoint, skipped, notes)
+    statuses = list_checkpoints(run_dir)
+    if not statuses and not metrics_path(run_dir).exists():
+        return AutoStart("start")  # nothing trained yet (another node may have just begun it)
+    finished = _finished_steps(run_dir)
+    if finished is not None and finished >= cfg.train.steps:
+        return AutoStart("finished", message=(
+            f"{run_dir} finished its {finished} steps; nothing to train (train.steps=N, N > "
+            f"{finished}, trains further)"
+        ))  # fmt: skip
+    complete = [s for s in statuses if s.complete]
+    if not complete:
+        incomplete = f" ({len(statuses)} incomplete)" if statuses else ""
+        return AutoStart("restart", notes=[
+            f"{run_dir} holds no complete checkpoint{incomplete}: training again from step 0"
+        ])  # fmt: skip
+    checkpoint = complete[-1]
+    if checkpoint.step >= cfg.train.steps:
+        return AutoStart("finished", message=(
+            f"{run_dir} is at step {checkpoint.step} ({checkpoint.path.name}) of train.steps="
+            f"{cfg.train.steps}; nothing to train (train.steps=N, N > {checkpoint.step}, trains "
+            "further)"
+        ))  # fmt: skip
+    skipped = [s for s in statuses if not s.complete and s.step > checkpoint.step]
+    notes = []
+    note = _check_base(checkpoint, config_to_dict(cfg), accept_change=False, verify=False)
+    notes += [note] if note else []
+    changed = _changed_key(checkpoint.manifest["recipe"], cfg)
+    if changed is not None:
+        key, old, new = changed
+        raise UserError(
+            f"{checkpoint.path} holds a run of another recipe ({key}: {old!r} there, {new!r} "
+            "here); choose another --run-dir"
+        )
+    note = _schedule_note(checkpoint, cfg)
+    notes += [note] if note else []
+    return AutoStart("resume", resume=ResolvedResume(resolved, checkpoint, skipped, notes))
+
+
+def _finished_steps(run_dir: Path) -> int | None:
+    """train.steps of the run's last session when that session finished (its summary written),
+    else None: a run that saves no final checkpoint is finished all the same."""
+    events = read_events(metrics_path(run_dir))
+    if run_state(events, running=False) != "finished":
+        return None
+    start = next(e for e in reversed(events) if e["event"] == "start")
+    return integer(start.get("steps"))

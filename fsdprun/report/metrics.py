@@ -233,9 +233,24 @@ def drop_steps_after(path: Path, step: int, *, attempt: int) -> None:
     """Before restart `attempt` replays the steps after `step` (its checkpoint), drop their
     records so that each step is logged once. The file as it was is kept as
     metrics.attempt-(N-1).jsonl."""
+    _drop_steps_after(path, step, kept=path.with_name(f"{path.stem}.attempt-{attempt - 1}.jsonl"))
+
+
+def drop_all_steps(path: Path) -> Path | None:
+    """Before a new session trains a run again from step 0 (`train --resume auto` over a run
+    with no complete checkpoint), drop the step records of the earlier sessions, as an elastic
+    restart without a checkpoint does. The file as it was is kept as metrics.earlier-N.jsonl
+    (the first free N), whose path this returns (None: no file yet)."""
+    n = 1
+    while (kept := path.with_name(f"{path.stem}.earlier-{n}.jsonl")).exists():
+        n += 1
+    return kept if _drop_steps_after(path, 0, kept=kept) else None
+
+
+def _drop_steps_after(path: Path, step: int, *, kept: Path) -> bool:
     if not path.exists():
-        return
-    shutil.copyfile(path, path.with_name(f"{path.stem}.attempt-{attempt - 1}.jsonl"))
+        return False
+    shutil.copyfile(path, kept)
     replayed = ("step", "checkpoint", "skip", "eval")
     keep = [
         e for e in read_events(path)
@@ -244,3 +259,4 @@ def drop_steps_after(path: Path, step: int, *, attempt: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(e) + "\n" for e in keep))
     tmp.replace(path)
+    return True

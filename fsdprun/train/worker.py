@@ -149,7 +149,7 @@ def run(
         **_store_args(ranks, timeout),
     )
     try:
-        _check_same_recipe(cfg)
+        _check_same_start(cfg, resume_from if restart_count() == 0 else None)
         summary = _train(
             cfg, run_dir, ranks, device, render=render, recipe_name=recipe_name,
             resume_from=resume_from,
@@ -202,18 +202,27 @@ def _set_threads() -> None:
         torch.set_num_threads(int(threads))
 
 
-def _check_same_recipe(cfg: RecipeConfig) -> None:
-    """Every rank must train the same recipe (nodes each read their own RUN_DIR/recipe.yaml)."""
+def _check_same_start(cfg: RecipeConfig, resume_from: Path | None) -> None:
+    """Every rank must train the same recipe (nodes each read their own RUN_DIR/recipe.yaml) from
+    the same checkpoint (each node's launcher chose it in the RUN_DIR it sees: `train --resume
+    auto` on nodes whose run directories are not one shared folder could choose differently)."""
     data = config_to_dict(cfg)
     # These differ between nodes by design.
     del data["launch"]["node_rank"], data["output"]["run_dir"]
     digest = hashlib.sha256(repr(data).encode()).hexdigest()[:16]
-    digests: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    if len(set(digests)) > 1:
+    step = read_manifest(resume_from)["step"] if resume_from is not None else 0
+    starts: list[tuple[str, int]] = [("", 0)] * dist.get_world_size()
+    dist.all_gather_object(starts, (digest, step))
+    if len({d for d, _ in starts}) > 1:
         raise RuntimeError(
-            f"ranks were given different recipes (digests {sorted(set(digests))}); start every "
-            "node with the same recipe and overrides"
+            f"ranks were given different recipes (digests {sorted({d for d, _ in starts})}); "
+            "start every node with the same recipe and overrides"
+        )
+    if len({s for _, s in starts}) > 1:
+        raise UserError(
+            f"the nodes would start from different steps ({sorted({s for _, s in starts})}: "
+            "each node's run directory holds other checkpoints); put the run directory on a "
+            "volume every node mounts"
         )
 
 
