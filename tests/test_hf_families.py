@@ -236,6 +236,26 @@ def test_packed_rows_take_each_documents_own_rope_factors(
     _assert_losses(run, _reference_losses(folder, *rows), (family, rope_type))
 
 
+def test_per_document_longrope_compiles_to_one_graph(tmp_path):
+    """transformers' longrope compiles to one graph (`compile.per_block=false
+    compile.fullgraph=true`), and so do fsdprun's per-document factors, which every forward of
+    such a folder takes: plain and packed rows, the eager logits (dynamo's eager backend: the
+    graph, not Inductor's code)."""
+    from hf_families import rope_scaling, save_tiny_hf
+
+    folder = save_tiny_hf("phi3", tmp_path / "phi3", **rope_scaling("longrope", 32))
+    model = HFCausalLM.from_folder(folder).eval()
+    lengths = (40, 24)
+    tokens = torch.randint(3, 256, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    for rows in ({}, {"positions": positions, "doc_ids": doc_ids}):
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+        with torch.no_grad():
+            assert torch.equal(compiled(tokens, **rows), model(tokens, **rows))
+
+
 def _assert_losses(run, expected: list[float], what) -> None:
     assert len(run.losses) == STEPS
     diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))

@@ -21,7 +21,6 @@ inputs that follow; here every document gets the factors of its own length.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 
 import torch
@@ -156,7 +155,7 @@ class _RotaryByDocument:
             values = clamped.unique().tolist()  # a CPU-GPU sync, as transformers' own update
         return [(v, clamped == v) for v in values]
 
-    def _at(self, seq_len: int, kind: str, layer_type, device) -> nn.Module:
+    def _at(self, seq_len: int, kind: str, layer_type, device) -> _StandIn:
         """A stand-in of the module holding the rope type's frequencies and attention scaling
         for inputs of `seq_len` tokens (transformers' init function of the type, as its
         `dynamic_rope_update` calls it)."""
@@ -170,7 +169,18 @@ class _RotaryByDocument:
             )
         inv_freq, scaling = self.tables[key]
         prefix = "" if layer_type is None else f"{layer_type}_"
-        stand_in = copy.copy(self.module)  # the same class and attributes; its own buffers
-        stand_in._buffers = {**self.module._buffers, f"{prefix}inv_freq": inv_freq}
-        setattr(stand_in, f"{prefix}attention_scaling", scaling)
-        return stand_in
+        return _StandIn(self.module, {f"{prefix}inv_freq": inv_freq,
+                                      f"{prefix}attention_scaling": scaling})  # fmt: skip
+
+
+class _StandIn:
+    """The rotary module as its forward reads it, with some attributes replaced: a plain
+    object, not a copy of the module (torch.compile traces it, and does not trace copying a
+    module)."""
+
+    def __init__(self, module: nn.Module, replaced: dict):
+        self._module = module
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
