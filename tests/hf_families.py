@@ -122,3 +122,31 @@ def save_chat_tokenizer(chat: ChatTokens, path: Path) -> None:
         "chat_template": (TEMPLATES / chat.template).read_text(),
     }  # fmt: skip
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+def rope_scaling(rope_type: str, threshold: int) -> dict:
+    """Config fields of rope scaling `rope_type` (head_dim 16: 8 factors) whose factors change at
+    `threshold` tokens, as transformers reads them: longrope's short factors up to
+    original_max_position_embeddings, its long ones past it; dynamic NTK's base scaled past
+    max_position_embeddings; yarn's factors fixed (original_max_position_embeddings only
+    places its ramp). With weights of 5 x the default spread (initializer_range 0.1), so that
+    the factors move a loss by 1e-4 and more, well past the tests' 1e-5 (at 0.02, 1e-5)."""
+    return {"initializer_range": 0.1, **_rope_fields(rope_type, threshold)}
+
+
+def _rope_fields(rope_type: str, threshold: int) -> dict:
+    if rope_type == "longrope":
+        params = {"short_factor": [1.0 + 0.1 * i for i in range(8)],
+                  "long_factor": [1.0 + 0.8 * i for i in range(8)], "factor": 4.0,
+                  "original_max_position_embeddings": threshold}  # fmt: skip
+        # Phi-3 reads the original length from its own key before rope_parameters'.
+        return {"max_position_embeddings": 4 * threshold,
+                "original_max_position_embeddings": threshold,
+                "rope_parameters": {"rope_type": "longrope", **params}}  # fmt: skip
+    if rope_type == "dynamic":
+        return {"max_position_embeddings": threshold,
+                "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}  # fmt: skip
+    assert rope_type == "yarn", rope_type
+    return {"max_position_embeddings": 2 * threshold,
+            "rope_parameters": {"rope_type": "yarn", "factor": 2.0,
+                                "original_max_position_embeddings": threshold}}  # fmt: skip

@@ -26,6 +26,7 @@ from fsdprun.config.layout import Layout
 from fsdprun.errors import UserError
 
 FOUR = ["launch.nproc_per_node=4"]
+DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
 
 
 def errors_of(*overrides: str) -> list[str]:
@@ -396,6 +397,39 @@ def test_hf_llama_folder_trains_as_one_rank(pools, tmp_path, monkeypatch):
     hf = (f"model.hf_path={folder}", "model.vocab_size=257")
     cp = pools[4].train(*COMMON, *hf, "parallel.cp=2")
     _assert_same(cp, pools[1].train(*COMMON, *hf), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("rope_type", "rows"),
+    [("longrope", ()), ("dynamic", ()), ("yarn", ()),
+     ("longrope", ("data.source=chat", f"data.paths=[{DATA / 'chat.jsonl'}]",
+                   f"data.tokenizer={DATA / 'tiny-llama-hf'}", "data.truncate=truncate",
+                   "train.seq_len=160"))],
+    ids=["longrope", "dynamic", "yarn", "longrope-packed"],
+)  # fmt: skip
+def test_hf_rope_scaling_takes_the_whole_rows_factors(rope_type, rows, gloo_pool, pools, tmp_path):
+    """An HF Llama folder whose rope factors change at 48 tokens (longrope's short and long
+    factors, dynamic NTK's base; yarn's are fixed) under cp 2: every rank takes the factors one
+    rank takes for the whole 64-token row, though cp rank 0 holds positions 0..31 only, and
+    packed chat rows (160 tokens: 80 a rank) those of each conversation's whole length: the
+    losses, gradient norms and parameters of one rank (1e-5). Before, each rank chose from the
+    positions of its slice: rank 0 the short factors (the unscaled base; 2.3e-2 off at step 1
+    for longrope). longrope's plain rows (the issue's case) through `fsdprun train`, the rest
+    in the session's 2-rank group."""
+    from hf_families import rope_scaling, save_tiny_hf
+
+    threshold = 64 if rows else 48  # packed: among the conversations' lengths (52 to 88)
+    folder = save_tiny_hf("llama", tmp_path / "hf", vocab_size=257,
+                          **rope_scaling(rope_type, threshold))  # fmt: skip
+    hf = (*COMMON, f"model.hf_path={folder}", *rows, "checkpoint.every_steps=3")
+    if rope_type == "longrope" and not rows:
+        proc = run_fsdprun("train", "debug", *hf, "parallel.cp=2", "--nproc-per-node", "2",
+                           "--run-dir", str(tmp_path / "cp"), cwd=tmp_path)  # fmt: skip
+        cp = Run(proc, tmp_path / "cp").check()
+    else:
+        cp = gloo_pool.train(*hf, "parallel.cp=2")
+    assert cp.start["mesh"] == [["dp_shard", 1], ["cp", 2]], cp.start
+    _assert_same(cp, pools[1].train(*hf), tmp_path)
 
 
 def _stopped_at_2(run, tmp_path: Path) -> Path:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import consolidate
+from conftest import Run, consolidate, run_fsdprun
 from hf_families import FAMILIES
 from typer.testing import CliRunner
 
@@ -72,9 +72,19 @@ def _forward(model, batch) -> torch.Tensor:
     rows = []
     for tokens, docs in zip(batch.inputs, batch.doc_ids, strict=True):
         lengths = torch.unique_consecutive(docs, return_counts=True)[1].tolist()
-        rows.append(torch.cat([model(input_ids=doc[None]).logits[0]
-                               for doc in tokens.split(lengths)]))  # fmt: skip
+        rows.append(torch.cat([_alone(model, doc) for doc in tokens.split(lengths)]))
     return torch.stack(rows)
+
+
+def _alone(model, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' logits of one document, as a fresh model gives them: its `dynamic` rope
+    keeps the longest input it has seen (a cache for generation) and would apply it to the
+    shorter documents after."""
+    rotary = model.get_decoder().rotary_emb
+    if getattr(rotary, "rope_type", None) == "dynamic":
+        rotary.max_seq_len_cached = rotary.original_max_seq_len
+        rotary.inv_freq = rotary.original_inv_freq.clone()
+    return model(input_ids=tokens[None]).logits[0]
 
 
 def _reference_losses(
@@ -192,6 +202,58 @@ def test_training_equals_transformers_on_1_and_2_ranks(
     assert runs["packed"].start["mesh"] == [["replicate", 2], ["shard", 1]], runs["packed"].start
     assert runs["padded"].start["activation_checkpointing"] == "full (2 blocks)"
     assert runs["padded"].start["grad_accum_steps"] == 4
+
+
+@pytest.mark.parametrize(("family", "rope_type"), [("phi3", "longrope"), ("llama", "dynamic")])
+def test_packed_rows_take_each_documents_own_rope_factors(
+    family, rope_type, gloo_pool, single_turn_chats, tmp_path
+):
+    """A folder whose rope factors transformers chooses from the input's length (Phi-3's
+    longrope: the short or the long factors; dynamic NTK: the base), changing at 64 tokens,
+    among the conversations' 52 to 88: packed rows of 160 tokens train on 2 ranks as
+    transformers trains each conversation alone (1e-5 at every step), each with the factors of
+    its own length. Before, the row's length chose for all of them: the long factors (the
+    scaled base) for a short conversation packed beside another (1.2e-2 off). Phi-3 (the
+    issue's case) through `fsdprun train`, dynamic in the session's 2-rank group."""
+    from hf_families import rope_scaling, save_tiny_hf
+
+    folder = save_tiny_hf(family, tmp_path / family, vocab_size=257,
+                          **rope_scaling(rope_type, 64))  # fmt: skip
+    rows = (*CHAT, f"data.paths=[{single_turn_chats}]", "data.pack=true")
+    cfg = load_recipe("debug", [f"model.hf_path={folder}", *rows]).config
+    data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=160, seed=0)
+    doc_ids = load_batch(data, range(cfg.train.global_batch_size), "cpu").doc_ids
+    sizes = [torch.bincount(row[row >= 0]) for row in doc_ids]
+    # A row packs a conversation within 64 tokens beside one past them.
+    assert any(n.min() <= 64 < n.max() for n in sizes), sizes
+    overrides = (*TRAIN, f"model.hf_path={folder}", *rows, "checkpoint.save_final=false")
+    if rope_type == "longrope":
+        proc = run_fsdprun("train", "debug", *overrides, "--nproc-per-node", "2", "--run-dir",
+                           str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
+        run = Run(proc, tmp_path / "run").check()
+    else:
+        run = gloo_pool.train(*overrides)
+    _assert_losses(run, _reference_losses(folder, *rows), (family, rope_type))
+
+
+def test_per_document_longrope_compiles_to_one_graph(tmp_path):
+    """transformers' longrope compiles to one graph (`compile.per_block=false
+    compile.fullgraph=true`), and so do fsdprun's per-document factors, which every forward of
+    such a folder takes: plain and packed rows, the eager logits (dynamo's eager backend: the
+    graph, not Inductor's code)."""
+    from hf_families import rope_scaling, save_tiny_hf
+
+    folder = save_tiny_hf("phi3", tmp_path / "phi3", **rope_scaling("longrope", 32))
+    model = HFCausalLM.from_folder(folder).eval()
+    lengths = (40, 24)
+    tokens = torch.randint(3, 256, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    for rows in ({}, {"positions": positions, "doc_ids": doc_ids}):
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+        with torch.no_grad():
+            assert torch.equal(compiled(tokens, **rows), model(tokens, **rows))
 
 
 def _assert_losses(run, expected: list[float], what) -> None:

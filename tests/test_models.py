@@ -195,7 +195,7 @@ def test_the_built_in_and_hf_models_keep_the_model_contract_and_their_family_ent
         assert model_facts(cfg).entry is entry
         assert model.lora_groups() == entry.lora_groups()
         assert model_spec(cfg).tp_plan(cfg) is entry.tp_plan
-        assert len(model.cp_attention_modules()) == 2  # both declare cp_attention
+        assert len(model.cp_attention_modules(index=0, count=2)) == 2  # both declare cp_attention
         names = dict(model.named_modules())
         assert {*entry.stages.first, entry.stages.blocks, *entry.stages.last} <= set(names)
     assert family_entry("toy") is UNDECLARED and not UNDECLARED.cp_attention

@@ -11,7 +11,9 @@ the kv heads that those query heads read under grouped-query attention); attenti
 whole rows with whatever kernel and mask the model uses (SDPA's causal, the dense or
 FlexAttention mask of packed rows, built from the whole row's document ids); a second all-to-all
 gives each rank its slice of every head back. The rotary positions are those of the slice
-(`positions` cut from the whole row's), applied before the exchange.
+(`positions` cut from the whole row's), applied before the exchange; the model is told which slice
+it holds (`cp_attention_modules`), so that rope types whose factors depend on the length (an HF
+folder's longrope or dynamic) take the whole row's documents' (`fsdprun.models.rope`).
 
 The ring (`ring_attention`) keeps every head and this rank's queries: the keys and values of each
 cp rank's slice go round the group (cp - 1 sends), and each rank computes its queries' attention
@@ -284,7 +286,7 @@ def apply_cp(model: nn.Module, *, mesh: DeviceMesh, impl: str = "alltoall") -> i
         UserError: the model's attention has not been verified under context parallel (the
             launcher refuses it first; a rank started by torchrun or srun here).
     """
-    modules = model.cp_attention_modules()
+    modules = model.cp_attention_modules(index=mesh.get_local_rank(), count=mesh.size())
     if not modules:
         raise UserError(
             f"parallel.cp={mesh.size()}: {model.family_name}'s attention has not been verified "

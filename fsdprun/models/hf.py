@@ -28,6 +28,7 @@ from fsdprun.errors import UserError
 from fsdprun.families import HF_FAMILY, Family, TPPlan, family_entry
 from fsdprun.models import ModelArgs, ModelSpec
 from fsdprun.models.attention import document_causal_mask
+from fsdprun.models.rope import DocumentRope
 
 if TYPE_CHECKING:
     from fsdprun.config import ModelConfig
@@ -196,7 +197,12 @@ class HFCausalLM(nn.Module):
         self.args = args_from_hf_config(hf_model.config)
         self.windows = attention_windows(hf_model.config)
         self.additive_mask = hf_family(hf_model.config).attn_implementation == "eager"
-        self.cp = False  # context parallel: set by `cp_attention_modules`
+        # Context parallel: this rank holds slice `index` of `count` of each row
+        # (`cp_attention_modules`).
+        self.row_slice = (0, 1)
+        # Rope types whose factors transformers chooses from the input's length (longrope,
+        # dynamic) take them per document, at its length in the whole row (`models.rope`).
+        self.document_rope = DocumentRope(hf_model)
         # A mixture of experts whose config.json enables the router's auxiliary loss
         # (`output_router_logits`, router_aux_loss_coef > 0): each forward keeps
         # coef x transformers' own load-balancing loss of its router logits in `router_aux_loss`,
@@ -284,7 +290,8 @@ class HFCausalLM(nn.Module):
             return self.hf.get_output_embeddings()(hidden)
         if head is None:
             inputs = self._inputs(tokens, positions=positions, doc_ids=doc_ids)
-            return self.hf(**inputs, use_cache=False).logits
+            with self._documents(tokens, doc_ids):
+                return self.hf(**inputs, use_cache=False).logits
         hidden = self.forward_hidden(tokens, positions=positions, doc_ids=doc_ids)
         return head(hidden, self.output_weight())
 
@@ -297,7 +304,8 @@ class HFCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The decoder's last hidden states, the input of the output projection."""
         inputs = self._inputs(tokens, positions=positions, doc_ids=doc_ids)
-        out = self.hf.get_decoder()(**inputs, use_cache=False, **self._router_kwargs())
+        with self._documents(tokens, doc_ids):
+            out = self.hf.get_decoder()(**inputs, use_cache=False, **self._router_kwargs())
         self._keep_router_aux_loss(out, doc_ids)
         return out.last_hidden_state
 
@@ -319,8 +327,14 @@ class HFCausalLM(nn.Module):
         )
         self.router_aux_loss = self.router_aux_coef * aux
 
+    def _documents(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None):
+        """The rotary factors of each token's document in the whole row, for one forward."""
+        index, count = self.row_slice
+        local = tokens.shape[1]
+        return self.document_rope.documents(doc_ids, local=local, index=index, count=count)
+
     def _inputs(self, tokens, *, positions, doc_ids) -> dict:
-        if self.cp and doc_ids is None:
+        if self.row_slice[1] > 1 and doc_ids is None:
             # Context parallel's plain rows: this rank's slice at its positions, and no mask:
             # SDPA's is_causal then applies to the whole rows the all-to-all gathers (a mask
             # made here would be the slice's). Packed rows bring the whole row's doc_ids.
@@ -353,17 +367,18 @@ class HFCausalLM(nn.Module):
         """`lora.targets` groups: the family's attention and MLP Linear names (`HF_FAMILIES`)."""
         return hf_family(self.hf.config).lora_groups()
 
-    def cp_attention_modules(self) -> list[nn.Module]:
-        """Each decoder layer's self_attn, made ready for context parallel: transformers then
-        calls fsdprun's attention implementation (`CP_ATTENTION`), which calls the module's
-        `attend` (transformers' SDPA, which the all-to-all wraps); [] for a model type whose
-        attention is not exact under context parallel (`Family.cp_attention`: tests/test_cp.py
-        against one rank)."""
+    def cp_attention_modules(self, *, index: int, count: int) -> list[nn.Module]:
+        """Each decoder layer's self_attn, made ready for context parallel, where this rank
+        holds slice `index` of `count` of each row: transformers then calls fsdprun's attention
+        implementation (`CP_ATTENTION`), which calls the module's `attend` (transformers' SDPA,
+        which the all-to-all wraps), and the rotary factors that depend on a document's length
+        come from the whole row's; [] for a model type whose attention is not exact under
+        context parallel (`Family.cp_attention`: tests/test_cp.py against one rank)."""
         if not hf_family(self.hf.config).cp_attention:
             return []
         _register_cp_attention()
         self.hf.config._attn_implementation = CP_ATTENTION
-        self.cp = True
+        self.row_slice = (index, count)
         modules = [self.get_submodule(f"{path}.self_attn") for path in self.block_paths()]
         for module in modules:
             module.attend = functools.partial(_sdpa_attend, module)
