@@ -199,3 +199,21 @@ def test_the_built_in_and_hf_models_keep_the_model_contract_and_their_family_ent
         names = dict(model.named_modules())
         assert {*entry.stages.first, entry.stages.blocks, *entry.stages.last} <= set(names)
     assert family_entry("toy") is UNDECLARED and not UNDECLARED.cp_attention
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_model_facts_read_the_rope_either_transformers_writes(tmp_path, key):
+    """transformers 5 saves a folder's rope as `rope_parameters`, earlier ones as
+    `rope_scaling`: the facts read either (and a plain folder's rope is the default)."""
+    import json
+
+    from fsdprun.config.model_facts import model_facts
+
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": 32,
+            "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}  # fmt: skip
+    config = {**json.loads((HF_DEMO / "config.json").read_text()), key: rope}
+    config.pop("rope_scaling" if key == "rope_parameters" else "rope_parameters", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    facts = model_facts(ModelConfig(hf_path=str(tmp_path)))
+    assert (facts.rope_type, facts.original_max_position_embeddings) == ("longrope", 32)
+    assert model_facts(ModelConfig(hf_path=str(HF_DEMO))).rope_type == "default"

@@ -133,7 +133,10 @@ def _folder_facts(folder: str, mtime_ns: int, size: int) -> ModelFacts | None:
     kv = _count(hf.get("num_key_value_heads")) or heads
     dim = _count(hf.get("hidden_size"))
     head_dim = _count(hf.get("head_dim")) or (dim // heads if dim and heads else None)
-    rope = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else None
+    # transformers 5 writes `rope_parameters` (with rope_theta inside), earlier ones
+    # `rope_scaling`; a folder may carry either.
+    rope = next((r for r in (hf.get("rope_parameters"), hf.get("rope_scaling"))
+                 if isinstance(r, dict)), None)  # fmt: skip
     rope_type = str((rope or {}).get("rope_type") or (rope or {}).get("type") or "default")
     layer_types = hf.get("layer_types")
     experts = _count(hf.get("num_experts")) or _count(hf.get("num_local_experts"))
