@@ -54,27 +54,48 @@ class Batch:
     def pin_memory(self) -> Batch:
         return self._map(lambda t: t.pin_memory())
 
-    def sequence_shard(self, index: int, count: int) -> Batch:
-        """Context parallel's part of this batch for cp rank `index` of `count`: slice `index`
-        of the sequence (seq / count consecutive tokens) of the inputs, targets and positions
-        (windows get their slice's positions: the rotary angles of where the tokens are in the
-        row), and the whole row's doc_ids, from which attention, which sees whole rows, builds
-        its mask."""
+    def sequence_shard(self, index: int, count: int, *, zigzag: bool = False) -> Batch:
+        """Context parallel's part of this batch for cp rank `index` of `count`: its chunks of
+        the sequence (`sequence_chunks`) of the inputs, targets and positions (windows get
+        their chunks' positions: the rotary angles of where the tokens are in the row), and the
+        whole row's doc_ids, from which attention, which sees whole rows, builds its mask."""
         import torch
 
         seq = self.inputs.shape[1]
-        part = slice(index * seq // count, (index + 1) * seq // count)
+        parts = sequence_chunks(seq, index, count, zigzag=zigzag)
         positions = self.positions
         if positions is None:
             positions = torch.arange(seq).expand(self.inputs.shape[0], -1)
-        return Batch(self.inputs[:, part], self.targets[:, part], positions[:, part],
-                     self.doc_ids)  # fmt: skip
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return (
+                torch.cat([t[:, part] for part in parts], dim=1)
+                if len(parts) > 1
+                else t[:, parts[0]]
+            )
+
+        return Batch(cut(self.inputs), cut(self.targets), cut(positions), self.doc_ids)
 
     @property
     def every_target_trains(self) -> bool:
         """Windows and synthetic data (no doc_ids: not rows of fine-tuning examples): every
         target trains, none is IGNORE_INDEX."""
         return self.doc_ids is None
+
+
+def sequence_chunks(seq: int, index: int, count: int, *, zigzag: bool = False) -> list[slice]:
+    """The positions of a row of `seq` tokens that cp rank `index` of `count` holds, in order:
+    slice `index` of `count` equal slices; or, `zigzag` (the ring's layout), chunks `index`
+    and `2 count - 1 - index` of `2 count` equal chunks, so that under a causal mask every
+    cp rank's queries see the same number of keys (rank 0 the first and the last chunk).
+
+    Every rank's slice is consistent: the ranks' chunks together are the row, each token once,
+    so sums over the ranks (losses, trained-token counts) are the row's. `seq` must divide by
+    `count` (by `2 count` for `zigzag`; `fsdprun.config.layout` refuses other lengths)."""
+    if not zigzag:
+        return [slice(index * seq // count, (index + 1) * seq // count)]
+    chunk = seq // (2 * count)
+    return [slice(j * chunk, (j + 1) * chunk) for j in (index, 2 * count - 1 - index)]
 
 
 def collate(samples: list) -> Batch:
