@@ -165,8 +165,12 @@ class Family:
     """The Linear layers of a block's MLP (`lora.targets: [mlp]`); none where the MLP has no
     Linear to adapt (experts stored as 3-D parameters)."""
     cp_attention: bool = False
-    """Whether the family's attention is exact under context parallel (tests/test_cp.py against
-    one rank): the all-to-all and the ring wrap it (`cp_attention_modules`)."""
+    """Whether context parallel may take over the family's attention call
+    (`cp_attention_modules`: the all-to-all wraps it, the ring replaces it): the call must give
+    everything that shapes the scores as data, the whole row's mask or none (causal), and for
+    HuggingFace models transformers' `scaling`, `sliding_window` and `softcap` arguments, which
+    both apply on whole-row positions. Each family declaring it trains under cp 2 as on one
+    rank (tests/test_cp.py, tests/test_cp_families.py)."""
     experts: str | None = None
     """The module of each decoder block that holds its experts (a mixture of experts; expert
     parallel shards it), None for a dense model."""
@@ -203,10 +207,13 @@ class StackedExperts:
 # docs/families.md). Others still load: they take the defaults, unverified.
 HF_FAMILIES = {
     "llama": Family(cp_attention=True),
-    "qwen2": Family(),
-    "qwen3": Family(tp_plan=HF_LLAMA_TP.extended(**HEAD_NORMS)),
+    "qwen2": Family(cp_attention=True),
+    # Per-head q/k norms: applied on each rank's slice before the exchange, as rotary is.
+    "qwen3": Family(tp_plan=HF_LLAMA_TP.extended(**HEAD_NORMS), cp_attention=True),
     # The experts are 3-D parameters and the router no Linear either: LoRA adapts attention only.
+    # Routing is per token (the router's auxiliary loss is not: refused under cp, layout.py).
     "qwen3_moe": Family(
+        cp_attention=True,
         lora_mlp=(),
         experts="mlp.experts",
         tp_plan=MOE_NO_TP,
@@ -218,12 +225,19 @@ HF_FAMILIES = {
             StackedExperts("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)),
         ),
     ),
-    "mistral": Family(),
-    # transformers builds Gemma 2 with eager attention only: SDPA cannot soft-cap the scores.
-    "gemma2": Family(attn_implementation="eager", tp_plan=HF_LLAMA_TP.extended(**GEMMA_NORMS)),
-    "gemma3_text": Family(tp_plan=HF_LLAMA_TP.extended(**GEMMA_NORMS, **HEAD_NORMS)),
-    # Fused projections: one Linear for q, k and v, one for the gate and up projections.
+    "mistral": Family(cp_attention=True),
+    # transformers builds Gemma 2 with eager attention only: SDPA cannot soft-cap the scores
+    # (under cp the soft-capping goes through the ring's and eager attention's score path).
+    "gemma2": Family(
+        attn_implementation="eager", tp_plan=HF_LLAMA_TP.extended(**GEMMA_NORMS), cp_attention=True
+    ),
+    "gemma3_text": Family(
+        tp_plan=HF_LLAMA_TP.extended(**GEMMA_NORMS, **HEAD_NORMS), cp_attention=True
+    ),
+    # Fused projections: one Linear for q, k and v, one for the gate and up projections; its
+    # partial rotary is applied before the attention call, on each rank's slice.
     "phi3": Family(
+        cp_attention=True,
         lora_attention=("qkv_proj", "o_proj"),
         lora_mlp=("gate_up_proj", "down_proj"),
         tp_plan=PHI3_TP,

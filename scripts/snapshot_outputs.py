@@ -35,7 +35,7 @@ LAYOUTS = {
     "dp": [],
     "tp2": ["parallel.tp=2"],
     "cp2": ["parallel.cp=2"],
-    # 4 kv heads: the all-to-all (the debug model's 2 would take the ring, refused under tp).
+    # 4 kv heads: the all-to-all (the debug model's 2 would take the ring there).
     "cp2tp2": ["parallel.cp=2", "parallel.tp=2", "model.n_kv_heads=4"],
 }
 TINY_TRAIN = ["train.steps=2", "checkpoint.every_steps=2", "output.log_every=1"]

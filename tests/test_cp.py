@@ -1,7 +1,8 @@
 """Context parallelism (`parallel.cp`, docs/context-parallel.md): the refusals before launch, the
-mesh rules, the all-to-all attention against whole-row attention, and the promise that cp x dp
-trains exactly as dp alone and as one rank, plain and packed rows, and resumes across cp
-degrees.
+mesh rules, the all-to-all and the ring against whole-row attention (the ring on zig-zag chunks,
+with windows and soft-capping, the same work on every rank), and the promise that cp x dp trains
+exactly as dp alone and as one rank, plain and packed rows, under TP with either attention, for
+every HuggingFace family, and resumes across cp degrees and attentions.
 
 The runs train in the session's persistent 4-rank and 1-rank gloo groups (tests/gloo_pool.py,
 shared with tests/test_tp.py and its plain references); the resumes across degrees are
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Run, model_at, run_fsdprun
+from hf_families import FAMILIES as HF_TINY_FAMILIES
 from typer.testing import CliRunner
 
 import fsdprun.launch.elastic
@@ -49,7 +51,9 @@ def errors_of(*overrides: str) -> list[str]:
         (["parallel.cp=2", "fsdp.cpu_offload=true"], "parallel.cp=2 with fsdp.cpu_offload=true"),
         (["parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=alltoall"],
          "n_kv_heads / parallel.tp (2) = 1 per TP rank): the all-to-all gives each rank"),
-        (["parallel.cp=2", "parallel.tp=2"], "parallel.tp=2 and parallel.cp_impl=ring (what auto"),
+        (["parallel.cp=4", "train.seq_len=36"],
+         "parallel.cp=4 with parallel.cp_impl=ring (what auto takes for these heads): 2 x "
+         "parallel.cp (8) does not divide train.seq_len (36)"),
         (["parallel.cp=2", "parallel.tp=2", "model.n_kv_heads=4", "train.seq_len=62"],
          "parallel.cp x parallel.tp (2 x 2) does not divide train.seq_len (62)"),
         (["parallel.cp=2", "train.global_batch_size=6", "train.micro_batch_size=2"],
@@ -61,26 +65,37 @@ def test_refusals_name_the_key(overrides, phrase):
     assert len(found) == 1, errors_of(*overrides)
 
 
-def test_hf_folders_other_than_llama_are_refused_until_verified(tmp_path):
-    def folder(model_type: str) -> Path:
+def test_hf_folders_are_taken_where_their_family_declares_its_attention(tmp_path):
+    """Every family of fsdprun.families declares its attention for cp (tests below train each);
+    a model type it does not list is refused naming the declaration, as is a mixture of experts
+    whose router's auxiliary loss is on (its per-expert means cannot be taken over slices)."""
+
+    def folder(model_type: str, **extra) -> Path:
         path = tmp_path / model_type  # what the recipe checks read of a folder: its config.json
         path.mkdir()
-        (path / "config.json").write_text(
-            f'{{"model_type": "{model_type}", "num_attention_heads": 4, "num_key_value_heads": 2}}'
-        )
+        config = {"model_type": model_type, "num_attention_heads": 4, "num_key_value_heads": 2}
+        (path / "config.json").write_text(json.dumps({**config, **extra}))
         return path
 
-    found = errors_of("parallel.cp=2", f"model.hf_path={folder('qwen3')}")
-    assert any("parallel.cp=2 with model.hf_path's model_type 'qwen3': its attention has not "
-               "been verified under context parallel" in e for e in found), found  # fmt: skip
-    load_recipe("debug", [*FOUR, "parallel.cp=2", f"model.hf_path={folder('llama')}"])
-    found = errors_of("parallel.cp=2", "parallel.tp=2", f"model.hf_path={tmp_path / 'llama'}")
-    assert any("cp x tp is verified for the built-in Llama only" in e for e in found), found
-    found = errors_of("parallel.cp=4", "parallel.cp_impl=alltoall",
-                      f"model.hf_path={tmp_path / 'llama'}")  # fmt: skip
+    for model_type in ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3"):
+        load_recipe("debug", [*FOUR, "parallel.cp=2", f"model.hf_path={folder(model_type)}"])
+    (line,) = errors_of("parallel.cp=2", f"model.hf_path={folder('olmo2')}")
+    assert line.startswith("parallel.cp=2 with model.hf_path's model_type 'olmo2': context "
+                           "parallel replaces the attention call, which this family does not "
+                           "declare (cp_attention in fsdprun/families.py"), line  # fmt: skip
+    moe = folder("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.001)
+    (line,) = errors_of("parallel.cp=2", f"model.hf_path={moe}")
+    assert line.startswith("parallel.cp=2 with the router's auxiliary loss (config.json's "
+                           "output_router_logits: true)"), line  # fmt: skip
+    (moe / "config.json").write_text(json.dumps({**json.loads((moe / "config.json").read_text()),
+                                                 "output_router_logits": False}))  # fmt: skip
+    load_recipe("debug", [*FOUR, "parallel.cp=2", f"model.hf_path={moe}"])
+    # HF folders under cp x tp, and the ring where cp does not divide the kv heads (per TP rank).
+    llama = tmp_path / "llama"
+    load_recipe("debug", [*FOUR, "parallel.cp=2", "parallel.tp=2", f"model.hf_path={llama}"])
+    found = errors_of("parallel.cp=4", "parallel.cp_impl=alltoall", f"model.hf_path={llama}")
     assert any("parallel.cp (4) does not divide the model's kv heads (2" in e for e in found)
-    # auto takes the ring there, and the ring refuses tensor parallel.
-    load_recipe("debug", [*FOUR, "parallel.cp=4", f"model.hf_path={tmp_path / 'llama'}"])
+    load_recipe("debug", [*FOUR, "parallel.cp=4", f"model.hf_path={llama}"])
 
 
 def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):
@@ -90,12 +105,13 @@ def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
     result = CliRunner().invoke(
-        app, ["train", "debug", "parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=ring",
-              "--nproc-per-node", "4", "--run-dir", "r"],
+        app, ["train", "debug", "parallel.cp=4", "train.seq_len=36", "--nproc-per-node", "4",
+              "--run-dir", "r"],
     )  # fmt: skip
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.strip().splitlines()
-    assert "parallel.tp=2 and parallel.cp_impl=ring" in line and "set parallel.tp=1" in line, line
+    assert "does not divide train.seq_len (36): the ring splits each row" in line, line
+    assert "choose a train.seq_len that 2 x cp divides" in line, line
     assert not Path("r").exists()
 
 
@@ -349,13 +365,15 @@ def test_cp2_tp2_trains_as_one_rank(pools, tmp_path):
     _assert_same(both, pools[1].train(*COMMON), tmp_path)
 
 
-def _hf_logits_rank(rank: int, world: int, folder: str) -> list[float]:
+def _hf_logits_rank(rank: int, world: int, folder: str) -> dict:
     """The shipped HF Llama folder's logits on this rank's slice under cp 2 (its 2 kv heads)
     against the plain model's on whole rows: plain rows (no mask: SDPA's causal path on the
-    gathered rows) and packed ones (positions restarting, the whole row's document mask)."""
+    gathered rows) and packed ones (positions restarting, the whole row's document mask); and
+    how the plain rows' attention calls SDPA (whether with a mask, whether causal)."""
     import copy
 
     import torch
+    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdprun.data import Batch
@@ -373,19 +391,32 @@ def _hf_logits_rank(rank: int, world: int, folder: str) -> list[float]:
     positions = torch.cat([torch.arange(10), torch.arange(6)]).expand(2, -1)
     doc_ids = torch.cat([torch.zeros(10), torch.ones(6)]).long().expand(2, -1)
     packed = Batch(tokens, tokens, positions, doc_ids)
-    errors = []
+    errors, calls = [], []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
     for batch, whole in ((rows, {}), (packed, {"positions": positions, "doc_ids": doc_ids})):
         mine = batch.sequence_shard(me, cp)
-        got = model(mine.inputs, positions=mine.positions, doc_ids=mine.doc_ids)
+        F.scaled_dot_product_attention = spy if not whole else sdpa
+        try:
+            got = model(mine.inputs, positions=mine.positions, doc_ids=mine.doc_ids)
+        finally:
+            F.scaled_dot_product_attention = sdpa
         want = plain(tokens, **whole)[:, me * 16 // cp : (me + 1) * 16 // cp]
         errors.append((got - want).abs().max().item())
-    return errors
+    return {"errors": errors, "plain_calls": calls}
 
 
 def test_hf_llama_folder_attention_equals_whole_rows(pools):
+    """... and plain rows reach SDPA with no mask and is_causal on the gathered rows, once per
+    layer: what the fused kernels take on CUDA (flash, cuDNN; tests/test_gpu.py runs them)."""
     folder = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
-    for errors in pools[4].submit(_hf_logits_rank, str(folder)):
-        assert max(errors) <= 1e-5, errors
+    for result in pools[4].submit(_hf_logits_rank, str(folder)):
+        assert max(result["errors"]) <= 1e-5, result
+        assert result["plain_calls"] == [(True, True)] * 2, result  # 2 layers
 
 
 def test_hf_llama_folder_trains_as_one_rank(pools, tmp_path, monkeypatch):
@@ -442,13 +473,16 @@ def _stopped_at_2(run, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize(
     ("resumed", "mesh"),
-    [("parallel.cp=1", [["dp", 4]]), ("parallel.cp=4", [["dp_shard", 1], ["cp", 4]])],
-    ids=["cp2-to-dp4", "cp2-to-cp4"],
-)
+    [("parallel.cp=1", [["dp", 4]]), ("parallel.cp=4", [["dp_shard", 1], ["cp", 4]]),
+     ("parallel.cp_impl=ring", [["dp_shard", 2], ["cp", 2]])],
+    ids=["cp2-to-dp4", "cp2-to-cp4", "cp2-to-ring"],
+)  # fmt: skip
 def test_resume_is_exact_across_cp_degrees(cp_run, tmp_path, resumed, mesh):
     """`fsdprun resume RUN parallel.cp=N --nproc-per-node 4` of the cp 2 run stopped after its
     step-2 checkpoint: DCP reshards the dp_shard x cp shards, so step 3 on dp 4 or cp 4 equals
-    step 3 of the uninterrupted run. `inspect-checkpoint` shows the mesh it was saved on."""
+    step 3 of the uninterrupted run; so does the ring, whose ranks hold other tokens of each row
+    (zig-zag chunks: nothing of the layout is stored). `inspect-checkpoint` shows the mesh it was
+    saved on."""
     run_dir = _stopped_at_2(cp_run, tmp_path)
     proc = run_fsdprun("inspect-checkpoint", str(_ckpt(cp_run, 2)), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -459,6 +493,8 @@ def test_resume_is_exact_across_cp_degrees(cp_run, tmp_path, resumed, mesh):
     last = max(i for i, e in enumerate(again.events) if e["event"] == "start")
     again.events = again.events[last:]
     assert again.start["mesh"] == mesh
+    if "ring" in resumed:
+        assert again.start["cp_impl"] == "ring"
     assert [e["step"] for e in again.steps] == [LAST]
     _assert_same(again, cp_run, tmp_path, steps=(LAST,))
 
@@ -504,14 +540,41 @@ def test_compare_accepts_cp_configurations():
 # --- ring attention (parallel.cp_impl=ring, what auto takes where cp does not divide the heads) --
 
 
+def _reference_attention(q, k, v, mask, *, scale, softcap=None, window=None):
+    """Attention as one rank computes it, in plain torch (grouped kv heads repeated): scores
+    scaled, soft-capped (cap x tanh(s / cap), as Gemma 2's eager attention), masked (boolean, or
+    added), cut to a sliding window, softmax, times v."""
+    import torch
+
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    n = q.shape[2]
+    idx = torch.arange(n)
+    allowed = (idx[:, None] >= idx[None, :])[None, None]
+    if window is not None:
+        allowed = allowed & (idx[:, None] - idx[None, :] < window)
+    if mask is not None and mask.dtype == torch.bool:
+        allowed = allowed & mask
+    elif mask is not None:
+        s = s + mask
+    return torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
 def _ring_rank(rank: int, world: int) -> dict:
     """Whole-row attention (8 query heads, 2 kv heads: cp 4 cannot split them) against the
-    ring's on the rank's slice over a cp group of all 4 ranks: plain causal, a packed row's
-    dense document mask and its FlexAttention BlockMask, and the dense mask again with the
-    block's rows taken 3 at a time (ROW_CHUNK_BYTES): outputs and the gradients of q, k, v."""
+    ring's on the rank's zig-zag chunks (`config.layout.cp_chunks`) over a cp group of 4 ranks:
+    plain causal, a packed row's dense document mask and its FlexAttention BlockMask, the dense
+    mask again with the pairs' rows taken 3 at a time (ROW_CHUNK_BYTES), and transformers'
+    arguments: a sliding window of 5 with soft-capping and its own scaling, on plain rows and
+    on the additive mask eager attention takes. Outputs and the gradients of q, k, v; and the
+    score FLOPs each rank computes (FlopCounterMode), forward and backward of the causal row."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.flop_counter import FlopCounterMode
 
+    from fsdprun.config.layout import cp_chunks
     from fsdprun.engines import cp
     from fsdprun.models.attention import attend, build_attention_mask
 
@@ -521,39 +584,60 @@ def _ring_rank(rank: int, world: int) -> dict:
     grad = torch.randn(2, 8, 16, 8, generator=gen)
     doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [-1] * 4, [0] * 3 + [1] * 13])
     dense = build_attention_mask(doc_ids, flex=False)
-    part = slice(rank * 16 // world, (rank + 1) * 16 // world)
+    additive = torch.zeros(dense.shape).masked_fill(~dense, torch.finfo(torch.float32).min)
+    parts = cp_chunks(16, rank, world, zigzag=True)
+    assert [p.stop - p.start for p in parts] == [2, 2]
+
+    def mine_of(t):
+        return torch.cat([t[:, :, p] for p in parts], dim=2)
+
     ring = cp.ring_attention(mesh)
-    errors = []
-    cases = [(None, None), (dense, None), (build_attention_mask(doc_ids, flex=True), None),
-             (dense, 3 * 2 * 8 * 4 * 4)]  # fmt: skip
-    for mask, chunk in cases:
+    errors, flops = [], None
+    capped = {"sliding_window": 5, "softcap": 2.0, "scaling": 0.3}
+    cases = [(None, None, {}), (dense, None, {}),
+             (build_attention_mask(doc_ids, flex=True), None, {}),
+             (dense, 3 * 2 * 8 * 2 * 4, {}), (None, None, capped),
+             (additive, None, capped)]  # fmt: skip
+    for mask, chunk, kwargs in cases:
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
         # The reference takes the dense mask for the BlockMask too (flex has no CPU backward).
-        want = attend(*whole, None if mask is None else dense, enable_gqa=True)
+        if kwargs:
+            want = _reference_attention(*whole, mask, scale=kwargs["scaling"],
+                                        softcap=kwargs["softcap"],
+                                        window=kwargs["sliding_window"])  # fmt: skip
+        else:
+            want = attend(*whole, None if mask is None else dense, enable_gqa=True)
         (want * grad).sum().backward()
-        mine = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
+        mine = [mine_of(t).clone().requires_grad_() for t in (q, k, v)]
         kept, cp.ROW_CHUNK_BYTES = cp.ROW_CHUNK_BYTES, chunk or cp.ROW_CHUNK_BYTES
         try:
-            got = ring(*mine, mask, dropout=0.0)
-            (got * grad[:, :, part]).sum().backward()
+            with FlopCounterMode(display=False) as counter:
+                got = ring(*mine, mask, dropout=0.0, **kwargs)
+                (got * mine_of(grad)).sum().backward()
         finally:
             cp.ROW_CHUNK_BYTES = kept
-        errors.append((got - want[:, :, part]).abs().max().item())
-        errors += [(m.grad - w.grad[:, :, part]).abs().max().item()
+        flops = counter.get_total_flops() if flops is None else flops
+        errors.append((got - mine_of(want)).abs().max().item())
+        errors += [(m.grad - mine_of(w.grad)).abs().max().item()
                    for m, w in zip(mine, whole, strict=True)]  # fmt: skip
-    return {"shape": list(got.shape), "errors": errors}
+    return {"shape": list(got.shape), "errors": errors, "flops": flops}
 
 
-def test_ring_attention_equals_whole_row_attention(pools):
-    for result in pools[4].submit(_ring_rank):
+def test_ring_attention_equals_whole_row_attention_with_balanced_work(pools):
+    results = pools[4].submit(_ring_rank)
+    for result in results:
         assert result["shape"] == [2, 8, 4, 8], result
         # The ring's own float32 block arithmetic against SDPA's kernel: rounding only.
         assert max(result["errors"]) <= 5e-6, result
+    # Zig-zag chunks: every rank computes the same causal work (2 cp + 1 chunk pairs), where
+    # consecutive slices gave rank j j + 1 blocks (the last rank 4 x the first's).
+    flops = [r["flops"] for r in results]
+    assert min(flops) == max(flops) > 0, flops
 
 
 def test_ring_is_what_auto_takes_where_cp_does_not_divide_the_heads():
-    """auto: all-to-all where cp divides the kv heads (per TP rank), else the ring; an explicit
-    alltoall that cannot split them is refused naming the ring; the ring with TP is refused."""
+    """auto: all-to-all where cp divides the kv heads (per TP rank), else the ring (with TP
+    too); an explicit alltoall that cannot split them is refused naming the ring."""
     import dataclasses
 
     from fsdprun.config.layout import cp_impl
@@ -570,9 +654,8 @@ def test_ring_is_what_auto_takes_where_cp_does_not_divide_the_heads():
     (line,) = errors_of("parallel.cp=4", "model.n_kv_heads=2", "parallel.cp_impl=alltoall")
     assert "parallel.cp (4) does not divide the model's kv heads (2" in line
     assert "or parallel.cp_impl=ring (or auto)" in line
-    (line,) = errors_of("parallel.cp=2", "parallel.tp=2", "model.n_kv_heads=2")
-    assert line.startswith("parallel.cp=2 with parallel.tp=2 and parallel.cp_impl=ring (what auto")
     load_recipe("debug", [*FOUR, "parallel.cp=4", "model.n_kv_heads=2"])  # auto: the ring
+    load_recipe("debug", [*FOUR, "parallel.cp=2", "parallel.tp=2", "model.n_kv_heads=2"])
 
 
 def test_ring_trains_packed_chat_rows_of_the_hf_folder_as_one_rank(pools, tmp_path, monkeypatch):
@@ -589,3 +672,79 @@ def test_ring_trains_packed_chat_rows_of_the_hf_folder_as_one_rank(pools, tmp_pa
     assert ring.start["cp_impl"] == "ring" and ring.start["mesh"] == [["dp_shard", 1], ["cp", 4]]
     assert ring.steps[0]["trained_tokens"] < 8 * 64  # prompts and padding are not trained
     _assert_same(ring, pools[1].train(*COMMON, *hf), tmp_path)
+
+
+# --- ring attention under tensor parallel ---------------------------------------------------------
+
+
+def test_ring_under_tp_trains_as_one_rank(pools, tmp_path, monkeypatch):
+    """cp 2 x tp 2 with the ring (`1 dp_shard x 2 cp x 2 tp`): each TP rank holds heads / tp of
+    the heads and its zig-zag chunks pass round the cp group of the same TP rank. The debug
+    model forced onto the ring (it would take it with 2 kv heads: 1 per TP rank, which cp 2
+    cannot split) with activation checkpointing recomputing it, and the shipped HF Llama
+    folder, whose 2 kv heads auto sends there: the losses, gradient norms, counts and
+    parameters of one rank."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
+    hf = (f"model.hf_path={folder}", "model.vocab_size=257")
+    both = ("parallel.cp=2", "parallel.tp=2", "train.micro_batch_size=4")
+    debug = pools[4].train(*COMMON, *both, "parallel.cp_impl=ring",
+                           "activation_checkpointing.mode=full")  # fmt: skip
+    assert debug.start["cp_impl"] == "ring"
+    assert debug.start["mesh"] == [["dp_shard", 1], ["cp", 2], ["tp", 2]]
+    _assert_same(debug, pools[1].train(*COMMON), tmp_path)
+    folder_run = pools[4].train(*COMMON, *hf, *both)
+    assert folder_run.start["cp_impl"] == "ring" and folder_run.start["tp_plan"]
+    _assert_same(folder_run, pools[1].train(*COMMON, *hf), tmp_path)
+    # The debug recipe's own 2 kv heads take the ring at cp 2 x tp 2, no longer refused.
+    assert load_recipe("debug", [*FOUR, "parallel.cp=2", "parallel.tp=2"])
+
+
+# --- every HuggingFace family under cp ------------------------------------------------------------
+# tests/hf_families.py's tiny folders: 4 heads and 2 kv heads (cp 2 divides them: the
+# all-to-all), sliding windows of 16 where the family has them (Mistral's every layer, Gemma's
+# every other), which cut attention inside the 64-token rows a cp 2 group splits (32 tokens a
+# rank; the ring's 16-token chunks), Gemma 2's soft-capped scores and eager attention, Qwen 3's
+# q/k norms, Phi-3's fused projections, Qwen3-MoE's experts. Every family trains on synthetic
+# rows through the all-to-all; the ring trains Mistral's windows on them, and Gemma 2 (windows,
+# soft-capping and the additive masks of eager attention) on packed chat rows, whose document
+# masks the all-to-all also takes for Gemma 3.
+DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
+CHAT = ("data.source=chat", f"data.paths=[{DATA / 'chat.jsonl'}]",
+        f"data.tokenizer={DATA / 'tiny-llama-hf'}", "data.truncate=truncate",
+        "data.val_fraction=0")  # fmt: skip
+FAMILY_CASES = [
+    # The HF Llama folder's own tests are above.
+    *[(family, "alltoall", "synthetic") for family in HF_TINY_FAMILIES if family != "llama"],
+    ("mistral", "ring", "synthetic"),
+    ("gemma2", "ring", "chat"),
+    ("gemma3_text", "alltoall", "chat"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat_family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """The families' tiny folders with the byte tokenizer's 257 embeddings, for chat rows."""
+    from hf_families import save_tiny_hf
+
+    root = tmp_path_factory.mktemp("cp-chat")
+    return {f: save_tiny_hf(f, root / f, vocab_size=257) for f in ("gemma2", "gemma3_text")}
+
+
+@pytest.mark.parametrize(("family", "impl", "rows"), FAMILY_CASES,
+                         ids=["-".join(case) for case in FAMILY_CASES])  # fmt: skip
+def test_every_family_trains_under_cp_as_one_rank(
+    family, impl, rows, hf_family_dirs, chat_family_dirs, pools, tmp_path, monkeypatch
+):
+    """The family's tiny folder at cp 2 x dp 2 (`impl` forced) against one rank: losses,
+    gradient norms, trained-token counts and every parameter to 1e-5 (fp32)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if rows == "chat":
+        data = (f"model.hf_path={chat_family_dirs[family]}", *CHAT)
+    else:
+        data = (f"model.hf_path={hf_family_dirs[family]}",)
+    run = pools[4].train(*COMMON, *data, "parallel.cp=2", f"parallel.cp_impl={impl}")
+    assert run.start["cp_impl"] == impl and run.start["mesh"] == [["dp_shard", 2], ["cp", 2]]
+    if rows == "chat":
+        assert run.steps[0]["trained_tokens"] < 8 * 64  # prompts and padding are not trained
+    _assert_same(run, pools[1].train(*COMMON, *data), tmp_path)

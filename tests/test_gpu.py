@@ -153,3 +153,59 @@ def test_nonfinite_step_is_skipped_on_the_device(tmp_path):
     assert [e["skipped"] for e in run.steps] == [False, False, True, False]
     assert_same_state(step_dir(run.run_dir, 2), step_dir(run.run_dir, 3), tmp_path)
     assert run.steps[3]["loss"] < run.steps[0]["loss"]
+
+
+def test_cp_alltoall_takes_the_fused_sdpa_kernels_for_plain_rows(tmp_path):
+    """Plain rows reach SDPA through the all-to-all with no mask and is_causal (tests/test_cp.py
+    checks the call on CPU), which on CUDA in bf16 is what the flash and cuDNN kernels take:
+    forward and backward of the debug Llama and the shipped HF Llama folder with SDPA
+    restricted to those two (it raises where neither takes the inputs), in a cp group of this
+    one GPU (the exchange is then a copy; the layout attention sees is the gathered one)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fsdprun.config import load_recipe
+    from fsdprun.engines.cp import apply_cp
+    from fsdprun.models import build_model
+    from fsdprun.models.hf import HFCausalLM
+
+    folder = Path(__file__).resolve().parents[1] / "recipes" / "data" / "tiny-llama-hf"
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
+        cfg = load_recipe("debug", ["model.dim=256", "model.n_heads=4"]).config  # head_dim 64
+        for model in (build_model(cfg.model), HFCausalLM.from_folder(folder)):
+            model = model.to("cuda", torch.bfloat16)
+            if hasattr(model, "init_buffers"):
+                model.init_buffers(torch.device("cuda"))
+            apply_cp(model, mesh=mesh)
+            tokens = torch.randint(0, 256, (2, 64), device="cuda")
+            positions = torch.arange(64, device="cuda").expand(2, -1)
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+                logits = model(tokens, positions=positions)
+                logits.float().sum().backward()
+            assert logits.isfinite().all()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cp_on_nccl_trains_as_plain_fsdp2(tmp_path):
+    """parallel.cp=2 on NCCL, the all-to-all and the ring (zig-zag chunks, its point-to-point
+    sends on NCCL), one rank per GPU: the fp32 losses of plain FSDP2 on as many ranks."""
+    args = ["launch.device=cuda", "--nproc-per-node", "2", "precision.param_dtype=fp32",
+            "train.steps=6", "output.log_every=1"]  # fmt: skip
+    runs = {}
+    for name, extra in (("plain", []), ("alltoall", ["parallel.cp=2"]),
+                        ("ring", ["parallel.cp=2", "parallel.cp_impl=ring"])):  # fmt: skip
+        proc = run_fsdprun("train", "debug", *args, *extra, "--run-dir", str(tmp_path / name),
+                           cwd=tmp_path, timeout=900)  # fmt: skip
+        runs[name] = Run(proc, tmp_path / name).check()
+    for name in ("alltoall", "ring"):
+        assert runs[name].start["cp_impl"] == name and runs[name].start["backend"] == "nccl"
+        # TF32 stays off for fp32 matmuls by default: the split only reorders sums.
+        assert runs[name].losses == pytest.approx(runs["plain"].losses, rel=1e-4), name

@@ -187,7 +187,7 @@ LAYOUTS = {
     "cp with lora": ["parallel.cp=2", "lora.rank=4"],
     "cp with float8": ["parallel.cp=2", "precision.float8=tensorwise"],
     "cp with compile": ["parallel.cp=2", "compile.enabled=true"],
-    "ring under tp": ["parallel.cp=2", "parallel.tp=2"],
+    "ring and seq_len": ["parallel.cp=4", "train.seq_len=36", "model.max_seq_len=64"],
     "cp with cpu offload": ["parallel.cp=2", "fsdp.cpu_offload=true"],
     "backward prefetch": ["fsdp.backward_prefetch=sideways"],
     "reshard under fsdp1": ["fsdp.engine=fsdp1", "fsdp.reshard_after_forward=false"],
@@ -198,16 +198,22 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-def test_plan_refuses_what_train_refuses_and_accepts_what_it_accepts(monkeypatch, hf_family_dirs):
+def test_plan_refuses_what_train_refuses_and_accepts_what_it_accepts(
+    monkeypatch, hf_family_dirs, tmp_path
+):
     """The same answer, word for word, from `fsdprun plan` and from `fsdprun train` up to the
     moment it would launch, for every layout refusal and the HF folders' own (a TP plan that
-    does not split a mixture of experts, context parallel on a family not verified under it)."""
+    does not split a mixture of experts, context parallel with a router's auxiliary loss)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     moe, qwen2 = hf_family_dirs["qwen3_moe"], hf_family_dirs["qwen2"]
+    aux = shutil.copytree(moe, tmp_path / "moe-aux")
+    config = json.loads((aux / "config.json").read_text())
+    (aux / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
     cases = {
         **{name: ["debug", *FOUR, *over] for name, over in LAYOUTS.items()},
         "tp on a mixture of experts": ["debug", *FOUR, f"model.hf_path={moe}", "parallel.tp=2"],
         "cp on qwen2": ["debug", *FOUR, f"model.hf_path={qwen2}", "parallel.cp=2"],
+        "cp with the router's loss": ["debug", *FOUR, f"model.hf_path={aux}", "parallel.cp=2"],
         "lora on experts": ["debug", *FOUR, f"model.hf_path={moe}", "lora.rank=4",
                             "lora.targets=[mlp]"],
     }  # fmt: skip
@@ -216,4 +222,4 @@ def test_plan_refuses_what_train_refuses_and_accepts_what_it_accepts(monkeypatch
     differ = {name: pair for name, pair in answers.items() if pair[0] != pair[1]}
     assert not differ, differ
     accepted = {name for name, (plan, _) in answers.items() if plan == "accepted"}
-    assert accepted == {"tp accepted", "cp accepted"}, answers
+    assert accepted == {"tp accepted", "cp accepted", "cp on qwen2"}, answers

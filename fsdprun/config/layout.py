@@ -209,6 +209,31 @@ def cp_impl(cfg: RecipeConfig, facts: ModelFacts | None) -> str:
     return "alltoall" if divides else "ring"
 
 
+def cp_chunks(seq: int, index: int, count: int, *, zigzag: bool = False) -> list[slice]:
+    """The positions of a row of `seq` tokens that cp rank `index` of `count` holds, in order:
+    slice `index` of `count` equal slices; or, `zigzag` (the ring's layout, `cp_zigzag`), chunks
+    `index` and `2 count - 1 - index` of `2 count` equal chunks, so that under a causal mask
+    every cp rank's queries see the same number of keys (rank 0 the first and the last chunk).
+
+    Every rank's slice is consistent: the ranks' chunks together are the row, each token once,
+    so sums over the ranks (losses, trained-token counts) are the row's. `seq` must divide by
+    `count` (by `2 count` for `zigzag`; `layout_errors` refuses other lengths). The batch is
+    cut by it (`fsdprun.data.Batch.sequence_shard`), and so is what a model reads of the
+    whole row (`fsdprun.models.rope`)."""
+    if not zigzag:
+        return [slice(index * seq // count, (index + 1) * seq // count)]
+    chunk = seq // (2 * count)
+    return [slice(j * chunk, (j + 1) * chunk) for j in (index, 2 * count - 1 - index)]
+
+
+def cp_zigzag(cfg: RecipeConfig, facts: ModelFacts | None) -> bool:
+    """Whether each cp rank holds two zig-zag chunks of every row rather than one slice
+    (`cp_chunks`): under the ring, which balances the causal work so
+    (rank j would otherwise compute j + 1 of the cp blocks of its queries); the all-to-all's
+    attention sees whole rows, the same work on every rank, and keeps consecutive slices."""
+    return cfg.parallel.cp > 1 and cp_impl(cfg, facts) == "ring"
+
+
 def layout_errors(
     cfg: RecipeConfig, facts: ModelFacts | None, *, world_size: int | None = None
 ) -> list[str]:
@@ -322,9 +347,9 @@ def _tp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
 
 def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> list[str]:
     """What parallel.cp refuses, one message per problem: the kv heads come from `facts`
-    (unknown when None), and so do whether the family's attention is exact under context
-    parallel (`Family.cp_attention`) and its attention dropout, which the ring does not
-    apply."""
+    (unknown when None), and so do whether the family declares its attention for context
+    parallel (`Family.cp_attention`), its attention dropout, which the ring does not apply,
+    and a router's auxiliary loss, which the cp ranks' slices cannot compute."""
     cp, tp, world_size = layout.cp, max(layout.tp, 1), layout.world_size
     if cp < 1:
         return [f"parallel.cp must be >= 1 (got {cp})"]
@@ -333,6 +358,7 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
     kv_heads = facts.n_kv_heads if facts is not None else None
     unverified = facts.cp_unverified() if facts is not None else None
     attention_dropout = facts.attention_dropout if facts is not None else 0.0
+    router_aux = facts is not None and facts.router_aux_loss
     errors = []
     if world_size % (cp * tp):
         what = f"parallel.cp ({cp})" if tp == 1 else f"parallel.cp x parallel.tp ({cp} x {tp})"
@@ -356,6 +382,13 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
     ring = "parallel.cp_impl=ring" + (
         " (what auto takes for these heads)" if cfg.parallel.cp_impl is CpImpl.auto else ""
     )
+    if impl == "ring" and cfg.train.seq_len % cp == 0 and cfg.train.seq_len % (2 * cp):
+        errors.append(
+            f"parallel.cp={cp} with {ring}: 2 x parallel.cp ({2 * cp}) does not divide "
+            f"train.seq_len ({cfg.train.seq_len}): the ring splits each row into 2 x cp chunks "
+            "and gives cp rank j chunks j and 2 cp - 1 - j, so that every rank computes the same "
+            "share of the causal attention; choose a train.seq_len that 2 x cp divides"
+        )
     if impl == "alltoall" and kv_heads is not None and kv_heads % tp == 0 and (kv_heads // tp) % cp:
         per_tp = "" if tp == 1 else f" / parallel.tp ({tp}) = {kv_heads // tp} per TP rank"
         errors.append(
@@ -371,13 +404,16 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
         ),
         (
             unverified is not None,
-            f"{unverified}: its attention has not been verified under context parallel (the "
-            "built-in Llama's and HF Llama folders' are); set parallel.cp=1",
+            f"{unverified}: context parallel replaces the attention call, which this family "
+            "does not declare (cp_attention in fsdprun/families.py: how its attention takes "
+            "its mask, windows and scores); set parallel.cp=1",
         ),
         (
-            tp > 1 and cfg.model.hf_path is not None,
-            f"parallel.tp={tp} and model.hf_path: cp x tp is verified for the built-in Llama "
-            "only; set parallel.tp=1 or parallel.cp=1",
+            router_aux,
+            "the router's auxiliary loss (config.json's output_router_logits: true): its "
+            "load-balancing term multiplies two per-expert means over the micro-batch's tokens, "
+            "which the cp ranks hold in slices, and fsdprun does not gather them; set "
+            "output_router_logits to false in config.json, or parallel.cp=1",
         ),
         (cfg.lora.rank > 0, f"lora.rank={cfg.lora.rank}: not verified under context parallel; "
                             "set lora.rank=0"),
@@ -390,12 +426,6 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             cfg.compile.enabled,
             "compile.enabled=true: compiled blocks with the all-to-all inside have not been "
             "verified; set compile.enabled=false",
-        ),
-        (
-            impl == "ring" and tp > 1,
-            f"parallel.tp={tp} and parallel.cp_impl=ring (what {cfg.parallel.cp_impl.value} "
-            "takes for these heads): the ring is verified without tensor parallel only; set "
-            "parallel.tp=1, or a cp that divides the kv heads per TP rank (all-to-all)",
         ),
         (
             impl == "ring" and attention_dropout > 0,

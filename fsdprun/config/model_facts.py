@@ -52,6 +52,9 @@ class ModelFacts:
     attention_dropout: float = 0.0
     num_experts: int | None = None
     num_experts_per_tok: int | None = None
+    # config.json's output_router_logits: true (and a router_aux_loss_coef other than 0): the
+    # mixture of experts' load-balancing loss is added to the training loss.
+    router_aux_loss: bool = False
     remote_code: bool = False  # config.json's auto_map: the folder ships its own model code
     source: str = "the recipe's model section"  # what messages name as the facts' origin
 
@@ -78,7 +81,7 @@ class ModelFacts:
                 "model.ffn_dim": self.ffn_dim}  # fmt: skip
 
     def cp_unverified(self) -> str | None:
-        """The model as a refusal names it when its family's attention is not exact under
+        """The model as a refusal names it when its family does not declare its attention for
         context parallel (`Family.cp_attention`), else None."""
         if self.entry.cp_attention:
             return None
@@ -162,6 +165,8 @@ def _folder_facts(folder: str, mtime_ns: int, size: int) -> ModelFacts | None:
         attention_dropout=_number(hf.get("attention_dropout")),
         num_experts=experts,
         num_experts_per_tok=_count(hf.get("num_experts_per_tok")),
+        router_aux_loss=hf.get("output_router_logits") is True
+        and _number(hf.get("router_aux_loss_coef", 1.0)) != 0,
         remote_code=isinstance(hf.get("auto_map"), dict),
         source=f"{Path(folder) / CONFIG_JSON}",
     )

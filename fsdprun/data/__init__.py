@@ -8,7 +8,9 @@ g*B + (m*world_size + r)*micro_batch_size, world_size being the data-parallel ra
 parallelism (`parallel.tp`) the tp consecutive ranks of one TP group are one data-parallel rank
 (r = rank // tp) and read the same samples; with context parallelism (`parallel.cp`) the cp x tp
 consecutive ranks are (r = rank // (cp x tp)), and cp rank j keeps slice j of each row's
-sequence (`Batch.sequence_shard`).
+sequence, or under ring attention its two zig-zag chunks j and 2 cp - 1 - j
+(`Batch.sequence_shard`, `config.layout.cp_chunks`): which tokens a rank holds is a function of
+its rank and the layout alone, never stored, so a run resumes under any cp degree or attention.
 
 The front door is `describe_data` (see `spec`): the one description of the dataset a recipe asks
 for (its kind, files, tokenizer, token counts, masks) that the launcher's checks (`preflight`)
@@ -69,13 +71,16 @@ class Dataset(Protocol):
 class BatchLayout:
     """How a global batch splits over data-parallel ranks (`world_size` of them) and
     micro-steps; `cp x tp` ranks (a context- and tensor-parallel group) share each data-parallel
-    rank's samples, each cp rank keeping its slice of the sequence."""
+    rank's samples, each cp rank keeping its chunks of the sequence."""
 
     global_batch_size: int
     micro_batch_size: int
     world_size: int
     tp: int = 1
     cp: int = 1
+    zigzag: bool = (
+        False  # cp ranks hold zig-zag chunks (the ring's layout: `fsdprun.config.layout.cp_chunks`)
+    )
 
     @property
     def num_ranks(self) -> int:
@@ -97,7 +102,7 @@ class BatchLayout:
         or under context parallel its cp rank's slice of the sequence."""
         if self.cp == 1:
             return batch
-        return batch.sequence_shard((rank // self.tp) % self.cp, self.cp)
+        return batch.sequence_shard((rank // self.tp) % self.cp, self.cp, zigzag=self.zigzag)
 
     @property
     def grad_accum_steps(self) -> int:

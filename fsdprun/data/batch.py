@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from fsdprun.config.layout import cp_chunks
+
 if TYPE_CHECKING:
     import torch
 
@@ -54,21 +56,28 @@ class Batch:
     def pin_memory(self) -> Batch:
         return self._map(lambda t: t.pin_memory())
 
-    def sequence_shard(self, index: int, count: int) -> Batch:
-        """Context parallel's part of this batch for cp rank `index` of `count`: slice `index`
-        of the sequence (seq / count consecutive tokens) of the inputs, targets and positions
-        (windows get their slice's positions: the rotary angles of where the tokens are in the
+    def sequence_shard(self, index: int, count: int, *, zigzag: bool = False) -> Batch:
+        """Context parallel's part of this batch for cp rank `index` of `count`: its chunks of
+        the sequence (`fsdprun.config.layout.cp_chunks`) of the inputs, targets and positions
+        (windows get their chunks' positions: the rotary angles of where the tokens are in the
         row), and the whole row's doc_ids, from which attention, which sees whole rows, builds
         its mask."""
         import torch
 
         seq = self.inputs.shape[1]
-        part = slice(index * seq // count, (index + 1) * seq // count)
+        parts = cp_chunks(seq, index, count, zigzag=zigzag)
         positions = self.positions
         if positions is None:
             positions = torch.arange(seq).expand(self.inputs.shape[0], -1)
-        return Batch(self.inputs[:, part], self.targets[:, part], positions[:, part],
-                     self.doc_ids)  # fmt: skip
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return (
+                torch.cat([t[:, part] for part in parts], dim=1)
+                if len(parts) > 1
+                else t[:, parts[0]]
+            )
+
+        return Batch(cut(self.inputs), cut(self.targets), cut(positions), self.doc_ids)
 
     @property
     def every_target_trains(self) -> bool:

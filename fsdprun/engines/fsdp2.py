@@ -129,8 +129,10 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
             "(DeepSpeed-Ulysses); attention then sees whole rows and the whole mask"
             if impl == "alltoall"
             else f"{impl}: each rank's keys and values go round the {cp} ranks of its cp group "
-            f"({cp - 1} sends), every rank attends its queries to each slice as it arrives, "
-            "merged by log-sum-exp (ring attention; every head stays on every rank)",
+            f"({cp - 1} sends), every rank attends its queries to each part as it arrives, "
+            "merged by log-sum-exp (ring attention; every head stays on every rank); cp rank j "
+            f"holds zig-zag chunks j and {2 * cp - 1}-j of {2 * cp}, the same causal work on "
+            "every rank",
         )
     add(
         "fsdp.sharding",

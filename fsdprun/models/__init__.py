@@ -104,13 +104,16 @@ class CausalLM(Protocol):
         """`lora.targets` group names -> the Linear names each stands for (`Family`)."""
         ...
 
-    def cp_attention_modules(self, *, index: int, count: int) -> list[nn.Module]:
+    def cp_attention_modules(
+        self, *, index: int, count: int, zigzag: bool = False
+    ) -> list[nn.Module]:
         """Each decoder block's attention module, whose `attend(q, k, v, mask, **kwargs)` (q, k,
         v: batch, heads, seq, head_dim; returns the same layout) context parallel wraps or
         replaces; [] where the family's attention is not exact under it
-        (`Family.cp_attention`). This rank holds slice `index` of `count` of each row
-        (`Batch.sequence_shard`): what the model takes from the whole row (the rotary factors
-        that depend on a document's length) it takes from there."""
+        (`Family.cp_attention`). This rank holds part `index` of `count` of each row
+        (`zigzag`: the ring's two chunks; `fsdprun.config.layout.cp_chunks`): what the model
+        takes from the whole row (the rotary factors that depend on a document's length) it
+        takes from there."""
         ...
 
 

@@ -139,21 +139,32 @@ def packed_inputs(
         )
     if doc_ids is None:
         doc_ids = torch.zeros_like(tokens)
+    # Under context parallel the tokens are this rank's chunks and doc_ids the whole row's: the
+    # masks are the whole row's, which attention sees.
     mask = document_causal_mask(doc_ids)
-    idx = torch.arange(tokens.shape[1], device=tokens.device)
     masks = {
-        kind: mask if window is None else mask & (idx[:, None] - idx[None, :] < window)
+        kind: _as_attention_mask(mask, window=window, additive=additive)
         for kind, window in (windows or {"full_attention": None}).items()
     }  # fmt: skip
-    if additive:
-        low = torch.finfo(torch.float32).min
-        masks = {kind: torch.zeros(m.shape, device=m.device).masked_fill(~m, low)
-                 for kind, m in masks.items()}  # fmt: skip
     attention_mask = next(iter(masks.values())) if len(masks) == 1 else masks
     inputs: dict[str, Any] = {"input_ids": tokens, "attention_mask": attention_mask}
     if positions is not None:
         inputs["position_ids"] = positions
     return inputs
+
+
+def _as_attention_mask(mask: torch.Tensor, *, window: int | None, additive: bool) -> torch.Tensor:
+    """A boolean (batch, 1, seq, seq) mask of whole rows with a sliding `window` cut into it
+    (a query sees the `window` positions up to its own), as booleans or, `additive`, as eager
+    attention adds a mask to the scores (0 or the lowest float32), not as booleans, which it
+    would add as 0 and 1."""
+    if window is not None:
+        idx = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & (idx[:, None] - idx[None, :] < window)
+    if additive:
+        low = torch.finfo(torch.float32).min
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, low)
+    return mask
 
 
 # transformers' name of fsdprun's attention implementation under context parallel (registered
@@ -163,29 +174,42 @@ CP_ATTENTION = "fsdprun_cp"
 
 def _cp_attention_forward(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention implementation under context parallel: the module's `attend`
-    (transformers' SDPA with the all-to-all of `fsdprun.engines.cp` around it) on q, k, v
-    (batch, heads, seq / cp, head_dim); returns (batch, seq / cp, heads, head_dim) and no
-    weights, as transformers' own implementations do."""
+    (the family's own attention on whole rows inside the all-to-all of `fsdprun.engines.cp`,
+    or the ring) on q, k, v (batch, heads, seq / cp, head_dim) with transformers' arguments
+    (`scaling`, `sliding_window`, `softcap`, `dropout`); returns (batch, seq / cp, heads,
+    head_dim) and no weights, as transformers' own implementations do."""
     return module.attend(query, key, value, attention_mask, **kwargs).transpose(1, 2), None
 
 
-def _sdpa_attend(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention on whole rows, in the (batch, heads, seq, head_dim) layout
-    the all-to-all exchanges."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+def _whole_row_attend(module, attention, eager, query, key, value, attention_mask, **kwargs):
+    """The family's attention `attention` (transformers' SDPA, or the model's `eager` function)
+    on whole rows, in the (batch, heads, seq, head_dim) layout the all-to-all exchanges. Plain
+    rows come without a mask (the decoder builds none under context parallel: its slice is not
+    the row): SDPA then takes its causal path (the fused kernels), while a sliding window, or
+    eager attention, which has no causal path, gets the whole row's causal mask here."""
+    window = kwargs.get("sliding_window")
+    if attention_mask is None and (window is not None or eager):
+        seq = query.shape[2]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()[None, None]
+        attention_mask = _as_attention_mask(causal, window=window, additive=eager)
+    out, _ = attention(module, query, key, value, attention_mask, **kwargs)
     return out.transpose(1, 2)
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
 
 
 @functools.cache
 def _register_cp_attention() -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(CP_ATTENTION, _cp_attention_forward)
-    # The decoder's own causal mask, as for SDPA: none for plain rows (SDPA's is_causal).
-    AttentionMaskInterface.register(CP_ATTENTION, sdpa_mask)
+    # The decoder builds no mask under context parallel: it would be its slice's (transformers
+    # counts the positions from the activations' length, and takes zig-zag positions for a
+    # packing). Plain rows have none (the attention applies causality and windows on whole-row
+    # positions); packed rows bring fsdprun's whole-row mask, which transformers takes as is.
+    AttentionMaskInterface.register(CP_ATTENTION, _no_mask)
 
 
 class HFCausalLM(nn.Module):
@@ -199,7 +223,7 @@ class HFCausalLM(nn.Module):
         self.additive_mask = hf_family(hf_model.config).attn_implementation == "eager"
         # Context parallel: this rank holds slice `index` of `count` of each row
         # (`cp_attention_modules`).
-        self.row_slice = (0, 1)
+        self.row_slice = (0, 1, False)
         # Rope types whose factors transformers chooses from the input's length (longrope,
         # dynamic) take them per document, at its length in the whole row (`models.rope`).
         self.document_rope = DocumentRope(hf_model)
@@ -329,15 +353,16 @@ class HFCausalLM(nn.Module):
 
     def _documents(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None):
         """The rotary factors of each token's document in the whole row, for one forward."""
-        index, count = self.row_slice
+        index, count, zigzag = self.row_slice
         local = tokens.shape[1]
-        return self.document_rope.documents(doc_ids, local=local, index=index, count=count)
+        return self.document_rope.documents(doc_ids, local=local, index=index, count=count,
+                                            zigzag=zigzag)  # fmt: skip
 
     def _inputs(self, tokens, *, positions, doc_ids) -> dict:
         if self.row_slice[1] > 1 and doc_ids is None:
-            # Context parallel's plain rows: this rank's slice at its positions, and no mask:
-            # SDPA's is_causal then applies to the whole rows the all-to-all gathers (a mask
-            # made here would be the slice's). Packed rows bring the whole row's doc_ids.
+            # Context parallel's plain rows: this rank's chunks at their positions, and no
+            # mask (one made here would be the slice's): the attention applies causality and
+            # sliding windows to whole-row positions. Packed rows bring the whole row's doc_ids.
             return {"input_ids": tokens, "position_ids": positions}
         # Packed rows: each layer type's sliding window cut into the document mask.
         return packed_inputs(tokens, positions=positions, doc_ids=doc_ids, windows=self.windows,
@@ -367,21 +392,34 @@ class HFCausalLM(nn.Module):
         """`lora.targets` groups: the family's attention and MLP Linear names (`HF_FAMILIES`)."""
         return hf_family(self.hf.config).lora_groups()
 
-    def cp_attention_modules(self, *, index: int, count: int) -> list[nn.Module]:
+    def cp_attention_modules(
+        self, *, index: int, count: int, zigzag: bool = False
+    ) -> list[nn.Module]:
         """Each decoder layer's self_attn, made ready for context parallel, where this rank
-        holds slice `index` of `count` of each row: transformers then calls fsdprun's attention
-        implementation (`CP_ATTENTION`), which calls the module's `attend` (transformers' SDPA,
-        which the all-to-all wraps), and the rotary factors that depend on a document's length
-        come from the whole row's; [] for a model type whose attention is not exact under
-        context parallel (`Family.cp_attention`: tests/test_cp.py against one rank)."""
-        if not hf_family(self.hf.config).cp_attention:
+        holds part `index` of `count` of each row (`zigzag`: the ring's two chunks,
+        `fsdprun.config.layout.cp_chunks`): transformers then calls fsdprun's attention
+        implementation (`CP_ATTENTION`), which calls the module's `attend`: the family's own
+        attention (`Family.attn_implementation`: SDPA, or the model's eager function, which
+        soft-caps Gemma 2's scores) on whole rows, which the all-to-all wraps or the ring
+        replaces; the rotary factors that depend on a document's length come from the whole
+        row's. [] for a model type that does not declare its attention for context parallel
+        (`Family.cp_attention`)."""
+        family = hf_family(self.hf.config)
+        if not family.cp_attention:
             return []
         _register_cp_attention()
         self.hf.config._attn_implementation = CP_ATTENTION
-        self.row_slice = (index, count)
+        self.row_slice = (index, count, zigzag)
         modules = [self.get_submodule(f"{path}.self_attn") for path in self.block_paths()]
+        eager = family.attn_implementation == "eager"
         for module in modules:
-            module.attend = functools.partial(_sdpa_attend, module)
+            if eager:  # the model's own, module-level (Gemma 2's soft-caps the scores)
+                attention = importlib.import_module(type(module).__module__).eager_attention_forward
+            else:
+                from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+                attention = sdpa_attention_forward
+            module.attend = functools.partial(_whole_row_attend, module, attention, eager)
         return modules
 
     def block_paths(self) -> list[str]:

@@ -190,10 +190,13 @@ class Transformer(nn.Module):
         """Module paths of the transformer blocks (FSDP units under the `block` policy)."""
         return [f"layers.{name}" for name in self.layers]
 
-    def cp_attention_modules(self, *, index: int, count: int) -> list[nn.Module]:
+    def cp_attention_modules(
+        self, *, index: int, count: int, zigzag: bool = False
+    ) -> list[nn.Module]:
         """Each block's attention, whose `attend` context parallel wraps ([] where the family's
-        attention is not exact under it: `Family.cp_attention`). The slice this rank holds
-        (`index` of `count`) changes nothing else: the rotary table depends on positions only."""
+        attention is not exact under it: `Family.cp_attention`). The part this rank holds
+        (`index` of `count`, `zigzag`) changes nothing else: the rotary table depends on
+        positions only."""
         if not FAMILY.cp_attention:
             return []
         return [layer.attention for layer in self.layers.values()]

@@ -26,6 +26,8 @@ import inspect
 import torch
 from torch import nn
 
+from fsdprun.config.layout import cp_chunks
+
 
 def depends_on_length(rope_type: str) -> bool:
     """Whether transformers chooses the rope type's factors from the input's largest position
@@ -34,8 +36,9 @@ def depends_on_length(rope_type: str) -> bool:
 
 
 def document_lengths(
-    doc_ids: torch.Tensor | None, *, local: int, index: int = 0, count: int = 1
-) -> torch.Tensor | int:
+    doc_ids: torch.Tensor | None, *, local: int, index: int = 0, count: int = 1,
+    zigzag: bool = False,
+) -> torch.Tensor | int:  # fmt: skip
     """Each token's document length in the whole row: what transformers would take as the
     input's length were the document forwarded alone.
 
@@ -44,8 +47,9 @@ def document_lengths(
             count 0, 1, ... within each document (`fsdprun.data.Row`): a document's length is its
             number of tokens; None for rows of one document each.
         local: the tokens of each row this rank holds.
-        index, count: the rank holds slice `index` of `count` of each row (context parallel,
-            `Batch.sequence_shard`); 0 of 1 without it.
+        index, count, zigzag: the rank holds part `index` of `count` of each row (context
+            parallel: `fsdprun.config.layout.cp_chunks`, as `Batch.sequence_shard` cuts it);
+            0 of 1 without it.
 
     Returns:
         The whole row's length when it is one document (no doc_ids), else the (batch, local)
@@ -58,7 +62,8 @@ def document_lengths(
     counts = torch.zeros(ids.shape[0], whole + 1, dtype=ids.dtype, device=ids.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids))
     lengths = counts.gather(1, ids).masked_fill(doc_ids < 0, 1)
-    return lengths[:, index * whole // count : (index + 1) * whole // count]
+    return torch.cat([lengths[:, part] for part in cp_chunks(whole, index, count, zigzag=zigzag)],
+                     dim=1)  # fmt: skip
 
 
 class DocumentRope:
@@ -76,13 +81,17 @@ class DocumentRope:
                 self.modules.append(module)
 
     @contextlib.contextmanager
-    def documents(self, doc_ids: torch.Tensor | None, *, local: int, index: int, count: int):
+    def documents(
+        self, doc_ids: torch.Tensor | None, *, local: int, index: int, count: int,
+        zigzag: bool = False,
+    ):  # fmt: skip
         """Inside: the rotary embeddings choose each token's factors from its document's length
         (`document_lengths`' arguments)."""
         if not self.modules:
             yield
             return
-        self.lengths = document_lengths(doc_ids, local=local, index=index, count=count)
+        self.lengths = document_lengths(doc_ids, local=local, index=index, count=count,
+                                        zigzag=zigzag)  # fmt: skip
         self.row_length = local * count
         try:
             yield

@@ -38,7 +38,7 @@ from fsdprun.checkpoint import (
 )
 from fsdprun.compile_cache import combine_ranks, compile_stats, describe_cache_dir, use_cache_dir
 from fsdprun.config import Dtype, ModelConfig, ModelInit, RecipeConfig, config_to_dict, load_recipe
-from fsdprun.config.layout import Layout, cp_impl
+from fsdprun.config.layout import Layout, cp_impl, cp_zigzag
 from fsdprun.config.model_facts import model_facts
 from fsdprun.data import BatchLayout, Dataset, build_datasets
 from fsdprun.device import (
@@ -346,7 +346,8 @@ def _train(
     # The ranks of a TP x CP group read the same samples (each cp rank keeps its slice).
     parallel = Layout.of(cfg, ranks.world_size)
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                         parallel.dp, parallel.tp, parallel.cp)  # fmt: skip
+                         parallel.dp, parallel.tp, parallel.cp,
+                         zigzag=cp_zigzag(cfg, model_facts(cfg.model)))  # fmt: skip
     data, val_data = build_datasets(
         cfg.data, vocab_size=trainable.engine.inner.args.vocab_size, seq_len=cfg.train.seq_len,
         seed=cfg.train.seed, with_val=cfg.eval.every_steps > 0, saved=tokenized_dir(run_dir),
