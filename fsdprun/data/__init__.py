@@ -81,11 +81,12 @@ class BatchLayout:
     zigzag: bool = (
         False  # cp ranks hold zig-zag chunks (the ring's layout: `fsdprun.config.layout.cp_chunks`)
     )
+    pp: int = 1  # pipeline stages: each is a copy of the layout above (pp is the outermost dim)
 
     @property
     def num_ranks(self) -> int:
-        """Every rank of the run: data-parallel ranks x cp x tp."""
-        return self.world_size * self.cp * self.tp
+        """Every rank of the run: pp x data-parallel ranks x cp x tp."""
+        return self.pp * self.world_size * self.cp * self.tp
 
     @property
     def reduce_ranks(self) -> int:
@@ -94,8 +95,9 @@ class BatchLayout:
         return self.world_size * self.cp
 
     def data_rank(self, rank: int) -> int:
-        """The data-parallel rank of global `rank` (cp and tp are the innermost mesh dims)."""
-        return rank // (self.cp * self.tp)
+        """The data-parallel rank of global `rank` (cp and tp are the innermost mesh dims, pp the
+        outermost: the stages of one pipeline read the same samples)."""
+        return rank % (self.world_size * self.cp * self.tp) // (self.cp * self.tp)
 
     def local(self, batch: Batch, rank: int) -> Batch:
         """The part of a data-parallel rank's `batch` that global `rank` computes: all of it,

@@ -38,7 +38,7 @@ from fsdprun.checkpoint import (
 )
 from fsdprun.compile_cache import combine_ranks, compile_stats, describe_cache_dir, use_cache_dir
 from fsdprun.config import Dtype, ModelConfig, ModelInit, RecipeConfig, config_to_dict, load_recipe
-from fsdprun.config.layout import Layout, cp_impl, cp_zigzag
+from fsdprun.config.layout import Layout, cp_impl, cp_zigzag, stage_blocks
 from fsdprun.config.model_facts import model_facts
 from fsdprun.data import BatchLayout, Dataset, build_datasets
 from fsdprun.device import (
@@ -51,6 +51,7 @@ from fsdprun.engines import build_engine
 from fsdprun.engines.cp import apply_cp
 from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, float8_plan
 from fsdprun.engines.mesh import build_device_mesh, cp_mesh, tp_mesh
+from fsdprun.engines.pp import prune_model, stage_parts, stage_tp_plan
 from fsdprun.engines.tp import apply_tp, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
 from fsdprun.engines.weights import model_state_bytes
@@ -243,8 +244,17 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         model = build_model(cfg.model)
     # LoRA first: the adapters are then checkpointed, compiled and sharded with their blocks.
     lora_paths = apply_lora(model, cfg=cfg.lora)
-    # Counted before sharding: an FSDP1 model's parameters are then views of the local shard.
+    # Counted before sharding: an FSDP1 model's parameters are then views of the local shard
+    # (and before pipeline parallel keeps this rank's stages only).
     num_trainable = num_trainable_params(model)
+    layout = Layout.of(cfg, ranks.world_size)
+    facts_ = model_facts(cfg.model)
+    stage_plan, local_stages = None, layout.local_stages(ranks.rank)
+    if layout.is_pp:
+        # First of all: every transform below then sees this rank's stages only.
+        counts = stage_blocks(cfg, facts_, model.args.n_layers)
+        stage_plan = prune_model(model, stages=facts_.entry.stages, counts=counts,
+                                 local=local_stages)  # fmt: skip
     # float8 converts Linears before checkpointing, compile and sharding wrap them (torchao).
     check_float8(cfg.precision.float8.value, device.kind)
     f8 = float8_plan(cfg, ranks.world_size)
@@ -253,15 +263,14 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     # parallel's attention, then activation checkpointing (which recomputes the all-to-all
     # with the rest of the block), then per-block compile, then FSDP over the mesh's
     # data-parallel dims (with cp: dp_shard x cp).
-    layout = Layout.of(cfg, ranks.world_size)
     mesh, tp_rows = None, []
-    if layout.is_tp or layout.is_cp:
+    if layout.is_tp or layout.is_cp or layout.is_pp:
         mesh = build_device_mesh(layout, device.kind)
     if layout.is_tp:
-        plan = model_spec(cfg.model).tp_plan(cfg.model)
+        plan = stage_tp_plan(model_spec(cfg.model).tp_plan(cfg.model), model)
         tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan)
     if layout.is_cp:
-        apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, model_facts(cfg.model)))
+        apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, facts_))
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
@@ -273,9 +282,14 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         from fsdprun.engines.hf_weights import HFWeights
 
         weights = HFWeights(Path(cfg.model.hf_path), model)
+    parts = None
+    if stage_plan is not None:
+        # Each stage of this rank its own FSDP root, after every other transform.
+        parts = stage_parts(model, stages=facts_.entry.stages, plan=stage_plan,
+                            local=local_stages)  # fmt: skip
     engine = build_engine(
         model, cfg, device=device.torch_device, device_kind=device.kind,
-        world_size=ranks.world_size, weights=weights, mesh=mesh, tp_plan=tp_rows,
+        world_size=ranks.world_size, weights=weights, mesh=mesh, tp_plan=tp_rows, parts=parts,
     )  # fmt: skip
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
     scaler = engine.grad_scaler() if cfg.precision.param_dtype is Dtype.fp16 else None
@@ -347,7 +361,7 @@ def _train(
     parallel = Layout.of(cfg, ranks.world_size)
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
                          parallel.dp, parallel.tp, parallel.cp,
-                         zigzag=cp_zigzag(cfg, model_facts(cfg.model)))  # fmt: skip
+                         zigzag=cp_zigzag(cfg, model_facts(cfg.model)), pp=parallel.pp)  # fmt: skip
     data, val_data = build_datasets(
         cfg.data, vocab_size=trainable.engine.inner.args.vocab_size, seq_len=cfg.train.seq_len,
         seed=cfg.train.seed, with_val=cfg.eval.every_steps > 0, saved=tokenized_dir(run_dir),
