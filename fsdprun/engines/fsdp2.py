@@ -94,8 +94,8 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
     f, p = cfg.fsdp, cfg.precision
     sharding, group, ws = layout.sharding, layout.shard_group, layout.world_size
     dims = layout.mesh_dims
-    if layout.is_tp or layout.is_cp:
-        dp = [f"{n} {name}" for name, n in dims if name != "tp"]
+    if layout.is_tp or layout.is_cp or layout.is_pp:
+        dp = [f"{n} {name}" for name, n in dims if name not in ("tp", "pp")]
         flat = " (dp_shard x cp flattened into one)" if layout.is_cp else ""
         mesh = f"fully_shard over the {' x '.join(dp)} dims of the mesh{flat}"
     elif sharding in _TWO_D:
@@ -110,6 +110,16 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
             f"device mesh {layout.describe()}: parallelize_module with the family's plan over "
             "the tp dim (ranks of one TP group read the same batch; loss parallel on "
             "vocab-sharded logits), then fully_shard over the data-parallel dims",
+        )
+    if layout.is_pp:
+        sched = cfg.parallel.pp_schedule.value
+        add(
+            "parallel.pp",
+            layout.pp,
+            f"device mesh {layout.describe()}: the layers cut into {layout.num_stages} stages "
+            f"(parallel.pp_schedule={sched}), each stage a fully_shard root over its own "
+            "data-parallel ranks; activations and their gradients go between stages once per "
+            "micro-batch; each micro-batch's gradients reduce-scattered as it finishes",
         )
     if layout.is_cp:
         cp = layout.cp

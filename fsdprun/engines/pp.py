@@ -48,7 +48,6 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdprun.config.layout import PP_SCHEDULES, Layout
-from fsdprun.config.schema import PpSchedule
 from fsdprun.errors import UserError
 from fsdprun.families import Stages
 
@@ -118,12 +117,18 @@ def _shell(root: nn.Module, stages: Stages) -> nn.Module:
         return new
 
     shell = copied(root)
-    for path in (*stages.first, *stages.last, stages.blocks):
-        parent = shell
-        for name in path.split("."):
-            child = copied(parent._modules[name])
-            parent._modules[name] = child
-            parent = child
+    done = {id(root): shell}
+    # The parents of the first and last modules (which a stage replaces), and the blocks
+    # container with its parents (whose children a stage removes).
+    chains = [p.split(".")[:-1] for p in (*stages.first, *stages.last)]
+    for names in [*chains, stages.blocks.split(".")]:
+        parent, original = shell, root
+        for name in names:
+            original = original._modules[name]
+            if id(original) not in done:
+                done[id(original)] = copied(original)
+            parent._modules[name] = done[id(original)]
+            parent = done[id(original)]
     return shell
 
 
@@ -246,16 +251,11 @@ class Pipeline:
         hidden = torch.empty(micro_batch_size, seq_len // layout.row_group, dim, dtype=dtype,
                              device=meta, requires_grad=True)  # fmt: skip
         loss = torch.empty(1, dtype=torch.float32, device=meta)
-        # Zero bubble splits each backward into its input and weight gradients, which FSDP2's
-        # hooks would reduce before the weight half ran: there torch's pipelining drives FSDP
-        # itself (its stage root is the FSDP module: unsharded gradients until the last
-        # micro-batch, reduced once).
-        zero_bubble = layout.pp_schedule is PpSchedule.interleaved_zb
         self.stages = []
         for index, root in zip(self.local, roots, strict=True):
             root.loss_of = loss_of
             self.stages.append(pipelining.PipelineStage(
-                root if zero_bubble else _Unsharded(root), index, num, device,
+                _Unsharded(root), index, num, device,
                 input_args=tokens if index == 0 else hidden,
                 output_args=loss if index == num - 1 else hidden, group=self.group,
             ))  # fmt: skip

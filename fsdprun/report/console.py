@@ -120,6 +120,18 @@ def _lora_line(lora: dict[str, Any], num_base_params: int, num_trainable: int) -
     )
 
 
+def pipeline_line(pp: int, p: dict) -> str:
+    """The run header's pipeline line, from the start event's `pipeline` record."""
+    stages = len(p["blocks"])
+    virtual = f", {p['stages_per_rank']} a rank" if p["stages_per_rank"] > 1 else ""
+    return (
+        f"pipeline parallel: pp {pp}, {p['schedule']} schedule, {stages} stages{virtual} "
+        f"(blocks {' | '.join(map(str, p['blocks']))}); {p['micro_batches']} micro-batches a "
+        f"step, up to {p['in_flight']:g} in flight on stage 0; bubble {p['bubble']:.0%} of "
+        "each step"
+    )
+
+
 def mesh_text(mesh: list[list]) -> str:
     """'2 dp_shard x 2 tp' from the start event's [[name, size], ...], outermost first."""
     return " x ".join(f"{size} {name}" for name, size in mesh)
@@ -231,9 +243,9 @@ class Reporter:
             c.print(f"  loss: {e['loss']}; float8: {e.get('float8', 'off')}", soft_wrap=True)
         if e.get("compile_cache"):
             c.print(f"  compile cache: {e['compile_cache']}", soft_wrap=True)  # a path stays whole
-        tp, cp = e.get("tp") or 1, e.get("cp") or 1
-        ranks = (f"{e['world_size']} ranks" if tp * cp == 1
-                 else f"{e['world_size'] // (tp * cp)} dp ranks")  # fmt: skip
+        tp, cp, pp = e.get("tp") or 1, e.get("cp") or 1, e.get("pp") or 1
+        ranks = (f"{e['world_size']} ranks" if tp * cp * pp == 1
+                 else f"{e['world_size'] // (tp * cp * pp)} dp ranks")  # fmt: skip
         c.print(
             f"  batch {e['global_batch_size']} seqs x {e['seq_len']} tokens = "
             f"{fmt_count(e['tokens_per_step'])} tokens/step (micro {e['micro_batch_size']} x "
@@ -247,6 +259,8 @@ class Reporter:
                 f"  context parallel: cp {cp}, {e['cp_impl']} attention (each rank holds "
                 f"{e['seq_len'] // cp} of the {e['seq_len']} tokens of every row)"
             )
+        if e.get("pipeline"):
+            c.print(f"  {pipeline_line(pp, e['pipeline'])}", soft_wrap=True)
         if e.get("tp_plan"):
             c.print(f"  tensor parallel plan (tp {tp}):")
             for path, style in tp_plan_lines(e["tp_plan"]):

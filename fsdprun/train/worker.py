@@ -38,7 +38,14 @@ from fsdprun.checkpoint import (
 )
 from fsdprun.compile_cache import combine_ranks, compile_stats, describe_cache_dir, use_cache_dir
 from fsdprun.config import Dtype, ModelConfig, ModelInit, RecipeConfig, config_to_dict, load_recipe
-from fsdprun.config.layout import Layout, cp_impl, cp_zigzag, stage_blocks
+from fsdprun.config.layout import (
+    Layout,
+    bubble_fraction,
+    cp_impl,
+    cp_zigzag,
+    in_flight,
+    stage_blocks,
+)
 from fsdprun.config.model_facts import model_facts
 from fsdprun.data import BatchLayout, Dataset, build_datasets
 from fsdprun.device import (
@@ -440,6 +447,8 @@ def _start_fields(
         "tp": parallel.tp,
         "cp": parallel.cp,
         "cp_impl": cp_impl(cfg, model_facts(cfg.model)) if parallel.is_cp else None,
+        "pp": parallel.pp,
+        "pipeline": _pipeline_fields(cfg, parallel, layout.grad_accum_steps, engine),
         "tp_plan": [list(row) for row in engine.tp_plan],
         "param_dtype": cfg.precision.param_dtype.value,
         "reduce_dtype": cfg.precision.reduce_dtype.value,
@@ -476,6 +485,26 @@ def _start_fields(
         "val_data": val_data.description if val_data is not None else None,
         "trackers": describe_trackers(
             run_dir, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb),
+    }  # fmt: skip
+
+
+def _pipeline_fields(
+    cfg: RecipeConfig, parallel: Layout, micro_batches: int, engine
+) -> dict | None:
+    """The pipeline in the `start` event (None without pp): its schedule, the blocks of each
+    stage, how many micro-batches stage 0 holds in flight, and the schedule's bubble."""
+    if not parallel.is_pp:
+        return None
+    p = cfg.parallel
+    return {
+        "schedule": p.pp_schedule.value,
+        "stages_per_rank": parallel.pp_stages_per_rank,
+        "blocks": stage_blocks(cfg, model_facts(cfg.model), engine.inner.args.n_layers),
+        "micro_batches": micro_batches,
+        "in_flight": in_flight(p.pp_schedule, parallel.pp, micro_batches,
+                               parallel.pp_stages_per_rank),
+        "bubble": bubble_fraction(p.pp_schedule, parallel.pp, micro_batches,
+                                  parallel.pp_stages_per_rank),
     }  # fmt: skip
 
 
