@@ -337,3 +337,99 @@ def test_resume_is_exact_from_pp_to_dp_and_back(pp_run, pools, tmp_path):
     again = _resumed(_stopped_at_2(dp4, tmp_path / "b"), tmp_path, "parallel.pp=2")
     assert again.start["mesh"] == [["pp", 2], ["dp_shard", 2]]
     _assert_same(again, dp4, tmp_path, steps=(LAST,))
+
+
+def _heartbeat(run_dir: Path, rank: int) -> dict | None:
+    import json
+    from contextlib import suppress
+
+    with suppress(OSError, ValueError):
+        return json.loads((run_dir / "heartbeat" / f"rank-{rank}.json").read_text())
+    return None
+
+
+def _wait_for_step(run_dir: Path, step: int, proc, ranks=(0, 1)) -> list[dict]:
+    import time
+
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        beats = [_heartbeat(run_dir, r) for r in ranks]
+        if all(b is not None and b["step"] >= step for b in beats):
+            return beats
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {step}: {proc.poll()}")
+
+
+KILLED = ("parallel.pp=2", "train.steps=6", "checkpoint.every_steps=2", "output.log_every=1",
+          "schedule.warmup_steps=1", "launch.monitor_interval_s=1")  # fmt: skip
+
+
+def test_a_killed_stage_stops_the_run_in_one_line_and_keeps_its_checkpoint(tmp_path):
+    """kill -9 of the last stage's rank while the first stage waits at step 5 (FSDPRUN_HANG_AT):
+    the launcher says which rank died in one line (exit 1), no process of the run is left, and
+    the step-4 checkpoint is whole. On the way, the non-finite drill on the last stage at step 2
+    (its loss made infinite) is skipped by every rank: the agreement reads the global norm."""
+    import os
+    import signal
+
+    from conftest import fsdprun_env, processes_naming, start_fsdprun
+
+    from fsdprun.checkpoint import step_dir, verify_checkpoint
+
+    run_dir = tmp_path / "run"
+    env = fsdprun_env(FSDPRUN_HANG_AT="0:5", FSDPRUN_NONFINITE_AT="1:2")
+    proc = start_fsdprun("train", "debug", *KILLED, "train.nonfinite=skip", "--run-dir",
+                         str(run_dir), cwd=tmp_path, env=env)  # fmt: skip
+    try:
+        victim = _wait_for_step(run_dir, 5, proc, ranks=(1,))[0]
+        while not (step_dir(run_dir, 4) / ".metadata").exists():  # noqa: ASYNC110
+            assert proc.poll() is None
+        os.kill(victim["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(f"error: rank 1 was killed by SIGKILL at step 5 (pid {victim['pid']})")
+    assert processes_naming(str(run_dir)) == []
+    assert verify_checkpoint(step_dir(run_dir, 4)) == []
+    run = Run(None, run_dir)
+    skips = [e for e in run.events if e["event"] == "skip"]
+    assert [e["step"] for e in skips] == [2]
+    assert [e["step"] for e in run.steps if e["skipped"]] == [2]
+
+
+def test_a_killed_stage_restarts_from_its_checkpoint_exactly(pools, tmp_path):
+    """The same kill with launch.max_restarts=1: the workers restart from the step-4 checkpoint
+    and steps 5 and 6 equal an uninterrupted pp 2 run's (the pool's) to 1e-6."""
+    import os
+    import signal
+
+    from conftest import fsdprun_env, start_fsdprun
+
+    from fsdprun.checkpoint import step_dir
+
+    run_dir = tmp_path / "run"
+    proc = start_fsdprun("train", "debug", *KILLED, "launch.max_restarts=1", "--run-dir",
+                         str(run_dir), cwd=tmp_path, env=fsdprun_env(FSDPRUN_HANG_AT="0:5"))  # fmt: skip
+    try:
+        victim = _wait_for_step(run_dir, 5, proc, ranks=(1,))[0]
+        while not (step_dir(run_dir, 4) / ".metadata").exists():  # noqa: ASYNC110
+            assert proc.poll() is None
+        os.kill(victim["pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    run = Run(None, run_dir)
+    restarts = [e for e in run.events if e["event"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["step"] == 4, restarts
+    want = {e["step"]: e for e in pools[2].train(*KILLED).steps}
+    got = {e["step"]: e for e in run.steps}
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in (5, 6):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-6), step
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5), step
