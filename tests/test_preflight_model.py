@@ -187,6 +187,8 @@ LAYOUTS = {
     "cp with lora": ["parallel.cp=2", "lora.rank=4"],
     "cp with float8": ["parallel.cp=2", "precision.float8=tensorwise"],
     "cp with compile": ["parallel.cp=2", "compile.enabled=true"],
+    "ring with fullgraph compile": ["parallel.cp=4", "compile.enabled=true",
+                                    "compile.fullgraph=true"],
     "ring under tp": ["parallel.cp=2", "parallel.tp=2"],
     "cp with cpu offload": ["parallel.cp=2", "fsdp.cpu_offload=true"],
     "backward prefetch": ["fsdp.backward_prefetch=sideways"],
@@ -216,4 +218,5 @@ def test_plan_refuses_what_train_refuses_and_accepts_what_it_accepts(monkeypatch
     differ = {name: pair for name, pair in answers.items() if pair[0] != pair[1]}
     assert not differ, differ
     accepted = {name for name, (plan, _) in answers.items() if plan == "accepted"}
-    assert accepted == {"tp accepted", "cp accepted"}, answers
+    assert accepted == {"tp accepted", "cp accepted", "tp with cpu offload", "cp with compile",
+                        "cp with cpu offload"}, answers  # fmt: skip
