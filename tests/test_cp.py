@@ -47,8 +47,9 @@ def errors_of(*overrides: str) -> list[str]:
         (["parallel.cp=2", "fsdp.engine=fsdp1"], "parallel.cp=2 with fsdp.engine=fsdp1"),
         (["parallel.cp=2", "lora.rank=4"], "parallel.cp=2 with lora.rank=4"),
         (["parallel.cp=2", "precision.float8=tensorwise"], "with precision.float8=tensorwise"),
-        (["parallel.cp=2", "compile.enabled=true"], "parallel.cp=2 with compile.enabled=true"),
-        (["parallel.cp=2", "fsdp.cpu_offload=true"], "parallel.cp=2 with fsdp.cpu_offload=true"),
+        (["parallel.cp=4", "compile.enabled=true", "compile.fullgraph=true"],
+         "parallel.cp=4 with parallel.cp_impl=ring (what auto takes for these heads) and "
+         "compile.fullgraph=true"),
         (["parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=alltoall"],
          "n_kv_heads / parallel.tp (2) = 1 per TP rank): the all-to-all gives each rank"),
         (["parallel.cp=4", "train.seq_len=36"],
@@ -365,6 +366,28 @@ def test_cp2_tp2_trains_as_one_rank(pools, tmp_path):
     _assert_same(both, pools[1].train(*COMMON), tmp_path)
 
 
+def test_compiled_blocks_under_cp_and_tp_train_as_the_compiled_one_rank_run(pools, tmp_path):
+    """compile.enabled=true (inductor, per block) with the all-to-all inside each compiled
+    block (a functional collective, which the graph holds: no graph break): cp 2 x dp 2 trains
+    as the compiled one-rank run, and so does plain dp 4 (one rank's graphs, which the compile
+    cache then serves), and cp 2 x tp 2 (the all-to-all of each TP rank's heads inside the
+    compiled blocks): losses, gradient norms, counts and parameters to 1e-5. Each run's summary has its compile time and cache counts.
+    Before, cp refused compile."""
+    compiled = ("compile.enabled=true",)
+    one = pools[1].train(*COMMON, *compiled)
+    cp = pools[4].train(*COMMON, "parallel.cp=2", *compiled)
+    assert cp.start["compile"] == "per block" and cp.start["cp_impl"] == "alltoall"
+    _assert_same(cp, one, tmp_path)
+    _assert_same(pools[4].train(*COMMON, *compiled), one, tmp_path)
+    both = pools[4].train(*COMMON, "parallel.cp=2", "parallel.tp=2", "train.micro_batch_size=4",
+                          *compiled)  # fmt: skip
+    assert both.start["cp_impl"] == "alltoall" and both.start["tp_plan"]
+    _assert_same(both, one, tmp_path)
+    for run in (one, cp, both):
+        stats = run.summary["compile"]
+        assert stats["time_s"] > 0 and stats["fx_graph"]["hit"] + stats["fx_graph"]["miss"] > 0
+
+
 def _hf_logits_rank(rank: int, world: int, folder: str) -> dict:
     """The shipped HF Llama folder's logits on this rank's slice under cp 2 (its 2 kv heads)
     against the plain model's on whole rows: plain rows (no mask: SDPA's causal path on the
@@ -503,7 +526,8 @@ def test_plan_divides_activations_by_cp_and_shows_each_cp_degree():
     """`fsdprun plan`: every rank keeps seq / cp tokens of activations, parameters are sharded
     over dp_shard x cp; the context-parallel line puts each degree beside the recipe's, with
     whether it fits or why it cannot run. llama-8b at seq 131,072 on 8 x 80 GB (full
-    checkpointing) does not fit without cp, and fits at cp 4 and cp 8."""
+    checkpointing) does not fit without cp, and fits at cp 2, 4 and 8 with the recipe's compile
+    (before, cp refused compile and plan showed each cp degree eager, "compile off")."""
     from fsdprun.tools.plan import plan_memory
 
     one = plan_memory(load_recipe("debug", FOUR).config).strategies["full"]
@@ -516,8 +540,9 @@ def test_plan_divides_activations_by_cp_and_shows_each_cp_degree():
     assert result.exit_code == 0, result.output
     (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("Context parallel")]
     assert re.search(r"cp 1 \(recipe\) \[dp 8\] [\d.]+ GiB does not fit", line), line
-    assert re.search(r"cp 8 \[dp_shard 1 x cp 8\] [\d.]+ GiB \(compile off\) fits", line), line
-    assert re.search(r"cp 4 \[dp_shard 2 x cp 4\] [\d.]+ GiB \(compile off\) fits", line), line
+    for cp in (2, 4, 8):
+        assert re.search(rf"cp {cp} \[dp_shard {8 // cp} x cp {cp}\] [\d.]+ GiB fits", line), line
+    assert "compile off" not in line, line
 
 
 def test_compare_accepts_cp_configurations():
@@ -633,6 +658,56 @@ def test_ring_attention_equals_whole_row_attention_with_balanced_work(pools):
     # consecutive slices gave rank j j + 1 blocks (the last rank 4 x the first's).
     flops = [r["flops"] for r in results]
     assert min(flops) == max(flops) > 0, flops
+
+
+def _compiled_ring_rank(rank: int, world: int) -> dict:
+    """The ring inside a compiled function (AOTAutograd, no inductor: what is checked is where
+    torch.compile cuts the graph) against the eager ring, forward and backward; and what
+    fullgraph=True makes of it."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdprun.engines import cp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, h, 4, 8, generator=gen) for h in (4, 2, 2))
+    ring = cp.ring_attention(mesh)
+
+    def block(q, k, v):  # a block's arithmetic around its attention
+        return ring(q * 2, k + 1, v, None).square()
+
+    outs, grads = [], []
+    for fn in (block, torch.compile(block, backend="aot_eager")):
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*mine)
+        out.sum().backward()
+        outs.append(out)
+        grads.append([t.grad for t in mine])
+    torch._dynamo.reset()
+    try:
+        torch.compile(block, backend="aot_eager", fullgraph=True)(q, k, v)
+        fullgraph = "compiled"
+    except Exception as e:  # torch._dynamo.exc.Unsupported (not public)
+        fullgraph = f"{type(e).__name__}: {e}"
+    errors = [(outs[0] - outs[1]).abs().max().item()]
+    errors += [(a - b).abs().max().item() for a, b in zip(*grads, strict=True)]
+    return {"errors": errors, "fullgraph": fullgraph}
+
+
+def test_the_ring_compiles_with_a_graph_break_and_refuses_fullgraph(pools):
+    """Compiled blocks take the ring eager: torch.compile cannot trace its point-to-point
+    sends and breaks the graph there (outputs and gradients equal the eager ring's); with
+    compile.fullgraph=true it raises instead, torch's own limit, which the recipe checks refuse
+    in one line (the all-to-all's functional collective compiles inside the graph)."""
+    for result in pools[4].submit(_compiled_ring_rank):
+        assert max(result["errors"]) <= 1e-6, result
+        assert "P2P compilation disabled for P2POp construction" in result["fullgraph"], result
+    (line,) = errors_of("parallel.cp=4", "compile.enabled=true", "compile.fullgraph=true")
+    ring = "parallel.cp=4 with parallel.cp_impl=ring (what auto takes for these heads)"
+    assert line.startswith(f"{ring} and compile.fullgraph=true: torch.compile cannot trace"), line
+    # The all-to-all's functional collective compiles inside the graph: accepted.
+    load_recipe("debug", [*FOUR, "parallel.cp=2", "compile.enabled=true", "compile.fullgraph=true"])
 
 
 def test_ring_is_what_auto_takes_where_cp_does_not_divide_the_heads():

@@ -188,6 +188,8 @@ LAYOUTS = {
     "cp with float8": ["parallel.cp=2", "precision.float8=tensorwise"],
     "cp with compile": ["parallel.cp=2", "compile.enabled=true"],
     "ring and seq_len": ["parallel.cp=4", "train.seq_len=36", "model.max_seq_len=64"],
+    "ring with fullgraph compile": ["parallel.cp=4", "compile.enabled=true",
+                                    "compile.fullgraph=true"],
     "cp with cpu offload": ["parallel.cp=2", "fsdp.cpu_offload=true"],
     "backward prefetch": ["fsdp.backward_prefetch=sideways"],
     "reshard under fsdp1": ["fsdp.engine=fsdp1", "fsdp.reshard_after_forward=false"],
@@ -222,4 +224,5 @@ def test_plan_refuses_what_train_refuses_and_accepts_what_it_accepts(
     differ = {name: pair for name, pair in answers.items() if pair[0] != pair[1]}
     assert not differ, differ
     accepted = {name for name, (plan, _) in answers.items() if plan == "accepted"}
-    assert accepted == {"tp accepted", "cp accepted", "cp on qwen2"}, answers
+    assert accepted == {"tp accepted", "cp accepted", "cp on qwen2", "tp with cpu offload",
+                        "cp with compile", "cp with cpu offload"}, answers  # fmt: skip

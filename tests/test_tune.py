@@ -788,20 +788,20 @@ def test_tune_dry_run_prints_the_space_pruning_and_order(tmp_path, recipe):
 
 
 def test_the_default_space_under_tensor_parallel_leaves_out_what_tp_refuses(tmp_path, recipe):
-    """fsdp1, the chunked loss and CPU offload, which parallel.tp always refuses, are not in the
-    default space (376 of 384 candidates were pruned for them); the micro-batch sizes are those
-    of the data-parallel ranks' share (a TP group shares its micro-batch)."""
+    """fsdp1 and the chunked loss, which parallel.tp always refuses, are not in the default
+    space (before, 376 of 384 candidates were pruned for them and CPU offload, which TP now
+    takes); the micro-batch sizes are those of the data-parallel ranks' share (a TP group shares
+    its micro-batch)."""
     proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "parallel.tp=2", "--device-memory",
                                  "1GB", "--dry-run", "--json"), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     space = {k["key"]: k["values"] for k in doc["space"]}
     assert space["fsdp.engine"] == ["fsdp2"] and space["train.loss"] == ["plain"]
-    assert space["fsdp.cpu_offload"] == ["false"]
+    assert space["fsdp.cpu_offload"] == ["false", "true"]
     assert space["train.micro_batch_size"] == ["1", "2", "4", "8", "16"]  # 16 / 1 dp rank
     assert space["activation_checkpointing.mode"] == ["none", "selective", "full"]
-    assert sorted(doc["left_out"]) == ["fsdp.cpu_offload=true", "fsdp.engine=fsdp1",
-                                       "train.loss=chunked"]  # fmt: skip
+    assert sorted(doc["left_out"]) == ["fsdp.engine=fsdp1", "train.loss=chunked"]
     assert all("parallel.tp=2 with" in why for why in doc["left_out"].values())
     assert not [c for c in doc["candidates"] if "refuse" in (c["reason"] or "")]
 

@@ -335,11 +335,6 @@ def _tp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             "compile.per_block=false: fsdprun checks per-block compile of tensor-parallel "
             "models only; set compile.per_block=true",
         ),
-        (
-            cfg.fsdp.cpu_offload,
-            "fsdp.cpu_offload=true: FSDP2's offload of tensor-parallel (2-D) parameters is "
-            "not supported by fsdprun; set fsdp.cpu_offload=false or parallel.tp=1",
-        ),
     )
     errors += [f"parallel.tp={tp} with {why}" for refuse, why in refused if refuse]
     return errors
@@ -423,20 +418,18 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             "parallel; set precision.float8=off",
         ),
         (
-            cfg.compile.enabled,
-            "compile.enabled=true: compiled blocks with the all-to-all inside have not been "
-            "verified; set compile.enabled=false",
-        ),
-        (
             impl == "ring" and attention_dropout > 0,
             f"{ring} and the model's attention dropout {attention_dropout:g} (its config.json's "
             "attention_dropout): the ring applies no dropout; set it to 0 in config.json, or "
             "a cp that divides the kv heads (all-to-all)",
         ),
         (
-            cfg.fsdp.cpu_offload,
-            "fsdp.cpu_offload=true: not verified under context parallel; set "
-            "fsdp.cpu_offload=false",
+            # The all-to-all is a functional collective, which compiles inside the block.
+            impl == "ring" and cfg.compile.enabled and cfg.compile.fullgraph,
+            f"{ring} and compile.fullgraph=true: torch.compile cannot trace the ring's "
+            "point-to-point sends (\"P2P compilation disabled for P2POp construction\"), so a "
+            "compiled block breaks its graph at the ring; set compile.fullgraph=false, or a cp "
+            "that divides the kv heads (all-to-all)",
         ),
     )  # fmt: skip
     errors += [f"parallel.cp={cp} with {why}" for refuse, why in refused if refuse]

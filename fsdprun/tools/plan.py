@@ -428,7 +428,8 @@ def _cp_degrees(cfg: RecipeConfig, units: list[list[ParamShape]]) -> list[CpOpti
     """The recipe at CP_DEGREES and its own degree, at its world size and tp, under its sharding
     with fsdp2 (the engine CP needs): the mesh and rank 0's memory, or why not (what
     `fsdprun train` refuses). A degree refused only because of compile is shown with compile
-    off (context parallel refuses compile), as that is the run it could be."""
+    off (the ring refuses compile.fullgraph, tp compile with checkpointing), as that is
+    the run it could be."""
     fsdp2, sharding = _as_fsdp2(cfg)
     options = []
     for cp in sorted({*CP_DEGREES, Layout.of(cfg).cp}):
