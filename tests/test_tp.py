@@ -52,7 +52,6 @@ def one_error(*overrides: str) -> str:
         (["train.seq_len=63"], "does not divide train.seq_len (63)"),
         (["fsdp.engine=fsdp1"], "fsdp.engine=fsdp1 cannot shard DTensor"),
         (["fsdp.engine=ddp"], "fsdp.engine=ddp cannot shard DTensor"),
-        (["lora.rank=4"], "lora.rank=4: LoRA's adapted layers"),
         (["train.loss=chunked"], "train.loss=chunked"),
         (["model.tie_embeddings=true"], "model.tie_embeddings=true: the built-in Llama's tied"),
         (["fsdp.cpu_offload=true"], "fsdp.cpu_offload=true"),

@@ -279,16 +279,6 @@ def _tp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             "parameters; use fsdp.engine=fsdp2",
         ),
         (
-            cfg.precision.float8.value != "off",
-            f"precision.float8={cfg.precision.float8.value} needs torchao's float8 TP styles, "
-            "which fsdprun does not apply; set precision.float8=off",
-        ),
-        (
-            cfg.lora.rank > 0,
-            f"lora.rank={cfg.lora.rank}: LoRA's adapted layers are not nn.Linear, which the "
-            "column/row-wise plans shard; set lora.rank=0 or parallel.tp=1",
-        ),
-        (
             cfg.train.loss.value == "chunked",
             "train.loss=chunked: under TP the loss is computed on vocab-sharded logits (loss "
             "parallel), so the whole logits never exist anyway; set train.loss=plain",
@@ -379,12 +369,13 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             f"parallel.tp={tp} and model.hf_path: cp x tp is verified for the built-in Llama "
             "only; set parallel.tp=1 or parallel.cp=1",
         ),
-        (cfg.lora.rank > 0, f"lora.rank={cfg.lora.rank}: not verified under context parallel; "
-                            "set lora.rank=0"),
         (
-            cfg.precision.float8.value != "off",
-            f"precision.float8={cfg.precision.float8.value}: not verified under context "
-            "parallel; set precision.float8=off",
+            cfg.precision.float8.value == "rowwise",
+            "precision.float8=rowwise: its weight gradient's float8 operands are scaled per "
+            "column over the tokens, which context parallel splits between ranks, and torchao's "
+            "Float8Linear takes those scales from each rank's own tokens inside its backward (one "
+            "rank would scale over them all); use precision.float8=tensorwise, whose scales "
+            "fsdprun takes over the cp group",
         ),
         (
             cfg.compile.enabled,
