@@ -54,6 +54,7 @@ def one_error(*overrides: str) -> str:
         (["fsdp.engine=fsdp1"], "fsdp.engine=fsdp1 cannot shard DTensor"),
         (["fsdp.engine=ddp"], "fsdp.engine=ddp cannot shard DTensor"),
         (["train.loss=chunked"], "train.loss=chunked"),
+        (["precision.float8=rowwise"], "precision.float8=rowwise: torchao scales each token's"),
         (["model.tie_embeddings=true"], "model.tie_embeddings=true: the built-in Llama's tied"),
         (["fsdp.cpu_offload=true"], "fsdp.cpu_offload=true"),
         (["compile.enabled=true", "activation_checkpointing.mode=full"],
