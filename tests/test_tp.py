@@ -420,7 +420,8 @@ def _hf_families_tp_rank(rank: int, world: int, folders: dict[str, str]) -> dict
 
 @pytest.fixture(scope="module")
 def tp_family_dirs(hf_family_dirs) -> dict[str, Path]:
-    """The families of tests/hf_families.py that have a TP plan (Gemma's tied, as released)."""
+    """The families of tests/hf_families.py that have a TP plan (all; Gemma's tied, as
+    released)."""
     from fsdprun.families import HF_FAMILIES
 
     return {f: d for f, d in hf_family_dirs.items() if not isinstance(HF_FAMILIES[f].tp_plan, str)}
@@ -432,12 +433,14 @@ def test_each_family_plan_computes_as_the_plain_model(gloo_pool, tp_family_dirs)
     positions), and the logits and every parameter's gradient equal the plain model's (1e-5),
     plain rows and packed ones. Qwen3's and Gemma 3's per-head q/k norms, Gemma's post-norms,
     embedding scale and (1 + w) norms, Phi-3's fused qkv_proj and gate_up_proj, and the
-    16-token sliding windows inside 32-token rows (Mistral, Gemma), and Gemma's tied embedding
-    and output (split alike, tied again: one tensor, one gradient) each need their part of the
-    plan: before, qwen3, phi3 and tied embeddings were refused and a window shorter than the row
-    was too (rank 0 died on a 16-wide mask against 32 positions)."""
+    16-token sliding windows inside 32-token rows (Mistral, Gemma), Gemma's tied embedding
+    and output (split alike, tied again: one tensor, one gradient), and Qwen3-MoE's experts
+    (split by experts, each rank's share of the tokens' sums reduced; the router replicated)
+    each need their part of the plan: before, qwen3, phi3, tied embeddings and the MoE were
+    refused and a window shorter than the row was too (rank 0 died on a 16-wide mask against
+    32 positions)."""
     assert set(tp_family_dirs) == {"llama", "qwen2", "qwen3", "mistral", "gemma2",
-                                   "gemma3_text", "phi3"}  # fmt: skip
+                                   "gemma3_text", "phi3", "qwen3_moe"}  # fmt: skip
     folders = {family: str(folder) for family, folder in tp_family_dirs.items()}
     for result in gloo_pool.submit(_hf_families_tp_rank, folders):
         for family, r in result.items():
@@ -706,20 +709,23 @@ def test_sft_demo_trains_at_tp2_as_one_rank(pools, tmp_path):
 # float8 (precision.float8=tensorwise) under TP and CP, on CPU ranks through the test-only switch
 # (torch's CPU float8 matmul takes about 25 ms a call): sequences of 32, an FFN of 200 (not a
 # multiple of 16, so it stays in fp32) and 4 kv heads, so the float8 Linears are the attention's
-# q, k, v (column-wise) and o (row-wise); 2 steps of 2 micro-batches.
+# q, k, v (column-wise) and o (row-wise); 2 steps of 4 one-sequence micro-batches.
 FLOAT8 = ("precision.float8=tensorwise", "model.ffn_dim=200", "model.n_kv_heads=4",
           "train.steps=2", "train.seq_len=32", "train.global_batch_size=4",
-          "train.micro_batch_size=2", "output.log_every=1", "schedule.warmup_steps=1",
+          "train.micro_batch_size=1", "output.log_every=1", "schedule.warmup_steps=1",
           "optim.eps=1e-4", "checkpoint.save_final=false")  # fmt: skip
 
 
 def test_float8_under_tp_cp_and_cp_x_tp_trains_as_one_rank_float8(pools):
-    """tensorwise float8 at tp 2, cp 2 and cp 2 x tp 2: the losses and gradient norms of the
+    """tensorwise float8 at tp 2 x dp 2, cp 2 and cp 2 x tp 2, the weights all-gathered in
+    float8 (auto: FSDP shards them over 2 ranks in each): the losses and gradient norms of the
     one-rank float8 run, same float8 config (1e-5), and not those of fp32 (float8 is on). A
-    cast's scale is the largest magnitude of the whole tensor, as one rank's: under TP the
-    sharded ones are reduced over the TP group (DTensor; on GPUs torchao's float8 TP styles,
-    tests/test_gpu.py), under CP fsdprun reduces them over the cp group (without that, each cp
-    rank scaled its own tokens' values: 3.5e-4 off at step 1). Before, both were refused.
+    cast's scale is the largest magnitude of the whole tensor, as one rank's: under TP DTensor
+    reduces it over the TP group (on GPUs torchao's float8 TP styles, tests/test_gpu.py); under
+    CP fsdprun reduces it over the cp group (each cp rank scaling its own tokens' values was
+    3.5e-4 off at step 1); a weight gathered in float8 takes the scales computed over its whole
+    2-D DTensor before the first step too (torchao's fallback scaled over FSDP's shards only,
+    one TP shard's: 4e-5 off at step 1). Before, float8 was refused under TP and CP.
 
     float8 rounding is not continuous: a value that TP's partial sums change in its last fp32
     bit may round to the neighbouring float8 value (1/8 apart) where one rank's does not. None
@@ -732,14 +738,15 @@ def test_float8_under_tp_cp_and_cp_x_tp_trains_as_one_rank_float8(pools):
     one = pools[1].train(*FLOAT8, env=env)
     fp32 = pools[1].train(*FLOAT8, "precision.float8=off")
     runs = {
-        "tp 2": pools[2].train(*FLOAT8, "parallel.tp=2", env=env),
+        "tp 2 x dp 2": pools[4].train(*FLOAT8, "parallel.tp=2", env=env),
         "cp 2": pools[2].train(*FLOAT8, "parallel.cp=2", env=env),
         "cp 2 x tp 2": pools[4].train(*FLOAT8, "parallel.cp=2", "parallel.tp=2", env=env),
     }
     assert runs["cp 2 x tp 2"].start["mesh"] == [["dp_shard", 1], ["cp", 2], ["tp", 2]]
     assert abs(one.losses[0] - fp32.losses[0]) > 5e-5, (one.losses, fp32.losses)
     for name, run in runs.items():
-        assert "tensorwise" in run.start["float8"] and "8 converted" in run.start["float8"]
+        described = run.start["float8"]
+        assert "8 converted" in described and "float8 all-gather on (auto" in described, described
         for got, want in zip(run.steps, one.steps, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], abs=TOL), (name, got, want)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL), (name, got)

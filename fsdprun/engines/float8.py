@@ -16,8 +16,12 @@ pays only where weights are gathered across ranks. With a shard group of one ran
 gathered: the cast, the scale precompute and FSDP's float8 copy-in are pure overhead, run
 outside the compiled blocks every step (measured on one H200: fsdprun's float8 step at
 0.77-0.86x a plain float8 loop with torchao's defaults). So `null` (auto, the default) turns it
-on only with tensorwise and a shard group (`dp_shard`) of more than one rank; `true`/`false`
-force it.
+on only with tensorwise and a shard group (`dp_shard`, times cp) of more than one rank;
+`true`/`false` force it.
+
+Under tensor and context parallel (`fsdprun.engines.tp`, `apply_float8_cp`) every cast takes
+the scale of the whole tensor, as one rank's: torchao's float8 TP styles, DTensor's reductions
+over the TP group, fsdprun's over the cp group.
 
 Which Linears are converted (`float8_eligible`, printed in the run header and by `plan`): not
 the output projection (its output feeds the loss, whose precision matters most, and it is the
@@ -90,7 +94,9 @@ def float8_plan(cfg, world_size: int | None = None) -> Float8Plan:
     from fsdprun.config.schema import Float8Filter
 
     mode = cfg.precision.float8.value
-    group = Layout.of(cfg, world_size).shard_group
+    # FSDP2 gathers each weight over its shard group and, under context parallel, the cp ranks
+    # too (it shards over dp_shard x cp).
+    group = Layout.of(cfg, world_size).fsdp_shards
     on, why = all_gather_choice(mode, cfg.precision.float8_all_gather, group)
     return Float8Plan(mode, on, why, cfg.precision.float8_filter is Float8Filter.skip_small)
 
@@ -180,7 +186,8 @@ def all_gather_choice(mode: str, setting: bool | None, shard_group: int) -> tupl
     Args:
         mode: precision.float8 (off, tensorwise, rowwise).
         setting: precision.float8_all_gather (None: auto).
-        shard_group: ranks the weights are sharded over (`dp_shard`; 1: nothing is gathered).
+        shard_group: ranks the weights are sharded over (`dp_shard`, times cp; 1: nothing is
+            gathered).
     """
     if mode != "tensorwise":
         return False, "off (tensorwise only)" if mode != "off" else "off"
