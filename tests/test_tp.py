@@ -108,6 +108,27 @@ def test_hf_folder_dims_are_read_from_its_config(tmp_path):
     assert not any("intermediate_size" in e for e in found), found
 
 
+def test_a_mixture_of_experts_is_refused_a_tp_that_does_not_divide_its_experts(tmp_path):
+    """tp splits a mixture of experts by experts: it must divide them (config.json's
+    num_experts). Compile with the router's auxiliary loss is refused under TP (its compiled
+    gradients were wrong on torch 2.13); without that loss, compile trains."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    config = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 4,
+              "intermediate_size": 128, "hidden_size": 64, "num_experts": 6,
+              "num_experts_per_tok": 2}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    found = errors_of(*FOUR, "parallel.tp=4", f"model.hf_path={folder}")
+    assert any("does not divide the model's num_experts (6)" in e for e in found), found
+    load_recipe("debug", [*FOUR, "parallel.tp=2", f"model.hf_path={folder}",
+                          "compile.enabled=true"])  # fmt: skip
+    aux = {**config, "output_router_logits": True, "router_aux_loss_coef": 0.01}
+    (folder / "config.json").write_text(json.dumps(aux))
+    found = errors_of(*FOUR, "parallel.tp=2", f"model.hf_path={folder}", "compile.enabled=true")
+    assert any("compile.enabled=true and a mixture of experts' router auxiliary loss" in e
+               for e in found), found  # fmt: skip
+
+
 def test_mesh_dims_put_tp_innermost():
     def cfg(*o):
         return load_recipe("debug", [*FOUR, *o]).config

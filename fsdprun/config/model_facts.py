@@ -52,6 +52,7 @@ class ModelFacts:
     attention_dropout: float = 0.0
     num_experts: int | None = None
     num_experts_per_tok: int | None = None
+    router_aux_loss: bool = False  # config.json's output_router_logits, with a coefficient > 0
     remote_code: bool = False  # config.json's auto_map: the folder ships its own model code
     source: str = "the recipe's model section"  # what messages name as the facts' origin
 
@@ -161,6 +162,8 @@ def _folder_facts(folder: str, mtime_ns: int, size: int) -> ModelFacts | None:
         attention_dropout=_number(hf.get("attention_dropout")),
         num_experts=experts,
         num_experts_per_tok=_count(hf.get("num_experts_per_tok")),
+        router_aux_loss=hf.get("output_router_logits") is True
+        and _number(hf.get("router_aux_loss_coef")) > 0,
         remote_code=isinstance(hf.get("auto_map"), dict),
         source=f"{Path(folder) / CONFIG_JSON}",
     )

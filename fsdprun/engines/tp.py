@@ -168,7 +168,8 @@ def _splits(style: str, module: nn.Module) -> bool:
 # Linear's outputs: dim 0 and its bias, and a LoRA adapter's B (A replicated); row-wise its
 # inputs: dim 1 and A's (the bias and B replicated); the embedding its vocab rows; `experts`
 # every stacked parameter by experts ("*": dim 0). The norms and the router keep their
-# parameters whole on every TP rank (`block_input` and `moe` own none).
+# parameters whole on every TP rank (`block_input` and `moe` own none). The LoRA and experts
+# rows say what `engines.tp_styles` places; tests/test_plan_tp.py checks plan against them.
 _COLUMNS = {"weight": 0, "bias": 0, "lora_B.weight": 0}
 _ROWS = {"weight": 1, "lora_A.weight": 1}
 _STYLE_DIMS: dict[str, dict[str, int]] = {
