@@ -481,27 +481,34 @@ def test_hf_family_tp2_dp2_trains_as_one_rank(trained, tp_family_dirs, tmp_path,
     embeddings read from the folder) and Phi-3 (fused projections split by rows, outputs
     gathered). The same losses, gradient norms and trained parameters as one rank, and the TP
     checkpoint's `--format hf` export loads in transformers with them (Gemma's still tied)."""
-    import torch
-    import transformers
-
-    from fsdprun.checkpoint.export import export_checkpoint
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hf = f"model.hf_path={tp_family_dirs[family]}"
     tp, one = trained.run(4, "parallel.tp=2", hf), trained.run(1, hf)
     assert tp.start["mesh"] == [["dp_shard", 2], ["tp", 2]]
     _assert_same(tp, one, tmp_path)
-    # In-process (the command is covered by test_a_tp_checkpoint_inspects_with_its_mesh...).
-    export_checkpoint(_ckpt(tp, LAST), tmp_path / "hf", fmt="hf")
+    exported = _exported_as(tp, one, tmp_path)
+    tied = exported.config.tie_word_embeddings
+    assert tied == (family == "gemma3_text")
+    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) == tied
+
+
+def _exported_as(run, one, tmp_path: Path):
+    """`run`'s last checkpoint exported with `--format hf` (in-process: the command is covered
+    by test_a_tp_checkpoint_inspects_with_its_mesh...), loaded in transformers: it holds `one`'s
+    trained weights (1e-5). Returns the loaded model."""
+    import torch
+    import transformers
+
+    from fsdprun.checkpoint.export import export_checkpoint
+
+    export_checkpoint(_ckpt(run, LAST), tmp_path / "hf", fmt="hf")
     exported = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "hf", dtype=torch.float32, local_files_only=True
     )
     trained_one = model_at(one, LAST, tmp_path)
     for name, param in exported.named_parameters():
         assert (param - trained_one[f"model.hf.{name}"]).abs().max().item() <= TOL, name
-    tied = exported.config.tie_word_embeddings
-    assert tied == (family == "gemma3_text")
-    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) == tied
+    return exported
 
 
 @pytest.mark.parametrize(
@@ -789,11 +796,6 @@ def test_moe_tp2_dp2_trains_as_one_rank_resumes_and_exports(trained, moe_dir, tm
     resharded) to step 3 as the uninterrupted run, and its `--format hf` export is what
     transformers loads, the one rank's trained weights. Before, a mixture of experts refused
     parallel.tp (and the loss under TP dropped the auxiliary loss)."""
-    import torch
-    import transformers
-
-    from fsdprun.checkpoint.export import export_checkpoint
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hf = f"model.hf_path={moe_dir}"
     tp, one = trained.run(4, *TP2, hf), trained.run(1, hf)
@@ -808,11 +810,4 @@ def test_moe_tp2_dp2_trains_as_one_rank_resumes_and_exports(trained, moe_dir, tm
     again = _resumed_session(Run(proc, run_dir))
     assert again.start["mesh"] == [["dp", 2]]
     _assert_same(again, tp, tmp_path, steps=(LAST,))
-
-    export_checkpoint(_ckpt(tp, LAST), tmp_path / "hf", fmt="hf")
-    exported = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "hf", dtype=torch.float32, local_files_only=True
-    )
-    trained_one = model_at(one, LAST, tmp_path)
-    for name, param in exported.named_parameters():
-        assert (param - trained_one[f"model.hf.{name}"]).abs().max().item() <= TOL, name
+    _exported_as(tp, one, tmp_path)

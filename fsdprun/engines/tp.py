@@ -1,5 +1,7 @@
 """Tensor parallelism (`parallel.tp`): the family's plan (`ModelSpec.tp_plan`) applied with
-torch's public ParallelStyles over the mesh's `tp` dim, the loss-parallel context the training
+torch's public ParallelStyles over the mesh's `tp` dim (torchao's float8 ones for float8
+Linears, fsdprun's own for LoRA's adapted Linears and a mixture of experts:
+`fsdprun.engines.tp_styles`), the loss-parallel context the training
 step runs in, and what a plan does to memory (the shape each parameter keeps on a TP rank, and
 the activations under sequence parallel, `TP_ACTIVATION_FORMULA`), which `fsdprun plan` composes.
 
