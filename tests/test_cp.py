@@ -45,8 +45,8 @@ def errors_of(*overrides: str) -> list[str]:
         (["parallel.cp=4", "parallel.cp_impl=alltoall"],
          "parallel.cp (4) does not divide the model's kv heads (2"),
         (["parallel.cp=2", "fsdp.engine=fsdp1"], "parallel.cp=2 with fsdp.engine=fsdp1"),
-        (["parallel.cp=2", "lora.rank=4"], "parallel.cp=2 with lora.rank=4"),
-        (["parallel.cp=2", "precision.float8=tensorwise"], "with precision.float8=tensorwise"),
+        (["parallel.cp=2", "precision.float8=rowwise"],
+         "parallel.cp=2 with precision.float8=rowwise: its weight gradient's float8 operands"),
         (["parallel.cp=4", "compile.enabled=true", "compile.fullgraph=true"],
          "parallel.cp=4 with parallel.cp_impl=ring (what auto takes for these heads) and "
          "compile.fullgraph=true"),
@@ -371,8 +371,8 @@ def test_compiled_blocks_under_cp_and_tp_train_as_the_compiled_one_rank_run(pool
     block (a functional collective, which the graph holds: no graph break): cp 2 x dp 2 trains
     as the compiled one-rank run, and so does plain dp 4 (one rank's graphs, which the compile
     cache then serves), and cp 2 x tp 2 (the all-to-all of each TP rank's heads inside the
-    compiled blocks): losses, gradient norms, counts and parameters to 1e-5. Each run's summary has its compile time and cache counts.
-    Before, cp refused compile."""
+    compiled blocks): losses, gradient norms, counts and parameters to 1e-5. Each run's summary
+    has its compile time and cache counts. Before, cp refused compile."""
     compiled = ("compile.enabled=true",)
     one = pools[1].train(*COMMON, *compiled)
     cp = pools[4].train(*COMMON, "parallel.cp=2", *compiled)

@@ -121,7 +121,13 @@ TESTS: dict[tuple[str, str], str] = {
     ("cp 2 x tp 2", "cpu_offload"): f"{_COVER}[cp2-tp2-selective-hybrid-offload]",
     ("cp 2 x tp 2", "llama"): f"{_CP}::test_ring_under_tp_trains_as_one_rank",
     **{("cp 2 x tp 2", family): f"{_COVER}[cp2-tp2-{family}]"
-       for family in ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")},
+       for family in ("qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "phi3")},
+    **{(layout, "float8"): f"{_TP}::test_float8_under_tp_cp_and_cp_x_tp_trains_as_one_rank_float8"
+       for layout in ("tp 2", "cp 2", "cp 2 x tp 2")},
+    **{(layout, "LoRA"): "tests/test_hf_families.py::"
+       "test_lora_under_tp_and_cp_equals_peft_and_its_exports_load" for layout in ("tp 2", "cp 2")},
+    ("cp 2 x tp 2", "LoRA"): f"{_COVER}[cp2-tp2-lora]",
+    ("tp 2", "qwen3_moe"): f"{_TP}::test_moe_tp2_dp2_trains_as_one_rank_resumes_and_exports",
 }  # fmt: skip
 
 EXACT = "✓"

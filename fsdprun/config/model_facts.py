@@ -75,8 +75,10 @@ class ModelFacts:
         if self.n_heads is None or self.n_kv_heads is None or self.ffn_dim is None:
             return None
         if self.hf:
+            # A mixture of experts' experts are split between the TP ranks whole.
+            experts = {"num_experts": self.num_experts} if self.num_experts else {}
             return {"num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
-                    "intermediate_size": self.ffn_dim}  # fmt: skip
+                    "intermediate_size": self.ffn_dim, **experts}  # fmt: skip
         return {"model.n_heads": self.n_heads, "model.n_kv_heads": self.n_kv_heads,
                 "model.ffn_dim": self.ffn_dim}  # fmt: skip
 

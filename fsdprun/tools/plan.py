@@ -263,8 +263,10 @@ def plan_memory(
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
     paths = plan_units(model, cfg=cfg.fsdp)
     float8 = float8_plan(cfg)
-    tp_dims = tp_shard_dims(model, tp_plan)
-    whole = tp_whole_grads(model, tp_plan)
+    # A plan that does not split this model has no TP memory (its columns say why).
+    splits = tp_plan if split_problem is None else split_problem
+    tp_dims = tp_shard_dims(model, splits)
+    whole = tp_whole_grads(model, splits)
 
     def units_at(tp: int) -> list[list[ParamShape]]:
         return _unit_params(model, paths, float8=float8, tp_dims=tp_dims, whole_grads=whole, tp=tp)
