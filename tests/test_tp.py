@@ -517,13 +517,13 @@ def _exported_as(run, one, tmp_path: Path):
     [
         # A mixture of experts whose first block has a dense MLP (config.json's mlp_only_layers):
         # the plan splits the experts of every block.
-        ("qwen3_moe", "model.hf_path's qwen3_moe (Qwen3MoeForCausalLM) has no verified "
-         "tensor-parallel plan: the plan does not cover mlp.gate_proj, mlp.up_proj, "
-         "mlp.down_proj of each decoder layer; the model has no mlp.gate, mlp.experts of each "
-         "decoder layer, which the plan splits; set parallel.tp=1"),
+        ("qwen3_moe", "model.hf_path's qwen3_moe (Qwen3MoeForCausalLM) has no "
+         "tensor-parallel plan that fits its modules: the plan does not cover mlp.gate_proj, "
+         "mlp.up_proj, mlp.down_proj of each decoder layer; the model has no mlp.gate, "
+         "mlp.experts of each decoder layer, which the plan splits; set parallel.tp=1"),
         # A model type without an entry gets the Llama layout's plan, checked module by module.
-        ("olmo2", "model.hf_path's olmo2 (Olmo2ForCausalLM) has no verified tensor-parallel "
-         "plan: the plan does not cover self_attn.q_norm, self_attn.k_norm, "
+        ("olmo2", "model.hf_path's olmo2 (Olmo2ForCausalLM) has no tensor-parallel plan that "
+         "fits its modules: the plan does not cover self_attn.q_norm, self_attn.k_norm, "
          "post_feedforward_layernorm of each decoder layer; the model has no input_layernorm"),
     ],
 )  # fmt: skip
@@ -570,8 +570,8 @@ def test_a_plan_splitting_a_tied_tensor_two_ways_is_refused(hf_family_dirs):
     assert tp_plan_problem(model, plan, family="gemma3") is None
     apart = TPPlan(plan.blocks, {**plan.top, "hf.lm_head": "rowwise"}, plan.block_inputs)
     assert tp_plan_problem(model, apart, family="gemma3") == (
-        "gemma3 has no verified tensor-parallel plan: hf.model.embed_tokens.weight and "
-        "hf.lm_head.weight are one tied tensor the plan splits two ways"
+        "gemma3 has no tensor-parallel plan that fits its modules: hf.model.embed_tokens.weight "
+        "and hf.lm_head.weight are one tied tensor the plan splits two ways"
     )
 
 
@@ -587,8 +587,8 @@ def test_plan_says_why_a_family_has_no_tp_column(tmp_path, monkeypatch):
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert (
-        "tp 2: not possible, model.hf_path's qwen3_moe (Qwen3MoeForCausalLM) has no verified "
-        "tensor-parallel plan: the plan does not cover mlp.gate_proj"
+        "tp 2: not possible, model.hf_path's qwen3_moe (Qwen3MoeForCausalLM) has no "
+        "tensor-parallel plan that fits its modules: the plan does not cover mlp.gate_proj"
     ) in result.stdout, result.stdout
 
 

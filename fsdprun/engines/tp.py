@@ -210,7 +210,7 @@ def _fold(paths: list[str], blocks: list[str]) -> str:
 
 
 def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str | None:
-    """Why `plan` (a family's plan, or why it has none) is not verified for `model`'s module
+    """Why `plan` (a family's plan, or why it has none) does not fit `model`'s module
     layout (one clause), or None.
 
     Verified means: every module the plan names exists and is of the class its style splits,
@@ -257,7 +257,7 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str
         problems.append(f"{', '.join(untied)} are one tied tensor the plan splits two ways")
     if not problems:
         return None
-    return f"{family} has no verified tensor-parallel plan: {'; '.join(problems)}"
+    return f"{family} has no tensor-parallel plan that fits its modules: {'; '.join(problems)}"
 
 
 def tp_refusal(cfg: RecipeConfig, model: nn.Module) -> str | None:
