@@ -83,19 +83,26 @@ def test_hf_folders_other_than_llama_are_refused_until_verified(tmp_path):
 
 
 def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):
+    """One line, exit 2, nothing launched; worded by what the user typed: a ring the user named
+    is not "what ring takes for these heads", and its way out names the all-to-all."""
+
     def must_not_launch(*args, **kwargs):
         raise AssertionError("a bad input reached the launcher")
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
-    result = CliRunner().invoke(
-        app, ["train", "debug", "parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=ring",
-              "--nproc-per-node", "4", "--run-dir", "r"],
-    )  # fmt: skip
-    assert result.exit_code == 2, result.output
-    (line,) = result.stderr.strip().splitlines()
-    assert "parallel.tp=2 and parallel.cp_impl=ring" in line and "set parallel.tp=1" in line, line
-    assert not Path("r").exists()
+    for impl in ("ring", "auto"):
+        result = CliRunner().invoke(
+            app, ["train", "debug", "parallel.cp=2", "parallel.tp=2", f"parallel.cp_impl={impl}",
+                  "--nproc-per-node", "4", "--run-dir", "r"],
+        )  # fmt: skip
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert "parallel.tp=2 and parallel.cp_impl=ring" in line and "set parallel.tp=1" in line
+        assert ("(what auto takes for these heads)" in line) == (impl == "auto"), line
+        assert "(what ring" not in line, line
+        assert ("or parallel.cp_impl=alltoall with a cp that divides" in line) == (impl == "ring")
+        assert not Path("r").exists()
 
 
 def test_ring_refuses_an_hf_folder_with_attention_dropout_before_launch(tmp_path, monkeypatch):
@@ -121,6 +128,7 @@ def test_ring_refuses_an_hf_folder_with_attention_dropout_before_launch(tmp_path
         assert "parallel.cp=4 with parallel.cp_impl=ring" in line, line
         assert "attention dropout 0.1 (its config.json's attention_dropout)" in line, line
         assert ("(what auto takes for these heads)" in line) == (impl == "auto"), line
+        assert ("or parallel.cp_impl=alltoall with a cp" in line) == (impl == "ring"), line
         assert not Path("r").exists() and not launched
     # cp 2 divides the 2 kv heads: auto takes the all-to-all, which keeps the dropout.
     assert load_recipe("debug", [*FOUR, f"model.hf_path={folder}", "parallel.cp=2"])

@@ -353,9 +353,11 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             "over tp; choose degrees whose product divides it"
         )
     impl = cp_impl(cfg, facts)
-    ring = "parallel.cp_impl=ring" + (
-        " (what auto takes for these heads)" if cfg.parallel.cp_impl is CpImpl.auto else ""
-    )
+    # Worded by what the user typed: auto's choice is named as such, and the way out of a
+    # ring the user named is the other implementation, not another cp alone.
+    auto = cfg.parallel.cp_impl is CpImpl.auto
+    ring = "parallel.cp_impl=ring" + (" (what auto takes for these heads)" if auto else "")
+    alltoall = "a cp" if auto else "parallel.cp_impl=alltoall with a cp"
     if impl == "alltoall" and kv_heads is not None and kv_heads % tp == 0 and (kv_heads // tp) % cp:
         per_tp = "" if tp == 1 else f" / parallel.tp ({tp}) = {kv_heads // tp} per TP rank"
         errors.append(
@@ -388,20 +390,21 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
         ),
         (
             cfg.compile.enabled,
-            "compile.enabled=true: compiled blocks with the all-to-all inside have not been "
-            "verified; set compile.enabled=false",
+            f"compile.enabled=true: compiled blocks with the "
+            f"{'ring' if impl == 'ring' else 'all-to-all'} inside have not been verified; set "
+            "compile.enabled=false",
         ),
         (
             impl == "ring" and tp > 1,
-            f"parallel.tp={tp} and parallel.cp_impl=ring (what {cfg.parallel.cp_impl.value} "
-            "takes for these heads): the ring is verified without tensor parallel only; set "
-            "parallel.tp=1, or a cp that divides the kv heads per TP rank (all-to-all)",
+            f"parallel.tp={tp} and {ring}: the ring is verified without tensor parallel only; "
+            f"set parallel.tp=1, or {alltoall} that divides the kv heads per TP rank "
+            "(all-to-all)",
         ),
         (
             impl == "ring" and attention_dropout > 0,
             f"{ring} and the model's attention dropout {attention_dropout:g} (its config.json's "
             "attention_dropout): the ring applies no dropout; set it to 0 in config.json, or "
-            "a cp that divides the kv heads (all-to-all)",
+            f"{alltoall} that divides the kv heads (all-to-all)",
         ),
         (
             cfg.fsdp.cpu_offload,
