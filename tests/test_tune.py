@@ -1054,7 +1054,7 @@ def test_tune_searches_float8_all_gather_where_float8_runs_and_its_filter_as_num
     tmp_path, recipe
 ):
     """Where the recipe trains in float8 (tensorwise), the default space holds
-    precision.float8_all_gather (null = auto, true, false: the math is the same either way);
+    precision.float8_all_gather (auto, true, false: the math is the same either way);
     the filter and the mode change the numerics: only with --allow-numerics. float8 runs on CPU
     ranks here through the test-only switch."""
     from conftest import fsdprun_env
@@ -1071,5 +1071,5 @@ def test_tune_searches_float8_all_gather_where_float8_runs_and_its_filter_as_num
     proc = run_fsdprun(*base, *numerics, "--allow-numerics", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     space = {k["key"]: k["values"] for k in json.loads(proc.stdout)["space"]}
-    assert space["precision.float8_all_gather"] == ["null", "true", "false"]
+    assert space["precision.float8_all_gather"] == ["auto", "true", "false"]
     assert space["precision.float8_filter"] == ["default", "skip_small"]

@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsdprun.rundir import DEFAULT_METRICS_FILE
 
 
-def _f(default: Any, help: str, **kwargs: Any) -> Any:
-    """A schema field with its help text (feeds `fsdprun config --explain` and docs/recipes.md)."""
+def _f(default: Any, help: str, *, auto: bool = False, **kwargs: Any) -> Any:
+    """A schema field with its help text (feeds `fsdprun config --explain` and docs/recipes.md);
+    `auto`: its null means fsdprun decides, and `auto` is accepted as its spelling (AUTO)."""
+    metadata = {"help": help, **({"auto": True} if auto else {})}
     if isinstance(default, list | dict):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help}, **kwargs)
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata, **kwargs)
+
+
+# The spelling of null for the keys whose null lets fsdprun decide (`_f(..., auto=True)`), as
+# `parallel.cp_impl` and the other enums spell their own `auto`: a recipe or an override may
+# write either, the typed config holds None, and `fsdprun config` prints `auto`.
+AUTO = "auto"
 
 
 class Dtype(enum.Enum):
@@ -201,9 +210,11 @@ class PrecisionConfig:
     float8_all_gather: bool | None = _f(
         None,
         "tensorwise float8: all-gather the weights in float8 (1 byte a parameter) and "
-        "precompute their scales after each optimizer step; null = auto: on only where weights "
-        "are gathered across ranks (a shard group, dp_shard, of more than 1 rank), since with "
-        "nothing to gather it is pure overhead. The header says which was chosen and why.",
+        "precompute their scales after each optimizer step (true/false); `auto` (or null): on "
+        "only where weights are gathered across ranks (a shard group, dp_shard, of more than 1 "
+        "rank), since with nothing to gather it is pure overhead. The header says which was "
+        "chosen and why.",
+        auto=True,
     )
     float8_filter: Float8Filter = _f(
         Float8Filter.default,
@@ -238,8 +249,9 @@ class FsdpConfig:
     reshard_after_forward: bool | None = _f(
         None,
         "fsdp2 only: override what fsdp.sharding implies (true = free gathered parameters "
-        "after forward, ZeRO-3; false = keep them until backward, ZeRO-2); null = from "
-        "fsdp.sharding.",
+        "after forward, ZeRO-3; false = keep them until backward, ZeRO-2); `auto` (or null) = "
+        "from fsdp.sharding.",
+        auto=True,
     )
     wrap: WrapPolicy = _f(
         WrapPolicy.block,
@@ -771,6 +783,22 @@ def schema_fields() -> dict[str, dataclasses.Field]:
         for f in dataclasses.fields(section.default_factory):
             out[f"{section.name}.{f.name}"] = f
     return out
+
+
+@functools.cache
+def auto_keys() -> tuple[str, ...]:
+    """The keys whose null lets fsdprun decide, for which `auto` (AUTO) spells null."""
+    return tuple(key for key, f in schema_fields().items() if f.metadata.get("auto"))
+
+
+def from_auto(key: str, value: Any) -> Any:
+    """A recipe value as the schema types it: AUTO is None for `auto_keys()`, else as given."""
+    return None if value == AUTO and key in auto_keys() else value
+
+
+def to_auto(key: str, value: Any) -> Any:
+    """A typed value as a recipe writes it: None is AUTO for `auto_keys()`, else as given."""
+    return AUTO if value is None and key in auto_keys() else value
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(RecipeConfig))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import TUNE_KNOBS, TUNE_NUMERICS_KNOBS, load_recipe
 from fsdprun.config.layout import Layout
+from fsdprun.config.schema import AUTO, auto_keys, to_auto
 from fsdprun.config.validate import tune_space_errors
 from fsdprun.errors import UserError
 
@@ -99,7 +100,7 @@ def _text(value: Any) -> str:
 
 def current_value(cfg: RecipeConfig, key: str) -> str:
     section, name = key.split(".", 1)
-    return _text(getattr(getattr(cfg, section), name))
+    return _text(to_auto(key, getattr(getattr(cfg, section), name)))
 
 
 def _fitting(cfg: RecipeConfig) -> Layout:
@@ -177,7 +178,7 @@ def default_space(
         # turns it on only with a shard group of more than one rank; forcing either way is
         # what a measured trial can overrule). The mode and the filter change the numerics:
         # --space with --allow-numerics.
-        space.append(("precision.float8_all_gather", ["null", "true", "false"]))
+        space.append(("precision.float8_all_gather", ["auto", "true", "false"]))
     if cp and len(degrees := cp_choices(cfg)) > 1:
         space.append(("parallel.cp", degrees))
     if cfg.fsdp.engine.value == "ddp":
@@ -219,13 +220,15 @@ def _with(values: list[str], baseline: str) -> tuple[str, ...]:
     return tuple(values if baseline in values else [baseline, *values])
 
 
-def canonical(value: Any) -> str:
-    """A knob value as tune compares it with the recipe's (`current_value`): YAML's spellings of
-    true, false and null (True, FALSE, ~) as one. Not `none`: YAML reads it as the string, which
-    is a value of several knobs (fsdp.wrap, activation_checkpointing.mode,
-    fsdp.backward_prefetch), never their null."""
+def canonical(value: Any, key: str | None = None) -> str:
+    """A knob value as tune compares it with the recipe's (`current_value`) of `key`: YAML's
+    spellings of true, false and null (True, FALSE, ~) as one, and null as `auto` for the keys
+    whose null lets fsdprun decide. Not `none`: YAML reads it as the string, which is a value of
+    several knobs (fsdp.wrap, activation_checkpointing.mode, fsdp.backward_prefetch), never
+    their null."""
     text = str(value).strip()
-    return {"true": "true", "false": "false", "null": "null", "~": "null"}.get(text.lower(), text)
+    text = {"true": "true", "false": "false", "null": "null", "~": "null"}.get(text.lower(), text)
+    return AUTO if text == "null" and key in auto_keys() else text
 
 
 def parse_space(
@@ -280,7 +283,7 @@ def parse_space(
         problems = tune_space_errors({key: vals}, where=where)
         if problems:
             raise UserError(problems[0])
-        vals = [canonical(v) for v in vals]
+        vals = [canonical(v, key) for v in vals]
         knobs[key] = SpaceKnob(key, _with(list(dict.fromkeys(vals)), current_value(cfg, key)),
                                numerics)  # fmt: skip
     if left_out is not None:  # what the default space leaves out of a knob named here stays
