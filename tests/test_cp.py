@@ -311,6 +311,32 @@ def test_cp2_dp2_trains_as_dp4_and_one_rank(cp_run, pools, tmp_path):
     assert "parallel.cp_impl=auto -> alltoall: one all-to-all before each attention" in out
 
 
+@pytest.mark.parametrize(
+    ("overrides", "shards", "phrase"),
+    [
+        (["fsdp.sharding=none"], 2,
+         "reshard_after_forward=False (no sharding across data-parallel ranks: each of the 2 "
+         "holds a whole copy, split over its 2 cp ranks: 1/2 of the model state a rank)"),
+        (["fsdp.sharding=hybrid", "fsdp.shard_group_size=2"], 4,
+         "fsdp.shard_group_size=2 -> 2 data-parallel ranks per shard group, each with its 2 cp "
+         "ranks: one copy of the model state split over 4 ranks"),
+    ],
+    ids=["none", "hybrid-group-2"],
+)  # fmt: skip
+def test_the_header_says_what_a_rank_holds_under_cp(pools, overrides, shards, phrase):
+    """`fsdprun train debug parallel.cp=2 fsdp.sharding=none --nproc-per-node 4` said "no
+    sharding: shard groups of 1" while each rank held half the parameters (issue 51): none
+    replicates across data-parallel ranks only, FSDP2 still shards each copy over its cp ranks.
+    fsdp.shard_group_size counts data-parallel ranks (2 of them x cp 2: groups of 4). The
+    header's knob lines say the share its `parameter shard per rank` figures measure."""
+    run = pools[4].train("train.steps=1", "schedule.warmup_steps=0", "parallel.cp=2", *overrides)
+    start = run.start
+    assert start["param_shard_bytes"] * shards == pytest.approx(start["param_bytes"], rel=0.01)
+    out = _header(start)
+    assert phrase in out, out
+    assert "shard groups of 1" not in out, out
+
+
 def _header(start: dict) -> str:
     """The run header and knob table as the console prints them from the start event."""
     from rich.console import Console

@@ -238,13 +238,18 @@ class FsdpConfig:
         "What is sharded: `full` (ZeRO-3: parameters, gradients, optimizer state), `grad_op` "
         "(ZeRO-2: parameters stay gathered from forward to backward), `hybrid` (full inside "
         "groups of shard_group_size ranks, replicated across them), `hybrid_zero2` (grad_op "
-        "inside groups), `none` (replicated, DDP-like). fsdp2: a 1-D or 2-D mesh plus "
+        "inside groups), `none` (replicated across data-parallel ranks, DDP-like: under "
+        "parallel.cp each copy is still sharded over its cp ranks, under parallel.tp split over "
+        "its tp ranks; the header says what a rank holds). fsdp2: a 1-D or 2-D mesh plus "
         "reshard_after_forward; fsdp1: ShardingStrategy; ddp: ignored.",
     )
     shard_group_size: int | None = _f(
         None,
-        "Ranks per shard group for hybrid/hybrid_zero2 (must divide the world size); "
-        "null = launch.nproc_per_node (shard inside a node, replicate across nodes).",
+        "Data-parallel ranks per shard group for hybrid/hybrid_zero2 (must divide the "
+        "data-parallel size, world size / (parallel.tp x parallel.cp)); null = one node's "
+        "(shard inside a node, replicate across nodes). Under parallel.cp FSDP2 shards over "
+        "these ranks x cp (2 at cp 2: groups of 4 ranks); under parallel.tp each parameter is "
+        "split over the tp ranks besides.",
     )
     reshard_after_forward: bool | None = _f(
         None,
