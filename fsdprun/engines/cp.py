@@ -19,17 +19,20 @@ to each slice that arrives, block by block, merging the blocks' softmaxes by the
 (exact, as flash attention merges tiles). A slice after this rank's own is skipped: every mask
 fsdprun builds is causal. The backward sends the slices round again with their key and value
 gradients, which arrive home after the last step. Each block is computed with matmuls in float32
-(no fused kernel), `ROW_CHUNK_BYTES` of scores at a time, so memory holds one slice of keys and
-values besides this rank's own, not the whole row. It takes the whole row's mask as the all-to-all
-does: None (causal), a dense mask, or a FlexAttention BlockMask (its mask_mod evaluated per
-block).
+(no fused kernel), per kv head over its group of query heads (k and v are never repeated), a
+chunk of `ROW_CHUNK_HEAD_DIMS x head_dim` query rows at a time (`ring_chunk_rows`), so memory
+holds one slice of keys and values besides this rank's own and scores a multiple of this rank's
+queries: everything scales with the slice, nothing with the whole row (`ring_working_bytes`,
+`RING_MEMORY_FORMULA`: what `fsdprun plan` counts). It takes the whole row's mask as the
+all-to-all does: None (causal), a dense mask, or a FlexAttention BlockMask (its mask_mod
+evaluated per chunk).
 
 Parameters are sharded by FSDP2 over `dp_shard x cp` (the mesh's flattened `dp_shard_cp` dim,
 torchtitan's layout): each cp rank's gradient is the part its tokens contribute, and the
 reduce-scatter sums them. The rules (what is refused, the mesh's dims) are torch-free, in
 `fsdprun.config.layout`; the mesh is built by `fsdprun.engines.mesh`. What context parallel does
-to a rank's activations (`cp_local_seq`, `CP_ACTIVATION_FORMULA`) is the rule `fsdprun plan`
-composes. This module imports torch where it runs.
+to a rank's activations (`cp_local_seq`, `CP_ACTIVATION_FORMULA`, `ring_working_bytes`) is the
+rule `fsdprun plan` composes. This module imports torch where it runs.
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ from typing import TYPE_CHECKING
 
 from fsdprun.errors import UserError
 
-# The scores (and, in the backward, their gradients) of at most this many bytes exist at a time
-# in the ring's block computation: the query rows of a block are taken this many at a time.
-ROW_CHUNK_BYTES = 256 * 2**20
+# The ring takes a block's query rows this many times the head dim at a time
+# (`ring_chunk_rows`): a chunk's float32 scores are then this many times this rank's queries in
+# float32, so the ring's memory scales with the slice (seq / cp), as the rest of a rank's does.
+ROW_CHUNK_HEAD_DIMS = 2
 
 if TYPE_CHECKING:
     import torch
@@ -115,22 +119,46 @@ def _block_mask(mask, rows: slice, cols: slice, batch: int, device) -> torch.Ten
     return mask[:, :, rows, cols]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float):
-    """Scaled q k^T with a block's mask applied (-inf where a query may not attend)."""
+def _apply_mask(s: torch.Tensor, mask: torch.Tensor | None, group: int) -> torch.Tensor:
+    """Scores s (batch, kv_heads, group x rows, cols) with a block's (batch or 1, 1, rows, cols)
+    mask applied in place: -inf where a query may not attend (bool), or the float mask added."""
     import torch
 
-    s = (q @ k.transpose(-1, -2)) * scale
     if mask is None:
         return s
+    b, hk, _, cols = s.shape
+    by_head = s.view(b, hk, group, -1, cols)
+    mask = mask[:, :, None]  # (batch or 1, 1, 1, rows, cols): every head of every kv group
     if mask.dtype == torch.bool:
-        return s.masked_fill(~mask, float("-inf"))
-    return s + mask
+        by_head.masked_fill_(mask.logical_not(), float("-inf"))
+    else:
+        by_head.add_(mask)
+    return s
 
 
-def _row_chunks(batch: int, heads: int, rows: int, cols: int):
-    """Slices of a block's query rows whose scores take at most ROW_CHUNK_BYTES (float32)."""
-    step = max(1, ROW_CHUNK_BYTES // max(1, batch * heads * cols * 4))
+def ring_chunk_rows(head_dim: int, local_seq: int) -> int:
+    """Query rows of a ring block taken at a time: ROW_CHUNK_HEAD_DIMS x the head dim, so that
+    a chunk's float32 scores (rows x local_seq a head) take ROW_CHUNK_HEAD_DIMS x the bytes of
+    this rank's queries in float32 (head_dim x local_seq a head): the ring's working memory is a
+    multiple of its slice, whatever cp."""
+    return max(1, min(local_seq, ROW_CHUNK_HEAD_DIMS * head_dim))
+
+
+def _row_chunks(rows: int, step: int) -> list[slice]:
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def _grouped(t: torch.Tensor, rows: slice, kv_heads: int) -> torch.Tensor:
+    """Rows `rows` of t (batch, heads, seq, dim) as float32 (batch, kv_heads, heads / kv_heads x
+    rows, dim): each kv head's query heads one after another, so that one matmul against a kv
+    head's keys serves its whole group (grouped-query attention without repeating k and v).
+    May be a view of t: read only."""
+    b, _, _, d = t.shape
+    return t[:, :, rows].reshape(b, kv_heads, -1, d).float()
+
+
+def _shifted(rows: slice, chunk: slice) -> slice:
+    return slice(rows.start + chunk.start, rows.start + chunk.stop)
 
 
 class _Ring:
@@ -145,12 +173,13 @@ class _Ring:
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
 
     def start(self, tensors: list[torch.Tensor]):
-        """Send `tensors` on and start receiving the previous rank's (same shapes); returns a
-        function that waits for both and gives the received tensors."""
+        """Send `tensors` (dense: gloo sends and receives dense buffers) on and start receiving
+        the previous rank's (same shapes); returns a function that waits for both and gives
+        the received tensors."""
         import torch
         import torch.distributed as dist
 
-        tensors = [t.contiguous() for t in tensors]  # gloo sends and receives dense buffers
+        assert all(t.is_contiguous() for t in tensors)
         got = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, g, self.prev, self.group) for g in got]
@@ -164,88 +193,107 @@ class _Ring:
         return wait
 
 
-def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """k or v (batch, kv_heads, seq, dim) with each kv head repeated for its query heads."""
-    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
-
-
-def _reduce_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The gradient of `_expand_kv`: the query heads' parts summed per kv head."""
-    b, h, s, d = t.shape
-    return t.view(b, kv_heads, h // kv_heads, s, d).sum(2) if h != kv_heads else t
-
-
 @functools.cache
 def _ring_function():
     import torch
 
     class RingAttention(torch.autograd.Function):
-        """Ring attention of this rank's q slice against every cp rank's k, v slices."""
+        """Ring attention of this rank's q slice against every cp rank's k, v slices.
+
+        Memory (`ring_working_bytes` counts it for `fsdprun plan`): the float32 accumulators
+        of this rank's output (forward) or query gradient (backward), the slice of keys and
+        values in hand and the one arriving (with their float32 gradients in backward), and
+        per chunk of query rows its scores (one buffer forward, two backward: the
+        probabilities and their gradient, each computed in place). Nothing of the size of the
+        whole row, nor a block's whole scores, ever exists; k and v are never repeated for
+        their query heads (the matmuls run per kv head over its group)."""
 
         @staticmethod
         def forward(ctx, q, k, v, mask, scale, ring):
-            b, h, n, _ = q.shape
-            me = ring.rank
+            b, h, n, d = q.shape
+            hk, group, me = k.shape[1], h // k.shape[1], ring.rank
             rows = slice(me * n, (me + 1) * n)
-            qf = q.float()
             out = torch.zeros(b, h, n, v.shape[-1], dtype=torch.float32, device=q.device)
             lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
-            kv = [k, v]
+            out_g, lse_g = out.view(b, hk, group, n, -1), lse.view(b, hk, group, n)
+            kv = [k.contiguous(), v.contiguous()]  # sent as they are
             for step in range(ring.size):
                 wait = ring.start(kv) if step < ring.size - 1 else None
                 owner = (me - step) % ring.size  # whose slice this is
                 if owner <= me:  # a later slice is masked whole (causal)
                     cols = slice(owner * n, (owner + 1) * n)
-                    bm = _block_mask(mask, rows, cols, b, q.device)
-                    kf, vf = (_expand_kv(t, h).float() for t in kv)
-                    for c in _row_chunks(b, h, n, n):
-                        s = _scores(qf[:, :, c], kf, None if bm is None else bm[:, :, c], scale)
-                        new = torch.logaddexp(lse[:, :, c], torch.logsumexp(s, dim=-1))
-                        out[:, :, c] = out[:, :, c] * torch.exp(lse[:, :, c] - new)[..., None] + (
-                            torch.exp(s - new[..., None]) @ vf
-                        )
-                        lse[:, :, c] = new
+                    kf, vf = (t.float() for t in kv)
+                    for c in _row_chunks(n, ring_chunk_rows(d, n)):
+                        bm = _block_mask(mask, _shifted(rows, c), cols, b, q.device)
+                        s = _apply_mask(_grouped(q, c, hk).mul(scale) @ kf.transpose(-1, -2),
+                                        bm, group)  # fmt: skip
+                        top = s.amax(-1)  # (b, hk, group x rows)
+                        top = top.masked_fill(top == float("-inf"), 0)  # rows masked whole
+                        p = s.sub_(top[..., None]).exp_()  # in place: the scores' buffer
+                        total = p.sum(-1)
+                        old = lse_g[:, :, :, c].reshape(total.shape)
+                        new = torch.logaddexp(old, top + total.log())
+                        base = new.masked_fill(new == float("-inf"), 0)
+                        keep = (old - base).exp().view(b, hk, group, -1, 1)
+                        add = (top - base).exp().masked_fill(total == 0, 0)[..., None]
+                        part = (p @ vf).mul_(add).view(b, hk, group, c.stop - c.start, -1)
+                        out_g[:, :, :, c].mul_(keep).add_(part)
+                        lse_g[:, :, :, c] = new.view(b, hk, group, -1)
+                        del s, p
+                    del kf, vf
                 if wait is not None:
                     kv = wait()
+            out = out.to(q.dtype)  # saved as returned: backward's softmax term reads it
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.mask, ctx.scale, ctx.ring = mask, scale, ring
-            return out.to(q.dtype)
+            return out
 
         @staticmethod
         def backward(ctx, grad_out):
             q, k, v, out, lse = ctx.saved_tensors
             mask, scale, ring = ctx.mask, ctx.scale, ctx.ring
-            b, h, n, _ = q.shape
-            me = ring.rank
+            b, h, n, d = q.shape
+            hk, group, me = k.shape[1], h // k.shape[1], ring.rank
             rows = slice(me * n, (me + 1) * n)
-            qf, do = q.float(), grad_out.float()
-            delta = (do * out).sum(-1)  # (b, h, n): the softmax's backward term
-            dq = torch.zeros_like(qf)
-            # Each slice travels with the gradients of its keys and values so far.
-            travel = [k, v, torch.zeros_like(k, dtype=torch.float32),
-                      torch.zeros_like(v, dtype=torch.float32)]  # fmt: skip
+            chunks = _row_chunks(n, ring_chunk_rows(d, n))
+            delta = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
+            for c in chunks:  # the softmax's backward term, a chunk at a time
+                delta[:, :, c] = (grad_out[:, :, c].float() * out[:, :, c].float()).sum(-1)
+            dq = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
+            dq_g, delta_g, lse_g = (dq.view(b, hk, group, n, d), delta.view(b, hk, group, n),
+                                    lse.view(b, hk, group, n))  # fmt: skip
+            # Each slice travels with the float32 gradients of its keys and values so far.
+            kk, vv = k.contiguous(), v.contiguous()
+            dk = torch.zeros(kk.shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(vv.shape, dtype=torch.float32, device=q.device)
             for step in range(ring.size):
                 owner = (me - step) % ring.size
-                kk, vv, dk, dv = travel
                 if owner <= me:
                     cols = slice(owner * n, (owner + 1) * n)
-                    bm = _block_mask(mask, rows, cols, b, q.device)
-                    kf, vf = _expand_kv(kk, h).float(), _expand_kv(vv, h).float()
-                    dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
-                    for c in _row_chunks(b, h, n, n):
-                        s = _scores(qf[:, :, c], kf, None if bm is None else bm[:, :, c], scale)
-                        p = torch.exp(s - lse[:, :, c, None])
-                        dvf += p.transpose(-1, -2) @ do[:, :, c]
-                        ds = p * (do[:, :, c] @ vf.transpose(-1, -2) - delta[:, :, c, None])
-                        dq[:, :, c] += (ds @ kf) * scale
-                        dkf += (ds.transpose(-1, -2) @ qf[:, :, c]) * scale
-                    dk = dk + _reduce_kv(dkf, kk.shape[1])
-                    dv = dv + _reduce_kv(dvf, vv.shape[1])
+                    kf, vf = kk.float(), vv.float()
+                    dk_b, dv_b = dk.view(b * hk, n, -1), dv.view(b * hk, n, -1)
+                    for c in chunks:
+                        r = c.stop - c.start
+                        bm = _block_mask(mask, _shifted(rows, c), cols, b, q.device)
+                        qc = _grouped(q, c, hk).mul(scale)  # (b, hk, group x r, d)
+                        do = _grouped(grad_out, c, hk)
+                        s = _apply_mask(qc @ kf.transpose(-1, -2), bm, group)
+                        own = lse_g[:, :, :, c].reshape(b, hk, -1, 1)
+                        p = s.sub_(own).exp_()  # the probabilities, in the scores' buffer
+                        dv_b.baddbmm_(p.view(b * hk, -1, n).transpose(1, 2),
+                                      do.reshape(b * hk, group * r, -1))  # fmt: skip
+                        term = delta_g[:, :, :, c].reshape(b, hk, -1, 1)
+                        ds = (do @ vf.transpose(-1, -2)).sub_(term).mul_(p)
+                        del s, p
+                        dq_g[:, :, :, c] += (ds @ kf).mul_(scale).view(b, hk, group, r, d)
+                        dk_b.baddbmm_(ds.view(b * hk, -1, n).transpose(1, 2),
+                                      qc.reshape(b * hk, group * r, d))  # fmt: skip
+                        del ds
+                    del kf, vf
                 # After the last step the slice is one rank short of home: one more send.
-                travel = (
-                    ring.start([kk, vv, dk, dv])() if step < ring.size - 1 else [kk, vv, dk, dv]
-                )
-            dk, dv = ring.start([travel[2], travel[3]])() if ring.size > 1 else travel[2:]
+                if step < ring.size - 1:
+                    kk, vv, dk, dv = ring.start([kk, vv, dk, dv])()
+            dk, dv = ring.start([dk, dv])() if ring.size > 1 else (dk, dv)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
     return RingAttention
@@ -307,6 +355,39 @@ CP_ACTIVATION_FORMULA = (
     "all-to-all's send and receive buffers (transient) and, for packed rows, the dense "
     "seq x seq document mask every rank builds on CPU (FlexAttention's block mask on CUDA)"
 )
+
+
+RING_MEMORY_FORMULA = (
+    "parallel.cp_impl=ring: besides what it saves (q, k, v, its output and the log-sum-exp, "
+    "as SDPA does), the ring's attention holds while it runs, at most one layer at a time: "
+    "in backward, the float32 query gradient (micro*heads*n*head_dim*4, n = seq/cp), the "
+    "softmax term (micro*heads*n*4), the slice of keys and values in hand in param_dtype with "
+    "their float32 gradients (2*micro*kv_heads*n*head_dim*(c + 4), float32 copies besides "
+    "when c < 4), and per chunk of r = min(n, 2*head_dim) query rows two float32 score "
+    "buffers (2*micro*heads*r*n*4) with the chunk's queries and output gradients "
+    "(2*micro*heads*r*head_dim*4); while a slice travels, two of them; in forward the float32 "
+    "output, the slice in hand and the one arriving, one score buffer: the larger of the two"
+)
+
+
+def ring_working_bytes(
+    *, micro: int, heads: int, kv_heads: int, head_dim: int, local_seq: int, dtype_bytes: int
+) -> int:
+    """Bytes the ring's attention allocates on a rank while one layer's forward or backward
+    runs, beyond the tensors it is given and saves (RING_MEMORY_FORMULA; `RingAttention`'s
+    buffers, counted as it allocates them). Every term scales with the slice, `local_seq`
+    tokens: none with the whole row."""
+    n, d, c = local_seq, head_dim, dtype_bytes
+    r = ring_chunk_rows(d, n)
+    q4, lse = micro * heads * n * d * 4, micro * heads * n * 4
+    k4, kc = micro * kv_heads * n * d * 4, micro * kv_heads * n * d * c
+    scores, rows4 = micro * heads * r * n * 4, micro * heads * r * d * 4
+    cast = 2 * k4 if c != 4 else 0  # float32 copies of the slice's keys and values
+    forward = q4 + lse + 4 * kc + cast + scores + 2 * rows4
+    compute = 2 * kc + 2 * k4 + cast + 2 * scores + 3 * rows4
+    travel = 4 * kc + 4 * k4
+    backward = q4 + lse + max(compute, travel)
+    return max(forward, backward)
 
 
 def cp_local_seq(seq_len: int, cp: int) -> int:
