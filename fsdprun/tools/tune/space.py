@@ -322,6 +322,10 @@ class Candidate:
     group: str | None = None  # the reason's kind, shared by candidates pruned alike (printed)
     planned_peak_bytes: int | None = None
     planned_model_state_bytes: int | None = None
+    # What a finished trial measured (`measured_peaks`), where `measured`: its peak per rank,
+    # or None where it ran out of memory.
+    measured_peak_bytes: int | None = None
+    measured: bool = False
 
     @property
     def id(self) -> str:
@@ -352,7 +356,26 @@ def enumerate_candidates(space: list[SpaceKnob], baseline: dict[str, str]) -> li
 
 
 # ---------------------------------------------------------------------------------------------
-# Pruning with the plan
+# Pruning with the plan, and with what trials measured
+
+
+def measured_peaks(records: list[dict[str, Any]]) -> dict[str, int | None]:
+    """Each candidate's peak per rank as its finished trials measured it, where it compares with
+    the device memory: an accelerator's peak allocated (the largest of its trials), or None for
+    a candidate that ran out of memory. Not a CPU's RSS, which also holds the torch runtime
+    that the device memory given for a CPU does not count: there the plan stays the judge."""
+    out: dict[str, int | None] = {}
+    for r in records:
+        cid = r["candidate"]
+        if r.get("status") == "oom":
+            out[cid] = None
+        elif (
+            r.get("status") == "ok"
+            and r.get("memory_kind") == "allocated"
+            and (cid not in out or out[cid] is not None)
+        ):
+            out[cid] = max(out.get(cid) or 0, r["peak_bytes"])
+    return out
 
 
 def _planned(cfg: RecipeConfig) -> tuple[int, int, list[str]]:
@@ -380,9 +403,15 @@ def prune(
     margin: float,
     dominate_memory_knobs: bool,
     planner=None,
+    measured: dict[str, int | None] | None = None,
 ) -> None:
     """Mark candidates pruned, each with one reason (in place); the baseline is never pruned
     (it is the reference: one that does not fit is reported, not dropped).
+
+    A candidate's peak is the plan's until a trial measured it (`measured`, from
+    `measured_peaks` of a continued search's log): then the measurement decides whether it
+    fits, and whether it spares its twins their memory knobs (a plan that undercounts, as the
+    ring's once did, cannot keep them out after its trial said otherwise).
 
     Candidates are visited by their number of changed knobs, so a candidate's twin with one knob
     back at the baseline's (or free) value is decided first: a candidate that the twin's knob
@@ -400,10 +429,14 @@ def prune(
         twin = by_knobs.get(tuple(sorted(dict(c.knobs, **{key: value}).items())))
         return twin if twin is not c else None
 
+    measured = measured or {}
+    for c in candidates:
+        if c.id in measured:
+            c.measured, c.measured_peak_bytes = True, measured[c.id]
+
     def fits(c: Candidate | None) -> bool:
-        return c is not None and c.planned_peak_bytes is not None and (
-            c.planned_peak_bytes * (1 + margin) <= device_memory_bytes
-        )  # fmt: skip
+        peak = None if c is None else c.measured_peak_bytes if c.measured else c.planned_peak_bytes
+        return peak is not None and peak * (1 + margin) <= device_memory_bytes
 
     def same_as(c: Candidate, twin: Candidate, keys: list[str]) -> None:
         c.status = "pruned"
@@ -434,7 +467,8 @@ def prune(
             if dominated:
                 c.status = "pruned"
                 names = ", ".join(f"{key}={c.knobs[key]}" for key in heavy)
-                c.reason = f"{names} not needed: {twin.id} (without) fits"
+                how = " (its trial measured it)" if twin.measured else ""
+                c.reason = f"{names} not needed: {twin.id} (without) fits{how}"
                 c.group = "memory knobs not needed: the same candidate without them fits"
             if dominated:
                 continue
@@ -463,11 +497,19 @@ def prune(
             continue
         if not fits(c):
             c.status = "pruned"
-            c.reason = (
-                f"planned peak {fmt_bytes(c.planned_peak_bytes)} + {margin:.0%} margin > "
-                f"device memory {fmt_bytes(device_memory_bytes)}"
-            )
-            c.group = f"planned peak + {margin:.0%} margin > device memory"
+            planned, memory = fmt_bytes(c.planned_peak_bytes), fmt_bytes(device_memory_bytes)
+            if not c.measured:
+                c.reason = f"planned peak {planned} + {margin:.0%} margin > device memory {memory}"
+                c.group = f"planned peak + {margin:.0%} margin > device memory"
+            elif c.measured_peak_bytes is None:
+                c.reason = f"its trial ran out of memory (planned peak {planned}, device memory " \
+                           f"{memory})"  # fmt: skip
+                c.group = "its trial ran out of memory"
+            else:
+                c.reason = (f"measured peak {fmt_bytes(c.measured_peak_bytes)} (its trial; the "
+                            f"plan said {planned}) + {margin:.0%} margin > device memory "
+                            f"{memory}")  # fmt: skip
+                c.group = f"measured peak + {margin:.0%} margin > device memory"
 
 
 # Knobs that matter only beside certain values of another knob (where the knob table still
