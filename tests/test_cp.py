@@ -485,6 +485,33 @@ def test_plan_divides_activations_by_cp_and_shows_each_cp_degree():
     assert re.search(r"cp 4 \[dp_shard 2 x cp 4\] [\d.]+ GiB \(compile off\) fits", line), line
 
 
+def test_plan_counts_the_rings_working_memory():
+    """`fsdprun plan` of a ring counts its working memory (issue 51: it promised cp 4 a third of
+    what the ring used): with a small loss chunk, the ring's buffers outweigh the loss's and
+    the activations are the all-to-all's plus their difference; `--full` prints the formula
+    and the figure; the all-to-all's plan has neither."""
+    from fsdprun.engines.activations import loss_bytes, ring_bytes
+    from fsdprun.tools.plan import plan_memory
+
+    long = [*FOUR, "train.seq_len=4096", "model.max_seq_len=4096", "model.n_kv_heads=4",
+            "parallel.cp=4", "train.loss=chunked", "train.loss_chunk_size=256"]  # fmt: skip
+
+    def activations(impl):
+        cfg = load_recipe("debug", [*long, f"parallel.cp_impl={impl}"]).config
+        return plan_memory(cfg).strategies["full"].activations, cfg
+
+    ring, cfg = activations("ring")
+    alltoall, _ = activations("alltoall")
+    assert ring_bytes(cfg) > loss_bytes(cfg) > 0
+    assert ring - alltoall == ring_bytes(cfg) - loss_bytes(cfg)
+    for impl, shown in (("ring", True), ("alltoall", False)):
+        result = CliRunner().invoke(app, ["plan", "debug", *long, f"parallel.cp_impl={impl}",
+                                          "--full"], env={"COLUMNS": "300"})  # fmt: skip
+        assert result.exit_code == 0, result.output
+        note = f"({ring_bytes(cfg):,} bytes here; the activations count the larger of it"
+        assert (note in result.stdout) == shown, result.stdout
+
+
 def test_compare_accepts_cp_configurations():
     from fsdprun.tools.compare import parse_configs
 
