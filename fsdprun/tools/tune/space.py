@@ -157,9 +157,11 @@ def default_space(
     fsdp1, the chunked loss, CPU offload) is left out, its refusal put in `left_out` by
     KEY=VALUE."""
     shardings = ["full", "grad_op"] + (["hybrid", "hybrid_zero2"] if cfg.launch.nnodes > 1 else [])
-    nproc, nnodes = cfg.launch.nproc_per_node, cfg.launch.nnodes
-    # Hybrid's shard groups: one node (null), or several nodes' ranks (fewer replicas).
-    groups = ["null", *(str(nproc * k) for k in range(2, nnodes) if nnodes % k == 0)]
+    nnodes = cfg.launch.nnodes
+    # Hybrid's shard groups: one node (null), or several nodes' (fewer replicas), counted as
+    # fsdp.shard_group_size counts them: in data-parallel ranks (a node's over its cp x tp).
+    per_node = max(cfg.launch.nproc_per_node // _fitting(cfg).row_group, 1)
+    groups = ["null", *(str(per_node * k) for k in range(2, nnodes) if nnodes % k == 0)]
     space = [
         ("fsdp.engine", ["fsdp2", "fsdp1"] if cfg.lora.rank == 0 else ["fsdp2"]),
         ("fsdp.sharding", shardings),
