@@ -679,7 +679,7 @@ def test_the_rings_memory_falls_with_cp_as_plan_counts(pools):
     ranks), and the ring at cp 4 used more than cp 2 (issue 51): its float32 scores were a
     whole block's (up to 256 MiB) at a time. Its working memory is now a multiple of the slice
     (chunks of 2 x head_dim query rows, no k or v repeated per query head), so a rank's peak at
-    cp 4 (the ring) is about half of cp 2's (the all-to-all), each within 15% of the plan's
+    cp 4 (the ring) is about half of cp 2's (the all-to-all), each within 10% of the plan's
     activations (measured 7% and 4% above: gradients of activations in flight); the ring's
     own peak is within 10% of what plan counts for it (`ring_working_bytes`, measured 1%).
     Heap in use, counted per allocation (`_heap_peak`): steady on a loaded machine."""
@@ -689,8 +689,8 @@ def test_the_rings_memory_falls_with_cp_as_plan_counts(pools):
     for result in results:
         (cp2, plan2), (cp4, plan4) = result[2], result[4]
         assert cp4 < 0.6 * cp2, result
-        assert cp2 == pytest.approx(plan2, rel=0.15), result
-        assert cp4 == pytest.approx(plan4, rel=0.15), result
+        assert cp2 == pytest.approx(plan2, rel=0.1), result
+        assert cp4 == pytest.approx(plan4, rel=0.1), result
         ring, planned = result["ring"]
         assert ring == pytest.approx(planned, rel=0.1), result
 

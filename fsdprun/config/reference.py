@@ -33,8 +33,8 @@ def _type_name(f: dataclasses.Field) -> str:
     parts = [p.strip() for p in str(f.type).split("|")]
     names = ["null" if p == "None" else "enum" if isinstance(vars(schema).get(p), enum.EnumMeta)
              else p for p in parts]  # fmt: skip
-    if f.metadata.get("auto"):  # null spelt `auto` (schema.AUTO)
-        names = [schema.AUTO if n == "null" else n for n in names]
+    if f.metadata.get("auto"):  # null, also spelt `auto` (schema.AUTO)
+        return f"{', '.join(n for n in names if n != 'null')}, {schema.AUTO} or null"
     return " or ".join(names)
 
 
