@@ -247,6 +247,12 @@ def test_several_nodes_search_hybrid_and_its_shard_group_only_where_it_acts(reci
     space = {k.key: k.values for k in T_space.default_space(cfg, accelerator=False)}
     assert space["fsdp.sharding"] == ("full", "grad_op", "hybrid", "hybrid_zero2")
     assert space["fsdp.shard_group_size"] == ("null", "2")  # one node's ranks, or two nodes'
+    # Under cp (and tp) the key counts data-parallel ranks: two nodes of 4 ranks at cp 2 are 4.
+    cp2 = ["launch.nnodes=4", "launch.nproc_per_node=4", "launch.rdzv_endpoint=h:1",
+           "parallel.cp=2", "train.global_batch_size=32"]  # fmt: skip
+    groups = {k.key: k.values for k in T_space.default_space(cfg_of(recipe, *cp2),
+                                                             accelerator=False)}  # fmt: skip
+    assert groups["fsdp.shard_group_size"] == ("null", "4")
     assert "fsdp.shard_group_size" not in {k.key for k in T_space.default_space(
         cfg_of(recipe), accelerator=False)}  # fmt: skip
     knobs, _ = T_space.parse_space(["fsdp.sharding=full,hybrid", "fsdp.shard_group_size=null,2"],
@@ -1264,7 +1270,7 @@ def test_tune_searches_float8_all_gather_where_float8_runs_and_its_filter_as_num
     tmp_path, recipe
 ):
     """Where the recipe trains in float8 (tensorwise), the default space holds
-    precision.float8_all_gather (null = auto, true, false: the math is the same either way);
+    precision.float8_all_gather (auto, true, false: the math is the same either way);
     the filter and the mode change the numerics: only with --allow-numerics. float8 runs on CPU
     ranks here through the test-only switch."""
     from conftest import fsdprun_env
@@ -1281,5 +1287,5 @@ def test_tune_searches_float8_all_gather_where_float8_runs_and_its_filter_as_num
     proc = run_fsdprun(*base, *numerics, "--allow-numerics", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     space = {k["key"]: k["values"] for k in json.loads(proc.stdout)["space"]}
-    assert space["precision.float8_all_gather"] == ["null", "true", "false"]
+    assert space["precision.float8_all_gather"] == ["auto", "true", "false"]
     assert space["precision.float8_filter"] == ["default", "skip_small"]

@@ -124,7 +124,9 @@ class Layout:
     @property
     def shard_group(self) -> int:
         """Data-parallel ranks that share one copy of the model state under the effective
-        sharding (with TP each of them holds 1/tp of that copy's tensors besides)."""
+        sharding: fsdp.shard_group_size, which counts data-parallel ranks (with cp, FSDP2
+        shards over them x cp: `fsdp_shards`; with TP each holds 1/tp of the copy's tensors
+        besides: `state_ranks`)."""
         if self.engine is Engine.ddp or self.sharding is Sharding.none:
             return 1
         if self.sharding in _HYBRID:
@@ -142,6 +144,13 @@ class Layout:
         """Ranks FSDP shards one copy of the model state over: the shard group times cp
         (FSDP2 shards over dp_shard x cp)."""
         return self.shard_group * max(self.cp, 1)
+
+    @property
+    def state_ranks(self) -> int:
+        """Ranks one copy of the model state is split over: FSDP's (the shard group times cp)
+        times tp, whose ranks each hold 1/tp of every split parameter. Under
+        fsdp.sharding=none it is cp x tp: none replicates across data-parallel ranks only."""
+        return self.fsdp_shards * max(self.tp, 1)
 
     @property
     def one_d(self) -> bool:
@@ -357,10 +366,13 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
     errors = []
     if world_size % (cp * tp):
         what = f"parallel.cp ({cp})" if tp == 1 else f"parallel.cp x parallel.tp ({cp} x {tp})"
+        # No cp > 1 fits where tp leaves fewer than 2 ranks (or does not divide the world).
+        room = world_size // tp if world_size % tp == 0 else 0
+        other = f"choose a parallel.cp that divides {room}" if room > 1 else "lower parallel.tp"
         errors.append(
             f"{what} must divide the world size ({world_size}); the data-parallel size is world "
             f"size / {'cp' if tp == 1 else '(cp x tp)'}: run on a multiple of {cp * tp} ranks "
-            f"or choose a parallel.cp that divides {world_size // tp if tp > 1 else world_size}"
+            f"or {other}"
         )
     if cfg.train.seq_len % cp:
         errors.append(
@@ -374,9 +386,11 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             "over tp; choose degrees whose product divides it"
         )
     impl = cp_impl(cfg, facts)
-    ring = "parallel.cp_impl=ring" + (
-        " (what auto takes for these heads)" if cfg.parallel.cp_impl is CpImpl.auto else ""
-    )
+    # Worded by what the user typed: auto's choice is named as such, and the way out of a
+    # ring the user named is the other implementation, not another cp alone.
+    auto = cfg.parallel.cp_impl is CpImpl.auto
+    ring = "parallel.cp_impl=ring" + (" (what auto takes for these heads)" if auto else "")
+    alltoall = "a cp" if auto else "parallel.cp_impl=alltoall with a cp"
     if impl == "ring" and cfg.train.seq_len % cp == 0 and cfg.train.seq_len % (2 * cp):
         errors.append(
             f"parallel.cp={cp} with {ring}: 2 x parallel.cp ({2 * cp}) does not divide "
@@ -422,15 +436,15 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             impl == "ring" and attention_dropout > 0,
             f"{ring} and the model's attention dropout {attention_dropout:g} (its config.json's "
             "attention_dropout): the ring applies no dropout; set it to 0 in config.json, or "
-            "a cp that divides the kv heads (all-to-all)",
+            f"{alltoall} that divides the kv heads (all-to-all)",
         ),
         (
             # The all-to-all is a functional collective, which compiles inside the block.
             impl == "ring" and cfg.compile.enabled and cfg.compile.fullgraph,
             f"{ring} and compile.fullgraph=true: torch.compile cannot trace the ring's "
             "point-to-point sends (\"P2P compilation disabled for P2POp construction\"), so a "
-            "compiled block breaks its graph at the ring; set compile.fullgraph=false, or a cp "
-            "that divides the kv heads (all-to-all)",
+            "compiled block breaks its graph at the ring; set compile.fullgraph=false, or "
+            f"{alltoall} that divides the kv heads (all-to-all)",
         ),
     )  # fmt: skip
     errors += [f"parallel.cp={cp} with {why}" for refuse, why in refused if refuse]

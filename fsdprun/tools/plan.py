@@ -56,9 +56,9 @@ from fsdprun.config import (
 from fsdprun.config.layout import Layout, effective_sharding, layout_errors
 from fsdprun.config.model_facts import model_facts
 from fsdprun.engines import ParamShape, rank_memory, translate, unit_plan
-from fsdprun.engines.activations import ACTIVATION_FORMULA, activation_bytes
+from fsdprun.engines.activations import ACTIVATION_FORMULA, activation_bytes, ring_bytes
 from fsdprun.engines.base import backward_prefetch_depth
-from fsdprun.engines.cp import CP_ACTIVATION_FORMULA
+from fsdprun.engines.cp import CP_ACTIVATION_FORMULA, RING_MEMORY_FORMULA
 from fsdprun.engines.float8 import MFU_CONVENTION, Float8Plan, float8_linears, float8_plan
 from fsdprun.engines.tp import (
     TP_ACTIVATION_FORMULA,
@@ -463,11 +463,14 @@ def _notes(
             f"{TP_ACTIVATION_FORMULA}"
         )
     if layout.is_cp:
+        ring = ring_bytes(cfg)
         notes.append(
             f"context parallel {layout.cp}: FSDP shards every parameter over dp_shard x "
             f"cp ({layout.fsdp_shards} ranks), so the cp ranks hold no duplicate state. "
             f"{CP_ACTIVATION_FORMULA}"
-        )
+            + (f". {RING_MEMORY_FORMULA} ({ring:,} bytes here; the activations count the "
+               "larger of it and the loss's, which is freed before)" if ring else "")
+        )  # fmt: skip
     notes += [
         "model state: fp32 params 4 B + fp32 grads 4 B + Adam moments 8 B per param "
         "(+ 4 B step per tensor), from each parameter's rank-0 shard of ceil(dim0 / N) rows "
