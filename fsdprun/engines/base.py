@@ -244,8 +244,8 @@ class Engine:
 
             # A replicated DTensor (the same sum on every rank of the TP group) as a tensor.
             logits = model(inputs, **model_kwargs)
-            return local_loss(self.loss(logits, targets, reduction="sum"))
-        if self.chunked_loss is None:
+            loss = local_loss(self.loss(logits, targets, reduction="sum"))
+        elif self.chunked_loss is None:
             loss = self.loss(model(inputs, **model_kwargs), targets, reduction="sum")
         else:
             head = functools.partial(self.chunked_loss, targets=targets, reduction="sum")

@@ -56,7 +56,14 @@ from fsdprun.device import (
 )
 from fsdprun.engines import build_engine
 from fsdprun.engines.cp import apply_cp
-from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, float8_plan
+from fsdprun.engines.float8 import (
+    MFU_CONVENTION,
+    apply_float8,
+    apply_float8_cp,
+    check_float8,
+    float8_plan,
+    float8_tp_styles,
+)
 from fsdprun.engines.mesh import build_device_mesh, cp_mesh, tp_mesh
 from fsdprun.engines.pp import prune_model, stage_parts, stage_tp_plan
 from fsdprun.engines.tp import apply_tp, wait_block_inputs
@@ -275,9 +282,12 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         mesh = build_device_mesh(layout, device.kind)
     if layout.is_tp:
         plan = stage_tp_plan(model_spec(cfg.model).tp_plan(cfg.model), model)
-        tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan)
+        float8 = float8_tp_styles(f8.mode, cp=layout.is_cp, device_kind=device.kind)
+        tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan, float8=float8)
     if layout.is_cp:
         apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, facts_))
+        # A float8 cast's scale is the whole rows', as on one rank (engines/float8.py).
+        apply_float8_cp(model, meshes=[cp_mesh(mesh), *([tp_mesh(mesh)] if layout.is_tp else [])])
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
