@@ -61,8 +61,6 @@ def errors_of(*overrides: str) -> list[str]:
          "parallel.pp=2 with compile.per_block=false"),
         (["parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.pp_stages_per_rank=2",
           "model.n_layers=4"], "parallel.pp=2 with parallel.pp_schedule=interleaved_zb: torch's"),
-        (["parallel.pp=2", "precision.float8=tensorwise"], "parallel.pp=2 with precision.float8"),
-        (["parallel.pp=2", "fsdp.cpu_offload=true"], "parallel.pp=2 with fsdp.cpu_offload=true"),
         (["parallel.pp=2", "parallel.tp=2", "train.global_batch_size=5"],
          "data-parallel ranks (1 = world size / (parallel.pp x parallel.cp x parallel.tp))"),
     ],
@@ -302,8 +300,31 @@ def test_hf_llama_folder_trains_as_one_rank(pools, hf_family_dirs, tmp_path, mon
     rotary embedding on both; equal to one rank."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = (f"model.hf_path={hf_family_dirs['llama']}",)
-    run = pools[2].train(*COMMON, *data, "parallel.pp=2")
+    run = pools[4].train(*COMMON, *data, "parallel.pp=2")
+    assert run.start["mesh"] == [["pp", 2], ["dp_shard", 2]]
     _assert_same(run, pools[1].train(*COMMON, *data), tmp_path)
+
+
+FLOAT8 = ("precision.float8=tensorwise", "model.ffn_dim=200", "model.n_kv_heads=4",
+          "train.steps=2", "train.seq_len=32", "train.global_batch_size=4",
+          "train.micro_batch_size=1", "output.log_every=1", "schedule.warmup_steps=1",
+          "optim.eps=1e-4", "checkpoint.save_final=false")  # fmt: skip
+
+
+def test_float8_under_pp_trains_as_one_rank_float8(pools):
+    """tensorwise float8 at pp 2 x dp 2 (1f1b over 2 micro-batches), each stage's converted
+    Linears' weights all-gathered in float8 (auto: FSDP shards them over 2 ranks): the losses and
+    gradient norms of the one-rank float8 run of tests/test_tp.py's config (1e-5)."""
+    pytest.importorskip("torchao")
+    from fsdprun.engines.float8 import TEST_ON_CPU_ENV
+
+    env = {TEST_ON_CPU_ENV: "1"}
+    one = pools[1].train(*FLOAT8, env=env)
+    run = pools[4].train(*FLOAT8, "parallel.pp=2", env=env)
+    assert "float8 all-gather on (auto" in run.start["float8"], run.start["float8"]
+    for mine, theirs in zip(run.steps, one.steps, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=TOL)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=TOL)
 
 
 def _stopped_at_2(run, tmp_path: Path) -> Path:

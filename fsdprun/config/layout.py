@@ -490,17 +490,6 @@ def _pp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             "computes (measured on torch 2.13: step 1's gradient norm 19% off), and under "
             "FSDP2's own per-micro-batch reduction it fails; use interleaved_1f1b",
         ),
-        (
-            cfg.precision.float8.value != "off",
-            f"precision.float8={cfg.precision.float8.value}: the float8 weight scales are "
-            "precomputed over one model, not a pipeline's stages; set precision.float8=off",
-        ),
-        (
-            cfg.fsdp.cpu_offload,
-            "fsdp.cpu_offload=true: torch's pipelining keeps each stage's gradients unsharded "
-            "until the last micro-batch, which offload would move every time; set "
-            "fsdp.cpu_offload=false",
-        ),
     )  # fmt: skip
     errors += [f"parallel.pp={pp} with {why}" for refuse, why in refused if refuse]
     return errors
