@@ -367,22 +367,24 @@ def bubble_fraction(
     return bubble / 3 if schedule is PpSchedule.interleaved_zb else bubble
 
 
-def in_flight(schedule: PpSchedule, pp: int, micro_batches: int, stages_per_rank: int = 1) -> float:
-    """The most micro-batches whose activations the first pipeline rank holds at once, in
+def in_flight(
+    schedule: PpSchedule, pp: int, micro_batches: int, stages_per_rank: int = 1, rank: int = 0
+) -> float:
+    """The most micro-batches whose activations pipeline rank `rank` holds at once, in
     micro-batches through all of its layers: gpipe every one (all forwards come first), 1f1b
-    pp (its warm-up forwards, then one backward frees one as one forward adds one); the
-    interleaved schedule's warm-up is torch's ((v - 1) x the micro-batches of a round + 2 (pp -
-    1) + 1 forwards of one virtual stage, a v-th of the rank's layers each). Stage s of 1f1b
-    holds pp - s. 0 without pp."""
+    pp - rank (its warm-up forwards, then one backward frees one as one forward adds one); the
+    interleaved schedule's warm-up is torch's ((v - 1) x the micro-batches of a round +
+    2 (pp - 1 - rank) + 1 forwards of one virtual stage, a v-th of the rank's layers each).
+    0 without pp."""
     if pp <= 1:
         return 0.0
     if schedule is PpSchedule.gpipe:
         return float(micro_batches)
     if not PP_SCHEDULES[schedule][1]:
-        return float(min(pp, micro_batches))
+        return float(min(pp - rank, micro_batches))
     v = stages_per_rank
     per_round = micro_batches // max(1, micro_batches // pp)
-    held = min((v - 1) * per_round + 2 * (pp - 1) + 1, micro_batches * v)
+    held = min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, micro_batches * v)
     return held / v
 
 

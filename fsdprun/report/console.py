@@ -473,7 +473,54 @@ def render_plan(plan: dict[str, Any], console: Console, *, full: bool = False) -
         for o in plan["cp_degrees"]:
             if o["missing"]:
                 c.print(f"  cp {o['cp']}: not possible, {escape(o['missing'])}.")
+    if plan.get("pipeline"):
+        c.print(_plan_stages_line(plan), soft_wrap=True)
+    if plan.get("pp_degrees"):
+        c.print(_plan_pp_line(plan), soft_wrap=True)
+        for o in plan["pp_degrees"]:
+            if o["missing"]:
+                c.print(f"  pp {o['pp']}: not possible, {escape(o['missing'])}.")
     c.print(_plan_verdict(plan))
+
+
+def _plan_stages_line(plan: dict[str, Any]) -> str:
+    """The recipe's pipeline: each pipeline rank's stages, micro-batches in flight and total."""
+    p = plan["pipeline"]
+    fits = plan["device_memory_bytes"] is not None
+
+    def rank(r: dict) -> str:
+        blocks = f"{r['blocks']} block{'s' if r['blocks'] != 1 else ''}"
+        what = [*(["embedding"] if r["first"] else []), blocks,
+                *(["head and loss"] if r["last"] else [])]  # fmt: skip
+        stages = ", ".join(map(str, r["stages"]))
+        verdict = (" fits" if r["memory"]["fits"] else " does not fit") if fits else ""
+        return (
+            f"pp rank {r['rank']} (stage {stages}: {' + '.join(what)}; {r['in_flight']:g} "
+            f"micro-batches in flight) {fmt_bytes(r['memory']['total'])}{verdict}"
+        )
+
+    return escape(
+        f"Pipeline stages (pp {plan['pp']}, {p['schedule']}, {p['micro_batches']} micro-batches a "
+        f"step: bubble {p['bubble']:.0%} of each step; each rank's total): "
+        + ", ".join(rank(r) for r in p["ranks"])
+    )
+
+
+def _plan_pp_line(plan: dict[str, Any]) -> str:
+    """The pipeline degrees' totals (the largest pipeline rank's) and bubbles in one line."""
+    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
+    fits = plan["device_memory_bytes"] is not None
+    parts = [
+        f"pp {o['pp']}{' (recipe)' if o['pp'] == plan.get('pp', 1) else ''} {o['mesh']} "
+        f"{fmt_bytes(o['memory']['total'])}"
+        + (f" (pp rank {o['largest_rank']}; bubble {o['bubble']:.0%})" if o["pp"] > 1 else "")
+        + ((" fits" if o["memory"]["fits"] else " does not fit") if fits else "")
+        for o in plan["pp_degrees"] if o["memory"] is not None
+    ]  # fmt: skip
+    return escape(
+        f"Pipeline parallel at world size {plan['world_size']} (fsdp2, {strategy}; the largest "
+        "pipeline rank's total): " + ", ".join(parts)
+    )
 
 
 def _mesh_text(mesh: list[list]) -> str:
