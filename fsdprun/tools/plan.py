@@ -459,8 +459,7 @@ def plan_memory(
         cp=layout.cp,
         cp_degrees=[asdict(o) for o in cp_degrees],
         pp=layout.pp,
-        pipeline=None if pipeline is None else {
-            **pipeline, "ranks": [asdict(r) for r in pipeline["ranks"]]},
+        pipeline=pipeline and {**pipeline, "ranks": [asdict(r) for r in pipeline["ranks"]]},
         pp_degrees=[asdict(o) for o in pp_degrees],
         notes=_notes(cfg, model, num_adapted=len(adapted), tp_dims=tp_dims),
     )
