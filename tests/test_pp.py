@@ -516,7 +516,10 @@ def _peak_saved_rank(rank: int, world: int) -> dict:
         weakref.finalize(held, release, storage.data_ptr())
         return held
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t if isinstance(h, Held) else h):
+    def unpack(h):
+        return h.t if isinstance(h, Held) else h
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         forward_backward(engine, trainable.optimizer, None, batches, num_targets=4 * seq,
                          world_size=1, grad_clip=0.0, device=device.torch_device)  # fmt: skip
     plan = plan_memory(cfg).pipeline["ranks"][rank]

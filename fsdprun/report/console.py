@@ -649,7 +649,8 @@ def _plan_units_table(plan: dict[str, Any]) -> Table:
 
 def _plan_memory_table(plan: dict[str, Any]) -> Table:
     strategies = plan["strategies"]
-    mem = Table(title="Memory per rank (rank 0)", title_justify="left")
+    stage = " (pp rank 0's stages)" if plan.get("pipeline") else ""
+    mem = Table(title=f"Memory per rank (rank 0{stage})", title_justify="left")
     mem.add_column("component")
     for name in strategies:
         mark = " (recipe)" if name == plan["recipe_strategy"] else ""
@@ -658,7 +659,9 @@ def _plan_memory_table(plan: dict[str, Any]) -> Table:
         ("shard group", "shard_group"), ("parameters", "params"), ("gradients", "grads"),
         ("unsharded grads", "accumulation"),
         ("optimizer state", "optimizer"), ("gathered buffers *", "gathered_buffers"),
-        ("activations *", "activations"), ("total", "total"),
+        ("activations *", "activations"),
+        *([("pipeline buffers", "pipeline_buffers")] if plan.get("pipeline") else []),
+        ("total", "total"),
     )  # fmt: skip
     for label, key in components:
         fmt = str if key == "shard_group" else fmt_bytes

@@ -121,13 +121,16 @@ class StrategyMemory:
     gathered_buffers: int
     activations: int
     accumulation: int = 0  # unsharded gradients kept between micro-steps (accumulate_unsharded)
+    # Pipeline parallel: torch's receive buffers, one per micro-batch of the activations from
+    # the previous stage and of their gradients from the next (`pipeline_buffer_bytes`).
+    pipeline_buffers: int = 0
     total: int = 0
     fits: bool | None = None
 
     def __post_init__(self) -> None:
         self.total = (
             self.params + self.grads + self.accumulation + self.optimizer
-            + self.gathered_buffers + self.activations
+            + self.gathered_buffers + self.activations + self.pipeline_buffers
         )  # fmt: skip
 
 
@@ -323,9 +326,24 @@ def _pipeline_ranks(
         blocks = sum(counts[s] for s in local)
         acts = stage_activation_bytes(cfg, blocks=blocks, last=last in local, held=held)
         memory = _strategy_memory(cfg, units_at(layout.tp, _rank_params(cfg, model, r)),
-                                  sharding, engine, activations=acts)  # fmt: skip
+                                  sharding, engine, activations=acts,
+                                  pipeline_buffers=pipeline_buffer_bytes(cfg, local))  # fmt: skip
         ranks.append(PipelineRank(r, local, blocks, 0 in local, last in local, held, memory))
     return ranks
+
+
+def pipeline_buffer_bytes(cfg: RecipeConfig, local: list[int]) -> int:
+    """What torch's pipeline stages `local` allocate once and keep: for each micro-batch, a
+    buffer for the activations a stage receives (all but the first) and one for the gradients
+    it receives (all but the last), each micro_batch x seq / (cp x tp) x dim in param_dtype."""
+    from fsdprun.engines.base import DTYPE_BYTES
+
+    layout, t = Layout.of(cfg), cfg.train
+    micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    one = (t.micro_batch_size * (t.seq_len // layout.row_group) * cfg.model.dim
+           * DTYPE_BYTES[cfg.precision.param_dtype])  # fmt: skip
+    last = layout.num_stages - 1
+    return sum(micro * one * ((s != 0) + (s != last)) for s in local)
 
 
 def _pipeline_record(cfg: RecipeConfig, ranks: list[PipelineRank]) -> dict:
@@ -423,7 +441,8 @@ def plan_memory(
                                 _sharded_engine(cfg))  # fmt: skip
         pipeline = _pipeline_record(cfg, ranks)
         # Each strategy is then pp rank 0's: its stages' units and activations.
-        rank0 = (units_at(layout.tp, _rank_params(cfg, model, 0)), ranks[0].memory.activations)
+        rank0 = (units_at(layout.tp, _rank_params(cfg, model, 0)), ranks[0].memory.activations,
+                 ranks[0].memory.pipeline_buffers)  # fmt: skip
     recipe_strategy, strategies = _strategies(cfg, units, rank0=rank0)
     tp_degrees, cp_degrees, pp_degrees = [], [], []
     if cfg.world_size > 1:
@@ -501,7 +520,7 @@ def _planned_units(
 
 def _strategy_memory(
     cfg: RecipeConfig, units: list[list[ParamShape]], strategy: Sharding, engine: Engine,
-    *, activations: int | None = None,
+    *, activations: int | None = None, pipeline_buffers: int = 0,
 ) -> StrategyMemory:  # fmt: skip
     """Rank 0's memory under `strategy`: FSDP shards the (TP-local) `units` over its shard
     group of data-parallel ranks times cp (dp_shard x cp; ddp: none)."""
@@ -511,6 +530,7 @@ def _strategy_memory(
         shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
         gathered_buffers=m.buffers, accumulation=m.accumulation,
         activations=activation_bytes(cfg) if activations is None else activations,
+        pipeline_buffers=pipeline_buffers,
     )  # fmt: skip
 
 
@@ -521,21 +541,29 @@ def _strategies(
     hybrid (one node's shard groups) to compare. Under TP there is no ddp column (DDP cannot
     hold DTensor shards), nor under CP (which needs fsdp2): `none` there is FSDP2 replicating
     over the data-parallel ranks. `rank0`: under pipeline parallel, (pipeline rank 0's units,
-    its activations), which each strategy then holds instead (no ddp column either)."""
+    its activations, its pipeline buffers), which each strategy then holds instead (no ddp
+    column either)."""
     fsdp, sharded = cfg.fsdp, _sharded_engine(cfg)
     layout = Layout.of(cfg)
-    acts = None
+    acts, buffers = None, 0
     if rank0 is not None:
-        units, acts = rank0
+        units, acts, buffers = rank0
     strategies = {} if layout.is_tp or layout.is_cp or layout.is_pp else {
         "ddp": _strategy_memory(cfg, units, Sharding.none, Engine.ddp)
     }  # fmt: skip
     for s in (Sharding.full, Sharding.grad_op, Sharding.hybrid):
-        strategies[s.value] = _strategy_memory(cfg, units, s, sharded, activations=acts)
+        strategies[s.value] = _strategy_memory(
+            cfg, units, s, sharded, activations=acts, pipeline_buffers=buffers
+        )
     recipe_strategy = "ddp" if fsdp.engine is Engine.ddp else effective_sharding(fsdp).value
     if recipe_strategy in ("hybrid_zero2", "none"):
         strategies[recipe_strategy] = _strategy_memory(
-            cfg, units, Sharding(recipe_strategy), sharded, activations=acts
+            cfg,
+            units,
+            Sharding(recipe_strategy),
+            sharded,
+            activations=acts,
+            pipeline_buffers=buffers,
         )
     return recipe_strategy, strategies
 
