@@ -446,8 +446,8 @@ def plan_memory(
     recipe_strategy, strategies = _strategies(cfg, units, rank0=rank0)
     tp_degrees, cp_degrees, pp_degrees = [], [], []
     if cfg.world_size > 1:
-        tp_degrees = _tp_degrees(cfg, units_at, split_problem=split_problem)
-        cp_degrees = _cp_degrees(cfg, units)
+        tp_degrees = _tp_degrees(cfg, units_at, split_problem=split_problem, model=model)
+        cp_degrees = _cp_degrees(cfg, units, model=model, units_at=units_at)
         pp_degrees = _pp_degrees(cfg, model, units_at)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
@@ -596,7 +596,20 @@ def _at_degree(
     return at, problem, None
 
 
-def _tp_degrees(cfg: RecipeConfig, units_at, *, split_problem: str | None) -> list[TpOption]:
+def _layout_memory(
+    at: RecipeConfig, units: list[list[ParamShape]], sharding: Sharding, *, model, units_at
+) -> StrategyMemory:
+    """Rank 0's memory of `at` (a degree's column) with fsdp2; under pipeline parallel the
+    largest pipeline rank's."""
+    if not Layout.of(at).is_pp:
+        return _strategy_memory(at, units, sharding, Engine.fsdp2)
+    ranks = _pipeline_ranks(at, model, units_at, sharding, Engine.fsdp2)
+    return max((r.memory for r in ranks), key=lambda m: m.total)
+
+
+def _tp_degrees(
+    cfg: RecipeConfig, units_at, *, split_problem: str | None, model: nn.Module
+) -> list[TpOption]:
     """The recipe at TP_DEGREES and its own degree, at its world size, under its sharding with
     fsdp2 (the engine TP composes with); `units_at(tp)` gives the units at a degree;
     `split_problem`: why the family's plan does not split the model
@@ -611,12 +624,14 @@ def _tp_degrees(cfg: RecipeConfig, units_at, *, split_problem: str | None) -> li
             options.append(TpOption(tp, missing=problem))
             continue
         mesh = Layout.of(at).mesh_dims
-        memory = _strategy_memory(at, units_at(tp), sharding, Engine.fsdp2)
+        memory = _layout_memory(at, units_at(tp), sharding, model=model, units_at=units_at)
         options.append(TpOption(tp, mesh=mesh_text(mesh), memory=memory, note=note))
     return options
 
 
-def _cp_degrees(cfg: RecipeConfig, units: list[list[ParamShape]]) -> list[CpOption]:
+def _cp_degrees(
+    cfg: RecipeConfig, units: list[list[ParamShape]], *, model: nn.Module, units_at
+) -> list[CpOption]:
     """The recipe at CP_DEGREES and its own degree, at its world size and tp, under its sharding
     with fsdp2 (the engine CP needs): the mesh and rank 0's memory, or why not (what
     `fsdprun train` refuses). A degree refused only because of compile is shown with compile
@@ -629,7 +644,7 @@ def _cp_degrees(cfg: RecipeConfig, units: list[list[ParamShape]]) -> list[CpOpti
         if problem is not None:
             options.append(CpOption(cp, missing=problem))
             continue
-        memory = _strategy_memory(at, units, sharding, Engine.fsdp2)
+        memory = _layout_memory(at, units, sharding, model=model, units_at=units_at)
         options.append(CpOption(cp, mesh=mesh_text(Layout.of(at).mesh_dims), memory=memory,
                                 note=note))  # fmt: skip
     return options
