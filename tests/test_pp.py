@@ -535,3 +535,64 @@ def test_plan_counts_each_pipeline_ranks_activations(pools):
     assert first["in_flight"] == 2 and last["in_flight"] == 1
     for rank in (first, last):
         assert rank["measured"] == pytest.approx(rank["plan"], rel=0.1), (first, last)
+
+
+LLAMA_405B = ("model.dim=16384", "model.n_layers=126", "model.n_heads=128", "model.n_kv_heads=8",
+              "model.ffn_dim=53248")  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(), LLAMA_405B], ids=["llama-70b", "405b"])
+def test_plan_puts_pp_beside_tp_and_cp_on_64_ranks(shape):
+    """`fsdprun plan llama-70b --world-size 64` (and the 405B shape) shows each pp degree beside
+    tp and cp: its mesh, its largest pipeline rank's total and the schedule's bubble, which
+    grows with pp at a fixed global batch (fewer micro-batches per data-parallel rank, more
+    stages); FSDP still shards each stage over its ranks, so a rank holds about the model's
+    state / world whatever pp. At pp 4 x tp 8 it shows each pipeline rank, the first with the
+    embedding and pp micro-batches in flight, the last with the head and one, and the 1f1b
+    bubble (pp - 1) / (micro-batches + pp - 1)."""
+    from fsdprun.tools.plan import plan_recipe
+
+    plan = plan_recipe("llama-70b", list(shape), world_size=64).to_dict()
+    options = {o["pp"]: o for o in plan["pp_degrees"]}
+    assert sorted(options) == [1, 2, 4, 8] and all(o["memory"] for o in options.values())
+    assert options[2]["mesh"] == "[pp 2 x dp_shard 32]"
+    bubbles = [options[pp]["bubble"] for pp in (1, 2, 4, 8)]
+    assert bubbles == sorted(bubbles) and bubbles[0] == 0 < bubbles[1]
+    state = {pp: o["memory"]["params"] for pp, o in options.items()}
+    assert all(v == pytest.approx(state[1], rel=0.12) for v in state.values()), state
+    eager = ["compile.enabled=false"]  # tp 8 refuses compile with full checkpointing
+    plan = plan_recipe("llama-70b", [*shape, *eager, "parallel.pp=4", "parallel.tp=8"],
+                       world_size=64).to_dict()  # fmt: skip
+    assert plan["mesh"] == [("pp", 4), ("dp_shard", 2), ("tp", 8)]
+    p = plan["pipeline"]
+    micro = 64 // 2  # global / (micro 1 x dp 2)
+    assert p["micro_batches"] == micro and p["bubble"] == pytest.approx(3 / (micro + 3))
+    first, *_, last = p["ranks"]
+    assert first["first"] and not first["last"] and first["in_flight"] == 4
+    assert last["last"] and last["in_flight"] == 1
+    assert sum(r["blocks"] for r in p["ranks"]) == 80 + 46 * bool(shape)
+
+
+def test_compare_accepts_pp_configurations():
+    from fsdprun.tools.compare import parse_configs
+
+    configs = parse_configs("fsdp2,fsdp2:full:pp2,fsdp2:tp2:pp2")
+    assert configs[1].overrides == ("fsdp.engine=fsdp2", "fsdp.sharding=full", "parallel.pp=2")
+    assert configs[2].overrides == ("fsdp.engine=fsdp2", "parallel.tp=2", "parallel.pp=2")
+    with pytest.raises(UserError, match=re.escape("pipeline parallel (parallel.pp) needs fsdp2")):
+        parse_configs("ddp:pp2")
+
+
+def test_tune_searches_pp_and_its_schedule_where_the_plan_needs_them():
+    """llama-70b on 8 nodes of 8 GPUs with 40 GB each: the plan does not fit without pp, so the
+    default space searches pp along the nodes and the schedule; the debug recipe fits on its
+    2 ranks and searches neither."""
+    from fsdprun.tools.tune.space import default_space, needs_pipeline_parallel, pp_choices
+
+    cfg = load_recipe("llama-70b", ["launch.nnodes=8"]).config
+    assert pp_choices(cfg) == ["1", "2", "4", "8"]
+    assert needs_pipeline_parallel(cfg, 40 * 10**9, 0.1)
+    space = {k.key: k.values for k in default_space(cfg, accelerator=True, pp=True)}
+    assert space["parallel.pp"] == ("1", "2", "4", "8")
+    assert space["parallel.pp_schedule"] == ("1f1b", "gpipe")
+    assert not needs_pipeline_parallel(load_recipe("debug", []).config, 80 * 10**9, 0.1)
