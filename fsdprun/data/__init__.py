@@ -11,6 +11,8 @@ consecutive ranks are (r = rank // (cp x tp)), and cp rank j keeps slice j of ea
 sequence, or under ring attention its two zig-zag chunks j and 2 cp - 1 - j
 (`Batch.sequence_shard`, `config.layout.cp_chunks`): which tokens a rank holds is a function of
 its rank and the layout alone, never stored, so a run resumes under any cp degree or attention.
+With pipeline parallelism (`parallel.pp`, the outermost dim) the pp stages of one pipeline are
+one data-parallel rank and read the same samples (r = rank mod (world / pp) // (cp x tp)).
 
 The front door is `describe_data` (see `spec`): the one description of the dataset a recipe asks
 for (its kind, files, tokenizer, token counts, masks) that the launcher's checks (`preflight`)
