@@ -150,8 +150,12 @@ PP_MODEL = ["model.n_layers=4"]
 PP_CELLS: dict[int, dict[str, list[str]]] = {
     8: {"fsdp2:full:pp2": ["parallel.pp=2"]},
     64: {
-        "fsdp2:hybrid:pp4:gpipe": ["parallel.pp=4", "parallel.pp_schedule=gpipe",
-                                   "fsdp.sharding=hybrid", HYBRID_TP],
+        "fsdp2:hybrid:pp4:gpipe": [
+            "parallel.pp=4",
+            "parallel.pp_schedule=gpipe",
+            "fsdp.sharding=hybrid",
+            HYBRID_TP,
+        ],
         "fsdp2:full:pp2:tp2": ["parallel.pp=2", "parallel.tp=2"],
     },
 }

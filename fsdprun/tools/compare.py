@@ -71,8 +71,7 @@ def parse_configs(text: str) -> list[CompareConfig]:
         rest = [p for p in parts if not any(p in found for found in degrees.values())]
         if any(len(found) > 1 for found in degrees.values()) or len(rest) > 1:
             raise UserError(
-                f"--configs: '{item}': use engine[:sharding][:tpN][:cpN][:ppN], e.g. "
-                "fsdp2:full:tp2"
+                f"--configs: '{item}': use engine[:sharding][:tpN][:cpN][:ppN], e.g. fsdp2:full:tp2"
             )
         sharding = rest[0] if rest else ""
         if engine not in engines:
