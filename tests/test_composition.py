@@ -190,6 +190,13 @@ COVERING: dict[str, tuple[str, ...]] = {
     # LoRA's adapters split as their Linears under TP, each cp rank's tokens through them.
     "cp2-tp2-lora": ("parallel.cp=2", "parallel.tp=2", "train.micro_batch_size=4",
                      "lora.rank=8"),
+    # pp 2 x dp 2, 1f1b over 4 micro-batches: LoRA's adapters on each stage's blocks, the
+    # stages' shards offloaded; per-block compile inside each stage; each family's stages (its
+    # embedding, blocks, norm and head; the rotary embedding on both).
+    "pp2-lora-selective-offload": ("parallel.pp=2", "lora.rank=8", SELECTIVE, OFFLOAD),
+    "pp2-compile": ("parallel.pp=2", "compile.enabled=true"),
+    **{f"pp2-{family}": ("parallel.pp=2", f"model.hf_path={{{family}}}")
+       for family in ("qwen2", "qwen3", "qwen3_moe", "mistral", "phi3")},
 }  # fmt: skip
 
 

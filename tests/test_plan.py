@@ -193,8 +193,8 @@ def test_plan_prints_a_summary_and_the_full_tables_with_full():
     assert "Memory per rank (rank 0)" in summary.output and "FSDP units (root" not in summary.output
     assert "fsdp2 knobs:" not in summary.output and "activations, one micro-batch" not in lines
     assert lines[-1].startswith("fits: full needs 41.")
-    # (20: the context-parallel line came beside the tensor-parallel one)
-    assert len(lines) <= 20 < len(full.output.splitlines())
+    # (20: the context-parallel line came beside the tensor-parallel one; 21: the pipeline's)
+    assert len(lines) <= 21 < len(full.output.splitlines())
     # --full: the units' table, the knobs and how each row is counted, around the same table.
     for text in ("FSDP units (root last", "fsdp2 knobs:", "fsdp.sharding=full",
                  "activations, one micro-batch:", "not counted:"):  # fmt: skip

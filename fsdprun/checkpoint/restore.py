@@ -170,7 +170,8 @@ def load_checkpoint(path: Path, model, optimizer, *, rank: int) -> dict[str, Any
         state["rng"] = {f"rank{rank}": torch.empty_like(torch.get_rng_state())}
     dcp.load(state, checkpoint_id=str(path), planner=NoPickleLoadPlanner())
     train_state = tensor_json(state["train_state"])
-    optim_sd = {"state": state["optim"]["state"], "param_groups": train_state["optim_param_groups"]}
+    groups = _with_own_groups(train_state["optim_param_groups"], optim_sd["param_groups"])
+    optim_sd = {"state": state["optim"]["state"], "param_groups": groups}
     set_state_dict(
         model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
         options=StateDictOptions(strict=not adapters_only),
@@ -178,6 +179,22 @@ def load_checkpoint(path: Path, model, optimizer, *, rank: int) -> dict[str, Any
     if has_rng:
         torch.set_rng_state(state["rng"][f"rank{rank}"])
     return train_state
+
+
+def _with_own_groups(saved: list[dict], current: list[dict]) -> list[dict]:
+    """The saved param groups (settings keyed by parameter names), plus a group for each of this
+    rank's groups whose names none of them holds: the checkpoint keeps one copy of the train
+    state, whose groups name the parameters of the rank that wrote it, and a pipeline stage's
+    rank holds others (its settings: the saved group of the same weight decay)."""
+    known = {name for group in saved for name in group["params"]}
+    extra = []
+    for group in current:
+        names = [n for n in group["params"] if n not in known]
+        if names:
+            decay = group.get("weight_decay")
+            like = next((g for g in saved if g.get("weight_decay") == decay), saved[0])
+            extra.append({**like, "params": names})
+    return [*saved, *extra]
 
 
 def load_model_weights(path: Path, model) -> None:

@@ -39,6 +39,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "tp 2": ("parallel.tp=2",),
     "cp 2": ("parallel.cp=2",),
     "cp 2 x tp 2": ("parallel.cp=2", "parallel.tp=2"),
+    "pp 2": ("parallel.pp=2",),
 }
 
 # Row -> the overrides that switch the feature on (the built-in Llama of the debug recipe).
@@ -68,16 +69,19 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {},
     "qwen3": {},
     "mistral": {"sliding_window": 16},
-    "gemma2": {"sliding_window": 16},
-    "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+    # Gemma ties its embedding and output (transformers' default for the family, which
+    # save_pretrained writes out).
+    "gemma2": {"sliding_window": 16, "tie_word_embeddings": True},
+    "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+                    "tie_word_embeddings": True},
     "phi3": {},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
-}
+}  # fmt: skip
 
 # Each exact cell -> the test that trains it (`fsdprun train`, or the worker's own training
 # path in the tests' gloo groups) against one rank, as a pytest node id.
 _COVER = "tests/test_composition.py::test_covering_set_trains_as_one_rank"
-_CP, _TP = "tests/test_cp.py", "tests/test_tp.py"
+_CP, _TP, _PP = "tests/test_cp.py", "tests/test_tp.py", "tests/test_pp.py"
 _COMPILED_CP = f"{_CP}::test_compiled_blocks_under_cp_and_tp_train_as_the_compiled_one_rank_run"
 _FAMILIES = "tests/test_hf_families.py::test_training_equals_transformers_on_1_and_2_ranks"
 TESTS: dict[tuple[str, str], str] = {
@@ -128,6 +132,19 @@ TESTS: dict[tuple[str, str], str] = {
        "test_lora_under_tp_and_cp_equals_peft_and_its_exports_load" for layout in ("tp 2", "cp 2")},
     ("cp 2 x tp 2", "LoRA"): f"{_COVER}[cp2-tp2-lora]",
     ("tp 2", "qwen3_moe"): f"{_TP}::test_moe_tp2_dp2_trains_as_one_rank_resumes_and_exports",
+    ("pp 2", "compile"): f"{_COVER}[pp2-compile]",
+    ("pp 2", "float8"): f"{_PP}::test_float8_under_pp_trains_as_one_rank_float8",
+    ("pp 2", "LoRA"): f"{_COVER}[pp2-lora-selective-offload]",
+    ("pp 2", "full checkpointing"): f"{_PP}::test_pp2_dp2_trains_as_one_rank",
+    ("pp 2", "selective checkpointing"): f"{_COVER}[pp2-lora-selective-offload]",
+    ("pp 2", "chunked loss"): f"{_PP}::"
+    "test_packed_chat_rows_with_chunked_loss_clipping_and_eval_train_as_one_rank",
+    ("pp 2", "hybrid sharding"): f"{_PP}::"
+    "test_packed_chat_rows_with_chunked_loss_clipping_and_eval_train_as_one_rank",
+    ("pp 2", "cpu_offload"): f"{_COVER}[pp2-lora-selective-offload]",
+    ("pp 2", "llama"): f"{_PP}::test_hf_llama_folder_trains_as_one_rank",
+    **{("pp 2", family): f"{_COVER}[pp2-{family}]"
+       for family in ("qwen2", "qwen3", "qwen3_moe", "mistral", "phi3")},
 }  # fmt: skip
 
 EXACT = "✓"

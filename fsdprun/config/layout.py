@@ -9,9 +9,11 @@ on the fastest links). FSDP2 shards parameters over `dp_shard x cp` (torchtitan'
 cp ranks read the same samples but hold different tokens, so their gradients are partial sums
 that the reduce-scatter adds up, and they need not keep duplicate copies of the state. Expert
 parallel (`ep`) has no dim of its own: its groups are carved out of `dp_shard x cp`, as
-torchtitan's are. `pp` and `ep` are degree 1 until their dimensions land (no recipe key sets them
-yet).
-Without TP and CP the mesh is what it always was: 1-D for full/grad_op, `replicate x shard`
+torchtitan's are. `pp` (parallel.pp) splits the layers into stages (`pp_blocks`: which blocks
+each stage runs); its ranks are the outermost dim, so a stage's data-parallel, cp and tp ranks
+are consecutive (a node) and only activations cross between stages. `ep` is degree 1 until its
+dimension lands.
+Without TP, CP and PP the mesh is what it always was: 1-D for full/grad_op, `replicate x shard`
 otherwise (the names checkpoints of earlier versions recorded).
 
 Everything that needs a degree or a size asks a `Layout`: the recipe checks, plan, tune's space,
@@ -32,6 +34,7 @@ from fsdprun.config.schema import (
     CpImpl,
     Engine,
     FsdpConfig,
+    PpSchedule,
     RecipeConfig,
     Sharding,
 )
@@ -76,6 +79,8 @@ class Layout:
     sharding: Sharding = Sharding.full  # fsdp.sharding with fsdp2's reshard override applied
     shard_group_size: int | None = None  # fsdp.shard_group_size as the recipe gives it
     tp_across_nodes: bool = False
+    pp_schedule: PpSchedule = PpSchedule.one_f_one_b
+    pp_stages_per_rank: int = 1  # stages each pp rank holds (the interleaved schedules' > 1)
 
     @classmethod
     def of(cls, cfg: RecipeConfig, world_size: int | None = None) -> Layout:
@@ -85,6 +90,9 @@ class Layout:
             nproc_per_node=cfg.launch.nproc_per_node,
             tp=cfg.parallel.tp,
             cp=cfg.parallel.cp,
+            pp=cfg.parallel.pp,
+            pp_schedule=cfg.parallel.pp_schedule,
+            pp_stages_per_rank=cfg.parallel.pp_stages_per_rank,
             engine=cfg.fsdp.engine,
             sharding=effective_sharding(cfg.fsdp),
             shard_group_size=cfg.fsdp.shard_group_size,
@@ -113,6 +121,26 @@ class Layout:
         """The data-parallel rank of global `rank` (its row group's index)."""
         return rank // self.row_group
 
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline rank (stage group) of global `rank`: pp is the outermost dim."""
+        return rank // (self.world_size // max(self.pp, 1))
+
+    @property
+    def is_pp(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages the model splits into: pp x stages per rank (1 without pp)."""
+        return self.pp * self.pp_stages_per_rank if self.is_pp else 1
+
+    def local_stages(self, rank: int) -> list[int]:
+        """The stages global `rank` runs: pp rank r holds stages r, r + pp, ... (torch's
+        placement of looped schedules; one stage for gpipe and 1f1b)."""
+        if not self.is_pp:
+            return [0]
+        return list(range(self.pp_rank(rank), self.num_stages, self.pp))
+
     @property
     def is_tp(self) -> bool:
         return self.tp > 1
@@ -130,7 +158,9 @@ class Layout:
         if self.engine is Engine.ddp or self.sharding is Sharding.none:
             return 1
         if self.sharding in _HYBRID:
-            per_node = max(self.nproc_per_node // self.row_group, 1)
+            # A node's ranks, within one pipeline stage's (pp is outermost).
+            stage = self.world_size // max(self.pp, 1)
+            per_node = max(min(self.nproc_per_node, stage) // self.row_group, 1)
             return self.shard_group_size or min(per_node, self.dp)
         return self.dp
 
@@ -161,20 +191,21 @@ class Layout:
     def mesh_dims(self) -> list[tuple[str, int]]:
         """The device mesh as (dim name, size), outermost first, as the engines build it.
 
-        parallel.tp or parallel.cp > 1: `dp_shard [x cp] [x tp]` for full/grad_op,
-        `dp_replicate x dp_shard [x cp] [x tp]` for the hybrid modes and none (a dim of size 1
-        of cp or tp is left out). Without either: `dp` alone for full/grad_op (a 1-D mesh,
-        unnamed in torch), `replicate x shard` otherwise (the names checkpoints of earlier
-        versions recorded).
+        parallel.tp, cp or pp > 1: `[pp x] dp_shard [x cp] [x tp]` for full/grad_op,
+        `[pp x] dp_replicate x dp_shard [x cp] [x tp]` for the hybrid modes and none (a dim of
+        size 1 of pp, cp or tp is left out). Without any: `dp` alone for full/grad_op (a 1-D
+        mesh, unnamed in torch), `replicate x shard` otherwise (the names checkpoints of
+        earlier versions recorded).
         """
         replicate, group = self.dp_replicate, self.shard_group
-        if self.tp == 1 and self.cp == 1:
+        if self.tp == 1 and self.cp == 1 and not self.is_pp:
             if self.one_d:
                 return [("dp", self.world_size)]
             return [("replicate", replicate), ("shard", group)]
         dims = [("dp_shard", self.dp)] if self.one_d else [("dp_replicate", replicate),
                                                            ("dp_shard", group)]  # fmt: skip
-        return [*dims, *([("cp", self.cp)] if self.is_cp else []),
+        return [*([("pp", self.pp)] if self.is_pp else []), *dims,
+                *([("cp", self.cp)] if self.is_cp else []),
                 *([("tp", self.tp)] if self.is_tp else [])]  # fmt: skip
 
     def describe(self) -> str:
@@ -182,17 +213,20 @@ class Layout:
         return mesh_text(self.mesh_dims)
 
     def refit(self, dim: str) -> int | None:
-        """The largest divisor of this layout's `dim` degree ("tp", then "cp") that its world
-        holds, where the degree itself does not (None: it fits). For `fsdprun resume` on
-        another world: a divisor of a saved degree divides what the saved one divided (heads,
-        ffn, vocab, train.seq_len). tp must divide a node's ranks (unless tp_across_nodes);
-        cp x tp must divide the world."""
+        """The largest divisor of this layout's `dim` degree ("tp", then "cp", then "pp") that
+        its world holds, where the degree itself does not (None: it fits). For `fsdprun resume`
+        on another world: a divisor of a saved degree divides what the saved one divided
+        (heads, ffn, vocab, train.seq_len) and asks no more of the layers and micro-batches
+        (fewer stages). tp must divide a node's ranks (unless tp_across_nodes); cp x tp, then
+        pp x cp x tp must divide the world."""
 
         def fits(n: int) -> bool:
             if dim == "tp":
                 per_node = self.nproc_per_node
                 within = per_node % n == 0 if n <= per_node else self.tp_across_nodes
                 return self.world_size % n == 0 and within
+            if dim == "pp":
+                return self.world_size % (n * self.row_group) == 0
             return self.world_size % (n * max(self.tp, 1)) == 0
 
         degree = getattr(self, dim)
@@ -201,7 +235,7 @@ class Layout:
         return max(n for n in range(1, degree) if degree % n == 0 and fits(n))
 
     def at(self, **degrees: int) -> Layout:
-        """This layout with other degrees (tp=, cp=), for plan's and tune's side-by-side
+        """This layout with other degrees (tp=, cp=, pp=), for plan's and tune's side-by-side
         columns and resume's re-fit."""
         return dataclasses.replace(self, **degrees)
 
@@ -247,8 +281,8 @@ def layout_errors(
     cfg: RecipeConfig, facts: ModelFacts | None, *, world_size: int | None = None
 ) -> list[str]:
     """What the recipe's layout refuses at `world_size` (default: its launch.* world), one
-    message per problem: the shard groups, tensor parallel, context parallel, and the
-    dimensions not built yet. `facts`: the model's (None: an unreadable model.hf_path, which
+    message per problem: the shard groups, tensor parallel, context parallel, pipeline
+    parallel. `facts`: the model's (None: an unreadable model.hf_path, which
     is refused on its own)."""
     layout = Layout.of(cfg, world_size)
     ws = layout.world_size
@@ -256,8 +290,211 @@ def layout_errors(
     # degree that does not is refused below, once).
     tp = layout.tp if layout.tp >= 1 and ws % layout.tp == 0 else 1
     cp = layout.cp if layout.cp >= 1 and ws % (layout.cp * tp) == 0 else 1
-    errors = _sharding_errors(cfg.fsdp, layout.at(tp=tp, cp=cp))
-    return errors + _tp_errors(cfg, layout, facts) + _cp_errors(cfg, layout, facts)
+    pp = layout.pp if layout.pp >= 1 and ws % (layout.pp * cp * tp) == 0 else 1
+    errors = _sharding_errors(cfg.fsdp, layout.at(tp=tp, cp=cp, pp=pp))
+    errors += _tp_errors(cfg, layout, facts) + _cp_errors(cfg, layout, facts)
+    return errors + _pp_errors(cfg, layout.at(tp=tp, cp=cp), facts)
+
+
+# The pipeline schedules (parallel.pp_schedule): torch.distributed.pipelining's class of each,
+# and whether it places several stages on a rank (looped: stage s on pp rank s mod pp).
+PP_SCHEDULES = {
+    PpSchedule.gpipe: ("ScheduleGPipe", False),
+    PpSchedule.one_f_one_b: ("Schedule1F1B", False),
+    PpSchedule.interleaved_1f1b: ("ScheduleInterleaved1F1B", True),
+    PpSchedule.interleaved_zb: ("ScheduleInterleavedZeroBubble", True),
+}
+
+
+def pp_blocks(
+    num_layers: int, num_stages: int, *, head_cost: float = 0.0, split: list[int] | None = None
+) -> list[int]:
+    """Blocks per pipeline stage, first stage first: `split` as the recipe gives it
+    (parallel.pp_split), or balanced: contiguous stages whose largest cost is least, a block
+    costing 1 and the last stage's head `head_cost` more (its matmul FLOPs in blocks, as
+    `head_blocks` counts them); the embedding (a lookup) costs nothing. Among equal costs the
+    last stage takes the most blocks; the others share the rest evenly, the later ones taking
+    the remainder (stage 0 holds the most micro-batches of activations under 1F1B).
+    `layout_errors` refuses a split that leaves a stage without a block."""
+    if split is not None:
+        return list(split)
+    if num_stages <= 1:
+        return [num_layers]
+    best: tuple[float, list[int]] | None = None
+    for last in range(num_layers - num_stages + 1, 0, -1):
+        rest, others = num_layers - last, num_stages - 1
+        base, extra = divmod(rest, others)
+        counts = [base] * (others - extra) + [base + 1] * extra + [last]
+        cost = max(max(counts[:-1]), last + head_cost)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, counts)
+    assert best is not None, (num_layers, num_stages)
+    return best[1]
+
+
+def head_blocks(facts: ModelFacts | None, seq_len: int) -> float:
+    """The output head's training FLOPs in decoder blocks' (6 vocab x dim against 6 x a block's
+    matmul weights + 12 x its attention width x seq_len, `fsdprun.models.llama`'s count): what
+    the last stage carries besides its blocks. 0 where the facts do not say."""
+    if facts is None or None in (facts.dim, facts.n_heads, facts.ffn_dim, facts.vocab_size):
+        return 0.0
+    head_dim = facts.head_dim or facts.dim // facts.n_heads
+    width, kv = facts.n_heads * head_dim, (facts.n_kv_heads or facts.n_heads) * head_dim
+    block = 6 * (2 * facts.dim * width + 2 * facts.dim * kv + 3 * facts.dim * facts.ffn_dim)
+    return 6 * facts.vocab_size * facts.dim / (block + 12 * width * seq_len)
+
+
+def stage_blocks(cfg: RecipeConfig, facts: ModelFacts | None, num_layers: int) -> list[int]:
+    """The recipe's blocks per stage for a model of `num_layers` blocks (`pp_blocks`)."""
+    layout = Layout.of(cfg)
+    return pp_blocks(num_layers, layout.num_stages, head_cost=head_blocks(facts, cfg.train.seq_len),
+                     split=cfg.parallel.pp_split)  # fmt: skip
+
+
+def bubble_fraction(
+    schedule: PpSchedule, pp: int, micro_batches: int, stages_per_rank: int = 1
+) -> float:
+    """The share of a step a pipeline rank idles in the schedule's bubble, for equal stages:
+    (pp - 1) / (micro-batches + pp - 1) for gpipe and 1f1b (the fill and the drain, one stage's
+    forward and backward each); the interleaved schedules' fill and drain are one virtual
+    stage's, 1 / stages_per_rank as long: (pp - 1) / (v x micro-batches + pp - 1); zero bubble
+    fills them with the weight gradients, and the fill left is the forward's and the input
+    gradients' share (torch's ZB1P: about 1/3 of interleaved 1F1B's). 0 without pp."""
+    if pp <= 1:
+        return 0.0
+    v = stages_per_rank if PP_SCHEDULES[schedule][1] else 1
+    bubble = (pp - 1) / (v * micro_batches + pp - 1)
+    return bubble / 3 if schedule is PpSchedule.interleaved_zb else bubble
+
+
+def in_flight(
+    schedule: PpSchedule, pp: int, micro_batches: int, stages_per_rank: int = 1, rank: int = 0
+) -> float:
+    """The most micro-batches whose activations pipeline rank `rank` holds at once, in
+    micro-batches through all of its layers: gpipe every one (all forwards come first), 1f1b
+    pp - rank (its warm-up forwards, then one backward frees one as one forward adds one); the
+    interleaved schedule's warm-up is torch's ((v - 1) x the micro-batches of a round +
+    2 (pp - 1 - rank) + 1 forwards of one virtual stage, a v-th of the rank's layers each).
+    0 without pp."""
+    if pp <= 1:
+        return 0.0
+    if schedule is PpSchedule.gpipe:
+        return float(micro_batches)
+    if not PP_SCHEDULES[schedule][1]:
+        return float(min(pp - rank, micro_batches))
+    v = stages_per_rank
+    per_round = micro_batches // max(1, micro_batches // pp)
+    held = min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, micro_batches * v)
+    return held / v
+
+
+def _pp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> list[str]:
+    """What parallel.pp refuses, one message per problem: a degree the world or the layers
+    cannot hold, a split or a schedule that does not fit the micro-batches, and what the
+    pipeline does not carry (the family's stages, tied embeddings across the first and last
+    stage, a router's auxiliary loss over every block, other engines)."""
+    p, pp, ws = cfg.parallel, layout.pp, layout.world_size
+    if pp < 1:
+        return [f"parallel.pp must be >= 1 (got {pp})"]
+    if p.pp_stages_per_rank < 1:
+        return [f"parallel.pp_stages_per_rank must be >= 1 (got {p.pp_stages_per_rank})"]
+    if pp == 1:
+        return []
+    errors = []
+    inner = layout.row_group
+    if ws % (pp * inner):
+        what = "parallel.pp" if inner == 1 else "parallel.pp x parallel.cp x parallel.tp"
+        errors.append(
+            f"{what} ({pp * inner}) must divide the world size ({ws}); the data-parallel size "
+            f"is world size / {'pp' if inner == 1 else '(pp x cp x tp)'}: run on a multiple of "
+            f"{pp * inner} ranks or choose a parallel.pp that divides {ws // inner}"
+        )
+    looped = PP_SCHEDULES[p.pp_schedule][1]
+    sched = f"parallel.pp_schedule={p.pp_schedule.value}"
+    if looped and p.pp_stages_per_rank < 2:
+        errors.append(
+            f"{sched} places several stages on each rank: set parallel.pp_stages_per_rank "
+            "to 2 or more"
+        )
+    if not looped and p.pp_stages_per_rank > 1:
+        errors.append(
+            f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} needs an interleaved schedule "
+            f"({sched} runs one stage a rank); set parallel.pp_schedule=interleaved_1f1b or "
+            "parallel.pp_stages_per_rank=1"
+        )
+    stages = pp * p.pp_stages_per_rank
+    layers = facts.n_layers if facts is not None else None
+    if p.pp_split is not None:
+        if len(p.pp_split) != stages or min(p.pp_split) < 1:
+            errors.append(
+                f"parallel.pp_split ({p.pp_split}) must give each of the {stages} stages "
+                "(parallel.pp x parallel.pp_stages_per_rank) its number of blocks, each >= 1"
+            )
+        elif layers is not None and sum(p.pp_split) != layers:
+            errors.append(
+                f"parallel.pp_split ({p.pp_split}) adds up to {sum(p.pp_split)} blocks; the "
+                f"model has {layers}: give every block a stage"
+            )
+    elif layers is not None and stages > layers:
+        errors.append(
+            f"parallel.pp x parallel.pp_stages_per_rank ({stages} stages) exceeds the model's "
+            f"{layers} layers, which would leave a stage without a block; lower parallel.pp"
+        )
+    t = cfg.train
+    dp = layout.dp if layout.fits_world else 0
+    if dp and t.global_batch_size % (t.micro_batch_size * dp) == 0:
+        micro = t.global_batch_size // (t.micro_batch_size * dp)
+        if p.pp_schedule is PpSchedule.one_f_one_b and micro < pp:
+            errors.append(
+                f"{sched} needs at least parallel.pp ({pp}) micro-batches a step, got {micro} "
+                f"(train.global_batch_size / (train.micro_batch_size x {dp} data-parallel "
+                "ranks)): raise the global batch, lower the micro batch, or use gpipe"
+            )
+        if looped and micro % pp:
+            errors.append(
+                f"{sched} needs the micro-batches a step ({micro}) to be a multiple of "
+                f"parallel.pp ({pp}): each round sends pp of them through the stages; change "
+                "train.global_batch_size or train.micro_batch_size"
+            )
+    entry = facts.entry if facts is not None else None
+    refused = (
+        (
+            cfg.fsdp.engine is not Engine.fsdp2,
+            f"fsdp.engine={cfg.fsdp.engine.value}: each stage is sharded with FSDP2 over its "
+            "own data-parallel ranks; use fsdp.engine=fsdp2",
+        ),
+        (
+            entry is not None and entry.stages is None,
+            "a model whose family declares no pipeline stages (Family.stages in "
+            "fsdprun/families.py: its embedding, blocks and head); set parallel.pp=1",
+        ),
+        (
+            facts is not None and facts.tie_embeddings,
+            "tied embeddings (model.tie_embeddings / config.json's tie_word_embeddings): the "
+            "embedding lives on the first stage and the output on the last, and fsdprun does "
+            "not sum one tensor's gradients across them; untie them or set parallel.pp=1",
+        ),
+        (
+            facts is not None and facts.router_aux_loss,
+            "the router's auxiliary loss (config.json's output_router_logits: true): it is one "
+            "function of every block's router logits, which live on different stages; set "
+            "output_router_logits to false in config.json, or parallel.pp=1",
+        ),
+        (
+            cfg.compile.enabled and not cfg.compile.per_block,
+            "compile.per_block=false: a stage runs part of the model, which whole-model "
+            "compile does not see; set compile.per_block=true",
+        ),
+        (
+            p.pp_schedule is PpSchedule.interleaved_zb,
+            "parallel.pp_schedule=interleaved_zb: torch's zero-bubble weight pass "
+            "(stage_backward_weight) does not give FSDP2-sharded stages the gradients one rank "
+            "computes (measured on torch 2.13: step 1's gradient norm 19% off), and under "
+            "FSDP2's own per-micro-batch reduction it fails; use interleaved_1f1b",
+        ),
+    )  # fmt: skip
+    errors += [f"parallel.pp={pp} with {why}" for refuse, why in refused if refuse]
+    return errors
 
 
 def _tp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> list[str]:

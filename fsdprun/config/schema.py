@@ -89,6 +89,13 @@ class CpImpl(enum.Enum):
     ring = "ring"
 
 
+class PpSchedule(enum.Enum):
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved_1f1b"
+    interleaved_zb = "interleaved_zb"
+
+
 class CompileMode(enum.Enum):
     default = "default"
     reduce_overhead = "reduce-overhead"
@@ -348,6 +355,41 @@ class ParallelConfig:
         "rank attends its own queries to each slice, exact block by block; any head count, no "
         "fused kernel; without tensor parallel), `auto` (alltoall when the heads divide, else "
         "ring).",
+    )
+    pp: int = _f(
+        1,
+        "Pipeline-parallel degree: split the model's layers into this many stages, the embedding "
+        "on the first, the final norm, head and loss on the last, the blocks in between; a stage "
+        "sends only its activations to the next, once per micro-batch. The mesh is [pp, "
+        "dp_replicate, dp_shard, cp, tp] with pp outermost (stages across nodes, TP inside); "
+        "FSDP2 shards each stage over its own data-parallel ranks, and the data-parallel size "
+        "is world size / (pp x cp x tp). The pipeline's micro-batches are the step's "
+        "gradient-accumulation micro-batches (global batch / (micro batch x dp)). Needs "
+        "fsdp.engine=fsdp2, a family that declares its stages, untied embeddings, and at least "
+        "one block per stage. 1 = off. See docs/pipeline-parallel.md.",
+    )
+    pp_schedule: PpSchedule = _f(
+        PpSchedule.one_f_one_b,
+        "The pipeline schedule (torch.distributed.pipelining): `gpipe` (every forward, then "
+        "every backward: holds all micro-batches' activations), `1f1b` (one forward, one "
+        "backward: stage s holds at most pp - s micro-batches' activations; needs micro-batches "
+        ">= pp), `interleaved_1f1b` (parallel.pp_stages_per_rank stages per rank, looped: a "
+        "smaller bubble for more sends; micro-batches a multiple of pp), `interleaved_zb` "
+        "(interleaved zero bubble: each backward split into its input and weight gradients, the "
+        "weight half filling the bubble). Refused where the installed torch lacks it.",
+    )
+    pp_stages_per_rank: int = _f(
+        1,
+        "Stages each pipeline rank holds (virtual stages): 1 for gpipe and 1f1b, >= 2 for the "
+        "interleaved schedules, which place stage s on pp rank s mod pp. The model splits into "
+        "pp x pp_stages_per_rank stages.",
+    )
+    pp_split: list[int] | None = _f(
+        None,
+        "Blocks per stage, first stage first (pp x pp_stages_per_rank counts, each >= 1, "
+        "summing to the model's layers), e.g. [3, 5] for 8 layers on pp 2. null = balanced by "
+        "training FLOPs: the head's matmul counts on the last stage, the embedding (a lookup) "
+        "on none.",
     )
 
 
@@ -733,7 +775,7 @@ TUNE_KNOBS = (
     "fsdp.cpu_offload", "activation_checkpointing.mode", "activation_checkpointing.every_n",
     "compile.enabled", "compile.per_block", "compile.mode", "train.micro_batch_size",
     "train.loss", "train.loss_chunk_size", "optim.implementation", "precision.float8_all_gather",
-    "parallel.cp",
+    "parallel.cp", "parallel.pp", "parallel.pp_schedule",
 )  # fmt: skip
 TUNE_NUMERICS_KNOBS = ("precision.param_dtype", "precision.reduce_dtype", "precision.float8",
                        "precision.float8_filter")  # fmt: skip
@@ -747,7 +789,8 @@ class TuneConfig:
         "try, e.g. `{train.micro_batch_size: [2, 4, 8], fsdp.engine: [fsdp2]}`. A knob is one "
         "that leaves the training math unchanged (fsdp.*, activation_checkpointing.*, "
         "compile.*, train.micro_batch_size, train.loss, train.loss_chunk_size, "
-        "optim.implementation, precision.float8_all_gather, parallel.cp) or, only with "
+        "optim.implementation, precision.float8_all_gather, parallel.cp, parallel.pp, "
+        "parallel.pp_schedule) or, only with "
         "--allow-numerics, precision.param_dtype, reduce_dtype, float8 or float8_filter. The "
         "recipe's own value is always tried. On the command line "
         "`--space` wins: without `defaults` it replaces this space, with `--space defaults` it "

@@ -135,6 +135,8 @@ def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
         ranks = f"{dp}" if layout.row_group == 1 else (
             f"{dp} = world size / parallel.tp" if layout.cp == 1
             else f"{dp} = world size / (parallel.tp x parallel.cp)")  # fmt: skip
+        if layout.is_pp:
+            ranks = f"{dp} = world size / (parallel.pp x parallel.cp x parallel.tp)"
         errors.append(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
             f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({ranks}) = "

@@ -11,6 +11,8 @@ consecutive ranks are (r = rank // (cp x tp)), and cp rank j keeps slice j of ea
 sequence, or under ring attention its two zig-zag chunks j and 2 cp - 1 - j
 (`Batch.sequence_shard`, `config.layout.cp_chunks`): which tokens a rank holds is a function of
 its rank and the layout alone, never stored, so a run resumes under any cp degree or attention.
+With pipeline parallelism (`parallel.pp`, the outermost dim) the pp stages of one pipeline are
+one data-parallel rank and read the same samples (r = rank mod (world / pp) // (cp x tp)).
 
 The front door is `describe_data` (see `spec`): the one description of the dataset a recipe asks
 for (its kind, files, tokenizer, token counts, masks) that the launcher's checks (`preflight`)
@@ -81,11 +83,12 @@ class BatchLayout:
     zigzag: bool = (
         False  # cp ranks hold zig-zag chunks (the ring's layout: `fsdprun.config.layout.cp_chunks`)
     )
+    pp: int = 1  # pipeline stages: each is a copy of the layout above (pp is the outermost dim)
 
     @property
     def num_ranks(self) -> int:
-        """Every rank of the run: data-parallel ranks x cp x tp."""
-        return self.world_size * self.cp * self.tp
+        """Every rank of the run: pp x data-parallel ranks x cp x tp."""
+        return self.pp * self.world_size * self.cp * self.tp
 
     @property
     def reduce_ranks(self) -> int:
@@ -94,8 +97,9 @@ class BatchLayout:
         return self.world_size * self.cp
 
     def data_rank(self, rank: int) -> int:
-        """The data-parallel rank of global `rank` (cp and tp are the innermost mesh dims)."""
-        return rank // (self.cp * self.tp)
+        """The data-parallel rank of global `rank` (cp and tp are the innermost mesh dims, pp the
+        outermost: the stages of one pipeline read the same samples)."""
+        return rank % (self.world_size * self.cp * self.tp) // (self.cp * self.tp)
 
     def local(self, batch: Batch, rank: int) -> Batch:
         """The part of a data-parallel rank's `batch` that global `rank` computes: all of it,

@@ -93,6 +93,7 @@ def build_engine(
     weights: HFWeights | None = None,
     mesh: DeviceMesh | None = None,
     tp_plan: list[tuple[str, str]] | None = None,
+    parts: list[nn.Module] | None = None,
 ) -> Engine:
     """Wrap a meta-device model (checkpointing and compile already applied) with the recipe's
     engine and materialize it on `device`.
@@ -105,6 +106,8 @@ def build_engine(
             `apply_tp` already split (parallel.tp > 1; fsdp2 only): fully_shard shards over
             its data-parallel dims. None: the engine builds its own.
         tp_plan: what `apply_tp` returned (the run header's plan).
+        parts: under pipeline parallel, the module each of this rank's stages runs
+            (`fsdprun.engines.pp.stage_parts`; fsdp2 only).
     """
     import functools
 
@@ -128,6 +131,8 @@ def build_engine(
               "accumulation": accumulation_mode(cfg), "loss_parallel": tp,
               "tp_plan": tp_plan or []}  # fmt: skip
     extra = {"mesh": mesh} if mesh is not None else {}
+    if parts is not None:
+        extra["parts"] = parts
     return engine_module(cfg.fsdp.engine).build(
         model, cfg, device=device, device_kind=device_kind, world_size=world_size,
         weights=weights, common=common, **extra,

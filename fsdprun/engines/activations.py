@@ -137,23 +137,40 @@ def ring_bytes(cfg: RecipeConfig) -> int:
 def activation_bytes(cfg: RecipeConfig) -> int:
     """Activations one rank keeps for backward for one micro-batch (estimate; see
     ACTIVATION_FORMULA), with the ring's working memory where it computes attention."""
+    kept, recompute = _blocks_bytes(cfg, cfg.model.n_layers)
+    # The ring's largest buffers exist while a block's attention backward runs, once the loss
+    # has freed the logits: the peak holds one or the other.
+    return kept + recompute + max(loss_bytes(cfg), ring_bytes(cfg))
+
+
+def _blocks_bytes(cfg: RecipeConfig, n_layers: int) -> tuple[int, int]:
+    """What `n_layers` blocks keep for one micro-batch under the recipe's checkpointing, and
+    the one block recomputed at a time (0 without checkpointing)."""
     m = cfg.model
     c = DTYPE_BYTES[cfg.precision.param_dtype]
     block = block_activation_bytes(cfg)
     ac = cfg.activation_checkpointing
     checkpointed = {
         CheckpointMode.none: 0,
-        CheckpointMode.full: m.n_layers,
-        CheckpointMode.selective: m.n_layers,
-        CheckpointMode.every_n: len(range(0, m.n_layers, max(ac.every_n, 1))),
+        CheckpointMode.full: n_layers,
+        CheckpointMode.selective: n_layers,
+        CheckpointMode.every_n: len(range(0, n_layers, max(ac.every_n, 1))),
     }[ac.mode]
     per_checkpointed = (  # a fully checkpointed block keeps its (sequence-sharded) input
         selective_block_bytes(cfg)
         if ac.mode is CheckpointMode.selective
         else _token_dims(cfg).seq_tokens * m.dim * c
     )
-    kept = checkpointed * per_checkpointed + (m.n_layers - checkpointed) * block
-    recompute = block if checkpointed else 0  # one block's activations while it is recomputed
-    # The ring's largest buffers exist while a block's attention backward runs, once the loss
-    # has freed the logits: the peak holds one or the other.
-    return kept + recompute + max(loss_bytes(cfg), ring_bytes(cfg))
+    kept = checkpointed * per_checkpointed + (n_layers - checkpointed) * block
+    return kept, block if checkpointed else 0
+
+
+def stage_activation_bytes(cfg: RecipeConfig, *, blocks: int, last: bool, held: float) -> int:
+    """Activations a pipeline rank keeps for backward at its peak: `held` micro-batches
+    (`config.layout.in_flight`) through its `blocks` blocks, each with the loss's where the rank
+    runs the last stage (its forward computes the loss), plus one block recomputed at a time
+    under checkpointing (see ACTIVATION_FORMULA)."""
+    kept, recompute = _blocks_bytes(cfg, blocks)
+    loss = loss_bytes(cfg) if last else 0
+    # The ring's buffers, where larger than one micro-batch's logits (as `activation_bytes`).
+    return math.ceil(held * (kept + loss)) + recompute + max(0, ring_bytes(cfg) - loss)

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import Dtype, FsdpConfig, RecipeConfig, Sharding
 from fsdprun.config import Engine as EngineKind
@@ -218,6 +218,9 @@ class Engine:
     loss_parallel: bool = False
     # parallel.tp > 1: (module path, TP style) of every module the family's plan split.
     tp_plan: list[tuple[str, str]] = field(default_factory=list)
+    # parallel.pp > 1: this rank's stages and their schedule (`fsdprun.engines.pp.Pipeline`),
+    # which run a step's micro-batches in place of the loop's micro-steps.
+    pipeline: Any = None
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """The SUM of the token losses of one micro-batch over its trained targets (not -100):
@@ -229,18 +232,24 @@ class Engine:
         model_kwargs = {}
         if batch.positions is not None:
             model_kwargs = {"positions": batch.positions, "doc_ids": batch.doc_ids}
-        targets = batch.targets
+        return self.loss_of(self.model, batch.inputs, batch.targets, model_kwargs)
+
+    def loss_of(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict
+    ) -> torch.Tensor:
+        """`forward_loss` of `model` (the whole model, or a pipeline's last stage, whose
+        pruned embedding hands `inputs`, the previous stage's activations, on)."""
         if self.loss_parallel:
             from fsdprun.engines.tp import local_loss
 
             # A replicated DTensor (the same sum on every rank of the TP group) as a tensor.
-            logits = self.model(batch.inputs, **model_kwargs)
+            logits = model(inputs, **model_kwargs)
             loss = local_loss(self.loss(logits, targets, reduction="sum"))
         elif self.chunked_loss is None:
-            loss = self.loss(self.model(batch.inputs, **model_kwargs), targets, reduction="sum")
+            loss = self.loss(model(inputs, **model_kwargs), targets, reduction="sum")
         else:
             head = functools.partial(self.chunked_loss, targets=targets, reduction="sum")
-            loss = self.model(batch.inputs, head=head, **model_kwargs)
+            loss = model(inputs, head=head, **model_kwargs)
         aux = getattr(self.inner, "router_aux_loss", None)  # set by the forward just run
         if aux is None:
             return loss
@@ -283,7 +292,10 @@ class Engine:
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip to `max_norm` on the global gradient norm; returns that norm (before clipping)."""
+        """Clip to `max_norm` on the global gradient norm; returns that norm (before clipping).
+        Under pipeline parallel the norm is over every stage's parameters."""
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm(self.model, max_norm)
         return engine_module(self.kind).clip_grad_norm(self.model, max_norm)
 
     def grad_scaler(self):

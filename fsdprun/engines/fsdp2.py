@@ -94,8 +94,8 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
     f, p = cfg.fsdp, cfg.precision
     sharding, group, ws = layout.sharding, layout.shard_group, layout.world_size
     dims = layout.mesh_dims
-    if layout.is_tp or layout.is_cp:
-        dp = [f"{n} {name}" for name, n in dims if name != "tp"]
+    if layout.is_tp or layout.is_cp or layout.is_pp:
+        dp = [f"{n} {name}" for name, n in dims if name not in ("tp", "pp")]
         flat = " (dp_shard x cp flattened into one)" if layout.is_cp else ""
         mesh = f"fully_shard over the {' x '.join(dp)} dims of the mesh{flat}"
     elif sharding in _TWO_D:
@@ -110,6 +110,16 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
             f"device mesh {layout.describe()}: parallelize_module with the family's plan over "
             "the tp dim (ranks of one TP group read the same batch; loss parallel on "
             "vocab-sharded logits), then fully_shard over the data-parallel dims",
+        )
+    if layout.is_pp:
+        sched = cfg.parallel.pp_schedule.value
+        add(
+            "parallel.pp",
+            layout.pp,
+            f"device mesh {layout.describe()}: the layers cut into {layout.num_stages} stages "
+            f"(parallel.pp_schedule={sched}), each stage a fully_shard root over its own "
+            "data-parallel ranks; activations and their gradients go between stages once per "
+            "micro-batch; each micro-batch's gradients reduce-scattered as it finishes",
         )
     if layout.is_cp:
         cp = layout.cp
@@ -405,10 +415,14 @@ def build(
     weights: HFWeights | None,
     common: dict,
     mesh: DeviceMesh | None = None,
+    parts: list[nn.Module] | None = None,
 ) -> Engine:
     """Shard the meta `model`, then fill each rank's shards: pretrained `weights` read shard-wise,
     or the seeded initial values. `mesh`: the tensor-parallel mesh the model was split over
-    (`fsdprun.engines.tp`); fully_shard shards over its data-parallel dims."""
+    (`fsdprun.engines.tp`); fully_shard shards over its data-parallel dims. `parts`: under
+    pipeline parallel, the module each of this rank's stages runs (`fsdprun.engines.pp`), each
+    sharded as its own root; `model` (the pruned model that holds them all) is what the
+    optimizer and checkpoints see."""
     import torch
 
     from fsdprun.engines.adapters import init_adapters
@@ -420,21 +434,42 @@ def build(
         if mesh is not None
         else build_device_mesh(Layout.of(cfg, world_size), device_kind)
     )
-    units = apply_fsdp(
-        model, mesh=fsdp_mesh, cfg=cfg.fsdp,
-        param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,
-        pin_memory=device_kind != "cpu",
-    )  # fmt: skip
+    roots = [model]
+    if parts is not None:
+        from torch.distributed import get_rank
+
+        from fsdprun.engines.pp import stage_roots
+
+        roots = stage_roots(parts, layout=Layout.of(cfg, world_size), rank=get_rank())
+    units = [
+        unit for root in roots for unit in apply_fsdp(
+            root, mesh=fsdp_mesh, cfg=cfg.fsdp, param_dtype=cfg.precision.param_dtype,
+            reduce_dtype=cfg.precision.reduce_dtype, pin_memory=device_kind != "cpu",
+        )
+    ]  # fmt: skip
     # Offloaded parameters live on the CPU from the start: FSDP2 refuses to offload parameters
     # materialized elsewhere ("should be materialized on CPU", seen on an H200); the buffers
     # (rotary tables) stay on the compute device.
     params_on = torch.device("cpu") if cfg.fsdp.cpu_offload else device
     if weights is not None:
-        weights.load(model, device=params_on, buffer_device=device)
+        weights.load(model, device=params_on, buffer_device=device, roots=roots)
         init_adapters(model, seed=cfg.train.seed, device=params_on)  # LoRA: not in the files
     else:
-        init_weights(model, seed=cfg.train.seed, device=params_on, buffer_device=device)
-    return Engine(model=model, units=units, **common)
+        init_weights(model, seed=cfg.train.seed, device=params_on, buffer_device=device,
+                     roots=roots)  # fmt: skip
+    engine = Engine(model=model, units=units, **common)
+    if parts is not None:
+        from fsdprun.engines.pp import Pipeline
+        from fsdprun.engines.weights import TORCH_DTYPES
+
+        layout, t = Layout.of(cfg, world_size), cfg.train
+        engine.pipeline = Pipeline(
+            roots, layout=layout, rank=get_rank(), mesh=mesh, device=device,
+            micro_batches=accumulation_steps(cfg), micro_batch_size=t.micro_batch_size,
+            seq_len=t.seq_len, dim=model.args.dim,
+            dtype=TORCH_DTYPES[cfg.precision.param_dtype], loss_of=engine.loss_of,
+        )  # fmt: skip
+    return engine
 
 
 def micro_step(engine: Engine, sync: bool) -> contextlib.AbstractContextManager:

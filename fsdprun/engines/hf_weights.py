@@ -223,12 +223,15 @@ class HFWeights:
 
     @torch.no_grad()
     def load(
-        self, model: nn.Module, *, device: torch.device, buffer_device: torch.device | None = None
-    ) -> None:
+        self, model: nn.Module, *, device: torch.device, buffer_device: torch.device | None = None,
+        roots: list[nn.Module] | None = None,
+    ) -> None:  # fmt: skip
         """Materialize the meta `model` (FSDP2-sharded, or not wrapped yet) on `device` and fill
         each parameter, or each rank's shard of it, from the files; buffers on `buffer_device`
-        (default `device`)."""
-        model.to_empty(device=device)
+        (default `device`). `roots`: the FSDP roots that hold its parameters where `model` is
+        none (a pipeline rank's stages, `fsdprun.engines.pp`)."""
+        for root in roots or [model]:
+            root.to_empty(device=device)
         # to_empty gives each module holding a tied parameter a copy of its own (not under
         # FSDP2, which manages the one parameter): tie them again, as the folder has them.
         for name, first in self._canonical.items():

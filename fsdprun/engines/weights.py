@@ -62,8 +62,9 @@ def retie(model: nn.Module, ties: dict[str, str]) -> None:
 
 @torch.no_grad()
 def init_weights(
-    model: nn.Module, *, seed: int, device: torch.device, buffer_device: torch.device | None = None
-) -> None:
+    model: nn.Module, *, seed: int, device: torch.device, buffer_device: torch.device | None = None,
+    roots: list[nn.Module] | None = None,
+) -> None:  # fmt: skip
     """Materialize a meta model on `device` and initialize it the same way at any world size;
     its non-persistent buffers go to `buffer_device` (default `device`): the compute device when
     FSDP2 offloads the parameters to the CPU.
@@ -74,7 +75,8 @@ def init_weights(
     Costs one full-size temporary per parameter.
     """
     ties = tied_names(model)
-    model.to_empty(device=device)
+    for root in roots or [model]:
+        root.to_empty(device=device)
     retie(model, ties)
     for name, param in model.named_parameters():
         set_full_value(param, init_value(model, name, param, seed=seed, device=device))

@@ -90,13 +90,13 @@ def _names(overrides: list[str], key: str) -> bool:
     return any(o.removeprefix("~").split("=", 1)[0] == key for o in overrides)
 
 
-# The degrees a resume re-fits, in order (cp's fit depends on the tp it then has), and what
-# its note calls each.
-_REFIT = {"tp": "tensor-parallel", "cp": "context-parallel"}
+# The degrees a resume re-fits, in order (cp's fit depends on the tp it then has, pp's on
+# both), and what its note calls each.
+_REFIT = {"tp": "tensor-parallel", "cp": "context-parallel", "pp": "pipeline-parallel"}
 
 
 def _fit(cfg: RecipeConfig, dim: str) -> str | None:
-    """Lower a saved parallel.<dim> (tp, cp) that the new world cannot hold to the largest of
+    """Lower a saved parallel.<dim> (tp, cp, pp) that the new world cannot hold to the largest of
     its divisors that it can (`Layout.refit`), in place; returns the note, or None when the
     saved degree fits.
 

@@ -138,7 +138,9 @@ def packed_inputs(
             f"found {transformers.__version__}: pip install -U transformers"
         )
     if doc_ids is None:
-        doc_ids = torch.zeros_like(tokens)
+        # (batch, seq) of the tokens, or of a later pipeline stage's activations (batch, seq,
+        # dim) that its pruned embedding hands on.
+        doc_ids = torch.zeros(tokens.shape[:2], dtype=torch.long, device=tokens.device)
     # Under context parallel the tokens are this rank's chunks and doc_ids the whole row's: the
     # masks are the whole row's, which attention sees.
     mask = document_causal_mask(doc_ids)

@@ -120,6 +120,18 @@ def _lora_line(lora: dict[str, Any], num_base_params: int, num_trainable: int) -
     )
 
 
+def pipeline_line(pp: int, p: dict) -> str:
+    """The run header's pipeline line, from the start event's `pipeline` record."""
+    stages = len(p["blocks"])
+    virtual = f", {p['stages_per_rank']} a rank" if p["stages_per_rank"] > 1 else ""
+    return (
+        f"pipeline parallel: pp {pp}, {p['schedule']} schedule, {stages} stages{virtual} "
+        f"(blocks {' | '.join(map(str, p['blocks']))}); {p['micro_batches']} micro-batches a "
+        f"step, up to {p['in_flight']:g} in flight on stage 0; bubble {p['bubble']:.0%} of "
+        "each step"
+    )
+
+
 def mesh_text(mesh: list[list]) -> str:
     """'2 dp_shard x 2 tp' from the start event's [[name, size], ...], outermost first."""
     return " x ".join(f"{size} {name}" for name, size in mesh)
@@ -231,9 +243,9 @@ class Reporter:
             c.print(f"  loss: {e['loss']}; float8: {e.get('float8', 'off')}", soft_wrap=True)
         if e.get("compile_cache"):
             c.print(f"  compile cache: {e['compile_cache']}", soft_wrap=True)  # a path stays whole
-        tp, cp = e.get("tp") or 1, e.get("cp") or 1
-        ranks = (f"{e['world_size']} ranks" if tp * cp == 1
-                 else f"{e['world_size'] // (tp * cp)} dp ranks")  # fmt: skip
+        tp, cp, pp = e.get("tp") or 1, e.get("cp") or 1, e.get("pp") or 1
+        ranks = (f"{e['world_size']} ranks" if tp * cp * pp == 1
+                 else f"{e['world_size'] // (tp * cp * pp)} dp ranks")  # fmt: skip
         c.print(
             f"  batch {e['global_batch_size']} seqs x {e['seq_len']} tokens = "
             f"{fmt_count(e['tokens_per_step'])} tokens/step (micro {e['micro_batch_size']} x "
@@ -247,6 +259,8 @@ class Reporter:
                 f"  context parallel: cp {cp}, {e['cp_impl']} attention (each rank holds "
                 f"{e['seq_len'] // cp} of the {e['seq_len']} tokens of every row)"
             )
+        if e.get("pipeline"):
+            c.print(f"  {pipeline_line(pp, e['pipeline'])}", soft_wrap=True)
         if e.get("tp_plan"):
             c.print(f"  tensor parallel plan (tp {tp}):")
             for path, style in tp_plan_lines(e["tp_plan"]):
@@ -459,7 +473,54 @@ def render_plan(plan: dict[str, Any], console: Console, *, full: bool = False) -
         for o in plan["cp_degrees"]:
             if o["missing"]:
                 c.print(f"  cp {o['cp']}: not possible, {escape(o['missing'])}.")
+    if plan.get("pipeline"):
+        c.print(_plan_stages_line(plan), soft_wrap=True)
+    if plan.get("pp_degrees"):
+        c.print(_plan_pp_line(plan), soft_wrap=True)
+        for o in plan["pp_degrees"]:
+            if o["missing"]:
+                c.print(f"  pp {o['pp']}: not possible, {escape(o['missing'])}.")
     c.print(_plan_verdict(plan))
+
+
+def _plan_stages_line(plan: dict[str, Any]) -> str:
+    """The recipe's pipeline: each pipeline rank's stages, micro-batches in flight and total."""
+    p = plan["pipeline"]
+    fits = plan["device_memory_bytes"] is not None
+
+    def rank(r: dict) -> str:
+        blocks = f"{r['blocks']} block{'s' if r['blocks'] != 1 else ''}"
+        what = [*(["embedding"] if r["first"] else []), blocks,
+                *(["head and loss"] if r["last"] else [])]  # fmt: skip
+        stages = ", ".join(map(str, r["stages"]))
+        verdict = (" fits" if r["memory"]["fits"] else " does not fit") if fits else ""
+        return (
+            f"pp rank {r['rank']} (stage {stages}: {' + '.join(what)}; {r['in_flight']:g} "
+            f"micro-batches in flight) {fmt_bytes(r['memory']['total'])}{verdict}"
+        )
+
+    return escape(
+        f"Pipeline stages (pp {plan['pp']}, {p['schedule']}, {p['micro_batches']} micro-batches a "
+        f"step: bubble {p['bubble']:.0%} of each step; each rank's total): "
+        + ", ".join(rank(r) for r in p["ranks"])
+    )
+
+
+def _plan_pp_line(plan: dict[str, Any]) -> str:
+    """The pipeline degrees' totals (the largest pipeline rank's) and bubbles in one line."""
+    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
+    fits = plan["device_memory_bytes"] is not None
+    parts = [
+        f"pp {o['pp']}{' (recipe)' if o['pp'] == plan.get('pp', 1) else ''} {o['mesh']} "
+        f"{fmt_bytes(o['memory']['total'])}"
+        + (f" (pp rank {o['largest_rank']}; bubble {o['bubble']:.0%})" if o["pp"] > 1 else "")
+        + ((" fits" if o["memory"]["fits"] else " does not fit") if fits else "")
+        for o in plan["pp_degrees"] if o["memory"] is not None
+    ]  # fmt: skip
+    return escape(
+        f"Pipeline parallel at world size {plan['world_size']} (fsdp2, {strategy}; the largest "
+        "pipeline rank's total): " + ", ".join(parts)
+    )
 
 
 def _mesh_text(mesh: list[list]) -> str:
@@ -588,7 +649,8 @@ def _plan_units_table(plan: dict[str, Any]) -> Table:
 
 def _plan_memory_table(plan: dict[str, Any]) -> Table:
     strategies = plan["strategies"]
-    mem = Table(title="Memory per rank (rank 0)", title_justify="left")
+    stage = " (pp rank 0's stages)" if plan.get("pipeline") else ""
+    mem = Table(title=f"Memory per rank (rank 0{stage})", title_justify="left")
     mem.add_column("component")
     for name in strategies:
         mark = " (recipe)" if name == plan["recipe_strategy"] else ""
@@ -597,7 +659,9 @@ def _plan_memory_table(plan: dict[str, Any]) -> Table:
         ("shard group", "shard_group"), ("parameters", "params"), ("gradients", "grads"),
         ("unsharded grads", "accumulation"),
         ("optimizer state", "optimizer"), ("gathered buffers *", "gathered_buffers"),
-        ("activations *", "activations"), ("total", "total"),
+        ("activations *", "activations"),
+        *([("pipeline buffers", "pipeline_buffers")] if plan.get("pipeline") else []),
+        ("total", "total"),
     )  # fmt: skip
     for label, key in components:
         fmt = str if key == "shard_group" else fmt_bytes

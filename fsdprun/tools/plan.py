@@ -53,10 +53,22 @@ from fsdprun.config import (
     Sharding,
     load_recipe,
 )
-from fsdprun.config.layout import Layout, effective_sharding, layout_errors
+from fsdprun.config.layout import (
+    Layout,
+    bubble_fraction,
+    effective_sharding,
+    in_flight,
+    layout_errors,
+    stage_blocks,
+)
 from fsdprun.config.model_facts import model_facts
 from fsdprun.engines import ParamShape, rank_memory, translate, unit_plan
-from fsdprun.engines.activations import ACTIVATION_FORMULA, activation_bytes, ring_bytes
+from fsdprun.engines.activations import (
+    ACTIVATION_FORMULA,
+    activation_bytes,
+    ring_bytes,
+    stage_activation_bytes,
+)
 from fsdprun.engines.base import backward_prefetch_depth
 from fsdprun.engines.cp import CP_ACTIVATION_FORMULA, RING_MEMORY_FORMULA
 from fsdprun.engines.float8 import MFU_CONVENTION, Float8Plan, float8_linears, float8_plan
@@ -109,13 +121,16 @@ class StrategyMemory:
     gathered_buffers: int
     activations: int
     accumulation: int = 0  # unsharded gradients kept between micro-steps (accumulate_unsharded)
+    # Pipeline parallel: torch's receive buffers, one per micro-batch of the activations from
+    # the previous stage and of their gradients from the next (`pipeline_buffer_bytes`).
+    pipeline_buffers: int = 0
     total: int = 0
     fits: bool | None = None
 
     def __post_init__(self) -> None:
         self.total = (
             self.params + self.grads + self.accumulation + self.optimizer
-            + self.gathered_buffers + self.activations
+            + self.gathered_buffers + self.activations + self.pipeline_buffers
         )  # fmt: skip
 
 
@@ -139,6 +154,11 @@ class MemoryPlan:
     tp_degrees: list[dict] = field(default_factory=list)  # TpOption at each degree, side by side
     cp: int = 1
     cp_degrees: list[dict] = field(default_factory=list)  # CpOption at each degree, side by side
+    pp: int = 1
+    # parallel.pp > 1: the schedule, its bubble and each pipeline rank's memory (PipelineRank);
+    # the strategies above are then pp rank 0's (its stages' units and activations).
+    pipeline: dict | None = None
+    pp_degrees: list[dict] = field(default_factory=list)  # PpOption at each degree, side by side
     activation_formula: str = ACTIVATION_FORMULA
     buffer_formula: str = BUFFER_FORMULA
     notes: list[str] = field(default_factory=list)
@@ -157,13 +177,15 @@ def _unit_params(
     tp_dims: dict[int, int] | None = None,
     whole_grads: frozenset[int] = frozenset(),
     tp: int = 1,
+    keep: set[int] | None = None,
 ) -> list[list[ParamShape]]:
     """Each unit's own parameters, as the engines take them: not yet taken, forward order, root
     last; marked trainable, a Linear's weight, gathered in float8 (`float8` with all-gather). Under
     tensor parallel (`tp` > 1) each shape is tensor-parallel rank 0's local shard: the dim in
     `tp_dims` (parameter id -> dim the TP plan shards) cut to ceil(n / tp), as DTensor's
     Shard(dim) chunks it; a parameter the plan does not shard (the norms) is whole on every TP
-    rank. FSDP then shards that local tensor over the data-parallel ranks."""
+    rank. FSDP then shards that local tensor over the data-parallel ranks. `keep`: only these
+    parameters (ids: a pipeline rank's stages), each in the unit it is in."""
     modules = dict(model.named_modules())
     matmul = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     f8 = set()
@@ -176,6 +198,7 @@ def _unit_params(
     for root in [*(modules[path] for path in paths), model]:
         own = [p for p in root.parameters() if id(p) not in taken]
         taken.update(id(p) for p in own)
+        own = [p for p in own if keep is None or id(p) in keep]
         units.append([ParamShape(tp_local_shape(tuple(p.shape), tp_dims.get(id(p)), tp),
                                  p.requires_grad, id(p) in matmul, id(p) in f8,
                                  p.numel() if tp > 1 and id(p) in whole_grads else None)
@@ -186,6 +209,7 @@ def _unit_params(
 # The TP degrees `plan` puts side by side (with the recipe's own): TP spans one node's ranks.
 TP_DEGREES = (1, 2, 4, 8)
 CP_DEGREES = (1, 2, 4, 8)  # parallel.cp degrees plan compares beside the recipe's
+PP_DEGREES = (1, 2, 4, 8)  # parallel.pp degrees plan compares beside the recipe's
 
 
 def _with_sharding(
@@ -234,6 +258,143 @@ class CpOption:
     note: str | None = None  # what the column changes beside cp (compile off)
 
 
+@dataclass
+class PipelineRank:
+    """One pipeline rank (stage group): its stages and blocks, the micro-batches it holds in
+    flight at its peak, and its memory (its stages' parameters, sharded over its data-parallel
+    ranks, and those micro-batches' activations)."""
+
+    rank: int
+    stages: list[int]
+    blocks: int
+    first: bool  # holds the embedding
+    last: bool  # holds the norm, head and loss
+    in_flight: float
+    memory: StrategyMemory
+
+
+@dataclass
+class PpOption:
+    """The recipe at one pipeline degree, same world size, tp and cp: its mesh, the largest
+    pipeline rank's memory and the schedule's bubble, or why not (`missing`)."""
+
+    pp: int
+    mesh: str | None = None
+    memory: StrategyMemory | None = None
+    largest_rank: int = 0
+    bubble: float = 0.0
+    missing: str | None = None
+
+
+def _stage_plan(cfg: RecipeConfig, model: nn.Module):
+    """(the family's stages, blocks per stage, the stages' blocks) of the recipe's model."""
+    from fsdprun.engines.pp import plan_stages
+
+    facts = model_facts(cfg.model)
+    counts = stage_blocks(cfg, facts, model.args.n_layers)
+    return facts.entry.stages, counts, plan_stages(model, facts.entry.stages, counts)
+
+
+def _rank_params(cfg: RecipeConfig, model: nn.Module, rank: int) -> set[int]:
+    """Ids of the parameters pipeline rank `rank` holds: its stages' blocks, the embedding on
+    the first stage, the norm and head on the last."""
+    layout = Layout.of(cfg)
+    declared, _, plan = _stage_plan(cfg, model)
+    local = layout.local_stages(rank * layout.world_size // layout.pp)
+    paths = [f"{declared.blocks}.{name}" for s in local for name in plan.blocks[s]]
+    if 0 in local:
+        paths += list(declared.first)
+    if plan.num_stages - 1 in local:
+        paths += list(declared.last)
+    return {id(p) for path in paths for p in model.get_submodule(path).parameters()}
+
+
+def _pipeline_ranks(
+    cfg: RecipeConfig, model: nn.Module, units_at, sharding: Sharding, engine: Engine
+) -> list[PipelineRank]:
+    """Each pipeline rank's memory under `sharding`: the units of its stages' parameters, their
+    shards over its data-parallel ranks (x cp), and its peak micro-batches in flight of its
+    blocks' activations (with the loss's on the last stage)."""
+    layout = Layout.of(cfg)
+    _, counts, plan = _stage_plan(cfg, model)
+    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp)
+    last = plan.num_stages - 1
+    ranks = []
+    for r in range(layout.pp):
+        local = layout.local_stages(r * layout.world_size // layout.pp)
+        held = in_flight(layout.pp_schedule, layout.pp, micro, layout.pp_stages_per_rank, r)
+        blocks = sum(counts[s] for s in local)
+        acts = stage_activation_bytes(cfg, blocks=blocks, last=last in local, held=held)
+        memory = _strategy_memory(cfg, units_at(layout.tp, _rank_params(cfg, model, r)),
+                                  sharding, engine, activations=acts,
+                                  pipeline_buffers=pipeline_buffer_bytes(cfg, local))  # fmt: skip
+        ranks.append(PipelineRank(r, local, blocks, 0 in local, last in local, held, memory))
+    return ranks
+
+
+def pipeline_buffer_bytes(cfg: RecipeConfig, local: list[int]) -> int:
+    """What torch's pipeline stages `local` allocate once and keep: for each micro-batch, a
+    buffer for the activations a stage receives (all but the first) and one for the gradients
+    it receives (all but the last), each micro_batch x seq / (cp x tp) x dim in param_dtype."""
+    from fsdprun.engines.base import DTYPE_BYTES
+
+    layout, t = Layout.of(cfg), cfg.train
+    micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    one = (t.micro_batch_size * (t.seq_len // layout.row_group) * cfg.model.dim
+           * DTYPE_BYTES[cfg.precision.param_dtype])  # fmt: skip
+    last = layout.num_stages - 1
+    return sum(micro * one * ((s != 0) + (s != last)) for s in local)
+
+
+def _pipeline_record(cfg: RecipeConfig, ranks: list[PipelineRank]) -> dict:
+    """The plan's pipeline: schedule, blocks per stage, micro-batches, bubble, each rank."""
+    layout = Layout.of(cfg)
+    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp)
+    return {
+        "schedule": layout.pp_schedule.value,
+        "stages_per_rank": layout.pp_stages_per_rank,
+        "micro_batches": micro,
+        "bubble": bubble_fraction(layout.pp_schedule, layout.pp, micro,
+                                  layout.pp_stages_per_rank),
+        "ranks": ranks,
+    }  # fmt: skip
+
+
+def _pp_degrees(cfg: RecipeConfig, model: nn.Module, units_at) -> list[PpOption]:
+    """The recipe at PP_DEGREES and its own degree, same world size, tp and cp, under its
+    sharding with fsdp2: the mesh, the largest pipeline rank's memory and the bubble of its
+    schedule (1f1b where the recipe runs none, gpipe where the micro-batches are fewer than
+    pp), or why not (what `fsdprun train` refuses)."""
+    from fsdprun.config import PpSchedule
+
+    fsdp2, sharding = _as_fsdp2(cfg)
+    options = []
+    for pp in sorted({*PP_DEGREES, Layout.of(cfg).pp}):
+        at, problem, _ = _at_degree(fsdp2, sharding, pp, pp=pp)
+        if pp > 1 and problem is not None and at.parallel.pp_schedule is PpSchedule.one_f_one_b:
+            # Too few micro-batches for 1f1b: gpipe holds them all and runs.
+            gpipe = dataclasses.replace(at, parallel=dataclasses.replace(
+                at.parallel, pp_schedule=PpSchedule.gpipe))  # fmt: skip
+            if tp_problem(gpipe) is None:
+                at, problem = gpipe, None
+        if problem is not None:
+            options.append(PpOption(pp, missing=problem))
+            continue
+        layout = Layout.of(at)
+        if pp == 1:
+            memory = _strategy_memory(at, units_at(layout.tp), sharding, Engine.fsdp2)
+            options.append(PpOption(pp, mesh=mesh_text(layout.mesh_dims), memory=memory))
+            continue
+        ranks = _pipeline_ranks(at, model, units_at, sharding, Engine.fsdp2)
+        worst = max(ranks, key=lambda r: r.memory.total)
+        micro = at.train.global_batch_size // (at.train.micro_batch_size * layout.dp)
+        options.append(PpOption(
+            pp, mesh=mesh_text(layout.mesh_dims), memory=worst.memory, largest_rank=worst.rank,
+            bubble=bubble_fraction(layout.pp_schedule, pp, micro, layout.pp_stages_per_rank),
+        ))  # fmt: skip
+    return options
+
+
 def plan_memory(
     cfg: RecipeConfig, *, recipe: str = "", device_memory_bytes: int | None = None,
     device_memory_text: str | None = None,
@@ -268,22 +429,33 @@ def plan_memory(
     tp_dims = tp_shard_dims(model, splits)
     whole = tp_whole_grads(model, splits)
 
-    def units_at(tp: int) -> list[list[ParamShape]]:
-        return _unit_params(model, paths, float8=float8, tp_dims=tp_dims, whole_grads=whole, tp=tp)
+    def units_at(tp: int, keep: set[int] | None = None) -> list[list[ParamShape]]:
+        return _unit_params(model, paths, float8=float8, tp_dims=tp_dims, whole_grads=whole,
+                            tp=tp, keep=keep)  # fmt: skip
 
     layout = Layout.of(cfg)
     units = units_at(layout.tp)
-    recipe_strategy, strategies = _strategies(cfg, units)
-    tp_degrees, cp_degrees = [], []
+    pipeline, rank0 = None, None
+    if layout.is_pp:
+        ranks = _pipeline_ranks(cfg, model, units_at, effective_sharding(cfg.fsdp),
+                                _sharded_engine(cfg))  # fmt: skip
+        pipeline = _pipeline_record(cfg, ranks)
+        # Each strategy is then pp rank 0's: its stages' units and activations.
+        rank0 = (units_at(layout.tp, _rank_params(cfg, model, 0)), ranks[0].memory.activations,
+                 ranks[0].memory.pipeline_buffers)  # fmt: skip
+    recipe_strategy, strategies = _strategies(cfg, units, rank0=rank0)
+    tp_degrees, cp_degrees, pp_degrees = [], [], []
     if cfg.world_size > 1:
-        tp_degrees = _tp_degrees(cfg, units_at, split_problem=split_problem)
-        cp_degrees = _cp_degrees(cfg, units)
+        tp_degrees = _tp_degrees(cfg, units_at, split_problem=split_problem, model=model)
+        cp_degrees = _cp_degrees(cfg, units, model=model, units_at=units_at)
+        pp_degrees = _pp_degrees(cfg, model, units_at)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
         device_memory_text = f"{cfg.launch.device_memory_gb:g}GB"
     if device_memory_bytes is not None:
-        options = [*tp_degrees, *cp_degrees]
-        for s in [*strategies.values(), *(o.memory for o in options if o.memory)]:
+        options = [*tp_degrees, *cp_degrees, *pp_degrees]
+        stage_memory = [r.memory for r in pipeline["ranks"]] if pipeline else []
+        for s in [*strategies.values(), *(o.memory for o in options if o.memory), *stage_memory]:
             s.fits = s.total <= device_memory_bytes
     return MemoryPlan(
         recipe=recipe,
@@ -305,6 +477,9 @@ def plan_memory(
         tp_degrees=[asdict(o) for o in tp_degrees],
         cp=layout.cp,
         cp_degrees=[asdict(o) for o in cp_degrees],
+        pp=layout.pp,
+        pipeline=pipeline and {**pipeline, "ranks": [asdict(r) for r in pipeline["ranks"]]},
+        pp_degrees=[asdict(o) for o in pp_degrees],
         notes=_notes(cfg, model, num_adapted=len(adapted), tp_dims=tp_dims),
     )
 
@@ -344,36 +519,51 @@ def _planned_units(
 
 
 def _strategy_memory(
-    cfg: RecipeConfig, units: list[list[ParamShape]], strategy: Sharding, engine: Engine
-) -> StrategyMemory:
+    cfg: RecipeConfig, units: list[list[ParamShape]], strategy: Sharding, engine: Engine,
+    *, activations: int | None = None, pipeline_buffers: int = 0,
+) -> StrategyMemory:  # fmt: skip
     """Rank 0's memory under `strategy`: FSDP shards the (TP-local) `units` over its shard
     group of data-parallel ranks times cp (dp_shard x cp; ddp: none)."""
     shards = Layout.of(_with_sharding(cfg, strategy, engine)).fsdp_shards
     m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
     return StrategyMemory(
         shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
-        gathered_buffers=m.buffers, activations=activation_bytes(cfg), accumulation=m.accumulation,
+        gathered_buffers=m.buffers, accumulation=m.accumulation,
+        activations=activation_bytes(cfg) if activations is None else activations,
+        pipeline_buffers=pipeline_buffers,
     )  # fmt: skip
 
 
 def _strategies(
-    cfg: RecipeConfig, units: list[list[ParamShape]]
+    cfg: RecipeConfig, units: list[list[ParamShape]], *, rank0: tuple | None = None
 ) -> tuple[str, dict[str, StrategyMemory]]:
     """The recipe's strategy, and rank 0's memory under it and under ddp, full, grad_op and
     hybrid (one node's shard groups) to compare. Under TP there is no ddp column (DDP cannot
     hold DTensor shards), nor under CP (which needs fsdp2): `none` there is FSDP2 replicating
-    over the data-parallel ranks."""
+    over the data-parallel ranks. `rank0`: under pipeline parallel, (pipeline rank 0's units,
+    its activations, its pipeline buffers), which each strategy then holds instead (no ddp
+    column either)."""
     fsdp, sharded = cfg.fsdp, _sharded_engine(cfg)
     layout = Layout.of(cfg)
-    strategies = {} if layout.is_tp or layout.is_cp else {
+    acts, buffers = None, 0
+    if rank0 is not None:
+        units, acts, buffers = rank0
+    strategies = {} if layout.is_tp or layout.is_cp or layout.is_pp else {
         "ddp": _strategy_memory(cfg, units, Sharding.none, Engine.ddp)
     }  # fmt: skip
     for s in (Sharding.full, Sharding.grad_op, Sharding.hybrid):
-        strategies[s.value] = _strategy_memory(cfg, units, s, sharded)
+        strategies[s.value] = _strategy_memory(
+            cfg, units, s, sharded, activations=acts, pipeline_buffers=buffers
+        )
     recipe_strategy = "ddp" if fsdp.engine is Engine.ddp else effective_sharding(fsdp).value
     if recipe_strategy in ("hybrid_zero2", "none"):
         strategies[recipe_strategy] = _strategy_memory(
-            cfg, units, Sharding(recipe_strategy), sharded
+            cfg,
+            units,
+            Sharding(recipe_strategy),
+            sharded,
+            activations=acts,
+            pipeline_buffers=buffers,
         )
     return recipe_strategy, strategies
 
@@ -406,7 +596,20 @@ def _at_degree(
     return at, problem, None
 
 
-def _tp_degrees(cfg: RecipeConfig, units_at, *, split_problem: str | None) -> list[TpOption]:
+def _layout_memory(
+    at: RecipeConfig, units: list[list[ParamShape]], sharding: Sharding, *, model, units_at
+) -> StrategyMemory:
+    """Rank 0's memory of `at` (a degree's column) with fsdp2; under pipeline parallel the
+    largest pipeline rank's."""
+    if not Layout.of(at).is_pp:
+        return _strategy_memory(at, units, sharding, Engine.fsdp2)
+    ranks = _pipeline_ranks(at, model, units_at, sharding, Engine.fsdp2)
+    return max((r.memory for r in ranks), key=lambda m: m.total)
+
+
+def _tp_degrees(
+    cfg: RecipeConfig, units_at, *, split_problem: str | None, model: nn.Module
+) -> list[TpOption]:
     """The recipe at TP_DEGREES and its own degree, at its world size, under its sharding with
     fsdp2 (the engine TP composes with); `units_at(tp)` gives the units at a degree;
     `split_problem`: why the family's plan does not split the model
@@ -421,12 +624,14 @@ def _tp_degrees(cfg: RecipeConfig, units_at, *, split_problem: str | None) -> li
             options.append(TpOption(tp, missing=problem))
             continue
         mesh = Layout.of(at).mesh_dims
-        memory = _strategy_memory(at, units_at(tp), sharding, Engine.fsdp2)
+        memory = _layout_memory(at, units_at(tp), sharding, model=model, units_at=units_at)
         options.append(TpOption(tp, mesh=mesh_text(mesh), memory=memory, note=note))
     return options
 
 
-def _cp_degrees(cfg: RecipeConfig, units: list[list[ParamShape]]) -> list[CpOption]:
+def _cp_degrees(
+    cfg: RecipeConfig, units: list[list[ParamShape]], *, model: nn.Module, units_at
+) -> list[CpOption]:
     """The recipe at CP_DEGREES and its own degree, at its world size and tp, under its sharding
     with fsdp2 (the engine CP needs): the mesh and rank 0's memory, or why not (what
     `fsdprun train` refuses). A degree refused only because of compile is shown with compile
@@ -439,7 +644,7 @@ def _cp_degrees(cfg: RecipeConfig, units: list[list[ParamShape]]) -> list[CpOpti
         if problem is not None:
             options.append(CpOption(cp, missing=problem))
             continue
-        memory = _strategy_memory(at, units, sharding, Engine.fsdp2)
+        memory = _layout_memory(at, units, sharding, model=model, units_at=units_at)
         options.append(CpOption(cp, mesh=mesh_text(Layout.of(at).mesh_dims), memory=memory,
                                 note=note))  # fmt: skip
     return options

@@ -58,7 +58,7 @@ def micro_loss(engine, batch: Batch) -> torch.Tensor:
 
 
 def step_num_targets(
-    batches: StepBatches, *, tokens_per_step: int, device: torch.device, tp: int = 1
+    batches: StepBatches, *, tokens_per_step: int, device: torch.device, tp: int = 1, pp: int = 1
 ) -> int | torch.Tensor:
     """N, the global count of the step's trained targets: what the step's summed token losses
     are divided by, so that the loss is the global token mean whatever the masks.
@@ -68,8 +68,9 @@ def step_num_targets(
     (read on the host, no device sync), all-reduced (SUM) once per step, before the first
     backward. At least 1: a step without any trained target adds zero gradients, not 0/0.
     The `tp` ranks of a tensor-parallel group hold the same batch: the sum over all ranks counts
-    each target tp times. The cp ranks of a context-parallel group each count their own slice of
-    the rows: the sum counts each target once.
+    each target tp times, and the `pp` stages of a pipeline too read the same batch (pp times).
+    The cp ranks of a context-parallel group each count their own slice of the rows: the sum
+    counts each target once.
     """
     if batches.every_target_trains:
         return tokens_per_step
@@ -78,7 +79,7 @@ def step_num_targets(
     # host memory, a synchronizing copy (caught by set_sync_debug_mode on an H200).
     count = torch.full((), batches.num_targets(), dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.SUM)
-    return (count // tp).clamp(min=1)
+    return (count // (tp * pp)).clamp(min=1)
 
 
 def forward_backward(
@@ -103,6 +104,14 @@ def forward_backward(
     # mean / num_micro, the same number (N and the divisors are powers of two in practice).
     scale = world_size / num_targets
     num_micro = len(batches.host)
+    if engine.pipeline is not None:
+        # The pipeline's schedule runs the micro-batches through this rank's stages, each
+        # last-stage loss scaled as below; the loss sum is zero off the last stage.
+        micro = [batches.load(i) for i in range(num_micro)]
+        with engine.loss_context():
+            loss_sum = engine.pipeline.forward_backward(micro, scale=scale, scaler=scaler,
+                                                        poison=poison)  # fmt: skip
+        num_micro = 0
     for micro in range(num_micro):
         # The last micro-step completes the reduction; what earlier ones reduce is the engine's
         # accumulation mode (sharded engines reduce-scatter every micro-step). Tensor parallel:
@@ -132,11 +141,20 @@ def evaluate(
     # Eval mode: no dropout (HuggingFace configs may set it); no_grad keeps activations unsaved.
     engine.model.eval()
     # Tensor parallel: every rank of a TP group adds the same sums, which leaves their ratio.
+    pipeline = engine.pipeline
     with torch.no_grad(), engine.loss_context():
         for index in range(num_batches):
-            for micro in range(layout.grad_accum_steps):
-                indices = layout.indices(index, micro, layout.data_rank(rank))
-                batch = layout.local(load_batch(data, indices, device.torch_device), rank)
+            micro = []
+            for m in range(layout.grad_accum_steps):
+                indices = layout.indices(index, m, layout.data_rank(rank))
+                micro.append(layout.local(load_batch(data, indices, device.torch_device), rank))
+            if pipeline is not None:
+                # The loss is on the last stage's ranks: the others add nothing to either sum.
+                totals[0] += pipeline.evaluate(micro)
+                if pipeline.has_last:
+                    totals[1] += sum(count_targets(batch.targets) for batch in micro)
+                continue
+            for batch in micro:
                 totals[0] += micro_loss(engine, batch)
                 totals[1] += count_targets(batch.targets)
     engine.model.train()
@@ -388,7 +406,7 @@ class TrainLoop:
             batches = self.batches.load_step(step)  # and the next step's start loading
             num_targets = step_num_targets(batches, tokens_per_step=self.tokens_per_step,
                                            device=self.device.torch_device,
-                                           tp=self.layout.tp)  # fmt: skip
+                                           tp=self.layout.tp, pp=self.layout.pp)  # fmt: skip
             loss_sum, grad_norm = forward_backward(
                 t.engine, t.optimizer, t.scaler, batches, num_targets=num_targets,
                 world_size=self.layout.reduce_ranks, grad_clip=self.cfg.train.grad_clip,

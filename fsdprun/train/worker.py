@@ -38,7 +38,14 @@ from fsdprun.checkpoint import (
 )
 from fsdprun.compile_cache import combine_ranks, compile_stats, describe_cache_dir, use_cache_dir
 from fsdprun.config import Dtype, ModelConfig, ModelInit, RecipeConfig, config_to_dict, load_recipe
-from fsdprun.config.layout import Layout, cp_impl, cp_zigzag
+from fsdprun.config.layout import (
+    Layout,
+    bubble_fraction,
+    cp_impl,
+    cp_zigzag,
+    in_flight,
+    stage_blocks,
+)
 from fsdprun.config.model_facts import model_facts
 from fsdprun.data import BatchLayout, Dataset, build_datasets
 from fsdprun.device import (
@@ -58,6 +65,7 @@ from fsdprun.engines.float8 import (
     float8_tp_styles,
 )
 from fsdprun.engines.mesh import build_device_mesh, cp_mesh, tp_mesh
+from fsdprun.engines.pp import prune_model, stage_parts, stage_tp_plan
 from fsdprun.engines.tp import apply_tp, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
 from fsdprun.engines.weights import model_state_bytes
@@ -250,8 +258,17 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         model = build_model(cfg.model)
     # LoRA first: the adapters are then checkpointed, compiled and sharded with their blocks.
     lora_paths = apply_lora(model, cfg=cfg.lora)
-    # Counted before sharding: an FSDP1 model's parameters are then views of the local shard.
+    # Counted before sharding: an FSDP1 model's parameters are then views of the local shard
+    # (and before pipeline parallel keeps this rank's stages only).
     num_trainable = num_trainable_params(model)
+    layout = Layout.of(cfg, ranks.world_size)
+    facts_ = model_facts(cfg.model)
+    stage_plan, local_stages = None, layout.local_stages(ranks.rank)
+    if layout.is_pp:
+        # First of all: every transform below then sees this rank's stages only.
+        counts = stage_blocks(cfg, facts_, model.args.n_layers)
+        stage_plan = prune_model(model, stages=facts_.entry.stages, counts=counts,
+                                 local=local_stages)  # fmt: skip
     # float8 converts Linears before checkpointing, compile and sharding wrap them (torchao).
     check_float8(cfg.precision.float8.value, device.kind)
     f8 = float8_plan(cfg, ranks.world_size)
@@ -260,16 +277,15 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     # parallel's attention, then activation checkpointing (which recomputes the all-to-all
     # with the rest of the block), then per-block compile, then FSDP over the mesh's
     # data-parallel dims (with cp: dp_shard x cp).
-    layout = Layout.of(cfg, ranks.world_size)
     mesh, tp_rows = None, []
-    if layout.is_tp or layout.is_cp:
+    if layout.is_tp or layout.is_cp or layout.is_pp:
         mesh = build_device_mesh(layout, device.kind)
     if layout.is_tp:
-        plan = model_spec(cfg.model).tp_plan(cfg.model)
+        plan = stage_tp_plan(model_spec(cfg.model).tp_plan(cfg.model), model)
         float8 = float8_tp_styles(f8.mode, cp=layout.is_cp, device_kind=device.kind)
         tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan, float8=float8)
     if layout.is_cp:
-        apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, model_facts(cfg.model)))
+        apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, facts_))
         # A float8 cast's scale is the whole rows', as on one rank (engines/float8.py).
         apply_float8_cp(model, meshes=[cp_mesh(mesh), *([tp_mesh(mesh)] if layout.is_tp else [])])
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
@@ -283,9 +299,14 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         from fsdprun.engines.hf_weights import HFWeights
 
         weights = HFWeights(Path(cfg.model.hf_path), model)
+    parts = None
+    if stage_plan is not None:
+        # Each stage of this rank its own FSDP root, after every other transform.
+        parts = stage_parts(model, stages=facts_.entry.stages, plan=stage_plan,
+                            local=local_stages)  # fmt: skip
     engine = build_engine(
         model, cfg, device=device.torch_device, device_kind=device.kind,
-        world_size=ranks.world_size, weights=weights, mesh=mesh, tp_plan=tp_rows,
+        world_size=ranks.world_size, weights=weights, mesh=mesh, tp_plan=tp_rows, parts=parts,
     )  # fmt: skip
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
     scaler = engine.grad_scaler() if cfg.precision.param_dtype is Dtype.fp16 else None
@@ -357,7 +378,7 @@ def _train(
     parallel = Layout.of(cfg, ranks.world_size)
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
                          parallel.dp, parallel.tp, parallel.cp,
-                         zigzag=cp_zigzag(cfg, model_facts(cfg.model)))  # fmt: skip
+                         zigzag=cp_zigzag(cfg, model_facts(cfg.model)), pp=parallel.pp)  # fmt: skip
     data, val_data = build_datasets(
         cfg.data, vocab_size=trainable.engine.inner.args.vocab_size, seq_len=cfg.train.seq_len,
         seed=cfg.train.seed, with_val=cfg.eval.every_steps > 0, saved=tokenized_dir(run_dir),
@@ -436,6 +457,8 @@ def _start_fields(
         "tp": parallel.tp,
         "cp": parallel.cp,
         "cp_impl": cp_impl(cfg, model_facts(cfg.model)) if parallel.is_cp else None,
+        "pp": parallel.pp,
+        "pipeline": _pipeline_fields(cfg, parallel, layout.grad_accum_steps, engine),
         "tp_plan": [list(row) for row in engine.tp_plan],
         "param_dtype": cfg.precision.param_dtype.value,
         "reduce_dtype": cfg.precision.reduce_dtype.value,
@@ -472,6 +495,26 @@ def _start_fields(
         "val_data": val_data.description if val_data is not None else None,
         "trackers": describe_trackers(
             run_dir, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb),
+    }  # fmt: skip
+
+
+def _pipeline_fields(
+    cfg: RecipeConfig, parallel: Layout, micro_batches: int, engine
+) -> dict | None:
+    """The pipeline in the `start` event (None without pp): its schedule, the blocks of each
+    stage, how many micro-batches stage 0 holds in flight, and the schedule's bubble."""
+    if not parallel.is_pp:
+        return None
+    p = cfg.parallel
+    return {
+        "schedule": p.pp_schedule.value,
+        "stages_per_rank": parallel.pp_stages_per_rank,
+        "blocks": stage_blocks(cfg, model_facts(cfg.model), engine.inner.args.n_layers),
+        "micro_batches": micro_batches,
+        "in_flight": in_flight(p.pp_schedule, parallel.pp, micro_batches,
+                               parallel.pp_stages_per_rank),
+        "bubble": bubble_fraction(p.pp_schedule, parallel.pp, micro_batches,
+                                  parallel.pp_stages_per_rank),
     }  # fmt: skip
 
 

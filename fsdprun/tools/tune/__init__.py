@@ -89,6 +89,7 @@ from fsdprun.tools.tune.space import (
     enumerate_candidates,
     measured_peaks,
     needs_context_parallel,
+    needs_pipeline_parallel,
     parse_space,
     prior_order,
     probe_device,
@@ -160,10 +161,11 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
             memory, memory_source, accelerator = _device_memory(args, cfg)
             left_out: dict[str, str] = {}  # knob values the recipe refuses on their own
             cp = needs_context_parallel(cfg, memory, args.margin)
+            pp = needs_pipeline_parallel(cfg, memory, args.margin)
             space, defaults = parse_space(args.space, cfg, accelerator=accelerator,
                                           allow_numerics=args.allow_numerics,
                                           refused=refused_alone(args.recipe, _overrides(args)),
-                                          left_out=left_out, cp=cp)  # fmt: skip
+                                          left_out=left_out, cp=cp, pp=pp)  # fmt: skip
             warmup = max(cfg.output.timing_warmup_steps, 1)
             rtol = LOSS_RTOL[cfg.precision.param_dtype.value]
             setting = _Setting(args, cfg, space, defaults, memory, memory_source, warmup, rtol,

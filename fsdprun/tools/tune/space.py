@@ -10,6 +10,7 @@ Never imports the trials, the search or the report: a space is decided before an
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import TUNE_KNOBS, TUNE_NUMERICS_KNOBS, load_recipe
 from fsdprun.config.layout import Layout
+from fsdprun.config.model_facts import model_facts
 from fsdprun.config.schema import AUTO, auto_keys, to_auto
 from fsdprun.config.validate import tune_space_errors
 from fsdprun.errors import UserError
@@ -42,6 +44,7 @@ MEMORY_KNOBS = {
     "activation_checkpointing.mode": "none",
     "train.loss": "plain",
     "parallel.cp": "1",
+    "parallel.pp": "1",
 }
 # cpu_offload is only tried where nothing else fits, whatever the space says.
 ALWAYS_DOMINATED = ("fsdp.cpu_offload",)
@@ -51,6 +54,7 @@ SHORT = {
     "fsdp.limit_all_gathers": "limit_ag", "fsdp.reshard_after_forward": "reshard",
     "activation_checkpointing.mode": "ac", "compile.enabled": "compile", "train.loss": "loss",
     "fsdp.cpu_offload": "offload", "fsdp.wrap": "wrap", "parallel.cp": "cp",
+    "parallel.pp": "pp", "parallel.pp_schedule": "pp_schedule",
 }  # fmt: skip
 
 DEFAULT_MARGIN = 0.10  # planned peak x (1 + margin) must fit the device memory
@@ -137,6 +141,26 @@ def needs_context_parallel(cfg: RecipeConfig, memory: int, margin: float) -> boo
     return not Layout.of(cfg).is_cp and _planned(cfg)[0] * (1 + margin) > memory
 
 
+def pp_choices(cfg: RecipeConfig) -> list[str]:
+    """Pipeline degrees to search: each that divides the data-parallel ranks of the recipe's
+    layout at pp 1 and, across nodes, the node count (stages cut along nodes, TP and CP inside
+    them), leaving each stage a block; the recipe's own included. At most 8."""
+    layout = _fitting(cfg).at(pp=1)
+    facts = model_facts(cfg.model)
+    layers = (facts.n_layers if facts is not None else None) or cfg.model.n_layers
+    nodes = cfg.launch.nnodes
+    fits = [d for d in range(1, min(8, layout.dp, layers) + 1)
+            if layout.dp % d == 0 and (nodes == 1 or nodes % d == 0)]  # fmt: skip
+    return [str(d) for d in sorted({*fits, max(Layout.of(cfg).pp, 1)})]
+
+
+def needs_pipeline_parallel(cfg: RecipeConfig, memory: int, margin: float) -> bool:
+    """Whether tune's default space searches parallel.pp (and its schedule): the recipe has no
+    pipeline and its plan does not fit `memory` (with `margin`); each stage holds its layers'
+    state only."""
+    return not Layout.of(cfg).is_pp and _planned(cfg)[0] * (1 + margin) > memory
+
+
 # Whether the recipe's checks refuse KEY=VALUE whatever the space's other knobs (KEYS) are: its
 # refusal, else None (see `refused_alone`).
 Refusal = Callable[[str, str, set[str]], str | None]
@@ -144,9 +168,14 @@ Refusal = Callable[[str, str, set[str]], str | None]
 
 def default_space(
     cfg: RecipeConfig, *, accelerator: bool, refused: Refusal | None = None,
-    left_out: dict[str, str] | None = None, cp: bool = False,
+    left_out: dict[str, str] | None = None, cp: bool = False, pp: bool = False,
 ) -> list[SpaceKnob]:  # fmt: skip
     """What an engineer tuning FSDP by hand tries first, from the recipe's own values.
+
+    `pp`: also pipeline degrees (`pp_choices`) and the schedules 1f1b and gpipe (gpipe where
+    the micro-batches are fewer than pp), for a recipe whose plan does not fit without
+    (`needs_pipeline_parallel`); a degree is tried only where the same candidate at pp 1 does
+    not fit.
 
     `cp`: also context parallel's degrees (`cp_choices`), for a recipe whose plan does not fit
     without (`needs_context_parallel`); like the other memory knobs, a degree is tried only
@@ -184,6 +213,8 @@ def default_space(
         space.append(("precision.float8_all_gather", ["auto", "true", "false"]))
     if cp and len(degrees := cp_choices(cfg)) > 1:
         space.append(("parallel.cp", degrees))
+    if pp and len(degrees := pp_choices(cfg)) > 1:
+        space += [("parallel.pp", degrees), ("parallel.pp_schedule", ["1f1b", "gpipe"])]
     if cfg.fsdp.engine.value == "ddp":
         space = [(k, v) for k, v in space if not k.startswith("fsdp.")]
     keys = {key for key, _ in space}
@@ -237,6 +268,7 @@ def canonical(value: Any, key: str | None = None) -> str:
 def parse_space(
     items: list[str], cfg: RecipeConfig, *, accelerator: bool, allow_numerics: bool,
     refused: Refusal | None = None, left_out: dict[str, str] | None = None, cp: bool = False,
+    pp: bool = False,
 ) -> tuple[list[SpaceKnob], bool]:  # fmt: skip
     """The space from the recipe's `tune:` section and the --space items; and whether it is the
     default one (then memory knobs are dominated: tried only where the same candidate without
@@ -244,7 +276,7 @@ def parse_space(
 
     The command line wins: --space items without `defaults` are the whole space; with
     `defaults` they change only their knobs of the recipe's space, which is the default space
-    (tune.defaults) with tune.space's knobs set. `refused`, `left_out` and `cp`: see
+    (tune.defaults) with tune.space's knobs set. `refused`, `left_out`, `cp` and `pp`: see
     default_space.
 
     Raises:
@@ -256,7 +288,7 @@ def parse_space(
     knobs: dict[str, SpaceKnob] = {}
     if defaults:
         space = default_space(cfg, accelerator=accelerator, refused=refused, left_out=left_out,
-                              cp=cp)  # fmt: skip
+                              cp=cp, pp=pp)  # fmt: skip
         knobs = {k.key: k for k in space}
     given: list[tuple[str, str, list[str]]] = []
     if not replace:
@@ -388,11 +420,14 @@ def _planned(cfg: RecipeConfig) -> tuple[int, int, list[str]]:
     from fsdprun.tools.plan import plan_memory
 
     plan = plan_memory(cfg)
-    s = plan.strategies[plan.recipe_strategy]
-    state = s.params + s.grads + s.optimizer + s.accumulation
+    s = dataclasses.asdict(plan.strategies[plan.recipe_strategy])
+    if plan.pipeline is not None:  # the largest pipeline rank's (the strategies are rank 0's)
+        s = max((r["memory"] for r in plan.pipeline["ranks"]), key=lambda m: m["total"])
+    sharded = s["params"] + s["grads"] + s["optimizer"]
+    state = sharded + s["accumulation"]
     # CPU offload keeps the shards, gradients and optimizer state in host memory: the plan counts
     # them on the device, the device holds only the gathered buffers and activations.
-    peak = s.total - (s.params + s.grads + s.optimizer) if cfg.fsdp.cpu_offload else s.total
+    peak = s["total"] - sharded if cfg.fsdp.cpu_offload else s["total"]
     inert = [k.key for k in translate(cfg) if k.applied.startswith("no effect")]
     return peak, state, inert
 
