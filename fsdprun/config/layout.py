@@ -8,9 +8,12 @@ sequence), `tp` (tensor parallel, innermost: consecutive ranks, so a TP group si
 on the fastest links). FSDP2 shards parameters over `dp_shard x cp` (torchtitan's choice): the
 cp ranks read the same samples but hold different tokens, so their gradients are partial sums
 that the reduce-scatter adds up, and they need not keep duplicate copies of the state. Expert
-parallel (`ep`) has no dim of its own: its groups are carved out of `dp_shard x cp`, as
-torchtitan's are. `pp` and `ep` are degree 1 until their dimensions land (no recipe key sets them
-yet).
+parallel (`ep`) has no dim of its own in the data: its groups are carved out of the
+data-parallel ranks, as torchtitan's are, by splitting `dp_shard` into `dp_shard_mod_ep x ep`
+(ep innermost of the two, so an ep group is consecutive ranks): the dense parameters are sharded
+over both (the `dp_shard` FSDP always had), each expert's weights over `dp_shard_mod_ep` only,
+and the experts themselves over `ep`. Every rank still reads its own rows. `pp` is degree 1
+until its dimension lands (no recipe key sets it yet).
 Without TP and CP the mesh is what it always was: 1-D for full/grad_op, `replicate x shard`
 otherwise (the names checkpoints of earlier versions recorded).
 
@@ -85,6 +88,7 @@ class Layout:
             nproc_per_node=cfg.launch.nproc_per_node,
             tp=cfg.parallel.tp,
             cp=cfg.parallel.cp,
+            ep=cfg.parallel.ep,
             engine=cfg.fsdp.engine,
             sharding=effective_sharding(cfg.fsdp),
             shard_group_size=cfg.fsdp.shard_group_size,
@@ -122,6 +126,18 @@ class Layout:
         return self.cp > 1
 
     @property
+    def is_ep(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks FSDP shards each expert's weights over: the shard group over ep
+        (`dp_shard_mod_ep`; with ep 1, the shard group times cp, as every parameter)."""
+        if self.ep <= 1:
+            return self.fsdp_shards
+        return max(self.shard_group // self.ep, 1)
+
+    @property
     def shard_group(self) -> int:
         """Data-parallel ranks that share one copy of the model state under the effective
         sharding (with TP each of them holds 1/tp of that copy's tensors besides)."""
@@ -154,17 +170,19 @@ class Layout:
 
         parallel.tp or parallel.cp > 1: `dp_shard [x cp] [x tp]` for full/grad_op,
         `dp_replicate x dp_shard [x cp] [x tp]` for the hybrid modes and none (a dim of size 1
-        of cp or tp is left out). Without either: `dp` alone for full/grad_op (a 1-D mesh,
-        unnamed in torch), `replicate x shard` otherwise (the names checkpoints of earlier
-        versions recorded).
+        of cp or tp is left out); parallel.ep > 1 splits dp_shard into `dp_shard_mod_ep x ep`.
+        Without any: `dp` alone for full/grad_op (a 1-D mesh, unnamed in torch), `replicate x
+        shard` otherwise (the names checkpoints of earlier versions recorded).
         """
         replicate, group = self.dp_replicate, self.shard_group
-        if self.tp == 1 and self.cp == 1:
+        if self.tp == 1 and self.cp == 1 and self.ep <= 1:
             if self.one_d:
                 return [("dp", self.world_size)]
             return [("replicate", replicate), ("shard", group)]
-        dims = [("dp_shard", self.dp)] if self.one_d else [("dp_replicate", replicate),
-                                                           ("dp_shard", group)]  # fmt: skip
+        # parallel.ep: dp_shard split into dp_shard_mod_ep x ep (the module docstring).
+        shard = ([("dp_shard_mod_ep", max(group // self.ep, 1)), ("ep", self.ep)]
+                 if self.ep > 1 else [("dp_shard", group)])  # fmt: skip
+        dims = shard if self.one_d else [("dp_replicate", replicate), *shard]
         return [*dims, *([("cp", self.cp)] if self.is_cp else []),
                 *([("tp", self.tp)] if self.is_tp else [])]  # fmt: skip
 
@@ -173,17 +191,20 @@ class Layout:
         return mesh_text(self.mesh_dims)
 
     def refit(self, dim: str) -> int | None:
-        """The largest divisor of this layout's `dim` degree ("tp", then "cp") that its world
-        holds, where the degree itself does not (None: it fits). For `fsdprun resume` on
-        another world: a divisor of a saved degree divides what the saved one divided (heads,
-        ffn, vocab, train.seq_len). tp must divide a node's ranks (unless tp_across_nodes);
-        cp x tp must divide the world."""
+        """The largest divisor of this layout's `dim` degree ("tp", then "cp", then "ep") that
+        its world holds, where the degree itself does not (None: it fits). For `fsdprun
+        resume` on another world: a divisor of a saved degree divides what the saved one
+        divided (heads, ffn, vocab, train.seq_len, the experts). tp must divide a node's ranks
+        (unless tp_across_nodes); cp x tp must divide the world; ep the shard group of
+        data-parallel ranks."""
 
         def fits(n: int) -> bool:
             if dim == "tp":
                 per_node = self.nproc_per_node
                 within = per_node % n == 0 if n <= per_node else self.tp_across_nodes
                 return self.world_size % n == 0 and within
+            if dim == "ep":
+                return self.fits_world and self.shard_group % n == 0
             return self.world_size % (n * max(self.tp, 1)) == 0
 
         degree = getattr(self, dim)
@@ -192,7 +213,7 @@ class Layout:
         return max(n for n in range(1, degree) if degree % n == 0 and fits(n))
 
     def at(self, **degrees: int) -> Layout:
-        """This layout with other degrees (tp=, cp=), for plan's and tune's side-by-side
+        """This layout with other degrees (tp=, cp=, ep=), for plan's and tune's side-by-side
         columns and resume's re-fit."""
         return dataclasses.replace(self, **degrees)
 
@@ -238,9 +259,9 @@ def layout_errors(
     cfg: RecipeConfig, facts: ModelFacts | None, *, world_size: int | None = None
 ) -> list[str]:
     """What the recipe's layout refuses at `world_size` (default: its launch.* world), one
-    message per problem: the shard groups, tensor parallel, context parallel, and the
-    dimensions not built yet. `facts`: the model's (None: an unreadable model.hf_path, which
-    is refused on its own)."""
+    message per problem: the shard groups, tensor parallel, context parallel, expert parallel,
+    and the dimensions not built yet. `facts`: the model's (None: an unreadable model.hf_path,
+    which is refused on its own)."""
     layout = Layout.of(cfg, world_size)
     ws = layout.world_size
     # The shard groups are counted in the data-parallel ranks of the degrees that fit (a
@@ -248,7 +269,8 @@ def layout_errors(
     tp = layout.tp if layout.tp >= 1 and ws % layout.tp == 0 else 1
     cp = layout.cp if layout.cp >= 1 and ws % (layout.cp * tp) == 0 else 1
     errors = _sharding_errors(cfg.fsdp, layout.at(tp=tp, cp=cp))
-    return errors + _tp_errors(cfg, layout, facts) + _cp_errors(cfg, layout, facts)
+    errors += _tp_errors(cfg, layout, facts) + _cp_errors(cfg, layout, facts)
+    return errors + _ep_errors(cfg, layout.at(tp=tp, cp=cp), facts)
 
 
 def _tp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> list[str]:
@@ -475,4 +497,91 @@ def _sharding_errors(fsdp: FsdpConfig, layout: Layout) -> list[str]:
         )
     if fsdp.engine is Engine.ddp and fsdp.cpu_offload:
         errors.append("fsdp.cpu_offload needs a sharding engine; use fsdp.engine=fsdp1 or fsdp2")
+    return errors
+
+
+def _ep_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> list[str]:
+    """What parallel.ep refuses, one message per problem: a model without experts (or whose
+    family does not say where they live: `Family.experts`), an ep that does not divide the
+    experts or the shard group of data-parallel ranks its groups are carved from, and each
+    combination fsdprun has not made exact under it (`layout` has the tp and cp degrees that
+    fit the world, the others refused once already)."""
+    ep = layout.ep
+    if ep < 1:
+        return [f"parallel.ep must be >= 1 (got {ep})"]
+    if ep == 1:
+        return []
+    errors = []
+    experts = facts.num_experts if facts is not None else None
+    key = "config.json's num_experts" if facts is not None and facts.hf else "model.moe_experts"
+    if facts is not None and experts is None:
+        model = (f"model.hf_path's model_type {facts.model_type!r}" if facts.hf
+                 else "the built-in Llama with model.moe_experts=0")  # fmt: skip
+        errors.append(
+            f"parallel.ep={ep} with a dense model ({model}: no experts to shard); expert "
+            "parallel shards a mixture of experts' experts; set parallel.ep=1"
+        )
+    elif facts is not None and facts.entry.experts is None:
+        errors.append(
+            f"parallel.ep={ep} with model.hf_path's model_type {facts.model_type!r}: its family "
+            "does not declare where its experts live (experts in fsdprun/families.py), so the "
+            "dispatch cannot take them over; set parallel.ep=1"
+        )
+    elif experts is not None and experts % ep:
+        errors.append(
+            f"parallel.ep ({ep}) does not divide the model's experts ({experts}, {key}): each "
+            f"ep rank holds experts / ep of them; choose an ep that divides {experts}"
+        )
+    group = layout.shard_group
+    if layout.fits_world and group % ep:
+        what = "the data-parallel ranks" if layout.row_group == 1 else (
+            "the data-parallel ranks (world size / (parallel.tp x parallel.cp))")  # fmt: skip
+        if layout.sharding in _HYBRID or layout.sharding is Sharding.none:
+            what = "the shard group (fsdp.shard_group_size, or one node's ranks)"
+        errors.append(
+            f"parallel.ep ({ep}) must divide {what} ({group}): the ep groups are carved out of "
+            f"the ranks that shard the model; run on a multiple of {ep} ranks or choose an ep "
+            f"that divides {group}"
+        )
+    refused = (
+        (
+            cfg.fsdp.engine is not Engine.fsdp2,
+            f"fsdp.engine={cfg.fsdp.engine.value}: the experts are DTensors sharded over the ep "
+            "mesh, which only FSDP2 shards further; use fsdp.engine=fsdp2",
+        ),
+        (
+            layout.sharding not in (Sharding.full, Sharding.grad_op),
+            f"fsdp.sharding={layout.sharding.value}: fsdprun builds the expert mesh "
+            "(dp_shard_mod_ep x ep) from one dp_shard dim; the replicated dims of hybrid "
+            "sharding are not split yet; use fsdp.sharding=full or grad_op",
+        ),
+        (
+            layout.tp > 1,
+            f"parallel.tp={layout.tp}: the tp ranks of a group hold the same tokens, and "
+            "fsdprun dispatches every rank's tokens to the experts; the expert mesh is not "
+            "composed with tp yet; set parallel.tp=1",
+        ),
+        (
+            layout.cp > 1,
+            f"parallel.cp={layout.cp}: the ep groups would be carved out of dp_shard x cp, "
+            "which fsdprun's mesh does not split yet; set parallel.cp=1",
+        ),
+        (
+            cfg.lora.rank > 0,
+            f"lora.rank={cfg.lora.rank}: LoRA's frozen base is not built over the expert mesh; "
+            "set lora.rank=0",
+        ),
+        (
+            cfg.precision.float8.value != "off",
+            f"precision.float8={cfg.precision.float8.value}: torchao converts Linear layers, "
+            "not the experts' stacked weights, and its float8 all-gather of DTensors sharded "
+            "over two meshes is not built; set precision.float8=off",
+        ),
+        (
+            cfg.fsdp.cpu_offload,
+            "fsdp.cpu_offload=true: FSDP2's offload of the experts' 2-D (dp_shard_mod_ep x "
+            "ep) parameters is not built; set fsdp.cpu_offload=false",
+        ),
+    )  # fmt: skip
+    errors += [f"parallel.ep={ep} with {why}" for refuse, why in refused if refuse]
     return errors

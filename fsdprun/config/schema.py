@@ -183,6 +183,33 @@ class ModelConfig:
         "`auto_map`), as transformers' trust_remote_code does. Off: such a folder is refused "
         "before launch, naming its model type (a rank never asks on its terminal).",
     )
+    moe_experts: int = _f(
+        0,
+        "The built-in Llama as a mixture of experts: each block's SwiGLU feed-forward becomes "
+        "this many experts, stacked into [experts, rows, columns] parameters, and a linear "
+        "router sends each token to model.moe_active of them (softmax, top-k: transformers' "
+        "Qwen3-MoE routing; dropless, no capacity factor). The model.moe_* keys are its "
+        "section; parallel.ep shards the experts. 0 = dense. Ignored with model.hf_path (its "
+        "config.json says).",
+    )
+    moe_active: int = _f(2, "Experts each token passes through (top-k), <= model.moe_experts.")
+    moe_ffn_dim: int | None = _f(None, "Hidden size of each expert's SwiGLU; null = model.ffn_dim.")
+    moe_shared_ffn_dim: int = _f(
+        0,
+        "A shared expert: a dense SwiGLU of this hidden size that every token passes through, "
+        "added to the routed experts' output (DeepSeek's); 0 = none.",
+    )
+    moe_norm_topk_prob: bool = _f(
+        True,
+        "Renormalize each token's top-k router probabilities to sum to 1 (transformers' "
+        "norm_topk_prob; Mixtral always does).",
+    )
+    moe_aux_loss_coef: float = _f(
+        0.0,
+        "The router's load-balancing loss (transformers' load_balancing_loss_func over each "
+        "micro-batch's tokens, padding excluded) times this coefficient, added to the loss; "
+        "0 = off.",
+    )
 
 
 @dataclass
@@ -331,6 +358,19 @@ class ParallelConfig:
         "rank attends its own queries to each slice, exact block by block; any head count, no "
         "fused kernel; without tensor parallel), `auto` (alltoall when the heads divide, else "
         "ring).",
+    )
+    ep: int = _f(
+        1,
+        "Expert-parallel degree: shard each mixture-of-experts layer's experts over this many "
+        "ranks (experts / ep on each), taken from the data-parallel ranks (torchtitan's "
+        "layout: the mesh is [dp_shard_mod_ep, ep]); each token is sent to its experts' ranks "
+        "by an all-to-all and back, dropless. FSDP2 shards the attention and dense layers over "
+        "all data-parallel ranks as before, each expert's weights over the dp_shard_mod_ep "
+        "ranks, so expert state per rank is still experts x expert size / data-parallel ranks "
+        "but a rank gathers only its own experts. Must divide the experts and the "
+        "data-parallel ranks; needs fsdp.engine=fsdp2 and full or grad_op sharding, a model "
+        "with experts (model.moe_experts, or an HF folder whose family declares them), and "
+        "no tp, cp, LoRA, float8 or cpu offload yet. 1 = off. See docs/expert-parallel.md.",
     )
 
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import Dtype, FsdpConfig, RecipeConfig, Sharding
 from fsdprun.config import Engine as EngineKind
@@ -114,6 +114,9 @@ class ParamShape:
     # Elements of its unsharded gradient where that is not `shape`'s: under tensor parallel the
     # embedding's (torch's backward of a vocab-sharded embedding gives a replicated gradient).
     unsharded_grad_numel: int | None = None
+    # Ranks FSDP shards it over where that is not its unit's: under expert parallel an expert
+    # tensor (`shape`: the ep rank's local experts) over dp_shard_mod_ep.
+    shards: int | None = None
 
     @property
     def numel(self) -> int:
@@ -218,6 +221,9 @@ class Engine:
     loss_parallel: bool = False
     # parallel.tp > 1: (module path, TP style) of every module the family's plan split.
     tp_plan: list[tuple[str, str]] = field(default_factory=list)
+    # A mixture of experts: the tokens each expert receives (`fsdprun.engines.ep.ExpertLoad`),
+    # counted after each training forward.
+    expert_load: Any = None
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """The SUM of the token losses of one micro-batch over its trained targets (not -100):
@@ -235,12 +241,14 @@ class Engine:
 
             # A replicated DTensor (the same sum on every rank of the TP group) as a tensor.
             logits = self.model(batch.inputs, **model_kwargs)
+            self._count_experts()
             return local_loss(self.loss(logits, targets, reduction="sum"))
         if self.chunked_loss is None:
             loss = self.loss(self.model(batch.inputs, **model_kwargs), targets, reduction="sum")
         else:
             head = functools.partial(self.chunked_loss, targets=targets, reduction="sum")
             loss = self.model(batch.inputs, head=head, **model_kwargs)
+        self._count_experts()
         aux = getattr(self.inner, "router_aux_loss", None)  # set by the forward just run
         if aux is None:
             return loss
@@ -251,6 +259,11 @@ class Engine:
         from fsdprun.loss import num_targets
 
         return loss + aux * num_targets(targets)
+
+    def _count_experts(self) -> None:
+        # Training forwards only (evaluation's are not the load the steps put on the experts).
+        if self.expert_load is not None and self.model.training:
+            self.expert_load.add()
 
     def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
         """Around forward and backward of one micro-batch; `sync` on the last one of a step.

@@ -94,9 +94,11 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
     f, p = cfg.fsdp, cfg.precision
     sharding, group, ws = layout.sharding, layout.shard_group, layout.world_size
     dims = layout.mesh_dims
-    if layout.is_tp or layout.is_cp:
+    if layout.is_tp or layout.is_cp or layout.is_ep:
         dp = [f"{n} {name}" for name, n in dims if name != "tp"]
         flat = " (dp_shard x cp flattened into one)" if layout.is_cp else ""
+        if layout.is_ep:
+            flat = " (flattened into one dp_shard; each expert over dp_shard_mod_ep only)"
         mesh = f"fully_shard over the {' x '.join(dp)} dims of the mesh{flat}"
     elif sharding in _TWO_D:
         mesh = f"2-D mesh ({layout.dp_replicate} replicate x {group} shard)"
@@ -133,6 +135,16 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
             "merged by log-sum-exp (ring attention; every head stays on every rank); cp rank j "
             f"holds zig-zag chunks j and {2 * cp - 1}-j of {2 * cp}, the same causal work on "
             "every rank",
+        )
+    if layout.is_ep:
+        ep = layout.ep
+        add(
+            "parallel.ep",
+            ep,
+            f"device mesh {layout.describe()}: each MoE layer's experts sharded over {ep} ranks "
+            f"(experts / {ep} each, Shard(0) DTensors) and each expert over the "
+            f"{layout.expert_shards} dp_shard_mod_ep ranks; tokens go to their experts' ranks "
+            "and back by all-to-all (dropless)",
         )
     add(
         "fsdp.sharding",
@@ -203,6 +215,10 @@ def unit_plan(paths: list[str], fsdp: FsdpConfig) -> list[UnitPlan]:
     return rows
 
 
+def _within(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
 def _rank0_elems(shape: tuple[int, ...], shards: int) -> int:
     # Shard(0) pads dim 0 to a multiple of `shards`: rank 0 gets ceil(dim0 / shards) rows.
     if not shape:
@@ -221,14 +237,15 @@ def _gathered_elems(shape: tuple[int, ...], shards: int) -> int:
 def dim0_shards(
     units: list[list[ParamShape]], shards: int
 ) -> tuple[list[int], list[int], int, int]:
-    """Every parameter sharded on dim 0 on its own (ddp: shards=1). Returns, per unit, the
-    elements of rank 0's shard and of the gathered copy; AdamW's bytes; the trained elements of
-    rank 0's shard (frozen parameters, the base under LoRA, have no gradient and no state)."""
+    """Every parameter sharded on dim 0 on its own (ddp: shards=1), over `shards` ranks or its
+    own (`ParamShape.shards`: an ep rank's experts). Returns, per unit, the elements of rank
+    0's shard and of the gathered copy; AdamW's bytes; the trained elements of rank 0's shard
+    (frozen parameters, the base under LoRA, have no gradient and no state)."""
     trained = [p for own in units for p in own if p.trainable]
-    trainable = sum(_rank0_elems(p.shape, shards) for p in trained)
+    trainable = sum(_rank0_elems(p.shape, p.shards or shards) for p in trained)
     return (
-        [sum(_rank0_elems(p.shape, shards) for p in own) for own in units],
-        [sum(_gathered_elems(p.shape, shards) for p in own) for own in units],
+        [sum(_rank0_elems(p.shape, p.shards or shards) for p in own) for own in units],
+        [sum(_gathered_elems(p.shape, p.shards or shards) for p in own) for own in units],
         ADAM_STATE_BYTES * trainable + ADAM_STEP_BYTES * len(trained),
         trainable,
     )
@@ -309,11 +326,18 @@ def apply_fsdp(
     param_dtype: Dtype,
     reduce_dtype: Dtype,
     pin_memory: bool,
+    experts: list[str] | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> list[FsdpUnit]:
     """Shard `model` with `fully_shard` per `unit_plan`, then set explicit prefetch.
 
+    Under expert parallel, each of the `experts` modules (already sharded over the ep mesh,
+    `fsdprun.engines.ep.apply_ep`) is a unit of its own over `expert_mesh`, made just before the
+    unit that holds it (resharding as that one does); the wrap policy's units never include
+    one.
+
     Returns:
-        The units in forward order, the root last.
+        The units in forward order (an experts unit before its block), the root last.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -328,7 +352,9 @@ def apply_fsdp(
     if cfg.cpu_offload:
         # pin_memory needs an accelerator; on a CPU-only host it must be off.
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
-    rows = unit_plan(plan_units(model, cfg=cfg), cfg)
+    experts = list(experts or [])
+    paths = [p for p in plan_units(model, cfg=cfg) if not any(_within(p, e) for e in experts)]
+    rows = unit_plan(paths, cfg)
     modules = dict(model.named_modules())
     units: list[FsdpUnit] = []
     # Parameters an earlier unit took (not "already a DTensor": tensor parallel makes every
@@ -341,15 +367,26 @@ def apply_fsdp(
         taken.update(id(p) for p in mine)
         return sum(p.numel() for p in mine)
 
+    def shard_experts(inside: str, reshard: bool) -> None:
+        for path in [e for e in experts if _within(e, inside)]:
+            module = modules[path]
+            before = own(module)
+            fully_shard(module, reshard_after_forward=reshard, **{**common, "mesh": expert_mesh})
+            taken.update(id(p) for p in module.parameters())
+            units.append(FsdpUnit(path, before, reshard))
+            experts.remove(path)
+
     for row in rows[:-1]:
         module = modules[row.path]
+        shard_experts(row.path, row.reshard_after_forward)
         before = own(module)
         fully_shard(module, reshard_after_forward=row.reshard_after_forward, **common)
         taken.update(id(p) for p in module.parameters())
         units.append(FsdpUnit(row.path, before, row.reshard_after_forward))
-    root_params = own(model)
     # FSDP2 keeps the root gathered after forward whatever its flag (backward needs it first).
     reshard_root = reshards_after_forward(effective_sharding(cfg))
+    shard_experts("", reshard_root)  # outside every unit (fsdp.wrap=none)
+    root_params = own(model)
     fully_shard(model, reshard_after_forward=reshard_root, **common)
     units.append(FsdpUnit("", root_params, False))
 
@@ -377,23 +414,26 @@ def build(
     mesh: DeviceMesh | None = None,
 ) -> Engine:
     """Shard the meta `model`, then fill each rank's shards: pretrained `weights` read shard-wise,
-    or the seeded initial values. `mesh`: the tensor-parallel mesh the model was split over
-    (`fsdprun.engines.tp`); fully_shard shards over its data-parallel dims."""
+    or the seeded initial values. `mesh`: the mesh tensor, context or expert parallel split the
+    model over (`fsdprun.engines.tp`, `cp`, `ep`); fully_shard shards over its data-parallel
+    dims, and each expert under ep over dp_shard_mod_ep."""
     import torch
 
     from fsdprun.engines.adapters import init_adapters
-    from fsdprun.engines.mesh import build_device_mesh, dp_mesh
+    from fsdprun.engines.ep import experts_paths
+    from fsdprun.engines.mesh import build_device_mesh, dp_mesh, expert_mesh
     from fsdprun.engines.weights import init_weights
 
-    fsdp_mesh = (
-        dp_mesh(mesh)
-        if mesh is not None
-        else build_device_mesh(Layout.of(cfg, world_size), device_kind)
-    )
+    layout = Layout.of(cfg, world_size)
+    fsdp_mesh = dp_mesh(mesh) if mesh is not None else build_device_mesh(layout, device_kind)
+    experts = {}
+    if layout.is_ep:  # the experts `apply_ep` sharded over the mesh's ep dim
+        experts = {"experts": experts_paths(model, model_facts(cfg.model).entry.experts),
+                   "expert_mesh": expert_mesh(mesh)}  # fmt: skip
     units = apply_fsdp(
         model, mesh=fsdp_mesh, cfg=cfg.fsdp,
         param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,
-        pin_memory=device_kind != "cpu",
+        pin_memory=device_kind != "cpu", **experts,
     )  # fmt: skip
     # Offloaded parameters live on the CPU from the start: FSDP2 refuses to offload parameters
     # materialized elsewhere ("should be materialized on CPU", seen on an H200); the buffers
@@ -429,6 +469,20 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
 
     # Frozen parameters (the base under LoRA) have no gradient and take no part.
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    # Expert parallel's experts are DTensors on another mesh (dp_shard_mod_ep x ep) than the
+    # rest, and DTensor ops take one mesh: each mesh's norm, then theirs.
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    if len(by_mesh) > 1:
+        norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+                 for group in by_mesh.values()]  # fmt: skip
+        whole = torch.linalg.vector_norm(
+            torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
+        )
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, whole, foreach=True)
+        return whole
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
     whole = norm.full_tensor() if isinstance(norm, DTensor) else norm
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, whole, foreach=True)

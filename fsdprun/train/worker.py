@@ -49,8 +49,9 @@ from fsdprun.device import (
 )
 from fsdprun.engines import build_engine
 from fsdprun.engines.cp import apply_cp
+from fsdprun.engines.ep import ExpertLoad, apply_ep, experts_paths
 from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, float8_plan
-from fsdprun.engines.mesh import build_device_mesh, cp_mesh, tp_mesh
+from fsdprun.engines.mesh import build_device_mesh, cp_mesh, ep_mesh, tp_mesh
 from fsdprun.engines.tp import apply_tp, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
 from fsdprun.engines.weights import model_state_bytes
@@ -254,14 +255,20 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     # with the rest of the block), then per-block compile, then FSDP over the mesh's
     # data-parallel dims (with cp: dp_shard x cp).
     layout = Layout.of(cfg, ranks.world_size)
+    facts = model_facts(cfg.model)
     mesh, tp_rows = None, []
-    if layout.is_tp or layout.is_cp:
+    if layout.is_tp or layout.is_cp or layout.is_ep:
         mesh = build_device_mesh(layout, device.kind)
     if layout.is_tp:
         plan = model_spec(cfg.model).tp_plan(cfg.model)
         tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan)
     if layout.is_cp:
-        apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, model_facts(cfg.model)))
+        apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, facts))
+    # Expert parallel: the experts sharded over the ep dim, their forward the all-to-all.
+    # Found before FSDP wraps the blocks (an HF model names its blocks by their class).
+    experts = experts_paths(model, facts.entry.experts if facts is not None else None)
+    if layout.is_ep:
+        apply_ep(model, mesh=ep_mesh(mesh), paths=experts)
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
@@ -277,6 +284,12 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         model, cfg, device=device.torch_device, device_kind=device.kind,
         world_size=ranks.world_size, weights=weights, mesh=mesh, tp_plan=tp_rows,
     )  # fmt: skip
+    if facts is not None and facts.num_experts and experts:
+        # The load-balance figures: the tokens each expert receives, logged every log_every.
+        engine.expert_load = ExpertLoad(
+            model, experts, num_experts=facts.num_experts, device=device.torch_device,
+            ep_group=ep_mesh(mesh).get_group() if layout.is_ep else None,
+        )  # fmt: skip
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
     scaler = engine.grad_scaler() if cfg.precision.param_dtype is Dtype.fp16 else None
     optimizer = build_optimizer(
@@ -389,6 +402,9 @@ def _train(
         cfg, run_dir, ranks, device, result, flops_per_token=counts[1], ranks_info=ranks_info,
         start_step=start_step, checkpointer=checkpointer, wall_start=wall_start,
     )  # fmt: skip
+    load = trainable.engine.expert_load
+    if load is not None and (experts := load.run_summary()) is not None:
+        summary["experts"] = experts  # the tokens each expert received over the logged steps
     if cfg.profile.enabled:  # every rank wrote its trace before the all_gather above
         events.emit("profile", **profile_record(cfg.profile, run_dir=run_dir,
                                                 world_size=ranks.world_size,
@@ -425,6 +441,7 @@ def _start_fields(
         "mesh": [list(dim) for dim in parallel.mesh_dims],
         "tp": parallel.tp,
         "cp": parallel.cp,
+        "ep": parallel.ep,
         "cp_impl": cp_impl(cfg, model_facts(cfg.model)) if parallel.is_cp else None,
         "tp_plan": [list(row) for row in engine.tp_plan],
         "param_dtype": cfg.precision.param_dtype.value,
