@@ -111,6 +111,7 @@ def apply_ep(model: nn.Module, *, mesh: DeviceMesh, paths: list[str]) -> None:
     """Shard the stacked parameters of the experts modules at `paths` (`experts_paths`) on the
     experts dim over `mesh` (the ep dim: `Shard(0)` DTensors, on the meta device before FSDP)
     and give each the all-to-all dispatch as its forward."""
+    import torch
     from torch import nn
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -120,8 +121,11 @@ def apply_ep(model: nn.Module, *, mesh: DeviceMesh, paths: list[str]) -> None:
             param = getattr(module, name)
             sharded = distribute_tensor(param, mesh, [Shard(0)])
             module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
-        # The instance's forward: the class's (transformers', decorated) is left alone.
-        module.forward = functools.partial(dispatch, module, mesh.get_group())
+        # The instance's forward: the class's (transformers', decorated) is left alone. Not
+        # compiled: its shapes depend on the routing (a compiled block breaks its graph here
+        # once instead of at each host read and collective).
+        module.forward = torch.compiler.disable(functools.partial(dispatch, module,
+                                                                  mesh.get_group()))  # fmt: skip
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):

@@ -57,6 +57,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.act_fn = F.silu
 
+    # Not compiled: the experts' shapes depend on the routing (a compiled block breaks its graph
+    # here once instead of at the host read of the counts and each expert's shapes).
+    @torch.compiler.disable
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:

@@ -1,0 +1,335 @@
+"""Expert parallelism (`parallel.ep`, docs/expert-parallel.md): the refusals before launch and the
+mesh rules; the built-in mixture of experts against transformers' own; and, in real gloo ranks,
+the promise that ep trains exactly as one rank does.
+
+ep 2 on 2 ranks and ep 2 x dp 2 on 4 ranks (each with gradient accumulation) give one rank's
+losses (the router's auxiliary loss in them) and gradient norms within 1e-5, on the built-in
+`debug-moe` and on a tiny Qwen3-MoE folder with and without `norm_topk_prob`; so do packed chat
+rows under activation checkpointing, and compiled blocks. The runs share the session's 4-, 2-
+and 1-rank gloo groups (tests/conftest.py); the resumes across ep degrees are `fsdprun resume`
+commands on copies of those runs (the command's own checks are what is tested). The tokens each
+expert receives, as metrics.jsonl logs them, are counted again here from transformers' router on
+the same batch. An ep run's checkpoint exports to a folder transformers loads with fsdprun's
+logits, and inspects with its mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Run, consolidate, model_at, run_fsdprun
+
+from fsdprun.config import load_recipe
+from fsdprun.config.layout import Layout
+from fsdprun.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+LAST = 3
+# Three steps of 16 rows in micro-batches of 2: 8 accumulated on one rank, 4 a rank on 2, 2 on
+# 4; a checkpoint after step 2 for the resumes.
+COMMON = ("train.steps=3", "output.log_every=1", "train.global_batch_size=16",
+          "checkpoint.every_steps=2")  # fmt: skip
+DATA = Path(__file__).parent.parent / "recipes" / "data"
+CHAT = ("data.source=chat", f"data.tokenizer={DATA / 'tiny-llama-hf'}", "train.seq_len=160",
+        f"data.paths=[{DATA / 'chat.jsonl'}]", "data.pack=true", "train.global_batch_size=4",
+        "train.micro_batch_size=1", "train.steps=3", "output.log_every=1",
+        "checkpoint.save_final=false")  # fmt: skip
+
+
+def errors_of(*overrides: str, recipe: str = "debug-moe") -> list[str]:
+    with pytest.raises(UserError) as info:
+        load_recipe(recipe, list(overrides))
+    return str(info.value).splitlines()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "phrase"),
+    [
+        (["model.moe_experts=0"], "parallel.ep=2 with a dense model (the built-in Llama with "
+                                  "model.moe_experts=0: no experts to shard)"),
+        (["model.moe_experts=6", "parallel.ep=4", "launch.nproc_per_node=4"],
+         "parallel.ep (4) does not divide the model's experts (6, model.moe_experts)"),
+        (["parallel.ep=4"], "parallel.ep (4) must divide the data-parallel ranks (2)"),
+        (["parallel.ep=0"], "parallel.ep must be >= 1 (got 0)"),
+        (["fsdp.engine=fsdp1"], "parallel.ep=2 with fsdp.engine=fsdp1: the experts are DTensors"),
+        (["fsdp.engine=ddp"], "parallel.ep=2 with fsdp.engine=ddp"),
+        (["fsdp.sharding=hybrid", "fsdp.shard_group_size=2"],
+         "parallel.ep=2 with fsdp.sharding=hybrid: fsdprun builds the expert mesh"),
+        (["parallel.tp=2", "launch.nproc_per_node=4"], "parallel.ep=2 with parallel.tp=2"),
+        (["parallel.cp=2", "launch.nproc_per_node=4"], "parallel.ep=2 with parallel.cp=2"),
+        (["lora.rank=4"], "parallel.ep=2 with lora.rank=4"),
+        (["fsdp.cpu_offload=true"], "parallel.ep=2 with fsdp.cpu_offload=true"),
+    ],
+)  # fmt: skip
+def test_refusals_name_the_key_and_the_reason(overrides, phrase):
+    """Each layout expert parallel cannot take is one line naming the key and why, before
+    launch (`config.layout.layout_errors`, which the composition table reads too)."""
+    errors = [e for e in errors_of(*overrides) if "parallel.ep" in e]
+    assert len(errors) == 1 and phrase in errors[0], errors
+
+
+def test_ep_on_a_dense_or_undeclared_folder_is_refused(hf_family_dirs, tmp_path):
+    """An HF folder without experts, and one whose family does not say where they live."""
+    (line,) = [e for e in errors_of("parallel.ep=2", f"model.hf_path={hf_family_dirs['qwen3']}",
+                                    recipe="debug") if "parallel.ep" in e]  # fmt: skip
+    assert "with a dense model (model.hf_path's model_type 'qwen3': no experts" in line
+    undeclared = shutil.copytree(hf_family_dirs["qwen3_moe"], tmp_path / "moe")
+    config = json.loads((undeclared / "config.json").read_text())
+    (undeclared / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
+    (line,) = [e for e in errors_of("parallel.ep=2", f"model.hf_path={undeclared}",
+                                    recipe="debug") if "parallel.ep" in e]  # fmt: skip
+    assert "'mixtral': its family does not declare where its experts live" in line
+
+
+def test_the_mesh_splits_dp_shard_into_dp_shard_mod_ep_and_ep():
+    """ep is carved out of dp_shard (innermost: an ep group is consecutive ranks); each expert
+    is sharded over what is left; a resume on fewer ranks lowers ep to a divisor that fits."""
+    cfg = load_recipe("debug-moe", ["launch.nproc_per_node=8", "train.global_batch_size=16"],
+                      check=False).config  # fmt: skip
+    layout = Layout.of(cfg)
+    assert layout.mesh_dims == [("dp_shard_mod_ep", 4), ("ep", 2)]
+    assert layout.describe() == "4 dp_shard_mod_ep x 2 ep"
+    assert (layout.fsdp_shards, layout.expert_shards, layout.dp) == (8, 4, 8)
+    assert layout.at(ep=8).mesh_dims == [("dp_shard_mod_ep", 1), ("ep", 8)]
+    assert layout.at(ep=8, world_size=4).refit("ep") == 4
+    assert layout.at(ep=2, world_size=1).refit("ep") == 1
+    assert layout.at(ep=1).mesh_dims == [("dp", 8)]
+
+
+# ---- the built-in mixture of experts is transformers' ----
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_builtin_moe_computes_as_transformers_qwen3_moe_block(norm):
+    """The built-in MoE feed-forward (`models.moe.MoE`) given a Qwen3-MoE block's weights gives
+    its outputs; its load-balancing loss is transformers' `load_balancing_loss_func`, with and
+    without a padding mask."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen
+
+    from fsdprun.models.moe import MoE, load_balancing_loss
+
+    config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4,
+                                         num_experts_per_tok=2, norm_topk_prob=norm)  # fmt: skip
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    theirs = qwen.Qwen3MoeSparseMoeBlock(config)
+    for p in theirs.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    mine = MoE(32, num_experts=4, top_k=2, ffn_dim=16, shared_ffn_dim=0, norm_topk_prob=norm)
+    mine.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 10, 32)
+    torch.testing.assert_close(mine(x), theirs(x), rtol=0, atol=1e-6)
+    logits = (mine.router_logits, torch.randn(30, 4))
+    real = (torch.rand(3, 10) > 0.3).long()
+    for mask in (None, real):
+        want = qwen.load_balancing_loss_func(logits, 4, 2, mask)
+        torch.testing.assert_close(load_balancing_loss(logits, 4, 2, mask), want)
+
+
+def test_builtin_moe_counts_its_parameters_and_flops():
+    """The card's count (config.sizes, no torch) is the built model's; FLOPs count the router,
+    the active experts and the shared expert."""
+    from fsdprun.config.sizes import model_num_params
+    from fsdprun.models import build_model, model_spec
+
+    cfg = load_recipe("debug-moe", ["model.moe_shared_ffn_dim=32"]).config.model
+    with torch.device("meta"):
+        model = build_model(cfg)
+    assert model_num_params(cfg) == sum(p.numel() for p in model.parameters())
+    dense = load_recipe("debug", []).config.model
+    per_block = (64 * 8 + 2 * 3 * 64 * 64 + 3 * 64 * 32) - 3 * 64 * 192
+    assert model_spec(cfg).flops_per_token(cfg, 64) - model_spec(dense).flops_per_token(
+        dense, 64
+    ) == 6 * 2 * per_block
+
+
+# ---- real runs ----
+
+
+@pytest.fixture(scope="module")
+def moe_folders(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Qwen3-MoE folders (4 experts, 2 active) with the byte tokenizer's 257 embeddings:
+    with norm_topk_prob and the router's auxiliary loss (coef 0.1), and without either."""
+    from hf_families import save_tiny_hf
+
+    root = tmp_path_factory.mktemp("moe")
+    return {
+        "norm": save_tiny_hf("qwen3_moe", root / "norm", vocab_size=257, norm_topk_prob=True,
+                             output_router_logits=True, router_aux_loss_coef=0.1),
+        "no-norm": save_tiny_hf("qwen3_moe", root / "no-norm", vocab_size=257,
+                                norm_topk_prob=False),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pools(gloo_pool_4, gloo_pool, gloo_pool_1):
+    return {4: gloo_pool_4, 2: gloo_pool, 1: gloo_pool_1}
+
+
+CASES = {
+    "debug-moe": ("debug-moe", ()),
+    "qwen3_moe": ("debug", ("model.hf_path=NORM",)),
+    "qwen3_moe-no-norm": ("debug", ("model.hf_path=NO-NORM",)),
+}
+
+
+def _train(pools, moe_folders, case: str, world: int, *extra: str) -> Run:
+    recipe, model = CASES[case]
+    model = [o.replace("NO-NORM", str(moe_folders["no-norm"]))
+             .replace("NORM", str(moe_folders["norm"])) for o in model]  # fmt: skip
+    ep = min(world, 2)
+    return pools[world].train(*COMMON, *model, f"parallel.ep={ep}", *extra, recipe=recipe)
+
+
+def _assert_same(run: Run, ref: Run, *, steps=(1, 2, 3)) -> None:
+    got = {e["step"]: e for e in run.steps}
+    want = {e["step"]: e for e in ref.steps}
+    for step in steps:
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=TOL), step
+        # An expert gradient ep times too large or small (FSDP's divisor over dp_shard_mod_ep)
+        # shows here: Adam's update hides it from the next losses.
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=TOL), step
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ep_trains_as_one_rank(case, pools, moe_folders, tmp_path):
+    """ep 2 on 2 ranks (1 dp_shard_mod_ep x 2 ep) and ep 2 x dp 2 on 4 ranks (2 x 2), with 4
+    and 2 accumulated micro-batches a rank: one rank's losses and gradient norms (1e-5), and
+    its trained weights after the last step."""
+    one = _train(pools, moe_folders, case, 1)
+    for world, mesh in ((2, [["dp_shard_mod_ep", 1], ["ep", 2]]),
+                        (4, [["dp_shard_mod_ep", 2], ["ep", 2]])):  # fmt: skip
+        run = _train(pools, moe_folders, case, world)
+        assert run.start["mesh"] == mesh and run.start["ep"] == 2
+        _assert_same(run, one)
+    if case == "debug-moe":
+        mine, theirs = model_at(run, LAST, tmp_path), model_at(one, LAST, tmp_path)
+        assert mine.keys() == theirs.keys()
+        assert max((mine[k] - theirs[k]).abs().max().item() for k in mine) <= TOL
+        # The router's auxiliary loss is in the losses: without it they differ.
+        without = _train(pools, moe_folders, case, 1, "model.moe_aux_loss_coef=0")
+        assert abs(without.losses[0] - one.losses[0]) > 1e-3, (without.losses, one.losses)
+
+
+def test_packed_rows_under_activation_checkpointing_train_as_one_rank(pools, moe_folders):
+    """Packed chat rows (several conversations a row, positions restarting; the auxiliary loss
+    over the real tokens only) with full activation checkpointing, whose recomputation in
+    backward runs the all-to-alls again: ep 2 equals one rank, and no expert's tokens are
+    counted twice."""
+    folder = moe_folders["norm"]
+    rows = (*CHAT, f"model.hf_path={folder}", "activation_checkpointing.mode=full")
+    ep = pools[2].train(*rows, "parallel.ep=2")
+    one = pools[1].train(*rows)
+    _assert_same(ep, one)
+    for step in ep.steps:  # every token a step: 4 rows x 160, each to 2 experts, per layer
+        assert sum(step["experts"]["mean"]) * 4 == 2 * 2 * 4 * 160
+
+
+def test_compiled_blocks_train_as_eager(pools, moe_folders):
+    """compile.enabled=true (per block; the dispatch runs eagerly inside, one graph break)
+    under ep 2: the eager run's losses and gradient norms."""
+    eager = _train(pools, moe_folders, "debug-moe", 2)
+    compiled = _train(pools, moe_folders, "debug-moe", 2, "compile.enabled=true")
+    assert compiled.start["compile"] == "per block"
+    _assert_same(compiled, eager)
+
+
+def test_tokens_per_expert_are_the_routers_count(pools, moe_folders):
+    """metrics.jsonl's step-1 figures (ep 2, 2 ranks) are a count of the (token, k) pairs
+    transformers' own router sends each expert on the step's 16 rows with the folder's weights
+    (the first step's forwards): per layer the busiest expert, its count and the mean; per ep
+    rank, the pairs its two experts computed."""
+    from fsdprun.data import build_datasets, load_batch
+
+    run = _train(pools, moe_folders, "qwen3_moe", 2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(moe_folders["norm"],
+                                                              dtype=torch.float32)  # fmt: skip
+    cfg = load_recipe(str(run.run_dir / "recipe.yaml")).config
+    data, _ = build_datasets(cfg.data, vocab_size=257, seq_len=64, seed=0)
+    batch = load_batch(data, range(16), "cpu")
+    with torch.no_grad():
+        logits = model(input_ids=batch.inputs, output_router_logits=True).router_logits
+    counts = [torch.bincount(torch.topk(layer.softmax(-1), 2).indices.flatten(), minlength=4)
+              for layer in logits]  # fmt: skip
+    figures = run.steps[0]["experts"]
+    assert figures["max"] == [int(c.max()) for c in counts]
+    assert figures["busiest_expert"] == [int(c.argmax()) for c in counts]
+    assert figures["mean"] == [16 * 64 * 2 / 4] * 2
+    per_rank = [[int(c[:2].sum()), int(c[2:].sum())] for c in counts]
+    assert figures["ranks"]["max"] == [max(r) for r in per_rank]
+    assert figures["ranks"]["busiest_rank"] == [r.index(max(r)) for r in per_rank]
+    # The run's summary adds up the logged steps.
+    total = run.summary["experts"]
+    assert total["mean"] == [3 * 16 * 64 * 2 / 4] * 2
+
+
+@pytest.mark.parametrize(("case", "saved", "resumed"),
+                         [("debug-moe", 2, 1), ("qwen3_moe", 1, 2)],
+                         ids=["ep2-to-ep1", "ep1-to-ep2"])  # fmt: skip
+def test_resume_is_exact_across_ep_degrees(pools, moe_folders, tmp_path, case, saved, resumed):
+    """`fsdprun resume RUN parallel.ep=N` of a run stopped after its step-2 checkpoint on 2
+    ranks: DCP saved each expert tensor whole-shaped with its placements, so step 3 at the
+    other ep degree (or none) equals step 3 of the uninterrupted run."""
+    whole = _train(pools, moe_folders, case, 2, f"parallel.ep={saved}")
+    copy_dir = tmp_path / "run"
+    shutil.copytree(whole.run_dir, copy_dir)
+    shutil.rmtree(copy_dir / "checkpoints" / f"step-{LAST:08d}")
+    proc = run_fsdprun("resume", str(copy_dir), f"parallel.ep={resumed}", "--nproc-per-node", "2",
+                       cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    again = Run(proc, copy_dir)
+    last = max(i for i, e in enumerate(again.events) if e["event"] == "start")
+    again.events = again.events[last:]
+    assert again.start["ep"] == resumed and [e["step"] for e in again.steps] == [LAST]
+    _assert_same(again, whole, steps=(LAST,))
+
+
+def test_ep_checkpoint_exports_to_transformers_and_inspects_with_its_mesh(
+    pools, moe_folders, tmp_path
+):
+    """The ep 2 x dp 2 checkpoints keep every expert tensor whole-shaped under its own name: the
+    Qwen3-MoE run's HF export loads in transformers with fsdprun's logits of the trained
+    weights (1e-5), and so does the built-in MoE's, as a Mixtral folder; inspect-checkpoint
+    shows the mesh the run had."""
+    from fsdprun.checkpoint.export import export_checkpoint
+    from fsdprun.checkpoint.inspect import describe_checkpoint
+    from fsdprun.models import build_model
+    from fsdprun.models.hf import HFCausalLM
+
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    for case in ("qwen3_moe", "debug-moe"):
+        run = _train(pools, moe_folders, case, 4)
+        ckpt = run.run_dir / "checkpoints" / f"step-{LAST:08d}"
+        doc = describe_checkpoint(ckpt)
+        assert doc["mesh"] == {"shape": [2, 2], "dim_names": ["dp_shard_mod_ep", "ep"]}
+        export_checkpoint(ckpt, tmp_path / case, fmt="hf")
+        exported = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / case, dtype=torch.float32
+        ).eval()
+        trained = consolidate(ckpt, tmp_path / f"{case}.pt")["model"]
+        cfg = load_recipe(str(run.run_dir / "recipe.yaml")).config
+        if case == "qwen3_moe":
+            model = HFCausalLM.from_folder(moe_folders["norm"])
+        else:
+            assert type(exported).__name__ == "MixtralForCausalLM"
+            model = build_model(cfg.model)
+        model.load_state_dict(trained)
+        model.init_buffers(torch.device("cpu"))
+        with torch.no_grad():
+            diff = (model.eval()(tokens) - exported(input_ids=tokens).logits).abs().max().item()
+        assert diff < TOL, (case, diff)
+
+
+def test_shared_expert_and_unnormalized_builtin_refuse_hf_export():
+    """A built-in MoE Mixtral cannot express is refused in one line by the HF export."""
+    from fsdprun.models.llama import hf_llama_config
+
+    cfg = load_recipe("debug-moe", ["model.moe_shared_ffn_dim=32"]).config.model
+    with pytest.raises(UserError, match="no shared expert"):
+        hf_llama_config(cfg, torch.float32)
