@@ -144,9 +144,10 @@ def test_builtin_moe_counts_its_parameters_and_flops():
     assert model_num_params(cfg) == sum(p.numel() for p in model.parameters())
     dense = load_recipe("debug", []).config.model
     per_block = (64 * 8 + 2 * 3 * 64 * 64 + 3 * 64 * 32) - 3 * 64 * 192
-    assert model_spec(cfg).flops_per_token(cfg, 64) - model_spec(dense).flops_per_token(
-        dense, 64
-    ) == 6 * 2 * per_block
+    assert (
+        model_spec(cfg).flops_per_token(cfg, 64) - model_spec(dense).flops_per_token(dense, 64)
+        == 6 * 2 * per_block
+    )
 
 
 # ---- real runs ----
