@@ -54,6 +54,11 @@ TP_STYLES = {
     "block_input": "PrepareModuleInput: all-gather the sequence-sharded input (first argument)",
     "embedding": "RowwiseParallel: vocab rows sharded; output sharded on the sequence",
     "output": "ColwiseParallel: vocab sharded, logits left sharded for loss parallel",
+    "moe": "a mixture of experts' block: input all-gathered on the sequence, computed on local "
+    "tensors, the experts' shares reduce-scattered back onto the sequence",
+    "router": "the router, replicated: every rank routes every token alike",
+    "experts": "the stacked experts split by experts (Shard(0)): each rank runs its experts / tp "
+    "on the tokens routed to them",
 }
 
 
@@ -123,9 +128,19 @@ PHI3_TP = TPPlan(
     top=HF_LLAMA_TP.top,
     block_inputs=HF_LLAMA_TP.block_inputs,
 )  # fmt: skip
-MOE_NO_TP = (
-    "a mixture of experts would need expert parallelism, which fsdprun does not do (docs/limits.md)"
-)
+# A mixture of experts (transformers' Qwen3-MoE) with Qwen3's attention: the sparse block's
+# input gathered and its output reduced like a dense MLP's, its router replicated, its stacked
+# experts split by experts between the TP ranks (`fsdprun.engines.tp_styles`: transformers keeps
+# each expert's gate and up projections in one tensor whose output it halves, which a column
+# split cannot cut with torch's public placements). A folder whose blocks mix dense and sparse
+# MLPs has no such plan for its dense ones: the layout check refuses it.
+MOE_TP = TPPlan(
+    blocks={**{rel: style for rel, style in HF_LLAMA_TP.blocks.items()
+               if not rel.startswith("mlp")}, **HEAD_NORMS,
+            "mlp": "moe", "mlp.gate": "router", "mlp.experts": "experts"},
+    top=HF_LLAMA_TP.top,
+    block_inputs={"self_attn": 0},
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -222,7 +237,7 @@ HF_FAMILIES = {
         cp_attention=True,
         lora_mlp=(),
         experts="mlp.experts",
-        tp_plan=MOE_NO_TP,
+        tp_plan=MOE_TP,
         stacked=(
             StackedExperts(
                 "mlp.experts.gate_up_proj",

@@ -126,36 +126,47 @@ class GlooPool:
             raise PoolTaskFailed("\n".join(failures))
         return [got[r] for r in range(self.world)]
 
-    def train(self, *overrides: str, recipe: str = "debug"):
+    def train(self, *overrides: str, recipe: str = "debug", env: dict[str, str] | None = None):
         """The recipe trained by the pool's ranks as launched ranks train it, cached by its
         arguments for the session (as conftest's `fsdprun_runs`); a conftest `Run` whose `proc`
-        is None (nothing was launched; a failure raises `PoolTaskFailed`)."""
+        is None (nothing was launched; a failure raises `PoolTaskFailed`). `env`: variables the
+        ranks see while they train it (as a launch's environment)."""
         from fsdprun.config import load_recipe
         from fsdprun.launch.elastic import prepare_run_dir
 
-        key = (recipe, *overrides)
+        key = (recipe, *overrides, *sorted((env or {}).items()))
         if key not in self.cache:
             run_dir = self.root / f"run{len(self.cache)}"
             resolved = load_recipe(recipe, [*overrides, f"launch.nproc_per_node={self.world}"])
             prepare_run_dir(run_dir, resolved)  # recipe.yaml, as the launcher writes it
-            self.submit(_train_rank, str(run_dir), resolved.name)
+            self.submit(_train_rank, str(run_dir), resolved.name, env or {})
             self.cache[key] = PoolRun(None, run_dir)
         return self.cache[key]
 
 
-def _train_rank(rank: int, world: int, run_dir: str, recipe_name: str):
-    """What `fsdprun.train.worker.run` does on a rank, inside the pool's process group."""
+def _train_rank(rank: int, world: int, run_dir: str, recipe_name: str, env: dict[str, str]):
+    """What `fsdprun.train.worker.run` does on a rank, inside the pool's process group, with
+    `env` set for the while."""
     from fsdprun.config import load_recipe
     from fsdprun.device import build_worker_device, resolve_device_kind
     from fsdprun.rundir import recipe_path
     from fsdprun.train import worker
 
-    cfg = load_recipe(str(recipe_path(Path(run_dir))), world_size=world).config
-    device = build_worker_device(resolve_device_kind(cfg.launch.device.value), rank)
-    worker._check_same_start(cfg, None)
-    ranks = worker.Ranks(rank, rank, world)
-    return worker._train(cfg, Path(run_dir), ranks, device, render=False,
-                         recipe_name=recipe_name, resume_from=None)  # fmt: skip
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        cfg = load_recipe(str(recipe_path(Path(run_dir))), world_size=world).config
+        device = build_worker_device(resolve_device_kind(cfg.launch.device.value), rank)
+        worker._check_same_start(cfg, None)
+        ranks = worker.Ranks(rank, rank, world)
+        return worker._train(cfg, Path(run_dir), ranks, device, render=False,
+                             recipe_name=recipe_name, resume_from=None)  # fmt: skip
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class PoolRun(Run):

@@ -17,23 +17,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-COMMON = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
+from fsdprun.config.composition import TINY_CONFIG, TINY_FAMILIES
 
-# model_type -> what its tiny config sets beyond COMMON.
-FAMILIES: dict[str, dict] = {
-    "llama": {},
-    "qwen2": {},
-    "qwen3": {},
-    "mistral": {"sliding_window": 16},
-    "gemma2": {"sliding_window": 16},
-    "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
-    "phi3": {},
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
-}
+# The shape (COMMON) and each model_type's own settings (FAMILIES) are the ones the composition
+# table of docs/parallelism.md is computed at (fsdprun.config.composition): one source for both.
+COMMON = TINY_CONFIG
+FAMILIES: dict[str, dict] = TINY_FAMILIES
 
 
 TEMPLATES = Path(__file__).resolve().parent / "chat_templates"

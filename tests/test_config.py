@@ -616,3 +616,44 @@ def test_parse_size_reads_the_units_of_both_options():
     for bad in ("lots", "0GB", "-1GB", "5XB", ""):
         with pytest.raises(UserError, match=f"^--device-memory {bad!r}: expected a size"):
             parse_size(bad, option="--device-memory", expected="a size such as 80GB")
+
+
+# --------------------------------------------------------------------------------------------
+# `auto`: null's spelling where null lets fsdprun decide
+
+
+def test_auto_is_accepted_wherever_null_means_auto(tmp_path, monkeypatch):
+    """`precision.float8_all_gather=auto` was refused ("not a valid bool") while
+    `parallel.cp_impl=auto` was taken (issue 51). Every key whose null lets fsdprun decide takes
+    `auto`, on the command line of `fsdprun train` and in a recipe file; the typed config holds
+    null; `fsdprun config` (and --explain) prints `auto`, which loads back; a key whose null
+    means something else (model.n_kv_heads: n_heads) keeps refusing it."""
+    from typer.testing import CliRunner
+
+    import fsdprun.launch.elastic
+    from fsdprun.cli import app
+
+    recipe = write(tmp_path / "r.yaml", "extends: debug\nfsdp:\n  reshard_after_forward: auto\n")
+    launched = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch",
+                        lambda config, entry: lambda *a: launched.append(a) or {})  # fmt: skip
+    CliRunner().invoke(app, ["train", str(recipe), "precision.float8_all_gather=auto",
+                             "--run-dir", "run"])  # fmt: skip
+    assert launched, "fsdprun train refused precision.float8_all_gather=auto"
+    written = (tmp_path / "run" / "recipe.yaml").read_text()  # what the ranks read
+    assert "float8_all_gather: auto" in written and "reshard_after_forward: auto" in written
+    cfg = load_recipe(str(tmp_path / "run" / "recipe.yaml")).config
+    assert cfg.precision.float8_all_gather is None and cfg.fsdp.reshard_after_forward is None
+    for args in ([], ["--explain"]):
+        result = CliRunner().invoke(app, ["config", str(recipe), *args])
+        assert result.exit_code == 0, result.output
+        assert "float8_all_gather: auto" in result.stdout, result.stdout
+        assert "reshard_after_forward: auto" in result.stdout, result.stdout
+    shown = CliRunner().invoke(app, ["config", str(recipe), "fsdp.reshard_after_forward=false"])
+    assert "reshard_after_forward: false" in shown.stdout
+    assert "or auto (null)" in one_line_error("debug", ["precision.float8_all_gather=maybe"])
+    assert "model.n_kv_heads" in one_line_error("debug", ["model.n_kv_heads=auto"])
+    from fsdprun.config.schema import auto_keys
+
+    assert set(auto_keys()) == {"precision.float8_all_gather", "fsdp.reshard_after_forward"}

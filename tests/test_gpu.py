@@ -110,6 +110,52 @@ def test_tensor_parallel_with_fsdp_on_nccl_trains_as_plain_fsdp2(tmp_path):
     assert tp.losses == pytest.approx(runs["plain"].losses, rel=1e-4)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tp and cp need 2 CUDA devices")
+def test_offload_and_compile_under_tp_and_cp_on_nccl_train_as_one_gpu(tmp_path):
+    """On NCCL (one rank per GPU, 2 GPUs): tp 2 and cp 2 with fsdp.cpu_offload (FSDP2 offloads
+    the TP-split parameters; gloo beside NCCL for the CPU gradients' clip), and compiled cp 2
+    (inductor's CUDA kernels around the all-to-all), each against one GPU, fp32. On CPU gloo
+    ranks these are exact to 1e-5 (tests/test_composition.py, tests/test_cp.py)."""
+    args = ["launch.device=cuda", "precision.param_dtype=fp32", "model.n_kv_heads=4",
+            "train.steps=4", "output.log_every=1", "train.grad_clip=1.0"]  # fmt: skip
+    runs = {}
+    cases = {"one": (1, []), "tp-offload": (2, ["parallel.tp=2", "fsdp.cpu_offload=true"]),
+             "cp-offload": (2, ["parallel.cp=2", "fsdp.cpu_offload=true"]),
+             "cp-compile": (2, ["parallel.cp=2", "compile.enabled=true"])}  # fmt: skip
+    for name, (nproc, extra) in cases.items():
+        run_dir = tmp_path / name
+        proc = run_fsdprun("train", "debug", *args, *extra, "--nproc-per-node", str(nproc),
+                           "--run-dir", str(run_dir), cwd=tmp_path, timeout=900)  # fmt: skip
+        runs[name] = Run(proc, run_dir).check()
+    assert runs["tp-offload"].start["backend"] == "cpu:gloo,cuda:nccl"
+    for name, run in runs.items():
+        assert run.losses == pytest.approx(runs["one"].losses, rel=1e-4), name
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or torch.cuda.get_device_capability() < (8, 9),
+    reason="torchao's float8 TP styles need 2 CUDA devices of capability >= 8.9",
+)
+def test_float8_tp_styles_on_nccl_train_as_one_rank_float8(tmp_path):
+    """precision.float8=tensorwise at tp 2 on NCCL: the float8 Linears take torchao's float8 TP
+    styles (float8 all-gathers of activations, which gloo cannot send, so the CPU test runs
+    torch's styles), and train as one rank's float8 run of the same micro-batches. fp32
+    weights; rel 1e-4, as the plain TP test (the split reorders sums, and float8 rounds a value
+    that moves in its last bit to the neighbouring float8 value now and then)."""
+    args = ["launch.device=cuda", "precision.param_dtype=fp32", "precision.float8=tensorwise",
+            "model.n_kv_heads=4", "train.steps=6", "output.log_every=1",
+            "train.micro_batch_size=4"]  # fmt: skip
+    runs = {}
+    for name, extra in (("one", ["--nproc-per-node", "1"]),
+                        ("tp", ["--nproc-per-node", "2", "parallel.tp=2"])):  # fmt: skip
+        proc = run_fsdprun("train", "debug", *args, *extra, "--run-dir", str(tmp_path / name),
+                           cwd=tmp_path, timeout=900)  # fmt: skip
+        runs[name] = Run(proc, tmp_path / name).check()
+    tp = runs["tp"]
+    assert tp.start["mesh"] == [["dp_shard", 1], ["tp", 2]] and "14 converted" in tp.start["float8"]
+    assert tp.losses == pytest.approx(runs["one"].losses, rel=1e-4)
+
+
 def test_packed_chat_rows_on_cuda_train_as_the_dense_mask_path_on_cpu(tmp_path):
     """Chat fine-tuning with packed rows on the built-in Llama: on CUDA the document mask is a
     FlexAttention BlockMask, on CPU the dense boolean mask. From the same weights (a CPU

@@ -515,21 +515,37 @@ def test_lora_on_attention_and_mlp_equals_peft_and_its_exports_load(
     # started from fsdprun's initial adapters, in the plain loop above. Then both exports of the
     # run's checkpoint load: the merged one in transformers, the adapters in peft, with the
     # same logits.
-    peft = pytest.importorskip("peft")
-    folder = hf_family_dirs[family]
-    targets, peft_targets = LORA_TARGETS.get(family, ("[attention,mlp]", "all-linear"))
-    overrides = (*TRAIN, f"model.hf_path={folder}", *LORA, f"lora.targets={targets}")
+    overrides = _lora_overrides(family, hf_family_dirs[family])
     run = gloo_pool.train(*overrides)
+    expected = _peft_losses(family, hf_family_dirs[family], overrides)
+    diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
+    assert len(run.losses) == STEPS and diff < TOL, (family, run.losses, expected)
+    _assert_lora_exports_load(run, hf_family_dirs[family], tmp_path)
+
+
+def _lora_overrides(family: str, folder: Path) -> tuple[str, ...]:
+    targets, _ = LORA_TARGETS.get(family, ("[attention,mlp]", "all-linear"))
+    return (*TRAIN, f"model.hf_path={folder}", *LORA, f"lora.targets={targets}")
+
+
+def _peft_losses(family: str, folder: Path, overrides: tuple[str, ...]) -> list[float]:
+    """The plain loop's losses over peft's LoRA of transformers' model (every Linear of the
+    blocks, or a mixture of experts' attention), started from fsdprun's initial adapters."""
+    peft = pytest.importorskip("peft")
+    _, peft_targets = LORA_TARGETS.get(family, ("[attention,mlp]", "all-linear"))
     cfg = load_recipe("debug", list(overrides)).config
     start = adapter_state_dict(build_lora_model_on_cpu(cfg.model, cfg.lora, seed=cfg.train.seed))
     reference = peft.get_peft_model(_load_hf(folder), peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=peft_targets))  # fmt: skip
     assert set(peft.get_peft_model_state_dict(reference)) == set(peft_state_dict(start))
     peft.set_peft_model_state_dict(reference, peft_state_dict(start))
-    expected = _reference_losses(folder, model=reference)
-    diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
-    assert len(run.losses) == STEPS and diff < TOL, (family, run.losses, expected)
+    return _reference_losses(folder, model=reference)
 
+
+def _assert_lora_exports_load(run, folder: Path, tmp_path: Path) -> None:
+    """Both exports of the run's last checkpoint load: the merged weights in transformers, the
+    adapters in peft over the base folder, with the same logits, which training moved."""
+    peft = pytest.importorskip("peft")
     ckpt = run.run_dir / "checkpoints" / f"step-{STEPS:08d}"
     export_checkpoint(ckpt, tmp_path / "merged", fmt="hf")
     export_checkpoint(ckpt, tmp_path / "peft", fmt="peft")
@@ -540,7 +556,26 @@ def test_lora_on_attention_and_mlp_equals_peft_and_its_exports_load(
         logits = adapted(input_ids=tokens).logits
         diff = (merged(input_ids=tokens).logits - logits).abs().max().item()
         moved = (_load_hf(folder)(input_ids=tokens).logits - logits).abs().max().item()
-    assert diff < TOL and moved > 1e-3, (family, diff, moved)
+    assert diff < TOL and moved > 1e-3, (diff, moved)
+
+
+def test_lora_under_tp_and_cp_equals_peft_and_its_exports_load(hf_family_dirs, gloo_pool, tmp_path):
+    """LoRA on the attention and MLP of the HF Llama folder at tp 2 and at cp 2 (the session's 2
+    ranks: each run one TP group, or one cp group), against peft's one-rank loop (1e-5 at every
+    step); the tp 2 checkpoint's merged export loads in transformers and its adapters in peft.
+    Under TP the adapters are split as their Linear is (column-wise: A whole, B by rows;
+    row-wise: A by columns, B whole, both partial sums reduced with the base's), and the frozen
+    norms stay frozen (torch's SequenceParallel makes every weight it replicates trainable).
+    Under CP the adapters, per-token Linears, need nothing. Before, both were refused."""
+    overrides = _lora_overrides("llama", hf_family_dirs["llama"])
+    expected = _peft_losses("llama", hf_family_dirs["llama"], overrides)
+    runs = {p: gloo_pool.train(*overrides, f"parallel.{p}=2") for p in ("tp", "cp")}
+    assert runs["tp"].start["mesh"] == [["dp_shard", 1], ["tp", 2]]
+    assert runs["cp"].start["mesh"] == [["dp_shard", 1], ["cp", 2]]
+    for name, run in runs.items():
+        diff = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
+        assert len(run.losses) == STEPS and diff < TOL, (name, run.losses, expected)
+    _assert_lora_exports_load(runs["tp"], hf_family_dirs["llama"], tmp_path)
 
 
 def test_lora_on_the_mlp_of_a_mixture_of_experts_is_refused_in_one_line(hf_family_dirs):

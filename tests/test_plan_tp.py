@@ -24,6 +24,7 @@ from fsdprun.engines.mesh import build_device_mesh, dp_mesh, tp_mesh
 from fsdprun.engines.tp import apply_tp
 from fsdprun.models import model_spec
 from fsdprun.models.llama import Transformer, build_model_args, rope_table
+from fsdprun.models.lora import apply_lora
 from fsdprun.tools.plan import plan_memory
 
 runner = CliRunner()
@@ -41,14 +42,15 @@ def _fake_group(world: int):
 
 
 def _local_bytes(cfg) -> dict[str, int]:
-    """Rank 0's fp32 shard bytes of every parameter after apply_tp and fully_shard, as torch
-    placed them on a fake group of the recipe's world size."""
+    """Rank 0's fp32 shard bytes of every parameter after LoRA, apply_tp and fully_shard, as
+    torch placed them on a fake group of the recipe's world size."""
     world = cfg.world_size
     _fake_group(world)
     try:
         mesh = build_device_mesh(Layout.of(cfg, world), "cpu")
         with torch.device("meta"):
-            model = Transformer(build_model_args(cfg.model))
+            model = model_spec(cfg.model).build(cfg.model)
+        apply_lora(model, cfg=cfg.lora)  # as the worker does; nothing without lora.rank
         if cfg.parallel.tp > 1:
             apply_tp(model, tp_mesh=tp_mesh(mesh), plan=model_spec(cfg.model).tp_plan(cfg.model))
             mesh = dp_mesh(mesh)
@@ -99,6 +101,37 @@ def test_plan_counts_the_shards_torch_makes(world, tp, sharding):
     dims = block_dims(cfg.model)
     gathered = sum(-(-rows // dp_shard) * dp_shard * cols for rows, cols in _local_rows(dims, tp))
     assert cfg.precision.param_dtype.value == "fp32" and block.unsharded_bytes == 4 * gathered
+
+
+def test_plan_counts_the_shards_of_experts_and_adapters_torch_makes(tmp_path):
+    """A mixture of experts (Qwen3-MoE: 4 experts split 2 a TP rank, then by FSDP over dp_shard
+    4; the router replicated) and LoRA adapters (A whole and B split under column-wise layers,
+    A split and B whole under row-wise ones) at tp 2 on 8 ranks: the plan's parameter bytes are
+    those of the shards torch makes (fake group, meta device)."""
+    from hf_families import save_tiny_hf
+
+    moe = save_tiny_hf("qwen3_moe", tmp_path / "moe")
+    eight = ["launch.nproc_per_node=8", "train.global_batch_size=8", "train.micro_batch_size=1",
+             "parallel.tp=2"]  # fmt: skip
+    cases = {
+        "moe": [*eight, f"model.hf_path={moe}"],
+        "lora": [*eight, *SHAPE, "lora.rank=8", "lora.targets=[attention,mlp]"],
+    }
+    for name, overrides in cases.items():
+        cfg = load_recipe("debug", overrides).config
+        plan = plan_memory(cfg)
+        measured = _local_bytes(cfg)
+        assert plan.strategies[plan.recipe_strategy].params == sum(measured["bytes"].values())
+        got = measured["bytes"]
+        if name == "moe":
+            # [4 experts, 2 x 32, 64]: 2 experts a TP rank; FSDP's dim-0 shard of those over
+            # dp_shard 4 leaves rank 0 one expert (the others pad).
+            assert got["hf.model.layers.0.mlp.experts.gate_up_proj"] == 4 * 1 * 64 * 64
+            assert "Replicate()" in measured["placements"]["hf.model.layers.0.mlp.gate.weight"]
+        else:
+            # wq's B (96 x 8) by rows over tp, then dp_shard 4; wo's A (8 x 96) by columns.
+            assert got["layers.0.attention.wq.lora_B.weight"] == 4 * 96 // 2 // 4 * 8
+            assert got["layers.0.attention.wo.lora_A.weight"] == 4 * -(-8 // 4) * 96 // 2
 
 
 def block_dims(m) -> dict[str, int]:

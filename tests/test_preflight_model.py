@@ -169,10 +169,8 @@ LAYOUTS = {
     "tp and the heads": ["parallel.tp=4", "model.n_kv_heads=2"],
     "tp and seq_len": ["parallel.tp=2", "train.seq_len=63", "model.max_seq_len=64"],
     "tp with fsdp1": ["parallel.tp=2", "fsdp.engine=fsdp1"],
-    "tp with float8": ["parallel.tp=2", "precision.float8=tensorwise"],
-    "tp with lora": ["parallel.tp=2", "lora.rank=4"],
+    "tp with rowwise float8": ["parallel.tp=2", "precision.float8=rowwise"],
     "tp with the chunked loss": ["parallel.tp=2", "train.loss=chunked"],
-    "tp with tied embeddings": ["parallel.tp=2", "model.tie_embeddings=true"],
     "tp with compile and ac": ["parallel.tp=2", "compile.enabled=true",
                                "activation_checkpointing.mode=full"],
     "tp with whole-model compile": ["parallel.tp=2", "compile.enabled=true",
@@ -184,10 +182,11 @@ LAYOUTS = {
                             "train.seq_len=50", "model.max_seq_len=64"],
     "all-to-all and the kv heads": ["parallel.cp=4", "parallel.cp_impl=alltoall"],
     "cp with fsdp1": ["parallel.cp=2", "fsdp.engine=fsdp1"],
-    "cp with lora": ["parallel.cp=2", "lora.rank=4"],
-    "cp with float8": ["parallel.cp=2", "precision.float8=tensorwise"],
+    "cp with rowwise float8": ["parallel.cp=2", "precision.float8=rowwise"],
     "cp with compile": ["parallel.cp=2", "compile.enabled=true"],
     "ring and seq_len": ["parallel.cp=4", "train.seq_len=36", "model.max_seq_len=64"],
+    "ring with fullgraph compile": ["parallel.cp=4", "compile.enabled=true",
+                                    "compile.fullgraph=true"],
     "cp with cpu offload": ["parallel.cp=2", "fsdp.cpu_offload=true"],
     "backward prefetch": ["fsdp.backward_prefetch=sideways"],
     "reshard under fsdp1": ["fsdp.engine=fsdp1", "fsdp.reshard_after_forward=false"],
@@ -202,8 +201,9 @@ def test_plan_refuses_what_train_refuses_and_accepts_what_it_accepts(
     monkeypatch, hf_family_dirs, tmp_path
 ):
     """The same answer, word for word, from `fsdprun plan` and from `fsdprun train` up to the
-    moment it would launch, for every layout refusal and the HF folders' own (a TP plan that
-    does not split a mixture of experts, context parallel with a router's auxiliary loss)."""
+    moment it would launch, for every layout refusal and the HF folders' own (context parallel
+    with a router's auxiliary loss, LoRA on experts), and for layouts both accept (a mixture of
+    experts under TP among them)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     moe, qwen2 = hf_family_dirs["qwen3_moe"], hf_family_dirs["qwen2"]
     aux = shutil.copytree(moe, tmp_path / "moe-aux")
@@ -222,4 +222,6 @@ def test_plan_refuses_what_train_refuses_and_accepts_what_it_accepts(
     differ = {name: pair for name, pair in answers.items() if pair[0] != pair[1]}
     assert not differ, differ
     accepted = {name for name, (plan, _) in answers.items() if plan == "accepted"}
-    assert accepted == {"tp accepted", "cp accepted", "cp on qwen2"}, answers
+    assert accepted == {"tp accepted", "cp accepted", "cp on qwen2", "tp with cpu offload",
+                        "cp with compile", "cp with cpu offload",
+                        "tp on a mixture of experts"}, answers  # fmt: skip

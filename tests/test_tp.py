@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Run, model_at, run_fsdprun
+from hf_families import save_tiny_hf as save_family
 from typer.testing import CliRunner
 
 import fsdprun.launch.elastic
@@ -52,10 +53,8 @@ def one_error(*overrides: str) -> str:
         (["train.seq_len=63"], "does not divide train.seq_len (63)"),
         (["fsdp.engine=fsdp1"], "fsdp.engine=fsdp1 cannot shard DTensor"),
         (["fsdp.engine=ddp"], "fsdp.engine=ddp cannot shard DTensor"),
-        (["lora.rank=4"], "lora.rank=4: LoRA's adapted layers"),
         (["train.loss=chunked"], "train.loss=chunked"),
-        (["model.tie_embeddings=true"], "model.tie_embeddings=true: the built-in Llama's tied"),
-        (["fsdp.cpu_offload=true"], "fsdp.cpu_offload=true"),
+        (["precision.float8=rowwise"], "precision.float8=rowwise: torchao scales each token's"),
         (["compile.enabled=true", "activation_checkpointing.mode=full"],
          "activation_checkpointing.mode=full: torch 2.13's compiled checkpoint"),
         (["compile.enabled=true", "activation_checkpointing.mode=selective"],
@@ -105,6 +104,27 @@ def test_hf_folder_dims_are_read_from_its_config(tmp_path):
     assert not any("vocab_size" in e for e in found), found  # it shards unevenly
     assert not any("tie" in e for e in found), found  # split alike and tied again (apply_tp)
     assert not any("intermediate_size" in e for e in found), found
+
+
+def test_a_mixture_of_experts_is_refused_a_tp_that_does_not_divide_its_experts(tmp_path):
+    """tp splits a mixture of experts by experts: it must divide them (config.json's
+    num_experts). Compile with the router's auxiliary loss is refused under TP (its compiled
+    gradients were wrong on torch 2.13); without that loss, compile trains."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    config = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 4,
+              "intermediate_size": 128, "hidden_size": 64, "num_experts": 6,
+              "num_experts_per_tok": 2}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    found = errors_of(*FOUR, "parallel.tp=4", f"model.hf_path={folder}")
+    assert any("does not divide the model's num_experts (6)" in e for e in found), found
+    load_recipe("debug", [*FOUR, "parallel.tp=2", f"model.hf_path={folder}",
+                          "compile.enabled=true"])  # fmt: skip
+    aux = {**config, "output_router_logits": True, "router_aux_loss_coef": 0.01}
+    (folder / "config.json").write_text(json.dumps(aux))
+    found = errors_of(*FOUR, "parallel.tp=2", f"model.hf_path={folder}", "compile.enabled=true")
+    assert any("compile.enabled=true and a mixture of experts' router auxiliary loss" in e
+               for e in found), found  # fmt: skip
 
 
 def test_mesh_dims_put_tp_innermost():
@@ -265,6 +285,9 @@ def test_compiled_tp_blocks_train_as_eager_tp(trained, tmp_path):
     compiled = trained.run(2, *micro, "compile.enabled=true")
     assert compiled.start["compile"] == "per block"
     _assert_same(compiled, eager, tmp_path)
+    # And as one rank (docs/parallelism.md's tp 2 x compile cell): 2 micro-steps of 4 sequences
+    # against 8 of 1.
+    _assert_same(compiled, trained.run(1), tmp_path)
 
 
 def _header(start: dict) -> str:
@@ -419,7 +442,8 @@ def _hf_families_tp_rank(rank: int, world: int, folders: dict[str, str]) -> dict
 
 @pytest.fixture(scope="module")
 def tp_family_dirs(hf_family_dirs) -> dict[str, Path]:
-    """The families of tests/hf_families.py that have a TP plan (Gemma's tied, as released)."""
+    """The families of tests/hf_families.py that have a TP plan (all; Gemma's tied, as
+    released)."""
     from fsdprun.families import HF_FAMILIES
 
     return {f: d for f, d in hf_family_dirs.items() if not isinstance(HF_FAMILIES[f].tp_plan, str)}
@@ -431,12 +455,14 @@ def test_each_family_plan_computes_as_the_plain_model(gloo_pool, tp_family_dirs)
     positions), and the logits and every parameter's gradient equal the plain model's (1e-5),
     plain rows and packed ones. Qwen3's and Gemma 3's per-head q/k norms, Gemma's post-norms,
     embedding scale and (1 + w) norms, Phi-3's fused qkv_proj and gate_up_proj, and the
-    16-token sliding windows inside 32-token rows (Mistral, Gemma), and Gemma's tied embedding
-    and output (split alike, tied again: one tensor, one gradient) each need their part of the
-    plan: before, qwen3, phi3 and tied embeddings were refused and a window shorter than the row
-    was too (rank 0 died on a 16-wide mask against 32 positions)."""
+    16-token sliding windows inside 32-token rows (Mistral, Gemma), Gemma's tied embedding
+    and output (split alike, tied again: one tensor, one gradient), and Qwen3-MoE's experts
+    (split by experts, each rank's share of the tokens' sums reduced; the router replicated)
+    each need their part of the plan: before, qwen3, phi3, tied embeddings and the MoE were
+    refused and a window shorter than the row was too (rank 0 died on a 16-wide mask against
+    32 positions)."""
     assert set(tp_family_dirs) == {"llama", "qwen2", "qwen3", "mistral", "gemma2",
-                                   "gemma3_text", "phi3"}  # fmt: skip
+                                   "gemma3_text", "phi3", "qwen3_moe"}  # fmt: skip
     folders = {family: str(folder) for family, folder in tp_family_dirs.items()}
     for result in gloo_pool.submit(_hf_families_tp_rank, folders):
         for family, r in result.items():
@@ -456,54 +482,65 @@ def test_hf_family_tp2_dp2_trains_as_one_rank(trained, tp_family_dirs, tmp_path,
     embeddings read from the folder) and Phi-3 (fused projections split by rows, outputs
     gathered). The same losses, gradient norms and trained parameters as one rank, and the TP
     checkpoint's `--format hf` export loads in transformers with them (Gemma's still tied)."""
-    import torch
-    import transformers
-
-    from fsdprun.checkpoint.export import export_checkpoint
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hf = f"model.hf_path={tp_family_dirs[family]}"
     tp, one = trained.run(4, "parallel.tp=2", hf), trained.run(1, hf)
     assert tp.start["mesh"] == [["dp_shard", 2], ["tp", 2]]
     _assert_same(tp, one, tmp_path)
-    # In-process (the command is covered by test_a_tp_checkpoint_inspects_with_its_mesh...).
-    export_checkpoint(_ckpt(tp, LAST), tmp_path / "hf", fmt="hf")
+    exported = _exported_as(tp, one, tmp_path)
+    tied = exported.config.tie_word_embeddings
+    assert tied == (family == "gemma3_text")
+    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) == tied
+
+
+def _exported_as(run, one, tmp_path: Path):
+    """`run`'s last checkpoint exported with `--format hf` (in-process: the command is covered
+    by test_a_tp_checkpoint_inspects_with_its_mesh...), loaded in transformers: it holds `one`'s
+    trained weights (1e-5). Returns the loaded model."""
+    import torch
+    import transformers
+
+    from fsdprun.checkpoint.export import export_checkpoint
+
+    export_checkpoint(_ckpt(run, LAST), tmp_path / "hf", fmt="hf")
     exported = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "hf", dtype=torch.float32, local_files_only=True
     )
     trained_one = model_at(one, LAST, tmp_path)
     for name, param in exported.named_parameters():
         assert (param - trained_one[f"model.hf.{name}"]).abs().max().item() <= TOL, name
-    tied = exported.config.tie_word_embeddings
-    assert tied == (family == "gemma3_text")
-    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) == tied
+    return exported
 
 
 @pytest.mark.parametrize(
     ("model_type", "phrase"),
     [
-        ("qwen3_moe", "parallel.tp=2: model.hf_path's qwen3_moe (Qwen3MoeForCausalLM) has no "
-         "tensor-parallel plan: a mixture of experts would need expert parallelism, which "
-         "fsdprun does not do (docs/limits.md); set parallel.tp=1"),
+        # A mixture of experts whose first block has a dense MLP (config.json's mlp_only_layers):
+        # the plan splits the experts of every block.
+        ("qwen3_moe", "model.hf_path's qwen3_moe (Qwen3MoeForCausalLM) has no "
+         "tensor-parallel plan that fits its modules: the plan does not cover mlp.gate_proj, "
+         "mlp.up_proj, mlp.down_proj of each decoder layer; the model has no mlp.gate, "
+         "mlp.experts of each decoder layer, which the plan splits; set parallel.tp=1"),
         # A model type without an entry gets the Llama layout's plan, checked module by module.
-        ("olmo2", "model.hf_path's olmo2 (Olmo2ForCausalLM) has no verified tensor-parallel "
-         "plan: the plan does not cover self_attn.q_norm, self_attn.k_norm, "
+        ("olmo2", "model.hf_path's olmo2 (Olmo2ForCausalLM) has no tensor-parallel plan that "
+         "fits its modules: the plan does not cover self_attn.q_norm, self_attn.k_norm, "
          "post_feedforward_layernorm of each decoder layer; the model has no input_layernorm"),
     ],
 )  # fmt: skip
 def test_hf_folder_without_a_verified_plan_is_refused_before_launch(
-    hf_family_dirs, tmp_path, monkeypatch, model_type, phrase
+    tmp_path, monkeypatch, model_type, phrase
 ):
     """`fsdprun train debug model.hf_path=FOLDER parallel.tp=2 --nproc-per-node 4`: one line,
-    exit 2, nothing launched, for a mixture of experts (expert parallelism is out of scope)
-    and a layout no plan covers. Before, the MoE got the Llama
-    plan's layout message about its experts, as if a plan could cover them."""
+    exit 2, nothing launched, for layouts no plan covers."""
     from conftest import save_tiny_hf
 
     def must_not_launch(*args, **kwargs):
         raise AssertionError("a bad input reached the launcher")
 
-    folder = hf_family_dirs.get(model_type) or save_tiny_hf(tmp_path / model_type, model_type)
+    if model_type == "qwen3_moe":
+        folder = save_family("qwen3_moe", tmp_path / model_type, mlp_only_layers=[0])
+    else:
+        folder = save_tiny_hf(tmp_path / model_type, model_type)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(fsdprun.launch.elastic, "elastic_launch", must_not_launch)
@@ -533,24 +570,25 @@ def test_a_plan_splitting_a_tied_tensor_two_ways_is_refused(hf_family_dirs):
     assert tp_plan_problem(model, plan, family="gemma3") is None
     apart = TPPlan(plan.blocks, {**plan.top, "hf.lm_head": "rowwise"}, plan.block_inputs)
     assert tp_plan_problem(model, apart, family="gemma3") == (
-        "gemma3 has no verified tensor-parallel plan: hf.model.embed_tokens.weight and "
-        "hf.lm_head.weight are one tied tensor the plan splits two ways"
+        "gemma3 has no tensor-parallel plan that fits its modules: hf.model.embed_tokens.weight "
+        "and hf.lm_head.weight are one tied tensor the plan splits two ways"
     )
 
 
-def test_plan_says_why_a_family_has_no_tp_column(hf_family_dirs, monkeypatch):
-    """`fsdprun plan` of a Qwen3-MoE folder: its TP columns give the reason `train` refuses them,
-    not a memory figure for a split that would not run."""
+def test_plan_says_why_a_family_has_no_tp_column(tmp_path, monkeypatch):
+    """`fsdprun plan` of a folder no TP plan covers (a mixture of experts with a dense first
+    block): its TP columns give the reason `train` refuses them, not a memory figure for a
+    split that would not run."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = save_family("qwen3_moe", tmp_path / "moe", mlp_only_layers=[0])
     result = CliRunner().invoke(
-        app, ["plan", "debug", f"model.hf_path={hf_family_dirs['qwen3_moe']}", "--world-size",
-              "4"],
+        app, ["plan", "debug", f"model.hf_path={folder}", "--world-size", "4"],
         env={"COLUMNS": "300"},
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert (
         "tp 2: not possible, model.hf_path's qwen3_moe (Qwen3MoeForCausalLM) has no "
-        "tensor-parallel plan: a mixture of experts would need expert parallelism"
+        "tensor-parallel plan that fits its modules: the plan does not cover mlp.gate_proj"
     ) in result.stdout, result.stdout
 
 
@@ -695,3 +733,82 @@ def test_sft_demo_trains_at_tp2_as_one_rank(pools, tmp_path):
     assert [e["trained_tokens"] for e in tp.steps] == [e["trained_tokens"] for e in one.steps]
     _assert_same(tp, one, tmp_path)
     assert tp.summary["final_val_loss"] == pytest.approx(one.summary["final_val_loss"], abs=TOL)
+
+
+# float8 (precision.float8=tensorwise) under TP and CP, on CPU ranks through the test-only switch
+# (torch's CPU float8 matmul takes about 25 ms a call): sequences of 32, an FFN of 200 (not a
+# multiple of 16, so it stays in fp32) and 4 kv heads, so the float8 Linears are the attention's
+# q, k, v (column-wise) and o (row-wise); 2 steps of 4 one-sequence micro-batches.
+FLOAT8 = ("precision.float8=tensorwise", "model.ffn_dim=200", "model.n_kv_heads=4",
+          "train.steps=2", "train.seq_len=32", "train.global_batch_size=4",
+          "train.micro_batch_size=1", "output.log_every=1", "schedule.warmup_steps=1",
+          "optim.eps=1e-4", "checkpoint.save_final=false")  # fmt: skip
+
+
+def test_float8_under_tp_cp_and_cp_x_tp_trains_as_one_rank_float8(pools):
+    """tensorwise float8 at tp 2 x dp 2, cp 2 and cp 2 x tp 2, the weights all-gathered in
+    float8 (auto: FSDP shards them over 2 ranks in each): the losses and gradient norms of the
+    one-rank float8 run, same float8 config (1e-5), and not those of fp32 (float8 is on). A
+    cast's scale is the largest magnitude of the whole tensor, as one rank's: under TP DTensor
+    reduces it over the TP group (on GPUs torchao's float8 TP styles, tests/test_gpu.py); under
+    CP fsdprun reduces it over the cp group (each cp rank scaling its own tokens' values was
+    3.5e-4 off at step 1); a weight gathered in float8 takes the scales computed over its whole
+    2-D DTensor before the first step too (torchao's fallback scaled over FSDP's shards only,
+    one TP shard's: 4e-5 off at step 1). Before, float8 was refused under TP and CP.
+
+    float8 rounding is not continuous: a value that TP's partial sums change in its last fp32
+    bit may round to the neighbouring float8 value (1/8 apart) where one rank's does not. None
+    does in these runs (deterministic: the same inputs each time); a larger model, several
+    steps on, measured 1.1e-5 relative on the loss at tp 2 (docs/tensor-parallel.md)."""
+    pytest.importorskip("torchao")
+    from fsdprun.engines.float8 import TEST_ON_CPU_ENV
+
+    env = {TEST_ON_CPU_ENV: "1"}
+    one = pools[1].train(*FLOAT8, env=env)
+    fp32 = pools[1].train(*FLOAT8, "precision.float8=off")
+    runs = {
+        "tp 2 x dp 2": pools[4].train(*FLOAT8, "parallel.tp=2", env=env),
+        "cp 2": pools[2].train(*FLOAT8, "parallel.cp=2", env=env),
+        "cp 2 x tp 2": pools[4].train(*FLOAT8, "parallel.cp=2", "parallel.tp=2", env=env),
+    }
+    assert runs["cp 2 x tp 2"].start["mesh"] == [["dp_shard", 1], ["cp", 2], ["tp", 2]]
+    assert abs(one.losses[0] - fp32.losses[0]) > 5e-5, (one.losses, fp32.losses)
+    for name, run in runs.items():
+        described = run.start["float8"]
+        assert "8 converted" in described and "float8 all-gather on (auto" in described, described
+        for got, want in zip(run.steps, one.steps, strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], abs=TOL), (name, got, want)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL), (name, got)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE folder (4 experts, 2 active) with its router's auxiliary loss on."""
+    return save_family("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3-moe",
+                       output_router_logits=True, router_aux_loss_coef=0.1)  # fmt: skip
+
+
+def test_moe_tp2_dp2_trains_as_one_rank_resumes_and_exports(trained, moe_dir, tmp_path,
+                                                           monkeypatch):  # fmt: skip
+    """A mixture of experts at tp 2 x dp 2 with activation checkpointing: each TP rank holds 2
+    of the 4 experts (Shard(0), FSDP's dp shard inside it), the router replicated; the losses
+    (the router's auxiliary loss in them), gradient norms and trained parameters equal one
+    rank's (1e-5). Its checkpoint resumes on 2 ranks without TP (`fsdprun resume`, the experts
+    resharded) to step 3 as the uninterrupted run, and its `--format hf` export is what
+    transformers loads, the one rank's trained weights. Before, a mixture of experts refused
+    parallel.tp (and the loss under TP dropped the auxiliary loss)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf = f"model.hf_path={moe_dir}"
+    tp, one = trained.run(4, *TP2, hf), trained.run(1, hf)
+    assert ["hf.model.layers.0.mlp.experts", "experts"] in tp.start["tp_plan"]
+    assert tp.start["mesh"] == [["dp_shard", 2], ["tp", 2]]
+    _assert_same(tp, one, tmp_path)
+
+    run_dir = _stopped_at_2(tp, tmp_path)
+    proc = run_fsdprun("resume", str(run_dir), "parallel.tp=1", "--nproc-per-node", "2",
+                       cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    again = _resumed_session(Run(proc, run_dir))
+    assert again.start["mesh"] == [["dp", 2]]
+    _assert_same(again, tp, tmp_path, steps=(LAST,))
+    _exported_as(tp, one, tmp_path)

@@ -247,6 +247,12 @@ def test_several_nodes_search_hybrid_and_its_shard_group_only_where_it_acts(reci
     space = {k.key: k.values for k in T_space.default_space(cfg, accelerator=False)}
     assert space["fsdp.sharding"] == ("full", "grad_op", "hybrid", "hybrid_zero2")
     assert space["fsdp.shard_group_size"] == ("null", "2")  # one node's ranks, or two nodes'
+    # Under cp (and tp) the key counts data-parallel ranks: two nodes of 4 ranks at cp 2 are 4.
+    cp2 = ["launch.nnodes=4", "launch.nproc_per_node=4", "launch.rdzv_endpoint=h:1",
+           "parallel.cp=2", "train.global_batch_size=32"]  # fmt: skip
+    groups = {k.key: k.values for k in T_space.default_space(cfg_of(recipe, *cp2),
+                                                             accelerator=False)}  # fmt: skip
+    assert groups["fsdp.shard_group_size"] == ("null", "4")
     assert "fsdp.shard_group_size" not in {k.key for k in T_space.default_space(
         cfg_of(recipe), accelerator=False)}  # fmt: skip
     knobs, _ = T_space.parse_space(["fsdp.sharding=full,hybrid", "fsdp.shard_group_size=null,2"],
@@ -788,20 +794,20 @@ def test_tune_dry_run_prints_the_space_pruning_and_order(tmp_path, recipe):
 
 
 def test_the_default_space_under_tensor_parallel_leaves_out_what_tp_refuses(tmp_path, recipe):
-    """fsdp1, the chunked loss and CPU offload, which parallel.tp always refuses, are not in the
-    default space (376 of 384 candidates were pruned for them); the micro-batch sizes are those
-    of the data-parallel ranks' share (a TP group shares its micro-batch)."""
+    """fsdp1 and the chunked loss, which parallel.tp always refuses, are not in the default
+    space (before, 376 of 384 candidates were pruned for them and CPU offload, which TP now
+    takes); the micro-batch sizes are those of the data-parallel ranks' share (a TP group shares
+    its micro-batch)."""
     proc = run_fsdprun(*tune_cmd(recipe, tmp_path / "o", "parallel.tp=2", "--device-memory",
                                  "1GB", "--dry-run", "--json"), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     space = {k["key"]: k["values"] for k in doc["space"]}
     assert space["fsdp.engine"] == ["fsdp2"] and space["train.loss"] == ["plain"]
-    assert space["fsdp.cpu_offload"] == ["false"]
+    assert space["fsdp.cpu_offload"] == ["false", "true"]
     assert space["train.micro_batch_size"] == ["1", "2", "4", "8", "16"]  # 16 / 1 dp rank
     assert space["activation_checkpointing.mode"] == ["none", "selective", "full"]
-    assert sorted(doc["left_out"]) == ["fsdp.cpu_offload=true", "fsdp.engine=fsdp1",
-                                       "train.loss=chunked"]  # fmt: skip
+    assert sorted(doc["left_out"]) == ["fsdp.engine=fsdp1", "train.loss=chunked"]
     assert all("parallel.tp=2 with" in why for why in doc["left_out"].values())
     assert not [c for c in doc["candidates"] if "refuse" in (c["reason"] or "")]
 
@@ -1264,7 +1270,7 @@ def test_tune_searches_float8_all_gather_where_float8_runs_and_its_filter_as_num
     tmp_path, recipe
 ):
     """Where the recipe trains in float8 (tensorwise), the default space holds
-    precision.float8_all_gather (null = auto, true, false: the math is the same either way);
+    precision.float8_all_gather (auto, true, false: the math is the same either way);
     the filter and the mode change the numerics: only with --allow-numerics. float8 runs on CPU
     ranks here through the test-only switch."""
     from conftest import fsdprun_env
@@ -1281,5 +1287,5 @@ def test_tune_searches_float8_all_gather_where_float8_runs_and_its_filter_as_num
     proc = run_fsdprun(*base, *numerics, "--allow-numerics", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     space = {k["key"]: k["values"] for k in json.loads(proc.stdout)["space"]}
-    assert space["precision.float8_all_gather"] == ["null", "true", "false"]
+    assert space["precision.float8_all_gather"] == ["auto", "true", "false"]
     assert space["precision.float8_filter"] == ["default", "skip_small"]

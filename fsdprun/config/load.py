@@ -28,7 +28,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fsdprun.config.hub import hub_folder, is_hub_id
 from fsdprun.config.plain_yaml import NotPlainData, load_yaml
-from fsdprun.config.schema import SECTIONS, RecipeConfig, schema_fields
+from fsdprun.config.schema import (
+    AUTO,
+    SECTIONS,
+    RecipeConfig,
+    auto_keys,
+    from_auto,
+    schema_fields,
+    to_auto,
+)
 from fsdprun.config.validate import validate
 from fsdprun.errors import UserError
 
@@ -156,7 +164,7 @@ def _flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
                 raise UserError(f"{source}: unknown key '{dotted}'{_closest(dotted, list(fields))}")
             _check_plain(dotted, value, source)
             _check_interpolation(dotted, value, source)
-            flat[dotted] = value
+            flat[dotted] = from_auto(dotted, value)
     return flat
 
 
@@ -324,7 +332,7 @@ def parse_overrides(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
         key = ALIASES.get(key.strip(), key.strip())
         if key not in fields:
             raise UserError(f"override '{item}': unknown key '{key}'{_closest(key, list(fields))}")
-        value = _parse_value(key, raw, fields[key])
+        value = from_auto(key, _parse_value(key, raw, fields[key]))
         _check_plain(key, value, CLI_SOURCE)
         _check_interpolation(key, value, CLI_SOURCE)
         values[key] = value
@@ -408,6 +416,8 @@ def _merge(layers: list[Layer]) -> RecipeConfig:
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None) or "?"
             msg = str(e).splitlines()[0]
+            if key in auto_keys():
+                msg += f"; or {AUTO} (null) to let fsdprun decide"
             raise UserError(f"{layer.source}: {key}: {msg}") from e
     _check_expansion(merged)
     try:
@@ -472,30 +482,32 @@ def load_recipe(
 # Writing
 
 
-def config_to_dict(cfg: RecipeConfig) -> dict[str, Any]:
-    """Plain nested dict (enums as their values), for YAML, JSON and manifests."""
+def config_to_dict(cfg: RecipeConfig, *, auto: bool = False) -> dict[str, Any]:
+    """Plain nested dict (enums as their values), for YAML, JSON and manifests. `auto`: the
+    keys whose null lets fsdprun decide say `auto` (as a recipe writes them; what `fsdprun
+    config` prints), not null (as manifests record them)."""
 
-    def plain(value: Any) -> Any:
+    def plain(key: str, value: Any) -> Any:
         if isinstance(value, enum.Enum):
             return value.value
         if isinstance(value, list):
-            return [plain(v) for v in value]
-        return value
+            return [plain(key, v) for v in value]
+        return to_auto(key, value) if auto else value
 
     return {
-        s.name: {f.name: plain(getattr(getattr(cfg, s.name), f.name))
+        s.name: {f.name: plain(f"{s.name}.{f.name}", getattr(getattr(cfg, s.name), f.name))
                  for f in dataclasses.fields(getattr(cfg, s.name))}
         for s in dataclasses.fields(cfg)
     }  # fmt: skip
 
 
 def dump_config(cfg: RecipeConfig) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    return yaml.safe_dump(config_to_dict(cfg, auto=True), sort_keys=False)
 
 
 def explain(resolved: ResolvedRecipe) -> str:
     """The resolved recipe as YAML with, after each key, the layer that set it."""
-    data = config_to_dict(resolved.config)
+    data = config_to_dict(resolved.config, auto=True)
     lines = []
     for section, body in data.items():
         lines.append(f"{section}:")

@@ -50,6 +50,7 @@ class ModelFacts:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     attention_dropout: float = 0.0
+    attn_softcap: float | None = None  # Gemma 2's attn_logit_softcapping of the scores
     num_experts: int | None = None  # experts per mixture-of-experts layer; None: dense
     num_experts_per_tok: int | None = None
     expert_ffn_dim: int | None = None  # each expert's hidden size (moe_intermediate_size)
@@ -76,8 +77,10 @@ class ModelFacts:
         if self.n_heads is None or self.n_kv_heads is None or self.ffn_dim is None:
             return None
         if self.hf:
+            # A mixture of experts' experts are split between the TP ranks whole.
+            experts = {"num_experts": self.num_experts} if self.num_experts else {}
             return {"num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
-                    "intermediate_size": self.ffn_dim}  # fmt: skip
+                    "intermediate_size": self.ffn_dim, **experts}  # fmt: skip
         return {"model.n_heads": self.n_heads, "model.n_kv_heads": self.n_kv_heads,
                 "model.ffn_dim": self.ffn_dim}  # fmt: skip
 
@@ -169,6 +172,7 @@ def _folder_facts(folder: str, mtime_ns: int, size: int) -> ModelFacts | None:
         sliding_window=_count(hf.get("sliding_window")),
         layer_types=tuple(map(str, layer_types)) if isinstance(layer_types, list) else None,
         attention_dropout=_number(hf.get("attention_dropout")),
+        attn_softcap=_number(hf.get("attn_logit_softcapping")) or None,
         num_experts=experts,
         num_experts_per_tok=_count(hf.get("num_experts_per_tok")),
         expert_ffn_dim=_count(hf.get("moe_intermediate_size")) if experts else None,

@@ -33,6 +33,8 @@ def _type_name(f: dataclasses.Field) -> str:
     parts = [p.strip() for p in str(f.type).split("|")]
     names = ["null" if p == "None" else "enum" if isinstance(vars(schema).get(p), enum.EnumMeta)
              else p for p in parts]  # fmt: skip
+    if f.metadata.get("auto"):  # null, also spelt `auto` (schema.AUTO)
+        return f"{', '.join(n for n in names if n != 'null')}, {schema.AUTO} or null"
     return " or ".join(names)
 
 
@@ -40,7 +42,7 @@ def recipe_reference() -> str:
     """The recipe reference as a Markdown table (every key, its type, its default, what it
     does); docs/recipes.md embeds it (scripts/update_docs.py) and a test keeps the two equal."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    defaults = config_to_dict(RecipeConfig())
+    defaults = config_to_dict(RecipeConfig(), auto=True)
     for key, f in schema_fields().items():
         section, leaf = key.split(".")
         default = defaults[section][leaf]

@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsdprun.rundir import DEFAULT_METRICS_FILE
 
 
-def _f(default: Any, help: str, **kwargs: Any) -> Any:
-    """A schema field with its help text (feeds `fsdprun config --explain` and docs/recipes.md)."""
+def _f(default: Any, help: str, *, auto: bool = False, **kwargs: Any) -> Any:
+    """A schema field with its help text (feeds `fsdprun config --explain` and docs/recipes.md);
+    `auto`: its null means fsdprun decides, and `auto` is accepted as its spelling (AUTO)."""
+    metadata = {"help": help, **({"auto": True} if auto else {})}
     if isinstance(default, list | dict):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help}, **kwargs)
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata, **kwargs)
+
+
+# The spelling of null for the keys whose null lets fsdprun decide (`_f(..., auto=True)`), as
+# `parallel.cp_impl` and the other enums spell their own `auto`: a recipe or an override may
+# write either, the typed config holds None, and `fsdprun config` prints `auto`.
+AUTO = "auto"
 
 
 class Dtype(enum.Enum):
@@ -234,9 +243,11 @@ class PrecisionConfig:
     float8_all_gather: bool | None = _f(
         None,
         "tensorwise float8: all-gather the weights in float8 (1 byte a parameter) and "
-        "precompute their scales after each optimizer step; null = auto: on only where weights "
-        "are gathered across ranks (a shard group, dp_shard, of more than 1 rank), since with "
-        "nothing to gather it is pure overhead. The header says which was chosen and why.",
+        "precompute their scales after each optimizer step (true/false); `auto` (or null): on "
+        "only where weights are gathered across ranks (a shard group, dp_shard, of more than 1 "
+        "rank), since with nothing to gather it is pure overhead. The header says which was "
+        "chosen and why.",
+        auto=True,
     )
     float8_filter: Float8Filter = _f(
         Float8Filter.default,
@@ -260,19 +271,25 @@ class FsdpConfig:
         "What is sharded: `full` (ZeRO-3: parameters, gradients, optimizer state), `grad_op` "
         "(ZeRO-2: parameters stay gathered from forward to backward), `hybrid` (full inside "
         "groups of shard_group_size ranks, replicated across them), `hybrid_zero2` (grad_op "
-        "inside groups), `none` (replicated, DDP-like). fsdp2: a 1-D or 2-D mesh plus "
+        "inside groups), `none` (replicated across data-parallel ranks, DDP-like: under "
+        "parallel.cp each copy is still sharded over its cp ranks, under parallel.tp split over "
+        "its tp ranks; the header says what a rank holds). fsdp2: a 1-D or 2-D mesh plus "
         "reshard_after_forward; fsdp1: ShardingStrategy; ddp: ignored.",
     )
     shard_group_size: int | None = _f(
         None,
-        "Ranks per shard group for hybrid/hybrid_zero2 (must divide the world size); "
-        "null = launch.nproc_per_node (shard inside a node, replicate across nodes).",
+        "Data-parallel ranks per shard group for hybrid/hybrid_zero2 (must divide the "
+        "data-parallel size, world size / (parallel.tp x parallel.cp)); null = one node's "
+        "(shard inside a node, replicate across nodes). Under parallel.cp FSDP2 shards over "
+        "these ranks x cp (2 at cp 2: groups of 4 ranks); under parallel.tp each parameter is "
+        "split over the tp ranks besides.",
     )
     reshard_after_forward: bool | None = _f(
         None,
         "fsdp2 only: override what fsdp.sharding implies (true = free gathered parameters "
-        "after forward, ZeRO-3; false = keep them until backward, ZeRO-2); null = from "
-        "fsdp.sharding.",
+        "after forward, ZeRO-3; false = keep them until backward, ZeRO-2); `auto` (or null) = "
+        "from fsdp.sharding.",
+        auto=True,
     )
     wrap: WrapPolicy = _f(
         WrapPolicy.block,
@@ -817,6 +834,22 @@ def schema_fields() -> dict[str, dataclasses.Field]:
         for f in dataclasses.fields(section.default_factory):
             out[f"{section.name}.{f.name}"] = f
     return out
+
+
+@functools.cache
+def auto_keys() -> tuple[str, ...]:
+    """The keys whose null lets fsdprun decide, for which `auto` (AUTO) spells null."""
+    return tuple(key for key, f in schema_fields().items() if f.metadata.get("auto"))
+
+
+def from_auto(key: str, value: Any) -> Any:
+    """A recipe value as the schema types it: AUTO is None for `auto_keys()`, else as given."""
+    return None if value == AUTO and key in auto_keys() else value
+
+
+def to_auto(key: str, value: Any) -> Any:
+    """A typed value as a recipe writes it: None is AUTO for `auto_keys()`, else as given."""
+    return AUTO if value is None and key in auto_keys() else value
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(RecipeConfig))

@@ -42,6 +42,7 @@ from fsdprun.config.schema import (
     ProfileConfig,
     RecipeConfig,
     WrapPolicy,
+    from_auto,
 )
 from fsdprun.families import family_problem
 from fsdprun.report.trackers import tracker_errors
@@ -181,7 +182,7 @@ def _recipe_errors(cfg: RecipeConfig, ws: int) -> list[str]:
     if cfg.precision.float8_all_gather and cfg.precision.float8 is Float8.rowwise:
         errors.append(
             "precision.float8_all_gather=true needs precision.float8=tensorwise (torchao gathers "
-            "only tensorwise weights in float8); set precision.float8_all_gather=null"
+            "only tensorwise weights in float8); set precision.float8_all_gather=auto"
         )
     ac = cfg.activation_checkpointing
     if ac.mode is CheckpointMode.every_n and ac.every_n < 1:
@@ -522,8 +523,9 @@ def tune_space_errors(space: dict[str, list[str]], *, where: str) -> list[str]:
         kind = next(f for f in dataclasses.fields(RecipeConfig) if f.name == section)
         node = OmegaConf.structured(kind.default_factory)
         for value in values:
+            typed = from_auto(key, _yaml_value(value))
             try:
-                merged = getattr(OmegaConf.merge(node, {name: _yaml_value(value)}), name)
+                merged = getattr(OmegaConf.merge(node, {name: typed}), name)
             except Exception:  # noqa: BLE001 - omegaconf's ValidationError and its subclasses
                 default = getattr(kind.default_factory(), name)
                 choices = (f" (one of {', '.join(m.value for m in type(default))})"

@@ -14,9 +14,10 @@ import math
 from dataclasses import dataclass
 
 from fsdprun.config import CheckpointMode, LossKind, RecipeConfig
-from fsdprun.config.layout import Layout
+from fsdprun.config.layout import Layout, cp_impl
+from fsdprun.config.model_facts import model_facts
 from fsdprun.engines.base import DTYPE_BYTES
-from fsdprun.engines.cp import cp_local_seq
+from fsdprun.engines.cp import cp_local_seq, ring_working_bytes
 from fsdprun.models import model_spec
 
 ACTIVATION_FORMULA = (
@@ -116,9 +117,26 @@ def loss_bytes(cfg: RecipeConfig) -> int:
     return tokens * vocab * (c + 8)
 
 
+def ring_bytes(cfg: RecipeConfig) -> int:
+    """What the ring's attention holds while one layer runs, where parallel.cp_impl resolves
+    to the ring (`engines.cp.RING_MEMORY_FORMULA`); 0 elsewhere (the all-to-all's buffers are
+    the slice's own size and transient, as CP_ACTIVATION_FORMULA says)."""
+    facts = model_facts(cfg.model)
+    if not Layout.of(cfg).is_cp or cp_impl(cfg, facts) != "ring":
+        return 0
+    m, d = cfg.model, _token_dims(cfg)
+    head_dim = m.dim // m.n_heads
+    return ring_working_bytes(
+        micro=cfg.train.micro_batch_size, heads=d.heads, kv_heads=d.kv_dim // head_dim,
+        head_dim=head_dim, local_seq=d.tokens // cfg.train.micro_batch_size,
+        dtype_bytes=DTYPE_BYTES[cfg.precision.param_dtype],
+        softcap=facts is not None and facts.attn_softcap is not None,
+    )  # fmt: skip
+
+
 def activation_bytes(cfg: RecipeConfig) -> int:
     """Activations one rank keeps for backward for one micro-batch (estimate; see
-    ACTIVATION_FORMULA)."""
+    ACTIVATION_FORMULA), with the ring's working memory where it computes attention."""
     m = cfg.model
     c = DTYPE_BYTES[cfg.precision.param_dtype]
     block = block_activation_bytes(cfg)
@@ -136,4 +154,6 @@ def activation_bytes(cfg: RecipeConfig) -> int:
     )
     kept = checkpointed * per_checkpointed + (m.n_layers - checkpointed) * block
     recompute = block if checkpointed else 0  # one block's activations while it is recomputed
-    return kept + recompute + loss_bytes(cfg)
+    # The ring's largest buffers exist while a block's attention backward runs, once the loss
+    # has freed the logits: the peak holds one or the other.
+    return kept + recompute + max(loss_bytes(cfg), ring_bytes(cfg))

@@ -241,9 +241,8 @@ class Engine:
 
             # A replicated DTensor (the same sum on every rank of the TP group) as a tensor.
             logits = self.model(batch.inputs, **model_kwargs)
-            self._count_experts()
-            return local_loss(self.loss(logits, targets, reduction="sum"))
-        if self.chunked_loss is None:
+            loss = local_loss(self.loss(logits, targets, reduction="sum"))
+        elif self.chunked_loss is None:
             loss = self.loss(self.model(batch.inputs, **model_kwargs), targets, reduction="sum")
         else:
             head = functools.partial(self.chunked_loss, targets=targets, reduction="sum")

@@ -13,10 +13,9 @@ model uses (SDPA's causal path and its fused kernels for plain rows, the dense o
 mask of packed rows, built from the whole row's document ids; a family's sliding window and
 soft-capping as the model applies them); a second all-to-all gives each rank its slice of every
 head back. The rotary positions are those of the slice (`positions` cut from the whole row's),
-applied before the exchange. The model is told which
-tokens of each row it holds (`cp_attention_modules`), so that rope types whose factors depend on
-the length (an HF folder's longrope or dynamic) take the whole row's documents'
-(`fsdprun.models.rope`).
+applied before the exchange. The model is told which tokens of each row it holds
+(`cp_attention_modules`), so that rope types whose factors depend on the length (an HF folder's
+longrope or dynamic) take the whole row's documents' (`fsdprun.models.rope`).
 
 The ring (`ring_attention`) keeps every head and this rank's queries: the keys and values of each
 cp rank's tokens go round the group (cp - 1 sends), and each rank computes its queries'
@@ -28,8 +27,11 @@ and 2 cp - 1 - j, so that under a causal mask every rank computes 2 cp + 1 of th
 pace). A pair whose keys all come after its queries is skipped (every mask fsdprun builds is
 causal), and so is one wholly outside a sliding window. The backward sends the keys and values
 round again with their gradients, which arrive home after the last step. Each pair is computed
-with matmuls in float32 (no fused kernel), `ROW_CHUNK_BYTES` of scores at a time, so memory holds
-one rank's keys and values besides this rank's own, not the whole row. It takes the whole row's
+with matmuls in float32 (no fused kernel), per kv head over its group of query heads (k and v
+are never repeated), `ROW_CHUNK_HEAD_DIMS x head_dim` query rows at a time (`ring_chunk_rows`),
+so memory holds one rank's keys and values besides this rank's own and scores a multiple of this
+rank's queries: everything scales with the slice, nothing with the whole row
+(`ring_working_bytes`, `RING_MEMORY_FORMULA`: what `fsdprun plan` counts). It takes the whole row's
 mask as the all-to-all does: None (causal), a dense mask (boolean, or additive for eager
 attention), or a FlexAttention BlockMask (its mask_mod evaluated per pair), and transformers'
 `scaling`, `softcap` and `sliding_window` arguments.
@@ -50,9 +52,10 @@ from typing import TYPE_CHECKING
 
 from fsdprun.errors import UserError
 
-# The scores (and, in the backward, their gradients) of at most this many bytes exist at a time
-# in the ring's block computation: the query rows of a block are taken this many at a time.
-ROW_CHUNK_BYTES = 256 * 2**20
+# The ring takes a chunk pair's query rows this many times the head dim at a time
+# (`ring_chunk_rows`): a chunk's float32 scores are then this many times this rank's queries in
+# float32, so the ring's memory scales with the slice (seq / cp), as the rest of a rank's does.
+ROW_CHUNK_HEAD_DIMS = 2
 
 if TYPE_CHECKING:
     import torch
@@ -139,31 +142,49 @@ def _block_mask(
     return block & inside if block.dtype == torch.bool else block.masked_fill(~inside, -torch.inf)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float | None):  # fmt: skip
-    """Scaled q k^T, soft-capped where the model caps its scores (Gemma 2: cap x tanh(s / cap),
-    before the mask, as its eager attention does), with a block's mask applied (-inf where a
-    query may not attend); and the soft-cap's derivative (None without one) for backward."""
+def _apply_mask(s: torch.Tensor, mask: torch.Tensor | None, group: int) -> torch.Tensor:
+    """Scores s (batch, kv_heads, group x rows, cols) with a block's (batch or 1, 1, rows, cols)
+    mask applied in place: -inf where a query may not attend (bool), or the float mask added."""
     import torch
 
-    s = (q @ k.transpose(-1, -2)) * scale
-    dcap = None
-    if softcap:
-        t = torch.tanh(s / softcap)
-        s, dcap = t * softcap, 1 - t * t
     if mask is None:
-        return s, dcap
+        return s
+    b, hk, _, cols = s.shape
+    by_head = s.view(b, hk, group, -1, cols)
+    mask = mask[:, :, None]  # (batch or 1, 1, 1, rows, cols): every head of every kv group
     if mask.dtype == torch.bool:
-        return s.masked_fill(~mask, float("-inf")), dcap
-    return s + mask, dcap
+        by_head.masked_fill_(mask.logical_not(), float("-inf"))
+    else:
+        by_head.add_(mask)
+    return s
 
 
-def _row_chunks(batch: int, heads: int, rows: int, cols: int, start: int = 0):
-    """Slices of a block's query rows (from local row `start`) whose scores take at most
-    ROW_CHUNK_BYTES (float32); each with its slice of the block's own rows."""
-    step = max(1, ROW_CHUNK_BYTES // max(1, batch * heads * cols * 4))
-    return [(slice(start + i, start + min(i + step, rows)), slice(i, min(i + step, rows)))
-            for i in range(0, rows, step)]  # fmt: skip
+def ring_chunk_rows(head_dim: int, rows: int) -> int:
+    """Query rows of a chunk pair taken at a time: ROW_CHUNK_HEAD_DIMS x the head dim (at most
+    the pair's `rows`), so that a chunk's float32 scores take ROW_CHUNK_HEAD_DIMS x the bytes of
+    this rank's queries in float32 (head_dim a row): the ring's working memory is a multiple of
+    its slice, whatever cp."""
+    return max(1, min(rows, ROW_CHUNK_HEAD_DIMS * head_dim))
+
+
+def _row_chunks(rows: slice, step: int) -> list[slice]:
+    """`rows` (a chunk of this rank's local query rows) `step` at a time."""
+    return [slice(i, min(i + step, rows.stop)) for i in range(rows.start, rows.stop, step)]
+
+
+def _grouped(t: torch.Tensor, rows: slice, kv_heads: int) -> torch.Tensor:
+    """Rows `rows` of t (batch, heads, seq, dim) as float32 (batch, kv_heads, heads / kv_heads x
+    rows, dim): each kv head's query heads one after another, so that one matmul against a kv
+    head's keys serves its whole group (grouped-query attention without repeating k and v).
+    May be a view of t: read only."""
+    b, _, _, d = t.shape
+    return t[:, :, rows].reshape(b, kv_heads, -1, d).float()
+
+
+def _softcap_(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Scores capped in place where the model caps them (Gemma 2: cap x tanh(s / cap), before
+    the mask, as its eager attention does)."""
+    return s.div_(softcap).tanh_().mul_(softcap) if softcap else s
 
 
 class _Ring:
@@ -216,95 +237,123 @@ class _Ring:
         return wait
 
 
-def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """k or v (batch, kv_heads, seq, dim) with each kv head repeated for its query heads."""
-    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
-
-
-def _reduce_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The gradient of `_expand_kv`: the query heads' parts summed per kv head."""
-    b, h, s, d = t.shape
-    return t.view(b, kv_heads, h // kv_heads, s, d).sum(2) if h != kv_heads else t
-
-
 @functools.cache
 def _ring_function():
     import torch
 
     class RingAttention(torch.autograd.Function):
-        """Ring attention of this rank's q chunks against every cp rank's k, v chunks."""
+        """Ring attention of this rank's q chunks against every cp rank's k, v chunks.
+
+        Memory (`ring_working_bytes` counts it for `fsdprun plan`): the float32 accumulators
+        of this rank's output (forward) or query gradient (backward), the keys and values in
+        hand and the ones arriving (with their float32 gradients in backward), and per chunk of
+        query rows its scores (one buffer forward, two backward: the probabilities and their
+        gradient, each computed in place; three with soft-capping, whose derivative is kept).
+        Nothing of the size of the whole row, nor a pair's whole scores, ever exists; k and v
+        are never repeated for their query heads (the matmuls run per kv head over its
+        group)."""
 
         @staticmethod
         def forward(ctx, q, k, v, mask, scale, softcap, window, ring):
-            b, h, n, _ = q.shape
-            qf = q.float()
+            b, h, n, d = q.shape
+            hk, group = k.shape[1], h // k.shape[1]
             out = torch.zeros(b, h, n, v.shape[-1], dtype=torch.float32, device=q.device)
             lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
-            kv = [k, v]
+            out_g, lse_g = out.view(b, hk, group, n, -1), lse.view(b, hk, group, n)
+            kv = [k.contiguous(), v.contiguous()]  # sent as they are
             for step in range(ring.size):
                 wait = ring.start(kv) if step < ring.size - 1 else None
                 pairs = ring.pairs((ring.rank - step) % ring.size, n, window)
-                kf, vf = (_expand_kv(t, h).float() for t in kv) if pairs else (None, None)
+                kf, vf = (t.float() for t in kv) if pairs else (None, None)
                 for (qi, rows), (ki, cols) in pairs:
                     bm = _block_mask(mask, rows, cols, b, q.device, window)
-                    for r, c in _row_chunks(b, h, qi.stop - qi.start, ki.stop - ki.start, qi.start):
-                        s, _ = _scores(qf[:, :, r], kf[:, :, ki], None if bm is None else
-                                       bm[:, :, c], scale, softcap)  # fmt: skip
-                        new = torch.logaddexp(lse[:, :, r], torch.logsumexp(s, dim=-1))
+                    kc, vc = kf[:, :, ki], vf[:, :, ki]
+                    for c in _row_chunks(qi, ring_chunk_rows(d, qi.stop - qi.start)):
+                        at = slice(c.start - qi.start, c.stop - qi.start)  # rows of the pair
+                        s = _grouped(q, c, hk).mul(scale) @ kc.transpose(-1, -2)
+                        s = _apply_mask(_softcap_(s, softcap), None if bm is None else
+                                        bm[:, :, at], group)  # fmt: skip
+                        top = s.amax(-1)  # (b, hk, group x rows)
                         # A row that has seen no key yet (a chunk masked whole for it, e.g. a
                         # document that starts later) keeps -inf: its weights are 0, not NaN.
-                        safe = new.masked_fill(new == float("-inf"), 0.0)
-                        out[:, :, r] = out[:, :, r] * torch.exp(lse[:, :, r] - safe)[..., None] + (
-                            torch.exp(s - safe[..., None]) @ vf[:, :, ki]
-                        )
-                        lse[:, :, r] = new
+                        top = top.masked_fill(top == float("-inf"), 0)
+                        p = s.sub_(top[..., None]).exp_()  # in place: the scores' buffer
+                        total = p.sum(-1)
+                        old = lse_g[:, :, :, c].reshape(total.shape)
+                        new = torch.logaddexp(old, top + total.log())
+                        base = new.masked_fill(new == float("-inf"), 0)
+                        keep = (old - base).exp().view(b, hk, group, -1, 1)
+                        add = (top - base).exp().masked_fill(total == 0, 0)[..., None]
+                        part = (p @ vc).mul_(add).view(b, hk, group, c.stop - c.start, -1)
+                        out_g[:, :, :, c].mul_(keep).add_(part)
+                        lse_g[:, :, :, c] = new.view(b, hk, group, -1)
+                        del s, p
+                del kf, vf
                 if wait is not None:
                     kv = wait()
+            out = out.to(q.dtype)  # saved as returned: backward's softmax term reads it
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.mask, ctx.scale, ctx.softcap, ctx.window = mask, scale, softcap, window
             ctx.ring = ring
-            return out.to(q.dtype)
+            return out
 
         @staticmethod
         def backward(ctx, grad_out):
             q, k, v, out, lse = ctx.saved_tensors
             mask, scale, softcap, window, ring = (ctx.mask, ctx.scale, ctx.softcap, ctx.window,
                                                   ctx.ring)  # fmt: skip
-            b, h, n, _ = q.shape
-            qf, do = q.float(), grad_out.float()
-            delta = (do * out).sum(-1)  # (b, h, n): the softmax's backward term
-            dq = torch.zeros_like(qf)
-            # Each slice travels with the gradients of its keys and values so far.
-            travel = [k, v, torch.zeros_like(k, dtype=torch.float32),
-                      torch.zeros_like(v, dtype=torch.float32)]  # fmt: skip
+            b, h, n, d = q.shape
+            hk, group = k.shape[1], h // k.shape[1]
+            delta = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
+            for c in _row_chunks(slice(0, n), ring_chunk_rows(d, n)):  # the softmax's term
+                delta[:, :, c] = (grad_out[:, :, c].float() * out[:, :, c].float()).sum(-1)
+            dq = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
+            dq_g, delta_g, lse_g = (dq.view(b, hk, group, n, d), delta.view(b, hk, group, n),
+                                    lse.view(b, hk, group, n))  # fmt: skip
+            # The keys and values travel with the float32 gradients of their keys and values
+            # so far.
+            kk, vv = k.contiguous(), v.contiguous()
+            dk = torch.zeros(kk.shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(vv.shape, dtype=torch.float32, device=q.device)
             for step in range(ring.size):
-                kk, vv, dk, dv = travel
                 pairs = ring.pairs((ring.rank - step) % ring.size, n, window)
-                if pairs:
-                    kf, vf = _expand_kv(kk, h).float(), _expand_kv(vv, h).float()
-                    dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
+                kf, vf = (kk.float(), vv.float()) if pairs else (None, None)
                 for (qi, rows), (ki, cols) in pairs:
                     bm = _block_mask(mask, rows, cols, b, q.device, window)
-                    for r, c in _row_chunks(b, h, qi.stop - qi.start, ki.stop - ki.start, qi.start):
-                        s, dcap = _scores(qf[:, :, r], kf[:, :, ki], None if bm is None else
-                                          bm[:, :, c], scale, softcap)  # fmt: skip
-                        p = torch.exp(s - lse[:, :, r, None])
-                        dvf[:, :, ki] += p.transpose(-1, -2) @ do[:, :, r]
-                        ds = p * (
-                            do[:, :, r] @ vf[:, :, ki].transpose(-1, -2) - delta[:, :, r, None]
-                        )
+                    kc, vc, m = kf[:, :, ki], vf[:, :, ki], ki.stop - ki.start
+                    dk_b = dk[:, :, ki].reshape(b * hk, m, -1)
+                    dv_b = dv[:, :, ki].reshape(b * hk, m, -1)
+                    for c in _row_chunks(qi, ring_chunk_rows(d, qi.stop - qi.start)):
+                        r, at = c.stop - c.start, slice(c.start - qi.start, c.stop - qi.start)
+                        qc = _grouped(q, c, hk).mul(scale)  # (b, hk, group x r, d)
+                        do = _grouped(grad_out, c, hk)
+                        s = qc @ kc.transpose(-1, -2)
+                        dcap = None
+                        if softcap:  # keep tanh for the cap's derivative, 1 - tanh^2
+                            dcap = s.div_(softcap).tanh_()
+                            s = dcap.mul(softcap)
+                        s = _apply_mask(s, None if bm is None else bm[:, :, at], group)
+                        own = lse_g[:, :, :, c].reshape(b, hk, -1, 1)
+                        p = s.sub_(own).exp_()  # the probabilities, in the scores' buffer
+                        dv_b.baddbmm_(p.view(b * hk, -1, m).transpose(1, 2),
+                                      do.reshape(b * hk, group * r, -1))  # fmt: skip
+                        term = delta_g[:, :, :, c].reshape(b, hk, -1, 1)
+                        ds = (do @ vc.transpose(-1, -2)).sub_(term).mul_(p)
+                        del s, p
                         if dcap is not None:
-                            ds = ds * dcap
-                        dq[:, :, r] += (ds @ kf[:, :, ki]) * scale
-                        dkf[:, :, ki] += (ds.transpose(-1, -2) @ qf[:, :, r]) * scale
-                if pairs:
-                    dk = dk + _reduce_kv(dkf, kk.shape[1])
-                    dv = dv + _reduce_kv(dvf, vv.shape[1])
-                # After the last step the slice is one rank short of home: one more send.
-                travel = (
-                    ring.start([kk, vv, dk, dv])() if step < ring.size - 1 else [kk, vv, dk, dv]
-                )
-            dk, dv = ring.start([travel[2], travel[3]])() if ring.size > 1 else travel[2:]
+                            ds.mul_(dcap.mul_(dcap).neg_().add_(1))
+                            del dcap
+                        dq_g[:, :, :, c] += (ds @ kc).mul_(scale).view(b, hk, group, r, d)
+                        dk_b.baddbmm_(ds.view(b * hk, -1, m).transpose(1, 2),
+                                      qc.reshape(b * hk, group * r, d))  # fmt: skip
+                        del ds
+                    dk[:, :, ki] = dk_b.view(b, hk, m, -1)
+                    dv[:, :, ki] = dv_b.view(b, hk, m, -1)
+                del kf, vf
+                # After the last step the keys are one rank short of home: one more send.
+                if step < ring.size - 1:
+                    kk, vv, dk, dv = ring.start([kk, vv, dk, dv])()
+            dk, dv = ring.start([dk, dv])() if ring.size > 1 else (dk, dv)
             grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
             return (*grads, None, None, None, None, None)
 
@@ -372,6 +421,44 @@ CP_ACTIVATION_FORMULA = (
     "all-to-all's send and receive buffers (transient) and, for packed rows, the dense "
     "seq x seq document mask every rank builds on CPU (FlexAttention's block mask on CUDA)"
 )
+
+
+RING_MEMORY_FORMULA = (
+    "parallel.cp_impl=ring: besides what it saves (q, k, v, its output and the log-sum-exp, "
+    "as SDPA does), the ring's attention holds while it runs, at most one layer at a time: "
+    "in backward, the float32 query gradient (micro*heads*n*head_dim*4, n = seq/cp), the "
+    "softmax term (micro*heads*n*4), the keys and values in hand in param_dtype with their "
+    "float32 gradients (2*micro*kv_heads*n*head_dim*(c + 4), float32 copies besides when "
+    f"c < 4), and per chunk of r = min(n/2, {ROW_CHUNK_HEAD_DIMS}*head_dim) query rows of a "
+    "zig-zag chunk pair two float32 score buffers against the n/2 keys of the pair "
+    "(2*micro*heads*r*n/2*4; three with soft-capping) with the chunk's queries and output "
+    "gradients (2*micro*heads*r*head_dim*4); while the keys travel, two of them; in forward "
+    "the float32 output, the keys in hand and the ones arriving, one score buffer: the larger "
+    "of the two"
+)
+
+
+def ring_working_bytes(
+    *, micro: int, heads: int, kv_heads: int, head_dim: int, local_seq: int, dtype_bytes: int,
+    softcap: bool = False,
+) -> int:  # fmt: skip
+    """Bytes the ring's attention allocates on a rank while one layer's forward or backward
+    runs, beyond the tensors it is given and saves (RING_MEMORY_FORMULA; `RingAttention`'s
+    buffers, counted as it allocates them). Every term scales with the slice, `local_seq`
+    tokens (two zig-zag chunks of local_seq / 2): none with the whole row."""
+    n, d, c = local_seq, head_dim, dtype_bytes
+    half = max(n // 2, 1)  # the tokens of one zig-zag chunk: a pair's rows and columns
+    r = ring_chunk_rows(d, half)
+    q4, lse = micro * heads * n * d * 4, micro * heads * n * 4
+    k4, kc = micro * kv_heads * n * d * 4, micro * kv_heads * n * d * c
+    scores, rows4 = micro * heads * r * half * 4, micro * heads * r * d * 4
+    cast = 2 * k4 if c != 4 else 0  # float32 copies of the keys and values in hand
+    chunk_k4 = micro * kv_heads * half * d * 4  # a pair's key gradients, gathered and put back
+    forward = q4 + lse + 4 * kc + cast + scores + 2 * rows4
+    compute = 2 * kc + 2 * k4 + cast + (3 if softcap else 2) * scores + 3 * rows4 + 2 * chunk_k4
+    travel = 4 * kc + 4 * k4
+    backward = q4 + lse + max(compute, travel)
+    return max(forward, backward)
 
 
 def cp_local_seq(seq_len: int, cp: int) -> int:

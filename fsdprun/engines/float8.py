@@ -16,8 +16,12 @@ pays only where weights are gathered across ranks. With a shard group of one ran
 gathered: the cast, the scale precompute and FSDP's float8 copy-in are pure overhead, run
 outside the compiled blocks every step (measured on one H200: fsdprun's float8 step at
 0.77-0.86x a plain float8 loop with torchao's defaults). So `null` (auto, the default) turns it
-on only with tensorwise and a shard group (`dp_shard`) of more than one rank; `true`/`false`
-force it.
+on only with tensorwise and a shard group (`dp_shard`, times cp) of more than one rank;
+`true`/`false` force it.
+
+Under tensor and context parallel (`fsdprun.engines.tp`, `apply_float8_cp`) every cast takes
+the scale of the whole tensor, as one rank's: torchao's float8 TP styles, DTensor's reductions
+over the TP group, fsdprun's over the cp group.
 
 Which Linears are converted (`float8_eligible`, printed in the run header and by `plan`): not
 the output projection (its output feeds the loss, whose precision matters most, and it is the
@@ -38,6 +42,7 @@ are converted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterable
 
@@ -89,7 +94,9 @@ def float8_plan(cfg, world_size: int | None = None) -> Float8Plan:
     from fsdprun.config.schema import Float8Filter
 
     mode = cfg.precision.float8.value
-    group = Layout.of(cfg, world_size).shard_group
+    # FSDP2 gathers each weight over its shard group and, under context parallel, the cp ranks
+    # too (it shards over dp_shard x cp).
+    group = Layout.of(cfg, world_size).fsdp_shards
     on, why = all_gather_choice(mode, cfg.precision.float8_all_gather, group)
     return Float8Plan(mode, on, why, cfg.precision.float8_filter is Float8Filter.skip_small)
 
@@ -179,7 +186,8 @@ def all_gather_choice(mode: str, setting: bool | None, shard_group: int) -> tupl
     Args:
         mode: precision.float8 (off, tensorwise, rowwise).
         setting: precision.float8_all_gather (None: auto).
-        shard_group: ranks the weights are sharded over (`dp_shard`; 1: nothing is gathered).
+        shard_group: ranks the weights are sharded over (`dp_shard`, times cp; 1: nothing is
+            gathered).
     """
     if mode != "tensorwise":
         return False, "off (tensorwise only)" if mode != "off" else "off"
@@ -236,6 +244,117 @@ def apply_float8(
 
     float8.convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def tensorwise(module: nn.Module) -> bool:
+    """Whether `module` is a Float8Linear of dynamic scales, one per tensor, for its input,
+    weight and output gradient (the tensorwise recipe): what torchao's float8 TP styles and
+    `apply_float8_cp` take."""
+    config = getattr(module, "config", None)
+    if type(module).__name__ != "Float8Linear" or config is None:
+        return False
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    casts = (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output)
+    dynamic = all(c.scaling_type is ScalingType.DYNAMIC for c in casts)
+    return dynamic and all(c.scaling_granularity is ScalingGranularity.TENSORWISE for c in casts)
+
+
+def float8_tp_styles(mode: str, *, cp: bool, device_kind: str) -> bool:
+    """Whether tensor parallel splits the float8 Linears with torchao's float8 TP styles
+    (`engines.tp.apply_tp`): the tensorwise recipe without context parallel, on an accelerator.
+    Their scales are taken over the TP group only, so under cp x tp torch's own styles split the
+    Linears and `apply_float8_cp` casts; and they all-gather float8 tensors, which gloo (CPU
+    ranks, the test switch) cannot send ("Invalid scalar type"): there too the Linears cast
+    what torch's styles hand them, the same values in high precision on the wire."""
+    return mode == "tensorwise" and not cp and device_kind != "cpu"
+
+
+def _cast(x, module: nn.Module, dtype, role, meshes):
+    """`x` (a tensor, or a DTensor of tensor parallel) cast to float8 for `module`'s matmul with
+    the scale of the whole tensor its pieces on `meshes` make up: the largest magnitude over
+    those ranks (every other step as torchao's own tensorwise cast, `tensor_to_scale`). A
+    replica's equal maximum changes nothing, so `meshes` may hold dims a tensor is replicated
+    on."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import DTensor, Replicate
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale
+
+    with torch.no_grad():
+        local = x.to_local() if isinstance(x, DTensor) else x
+        amax = torch.max(torch.abs(local))
+        for mesh in meshes:  # a CPU-GPU sync-free scalar all-reduce per mesh dim
+            amax = funcol.all_reduce(amax, "MAX", mesh)
+        scale = amax_to_scale(amax, dtype, module.config.round_scales_to_power_of_2)
+        if isinstance(x, DTensor):
+            replicas = [Replicate()] * x.device_mesh.ndim
+            scale = DTensor.from_local(scale, x.device_mesh, replicas, run_check=False)
+    return hp_tensor_and_scale_to_float8(x, scale, dtype, module.linear_mm_config, role)
+
+
+@functools.cache
+def _gradient_cast():
+    """An autograd function: forward the identity; backward the gradient cast to float8 by
+    `_cast` (torchao's NoopFwToFloat8BwDynamic, with the scale over the given meshes)."""
+    import torch
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    class GradientCast(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, module, meshes):
+            ctx.module, ctx.meshes = module, meshes
+            return y
+
+        @staticmethod
+        def backward(ctx, grad):
+            if tensor_already_casted_to_fp8(grad):
+                return grad, None, None
+            dtype = ctx.module.config.cast_config_grad_output.target_dtype
+            return _cast(grad, ctx.module, dtype, GemmInputRole.GRAD_OUTPUT, ctx.meshes), None, None
+
+    return GradientCast
+
+
+def apply_float8_cp(model: nn.Module, *, meshes: list) -> int:
+    """Under context parallel: each tensorwise float8 Linear of `model` casts its input, and
+    its output's gradient, with the scale of the whole tensor across `meshes` (the cp mesh, and
+    the tp mesh under cp x tp), as one rank casts the whole rows; returns how many.
+
+    torchao's Float8Linear takes the scale of what reaches it: under context parallel a rank's
+    slice of the rows, so its casts (and so its losses) would differ from one rank's. A forward
+    pre-hook casts the input (the matmul then takes it as it is, and keeps it, in float8, for
+    the weight's gradient: one rank casts it the same way for both), a forward hook marks the
+    output so that its gradient is cast likewise (after the bias's gradient reads it). Under
+    cp x tp the input is cast after tensor parallel's hooks have laid it out, and the gradient
+    after they have reduced it (the output hook goes first): what the matmul sees, in high
+    precision on the wire (gloo cannot send float8). Costs one scalar all-reduce per cast and
+    mesh dim. The weights are whole or TP DTensors there (FSDP has
+    gathered them): their scales are the whole weight's already.
+    """
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    grad_cast = _gradient_cast()
+    converted = [m for m in model.modules() if tensorwise(m)]
+
+    def cast_input(module, args):
+        x, *rest = args
+        from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+
+        if tensor_already_casted_to_fp8(x):
+            return None
+        dtype = module.config.cast_config_input.target_dtype
+        return (_cast(x, module, dtype, GemmInputRole.INPUT, meshes), *rest)
+
+    def mark_output(module, args, output):
+        return grad_cast.apply(output, module, meshes)
+
+    for module in converted:
+        module.register_forward_pre_hook(cast_input)
+        module.register_forward_hook(mark_output, prepend=True)
+    return len(converted)
 
 
 def precompute_scales(model: nn.Module, *, all_gather: bool) -> None:

@@ -150,7 +150,7 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
         "fsdp.sharding",
         f.sharding,
         f"{mesh}, reshard_after_forward={reshards_after_forward(sharding)}"
-        + (" (no sharding: shard groups of 1)" if sharding is Sharding.none else ""),
+        + (f" ({_unsharded_text(layout)})" if sharding is Sharding.none else ""),
     )
     if f.reshard_after_forward is not None:
         add(
@@ -159,7 +159,7 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
             f"overrides fsdp.sharding: effective sharding {sharding.value}",
         )
     if f.shard_group_size is not None or sharding in (Sharding.hybrid, Sharding.hybrid_zero2):
-        add("fsdp.shard_group_size", f.shard_group_size, f"{group} ranks per shard group")
+        add("fsdp.shard_group_size", f.shard_group_size, _shard_group_text(layout))
     wrap = {WrapPolicy.block: "fully_shard on each transformer block, then the root",
             WrapPolicy.size: f"fully_shard on modules with >= {f.min_num_params} params not yet "
                              "wrapped, then the root",
@@ -197,6 +197,36 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
     )
     add("fsdp.cpu_offload", f.cpu_offload, "CPUOffloadPolicy" if f.cpu_offload else "off")
     add("fsdp.accumulate_unsharded", f.accumulate_unsharded, _accumulation_text(cfg))
+
+
+def _split_text(layout: Layout) -> str:
+    """The ranks besides the shard group that split one copy of the model state: FSDP2 shards
+    over dp_shard x cp, and tensor parallel splits each parameter over tp."""
+    parts = [f"{n} {name} ranks" for name, n in (("cp", layout.cp), ("tp", layout.tp)) if n > 1]
+    return " x ".join(parts)
+
+
+def _unsharded_text(layout: Layout) -> str:
+    """What fsdp.sharding=none leaves on a rank: the whole state, or under cp and tp its share
+    of one copy (none replicates across data-parallel ranks only)."""
+    if layout.state_ranks == 1:
+        return "no sharding: every rank holds the whole model state"
+    return (
+        f"no sharding across data-parallel ranks: each of the {layout.dp} holds a whole copy, "
+        f"split over its {_split_text(layout)}: 1/{layout.state_ranks} of the model state a rank"
+    )
+
+
+def _shard_group_text(layout: Layout) -> str:
+    """fsdp.shard_group_size counts data-parallel ranks: under cp, FSDP2 shards over them times
+    the cp ranks; under tp, each parameter is split over the tp ranks besides."""
+    group = layout.shard_group
+    if layout.state_ranks == group:
+        return f"{group} ranks per shard group"
+    return (
+        f"{group} data-parallel ranks per shard group, each with its {_split_text(layout)}: "
+        f"one copy of the model state split over {layout.state_ranks} ranks"
+    )
 
 
 def unit_plan(paths: list[str], fsdp: FsdpConfig) -> list[UnitPlan]:

@@ -1,5 +1,7 @@
 """Tensor parallelism (`parallel.tp`): the family's plan (`ModelSpec.tp_plan`) applied with
-torch's public ParallelStyles over the mesh's `tp` dim, the loss-parallel context the training
+torch's public ParallelStyles over the mesh's `tp` dim (torchao's float8 ones for float8
+Linears, fsdprun's own for LoRA's adapted Linears and a mixture of experts:
+`fsdprun.engines.tp_styles`), the loss-parallel context the training
 step runs in, and what a plan does to memory (the shape each parameter keeps on a TP rank, and
 the activations under sequence parallel, `TP_ACTIVATION_FORMULA`), which `fsdprun plan` composes.
 
@@ -49,9 +51,28 @@ def describe_style(style: str, plan: TPPlan) -> str:
     return TP_STYLES[style]
 
 
-def _style(style: str, plan: TPPlan, path: str):
-    """torch's ParallelStyle for one style name of `plan` (sequence parallel: the activations
-    between blocks are sharded on the sequence, dim 1)."""
+# Each Linear style's layouts as torch's ColwiseParallel / RowwiseParallel take them: whether it
+# splits the output features (column-wise) or the input features, the layout its input arrives
+# in, the layout its output leaves in, and whether the output is handed on as a local tensor.
+# Sequence parallel: the activations between blocks are sharded on the sequence, dim 1.
+_LINEAR_STYLES = {
+    "colwise": (True, "replicate", "shard_last", True),
+    "colwise_gather": (True, "replicate", "replicate", True),
+    # Logits stay vocab-sharded DTensors: cross-entropy under loss_parallel never gathers
+    # them (each rank holds batch x seq x vocab / tp).
+    "output": (True, "sequence", "shard_last", False),
+    "rowwise": (False, "shard_last", "sequence", True),
+    "rowwise_split": (False, "replicate", "sequence", True),
+}
+# The styles of a block's modules that read the input its `block_input` gathers.
+_INPUT_READERS = ("colwise", "colwise_gather", "router", "experts")
+
+
+def _style(style: str, plan: TPPlan, path: str, module: nn.Module, *, float8: bool = False):
+    """torch's ParallelStyle for one style name of `plan` at `path` (`module`: a LoRA-adapted
+    Linear takes `LoraParallel`; with `float8`, a tensorwise float8 Linear takes torchao's float8
+    style, and a block input read by such Linears only `PrepareFloat8ModuleInput`, which casts
+    it to float8 before its all-gather)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -60,11 +81,26 @@ def _style(style: str, plan: TPPlan, path: str):
         SequenceParallel,
     )
 
+    from fsdprun.engines import tp_styles
+    from fsdprun.engines.float8 import tensorwise
+    from fsdprun.models.lora import LoraLinear
+
     between = Shard(1)  # the activations between blocks
-    if style == "colwise":
-        return ColwiseParallel()
-    if style == "rowwise":
-        return RowwiseParallel(output_layouts=between)
+    if style in _LINEAR_STYLES:
+        columns, into, out, local = _LINEAR_STYLES[style]
+        layouts = {"replicate": Replicate(), "shard_last": Shard(-1), "sequence": between}
+        kwargs = {"input_layouts": layouts[into], "output_layouts": layouts[out],
+                  "use_local_output": local}  # fmt: skip
+        if isinstance(module, LoraLinear):
+            return tp_styles.LoraParallel(columns=columns, **kwargs)
+        if float8 and style in ("colwise", "rowwise") and tensorwise(module):
+            from torchao.float8.float8_tensor_parallel import (
+                Float8ColwiseParallel,
+                Float8RowwiseParallel,
+            )
+
+            return (Float8ColwiseParallel if columns else Float8RowwiseParallel)(**kwargs)
+        return (ColwiseParallel if columns else RowwiseParallel)(**kwargs)
     if style == "norm":
         return SequenceParallel()
     if style == "residual_norm":
@@ -75,49 +111,77 @@ def _style(style: str, plan: TPPlan, path: str):
         # (batch, seq, local heads, head_dim) after the column-wise q/k: the heads are dim 2.
         # The weight's gradient, summed over each rank's heads, is all-reduced by DTensor.
         return SequenceParallel(sequence_dim=2, use_local_output=True)
-    if style == "colwise_gather":
-        return ColwiseParallel(output_layouts=Replicate())
-    if style == "rowwise_split":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if style == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
-    if style == "output":
-        # Logits stay vocab-sharded DTensors: cross-entropy under loss_parallel never gathers
-        # them (each rank holds batch x seq x vocab / tp).
-        return ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
-                               use_local_output=False)  # fmt: skip
     if style == "block_input":
         n = plan.block_inputs[path.rsplit(".", 1)[-1]] if plan.block_inputs else 0
+        prepare = PrepareModuleInput
+        if float8 and _float8_readers(plan, path, module):
+            from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+            prepare = PrepareFloat8ModuleInput
         if n == 0:
-            return PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
+            return prepare(
+                input_kwarg_layouts={"hidden_states": between},
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
             )
         rest = (None,) * (n - 1)
-        return PrepareModuleInput(input_layouts=(Shard(1), *rest),
-                                  desired_input_layouts=(Replicate(), *rest))  # fmt: skip
+        return prepare(input_layouts=(between, *rest), desired_input_layouts=(Replicate(), *rest))
+    moe = {"moe": tp_styles.MoEBlockParallel, "router": tp_styles.RouterParallel,
+           "experts": tp_styles.ExpertsParallel}  # fmt: skip
+    if style in moe:
+        return moe[style]()
     raise AssertionError(f"unknown TP style {style!r}")
 
 
-# The module class each style splits: torch's ColwiseParallel / RowwiseParallel shard a Linear's
-# or an Embedding's weight as fsdprun applies them; `norm` and `block_input` split no weight
-# (SequenceParallel replicates it; PrepareModuleInput only redistributes the inputs).
-_STYLE_CLASSES = {"colwise": "Linear", "rowwise": "Linear", "output": "Linear",
-                  "colwise_gather": "Linear", "rowwise_split": "Linear",
-                  "embedding": "Embedding"}  # fmt: skip
+def _float8_readers(plan: TPPlan, path: str, module: nn.Module) -> bool:
+    """Whether every module of the block input at `path` that reads it is a column-wise,
+    tensorwise float8 Linear: then the input may be cast to float8 once, before its all-gather
+    (a reader of another kind would be handed float8 values it cannot take)."""
+    from fsdprun.engines.float8 import tensorwise
+
+    name = path.rsplit(".", 1)[-1]
+    readers = [(rel.removeprefix(f"{name}."), style) for rel, style in plan.blocks.items()
+               if rel.startswith(f"{name}.") and style in _INPUT_READERS]  # fmt: skip
+    return bool(readers) and all(
+        style == "colwise" and tensorwise(module.get_submodule(rel)) for rel, style in readers
+    )
 
 
-# What each style shards: a Linear's weight is (out, in), an Embedding's (vocab, dim).
-# Column-wise (and the vocab-sharded output) splits a Linear's outputs: dim 0 and its bias;
-# row-wise its inputs: dim 1, the bias replicated; the embedding its vocab rows. The norms (and
-# `block_input`, which owns no parameter) keep their parameters whole on every TP rank.
+def _splits(style: str, module: nn.Module) -> bool:
+    """Whether `module` is what `style` splits: torch's ColwiseParallel / RowwiseParallel split
+    a Linear's (or a LoRA-adapted one's, `LoraParallel`) or an Embedding's weight as fsdprun
+    applies them; `experts` a stack of experts that transformers can run in expert parallel
+    (its `_is_expert_parallel` sentinels); the other styles split no weight (SequenceParallel
+    and the router replicate theirs; `block_input` and `moe` only redistribute activations)."""
+    classes = {c.__name__ for c in type(module).__mro__}
+    if style in _LINEAR_STYLES:
+        return bool({"Linear", "LoraLinear"} & classes)
+    if style == "embedding":
+        return "Embedding" in classes
+    if style == "experts":
+        count = getattr(module, "num_experts", None)
+        return hasattr(module, "_is_expert_parallel") and isinstance(count, int)
+    return True
+
+
+# What each style shards, by parameter name under the module it applies to: a Linear's weight
+# is (out, in), an Embedding's (vocab, dim). Column-wise (and the vocab-sharded output) splits a
+# Linear's outputs: dim 0 and its bias, and a LoRA adapter's B (A replicated); row-wise its
+# inputs: dim 1 and A's (the bias and B replicated); the embedding its vocab rows; `experts`
+# every stacked parameter by experts ("*": dim 0). The norms and the router keep their
+# parameters whole on every TP rank (`block_input` and `moe` own none). The LoRA and experts
+# rows say what `engines.tp_styles` places; tests/test_plan_tp.py checks plan against them.
+_COLUMNS = {"weight": 0, "bias": 0, "lora_B.weight": 0}
+_ROWS = {"weight": 1, "lora_A.weight": 1}
 _STYLE_DIMS: dict[str, dict[str, int]] = {
-    "colwise": {"weight": 0, "bias": 0},
-    "colwise_gather": {"weight": 0, "bias": 0},
-    "output": {"weight": 0, "bias": 0},
-    "rowwise": {"weight": 1},
-    "rowwise_split": {"weight": 1},
+    "colwise": _COLUMNS,
+    "colwise_gather": _COLUMNS,
+    "output": _COLUMNS,
+    "rowwise": _ROWS,
+    "rowwise_split": _ROWS,
     "embedding": {"weight": 0},
+    "experts": {"*": 0},
 }
 
 
@@ -146,7 +210,7 @@ def _fold(paths: list[str], blocks: list[str]) -> str:
 
 
 def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str | None:
-    """Why `plan` (a family's plan, or why it has none) is not verified for `model`'s module
+    """Why `plan` (a family's plan, or why it has none) does not fit `model`'s module
     layout (one clause), or None.
 
     Verified means: every module the plan names exists and is of the class its style splits,
@@ -163,11 +227,7 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str
     modules = dict(model.named_modules())
     rows = plan_rows(blocks, plan)
     missing = [path for path, _ in rows if path not in modules]
-    wrong = [
-        path for path, style in rows
-        if path in modules and style in _STYLE_CLASSES
-        and _STYLE_CLASSES[style] not in {c.__name__ for c in type(modules[path]).__mro__}
-    ]  # fmt: skip
+    wrong = [path for path, style in rows if path in modules and not _splits(style, modules[path])]
     planned = dict(rows)
     # A tied tensor (Gemma's embedding and output) stays one parameter only where both of its
     # modules split it alike: `apply_tp` ties the output to the split embedding again.
@@ -176,9 +236,12 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str
         if len({_STYLE_DIMS.get(planned.get(n.rpartition(".")[0], ""), {}).get("weight")
                 for n in (name, first)}) > 1
     ]  # fmt: skip
+    # A LoRA adapter's A and B are split by its LoraLinear's style.
+    adapted = {p for p, m in modules.items() if p in planned and type(m).__name__ == "LoraLinear"}
     uncovered = [
         path for path, module in modules.items()
-        if path not in planned and next(module.parameters(recurse=False), None) is not None
+        if path not in planned and path.rpartition(".")[0] not in adapted
+        and next(module.parameters(recurse=False), None) is not None
     ]  # fmt: skip
     problems = []
     if uncovered:
@@ -187,13 +250,14 @@ def tp_plan_problem(model: nn.Module, plan: TPPlan | str, *, family: str) -> str
         problems.append(f"the model has no {_fold(missing, blocks)}, which the plan splits")
     if wrong:
         problems.append(
-            f"{_fold(wrong, blocks)} are not the Linear / Embedding modules the plan splits"
+            f"{_fold(wrong, blocks)} are not the Linear / Embedding / experts modules the plan "
+            "splits"
         )
     if untied:
         problems.append(f"{', '.join(untied)} are one tied tensor the plan splits two ways")
     if not problems:
         return None
-    return f"{family} has no verified tensor-parallel plan: {'; '.join(problems)}"
+    return f"{family} has no tensor-parallel plan that fits its modules: {'; '.join(problems)}"
 
 
 def tp_refusal(cfg: RecipeConfig, model: nn.Module) -> str | None:
@@ -211,10 +275,17 @@ def tp_refusal(cfg: RecipeConfig, model: nn.Module) -> str | None:
     return None if problem is None else f"parallel.tp={layout.tp}: {problem}; set parallel.tp=1"
 
 
-def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan | str) -> list[tuple[str, str]]:
-    """Parallelize `model` (on the meta device or materialized, before checkpointing, compile
-    and FSDP) over `tp_mesh` with the family's `plan` (a str: why it has none), in place;
-    parameter names do not change.
+def apply_tp(
+    model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan | str, float8: bool = False
+) -> list[tuple[str, str]]:
+    """Parallelize `model` (on the meta device or materialized, after LoRA and float8's
+    conversion, before checkpointing, compile and FSDP) over `tp_mesh` with the family's `plan`
+    (a str: why it has none), in place; parameter names do not change.
+
+    `float8`: the column- and row-wise float8 Linears of the tensorwise recipe take torchao's
+    float8 TP styles (their inputs cast to float8 before the all-gather, their output gradients
+    before the reduction: `_style`); without it torch's own styles split them, and the float8
+    Linears cast what reaches them (the rowwise recipe, which torchao's styles do not take).
 
     Returns:
         (module path, style) of every module parallelized, as `plan_rows` lists them.
@@ -230,13 +301,19 @@ def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan | str) -> li
         raise UserError(f"parallel.tp={tp_mesh.size()}: {problem}; set parallel.tp=1")
     rows = plan_rows(model.block_paths(), plan)
     tied = _tied(model)
+    # torch's SequenceParallel makes each norm weight a new Parameter that requires grad: a
+    # frozen one (LoRA's base) would train.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     for path, style in rows:
-        parallelize_module(model.get_submodule(path), tp_mesh, _style(style, plan, path))
+        module = model.get_submodule(path)
+        parallelize_module(module, tp_mesh, _style(style, plan, path, module, float8=float8))
     # Each style made its module a split parameter of its own: a tied one (checked above to be
     # split alike) is the first module's again, one tensor with one gradient, as unsplit.
     for name, first in tied:
         path, _, attr = name.rpartition(".")
         setattr(model.get_submodule(path), attr, model.get_parameter(first))
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
     return rows
 
 
@@ -354,7 +431,8 @@ def tp_shard_dims(model: nn.Module, plan: TPPlan | str) -> dict[int, int]:
         return dims
     for path, style in plan_rows(model.block_paths(), plan):
         rule = _STYLE_DIMS.get(style, {})
-        for name, p in model.get_submodule(path).named_parameters(recurse=False):
-            if name in rule:
-                dims[id(p)] = rule[name]
+        for name, p in model.get_submodule(path).named_parameters():
+            dim = rule.get(name, rule.get("*") if "." not in name else None)
+            if dim is not None:
+                dims[id(p)] = dim
     return dims

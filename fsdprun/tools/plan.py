@@ -56,9 +56,9 @@ from fsdprun.config import (
 from fsdprun.config.layout import Layout, effective_sharding, layout_errors
 from fsdprun.config.model_facts import model_facts
 from fsdprun.engines import ParamShape, rank_memory, translate, unit_plan
-from fsdprun.engines.activations import ACTIVATION_FORMULA, activation_bytes
+from fsdprun.engines.activations import ACTIVATION_FORMULA, activation_bytes, ring_bytes
 from fsdprun.engines.base import backward_prefetch_depth
-from fsdprun.engines.cp import CP_ACTIVATION_FORMULA
+from fsdprun.engines.cp import CP_ACTIVATION_FORMULA, RING_MEMORY_FORMULA
 from fsdprun.engines.float8 import MFU_CONVENTION, Float8Plan, float8_linears, float8_plan
 from fsdprun.engines.tp import (
     TP_ACTIVATION_FORMULA,
@@ -263,8 +263,10 @@ def plan_memory(
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
     paths = plan_units(model, cfg=cfg.fsdp)
     float8 = float8_plan(cfg)
-    tp_dims = tp_shard_dims(model, tp_plan)
-    whole = tp_whole_grads(model, tp_plan)
+    # A plan that does not split this model has no TP memory (its columns say why).
+    splits = tp_plan if split_problem is None else split_problem
+    tp_dims = tp_shard_dims(model, splits)
+    whole = tp_whole_grads(model, splits)
 
     def units_at(tp: int) -> list[list[ParamShape]]:
         return _unit_params(model, paths, float8=float8, tp_dims=tp_dims, whole_grads=whole, tp=tp)
@@ -428,7 +430,8 @@ def _cp_degrees(cfg: RecipeConfig, units: list[list[ParamShape]]) -> list[CpOpti
     """The recipe at CP_DEGREES and its own degree, at its world size and tp, under its sharding
     with fsdp2 (the engine CP needs): the mesh and rank 0's memory, or why not (what
     `fsdprun train` refuses). A degree refused only because of compile is shown with compile
-    off (context parallel refuses compile), as that is the run it could be."""
+    off (the ring refuses compile.fullgraph, tp compile with checkpointing), as that is
+    the run it could be."""
     fsdp2, sharding = _as_fsdp2(cfg)
     options = []
     for cp in sorted({*CP_DEGREES, Layout.of(cfg).cp}):
@@ -460,11 +463,14 @@ def _notes(
             f"{TP_ACTIVATION_FORMULA}"
         )
     if layout.is_cp:
+        ring = ring_bytes(cfg)
         notes.append(
             f"context parallel {layout.cp}: FSDP shards every parameter over dp_shard x "
             f"cp ({layout.fsdp_shards} ranks), so the cp ranks hold no duplicate state. "
             f"{CP_ACTIVATION_FORMULA}"
-        )
+            + (f". {RING_MEMORY_FORMULA} ({ring:,} bytes here; the activations count the "
+               "larger of it and the loss's, which is freed before)" if ring else "")
+        )  # fmt: skip
     notes += [
         "model state: fp32 params 4 B + fp32 grads 4 B + Adam moments 8 B per param "
         "(+ 4 B step per tensor), from each parameter's rank-0 shard of ceil(dim0 / N) rows "

@@ -323,6 +323,9 @@ class TrainLoop:
                                 world_size=self.layout.num_ranks, device_kind=self.device.kind,
                                 start_step=start_step,
                                 warn=self.events.warn if self.rank == 0 else None)  # fmt: skip
+        # The first step's scales too (initialized or restored weights): without them torchao
+        # scales each weight over FSDP's shards only, which under TP are one TP shard's.
+        precompute_scales(self.t.engine.model, all_gather=self.float8_all_gather)
         try:
             for step in range(start_step, cfg.train.steps):
                 done = step + 1

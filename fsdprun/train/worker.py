@@ -50,7 +50,14 @@ from fsdprun.device import (
 from fsdprun.engines import build_engine
 from fsdprun.engines.cp import apply_cp
 from fsdprun.engines.ep import ExpertLoad, apply_ep, experts_paths
-from fsdprun.engines.float8 import MFU_CONVENTION, apply_float8, check_float8, float8_plan
+from fsdprun.engines.float8 import (
+    MFU_CONVENTION,
+    apply_float8,
+    apply_float8_cp,
+    check_float8,
+    float8_plan,
+    float8_tp_styles,
+)
 from fsdprun.engines.mesh import build_device_mesh, cp_mesh, ep_mesh, tp_mesh
 from fsdprun.engines.tp import apply_tp, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
@@ -261,9 +268,12 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         mesh = build_device_mesh(layout, device.kind)
     if layout.is_tp:
         plan = model_spec(cfg.model).tp_plan(cfg.model)
-        tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan)
+        float8 = float8_tp_styles(f8.mode, cp=layout.is_cp, device_kind=device.kind)
+        tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan, float8=float8)
     if layout.is_cp:
         apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, facts))
+        # A float8 cast's scale is the whole rows', as on one rank (engines/float8.py).
+        apply_float8_cp(model, meshes=[cp_mesh(mesh), *([tp_mesh(mesh)] if layout.is_tp else [])])
     # Expert parallel: the experts sharded over the ep dim, their forward the all-to-all.
     # Found before FSDP wraps the blocks (an HF model names its blocks by their class).
     experts = experts_paths(model, facts.entry.experts if facts is not None else None)

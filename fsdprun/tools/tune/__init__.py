@@ -87,6 +87,7 @@ from fsdprun.tools.tune.space import (
     SpaceKnob,
     current_value,
     enumerate_candidates,
+    measured_peaks,
     needs_context_parallel,
     parse_space,
     prior_order,
@@ -175,7 +176,7 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
             with hold_run_dir(args.out_dir, option="--out"):
                 log = _open_log(args, resolved, space, started)
                 # (2) Pruning by the plan, and the order the candidates are tried in.
-                candidates, order = _plan(setting, say)
+                candidates, order = _plan(setting, say, log.records)
                 if log.records:
                     say(f"continuing {args.out_dir}: {len(log.records)} finished trials in "
                         f"{TUNE_LOG_FILE}")  # fmt: skip
@@ -308,14 +309,16 @@ class _Setting:
     left_out: dict[str, str]
 
 
-def _plan(s: _Setting, say) -> tuple[list[Candidate], list[Candidate]]:
+def _plan(s: _Setting, say, records=()) -> tuple[list[Candidate], list[Candidate]]:
     """The candidates, pruned by `fsdprun plan` and the knob tables (printed), and the order
-    they are tried in (the baseline first)."""
+    they are tried in (the baseline first). `records`: a continued search's finished trials,
+    whose measured peaks overrule the plan's (`measured_peaks`)."""
     args = s.args
     baseline = {k.key: current_value(s.cfg, k.key) for k in s.space}
     candidates = enumerate_candidates(s.space, baseline)
     prune(candidates, args.recipe, _overrides(args), device_memory_bytes=s.memory,
-          margin=args.margin, dominate_memory_knobs=s.defaults)  # fmt: skip
+          margin=args.margin, dominate_memory_knobs=s.defaults,
+          measured=measured_peaks(list(records)))  # fmt: skip
     order = prior_order(candidates)
     _print_space(say, s.space, candidates, order, s.memory, s.memory_source, args, s.warmup,
                  s.rtol, s.cfg, s.left_out)  # fmt: skip

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdprun.config import TUNE_KNOBS, TUNE_NUMERICS_KNOBS, load_recipe
 from fsdprun.config.layout import Layout
+from fsdprun.config.schema import AUTO, auto_keys, to_auto
 from fsdprun.config.validate import tune_space_errors
 from fsdprun.errors import UserError
 from fsdprun.fmt import fmt_bytes
@@ -100,7 +101,7 @@ def _text(value: Any) -> str:
 
 def current_value(cfg: RecipeConfig, key: str) -> str:
     section, name = key.split(".", 1)
-    return _text(getattr(getattr(cfg, section), name))
+    return _text(to_auto(key, getattr(getattr(cfg, section), name)))
 
 
 def _fitting(cfg: RecipeConfig) -> Layout:
@@ -157,9 +158,11 @@ def default_space(
     fsdp1, the chunked loss, CPU offload) is left out, its refusal put in `left_out` by
     KEY=VALUE."""
     shardings = ["full", "grad_op"] + (["hybrid", "hybrid_zero2"] if cfg.launch.nnodes > 1 else [])
-    nproc, nnodes = cfg.launch.nproc_per_node, cfg.launch.nnodes
-    # Hybrid's shard groups: one node (null), or several nodes' ranks (fewer replicas).
-    groups = ["null", *(str(nproc * k) for k in range(2, nnodes) if nnodes % k == 0)]
+    nnodes = cfg.launch.nnodes
+    # Hybrid's shard groups: one node (null), or several nodes' (fewer replicas), counted as
+    # fsdp.shard_group_size counts them: in data-parallel ranks (a node's over its cp x tp).
+    per_node = max(cfg.launch.nproc_per_node // _fitting(cfg).row_group, 1)
+    groups = ["null", *(str(per_node * k) for k in range(2, nnodes) if nnodes % k == 0)]
     space = [
         ("fsdp.engine", ["fsdp2", "fsdp1"] if cfg.lora.rank == 0 else ["fsdp2"]),
         ("fsdp.sharding", shardings),
@@ -178,7 +181,7 @@ def default_space(
         # turns it on only with a shard group of more than one rank; forcing either way is
         # what a measured trial can overrule). The mode and the filter change the numerics:
         # --space with --allow-numerics.
-        space.append(("precision.float8_all_gather", ["null", "true", "false"]))
+        space.append(("precision.float8_all_gather", ["auto", "true", "false"]))
     if cp and len(degrees := cp_choices(cfg)) > 1:
         space.append(("parallel.cp", degrees))
     if cfg.fsdp.engine.value == "ddp":
@@ -220,13 +223,15 @@ def _with(values: list[str], baseline: str) -> tuple[str, ...]:
     return tuple(values if baseline in values else [baseline, *values])
 
 
-def canonical(value: Any) -> str:
-    """A knob value as tune compares it with the recipe's (`current_value`): YAML's spellings of
-    true, false and null (True, FALSE, ~) as one. Not `none`: YAML reads it as the string, which
-    is a value of several knobs (fsdp.wrap, activation_checkpointing.mode,
-    fsdp.backward_prefetch), never their null."""
+def canonical(value: Any, key: str | None = None) -> str:
+    """A knob value as tune compares it with the recipe's (`current_value`) of `key`: YAML's
+    spellings of true, false and null (True, FALSE, ~) as one, and null as `auto` for the keys
+    whose null lets fsdprun decide. Not `none`: YAML reads it as the string, which is a value of
+    several knobs (fsdp.wrap, activation_checkpointing.mode, fsdp.backward_prefetch), never
+    their null."""
     text = str(value).strip()
-    return {"true": "true", "false": "false", "null": "null", "~": "null"}.get(text.lower(), text)
+    text = {"true": "true", "false": "false", "null": "null", "~": "null"}.get(text.lower(), text)
+    return AUTO if text == "null" and key in auto_keys() else text
 
 
 def parse_space(
@@ -281,7 +286,7 @@ def parse_space(
         problems = tune_space_errors({key: vals}, where=where)
         if problems:
             raise UserError(problems[0])
-        vals = [canonical(v) for v in vals]
+        vals = [canonical(v, key) for v in vals]
         knobs[key] = SpaceKnob(key, _with(list(dict.fromkeys(vals)), current_value(cfg, key)),
                                numerics)  # fmt: skip
     if left_out is not None:  # what the default space leaves out of a knob named here stays
@@ -320,6 +325,10 @@ class Candidate:
     group: str | None = None  # the reason's kind, shared by candidates pruned alike (printed)
     planned_peak_bytes: int | None = None
     planned_model_state_bytes: int | None = None
+    # What a finished trial measured (`measured_peaks`), where `measured`: its peak per rank,
+    # or None where it ran out of memory.
+    measured_peak_bytes: int | None = None
+    measured: bool = False
 
     @property
     def id(self) -> str:
@@ -350,7 +359,26 @@ def enumerate_candidates(space: list[SpaceKnob], baseline: dict[str, str]) -> li
 
 
 # ---------------------------------------------------------------------------------------------
-# Pruning with the plan
+# Pruning with the plan, and with what trials measured
+
+
+def measured_peaks(records: list[dict[str, Any]]) -> dict[str, int | None]:
+    """Each candidate's peak per rank as its finished trials measured it, where it compares with
+    the device memory: an accelerator's peak allocated (the largest of its trials), or None for
+    a candidate that ran out of memory. Not a CPU's RSS, which also holds the torch runtime
+    that the device memory given for a CPU does not count: there the plan stays the judge."""
+    out: dict[str, int | None] = {}
+    for r in records:
+        cid = r["candidate"]
+        if r.get("status") == "oom":
+            out[cid] = None
+        elif (
+            r.get("status") == "ok"
+            and r.get("memory_kind") == "allocated"
+            and (cid not in out or out[cid] is not None)
+        ):
+            out[cid] = max(out.get(cid) or 0, r["peak_bytes"])
+    return out
 
 
 def _planned(cfg: RecipeConfig) -> tuple[int, int, list[str]]:
@@ -378,9 +406,15 @@ def prune(
     margin: float,
     dominate_memory_knobs: bool,
     planner=None,
+    measured: dict[str, int | None] | None = None,
 ) -> None:
     """Mark candidates pruned, each with one reason (in place); the baseline is never pruned
     (it is the reference: one that does not fit is reported, not dropped).
+
+    A candidate's peak is the plan's until a trial measured it (`measured`, from
+    `measured_peaks` of a continued search's log): then the measurement decides whether it
+    fits, and whether it spares its twins their memory knobs (a plan that undercounts, as the
+    ring's once did, cannot keep them out after its trial said otherwise).
 
     Candidates are visited by their number of changed knobs, so a candidate's twin with one knob
     back at the baseline's (or free) value is decided first: a candidate that the twin's knob
@@ -396,10 +430,14 @@ def prune(
         twin = by_knobs.get(tuple(sorted(dict(c.knobs, **{key: value}).items())))
         return twin if twin is not c else None
 
+    measured = measured or {}
+    for c in candidates:
+        if c.id in measured:
+            c.measured, c.measured_peak_bytes = True, measured[c.id]
+
     def fits(c: Candidate | None) -> bool:
-        return c is not None and c.planned_peak_bytes is not None and (
-            c.planned_peak_bytes * (1 + margin) <= device_memory_bytes
-        )  # fmt: skip
+        peak = None if c is None else c.measured_peak_bytes if c.measured else c.planned_peak_bytes
+        return peak is not None and peak * (1 + margin) <= device_memory_bytes
 
     def same_as(c: Candidate, twin: Candidate, keys: list[str]) -> None:
         c.status = "pruned"
@@ -430,7 +468,8 @@ def prune(
             if dominated:
                 c.status = "pruned"
                 names = ", ".join(f"{key}={c.knobs[key]}" for key in heavy)
-                c.reason = f"{names} not needed: {twin.id} (without) fits"
+                how = " (its trial measured it)" if twin.measured else ""
+                c.reason = f"{names} not needed: {twin.id} (without) fits{how}"
                 c.group = "memory knobs not needed: the same candidate without them fits"
             if dominated:
                 continue
@@ -459,11 +498,19 @@ def prune(
             continue
         if not fits(c):
             c.status = "pruned"
-            c.reason = (
-                f"planned peak {fmt_bytes(c.planned_peak_bytes)} + {margin:.0%} margin > "
-                f"device memory {fmt_bytes(device_memory_bytes)}"
-            )
-            c.group = f"planned peak + {margin:.0%} margin > device memory"
+            planned, memory = fmt_bytes(c.planned_peak_bytes), fmt_bytes(device_memory_bytes)
+            if not c.measured:
+                c.reason = f"planned peak {planned} + {margin:.0%} margin > device memory {memory}"
+                c.group = f"planned peak + {margin:.0%} margin > device memory"
+            elif c.measured_peak_bytes is None:
+                c.reason = f"its trial ran out of memory (planned peak {planned}, device memory " \
+                           f"{memory})"  # fmt: skip
+                c.group = "its trial ran out of memory"
+            else:
+                c.reason = (f"measured peak {fmt_bytes(c.measured_peak_bytes)} (its trial; the "
+                            f"plan said {planned}) + {margin:.0%} margin > device memory "
+                            f"{memory}")  # fmt: skip
+                c.group = f"measured peak + {margin:.0%} margin > device memory"
 
 
 # Knobs that matter only beside certain values of another knob (where the knob table still
