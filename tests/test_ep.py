@@ -59,12 +59,11 @@ def errors_of(*overrides: str, recipe: str = "debug-moe") -> list[str]:
         (["parallel.ep=0"], "parallel.ep must be >= 1 (got 0)"),
         (["fsdp.engine=fsdp1"], "parallel.ep=2 with fsdp.engine=fsdp1: the experts are DTensors"),
         (["fsdp.engine=ddp"], "parallel.ep=2 with fsdp.engine=ddp"),
-        (["fsdp.sharding=hybrid", "fsdp.shard_group_size=2"],
-         "parallel.ep=2 with fsdp.sharding=hybrid: fsdprun builds the expert mesh"),
+        (["fsdp.sharding=hybrid", "fsdp.shard_group_size=1"],
+         "parallel.ep (2) must divide the shard group (fsdp.shard_group_size, or one node's "
+         "ranks) (1)"),
         (["parallel.tp=2", "launch.nproc_per_node=4"], "parallel.ep=2 with parallel.tp=2"),
         (["parallel.cp=2", "launch.nproc_per_node=4"], "parallel.ep=2 with parallel.cp=2"),
-        (["lora.rank=4"], "parallel.ep=2 with lora.rank=4"),
-        (["fsdp.cpu_offload=true"], "parallel.ep=2 with fsdp.cpu_offload=true"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_key_and_the_reason(overrides, phrase):
@@ -180,12 +179,26 @@ CASES = {
 }
 
 
+# The built-in MoE's ep runs also train the composition table's ep 2 cells (docs/parallelism.md,
+# fsdprun/config/composition.py) against one rank: full activation checkpointing on 2 ranks,
+# selective checkpointing with the chunked loss on 4. The Qwen3-MoE folder's 4 ranks shard
+# hybrid: 2 replicas of a shard group of 2, which is one ep group.
+HYBRID = ("fsdp.sharding=hybrid", "fsdp.shard_group_size=2")
+KNOBS = {("debug-moe", 2): ("activation_checkpointing.mode=full",),
+         ("debug-moe", 4): ("activation_checkpointing.mode=selective", "train.loss=chunked"),
+         ("qwen3_moe", 4): HYBRID}  # fmt: skip
+MESHES = {2: [["dp_shard_mod_ep", 1], ["ep", 2]], 4: [["dp_shard_mod_ep", 2], ["ep", 2]],
+          (4, HYBRID): [["dp_replicate", 2], ["dp_shard_mod_ep", 1], ["ep", 2]]}  # fmt: skip
+
+
 def _train(pools, moe_folders, case: str, world: int, *extra: str) -> Run:
     recipe, model = CASES[case]
     model = [o.replace("NO-NORM", str(moe_folders["no-norm"]))
              .replace("NORM", str(moe_folders["norm"])) for o in model]  # fmt: skip
     ep = min(world, 2)
-    return pools[world].train(*COMMON, *model, f"parallel.ep={ep}", *extra, recipe=recipe)
+    knobs = KNOBS.get((case, world), ())
+    return pools[world].train(*COMMON, *model, f"parallel.ep={ep}", *knobs, *extra,
+                              recipe=recipe)  # fmt: skip
 
 
 def _assert_same(run: Run, ref: Run, *, steps=(1, 2, 3)) -> None:
@@ -200,13 +213,15 @@ def _assert_same(run: Run, ref: Run, *, steps=(1, 2, 3)) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_ep_trains_as_one_rank(case, pools, moe_folders, tmp_path):
-    """ep 2 on 2 ranks (1 dp_shard_mod_ep x 2 ep) and ep 2 x dp 2 on 4 ranks (2 x 2), with 4
-    and 2 accumulated micro-batches a rank: one rank's losses and gradient norms (1e-5), and
-    its trained weights after the last step."""
+    """ep 2 on 2 ranks (1 dp_shard_mod_ep x 2 ep) and ep 2 x dp 2 on 4 ranks (2 x 2, or 2
+    replicas of one ep group under hybrid sharding), with 4 and 2 accumulated micro-batches a
+    rank: one rank's losses and gradient norms (1e-5), and its trained weights after the last
+    step. The built-in's runs checkpoint their activations (`KNOBS`), whose recomputation in
+    backward runs the all-to-alls again."""
     one = _train(pools, moe_folders, case, 1)
-    for world, mesh in ((2, [["dp_shard_mod_ep", 1], ["ep", 2]]),
-                        (4, [["dp_shard_mod_ep", 2], ["ep", 2]])):  # fmt: skip
+    for world in (2, 4):
         run = _train(pools, moe_folders, case, world)
+        mesh = MESHES[(world, HYBRID) if KNOBS.get((case, world)) == HYBRID else world]
         assert run.start["mesh"] == mesh and run.start["ep"] == 2
         _assert_same(run, one)
     if case == "debug-moe":
@@ -232,13 +247,35 @@ def test_packed_rows_under_activation_checkpointing_train_as_one_rank(pools, moe
         assert sum(step["experts"]["mean"]) * 4 == 2 * 2 * 4 * 160
 
 
-def test_compiled_blocks_train_as_eager(pools, moe_folders):
-    """compile.enabled=true (per block; the dispatch runs eagerly inside, one graph break)
-    under ep 2: the eager run's losses and gradient norms."""
-    eager = _train(pools, moe_folders, "debug-moe", 2)
+def test_compiled_blocks_train_as_one_rank(pools, moe_folders):
+    """compile.enabled=true (per block, with full activation checkpointing; the dispatch runs
+    eagerly inside, one graph break) under ep 2: one eager rank's losses and gradient norms."""
     compiled = _train(pools, moe_folders, "debug-moe", 2, "compile.enabled=true")
     assert compiled.start["compile"] == "per block"
-    _assert_same(compiled, eager)
+    _assert_same(compiled, _train(pools, moe_folders, "debug-moe", 1))
+
+
+@pytest.mark.parametrize("name", ["lora-offload", "float8"])
+def test_lora_offload_and_float8_under_ep_train_as_one_rank(name, pools, moe_folders):
+    """LoRA on the attention (the experts frozen, sharded over the ep mesh) with FSDP2's CPU
+    offload of every parameter, the experts' 2-D ones included; and tensorwise float8 of the
+    attention's Linears (the experts' stacked weights are no Linears), gathered in float8 over
+    the dense mesh: ep 2 on 2 ranks gives the one-rank run's losses and gradient norms of the
+    same knobs (and float8's are not fp32's)."""
+    from fsdprun.engines.float8 import TEST_ON_CPU_ENV
+
+    if name == "float8":
+        pytest.importorskip("torchao")
+    knobs = {"lora-offload": ("lora.rank=8",), "float8": ("precision.float8=tensorwise",)}[name]
+    env = {TEST_ON_CPU_ENV: "1"} if name == "float8" else {}
+    offload = ("fsdp.cpu_offload=true",) if name == "lora-offload" else ()
+    one = pools[1].train(*COMMON, "parallel.ep=1", *knobs, recipe="debug-moe", env=env)
+    ep = pools[2].train(*COMMON, *knobs, *offload, recipe="debug-moe", env=env)
+    _assert_same(ep, one)
+    if name == "float8":
+        assert "converted" in ep.start["float8"], ep.start["float8"]
+        plain = _train(pools, moe_folders, "debug-moe", 1)
+        assert abs(plain.losses[0] - one.losses[0]) > 5e-5, (plain.losses, one.losses)
 
 
 def test_tokens_per_expert_are_the_routers_count(pools, moe_folders):
@@ -304,11 +341,11 @@ def test_ep_checkpoint_exports_to_transformers_and_inspects_with_its_mesh(
     from fsdprun.models.hf import HFCausalLM
 
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
-    for case in ("qwen3_moe", "debug-moe"):
+    for case, mesh in (("qwen3_moe", MESHES[(4, HYBRID)]), ("debug-moe", MESHES[4])):
         run = _train(pools, moe_folders, case, 4)
         ckpt = run.run_dir / "checkpoints" / f"step-{LAST:08d}"
         doc = describe_checkpoint(ckpt)
-        assert doc["mesh"] == {"shape": [2, 2], "dim_names": ["dp_shard_mod_ep", "ep"]}
+        assert doc["mesh"] == {"shape": [n for _, n in mesh], "dim_names": [d for d, _ in mesh]}
         export_checkpoint(ckpt, tmp_path / case, fmt="hf")
         exported = transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path / case, dtype=torch.float32

@@ -558,12 +558,6 @@ def _ep_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             "mesh, which only FSDP2 shards further; use fsdp.engine=fsdp2",
         ),
         (
-            layout.sharding not in (Sharding.full, Sharding.grad_op),
-            f"fsdp.sharding={layout.sharding.value}: fsdprun builds the expert mesh "
-            "(dp_shard_mod_ep x ep) from one dp_shard dim; the replicated dims of hybrid "
-            "sharding are not split yet; use fsdp.sharding=full or grad_op",
-        ),
-        (
             layout.tp > 1,
             f"parallel.tp={layout.tp}: the tp ranks of a group hold the same tokens, and "
             "fsdprun dispatches every rank's tokens to the experts; the expert mesh is not "
@@ -573,22 +567,6 @@ def _ep_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             layout.cp > 1,
             f"parallel.cp={layout.cp}: the ep groups would be carved out of dp_shard x cp, "
             "which fsdprun's mesh does not split yet; set parallel.cp=1",
-        ),
-        (
-            cfg.lora.rank > 0,
-            f"lora.rank={cfg.lora.rank}: LoRA's frozen base is not built over the expert mesh; "
-            "set lora.rank=0",
-        ),
-        (
-            cfg.precision.float8.value != "off",
-            f"precision.float8={cfg.precision.float8.value}: torchao converts Linear layers, "
-            "not the experts' stacked weights, and its float8 all-gather of DTensors sharded "
-            "over two meshes is not built; set precision.float8=off",
-        ),
-        (
-            cfg.fsdp.cpu_offload,
-            "fsdp.cpu_offload=true: FSDP2's offload of the experts' 2-D (dp_shard_mod_ep x "
-            "ep) parameters is not built; set fsdp.cpu_offload=false",
         ),
     )  # fmt: skip
     errors += [f"parallel.ep={ep} with {why}" for refuse, why in refused if refuse]

@@ -385,9 +385,10 @@ class ParallelConfig:
         "all data-parallel ranks as before, each expert's weights over the dp_shard_mod_ep "
         "ranks, so expert state per rank is still experts x expert size / data-parallel ranks "
         "but a rank gathers only its own experts. Must divide the experts and the "
-        "data-parallel ranks; needs fsdp.engine=fsdp2 and full or grad_op sharding, a model "
-        "with experts (model.moe_experts, or an HF folder whose family declares them), and "
-        "no tp, cp, LoRA, float8 or cpu offload yet. 1 = off. See docs/expert-parallel.md.",
+        "data-parallel ranks of a shard group (hybrid sharding: an ep group inside each); "
+        "needs fsdp.engine=fsdp2, a model with experts (model.moe_experts, or an HF folder whose "
+        "family declares them), and no tp, cp, LoRA, float8 or cpu offload yet. 1 = off. See "
+        "docs/expert-parallel.md.",
     )
 
 

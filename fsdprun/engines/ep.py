@@ -219,16 +219,20 @@ class ExpertLoad:
     """
 
     def __init__(self, model: nn.Module, paths: list[str], *, num_experts: int,
-                 ep_group=None, device: torch.device) -> None:  # fmt: skip
+                 ep_group=None, replicas: int = 1, device: torch.device) -> None:  # fmt: skip
+        """`replicas`: how many ranks route the same tokens (a tensor-parallel group's)."""
         import torch
 
         self.modules = [model.get_submodule(p) for p in paths]
-        self.num_experts, self.ep_group = num_experts, ep_group
+        self.num_experts, self.ep_group, self.replicas = num_experts, ep_group, replicas
         self.window = torch.zeros(len(paths), num_experts, dtype=torch.int64, device=device)
         self.total: list[list[int]] | None = None  # the run's, on every rank
         self.rank_total: list[list[int]] | None = None  # with ep: (ranks, layers)
         for module in self.modules:
-            module.register_forward_pre_hook(_keep_routed(num_experts), with_kwargs=True)
+            # First of the module's hooks: tensor parallel's rewrites the indices to its
+            # rank's local experts (`engines.tp_styles.ExpertsParallel`).
+            module.register_forward_pre_hook(_keep_routed(num_experts), with_kwargs=True,
+                                             prepend=True)  # fmt: skip
 
     def add(self) -> None:
         """Add the counts of the forward just run (after each training micro-batch's forward:
@@ -247,6 +251,7 @@ class ExpertLoad:
 
         counts = self.window.clone()
         dist.all_reduce(counts)
+        counts //= self.replicas  # each of a TP group's ranks counted the group's tokens
         figures = _figures(counts.tolist(), "expert")
         self.total = _add(self.total, counts.tolist())
         if self.ep_group is not None:

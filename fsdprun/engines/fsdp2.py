@@ -98,7 +98,8 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
         dp = [f"{n} {name}" for name, n in dims if name != "tp"]
         flat = " (dp_shard x cp flattened into one)" if layout.is_cp else ""
         if layout.is_ep:
-            flat = " (flattened into one dp_shard; each expert over dp_shard_mod_ep only)"
+            flat = (" (dp_shard_mod_ep x ep flattened back into one dp_shard; each expert over "
+                    "dp_shard_mod_ep only)")  # fmt: skip
         mesh = f"fully_shard over the {' x '.join(dp)} dims of the mesh{flat}"
     elif sharding in _TWO_D:
         mesh = f"2-D mesh ({layout.dp_replicate} replicate x {group} shard)"

@@ -66,4 +66,7 @@ def expert_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The dims `fully_shard` shards each expert's weights over under expert parallel: the
     data-parallel ranks outside the ep group (`dp_shard_mod_ep`), so that FSDP and ep together
     shard the experts over every data-parallel rank."""
+    names = mesh.mesh_dim_names or ()
+    if "dp_replicate" in names:  # hybrid sharding: replicated across the shard groups
+        return mesh[("dp_replicate", "dp_shard_mod_ep")]
     return mesh["dp_shard_mod_ep"]

@@ -298,7 +298,7 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         # The load-balance figures: the tokens each expert receives, logged every log_every.
         engine.expert_load = ExpertLoad(
             model, experts, num_experts=facts.num_experts, device=device.torch_device,
-            ep_group=ep_mesh(mesh).get_group() if layout.is_ep else None,
+            ep_group=ep_mesh(mesh).get_group() if layout.is_ep else None, replicas=layout.tp,
         )  # fmt: skip
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
     scaler = engine.grad_scaler() if cfg.precision.param_dtype is Dtype.fp16 else None
