@@ -371,3 +371,44 @@ def test_shared_expert_and_unnormalized_builtin_refuse_hf_export():
     cfg = load_recipe("debug-moe", ["model.moe_shared_ffn_dim=32"]).config.model
     with pytest.raises(UserError, match="no shared expert"):
         hf_llama_config(cfg, torch.float32)
+
+
+def test_the_run_report_and_plot_show_the_load_balance(pools, moe_folders, tmp_path):
+    """What the worker logged is what the console and `fsdprun plot` show: each step line ends
+    with the least balanced layer's busiest-expert and busiest-rank ratios, the summary has a
+    table of each layer's busiest expert over the run, and the plot a seventh panel with both
+    ratios at every logged step."""
+    from rich.console import Console
+
+    from fsdprun.report.console import Reporter
+    from fsdprun.report.plot import EXPERT_TITLE, build_figure, read_run
+
+    run = _train(pools, moe_folders, "debug-moe", 2)
+    console = Console(record=True, width=200, highlight=False)
+    reporter = Reporter(console, live=False)
+    for event in (run.start, *run.steps, run.summary):
+        reporter.handle(event)
+    text = console.export_text()
+    for step in run.steps:
+        figures = step["experts"]
+        assert (f"experts max/mean {figures['worst_max_over_mean']:.2f}, ranks "
+                f"{figures['ranks']['worst_max_over_mean']:.2f}") in text  # fmt: skip
+    assert "expert parallel: ep 2" in text
+    total = run.summary["experts"]
+    assert total["layers"] == [0, 1]
+    table = text.split("Expert load over the logged steps")[1]
+    for layer in (0, 1):
+        cells = [str(layer), str(total["busiest_expert"][layer]), f"{total['max'][layer]:,}",
+                 f"{total['max_over_mean'][layer]:.2f}"]  # fmt: skip
+        assert any(all(c in line.split() for c in cells) for line in table.splitlines()), cells
+    curves = read_run(run.run_dir)
+    assert [c["expert"] for c in curves.experts] == [
+        s["experts"]["worst_max_over_mean"] for s in run.steps
+    ]
+    assert [c["rank"] for c in curves.experts] == [
+        s["experts"]["ranks"]["worst_max_over_mean"] for s in run.steps
+    ]
+    pytest.importorskip("matplotlib")
+    figure = build_figure([curves])
+    (panel,) = [ax for ax in figure.axes if ax.get_title() == EXPERT_TITLE]
+    assert [line.get_label() for line in panel.get_lines()][-2:] == ["experts", "ep ranks"]

@@ -223,6 +223,10 @@ class ExpertLoad:
         """`replicas`: how many ranks route the same tokens (a tensor-parallel group's)."""
         import torch
 
+        blocks = model.block_paths()
+        # Each MoE layer's block index (a dense layer among sparse ones has none).
+        self.layers = [next(i for i, b in enumerate(blocks) if p.startswith(f"{b}."))
+                       for p in paths]  # fmt: skip
         self.modules = [model.get_submodule(p) for p in paths]
         self.num_experts, self.ep_group, self.replicas = num_experts, ep_group, replicas
         self.window = torch.zeros(len(paths), num_experts, dtype=torch.int64, device=device)
@@ -272,7 +276,7 @@ class ExpertLoad:
         """The figures over every logged step of the run (None before the first)."""
         if self.total is None:
             return None
-        figures = _figures(self.total, "expert")
+        figures = {"layers": self.layers, **_figures(self.total, "expert")}
         if self.rank_total is not None:
             figures["ranks"] = _figures(self.rank_total, "rank")
         return figures

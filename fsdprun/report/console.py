@@ -107,6 +107,46 @@ def compile_rows(compiled: dict[str, Any] | None) -> list[tuple[str, str]]:
     return rows
 
 
+def _expert_load(figures: dict[str, Any] | None) -> str:
+    """The step line's load balance: the busiest expert over the mean of its layer, in the
+    least balanced layer (and with ep the busiest rank's over the mean); '' for a dense model."""
+    if not figures:
+        return ""
+    text = f" | experts max/mean {figures['worst_max_over_mean']:.2f}"
+    if figures.get("ranks"):
+        text += f", ranks {figures['ranks']['worst_max_over_mean']:.2f}"
+    return text
+
+
+# The run summary's expert table shows at most this many layers (the least balanced).
+EXPERT_LAYERS_SHOWN = 12
+
+
+def expert_load_table(figures: dict[str, Any]) -> Table:
+    """The run's load balance per MoE layer, over its logged steps: the busiest expert, its
+    tokens (token x top-k pairs), the mean over the experts and their ratio; with ep, the busiest
+    rank's. The least balanced `EXPERT_LAYERS_SHOWN` layers, in layer order, where there are
+    more."""
+    layers = figures.get("layers") or list(range(len(figures["max"])))
+    ratio = figures["max_over_mean"]
+    rows = sorted(range(len(layers)), key=lambda i: -ratio[i])[:EXPERT_LAYERS_SHOWN]
+    shown = "" if len(rows) == len(layers) else (
+        f" (the {len(rows)} least balanced of {len(layers)} layers)")  # fmt: skip
+    table = Table(title=f"Expert load over the logged steps{shown}", title_justify="left")
+    ranks = figures.get("ranks")
+    cols = ["layer", "busiest expert", "its tokens", "mean", "max/mean"]
+    cols += ["busiest rank", "rank max/mean"] if ranks else []
+    for col in cols:
+        table.add_column(col, justify="right")
+    for i in sorted(rows):
+        row = [str(layers[i]), str(figures["busiest_expert"][i]), f"{figures['max'][i]:,}",
+               f"{figures['mean'][i]:,.0f}", f"{ratio[i]:.2f}"]  # fmt: skip
+        if ranks:
+            row += [str(ranks["busiest_rank"][i]), f"{ranks['max_over_mean'][i]:.2f}"]
+        table.add_row(*row)
+    return table
+
+
 def _lora_line(lora: dict[str, Any], num_base_params: int, num_trainable: int) -> str:
     """The header's LoRA line: its settings and how many parameters train (the adapters) of all
     (the frozen base and the adapters)."""
@@ -247,6 +287,11 @@ class Reporter:
                 f"  context parallel: cp {cp}, {e['cp_impl']} attention (each rank holds "
                 f"{e['seq_len'] // cp} of the {e['seq_len']} tokens of every row)"
             )
+        if (e.get("ep") or 1) > 1:
+            c.print(
+                f"  expert parallel: ep {e['ep']} (each MoE layer's experts split over "
+                f"{e['ep']} ranks; tokens go to their experts' ranks by all-to-all and back)"
+            )
         if e.get("tp_plan"):
             c.print(f"  tensor parallel plan (tp {tp}):")
             for path, style in tp_plan_lines(e["tp_plan"]):
@@ -283,7 +328,7 @@ class Reporter:
         line = (
             f"step {e['step']} | loss {e['loss']:.4f} | lr {e['lr']:.2e} | "
             f"gnorm {e['grad_norm']:.3f} | {e['tokens_per_s']:,.0f} tok/s | "
-            f"{_trained(e)}{e['step_time_s'] * 1e3:.0f} ms"
+            f"{_trained(e)}{e['step_time_s'] * 1e3:.0f} ms{_expert_load(e.get('experts'))}"
         )
         self.console.print(line)
         if self.progress is not None:
@@ -345,6 +390,8 @@ class Reporter:
             values.append(fmt_bytes(ms["total"]))
             mem.add_row(str(r["rank"]), *map(Cell.whole, values))
         self.console.print(mem)
+        if e.get("experts"):
+            self.console.print(expert_load_table(e["experts"]))
         if e.get("checkpoints"):
             ck = Table(title="Checkpoints", title_justify="left")
             for col in ("step", "mode", "size", "blocked", "total", "write rate"):

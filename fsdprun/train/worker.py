@@ -279,6 +279,13 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     experts = experts_paths(model, facts.entry.experts if facts is not None else None)
     if layout.is_ep:
         apply_ep(model, mesh=ep_mesh(mesh), paths=experts)
+    load = None
+    if facts is not None and facts.num_experts and experts:
+        # The load-balance figures: the tokens each expert receives, logged every log_every.
+        load = ExpertLoad(
+            model, experts, num_experts=facts.num_experts, device=device.torch_device,
+            ep_group=ep_mesh(mesh).get_group() if layout.is_ep else None, replicas=layout.tp,
+        )  # fmt: skip
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
@@ -294,12 +301,7 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
         model, cfg, device=device.torch_device, device_kind=device.kind,
         world_size=ranks.world_size, weights=weights, mesh=mesh, tp_plan=tp_rows,
     )  # fmt: skip
-    if facts is not None and facts.num_experts and experts:
-        # The load-balance figures: the tokens each expert receives, logged every log_every.
-        engine.expert_load = ExpertLoad(
-            model, experts, num_experts=facts.num_experts, device=device.torch_device,
-            ep_group=ep_mesh(mesh).get_group() if layout.is_ep else None, replicas=layout.tp,
-        )  # fmt: skip
+    engine.expert_load = load
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
     scaler = engine.grad_scaler() if cfg.precision.param_dtype is Dtype.fp16 else None
     optimizer = build_optimizer(
