@@ -8,10 +8,11 @@ where evaluated), loss against tokens seen, learning rate, grad norm, tokens/s, 
 memory of each rank (the last summary's ranks; from the step events, rank 0 only, while a run
 has no summary); a seventh for a mixture of experts: the load balance at each logged step (the
 busiest expert's tokens over the mean of its layer, in the least balanced layer; with expert
-parallel the busiest rank's too). A step logged twice (a resume from an older checkpoint) counts with its latest
-record; dotted lines mark where a session resumed or restarted. A run whose last session failed
-(it ended without a summary, and nothing holds its lock) is named in a red title line and its
-legend entries. matplotlib is an optional extra (`pip install 'fsdprun[plot]'`).
+parallel the busiest rank's too). A step logged twice (a resume from an older checkpoint)
+counts with its latest record; dotted lines mark where a session resumed or restarted. A run
+whose last session failed (it ended without a summary, and nothing holds its lock) is named in a
+red title line and its legend entries. matplotlib is an optional extra (`pip install
+'fsdprun[plot]'`).
 
 The pictures of `fsdprun compare --plot` (compare_figure) and `fsdprun plan --plot`
 (plan_figure) are drawn here too, from those commands' JSON documents.
