@@ -950,10 +950,10 @@ def compare_cmd(
         str,
         typer.Option(
             "--configs",
-            help="Comma-separated engine[:sharding][:tpN][:cpN] list, e.g. "
+            help="Comma-separated engine[:sharding][:tpN][:cpN][:epN] list, e.g. "
             "ddp,fsdp1,fsdp2:grad_op,fsdp2:cp2 (engines ddp, fsdp1, fsdp2; shardings full, "
-            "grad_op, hybrid, hybrid_zero2, none; tpN / cpN: parallel.tp / parallel.cp, fsdp2 "
-            "only). Ratios are relative to the first.",
+            "grad_op, hybrid, hybrid_zero2, none; tpN / cpN / epN: parallel.tp / parallel.cp / "
+            "parallel.ep, fsdp2 only). Ratios are relative to the first.",
         ),
     ] = "ddp,fsdp1,fsdp2",
     steps: Annotated[int | None, typer.Option("--steps", help="train.steps for every run.")] = None,

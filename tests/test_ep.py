@@ -412,3 +412,74 @@ def test_the_run_report_and_plot_show_the_load_balance(pools, moe_folders, tmp_p
     figure = build_figure([curves])
     (panel,) = [ax for ax in figure.axes if ax.get_title() == EXPERT_TITLE]
     assert [line.get_label() for line in panel.get_lines()][-2:] == ["experts", "ep ranks"]
+
+
+def test_plan_counts_what_ep_ranks_hold(pools, moe_folders):
+    """`fsdprun plan` of the ep runs' own recipes: rank 0's parameters, gradients and AdamW
+    state, the experts split over ep and their shards over dp_shard_mod_ep (at 2 ranks: 1, at
+    4: 2), are what rank 0 held after its first step (2%)."""
+    from fsdprun.tools.plan import plan_memory
+
+    for world in (2, 4):
+        run = _train(pools, moe_folders, "debug-moe", world)
+        cfg = load_recipe(str(run.run_dir / "recipe.yaml"), world_size=world).config
+        plan = plan_memory(cfg)
+        planned = plan.strategies[plan.recipe_strategy]
+        held = run.summary["ranks"][0]["model_state_bytes"]
+        for part in ("params", "grads", "optimizer"):
+            assert held[part] == pytest.approx(getattr(planned, part), rel=0.02), (world, part)
+        (experts,) = [u for u in plan.units if u.path == "layers.0.moe.experts"]
+        # 8 experts of 3 x 64 x 64 in fp32: 4 on each ep rank, over the dp_shard_mod_ep ranks.
+        assert experts.shard_bytes == 4 * 3 * 64 * 64 * 4 // (world // 2)
+
+
+def test_plan_offers_ep_beside_tp_and_cp_for_qwen3_30b_a3b(capsys):
+    """The shipped qwen3-30b-a3b recipe (the model's published config.json) on 8 x 80 GB:
+    plan's ep column keeps the expert state per rank (experts x size / 8 ranks at every ep)
+    while the gathered experts shrink to ep's share, and counts the dispatch buffers and the
+    all-to-all bytes each rank sends in a step, which grow with ep; the line is printed."""
+    from rich.console import Console
+
+    from fsdprun.report.console import render_plan
+    from fsdprun.tools.plan import plan_recipe
+
+    plan = plan_recipe("qwen3-30b-a3b", [])
+    by_ep = {o["ep"]: o for o in plan.to_dict()["ep_degrees"]}
+    assert sorted(by_ep) == [1, 2, 4, 8] and plan.ep == 8
+    memory = {ep: o["memory"] for ep, o in by_ep.items()}
+    assert len({m["params"] for m in memory.values()}) == 1  # 128 experts divide 8 ranks
+    assert memory[8]["gathered_buffers"] < memory[1]["gathered_buffers"]
+    # tokens 4096 x top-8 x hidden 2048 x 2 bytes (bf16), x 4: both ways, sent and received.
+    assert memory[8]["dispatch"] == 4 * 4096 * 8 * 2048 * 2 and memory[1]["dispatch"] == 0
+    # 48 layers x 2 micro-batches x 4 (out and back, forward and backward) x 7/8 of the pairs.
+    assert by_ep[8]["alltoall_bytes"] == 4 * 48 * 2 * (4096 * 8 * 2048 * 2 * 7 // 8)
+    assert (
+        by_ep[2]["alltoall_bytes"] < by_ep[8]["alltoall_bytes"] and by_ep[1]["alltoall_bytes"] == 0
+    )
+    assert plan.strategies["full"].fits
+    console = Console(record=True, width=300, highlight=False)
+    render_plan(plan.to_dict(), console)
+    text = console.export_text()
+    assert (
+        "Expert parallel at world size 8" in text
+        and "ep 8 (recipe) [dp_shard_mod_ep 1 x ep 8]" in text
+    )
+    assert "dispatch buffers" in text
+
+
+def test_tune_searches_ep_for_experts_and_compare_takes_ep():
+    """tune's default space has parallel.ep's degrees (dividing the experts and a node's
+    data-parallel ranks) for a mixture of experts and none for a dense model; compare's
+    `:epN` sets parallel.ep, fsdp2 only."""
+    from fsdprun.tools.compare import parse_configs
+    from fsdprun.tools.tune.space import default_space
+
+    moe = load_recipe("debug-moe", ["launch.nproc_per_node=4"]).config
+    space = {k.key: k.values for k in default_space(moe, accelerator=False)}
+    assert space["parallel.ep"] == ("1", "2", "4")
+    dense = load_recipe("debug", []).config
+    assert "parallel.ep" not in {k.key for k in default_space(dense, accelerator=False)}
+    (config,) = parse_configs("fsdp2:full:ep2")
+    assert config.overrides == ("fsdp.engine=fsdp2", "fsdp.sharding=full", "parallel.ep=2")
+    with pytest.raises(UserError, match="expert parallel \\(parallel.ep\\) needs fsdp2"):
+        parse_configs("fsdp1:ep2")

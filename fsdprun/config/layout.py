@@ -385,6 +385,11 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
     unverified = facts.cp_unverified() if facts is not None else None
     attention_dropout = facts.attention_dropout if facts is not None else 0.0
     router_aux = facts is not None and facts.router_aux_loss
+    hf = facts is None or facts.hf
+    aux_key = ("config.json's output_router_logits: true" if hf
+               else f"model.moe_aux_loss_coef={cfg.model.moe_aux_loss_coef:g}")  # fmt: skip
+    aux_off = ("output_router_logits to false in config.json" if hf
+               else "model.moe_aux_loss_coef=0")  # fmt: skip
     errors = []
     if world_size % (cp * tp):
         what = f"parallel.cp ({cp})" if tp == 1 else f"parallel.cp x parallel.tp ({cp} x {tp})"
@@ -441,10 +446,9 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
         ),
         (
             router_aux,
-            "the router's auxiliary loss (config.json's output_router_logits: true): its "
-            "load-balancing term multiplies two per-expert means over the micro-batch's tokens, "
-            "which the cp ranks hold in slices, and fsdprun does not gather them; set "
-            "output_router_logits to false in config.json, or parallel.cp=1",
+            f"the router's auxiliary loss ({aux_key}): its load-balancing term multiplies two "
+            "per-expert means over the micro-batch's tokens, which the cp ranks hold in slices, "
+            f"and fsdprun does not gather them; set {aux_off}, or parallel.cp=1",
         ),
         (
             cfg.precision.float8.value == "rowwise",

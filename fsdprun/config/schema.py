@@ -774,7 +774,7 @@ TUNE_KNOBS = (
     "fsdp.cpu_offload", "activation_checkpointing.mode", "activation_checkpointing.every_n",
     "compile.enabled", "compile.per_block", "compile.mode", "train.micro_batch_size",
     "train.loss", "train.loss_chunk_size", "optim.implementation", "precision.float8_all_gather",
-    "parallel.cp",
+    "parallel.cp", "parallel.ep",
 )  # fmt: skip
 TUNE_NUMERICS_KNOBS = ("precision.param_dtype", "precision.reduce_dtype", "precision.float8",
                        "precision.float8_filter")  # fmt: skip
@@ -788,7 +788,8 @@ class TuneConfig:
         "try, e.g. `{train.micro_batch_size: [2, 4, 8], fsdp.engine: [fsdp2]}`. A knob is one "
         "that leaves the training math unchanged (fsdp.*, activation_checkpointing.*, "
         "compile.*, train.micro_batch_size, train.loss, train.loss_chunk_size, "
-        "optim.implementation, precision.float8_all_gather, parallel.cp) or, only with "
+        "optim.implementation, precision.float8_all_gather, parallel.cp, parallel.ep) or, only "
+        "with "
         "--allow-numerics, precision.param_dtype, reduce_dtype, float8 or float8_filter. The "
         "recipe's own value is always tried. On the command line "
         "`--space` wins: without `defaults` it replaces this space, with `--space defaults` it "

@@ -114,18 +114,28 @@ class ParamShape:
     # Elements of its unsharded gradient where that is not `shape`'s: under tensor parallel the
     # embedding's (torch's backward of a vocab-sharded embedding gives a replicated gradient).
     unsharded_grad_numel: int | None = None
-    # Ranks FSDP shards it over where that is not its unit's: under expert parallel an expert
-    # tensor (`shape`: the ep rank's local experts) over dp_shard_mod_ep.
-    shards: int | None = None
+    # Expert parallel: the ranks its dim 0 (the experts) is split over first; FSDP then shards
+    # the ep rank's local tensor over its unit's ranks / ep (dp_shard_mod_ep).
+    ep: int = 1
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape FSDP shards: an ep rank's ceil(experts / ep) of them under expert parallel,
+        else the whole `shape`."""
+        if self.ep <= 1:
+            return self.shape
+        return (math.ceil(self.shape[0] / self.ep), *self.shape[1:])
+
+    @property
     def grad_numel(self) -> int:
         """Elements of the gradient before FSDP reduce-scatters it into its shard."""
-        return self.numel if self.unsharded_grad_numel is None else self.unsharded_grad_numel
+        if self.unsharded_grad_numel is not None:
+            return self.unsharded_grad_numel
+        return math.prod(self.local_shape)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from fsdprun.config.layout import Layout
+from fsdprun.engines.base import UnitPlan
 from fsdprun.errors import UserError
 
 if TYPE_CHECKING:
@@ -75,6 +76,30 @@ def experts_paths(model: nn.Module, experts: str | None) -> list[str]:
         return []
     modules = dict(model.named_modules())
     return [p for block in model.block_paths() if (p := f"{block}.{experts}") in modules]
+
+
+def _within(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
+def outside_experts(paths: list[str], experts: list[str]) -> list[str]:
+    """The wrap policy's unit `paths` without the experts modules and what they hold: under
+    expert parallel each experts module is a unit of its own (`with_expert_units`)."""
+    return [p for p in paths if not any(_within(p, e) for e in experts)]
+
+
+def with_expert_units(rows: list[UnitPlan], experts: list[str], *, reshard: bool) -> list[UnitPlan]:
+    """The FSDP units under expert parallel: the engine's `rows` (the root last) with each of the
+    `experts` modules a unit of its own over the expert mesh, just before the unit that holds
+    it and resharding as that one does; one outside every unit (fsdp.wrap=none) comes before
+    the root and reshards as `reshard` says. What `fsdp2.apply_fsdp` builds and plan counts."""
+    out, left = [], list(experts)
+    for row in rows[:-1]:
+        mine = [e for e in left if _within(e, row.path)]
+        out += [UnitPlan(e, row.reshard_after_forward, [], "implicit") for e in mine]
+        left = [e for e in left if e not in mine]
+        out.append(row)
+    return [*out, *(UnitPlan(e, reshard, [], "implicit") for e in left), rows[-1]]
 
 
 def ep_problem(model: nn.Module, experts: str | None, *, family: str) -> str | None:

@@ -44,6 +44,7 @@ from fsdprun.engines.base import (
     reshards_after_forward,
     unsharded_grads_text,
 )
+from fsdprun.engines.ep import outside_experts, with_expert_units
 
 if TYPE_CHECKING:
     import torch
@@ -246,10 +247,6 @@ def unit_plan(paths: list[str], fsdp: FsdpConfig) -> list[UnitPlan]:
     return rows
 
 
-def _within(path: str, root: str) -> bool:
-    return root == "" or path == root or path.startswith(root + ".")
-
-
 def _rank0_elems(shape: tuple[int, ...], shards: int) -> int:
     # Shard(0) pads dim 0 to a multiple of `shards`: rank 0 gets ceil(dim0 / shards) rows.
     if not shape:
@@ -268,31 +265,40 @@ def _gathered_elems(shape: tuple[int, ...], shards: int) -> int:
 def dim0_shards(
     units: list[list[ParamShape]], shards: int
 ) -> tuple[list[int], list[int], int, int]:
-    """Every parameter sharded on dim 0 on its own (ddp: shards=1), over `shards` ranks or its
-    own (`ParamShape.shards`: an ep rank's experts). Returns, per unit, the elements of rank
-    0's shard and of the gathered copy; AdamW's bytes; the trained elements of rank 0's shard
-    (frozen parameters, the base under LoRA, have no gradient and no state)."""
+    """Every parameter sharded on dim 0 on its own (ddp: shards=1) over `shards` ranks; under
+    expert parallel an ep rank's experts (`ParamShape.local_shape`) over shards / ep. Returns,
+    per unit, the elements of rank 0's shard and of the gathered copy; AdamW's bytes; the
+    trained elements of rank 0's shard (frozen parameters, the base under LoRA, have no
+    gradient and no state)."""
+
+    def over(p: ParamShape) -> int:  # an ep rank's experts: over the unit's ranks / ep
+        return max(shards // p.ep, 1)
+
     trained = [p for own in units for p in own if p.trainable]
-    trainable = sum(_rank0_elems(p.shape, p.shards or shards) for p in trained)
+    trainable = sum(_rank0_elems(p.local_shape, over(p)) for p in trained)
     return (
-        [sum(_rank0_elems(p.shape, p.shards or shards) for p in own) for own in units],
-        [sum(_gathered_elems(p.shape, p.shards or shards) for p in own) for own in units],
+        [sum(_rank0_elems(p.local_shape, over(p)) for p in own) for own in units],
+        [sum(_gathered_elems(p.local_shape, over(p)) for p in own) for own in units],
         ADAM_STATE_BYTES * trainable + ADAM_STEP_BYTES * len(trained),
         trainable,
     )
 
 
 def _gathered_peak(
-    units: list[int], kept: list[bool], root: int, root_kept: bool, *, forward: int, backward: int
-) -> int:
+    units: list[int], kept: list[bool], root: int, root_kept: bool, *, forward: int,
+    backward: int, inner: list[list[int]] | None = None,
+) -> int:  # fmt: skip
     """Peak unsharded bytes on one rank, unit by unit (root first in forward).
 
     A unit is all-gathered into one flat output, then copied out into its unsharded parameters
     (the same size). In forward, FSDP2 frees a unit's flat output only after the next unit's
     copy-out (to overlap that copy with the next all-gather); in backward, right after its own.
     `kept` units are not resharded after forward. Prefetch: `forward` units ahead explicitly,
-    in backward `backward` units ahead (implicitly one).
+    in backward `backward` units ahead (implicitly one). `inner[k]`: the sizes of the units that
+    run inside unit k (expert parallel's experts inside their block), which reshard as unit k
+    does; unit k's parameters stay gathered while they run, in forward and in backward.
     """
+    inner = inner or [[] for _ in units]
     peak = 2 * root  # the root's copy-out: its flat output and its parameters
     held, prev_flat = root, root
     for k, size in enumerate(units):
@@ -300,9 +306,13 @@ def _gathered_peak(
         peak = max(peak, held + prev_flat + 2 * size + early)
         if forward:  # after its copy-out, a unit prefetches the next `forward` units
             peak = max(peak, held + 2 * size + sum(units[k + 1 : k + 1 + forward]))
-        held += size if kept[k] else 0
         prev_flat = size
-    held = sum(size for size, keep in zip(units, kept, strict=True) if keep)
+        for child in inner[k]:  # unit k's flat output is freed after this copy-out
+            peak = max(peak, held + size + prev_flat + 2 * child)
+            prev_flat = child
+        held += size + sum(inner[k]) if kept[k] else 0
+    held = sum(size + sum(inner[k])
+               for k, (size, keep) in enumerate(zip(units, kept, strict=True)) if keep)  # fmt: skip
     if not root_kept:
         peak = max(peak, held + 2 * root)
     held += root
@@ -312,9 +322,11 @@ def _gathered_peak(
             early = sum(units[i] for i in range(max(0, k - depth + 1), k) if not kept[i])
             peak = max(peak, held + 2 * units[k] + early)
             held += units[k]
+            for child in inner[k]:  # gathered and released inside unit k's backward
+                peak = max(peak, held + 2 * child + early)
         ahead = sum(units[i] for i in range(max(0, k - depth), k) if not kept[i])
         peak = max(peak, held + ahead)
-        held -= units[k]
+        held -= units[k] + (sum(inner[k]) if kept[k] else 0)
     return peak
 
 
@@ -326,7 +338,8 @@ def memory(
     pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
     shard, gathered, optimizer, trainable = dim0_shards(units, shards)
     sizes = gathered_bytes(units, gathered, pbytes)
-    blocks, root = sizes[:-1], sizes[-1]
+    root = sizes[-1]
+    blocks, inner = _nested(units[:-1], sizes[:-1])
     reshard = reshards_after_forward(sharding)
     if sharding is Sharding.none:
         buffers = sum(sizes)  # no all-gather: each unit's parameters are cast once and kept
@@ -335,7 +348,7 @@ def memory(
         kept = [not reshard or i == len(blocks) - 1 for i in range(len(blocks))]
         buffers = _gathered_peak(
             blocks, kept, root, not reshard, forward=cfg.fsdp.forward_prefetch,
-            backward=backward_prefetch_depth(cfg.fsdp),
+            backward=backward_prefetch_depth(cfg.fsdp), inner=inner,
         )  # fmt: skip
     unsharded_grads = 0
     if accumulation(cfg) == LOCAL and accumulation_steps(cfg) > 1 and shards > 1:
@@ -347,6 +360,24 @@ def memory(
         params=MASTER_BYTES * sum(shard), grads=MASTER_BYTES * trainable, optimizer=optimizer,
         buffers=buffers, accumulation=unsharded_grads,
     )  # fmt: skip
+
+
+def _nested(units: list[list[ParamShape]], sizes: list[int]) -> tuple[list[int], list[list[int]]]:
+    """The units' gathered `sizes` as the peak sees them (`_gathered_peak`): an experts unit of
+    expert parallel (its parameters split over ep ranks; `engines.ep.with_expert_units` puts it
+    before its block) runs inside the unit after it. Returns the other units' sizes and the
+    sizes of the units inside each."""
+    outer: list[int] = []
+    inner: list[list[int]] = []
+    waiting: list[int] = []
+    for own, size in zip(units, sizes, strict=True):
+        if own and all(p.ep > 1 for p in own):
+            waiting.append(size)
+            continue
+        outer.append(size)
+        inner.append(waiting)
+        waiting = []
+    return outer, inner
 
 
 def apply_fsdp(
@@ -384,8 +415,8 @@ def apply_fsdp(
         # pin_memory needs an accelerator; on a CPU-only host it must be off.
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
     experts = list(experts or [])
-    paths = [p for p in plan_units(model, cfg=cfg) if not any(_within(p, e) for e in experts)]
-    rows = unit_plan(paths, cfg)
+    rows = unit_plan(outside_experts(plan_units(model, cfg=cfg), experts), cfg)
+    rows = with_expert_units(rows, experts, reshard=reshards_after_forward(effective_sharding(cfg)))
     modules = dict(model.named_modules())
     units: list[FsdpUnit] = []
     # Parameters an earlier unit took (not "already a DTensor": tensor parallel makes every
@@ -398,26 +429,18 @@ def apply_fsdp(
         taken.update(id(p) for p in mine)
         return sum(p.numel() for p in mine)
 
-    def shard_experts(inside: str, reshard: bool) -> None:
-        for path in [e for e in experts if _within(e, inside)]:
-            module = modules[path]
-            before = own(module)
-            fully_shard(module, reshard_after_forward=reshard, **{**common, "mesh": expert_mesh})
-            taken.update(id(p) for p in module.parameters())
-            units.append(FsdpUnit(path, before, reshard))
-            experts.remove(path)
-
     for row in rows[:-1]:
         module = modules[row.path]
-        shard_experts(row.path, row.reshard_after_forward)
         before = own(module)
-        fully_shard(module, reshard_after_forward=row.reshard_after_forward, **common)
+        # An experts unit shards over its own mesh (`fsdprun.engines.ep.with_expert_units`).
+        mesh_of = {"mesh": expert_mesh} if row.path in experts else {}
+        fully_shard(module, reshard_after_forward=row.reshard_after_forward,
+                    **{**common, **mesh_of})  # fmt: skip
         taken.update(id(p) for p in module.parameters())
         units.append(FsdpUnit(row.path, before, row.reshard_after_forward))
+    root_params = own(model)
     # FSDP2 keeps the root gathered after forward whatever its flag (backward needs it first).
     reshard_root = reshards_after_forward(effective_sharding(cfg))
-    shard_experts("", reshard_root)  # outside every unit (fsdp.wrap=none)
-    root_params = own(model)
     fully_shard(model, reshard_after_forward=reshard_root, **common)
     units.append(FsdpUnit("", root_params, False))
 

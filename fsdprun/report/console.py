@@ -506,6 +506,11 @@ def render_plan(plan: dict[str, Any], console: Console, *, full: bool = False) -
         for o in plan["cp_degrees"]:
             if o["missing"]:
                 c.print(f"  cp {o['cp']}: not possible, {escape(o['missing'])}.")
+    if plan.get("ep_degrees"):
+        c.print(_plan_ep_line(plan), soft_wrap=True)
+        for o in plan["ep_degrees"]:
+            if o["missing"]:
+                c.print(f"  ep {o['ep']}: not possible, {escape(o['missing'])}.")
     c.print(_plan_verdict(plan))
 
 
@@ -541,6 +546,24 @@ def _plan_cp_line(plan: dict[str, Any]) -> str:
     return escape(
         f"Context parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 "
         "total, activations / cp): " + ", ".join(parts)
+    )
+
+
+def _plan_ep_line(plan: dict[str, Any]) -> str:
+    """The expert-parallel degrees' totals per rank and all-to-all bytes a step, in one line."""
+    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
+    fits = plan["device_memory_bytes"] is not None
+    parts = [
+        f"ep {o['ep']}{' (recipe)' if o['ep'] == plan['ep'] else ''} {o['mesh']} "
+        f"{fmt_bytes(o['memory']['total'])}"
+        + (f" + {fmt_bytes(o['alltoall_bytes'])} all-to-all a step" if o["alltoall_bytes"] else "")
+        + (" (" + o["note"] + ")" if o.get("note") else "")
+        + ((" fits" if o["memory"]["fits"] else " does not fit") if fits else "")
+        for o in plan["ep_degrees"] if o["memory"] is not None
+    ]  # fmt: skip
+    return escape(
+        f"Expert parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 total, "
+        "the all-to-all each rank sends): " + ", ".join(parts)
     )
 
 
@@ -644,9 +667,11 @@ def _plan_memory_table(plan: dict[str, Any]) -> Table:
         ("shard group", "shard_group"), ("parameters", "params"), ("gradients", "grads"),
         ("unsharded grads", "accumulation"),
         ("optimizer state", "optimizer"), ("gathered buffers *", "gathered_buffers"),
-        ("activations *", "activations"), ("total", "total"),
+        ("activations *", "activations"), ("dispatch buffers *", "dispatch"), ("total", "total"),
     )  # fmt: skip
     for label, key in components:
+        if key == "dispatch" and not any(s.get(key) for s in strategies.values()):
+            continue  # expert parallel's row only
         fmt = str if key == "shard_group" else fmt_bytes
         mem.add_row(label, *(Cell.whole(fmt(s[key])) for s in strategies.values()))
     if plan["device_memory_bytes"] is not None:

@@ -51,12 +51,13 @@ class CompareConfig:
 
 
 def parse_configs(text: str) -> list[CompareConfig]:
-    """'ddp,fsdp1,fsdp2:grad_op,fsdp2:full:tp2,fsdp2:cp2' -> configurations
-    (engine[:sharding][:tpN][:cpN], comma-separated; tpN sets parallel.tp=N, cpN parallel.cp=N).
+    """'ddp,fsdp1,fsdp2:grad_op,fsdp2:full:tp2,fsdp2:cp2,fsdp2:ep2' -> configurations
+    (engine[:sharding][:tpN][:cpN][:epN], comma-separated; tpN sets parallel.tp=N, cpN
+    parallel.cp=N, epN parallel.ep=N).
 
     Raises:
-        UserError: an unknown engine, sharding or part, a sharding given to ddp, tensor or
-            context parallel with another engine than fsdp2, or a repeat.
+        UserError: an unknown engine, sharding or part, a sharding given to ddp, tensor,
+            context or expert parallel with another engine than fsdp2, or a repeat.
     """
     engines = [e.value for e in Engine]
     shardings = [s.value for s in Sharding]
@@ -66,11 +67,11 @@ def parse_configs(text: str) -> list[CompareConfig]:
             continue
         engine, *parts = item.split(":")
         degrees = {kind: [p for p in parts if re.fullmatch(rf"{kind}[1-9]\d*", p)]
-                   for kind in ("tp", "cp")}  # fmt: skip
+                   for kind in ("tp", "cp", "ep")}  # fmt: skip
         rest = [p for p in parts if not any(p in found for found in degrees.values())]
         if any(len(found) > 1 for found in degrees.values()) or len(rest) > 1:
             raise UserError(
-                f"--configs: '{item}': use engine[:sharding][:tpN][:cpN], e.g. fsdp2:full:tp2"
+                f"--configs: '{item}': use engine[:sharding][:tpN][:cpN][:epN], e.g. fsdp2:full:tp2"
             )
         sharding = rest[0] if rest else ""
         if engine not in engines:
@@ -88,7 +89,7 @@ def parse_configs(text: str) -> list[CompareConfig]:
                     f"{', '.join(shardings)}"
                 )
             overrides.append(f"fsdp.sharding={sharding}")
-        for kind, what in (("tp", "tensor"), ("cp", "context")):
+        for kind, what in (("tp", "tensor"), ("cp", "context"), ("ep", "expert")):
             if not degrees[kind]:
                 continue
             if engine != Engine.fsdp2.value:
