@@ -88,6 +88,18 @@ def outside_experts(paths: list[str], experts: list[str]) -> list[str]:
     return [p for p in paths if not any(_within(p, e) for e in experts)]
 
 
+def expert_unit_paths(paths: list[str], experts: list[str]) -> list[str]:
+    """The wrap policy's unit `paths` under expert parallel, the root left out: each of the
+    `experts` modules a unit of its own just before the unit that holds it, those outside every
+    unit last (`with_expert_units` gives their reshard and prefetch)."""
+    out, left = [], list(experts)
+    for path in outside_experts(paths, experts):
+        out += [e for e in left if _within(e, path)]
+        left = [e for e in left if not _within(e, path)]
+        out.append(path)
+    return out + left
+
+
 def with_expert_units(rows: list[UnitPlan], experts: list[str], *, reshard: bool) -> list[UnitPlan]:
     """The FSDP units under expert parallel: the engine's `rows` (the root last) with each of the
     `experts` modules a unit of its own over the expert mesh, just before the unit that holds

@@ -64,6 +64,7 @@ from fsdprun.engines.ep import (
     EXPERT_PARAMS,
     ep_alltoall_bytes,
     ep_dispatch_bytes,
+    expert_unit_paths,
     experts_paths,
 )
 from fsdprun.engines.float8 import MFU_CONVENTION, Float8Plan, float8_linears, float8_plan
@@ -307,10 +308,12 @@ def plan_memory(
     tp_dims = tp_shard_dims(model, splits)
     whole = tp_whole_grads(model, splits)
 
+    def unit_paths(ep: int) -> list[str]:  # the engines' units, whatever the recipe's engine
+        return expert_unit_paths(paths, experts) if ep > 1 else paths
+
     def units_at(tp: int, ep: int = layout.ep) -> list[list[ParamShape]]:
-        return _unit_params(model, [row.path for row in rows_at(ep)[:-1]], float8=float8,
-                            tp_dims=tp_dims, whole_grads=whole, tp=tp, experts=experts,
-                            ep=ep)  # fmt: skip
+        return _unit_params(model, unit_paths(ep), float8=float8, tp_dims=tp_dims,
+                            whole_grads=whole, tp=tp, experts=experts, ep=ep)  # fmt: skip
 
     units = units_at(layout.tp)
     recipe_strategy, strategies = _strategies(cfg, units)
@@ -341,11 +344,8 @@ def plan_memory(
         device_memory_bytes=device_memory_bytes,
         device_memory_text=device_memory_text if device_memory_bytes is not None else None,
         units=_planned_units(
-            cfg,
-            units,
-            rows_at(layout.ep),
-            _full_counts(model, [row.path for row in rows_at(layout.ep)[:-1]]),
-        ),
+            cfg, units, rows_at(layout.ep), _full_counts(model, unit_paths(layout.ep))
+        ),  # fmt: skip
         strategies=strategies,
         mesh=layout.mesh_dims,
         tp=layout.tp,
