@@ -130,6 +130,16 @@ Overrides = Annotated[
     typer.Argument(help="KEY=VALUE overrides (dotted keys, e.g. optim.lr=3e-4); ~KEY drops a key "
                    "back to its default.", show_default=False),
 ]  # fmt: skip
+# `--json`: of the commands that print tables otherwise, and of those whose output is a report.
+JsonOpt = Annotated[
+    bool,
+    typer.Option("--json/--no-json", show_default=False, help="Print one JSON document."),
+]
+JsonTablesOpt = Annotated[
+    bool,
+    typer.Option("--json/--no-json", show_default=False,
+                 help="Print one JSON document instead of tables."),
+]  # fmt: skip
 PlotOpt = Annotated[
     Path | None,
     typer.Option("--plot", help="Also draw the result as bars into this PNG (pip install "
@@ -629,14 +639,7 @@ def inspect_checkpoint(
             show_default=False,
         ),
     ],
-    json_: Annotated[
-        bool,
-        typer.Option(
-            "--json/--no-json",
-            show_default=False,
-            help="Print one JSON document instead of tables.",
-        ),
-    ] = False,
+    json_: JsonTablesOpt = False,
     tensors: Annotated[
         str | None,
         typer.Option(
@@ -896,14 +899,7 @@ def plan(
             "(default: launch.device_memory_gb).",
         ),
     ] = None,
-    json_: Annotated[
-        bool,
-        typer.Option(
-            "--json/--no-json",
-            show_default=False,
-            help="Print one JSON document instead of tables.",
-        ),
-    ] = False,
+    json_: JsonTablesOpt = False,
     plot_: PlotOpt = None,
     full: Annotated[
         bool,
@@ -965,9 +961,7 @@ def compare_cmd(
             "(default runs/compare-<recipe>-<time>).",
         ),
     ] = None,
-    json_: Annotated[
-        bool, typer.Option("--json/--no-json", show_default=False, help="Print one JSON document.")
-    ] = False,
+    json_: JsonOpt = False,
     markdown_: Annotated[
         bool,
         typer.Option(
@@ -1104,9 +1098,7 @@ def tune_cmd(
             help="Print the space, the pruning and the order; run nothing.",
         ),
     ] = False,
-    json_: Annotated[
-        bool, typer.Option("--json/--no-json", show_default=False, help="Print one JSON document.")
-    ] = False,
+    json_: JsonOpt = False,
     plot_: Annotated[
         Path | None,
         typer.Option(
