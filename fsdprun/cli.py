@@ -946,10 +946,11 @@ def compare_cmd(
         str,
         typer.Option(
             "--configs",
-            help="Comma-separated engine[:sharding][:tpN][:cpN][:ppN] list, e.g. "
+            help="Comma-separated engine[:sharding][:tpN][:cpN][:ppN][:epN] list, e.g. "
             "ddp,fsdp1,fsdp2:grad_op,fsdp2:cp2 (engines ddp, fsdp1, fsdp2; shardings full, "
-            "grad_op, hybrid, hybrid_zero2, none; tpN / cpN / ppN: parallel.tp / parallel.cp / "
-            "parallel.pp, fsdp2 only). Ratios are relative to the first.",
+            "grad_op, hybrid, hybrid_zero2, none; tpN / cpN / ppN / epN: parallel.tp / "
+            "parallel.cp / parallel.pp / parallel.ep, fsdp2 only). Ratios are relative to the "
+            "first.",
         ),
     ] = "ddp,fsdp1,fsdp2",
     steps: Annotated[int | None, typer.Option("--steps", help="train.steps for every run.")] = None,

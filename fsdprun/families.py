@@ -187,8 +187,14 @@ class Family:
     both apply on whole-row positions. Each family declaring it trains under cp 2 as on one
     rank (tests/test_cp.py, tests/test_cp_families.py)."""
     experts: str | None = None
-    """The module of each decoder block that holds its experts (a mixture of experts; expert
-    parallel shards it), None for a dense model."""
+    """The module of each decoder block that holds its experts (a mixture of experts), None for
+    a dense model. Its forward takes `(hidden (tokens, dim), top_k_index (tokens, k),
+    top_k_weights (tokens, k))` after the family's own router, and it holds the experts
+    stacked as `gate_up_proj` [experts, 2 x ffn, dim] and `down_proj` [experts, dim, ffn]
+    with `act_fn` between, as transformers' Qwen3-MoE and Mixtral experts do: expert parallel
+    (`fsdprun.engines.ep`) shards it and replaces its forward with the all-to-all dispatch, and
+    the load-balance figures count the tokens its forward receives. A block without it (a
+    dense layer among sparse ones) is left alone."""
     stages: Stages | None = HF_STAGES
     """How the layers split into pipeline stages (None: not declared)."""
     attn_implementation: str = "sdpa"
@@ -283,6 +289,9 @@ BUILTIN_FAMILIES = {
         lora_mlp=("w1", "w3", "w2"),
         cp_attention=True,
         stages=Stages(("tok_embeddings",), "layers", ("norm", "output")),
+        # With model.moe_experts > 0 (`fsdprun.models.moe`): each block's feed-forward is a
+        # mixture of experts whose router is `moe.gate`.
+        experts="moe.experts",
     ),
 }
 

@@ -28,7 +28,7 @@ runs on the fake group, so TP is measured like the rest; a DTensor counts by its
 (the wrapper's own storage reports the global size and holds nothing), and DTensor's functional
 all-gathers of activations are not gathered parameters. Context parallel (the CP_CELLS) is
 built as the worker builds it (`engines.cp.apply_cp`, FSDP2 over dp_shard x cp); its all-to-alls
-run on the fake group too.
+run on the fake group too. So does expert parallel's dispatch (the EP_CELLS, `engines.ep`).
 """
 
 from __future__ import annotations
@@ -159,6 +159,20 @@ PP_CELLS: dict[int, dict[str, list[str]]] = {
         "fsdp2:full:pp2:tp2": ["parallel.pp=2", "parallel.tp=2"],
     },
 }
+# Expert parallel (`parallel.ep`): the built-in Llama as a mixture of 16 experts of an uneven
+# width, their stacked parameters split over ep ranks (Shard(0)) and each ep rank's experts by
+# FSDP2 over dp_shard_mod_ep (at 64 ranks, ep 8: 2 experts over 8 ranks, padded); the dense
+# parameters over every data-parallel rank. The all-to-alls run on the fake group (no tokens
+# arrive: the counts exchanged are zeros), so the experts' own compute is not measured: the
+# contract is about state and gathered parameters.
+MOE_MODEL = ["model.moe_experts=16", "model.moe_active=2", "model.moe_ffn_dim=40",
+             "model.moe_aux_loss_coef=0.01"]  # fmt: skip
+EP_CELLS: dict[int, dict[str, list[str]]] = {
+    8: {"fsdp2:full:ep2": ["parallel.ep=2"], "fsdp2:full:ep8": ["parallel.ep=8"],
+        "fsdp2:hybrid:bf16:ep2": ["parallel.ep=2", "fsdp.sharding=hybrid", HYBRID, *BF16]},
+    64: {"fsdp2:full:ep8": ["parallel.ep=8"], "fsdp2:grad_op:ep4": ["parallel.ep=4",
+                                                                   "fsdp.sharding=grad_op"]},
+}  # fmt: skip
 WORLDS = (8, 64)
 DDP_WORLD = 2  # real gloo ranks
 PARTS = ("params", "grads", "grads_between_micro_steps", "optimizer", "gathered_buffers")
@@ -175,6 +189,8 @@ def overrides(cell: list[str], world: int) -> list[str]:
     model = [*MODEL, *TP_MODEL] if tp * cp > 1 else MODEL
     if pp > 1:
         model = [*model, *PP_MODEL]
+    if _degree(cell, "ep") > 1:
+        model = [*model, *MOE_MODEL]
     if any(o.startswith("model.hf_path=") for o in cell):
         model = HF_MODEL
     cell = [o.replace("HALF_DP", str(dp // 2)).replace("HALF", str(world // 2)) for o in cell]
@@ -200,7 +216,8 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     from fsdprun.device import Device
     from fsdprun.engines import build_engine
     from fsdprun.engines.cp import apply_cp
-    from fsdprun.engines.mesh import build_device_mesh, cp_mesh, tp_mesh
+    from fsdprun.engines.ep import apply_ep, experts_paths
+    from fsdprun.engines.mesh import build_device_mesh, cp_mesh, ep_mesh, tp_mesh
     from fsdprun.engines.pp import prune_model, stage_parts, stage_tp_plan
     from fsdprun.engines.tp import apply_tp
     from fsdprun.models import build_model, model_spec
@@ -270,19 +287,22 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     with torch.device("meta"):
         model = build_model(cfg.model)
     apply_lora(model, cfg=cfg.lora)  # as the worker does; nothing without lora.rank
-    tp, cp, pp, mesh = cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp, None
+    tp, cp, pp, ep, mesh = cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp, cfg.parallel.ep, None
     layout_ = Layout.of(cfg, world)
     if pp > 1:  # as the worker's _build: rank 0's stages first
         stages = model_facts(cfg.model).entry.stages
         counts = stage_blocks(cfg, model_facts(cfg.model), model.args.n_layers)
         plan = prune_model(model, stages=stages, counts=counts, local=layout_.local_stages(0))
-    if tp > 1 or cp > 1 or pp > 1:  # TP, CP, then fully_shard over the dp dims
+    if tp > 1 or cp > 1 or pp > 1 or ep > 1:  # TP, CP, ep, then fully_shard over the dp dims
         mesh = build_device_mesh(layout_, "cpu")
     if tp > 1:
         tp_plan = stage_tp_plan(model_spec(cfg.model).tp_plan(cfg.model), model)
         apply_tp(model, tp_mesh=tp_mesh(mesh), plan=tp_plan)
     if cp > 1:
         apply_cp(model, mesh=cp_mesh(mesh))
+    if ep > 1:
+        experts = experts_paths(model, model_facts(cfg.model).entry.experts)
+        apply_ep(model, mesh=ep_mesh(mesh), paths=experts)
     parts = None
     if pp > 1:
         parts = stage_parts(model, stages=stages, plan=plan, local=layout_.local_stages(0))
@@ -418,7 +438,8 @@ def _fake_world(world: int, hf_dir: str) -> dict[str, dict]:
     # (freed) sub-groups in the next one.
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        for label, cell in {**TP_CELLS[world], **CP_CELLS[world], **PP_CELLS[world]}.items():
+        cells = {**TP_CELLS[world], **CP_CELLS[world], **PP_CELLS[world], **EP_CELLS[world]}
+        for label, cell in cells.items():
             results[label] = _measure(cell, world)
             gc.collect()
     finally:

@@ -33,13 +33,17 @@ from fsdprun.families import HF_FAMILIES
 RECIPE = "debug"
 WORLD_SIZE = 4  # every layout below fits it, and the tests' 4-rank gloo group trains them
 
-# Column -> the overrides that make the layout (a pipeline or expert column is one more line).
+# Column -> the overrides that make the layout (a pipeline column is one more line). Expert
+# parallel shards a mixture of experts: its column's built-in Llama is the debug-moe recipe's
+# (8 experts, 2 active, the router's auxiliary loss on); an HF folder's model.moe_* are ignored.
+MOE = ("model.moe_experts=8", "model.moe_ffn_dim=64", "model.moe_aux_loss_coef=0.01")
 LAYOUTS: dict[str, tuple[str, ...]] = {
     "dp": (),
     "tp 2": ("parallel.tp=2",),
     "cp 2": ("parallel.cp=2",),
     "cp 2 x tp 2": ("parallel.cp=2", "parallel.tp=2"),
     "pp 2": ("parallel.pp=2",),
+    "ep 2": ("parallel.ep=2", *MOE),
 }
 
 # Row -> the overrides that switch the feature on (the built-in Llama of the debug recipe).
@@ -82,6 +86,7 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
 # path in the tests' gloo groups) against one rank, as a pytest node id.
 _COVER = "tests/test_composition.py::test_covering_set_trains_as_one_rank"
 _CP, _TP, _PP = "tests/test_cp.py", "tests/test_tp.py", "tests/test_pp.py"
+_EP = "tests/test_ep.py"
 _COMPILED_CP = f"{_CP}::test_compiled_blocks_under_cp_and_tp_train_as_the_compiled_one_rank_run"
 _FAMILIES = "tests/test_hf_families.py::test_training_equals_transformers_on_1_and_2_ranks"
 TESTS: dict[tuple[str, str], str] = {
@@ -145,6 +150,13 @@ TESTS: dict[tuple[str, str], str] = {
     ("pp 2", "llama"): f"{_PP}::test_hf_llama_folder_trains_as_one_rank",
     **{("pp 2", family): f"{_COVER}[pp2-{family}]"
        for family in ("qwen2", "qwen3", "qwen3_moe", "mistral", "phi3")},
+    ("ep 2", "compile"): f"{_EP}::test_compiled_blocks_train_as_one_rank",
+    **{("ep 2", feature): f"{_EP}::test_ep_trains_as_one_rank[debug-moe]"
+       for feature in ("full checkpointing", "selective checkpointing", "chunked loss")},
+    ("ep 2", "qwen3_moe"): f"{_EP}::test_ep_trains_as_one_rank[qwen3_moe]",
+    **{("ep 2", feature): f"{_EP}::test_lora_offload_and_float8_under_ep_train_as_one_rank"
+       f"[{test}]" for feature, test in (("LoRA", "lora-offload"), ("cpu_offload", "lora-offload"),
+                                         ("float8", "float8"))},
 }  # fmt: skip
 
 EXACT = "✓"

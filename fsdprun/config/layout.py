@@ -8,12 +8,15 @@ sequence), `tp` (tensor parallel, innermost: consecutive ranks, so a TP group si
 on the fastest links). FSDP2 shards parameters over `dp_shard x cp` (torchtitan's choice): the
 cp ranks read the same samples but hold different tokens, so their gradients are partial sums
 that the reduce-scatter adds up, and they need not keep duplicate copies of the state. Expert
-parallel (`ep`) has no dim of its own: its groups are carved out of `dp_shard x cp`, as
-torchtitan's are. `pp` (parallel.pp) splits the layers into stages (`pp_blocks`: which blocks
-each stage runs); its ranks are the outermost dim, so a stage's data-parallel, cp and tp ranks
-are consecutive (a node) and only activations cross between stages. `ep` is degree 1 until its
-dimension lands.
-Without TP, CP and PP the mesh is what it always was: 1-D for full/grad_op, `replicate x shard`
+parallel (`ep`) has no dim of its own in the data: its groups are carved out of the
+data-parallel ranks, as torchtitan's are, by splitting `dp_shard` into `dp_shard_mod_ep x ep`
+(ep innermost of the two, so an ep group is consecutive ranks): the dense parameters are sharded
+over both (the `dp_shard` FSDP always had), each expert's weights over `dp_shard_mod_ep` only,
+and the experts themselves over `ep`. Every rank still reads its own rows. `pp` (parallel.pp)
+splits the layers into stages (`pp_blocks`: which blocks each stage runs); its ranks are the
+outermost dim, so a stage's data-parallel, cp and tp ranks are consecutive (a node) and only
+activations cross between stages.
+Without TP, CP, PP and EP the mesh is what it always was: 1-D for full/grad_op, `replicate x shard`
 otherwise (the names checkpoints of earlier versions recorded).
 
 Everything that needs a degree or a size asks a `Layout`: the recipe checks, plan, tune's space,
@@ -93,6 +96,7 @@ class Layout:
             pp=cfg.parallel.pp,
             pp_schedule=cfg.parallel.pp_schedule,
             pp_stages_per_rank=cfg.parallel.pp_stages_per_rank,
+            ep=cfg.parallel.ep,
             engine=cfg.fsdp.engine,
             sharding=effective_sharding(cfg.fsdp),
             shard_group_size=cfg.fsdp.shard_group_size,
@@ -150,6 +154,18 @@ class Layout:
         return self.cp > 1
 
     @property
+    def is_ep(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks FSDP shards each expert's weights over: the shard group over ep
+        (`dp_shard_mod_ep`; with ep 1, the shard group times cp, as every parameter)."""
+        if self.ep <= 1:
+            return self.fsdp_shards
+        return max(self.shard_group // self.ep, 1)
+
+    @property
     def shard_group(self) -> int:
         """Data-parallel ranks that share one copy of the model state under the effective
         sharding: fsdp.shard_group_size, which counts data-parallel ranks (with cp, FSDP2
@@ -191,19 +207,22 @@ class Layout:
     def mesh_dims(self) -> list[tuple[str, int]]:
         """The device mesh as (dim name, size), outermost first, as the engines build it.
 
-        parallel.tp, cp or pp > 1: `[pp x] dp_shard [x cp] [x tp]` for full/grad_op,
+        parallel.tp, cp, pp or ep > 1: `[pp x] dp_shard [x cp] [x tp]` for full/grad_op,
         `[pp x] dp_replicate x dp_shard [x cp] [x tp]` for the hybrid modes and none (a dim of
-        size 1 of pp, cp or tp is left out). Without any: `dp` alone for full/grad_op (a 1-D
-        mesh, unnamed in torch), `replicate x shard` otherwise (the names checkpoints of
-        earlier versions recorded).
+        size 1 of pp, cp or tp is left out); parallel.ep > 1 splits dp_shard into
+        `dp_shard_mod_ep x ep`. Without any: `dp` alone for full/grad_op (a 1-D mesh, unnamed in
+        torch), `replicate x shard` otherwise (the names checkpoints of earlier versions
+        recorded).
         """
         replicate, group = self.dp_replicate, self.shard_group
-        if self.tp == 1 and self.cp == 1 and not self.is_pp:
+        if self.tp == 1 and self.cp == 1 and not self.is_pp and self.ep <= 1:
             if self.one_d:
                 return [("dp", self.world_size)]
             return [("replicate", replicate), ("shard", group)]
-        dims = [("dp_shard", self.dp)] if self.one_d else [("dp_replicate", replicate),
-                                                           ("dp_shard", group)]  # fmt: skip
+        # parallel.ep: dp_shard split into dp_shard_mod_ep x ep (the module docstring).
+        shard = ([("dp_shard_mod_ep", max(group // self.ep, 1)), ("ep", self.ep)]
+                 if self.ep > 1 else [("dp_shard", group)])  # fmt: skip
+        dims = shard if self.one_d else [("dp_replicate", replicate), *shard]
         return [*([("pp", self.pp)] if self.is_pp else []), *dims,
                 *([("cp", self.cp)] if self.is_cp else []),
                 *([("tp", self.tp)] if self.is_tp else [])]  # fmt: skip
@@ -213,12 +232,13 @@ class Layout:
         return mesh_text(self.mesh_dims)
 
     def refit(self, dim: str) -> int | None:
-        """The largest divisor of this layout's `dim` degree ("tp", then "cp", then "pp") that
-        its world holds, where the degree itself does not (None: it fits). For `fsdprun resume`
-        on another world: a divisor of a saved degree divides what the saved one divided
-        (heads, ffn, vocab, train.seq_len) and asks no more of the layers and micro-batches
-        (fewer stages). tp must divide a node's ranks (unless tp_across_nodes); cp x tp, then
-        pp x cp x tp must divide the world."""
+        """The largest divisor of this layout's `dim` degree ("tp", then "cp", then "pp", then
+        "ep") that its world holds, where the degree itself does not (None: it fits). For
+        `fsdprun resume` on another world: a divisor of a saved degree divides what the saved one
+        divided (heads, ffn, vocab, train.seq_len, the experts) and asks no more of the layers and
+        micro-batches (fewer stages). tp must divide a node's ranks (unless tp_across_nodes);
+        cp x tp, then pp x cp x tp must divide the world; ep the shard group of data-parallel
+        ranks."""
 
         def fits(n: int) -> bool:
             if dim == "tp":
@@ -227,6 +247,8 @@ class Layout:
                 return self.world_size % n == 0 and within
             if dim == "pp":
                 return self.world_size % (n * self.row_group) == 0
+            if dim == "ep":
+                return self.fits_world and self.shard_group % n == 0
             return self.world_size % (n * max(self.tp, 1)) == 0
 
         degree = getattr(self, dim)
@@ -235,7 +257,7 @@ class Layout:
         return max(n for n in range(1, degree) if degree % n == 0 and fits(n))
 
     def at(self, **degrees: int) -> Layout:
-        """This layout with other degrees (tp=, cp=, pp=), for plan's and tune's side-by-side
+        """This layout with other degrees (tp=, cp=, pp=, ep=), for plan's and tune's side-by-side
         columns and resume's re-fit."""
         return dataclasses.replace(self, **degrees)
 
@@ -282,7 +304,7 @@ def layout_errors(
 ) -> list[str]:
     """What the recipe's layout refuses at `world_size` (default: its launch.* world), one
     message per problem: the shard groups, tensor parallel, context parallel, pipeline
-    parallel. `facts`: the model's (None: an unreadable model.hf_path, which
+    parallel, expert parallel. `facts`: the model's (None: an unreadable model.hf_path, which
     is refused on its own)."""
     layout = Layout.of(cfg, world_size)
     ws = layout.world_size
@@ -293,7 +315,8 @@ def layout_errors(
     pp = layout.pp if layout.pp >= 1 and ws % (layout.pp * cp * tp) == 0 else 1
     errors = _sharding_errors(cfg.fsdp, layout.at(tp=tp, cp=cp, pp=pp))
     errors += _tp_errors(cfg, layout, facts) + _cp_errors(cfg, layout, facts)
-    return errors + _pp_errors(cfg, layout.at(tp=tp, cp=cp), facts)
+    errors += _pp_errors(cfg, layout.at(tp=tp, cp=cp), facts)
+    return errors + _ep_errors(cfg, layout.at(tp=tp, cp=cp, pp=pp), facts)
 
 
 # The pipeline schedules (parallel.pp_schedule): torch.distributed.pipelining's class of each,
@@ -600,6 +623,11 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
     unverified = facts.cp_unverified() if facts is not None else None
     attention_dropout = facts.attention_dropout if facts is not None else 0.0
     router_aux = facts is not None and facts.router_aux_loss
+    hf = facts is None or facts.hf
+    aux_key = ("config.json's output_router_logits: true" if hf
+               else f"model.moe_aux_loss_coef={cfg.model.moe_aux_loss_coef:g}")  # fmt: skip
+    aux_off = ("output_router_logits to false in config.json" if hf
+               else "model.moe_aux_loss_coef=0")  # fmt: skip
     errors = []
     if world_size % (cp * tp):
         what = f"parallel.cp ({cp})" if tp == 1 else f"parallel.cp x parallel.tp ({cp} x {tp})"
@@ -656,10 +684,9 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
         ),
         (
             router_aux,
-            "the router's auxiliary loss (config.json's output_router_logits: true): its "
-            "load-balancing term multiplies two per-expert means over the micro-batch's tokens, "
-            "which the cp ranks hold in slices, and fsdprun does not gather them; set "
-            "output_router_logits to false in config.json, or parallel.cp=1",
+            f"the router's auxiliary loss ({aux_key}): its load-balancing term multiplies two "
+            "per-expert means over the micro-batch's tokens, which the cp ranks hold in slices, "
+            f"and fsdprun does not gather them; set {aux_off}, or parallel.cp=1",
         ),
         (
             cfg.precision.float8.value == "rowwise",
@@ -720,4 +747,75 @@ def _sharding_errors(fsdp: FsdpConfig, layout: Layout) -> list[str]:
         )
     if fsdp.engine is Engine.ddp and fsdp.cpu_offload:
         errors.append("fsdp.cpu_offload needs a sharding engine; use fsdp.engine=fsdp1 or fsdp2")
+    return errors
+
+
+def _ep_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> list[str]:
+    """What parallel.ep refuses, one message per problem: a model without experts (or whose
+    family does not say where they live: `Family.experts`), an ep that does not divide the
+    experts or the shard group of data-parallel ranks its groups are carved from, and each
+    combination fsdprun has not made exact under it (`layout` has the tp and cp degrees that
+    fit the world, the others refused once already)."""
+    ep = layout.ep
+    if ep < 1:
+        return [f"parallel.ep must be >= 1 (got {ep})"]
+    if ep == 1:
+        return []
+    errors = []
+    experts = facts.num_experts if facts is not None else None
+    key = "config.json's num_experts" if facts is not None and facts.hf else "model.moe_experts"
+    if facts is not None and experts is None:
+        model = (f"model.hf_path's model_type {facts.model_type!r}" if facts.hf
+                 else "the built-in Llama with model.moe_experts=0")  # fmt: skip
+        errors.append(
+            f"parallel.ep={ep} with a dense model ({model}: no experts to shard); expert "
+            "parallel shards a mixture of experts' experts; set parallel.ep=1"
+        )
+    elif facts is not None and facts.entry.experts is None:
+        errors.append(
+            f"parallel.ep={ep} with model.hf_path's model_type {facts.model_type!r}: its family "
+            "does not declare where its experts live (experts in fsdprun/families.py), so the "
+            "dispatch cannot take them over; set parallel.ep=1"
+        )
+    elif experts is not None and experts % ep:
+        errors.append(
+            f"parallel.ep ({ep}) does not divide the model's experts ({experts}, {key}): each "
+            f"ep rank holds experts / ep of them; choose an ep that divides {experts}"
+        )
+    group = layout.shard_group
+    if layout.fits_world and group % ep:
+        what = "the data-parallel ranks" if layout.row_group == 1 else (
+            "the data-parallel ranks (world size / (parallel.tp x parallel.cp))")  # fmt: skip
+        if layout.sharding in _HYBRID or layout.sharding is Sharding.none:
+            what = "the shard group (fsdp.shard_group_size, or one node's ranks)"
+        errors.append(
+            f"parallel.ep ({ep}) must divide {what} ({group}): the ep groups are carved out of "
+            f"the ranks that shard the model; run on a multiple of {ep} ranks or choose an ep "
+            f"that divides {group}"
+        )
+    refused = (
+        (
+            cfg.fsdp.engine is not Engine.fsdp2,
+            f"fsdp.engine={cfg.fsdp.engine.value}: the experts are DTensors sharded over the ep "
+            "mesh, which only FSDP2 shards further; use fsdp.engine=fsdp2",
+        ),
+        (
+            layout.tp > 1,
+            f"parallel.tp={layout.tp}: the tp ranks of a group hold the same tokens, and "
+            "fsdprun dispatches every rank's tokens to the experts; the expert mesh is not "
+            "composed with tp yet; set parallel.tp=1",
+        ),
+        (
+            layout.cp > 1,
+            f"parallel.cp={layout.cp}: the ep groups would be carved out of dp_shard x cp, "
+            "which fsdprun's mesh does not split yet; set parallel.cp=1",
+        ),
+        (
+            layout.pp > 1,
+            f"parallel.pp={layout.pp}: a stage's experts would be dispatched over an ep group "
+            "inside its pipeline rank's data-parallel ranks, which fsdprun's mesh does not "
+            "build yet; set parallel.pp=1 or parallel.ep=1",
+        ),
+    )  # fmt: skip
+    errors += [f"parallel.ep={ep} with {why}" for refuse, why in refused if refuse]
     return errors

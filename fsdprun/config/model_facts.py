@@ -51,8 +51,9 @@ class ModelFacts:
     layer_types: tuple[str, ...] | None = None
     attention_dropout: float = 0.0
     attn_softcap: float | None = None  # Gemma 2's attn_logit_softcapping of the scores
-    num_experts: int | None = None
+    num_experts: int | None = None  # experts per mixture-of-experts layer; None: dense
     num_experts_per_tok: int | None = None
+    expert_ffn_dim: int | None = None  # each expert's hidden size (moe_intermediate_size)
     # config.json's output_router_logits: true (and a router_aux_loss_coef other than 0): the
     # mixture of experts' load-balancing loss is added to the training loss.
     router_aux_loss: bool = False
@@ -98,12 +99,17 @@ def model_facts(cfg: ModelConfig) -> ModelFacts | None:
     config.json's for model.hf_path (None when that file cannot be read as a JSON object)."""
     if cfg.hf_path is None:
         n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
+        moe = cfg.moe_experts > 0  # the model.moe_* keys: the built-in Llama's experts
         return ModelFacts(
             family=cfg.family, model_type=None, n_layers=cfg.n_layers, dim=cfg.dim,
             n_heads=cfg.n_heads, n_kv_heads=n_kv,
             head_dim=cfg.dim // cfg.n_heads if cfg.n_heads else None, ffn_dim=cfg.ffn_dim,
             vocab_size=cfg.vocab_size, tie_embeddings=cfg.tie_embeddings,
             max_position_embeddings=cfg.max_seq_len,
+            num_experts=cfg.moe_experts if moe else None,
+            num_experts_per_tok=cfg.moe_active if moe else None,
+            expert_ffn_dim=(cfg.moe_ffn_dim or cfg.ffn_dim) if moe else None,
+            router_aux_loss=moe and cfg.moe_aux_loss_coef != 0,
         )  # fmt: skip
     return _folder_facts(*_stamp(Path(cfg.hf_path)))
 
@@ -169,6 +175,7 @@ def _folder_facts(folder: str, mtime_ns: int, size: int) -> ModelFacts | None:
         attn_softcap=_number(hf.get("attn_logit_softcapping")) or None,
         num_experts=experts,
         num_experts_per_tok=_count(hf.get("num_experts_per_tok")),
+        expert_ffn_dim=_count(hf.get("moe_intermediate_size")) if experts else None,
         router_aux_loss=hf.get("output_router_logits") is True
         and _number(hf.get("router_aux_loss_coef", 1.0)) != 0,
         remote_code=isinstance(hf.get("auto_map"), dict),

@@ -77,7 +77,8 @@ def runs_on(launch: LaunchConfig) -> str:
 CARD_KEYS = (
     "launch.device", "launch.nproc_per_node", "launch.nnodes", "model.dim", "model.n_layers",
     "model.n_heads", "model.n_kv_heads", "model.ffn_dim", "model.vocab_size",
-    "model.tie_embeddings", "model.hf_path",
+    "model.tie_embeddings", "model.hf_path", "model.moe_experts", "model.moe_ffn_dim",
+    "model.moe_shared_ffn_dim",
 )  # fmt: skip
 
 

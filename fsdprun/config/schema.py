@@ -199,6 +199,33 @@ class ModelConfig:
         "`auto_map`), as transformers' trust_remote_code does. Off: such a folder is refused "
         "before launch, naming its model type (a rank never asks on its terminal).",
     )
+    moe_experts: int = _f(
+        0,
+        "The built-in Llama as a mixture of experts: each block's SwiGLU feed-forward becomes "
+        "this many experts, stacked into [experts, rows, columns] parameters, and a linear "
+        "router sends each token to model.moe_active of them (softmax, top-k: transformers' "
+        "Qwen3-MoE routing; dropless, no capacity factor). The model.moe_* keys are its "
+        "section; parallel.ep shards the experts. 0 = dense. Ignored with model.hf_path (its "
+        "config.json says).",
+    )
+    moe_active: int = _f(2, "Experts each token passes through (top-k), <= model.moe_experts.")
+    moe_ffn_dim: int | None = _f(None, "Hidden size of each expert's SwiGLU; null = model.ffn_dim.")
+    moe_shared_ffn_dim: int = _f(
+        0,
+        "A shared expert: a dense SwiGLU of this hidden size that every token passes through, "
+        "added to the routed experts' output (DeepSeek's); 0 = none.",
+    )
+    moe_norm_topk_prob: bool = _f(
+        True,
+        "Renormalize each token's top-k router probabilities to sum to 1 (transformers' "
+        "norm_topk_prob; Mixtral always does).",
+    )
+    moe_aux_loss_coef: float = _f(
+        0.0,
+        "The router's load-balancing loss (transformers' load_balancing_loss_func over each "
+        "micro-batch's tokens, padding excluded) times this coefficient, added to the loss; "
+        "0 = off.",
+    )
 
 
 @dataclass
@@ -390,6 +417,20 @@ class ParallelConfig:
         "summing to the model's layers), e.g. [3, 5] for 8 layers on pp 2. null = balanced by "
         "training FLOPs: the head's matmul counts on the last stage, the embedding (a lookup) "
         "on none.",
+    )
+    ep: int = _f(
+        1,
+        "Expert-parallel degree: shard each mixture-of-experts layer's experts over this many "
+        "ranks (experts / ep on each), taken from the data-parallel ranks (torchtitan's "
+        "layout: the mesh is [dp_shard_mod_ep, ep]); each token is sent to its experts' ranks "
+        "by an all-to-all and back, dropless. FSDP2 shards the attention and dense layers over "
+        "all data-parallel ranks as before, each expert's weights over the dp_shard_mod_ep "
+        "ranks, so expert state per rank is still experts x expert size / data-parallel ranks "
+        "but a rank gathers only its own experts. Must divide the experts and the "
+        "data-parallel ranks of a shard group (hybrid sharding: an ep group inside each); "
+        "needs fsdp.engine=fsdp2, a model with experts (model.moe_experts, or an HF folder whose "
+        "family declares them), and no tp, cp or pp yet. 1 = off. See "
+        "docs/expert-parallel.md.",
     )
 
 
@@ -775,7 +816,7 @@ TUNE_KNOBS = (
     "fsdp.cpu_offload", "activation_checkpointing.mode", "activation_checkpointing.every_n",
     "compile.enabled", "compile.per_block", "compile.mode", "train.micro_batch_size",
     "train.loss", "train.loss_chunk_size", "optim.implementation", "precision.float8_all_gather",
-    "parallel.cp", "parallel.pp", "parallel.pp_schedule",
+    "parallel.cp", "parallel.pp", "parallel.pp_schedule", "parallel.ep",
 )  # fmt: skip
 TUNE_NUMERICS_KNOBS = ("precision.param_dtype", "precision.reduce_dtype", "precision.float8",
                        "precision.float8_filter")  # fmt: skip
@@ -790,7 +831,7 @@ class TuneConfig:
         "that leaves the training math unchanged (fsdp.*, activation_checkpointing.*, "
         "compile.*, train.micro_batch_size, train.loss, train.loss_chunk_size, "
         "optim.implementation, precision.float8_all_gather, parallel.cp, parallel.pp, "
-        "parallel.pp_schedule) or, only with "
+        "parallel.pp_schedule, parallel.ep) or, only with "
         "--allow-numerics, precision.param_dtype, reduce_dtype, float8 or float8_filter. The "
         "recipe's own value is always tried. On the command line "
         "`--space` wins: without `defaults` it replaces this space, with `--space defaults` it "

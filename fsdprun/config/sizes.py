@@ -44,11 +44,19 @@ def parse_size(
 
 def llama_num_params(
     *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int,
-    tie_embeddings: bool,
+    tie_embeddings: bool, moe_experts: int = 0, moe_ffn_dim: int | None = None,
+    moe_shared_ffn_dim: int = 0,
 ) -> int:  # fmt: skip
-    """All trainable parameters of a Llama shape (the tied output projection counted once)."""
+    """All trainable parameters of a Llama shape (the tied output projection counted once); with
+    `moe_experts`, each block's feed-forward is that many SwiGLU experts of `moe_ffn_dim`
+    (default `ffn_dim`), a router and a shared expert of `moe_shared_ffn_dim` (0: none)."""
     kv = n_kv_heads * (dim // n_heads)
-    block = 2 * dim * dim + 2 * dim * kv + 3 * dim * ffn_dim + 2 * dim
+    ffn = 3 * dim * ffn_dim
+    if moe_experts:
+        ffn = (
+            moe_experts * (3 * dim * (moe_ffn_dim or ffn_dim) + dim) + 3 * dim * moe_shared_ffn_dim
+        )
+    block = 2 * dim * dim + 2 * dim * kv + ffn + 2 * dim
     head = 0 if tie_embeddings else vocab_size * dim
     return vocab_size * dim + n_layers * block + dim + head
 
@@ -83,6 +91,7 @@ def model_num_params(model) -> int | None:
             dim=model.dim, n_layers=model.n_layers, n_heads=model.n_heads,
             n_kv_heads=model.n_kv_heads if model.n_kv_heads is not None else model.n_heads,
             ffn_dim=model.ffn_dim, vocab_size=model.vocab_size,
-            tie_embeddings=model.tie_embeddings,
+            tie_embeddings=model.tie_embeddings, moe_experts=model.moe_experts,
+            moe_ffn_dim=model.moe_ffn_dim, moe_shared_ffn_dim=model.moe_shared_ffn_dim,
         )  # fmt: skip
     return safetensors_num_params(Path(model.hf_path))

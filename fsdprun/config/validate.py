@@ -100,6 +100,8 @@ def _model_errors(cfg: RecipeConfig) -> list[str]:
         )
     if (problem := family_problem(m.family, m.hf_path)) is not None:
         errors.append(problem)
+    if m.hf_path is None:
+        errors += _moe_errors(m)
     if m.hf_path is not None:
         if not (Path(m.hf_path) / "config.json").is_file():
             errors.append(f"model.hf_path: {m.hf_path} has no config.json (a HuggingFace folder?)")
@@ -119,6 +121,25 @@ def _model_errors(cfg: RecipeConfig) -> list[str]:
             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
             "raise model.max_seq_len or shorten train.seq_len"
         )
+    return errors
+
+
+def _moe_errors(m) -> list[str]:
+    """The built-in Llama's mixture of experts (the model.moe_* keys)."""
+    if m.moe_experts < 0:
+        return [f"model.moe_experts must be >= 0 (got {m.moe_experts}); 0 = a dense model"]
+    errors = []
+    if m.moe_experts and not 1 <= m.moe_active <= m.moe_experts:
+        errors.append(
+            f"model.moe_active ({m.moe_active}) must be between 1 and model.moe_experts "
+            f"({m.moe_experts}): the experts each token passes through"
+        )
+    if m.moe_ffn_dim is not None and m.moe_ffn_dim <= 0:
+        errors.append(f"model.moe_ffn_dim must be > 0 (got {m.moe_ffn_dim}), or null")
+    if m.moe_shared_ffn_dim < 0:
+        errors.append(f"model.moe_shared_ffn_dim must be >= 0 (got {m.moe_shared_ffn_dim})")
+    if not (m.moe_aux_loss_coef >= 0 and math.isfinite(m.moe_aux_loss_coef)):
+        errors.append(f"model.moe_aux_loss_coef must be >= 0 (got {m.moe_aux_loss_coef})")
     return errors
 
 

@@ -32,6 +32,7 @@ from fsdprun.engines.base import (
     RankMemory,
     UnitPlan,
     engine_module,
+    reshards_after_forward,
 )
 
 if TYPE_CHECKING:
@@ -61,10 +62,20 @@ def accumulation_mode(cfg: RecipeConfig) -> str:
     return engine_module(cfg.fsdp.engine).accumulation(cfg)
 
 
-def unit_plan(cfg: RecipeConfig, paths: list[str]) -> list[UnitPlan]:
+def unit_plan(
+    cfg: RecipeConfig, paths: list[str], experts: list[str] | None = None
+) -> list[UnitPlan]:
     """The units the recipe's engine makes of the wrap policy's `paths` (from
-    `units.plan_units`), the root last; none for ddp."""
-    return engine_module(cfg.fsdp.engine).unit_plan(paths, cfg.fsdp)
+    `units.plan_units`), the root last; none for ddp. Under expert parallel each of the
+    `experts` modules is a unit of its own (`fsdprun.engines.ep.with_expert_units`)."""
+    from fsdprun.config.layout import effective_sharding
+    from fsdprun.engines.ep import outside_experts, with_expert_units
+
+    if not experts:
+        return engine_module(cfg.fsdp.engine).unit_plan(paths, cfg.fsdp)
+    rows = engine_module(cfg.fsdp.engine).unit_plan(outside_experts(paths, experts), cfg.fsdp)
+    reshard = reshards_after_forward(effective_sharding(cfg.fsdp))
+    return with_expert_units(rows, experts, reshard=reshard)
 
 
 def rank_memory(

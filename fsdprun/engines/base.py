@@ -114,15 +114,28 @@ class ParamShape:
     # Elements of its unsharded gradient where that is not `shape`'s: under tensor parallel the
     # embedding's (torch's backward of a vocab-sharded embedding gives a replicated gradient).
     unsharded_grad_numel: int | None = None
+    # Expert parallel: the ranks its dim 0 (the experts) is split over first; FSDP then shards
+    # the ep rank's local tensor over its unit's ranks / ep (dp_shard_mod_ep).
+    ep: int = 1
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape FSDP shards: an ep rank's ceil(experts / ep) of them under expert parallel,
+        else the whole `shape`."""
+        if self.ep <= 1:
+            return self.shape
+        return (math.ceil(self.shape[0] / self.ep), *self.shape[1:])
+
+    @property
     def grad_numel(self) -> int:
         """Elements of the gradient before FSDP reduce-scatters it into its shard."""
-        return self.numel if self.unsharded_grad_numel is None else self.unsharded_grad_numel
+        if self.unsharded_grad_numel is not None:
+            return self.unsharded_grad_numel
+        return math.prod(self.local_shape)
 
 
 @dataclass(frozen=True)
@@ -221,6 +234,9 @@ class Engine:
     # parallel.pp > 1: this rank's stages and their schedule (`fsdprun.engines.pp.Pipeline`),
     # which run a step's micro-batches in place of the loop's micro-steps.
     pipeline: Any = None
+    # A mixture of experts: the tokens each expert receives (`fsdprun.engines.ep.ExpertLoad`),
+    # counted after each training forward.
+    expert_load: Any = None
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """The SUM of the token losses of one micro-batch over its trained targets (not -100):
@@ -250,6 +266,7 @@ class Engine:
         else:
             head = functools.partial(self.chunked_loss, targets=targets, reduction="sum")
             loss = model(inputs, head=head, **model_kwargs)
+        self._count_experts()
         aux = getattr(self.inner, "router_aux_loss", None)  # set by the forward just run
         if aux is None:
             return loss
@@ -260,6 +277,11 @@ class Engine:
         from fsdprun.loss import num_targets
 
         return loss + aux * num_targets(targets)
+
+    def _count_experts(self) -> None:
+        # Training forwards only (evaluation's are not the load the steps put on the experts).
+        if self.expert_load is not None and self.model.training:
+            self.expert_load.add()
 
     def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
         """Around forward and backward of one micro-batch; `sync` on the last one of a step.

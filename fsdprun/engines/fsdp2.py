@@ -44,6 +44,7 @@ from fsdprun.engines.base import (
     reshards_after_forward,
     unsharded_grads_text,
 )
+from fsdprun.engines.ep import outside_experts, with_expert_units
 
 if TYPE_CHECKING:
     import torch
@@ -94,9 +95,12 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
     f, p = cfg.fsdp, cfg.precision
     sharding, group, ws = layout.sharding, layout.shard_group, layout.world_size
     dims = layout.mesh_dims
-    if layout.is_tp or layout.is_cp or layout.is_pp:
+    if layout.is_tp or layout.is_cp or layout.is_pp or layout.is_ep:
         dp = [f"{n} {name}" for name, n in dims if name not in ("tp", "pp")]
         flat = " (dp_shard x cp flattened into one)" if layout.is_cp else ""
+        if layout.is_ep:
+            flat = (" (dp_shard_mod_ep x ep flattened back into one dp_shard; each expert over "
+                    "dp_shard_mod_ep only)")  # fmt: skip
         mesh = f"fully_shard over the {' x '.join(dp)} dims of the mesh{flat}"
     elif sharding in _TWO_D:
         mesh = f"2-D mesh ({layout.dp_replicate} replicate x {group} shard)"
@@ -143,6 +147,16 @@ def knobs(cfg: RecipeConfig, layout: Layout, add) -> None:
             "merged by log-sum-exp (ring attention; every head stays on every rank); cp rank j "
             f"holds zig-zag chunks j and {2 * cp - 1}-j of {2 * cp}, the same causal work on "
             "every rank",
+        )
+    if layout.is_ep:
+        ep = layout.ep
+        add(
+            "parallel.ep",
+            ep,
+            f"device mesh {layout.describe()}: each MoE layer's experts sharded over {ep} ranks "
+            f"(experts / {ep} each, Shard(0) DTensors) and each expert over the "
+            f"{layout.expert_shards} dp_shard_mod_ep ranks; tokens go to their experts' ranks "
+            "and back by all-to-all (dropless)",
         )
     add(
         "fsdp.sharding",
@@ -261,30 +275,40 @@ def _gathered_elems(shape: tuple[int, ...], shards: int) -> int:
 def dim0_shards(
     units: list[list[ParamShape]], shards: int
 ) -> tuple[list[int], list[int], int, int]:
-    """Every parameter sharded on dim 0 on its own (ddp: shards=1). Returns, per unit, the
-    elements of rank 0's shard and of the gathered copy; AdamW's bytes; the trained elements of
-    rank 0's shard (frozen parameters, the base under LoRA, have no gradient and no state)."""
+    """Every parameter sharded on dim 0 on its own (ddp: shards=1) over `shards` ranks; under
+    expert parallel an ep rank's experts (`ParamShape.local_shape`) over shards / ep. Returns,
+    per unit, the elements of rank 0's shard and of the gathered copy; AdamW's bytes; the
+    trained elements of rank 0's shard (frozen parameters, the base under LoRA, have no
+    gradient and no state)."""
+
+    def over(p: ParamShape) -> int:  # an ep rank's experts: over the unit's ranks / ep
+        return max(shards // p.ep, 1)
+
     trained = [p for own in units for p in own if p.trainable]
-    trainable = sum(_rank0_elems(p.shape, shards) for p in trained)
+    trainable = sum(_rank0_elems(p.local_shape, over(p)) for p in trained)
     return (
-        [sum(_rank0_elems(p.shape, shards) for p in own) for own in units],
-        [sum(_gathered_elems(p.shape, shards) for p in own) for own in units],
+        [sum(_rank0_elems(p.local_shape, over(p)) for p in own) for own in units],
+        [sum(_gathered_elems(p.local_shape, over(p)) for p in own) for own in units],
         ADAM_STATE_BYTES * trainable + ADAM_STEP_BYTES * len(trained),
         trainable,
     )
 
 
 def _gathered_peak(
-    units: list[int], kept: list[bool], root: int, root_kept: bool, *, forward: int, backward: int
-) -> int:
+    units: list[int], kept: list[bool], root: int, root_kept: bool, *, forward: int,
+    backward: int, inner: list[list[int]] | None = None,
+) -> int:  # fmt: skip
     """Peak unsharded bytes on one rank, unit by unit (root first in forward).
 
     A unit is all-gathered into one flat output, then copied out into its unsharded parameters
     (the same size). In forward, FSDP2 frees a unit's flat output only after the next unit's
     copy-out (to overlap that copy with the next all-gather); in backward, right after its own.
     `kept` units are not resharded after forward. Prefetch: `forward` units ahead explicitly,
-    in backward `backward` units ahead (implicitly one).
+    in backward `backward` units ahead (implicitly one). `inner[k]`: the sizes of the units that
+    run inside unit k (expert parallel's experts inside their block), which reshard as unit k
+    does; unit k's parameters stay gathered while they run, in forward and in backward.
     """
+    inner = inner or [[] for _ in units]
     peak = 2 * root  # the root's copy-out: its flat output and its parameters
     held, prev_flat = root, root
     for k, size in enumerate(units):
@@ -292,9 +316,13 @@ def _gathered_peak(
         peak = max(peak, held + prev_flat + 2 * size + early)
         if forward:  # after its copy-out, a unit prefetches the next `forward` units
             peak = max(peak, held + 2 * size + sum(units[k + 1 : k + 1 + forward]))
-        held += size if kept[k] else 0
         prev_flat = size
-    held = sum(size for size, keep in zip(units, kept, strict=True) if keep)
+        for child in inner[k]:  # unit k's flat output is freed after this copy-out
+            peak = max(peak, held + size + prev_flat + 2 * child)
+            prev_flat = child
+        held += size + sum(inner[k]) if kept[k] else 0
+    held = sum(size + sum(inner[k])
+               for k, (size, keep) in enumerate(zip(units, kept, strict=True)) if keep)  # fmt: skip
     if not root_kept:
         peak = max(peak, held + 2 * root)
     held += root
@@ -304,9 +332,11 @@ def _gathered_peak(
             early = sum(units[i] for i in range(max(0, k - depth + 1), k) if not kept[i])
             peak = max(peak, held + 2 * units[k] + early)
             held += units[k]
+            for child in inner[k]:  # gathered and released inside unit k's backward
+                peak = max(peak, held + 2 * child + early)
         ahead = sum(units[i] for i in range(max(0, k - depth), k) if not kept[i])
         peak = max(peak, held + ahead)
-        held -= units[k]
+        held -= units[k] + (sum(inner[k]) if kept[k] else 0)
     return peak
 
 
@@ -318,7 +348,8 @@ def memory(
     pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
     shard, gathered, optimizer, trainable = dim0_shards(units, shards)
     sizes = gathered_bytes(units, gathered, pbytes)
-    blocks, root = sizes[:-1], sizes[-1]
+    root = sizes[-1]
+    blocks, inner = _nested(units[:-1], sizes[:-1])
     reshard = reshards_after_forward(sharding)
     if sharding is Sharding.none:
         buffers = sum(sizes)  # no all-gather: each unit's parameters are cast once and kept
@@ -327,7 +358,7 @@ def memory(
         kept = [not reshard or i == len(blocks) - 1 for i in range(len(blocks))]
         buffers = _gathered_peak(
             blocks, kept, root, not reshard, forward=cfg.fsdp.forward_prefetch,
-            backward=backward_prefetch_depth(cfg.fsdp),
+            backward=backward_prefetch_depth(cfg.fsdp), inner=inner,
         )  # fmt: skip
     unsharded_grads = 0
     if accumulation(cfg) == LOCAL and accumulation_steps(cfg) > 1 and shards > 1:
@@ -341,6 +372,24 @@ def memory(
     )  # fmt: skip
 
 
+def _nested(units: list[list[ParamShape]], sizes: list[int]) -> tuple[list[int], list[list[int]]]:
+    """The units' gathered `sizes` as the peak sees them (`_gathered_peak`): an experts unit of
+    expert parallel (its parameters split over ep ranks; `engines.ep.with_expert_units` puts it
+    before its block) runs inside the unit after it. Returns the other units' sizes and the
+    sizes of the units inside each."""
+    outer: list[int] = []
+    inner: list[list[int]] = []
+    waiting: list[int] = []
+    for own, size in zip(units, sizes, strict=True):
+        if own and all(p.ep > 1 for p in own):
+            waiting.append(size)
+            continue
+        outer.append(size)
+        inner.append(waiting)
+        waiting = []
+    return outer, inner
+
+
 def apply_fsdp(
     model: nn.Module,
     *,
@@ -349,11 +398,18 @@ def apply_fsdp(
     param_dtype: Dtype,
     reduce_dtype: Dtype,
     pin_memory: bool,
+    experts: list[str] | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> list[FsdpUnit]:
     """Shard `model` with `fully_shard` per `unit_plan`, then set explicit prefetch.
 
+    Under expert parallel, each of the `experts` modules (already sharded over the ep mesh,
+    `fsdprun.engines.ep.apply_ep`) is a unit of its own over `expert_mesh`, made just before the
+    unit that holds it (resharding as that one does); the wrap policy's units never include
+    one.
+
     Returns:
-        The units in forward order, the root last.
+        The units in forward order (an experts unit before its block), the root last.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -368,7 +424,9 @@ def apply_fsdp(
     if cfg.cpu_offload:
         # pin_memory needs an accelerator; on a CPU-only host it must be off.
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
-    rows = unit_plan(plan_units(model, cfg=cfg), cfg)
+    experts = list(experts or [])
+    rows = unit_plan(outside_experts(plan_units(model, cfg=cfg), experts), cfg)
+    rows = with_expert_units(rows, experts, reshard=reshards_after_forward(effective_sharding(cfg)))
     modules = dict(model.named_modules())
     units: list[FsdpUnit] = []
     # Parameters an earlier unit took (not "already a DTensor": tensor parallel makes every
@@ -384,7 +442,10 @@ def apply_fsdp(
     for row in rows[:-1]:
         module = modules[row.path]
         before = own(module)
-        fully_shard(module, reshard_after_forward=row.reshard_after_forward, **common)
+        # An experts unit shards over its own mesh (`fsdprun.engines.ep.with_expert_units`).
+        mesh_of = {"mesh": expert_mesh} if row.path in experts else {}
+        fully_shard(module, reshard_after_forward=row.reshard_after_forward,
+                    **{**common, **mesh_of})  # fmt: skip
         taken.update(id(p) for p in module.parameters())
         units.append(FsdpUnit(row.path, before, row.reshard_after_forward))
     root_params = own(model)
@@ -418,33 +479,36 @@ def build(
     parts: list[nn.Module] | None = None,
 ) -> Engine:
     """Shard the meta `model`, then fill each rank's shards: pretrained `weights` read shard-wise,
-    or the seeded initial values. `mesh`: the tensor-parallel mesh the model was split over
-    (`fsdprun.engines.tp`); fully_shard shards over its data-parallel dims. `parts`: under
-    pipeline parallel, the module each of this rank's stages runs (`fsdprun.engines.pp`), each
-    sharded as its own root; `model` (the pruned model that holds them all) is what the
-    optimizer and checkpoints see."""
+    or the seeded initial values. `mesh`: the mesh tensor, context, pipeline or expert parallel
+    split the model over (`fsdprun.engines.tp`, `cp`, `pp`, `ep`); fully_shard shards over its
+    data-parallel dims, and each expert under ep over dp_shard_mod_ep. `parts`: under pipeline
+    parallel, the module each of this rank's stages runs (`fsdprun.engines.pp`), each sharded as
+    its own root; `model` (the pruned model that holds them all) is what the optimizer and
+    checkpoints see."""
     import torch
 
     from fsdprun.engines.adapters import init_adapters
-    from fsdprun.engines.mesh import build_device_mesh, dp_mesh
+    from fsdprun.engines.ep import experts_paths
+    from fsdprun.engines.mesh import build_device_mesh, dp_mesh, expert_mesh
     from fsdprun.engines.weights import init_weights
 
-    fsdp_mesh = (
-        dp_mesh(mesh)
-        if mesh is not None
-        else build_device_mesh(Layout.of(cfg, world_size), device_kind)
-    )
+    layout = Layout.of(cfg, world_size)
+    fsdp_mesh = dp_mesh(mesh) if mesh is not None else build_device_mesh(layout, device_kind)
+    experts = {}
+    if layout.is_ep:  # the experts `apply_ep` sharded over the mesh's ep dim
+        experts = {"experts": experts_paths(model, model_facts(cfg.model).entry.experts),
+                   "expert_mesh": expert_mesh(mesh)}  # fmt: skip
     roots = [model]
     if parts is not None:
         from torch.distributed import get_rank
 
         from fsdprun.engines.pp import stage_roots
 
-        roots = stage_roots(parts, layout=Layout.of(cfg, world_size), rank=get_rank())
+        roots = stage_roots(parts, layout=layout, rank=get_rank())
     units = [
         unit for root in roots for unit in apply_fsdp(
             root, mesh=fsdp_mesh, cfg=cfg.fsdp, param_dtype=cfg.precision.param_dtype,
-            reduce_dtype=cfg.precision.reduce_dtype, pin_memory=device_kind != "cpu",
+            reduce_dtype=cfg.precision.reduce_dtype, pin_memory=device_kind != "cpu", **experts,
         )
     ]  # fmt: skip
     # Offloaded parameters live on the CPU from the start: FSDP2 refuses to offload parameters
@@ -494,6 +558,20 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
 
     # Frozen parameters (the base under LoRA) have no gradient and take no part.
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    # Expert parallel's experts are DTensors on another mesh (dp_shard_mod_ep x ep) than the
+    # rest, and DTensor ops take one mesh: each mesh's norm, then theirs.
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    if len(by_mesh) > 1:
+        norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+                 for group in by_mesh.values()]  # fmt: skip
+        whole = torch.linalg.vector_norm(
+            torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
+        )
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, whole, foreach=True)
+        return whole
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
     whole = norm.full_tensor() if isinstance(norm, DTensor) else norm
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, whole, foreach=True)

@@ -1,6 +1,7 @@
 """The device mesh of a run, built in one function from its `Layout` (`fsdprun.config.layout`,
 which decides every degree, size and dim name), and the sub-meshes each parallelism works over:
-FSDP's data-parallel dims, tensor parallel's `tp`, context parallel's `cp`.
+FSDP's data-parallel dims, tensor parallel's `tp`, context parallel's `cp`, expert parallel's
+`ep` and the dims FSDP shards each expert over.
 
 Imports torch where a function runs (the engines' knob tables load this package without it).
 """
@@ -33,9 +34,12 @@ def build_device_mesh(layout: Layout, device_kind: str) -> DeviceMesh:
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The dims `fully_shard` shards over: dp_shard alone (full, grad_op) or dp_replicate x
     dp_shard (hybrid, hybrid_zero2, none); with a `cp` dim, dp_shard x cp flattened into one
-    (`dp_shard_cp`), so that the cp ranks share one copy of the model state (torchtitan's)."""
+    (`dp_shard_cp`), so that the cp ranks share one copy of the model state (torchtitan's);
+    with an `ep` dim, dp_shard_mod_ep x ep flattened back into the `dp_shard` they split."""
     names = mesh.mesh_dim_names or ()
     shard = "dp_shard"
+    if "ep" in names:
+        mesh[("dp_shard_mod_ep", "ep")]._flatten(shard)
     if "cp" in names:
         shard = "dp_shard_cp"
         mesh[("dp_shard", "cp")]._flatten(shard)
@@ -51,3 +55,18 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The `cp` dim of the mesh: one cp group per data-parallel (and tp) rank."""
     return mesh["cp"]
+
+
+def ep_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The `ep` dim of the mesh: the ranks one layer's experts are sharded over."""
+    return mesh["ep"]
+
+
+def expert_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dims `fully_shard` shards each expert's weights over under expert parallel: the
+    data-parallel ranks outside the ep group (`dp_shard_mod_ep`), so that FSDP and ep together
+    shard the experts over every data-parallel rank."""
+    names = mesh.mesh_dim_names or ()
+    if "dp_replicate" in names:  # hybrid sharding: replicated across the shard groups
+        return mesh[("dp_replicate", "dp_shard_mod_ep")]
+    return mesh["dp_shard_mod_ep"]

@@ -2,7 +2,8 @@
 
 The model is built on the meta device from its family (an HF folder: transformers reads its
 config.json; no weights are read, nothing is allocated), then checked as the worker's build
-would use it: the family's TP plan against its modules (`engines.tp.tp_refusal`), LoRA's
+would use it: the family's TP plan against its modules (`engines.tp.tp_refusal`), its
+experts against expert parallel's dispatch (`engines.ep.check_ep`), LoRA's
 targets (`models.lora.apply_lora`), and for pretrained weights every tensor the model needs,
 there and of its shape, in safetensors files whose headers can be read
 (`engines.hf_weights.HFWeights`, which the worker builds the same way). Each problem is one
@@ -18,6 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fsdprun.config import ModelInit, RecipeConfig
+from fsdprun.config.layout import Layout
+from fsdprun.config.model_facts import model_facts
+from fsdprun.engines.ep import check_ep
 from fsdprun.engines.tp import tp_refusal
 from fsdprun.errors import UserError
 from fsdprun.models import model_spec
@@ -39,6 +43,9 @@ def check_model(cfg: RecipeConfig, *, weights: bool = True) -> None:
     refusal = tp_refusal(cfg, model)
     if refusal is not None:
         raise UserError(refusal)
+    facts = model_facts(cfg.model)
+    check_ep(model, Layout.of(cfg), facts.entry.experts if facts else None,
+             family=model.family_name)  # fmt: skip
     apply_lora(model, cfg=cfg.lora)
     if weights and cfg.model.hf_path is not None and cfg.model.init is ModelInit.pretrained:
         from fsdprun.engines.hf_weights import HFWeights  # safetensors: the hf extra

@@ -90,21 +90,22 @@ def _names(overrides: list[str], key: str) -> bool:
     return any(o.removeprefix("~").split("=", 1)[0] == key for o in overrides)
 
 
-# The degrees a resume re-fits, in order (cp's fit depends on the tp it then has, pp's on
-# both), and what its note calls each.
-_REFIT = {"tp": "tensor-parallel", "cp": "context-parallel", "pp": "pipeline-parallel"}
+# The degrees a resume re-fits, in order (cp's fit depends on the tp it then has, pp's and ep's
+# on both), and what its note calls each.
+_REFIT = {"tp": "tensor-parallel", "cp": "context-parallel", "pp": "pipeline-parallel",
+          "ep": "expert-parallel"}  # fmt: skip
 
 
 def _fit(cfg: RecipeConfig, dim: str) -> str | None:
-    """Lower a saved parallel.<dim> (tp, cp, pp) that the new world cannot hold to the largest of
-    its divisors that it can (`Layout.refit`), in place; returns the note, or None when the
-    saved degree fits.
+    """Lower a saved parallel.<dim> (tp, cp, pp, ep) that the new world cannot hold to the
+    largest of its divisors that it can (`Layout.refit`), in place; returns the note, or None
+    when the saved degree fits.
 
     `fsdprun resume RUN --nproc-per-node 1` of a tp 2 run is a resume "at any world size", which
     the command promises (as it shrinks the micro batch to keep the global batch): a user who
     only changed the world has not asked for TP, and refusing would make them learn a key to
     undo a degree the checkpoint does not depend on. A divisor of the saved degree divides what
-    the saved one did (heads, ffn, vocab, train.seq_len). A degree the command names is the
+    the saved one did (heads, ffn, vocab, train.seq_len, experts). A degree the command names is the
     user's choice: it is kept, and refused by validate if it does not fit.
     """
     layout = Layout.of(cfg)

@@ -52,6 +52,13 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # The built-in Llama as a mixture of experts (the model.moe_* keys; 0 experts: dense).
+    moe_experts: int = 0
+    moe_active: int = 2
+    moe_ffn_dim: int = 0  # each expert's hidden size
+    moe_shared_ffn_dim: int = 0
+    moe_norm_topk_prob: bool = True
+    moe_aux_loss_coef: float = 0.0
 
     @property
     def head_dim(self) -> int:

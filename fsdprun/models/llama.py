@@ -24,6 +24,7 @@ from fsdprun.errors import UserError
 from fsdprun.families import BUILTIN_FAMILIES
 from fsdprun.models import ModelArgs, ModelSpec
 from fsdprun.models.attention import AttentionMask, attend, build_attention_mask
+from fsdprun.models.moe import MoE, load_balancing_loss
 
 # What the family can do (its TP plan, LoRA groups, context parallel, pipeline stages): data in
 # `fsdprun.families`, declared as the HuggingFace model types are.
@@ -119,13 +120,22 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        # A mixture of experts in place of the SwiGLU with model.moe_experts (`models.moe`).
+        if args.moe_experts:
+            self.moe = MoE(
+                args.dim, num_experts=args.moe_experts, top_k=args.moe_active,
+                ffn_dim=args.moe_ffn_dim, shared_ffn_dim=args.moe_shared_ffn_dim,
+                norm_topk_prob=args.moe_norm_topk_prob,
+            )  # fmt: skip
+        else:
+            self.feed_forward = FeedForward(args)
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, attn_mask: AttentionMask = None
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, attn_mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -143,6 +153,11 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from the config, so checkpoints hold only trained state.
         self.register_buffer("rope", rope_table(args), persistent=False)
+        # A mixture of experts with model.moe_aux_loss_coef > 0: each forward keeps coef x the
+        # load-balancing loss of its routers' logits in `router_aux_loss`, which the engine's
+        # loss adds (`Engine.forward_loss`), as `HFCausalLM` keeps transformers' own.
+        self.router_aux_coef = args.moe_aux_loss_coef if args.moe_experts else 0.0
+        self.router_aux_loss: torch.Tensor | None = None
 
     def forward(
         self,
@@ -180,6 +195,13 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rope, attn_mask=attn_mask)
+        if self.router_aux_coef:
+            # Over the micro-batch's tokens, padding (doc id -1) excluded: transformers' loss
+            # with a 2-D attention mask.
+            real = None if doc_ids is None else (doc_ids >= 0).long()
+            logits = tuple(layer.moe.router_logits for layer in self.layers.values())
+            aux = load_balancing_loss(logits, self.args.moe_experts, self.args.moe_active, real)
+            self.router_aux_loss = self.router_aux_coef * aux
         return self.norm(h)
 
     def lora_groups(self) -> dict[str, tuple[str, ...]]:
@@ -212,7 +234,8 @@ class Transformer(nn.Module):
         """
         if name.endswith("norm.weight"):
             return None
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight",
+                          "moe.experts.down_proj", "shared_expert.w2.weight")):  # fmt: skip
             return 0.02 / math.sqrt(2 * self.args.n_layers)
         return 0.02
 
@@ -223,14 +246,21 @@ def num_params(args: ModelArgs) -> int:
     return llama_num_params(
         dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
         ffn_dim=args.ffn_dim, vocab_size=args.vocab_size, tie_embeddings=args.tie_embeddings,
+        moe_experts=args.moe_experts, moe_ffn_dim=args.moe_ffn_dim,
+        moe_shared_ffn_dim=args.moe_shared_ffn_dim,
     )  # fmt: skip
 
 
 def num_matmul_params(args: ModelArgs) -> int:
     """Parameters that take part in a matmul per token: every Linear, including the output
-    projection even when tied; not the embedding lookup nor the norm weights."""
+    projection even when tied; not the embedding lookup nor the norm weights. Of a mixture of
+    experts: the router, the active experts' and the shared expert's."""
     kv = args.n_kv_heads * args.head_dim
-    block = 2 * args.dim * args.dim + 2 * args.dim * kv + 3 * args.dim * args.ffn_dim
+    ffn = 3 * args.dim * args.ffn_dim
+    if args.moe_experts:
+        ffn = (args.dim * args.moe_experts + args.moe_active * 3 * args.dim * args.moe_ffn_dim
+               + 3 * args.dim * args.moe_shared_ffn_dim)  # fmt: skip
+    block = 2 * args.dim * args.dim + 2 * args.dim * kv + ffn
     return args.n_layers * block + args.vocab_size * args.dim
 
 
@@ -257,6 +287,12 @@ def build_model_args(cfg: ModelConfig) -> ModelArgs:
         rope_theta=cfg.rope_theta,
         norm_eps=cfg.norm_eps,
         tie_embeddings=cfg.tie_embeddings,
+        moe_experts=cfg.moe_experts,
+        moe_active=cfg.moe_active,
+        moe_ffn_dim=cfg.moe_ffn_dim or cfg.ffn_dim,
+        moe_shared_ffn_dim=cfg.moe_shared_ffn_dim,
+        moe_norm_topk_prob=cfg.moe_norm_topk_prob,
+        moe_aux_loss_coef=cfg.moe_aux_loss_coef,
     )
 
 
@@ -267,7 +303,11 @@ _HF_BLOCK_NAMES = {
     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
     "feed_forward.w3": "mlp.up_proj",
     "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "moe.gate": "mlp.gate",
 }  # fmt: skip
+# The built-in MoE's stacked experts keep transformers' names (Mixtral's, under `mlp`).
+_HF_EXPERT_NAMES = {"moe.experts.gate_up_proj": "mlp.experts.gate_up_proj",
+                    "moe.experts.down_proj": "mlp.experts.down_proj"}  # fmt: skip
 _HF_TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -288,17 +328,41 @@ def hf_llama_name(name: str) -> str:
     match = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
     if match and match.group(2) in _HF_BLOCK_NAMES:
         return f"model.layers.{match.group(1)}.{_HF_BLOCK_NAMES[match.group(2)]}.weight"
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if match and match.group(2) in _HF_EXPERT_NAMES:
+        return f"model.layers.{match.group(1)}.{_HF_EXPERT_NAMES[match.group(2)]}"
     raise UserError(f"{name}: not a Llama tensor; cannot name it for HuggingFace")
 
 
 def hf_llama_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """A LlamaConfig (as config.json data) for the recipe's `model:` section."""
+    """A LlamaConfig (as config.json data) for the recipe's `model:` section; a MixtralConfig
+    for its mixture of experts (Llama's attention, transformers' top-k routing renormalized,
+    stacked experts under the same names).
+
+    Raises:
+        UserError: a mixture of experts Mixtral does not express (a shared expert, top-k
+            probabilities not renormalized).
+    """
     args = build_model_args(cfg)
+    if args.moe_experts and (args.moe_shared_ffn_dim or not args.moe_norm_topk_prob):
+        raise UserError(
+            "export --format hf: the built-in mixture of experts is written as a Mixtral "
+            "folder, which has no shared expert (model.moe_shared_ffn_dim) and always "
+            "renormalizes the top-k probabilities (model.moe_norm_topk_prob); use --format "
+            "torch or safetensors"
+        )
+    moe = {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "num_local_experts": args.moe_experts, "num_experts_per_tok": args.moe_active,
+        "router_aux_loss_coef": args.moe_aux_loss_coef,
+        "output_router_logits": args.moe_aux_loss_coef > 0, "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    } if args.moe_experts else {}  # fmt: skip
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,
+        "intermediate_size": args.moe_ffn_dim if args.moe_experts else args.ffn_dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
@@ -314,14 +378,20 @@ def hf_llama_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": _HF_DTYPE_NAMES.get(dtype, "float32"),
+        **moe,
     }
 
 
 def _describe(cfg: ModelConfig) -> str:
     kv = f" ({cfg.n_kv_heads} kv)" if cfg.n_kv_heads else ""
+    ffn = f"ffn {cfg.ffn_dim}"
+    if cfg.moe_experts:
+        shared = f" + shared {cfg.moe_shared_ffn_dim}" if cfg.moe_shared_ffn_dim else ""
+        ffn = (f"{cfg.moe_experts} experts ({cfg.moe_active} active) of ffn "
+               f"{cfg.moe_ffn_dim or cfg.ffn_dim}{shared}")  # fmt: skip
     return (
         f"{cfg.family}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads{kv}, "
-        f"ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}"
+        f"{ffn}, vocab {cfg.vocab_size}"
     )
 
 

@@ -107,6 +107,46 @@ def compile_rows(compiled: dict[str, Any] | None) -> list[tuple[str, str]]:
     return rows
 
 
+def _expert_load(figures: dict[str, Any] | None) -> str:
+    """The step line's load balance: the busiest expert over the mean of its layer, in the
+    least balanced layer (and with ep the busiest rank's over the mean); '' for a dense model."""
+    if not figures:
+        return ""
+    text = f" | experts max/mean {figures['worst_max_over_mean']:.2f}"
+    if figures.get("ranks"):
+        text += f", ranks {figures['ranks']['worst_max_over_mean']:.2f}"
+    return text
+
+
+# The run summary's expert table shows at most this many layers (the least balanced).
+EXPERT_LAYERS_SHOWN = 12
+
+
+def expert_load_table(figures: dict[str, Any]) -> Table:
+    """The run's load balance per MoE layer, over its logged steps: the busiest expert, its
+    tokens (token x top-k pairs), the mean over the experts and their ratio; with ep, the busiest
+    rank's. The least balanced `EXPERT_LAYERS_SHOWN` layers, in layer order, where there are
+    more."""
+    layers = figures.get("layers") or list(range(len(figures["max"])))
+    ratio = figures["max_over_mean"]
+    rows = sorted(range(len(layers)), key=lambda i: -ratio[i])[:EXPERT_LAYERS_SHOWN]
+    shown = "" if len(rows) == len(layers) else (
+        f" (the {len(rows)} least balanced of {len(layers)} layers)")  # fmt: skip
+    table = Table(title=f"Expert load over the logged steps{shown}", title_justify="left")
+    ranks = figures.get("ranks")
+    cols = ["layer", "busiest expert", "its tokens", "mean", "max/mean"]
+    cols += ["busiest rank", "rank max/mean"] if ranks else []
+    for col in cols:
+        table.add_column(col, justify="right")
+    for i in sorted(rows):
+        row = [str(layers[i]), str(figures["busiest_expert"][i]), f"{figures['max'][i]:,}",
+               f"{figures['mean'][i]:,.0f}", f"{ratio[i]:.2f}"]  # fmt: skip
+        if ranks:
+            row += [str(ranks["busiest_rank"][i]), f"{ranks['max_over_mean'][i]:.2f}"]
+        table.add_row(*row)
+    return table
+
+
 def _lora_line(lora: dict[str, Any], num_base_params: int, num_trainable: int) -> str:
     """The header's LoRA line: its settings and how many parameters train (the adapters) of all
     (the frozen base and the adapters)."""
@@ -261,6 +301,11 @@ class Reporter:
             )
         if e.get("pipeline"):
             c.print(f"  {pipeline_line(pp, e['pipeline'])}", soft_wrap=True)
+        if (e.get("ep") or 1) > 1:
+            c.print(
+                f"  expert parallel: ep {e['ep']} (each MoE layer's experts split over "
+                f"{e['ep']} ranks; tokens go to their experts' ranks by all-to-all and back)"
+            )
         if e.get("tp_plan"):
             c.print(f"  tensor parallel plan (tp {tp}):")
             for path, style in tp_plan_lines(e["tp_plan"]):
@@ -297,7 +342,7 @@ class Reporter:
         line = (
             f"step {e['step']} | loss {e['loss']:.4f} | lr {e['lr']:.2e} | "
             f"gnorm {e['grad_norm']:.3f} | {e['tokens_per_s']:,.0f} tok/s | "
-            f"{_trained(e)}{e['step_time_s'] * 1e3:.0f} ms"
+            f"{_trained(e)}{e['step_time_s'] * 1e3:.0f} ms{_expert_load(e.get('experts'))}"
         )
         self.console.print(line)
         if self.progress is not None:
@@ -359,6 +404,8 @@ class Reporter:
             values.append(fmt_bytes(ms["total"]))
             mem.add_row(str(r["rank"]), *map(Cell.whole, values))
         self.console.print(mem)
+        if e.get("experts"):
+            self.console.print(expert_load_table(e["experts"]))
         if e.get("checkpoints"):
             ck = Table(title="Checkpoints", title_justify="left")
             for col in ("step", "mode", "size", "blocked", "total", "write rate"):
@@ -480,6 +527,11 @@ def render_plan(plan: dict[str, Any], console: Console, *, full: bool = False) -
         for o in plan["pp_degrees"]:
             if o["missing"]:
                 c.print(f"  pp {o['pp']}: not possible, {escape(o['missing'])}.")
+    if plan.get("ep_degrees"):
+        c.print(_plan_ep_line(plan), soft_wrap=True)
+        for o in plan["ep_degrees"]:
+            if o["missing"]:
+                c.print(f"  ep {o['ep']}: not possible, {escape(o['missing'])}.")
     c.print(_plan_verdict(plan))
 
 
@@ -555,6 +607,24 @@ def _plan_cp_line(plan: dict[str, Any]) -> str:
     return escape(
         f"Context parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 "
         "total, activations / cp): " + ", ".join(parts)
+    )
+
+
+def _plan_ep_line(plan: dict[str, Any]) -> str:
+    """The expert-parallel degrees' totals per rank and all-to-all bytes a step, in one line."""
+    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
+    fits = plan["device_memory_bytes"] is not None
+    parts = [
+        f"ep {o['ep']}{' (recipe)' if o['ep'] == plan['ep'] else ''} {o['mesh']} "
+        f"{fmt_bytes(o['memory']['total'])}"
+        + (f" + {fmt_bytes(o['alltoall_bytes'])} all-to-all a step" if o["alltoall_bytes"] else "")
+        + (" (" + o["note"] + ")" if o.get("note") else "")
+        + ((" fits" if o["memory"]["fits"] else " does not fit") if fits else "")
+        for o in plan["ep_degrees"] if o["memory"] is not None
+    ]  # fmt: skip
+    return escape(
+        f"Expert parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 total, "
+        "the all-to-all each rank sends): " + ", ".join(parts)
     )
 
 
@@ -661,9 +731,11 @@ def _plan_memory_table(plan: dict[str, Any]) -> Table:
         ("optimizer state", "optimizer"), ("gathered buffers *", "gathered_buffers"),
         ("activations *", "activations"),
         *([("pipeline buffers", "pipeline_buffers")] if plan.get("pipeline") else []),
-        ("total", "total"),
+        ("dispatch buffers *", "dispatch"), ("total", "total"),
     )  # fmt: skip
     for label, key in components:
+        if key == "dispatch" and not any(s.get(key) for s in strategies.values()):
+            continue  # expert parallel's row only
         fmt = str if key == "shard_group" else fmt_bytes
         mem.add_row(label, *(Cell.whole(fmt(s[key])) for s in strategies.values()))
     if plan["device_memory_bytes"] is not None:

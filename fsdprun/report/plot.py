@@ -6,10 +6,13 @@
 Six panels from each run's metrics file alone (no torch): loss against step (train, and val
 where evaluated), loss against tokens seen, learning rate, grad norm, tokens/s, and the peak
 memory of each rank (the last summary's ranks; from the step events, rank 0 only, while a run
-has no summary). A step logged twice (a resume from an older checkpoint) counts with its latest
-record; dotted lines mark where a session resumed or restarted. A run whose last session failed
-(it ended without a summary, and nothing holds its lock) is named in a red title line and its
-legend entries. matplotlib is an optional extra (`pip install 'fsdprun[plot]'`).
+has no summary); a seventh for a mixture of experts: the load balance at each logged step (the
+busiest expert's tokens over the mean of its layer, in the least balanced layer; with expert
+parallel the busiest rank's too). A step logged twice (a resume from an older checkpoint)
+counts with its latest record; dotted lines mark where a session resumed or restarted. A run
+whose last session failed (it ended without a summary, and nothing holds its lock) is named in a
+red title line and its legend entries. matplotlib is an optional extra (`pip install
+'fsdprun[plot]'`).
 
 The pictures of `fsdprun compare --plot` (compare_figure) and `fsdprun plan --plot`
 (plan_figure) are drawn here too, from those commands' JSON documents.
@@ -37,6 +40,8 @@ TITLES = (
     "loss by step", "loss by tokens seen", "learning rate", "grad norm", "tokens/s",
     "peak memory per rank",
 )  # fmt: skip
+EXPERT_TITLE = "expert load"  # the seventh panel, for a mixture of experts
+EXPERT_LABEL = "busiest / mean tokens (least balanced layer)"
 # Memory figures in order of preference: what an accelerator allocated, else the CPU's RSS.
 MEMORY_KEYS = (
     ("peak_allocated_bytes", "peak allocated"), ("peak_reserved_bytes", "peak reserved"),
@@ -66,6 +71,9 @@ class RunCurves:
     memory: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> memory figures
     skipped: str | None = None  # one line on what could not be read, when something could not
     state: str = "finished"  # fsdprun.report.metrics.run_state: "failed", "running", ...
+    # A mixture of experts: {"step", "expert", "rank"} per logged step, the least balanced
+    # layer's busiest expert (and, with ep, rank) over the mean (NaN: not logged).
+    experts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -149,6 +157,8 @@ def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
         skipped.append(f"{value.gaps} value{'s' if value.gaps != 1 else ''} missing, not a "
                        "number or not finite (drawn as gaps)")  # fmt: skip
     start = next((e for e in read.events if e["event"] == "start"), {})
+    experts = [{"step": k, **_load(steps[k]["experts"])} for k in sorted(steps)
+               if isinstance(steps[k].get("experts"), dict)]  # fmt: skip
     return RunCurves(
         label=label or run_dir.name,
         steps=curves,
@@ -161,7 +171,17 @@ def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
         run_dir=str(run_dir),
         started_at=_started_at(start.get("started_at"), metrics),
         state=run_state(read.events, running=any(is_locked(p) for p in lock_paths(run_dir))),
+        experts=experts,
     )  # fmt: skip
+
+
+def _load(figures: dict[str, Any]) -> dict[str, float]:
+    """A step's load balance (`RunCurves.experts`), NaN where a figure is not a finite number."""
+    ranks = figures.get("ranks")
+    found = {"expert": number(figures.get("worst_max_over_mean")),
+             "rank": number(ranks.get("worst_max_over_mean")) if isinstance(ranks, dict)
+             else None}  # fmt: skip
+    return {k: v if v is not None and math.isfinite(v) else math.nan for k, v in found.items()}
 
 
 def _session_name(event: dict[str, Any]) -> str:
@@ -233,8 +253,15 @@ def build_figure(runs: list[RunCurves]):
     # A Figure made without pyplot: no GUI backend, no global state; savefig renders with Agg.
     fig = Figure(figsize=FIGURE_SIZE_IN, dpi=DPI, layout="constrained")
     fig.suptitle(figure_title(runs), color="red" if any(r.failed for r in runs) else None)
-    axes = fig.subplots(2, 3).flatten()
+    moe = any(run.experts for run in runs)
+    grid = fig.subplots(2, 4 if moe else 3)
+    # Row by row: the six panels, then the expert load under the first row's end.
+    axes = [*grid[0][:3], *grid[1][:3]]
     by_step, by_tokens, lr, norm, speed, mem = axes
+    if moe:
+        load = grid[0][3]
+        grid[1][3].set_axis_off()
+        _expert_load(load, runs)
     for ax, title in zip(axes, TITLES, strict=True):
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
@@ -280,6 +307,31 @@ def build_figure(runs: list[RunCurves]):
         elif len(drawn) > 1:
             ax.legend(fontsize="small")
     return fig
+
+
+def _expert_load(ax, runs: list[RunCurves]) -> None:
+    """The load balance of each run with experts: busiest expert over the mean (solid), with
+    expert parallel the busiest rank's (dashed); 1 is perfectly balanced."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title(EXPERT_TITLE)
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel("step")
+    ax.set_ylabel(EXPERT_LABEL)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+    ax.axhline(1.0, color="grey", lw=0.8)
+    for i, run in enumerate(runs):
+        if not run.experts:
+            continue
+        name = f"{_legend_label(run)} " if len(runs) > 1 else ""
+        x = [s["step"] for s in run.experts]
+        ax.plot(x, [s["expert"] for s in run.experts], color=f"C{i % 10}",
+                label=f"{name}experts")  # fmt: skip
+        if any(not math.isnan(s["rank"]) for s in run.experts):
+            ax.plot(x, [s["rank"] for s in run.experts], color=f"C{i % 10}", ls="--",
+                    label=f"{name}ep ranks")  # fmt: skip
+    if len(ax.get_legend_handles_labels()[1]) > 1:
+        ax.legend(fontsize="small")
 
 
 def _legend_label(run: RunCurves) -> str:

@@ -51,13 +51,13 @@ class CompareConfig:
 
 
 def parse_configs(text: str) -> list[CompareConfig]:
-    """'ddp,fsdp1,fsdp2:grad_op,fsdp2:full:tp2,fsdp2:cp2,fsdp2:pp2' -> configurations
-    (engine[:sharding][:tpN][:cpN][:ppN], comma-separated; tpN sets parallel.tp=N, cpN
-    parallel.cp=N, ppN parallel.pp=N).
+    """'ddp,fsdp1,fsdp2:grad_op,fsdp2:full:tp2,fsdp2:cp2,fsdp2:pp2,fsdp2:ep2' -> configurations
+    (engine[:sharding][:tpN][:cpN][:ppN][:epN], comma-separated; tpN sets parallel.tp=N, cpN
+    parallel.cp=N, ppN parallel.pp=N, epN parallel.ep=N).
 
     Raises:
-        UserError: an unknown engine, sharding or part, a sharding given to ddp, tensor or
-            context parallel with another engine than fsdp2, or a repeat.
+        UserError: an unknown engine, sharding or part, a sharding given to ddp, tensor,
+            context or expert parallel with another engine than fsdp2, or a repeat.
     """
     engines = [e.value for e in Engine]
     shardings = [s.value for s in Sharding]
@@ -67,11 +67,12 @@ def parse_configs(text: str) -> list[CompareConfig]:
             continue
         engine, *parts = item.split(":")
         degrees = {kind: [p for p in parts if re.fullmatch(rf"{kind}[1-9]\d*", p)]
-                   for kind in ("tp", "cp", "pp")}  # fmt: skip
+                   for kind in ("tp", "cp", "pp", "ep")}  # fmt: skip
         rest = [p for p in parts if not any(p in found for found in degrees.values())]
         if any(len(found) > 1 for found in degrees.values()) or len(rest) > 1:
             raise UserError(
-                f"--configs: '{item}': use engine[:sharding][:tpN][:cpN][:ppN], e.g. fsdp2:full:tp2"
+                f"--configs: '{item}': use engine[:sharding][:tpN][:cpN][:ppN][:epN], e.g. "
+                "fsdp2:full:tp2"
             )
         sharding = rest[0] if rest else ""
         if engine not in engines:
@@ -89,7 +90,8 @@ def parse_configs(text: str) -> list[CompareConfig]:
                     f"{', '.join(shardings)}"
                 )
             overrides.append(f"fsdp.sharding={sharding}")
-        for kind, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline")):
+        for kind, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline"),
+                           ("ep", "expert")):  # fmt: skip
             if not degrees[kind]:
                 continue
             if engine != Engine.fsdp2.value:

@@ -69,8 +69,16 @@ from fsdprun.engines.activations import (
     ring_bytes,
     stage_activation_bytes,
 )
-from fsdprun.engines.base import backward_prefetch_depth
+from fsdprun.engines.base import DTYPE_BYTES, UnitPlan, accumulation_steps, backward_prefetch_depth
 from fsdprun.engines.cp import CP_ACTIVATION_FORMULA, RING_MEMORY_FORMULA
+from fsdprun.engines.ep import (
+    EP_FORMULA,
+    EXPERT_PARAMS,
+    ep_alltoall_bytes,
+    ep_dispatch_bytes,
+    expert_unit_paths,
+    experts_paths,
+)
 from fsdprun.engines.float8 import MFU_CONVENTION, Float8Plan, float8_linears, float8_plan
 from fsdprun.engines.tp import (
     TP_ACTIVATION_FORMULA,
@@ -82,6 +90,7 @@ from fsdprun.engines.tp import (
 )
 from fsdprun.engines.units import plan_units
 from fsdprun.errors import UserError
+from fsdprun.fmt import fmt_bytes
 from fsdprun.loss import describe_loss
 from fsdprun.models import model_spec
 from fsdprun.models.lora import apply_lora, num_trainable_params
@@ -124,13 +133,14 @@ class StrategyMemory:
     # Pipeline parallel: torch's receive buffers, one per micro-batch of the activations from
     # the previous stage and of their gradients from the next (`pipeline_buffer_bytes`).
     pipeline_buffers: int = 0
+    dispatch: int = 0  # expert parallel's all-to-all buffers of one MoE layer (EP_FORMULA)
     total: int = 0
     fits: bool | None = None
 
     def __post_init__(self) -> None:
         self.total = (
             self.params + self.grads + self.accumulation + self.optimizer
-            + self.gathered_buffers + self.activations + self.pipeline_buffers
+            + self.gathered_buffers + self.activations + self.pipeline_buffers + self.dispatch
         )  # fmt: skip
 
 
@@ -159,6 +169,8 @@ class MemoryPlan:
     # the strategies above are then pp rank 0's (its stages' units and activations).
     pipeline: dict | None = None
     pp_degrees: list[dict] = field(default_factory=list)  # PpOption at each degree, side by side
+    ep: int = 1
+    ep_degrees: list[dict] = field(default_factory=list)  # EpOption (a model with experts)
     activation_formula: str = ACTIVATION_FORMULA
     buffer_formula: str = BUFFER_FORMULA
     notes: list[str] = field(default_factory=list)
@@ -178,15 +190,20 @@ def _unit_params(
     whole_grads: frozenset[int] = frozenset(),
     tp: int = 1,
     keep: set[int] | None = None,
+    experts: list[str] = (),
+    ep: int = 1,
 ) -> list[list[ParamShape]]:
     """Each unit's own parameters, as the engines take them: not yet taken, forward order, root
     last; marked trainable, a Linear's weight, gathered in float8 (`float8` with all-gather). Under
     tensor parallel (`tp` > 1) each shape is tensor-parallel rank 0's local shard: the dim in
     `tp_dims` (parameter id -> dim the TP plan shards) cut to ceil(n / tp), as DTensor's
     Shard(dim) chunks it; a parameter the plan does not shard (the norms) is whole on every TP
-    rank. FSDP then shards that local tensor over the data-parallel ranks. `keep`: only these
-    parameters (ids: a pipeline rank's stages), each in the unit it is in."""
+    rank. FSDP then shards that local tensor over the data-parallel ranks. Under expert
+    parallel (`ep` > 1) the stacked parameters of the `experts` modules are split over ep
+    ranks on their experts dim first (`ParamShape.ep`). `keep`: only these parameters (ids: a
+    pipeline rank's stages), each in the unit it is in."""
     modules = dict(model.named_modules())
+    stacked = {id(getattr(modules[e], name)) for e in experts for name in EXPERT_PARAMS}
     matmul = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     f8 = set()
     if float8 is not None and float8.all_gather:
@@ -201,7 +218,8 @@ def _unit_params(
         own = [p for p in own if keep is None or id(p) in keep]
         units.append([ParamShape(tp_local_shape(tuple(p.shape), tp_dims.get(id(p)), tp),
                                  p.requires_grad, id(p) in matmul, id(p) in f8,
-                                 p.numel() if tp > 1 and id(p) in whole_grads else None)
+                                 p.numel() if tp > 1 and id(p) in whole_grads else None,
+                                 ep=ep if id(p) in stacked else 1)
                       for p in own])  # fmt: skip
     return units
 
@@ -210,6 +228,7 @@ def _unit_params(
 TP_DEGREES = (1, 2, 4, 8)
 CP_DEGREES = (1, 2, 4, 8)  # parallel.cp degrees plan compares beside the recipe's
 PP_DEGREES = (1, 2, 4, 8)  # parallel.pp degrees plan compares beside the recipe's
+EP_DEGREES = (1, 2, 4, 8)  # parallel.ep degrees, for a model with experts
 
 
 def _with_sharding(
@@ -244,6 +263,19 @@ class TpOption:
     memory: StrategyMemory | None = None
     missing: str | None = None
     note: str | None = None  # what the column changes beside tp (e.g. compile off)
+
+
+@dataclass
+class EpOption:
+    """The recipe at one expert-parallel degree, same world size: its mesh, rank 0's memory and
+    the bytes it sends by all-to-all in a step, or why the degree is not possible (`missing`)."""
+
+    ep: int
+    mesh: str | None = None
+    memory: StrategyMemory | None = None
+    alltoall_bytes: int = 0  # per rank and step (`engines.ep.ep_alltoall_bytes`)
+    missing: str | None = None
+    note: str | None = None  # what the column changes beside ep (compile off)
 
 
 @dataclass
@@ -419,21 +451,34 @@ def plan_memory(
     # The recipe's own degree: refused as `fsdprun train` refuses it (engines.preflight).
     if (refusal := tp_refusal(cfg, model)) is not None:
         raise UserError(refusal)
+    facts = model_facts(cfg.model)
+    # The experts modules (a mixture of experts), found as the worker finds them.
+    experts = experts_paths(model, facts.entry.experts if facts is not None else None)
     adapted = apply_lora(model, cfg=cfg.lora)
     # The activation estimates read the model's shape: an HF folder's comes from its config.json.
     cfg = dataclasses.replace(cfg, model=spec.shape(cfg.model))
     paths = plan_units(model, cfg=cfg.fsdp)
+    layout = Layout.of(cfg)
+
+    def rows_at(ep: int) -> list[UnitPlan]:  # expert parallel's units: experts modules too
+        return unit_plan(cfg, paths, experts if ep > 1 else None)
+
     float8 = float8_plan(cfg)
     # A plan that does not split this model has no TP memory (its columns say why).
     splits = tp_plan if split_problem is None else split_problem
     tp_dims = tp_shard_dims(model, splits)
     whole = tp_whole_grads(model, splits)
 
-    def units_at(tp: int, keep: set[int] | None = None) -> list[list[ParamShape]]:
-        return _unit_params(model, paths, float8=float8, tp_dims=tp_dims, whole_grads=whole,
-                            tp=tp, keep=keep)  # fmt: skip
+    def unit_paths(ep: int) -> list[str]:  # the engines' units, whatever the recipe's engine
+        return expert_unit_paths(paths, experts) if ep > 1 else paths
 
-    layout = Layout.of(cfg)
+    def units_at(
+        tp: int, keep: set[int] | None = None, ep: int = layout.ep
+    ) -> list[list[ParamShape]]:
+        return _unit_params(model, unit_paths(ep), float8=float8, tp_dims=tp_dims,
+                            whole_grads=whole, tp=tp, keep=keep, experts=experts,
+                            ep=ep)  # fmt: skip
+
     units = units_at(layout.tp)
     pipeline, rank0 = None, None
     if layout.is_pp:
@@ -444,16 +489,18 @@ def plan_memory(
         rank0 = (units_at(layout.tp, _rank_params(cfg, model, 0)), ranks[0].memory.activations,
                  ranks[0].memory.pipeline_buffers)  # fmt: skip
     recipe_strategy, strategies = _strategies(cfg, units, rank0=rank0)
-    tp_degrees, cp_degrees, pp_degrees = [], [], []
+    tp_degrees, cp_degrees, pp_degrees, ep_degrees = [], [], [], []
     if cfg.world_size > 1:
         tp_degrees = _tp_degrees(cfg, units_at, split_problem=split_problem, model=model)
         cp_degrees = _cp_degrees(cfg, units, model=model, units_at=units_at)
         pp_degrees = _pp_degrees(cfg, model, units_at)
+        if facts is not None and facts.num_experts:
+            ep_degrees = _ep_degrees(cfg, units_at, layers=len(experts))
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
         device_memory_text = f"{cfg.launch.device_memory_gb:g}GB"
     if device_memory_bytes is not None:
-        options = [*tp_degrees, *cp_degrees, *pp_degrees]
+        options = [*tp_degrees, *cp_degrees, *pp_degrees, *ep_degrees]
         stage_memory = [r.memory for r in pipeline["ranks"]] if pipeline else []
         for s in [*strategies.values(), *(o.memory for o in options if o.memory), *stage_memory]:
             s.fits = s.total <= device_memory_bytes
@@ -470,7 +517,9 @@ def plan_memory(
         knobs=[asdict(k) for k in translate(cfg)],
         device_memory_bytes=device_memory_bytes,
         device_memory_text=device_memory_text if device_memory_bytes is not None else None,
-        units=_planned_units(cfg, units, paths, _full_counts(model, paths)),
+        units=_planned_units(
+            cfg, units, rows_at(layout.ep), _full_counts(model, unit_paths(layout.ep))
+        ),  # fmt: skip
         strategies=strategies,
         mesh=layout.mesh_dims,
         tp=layout.tp,
@@ -480,7 +529,11 @@ def plan_memory(
         pp=layout.pp,
         pipeline=pipeline and {**pipeline, "ranks": [asdict(r) for r in pipeline["ranks"]]},
         pp_degrees=[asdict(o) for o in pp_degrees],
-        notes=_notes(cfg, model, num_adapted=len(adapted), tp_dims=tp_dims),
+        ep=layout.ep,
+        ep_degrees=[asdict(o) for o in ep_degrees],
+        notes=_notes(
+            cfg, model, num_adapted=len(adapted), tp_dims=tp_dims, moe_layers=len(experts)
+        ),
     )
 
 
@@ -495,10 +548,11 @@ def _sharded_engine(cfg: RecipeConfig) -> Engine:
 
 
 def _planned_units(
-    cfg: RecipeConfig, units: list[list[ParamShape]], paths: list[str], counts: list[int]
+    cfg: RecipeConfig, units: list[list[ParamShape]], rows: list[UnitPlan], counts: list[int]
 ) -> list[PlannedUnit]:
-    """The engine's own unit plan (reshard and prefetch as its build applies them; ddp: no
-    units, one bucketed all-reduce over the whole model) with each unit's bytes (TP-local)."""
+    """The engine's own unit plan `rows` (reshard and prefetch as its build applies them; ddp:
+    no units, one bucketed all-reduce over the whole model) with each unit's bytes (TP- and
+    ep-local)."""
     sharding = effective_sharding(cfg.fsdp)
     memory = rank_memory(
         cfg, units, sharding=sharding, shards=Layout.of(cfg).fsdp_shards,
@@ -514,7 +568,7 @@ def _planned_units(
             forward_prefetch=row.forward_prefetch,
             backward_prefetch=row.backward_prefetch,
         )
-        for i, row in enumerate(unit_plan(cfg, paths))
+        for i, row in enumerate(rows)
     ]
 
 
@@ -530,7 +584,32 @@ def _strategy_memory(
         shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
         gathered_buffers=m.buffers, accumulation=m.accumulation,
         activations=activation_bytes(cfg) if activations is None else activations,
-        pipeline_buffers=pipeline_buffers,
+        pipeline_buffers=pipeline_buffers, dispatch=_dispatch_bytes(cfg),
+    )  # fmt: skip
+
+
+def _dispatch_bytes(cfg: RecipeConfig) -> int:
+    """Expert parallel's all-to-all buffers of one MoE layer in flight (`EP_FORMULA`)."""
+    facts = model_facts(cfg.model)
+    if not Layout.of(cfg).is_ep or facts is None or not facts.num_experts_per_tok:
+        return 0
+    t = cfg.train
+    return ep_dispatch_bytes(tokens=t.micro_batch_size * t.seq_len,
+                             top_k=facts.num_experts_per_tok, dim=cfg.model.dim,
+                             param_bytes=DTYPE_BYTES[cfg.precision.param_dtype])  # fmt: skip
+
+
+def _alltoall_bytes(cfg: RecipeConfig, layers: int) -> int:
+    """The bytes a rank sends by all-to-all in one step under expert parallel, over the
+    model's `layers` mixture-of-experts layers."""
+    facts = model_facts(cfg.model)
+    layout, t = Layout.of(cfg), cfg.train
+    if not layout.is_ep or facts is None or not facts.num_experts_per_tok:
+        return 0
+    return ep_alltoall_bytes(
+        tokens=t.micro_batch_size * t.seq_len, top_k=facts.num_experts_per_tok,
+        dim=cfg.model.dim, param_bytes=DTYPE_BYTES[cfg.precision.param_dtype], ep=layout.ep,
+        layers=layers, micro_batches=accumulation_steps(cfg),
     )  # fmt: skip
 
 
@@ -650,9 +729,31 @@ def _cp_degrees(
     return options
 
 
+def _ep_degrees(cfg: RecipeConfig, units_at, *, layers: int) -> list[EpOption]:
+    """The recipe at EP_DEGREES and its own degree, at its world size, under its sharding with
+    fsdp2 (the engine ep needs): the mesh, rank 0's memory and the all-to-all bytes a step over
+    the model's `layers` MoE layers, or why not (what `fsdprun train` refuses); `units_at(tp,
+    ep)` gives the units at a degree."""
+    fsdp2, sharding = _as_fsdp2(cfg)
+    tp = Layout.of(cfg).tp
+    options = []
+    for ep in sorted({*EP_DEGREES, Layout.of(cfg).ep}):
+        at, problem, note = _at_degree(fsdp2, sharding, ep, ep=ep)
+        if problem is not None:
+            options.append(EpOption(ep, missing=problem))
+            continue
+        units = units_at(tp, ep=ep)
+        memory = _strategy_memory(at, units, sharding, Engine.fsdp2)
+        options.append(EpOption(ep, mesh=mesh_text(Layout.of(at).mesh_dims), memory=memory,
+                                alltoall_bytes=_alltoall_bytes(at, layers),
+                                note=note))  # fmt: skip
+    return options
+
+
 def _notes(
-    cfg: RecipeConfig, model: nn.Module, *, num_adapted: int, tp_dims: dict[int, int]
-) -> list[str]:
+    cfg: RecipeConfig, model: nn.Module, *, num_adapted: int, tp_dims: dict[int, int],
+    moe_layers: int = 0,
+) -> list[str]:  # fmt: skip
     """What the plan counts and how, and what it leaves out."""
     fsdp, layout = cfg.fsdp, Layout.of(cfg)
     notes = []
@@ -666,6 +767,11 @@ def _notes(
             "params: the norms) are whole on every TP rank, so they divide by dp_shard only. "
             f"Gathered buffers are 1/tp of each unit (FSDP gathers over the dp dims only). "
             f"{TP_ACTIVATION_FORMULA}"
+        )
+    if layout.is_ep:
+        notes.append(
+            f"expert parallel {layout.ep}: {EP_FORMULA}; here the all-to-all sends "
+            f"{fmt_bytes(_alltoall_bytes(cfg, moe_layers))} a step from each rank"
         )
     if layout.is_cp:
         ring = ring_bytes(cfg)

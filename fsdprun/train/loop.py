@@ -528,8 +528,11 @@ class TrainLoop:
         reaches this all-reduce of the loss sums at the same steps. tokens_per_s counts every
         token processed (padding included, as MFU does); trained_tokens_per_s only the trained
         targets (fewer with fine-tuning data)."""
+        load = self.t.engine.expert_load
         with self.heartbeat.watch(done, "step"):
             dist.all_reduce(result.loss_sum, op=dist.ReduceOp.SUM)
+            # A mixture of experts: the tokens each expert received since the last log.
+            experts = load.summary() if load is not None else None
         # Each TP group's ranks computed the same loss (once per group): count it once. The cp
         # ranks' sums are over their own tokens: their sum is the group's.
         self.loss = float(result.loss_sum / self.layout.tp / result.num_targets)
@@ -554,6 +557,7 @@ class TrainLoop:
             trained_tokens_per_s=sum(trained) / window_s,
             skipped=result.agreed.nonfinite,
             memory=self.device.peak_memory(),
+            **({"experts": experts} if experts is not None else {}),
         )
         self.last_logged, self.window_start = done, time.perf_counter()
 

@@ -56,6 +56,7 @@ from fsdprun.device import (
 )
 from fsdprun.engines import build_engine
 from fsdprun.engines.cp import apply_cp
+from fsdprun.engines.ep import ExpertLoad, apply_ep, experts_paths
 from fsdprun.engines.float8 import (
     MFU_CONVENTION,
     apply_float8,
@@ -64,7 +65,7 @@ from fsdprun.engines.float8 import (
     float8_plan,
     float8_tp_styles,
 )
-from fsdprun.engines.mesh import build_device_mesh, cp_mesh, tp_mesh
+from fsdprun.engines.mesh import build_device_mesh, cp_mesh, ep_mesh, tp_mesh
 from fsdprun.engines.pp import prune_model, stage_parts, stage_tp_plan
 from fsdprun.engines.tp import apply_tp, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
@@ -262,12 +263,12 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     # (and before pipeline parallel keeps this rank's stages only).
     num_trainable = num_trainable_params(model)
     layout = Layout.of(cfg, ranks.world_size)
-    facts_ = model_facts(cfg.model)
+    facts = model_facts(cfg.model)
     stage_plan, local_stages = None, layout.local_stages(ranks.rank)
     if layout.is_pp:
         # First of all: every transform below then sees this rank's stages only.
-        counts = stage_blocks(cfg, facts_, model.args.n_layers)
-        stage_plan = prune_model(model, stages=facts_.entry.stages, counts=counts,
+        counts = stage_blocks(cfg, facts, model.args.n_layers)
+        stage_plan = prune_model(model, stages=facts.entry.stages, counts=counts,
                                  local=local_stages)  # fmt: skip
     # float8 converts Linears before checkpointing, compile and sharding wrap them (torchao).
     check_float8(cfg.precision.float8.value, device.kind)
@@ -278,16 +279,30 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     # with the rest of the block), then per-block compile, then FSDP over the mesh's
     # data-parallel dims (with cp: dp_shard x cp).
     mesh, tp_rows = None, []
-    if layout.is_tp or layout.is_cp or layout.is_pp:
+    if layout.is_tp or layout.is_cp or layout.is_pp or layout.is_ep:
         mesh = build_device_mesh(layout, device.kind)
     if layout.is_tp:
         plan = stage_tp_plan(model_spec(cfg.model).tp_plan(cfg.model), model)
         float8 = float8_tp_styles(f8.mode, cp=layout.is_cp, device_kind=device.kind)
         tp_rows = apply_tp(model, tp_mesh=tp_mesh(mesh), plan=plan, float8=float8)
     if layout.is_cp:
-        apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, facts_))
+        apply_cp(model, mesh=cp_mesh(mesh), impl=cp_impl(cfg, facts))
         # A float8 cast's scale is the whole rows', as on one rank (engines/float8.py).
         apply_float8_cp(model, meshes=[cp_mesh(mesh), *([tp_mesh(mesh)] if layout.is_tp else [])])
+    # Expert parallel: the experts sharded over the ep dim, their forward the all-to-all.
+    # Found before FSDP wraps the blocks (an HF model names its blocks by their class).
+    experts = experts_paths(model, facts.entry.experts if facts is not None else None)
+    if layout.is_ep:
+        apply_ep(model, mesh=ep_mesh(mesh), paths=experts)
+    load = None
+    if facts is not None and facts.num_experts and experts and not layout.is_pp:
+        # The load-balance figures: the tokens each expert receives, logged every log_every
+        # (not under pp: a pipeline rank holds some of the layers, and only the last stage
+        # runs the loss that counts them; docs/limits.md).
+        load = ExpertLoad(
+            model, experts, num_experts=facts.num_experts, device=device.torch_device,
+            ep_group=ep_mesh(mesh).get_group() if layout.is_ep else None, replicas=layout.tp,
+        )  # fmt: skip
     num_ac = apply_activation_checkpointing(model, cfg=cfg.activation_checkpointing)
     apply_compile(model, cfg=cfg.compile)
     if mesh is not None and cfg.compile.enabled and cfg.compile.per_block:
@@ -302,12 +317,13 @@ def _build(cfg: RecipeConfig, ranks: Ranks, device: Device) -> tuple[Trainable, 
     parts = None
     if stage_plan is not None:
         # Each stage of this rank its own FSDP root, after every other transform.
-        parts = stage_parts(model, stages=facts_.entry.stages, plan=stage_plan,
+        parts = stage_parts(model, stages=facts.entry.stages, plan=stage_plan,
                             local=local_stages)  # fmt: skip
     engine = build_engine(
         model, cfg, device=device.torch_device, device_kind=device.kind,
         world_size=ranks.world_size, weights=weights, mesh=mesh, tp_plan=tp_rows, parts=parts,
     )  # fmt: skip
+    engine.expert_load = load
     # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
     scaler = engine.grad_scaler() if cfg.precision.param_dtype is Dtype.fp16 else None
     optimizer = build_optimizer(
@@ -420,6 +436,9 @@ def _train(
         cfg, run_dir, ranks, device, result, flops_per_token=counts[1], ranks_info=ranks_info,
         start_step=start_step, checkpointer=checkpointer, wall_start=wall_start,
     )  # fmt: skip
+    load = trainable.engine.expert_load
+    if load is not None and (experts := load.run_summary()) is not None:
+        summary["experts"] = experts  # the tokens each expert received over the logged steps
     if cfg.profile.enabled:  # every rank wrote its trace before the all_gather above
         events.emit("profile", **profile_record(cfg.profile, run_dir=run_dir,
                                                 world_size=ranks.world_size,
@@ -456,6 +475,7 @@ def _start_fields(
         "mesh": [list(dim) for dim in parallel.mesh_dims],
         "tp": parallel.tp,
         "cp": parallel.cp,
+        "ep": parallel.ep,
         "cp_impl": cp_impl(cfg, model_facts(cfg.model)) if parallel.is_cp else None,
         "pp": parallel.pp,
         "pipeline": _pipeline_fields(cfg, parallel, layout.grad_accum_steps, engine),

@@ -54,7 +54,7 @@ SHORT = {
     "fsdp.limit_all_gathers": "limit_ag", "fsdp.reshard_after_forward": "reshard",
     "activation_checkpointing.mode": "ac", "compile.enabled": "compile", "train.loss": "loss",
     "fsdp.cpu_offload": "offload", "fsdp.wrap": "wrap", "parallel.cp": "cp",
-    "parallel.pp": "pp", "parallel.pp_schedule": "pp_schedule",
+    "parallel.pp": "pp", "parallel.pp_schedule": "pp_schedule", "parallel.ep": "ep",
 }  # fmt: skip
 
 DEFAULT_MARGIN = 0.10  # planned peak x (1 + margin) must fit the device memory
@@ -135,6 +135,22 @@ def cp_choices(cfg: RecipeConfig) -> list[str]:
     return [str(d) for d in sorted({*fits, max(Layout.of(cfg).cp, 1)})]
 
 
+def ep_choices(cfg: RecipeConfig) -> list[str]:
+    """Expert-parallel degrees to search, for a model with experts: each that divides the
+    experts and the data-parallel ranks of a node (the all-to-all stays on a node's links);
+    the recipe's own included. [] for a dense model."""
+    from fsdprun.config.model_facts import model_facts
+
+    facts = model_facts(cfg.model)
+    if facts is None or not facts.num_experts:
+        return []
+    layout = _fitting(cfg)
+    per_node = max(layout.nproc_per_node // layout.row_group, 1)
+    fits = [d for d in range(1, min(per_node, layout.dp) + 1)
+            if per_node % d == 0 and layout.dp % d == 0 and facts.num_experts % d == 0]  # fmt: skip
+    return [str(d) for d in sorted({*fits, max(Layout.of(cfg).ep, 1)})]
+
+
 def needs_context_parallel(cfg: RecipeConfig, memory: int, margin: float) -> bool:
     """Whether tune's default space searches parallel.cp: the recipe does not split rows and
     its plan does not fit `memory` (with `margin`); cp divides the activations."""
@@ -182,7 +198,8 @@ def default_space(
     where the same candidate at cp 1 does not fit.
 
     compile is searched on accelerators only (a CPU's inductor build costs more than short trials
-    can win back); hybrid sharding only across several nodes. The space follows the recipe: a
+    can win back); hybrid sharding only across several nodes; expert parallel's degrees
+    (`ep_choices`) for a model with experts. The space follows the recipe: a
     value that `refused` says the recipe refuses whatever the other knobs (under parallel.tp:
     fsdp1, the chunked loss, CPU offload) is left out, its refusal put in `left_out` by
     KEY=VALUE."""
@@ -215,6 +232,8 @@ def default_space(
         space.append(("parallel.cp", degrees))
     if pp and len(degrees := pp_choices(cfg)) > 1:
         space += [("parallel.pp", degrees), ("parallel.pp_schedule", ["1f1b", "gpipe"])]
+    if len(degrees := ep_choices(cfg)) > 1:  # a mixture of experts: the experts' placement
+        space.append(("parallel.ep", degrees))
     if cfg.fsdp.engine.value == "ddp":
         space = [(k, v) for k, v in space if not k.startswith("fsdp.")]
     keys = {key for key, _ in space}
