@@ -233,6 +233,18 @@ def test_ep_trains_as_one_rank(case, pools, moe_folders, tmp_path):
         assert abs(without.losses[0] - one.losses[0]) > 1e-3, (without.losses, one.losses)
 
 
+@pytest.mark.parametrize("case", ["debug-moe", "qwen3_moe-no-norm"])
+def test_pp2_ep2_trains_as_one_rank(case, pools, moe_folders):
+    """Expert parallel inside pipeline stages: pp 2 x ep 2 on 4 ranks (each stage's experts
+    split over its 2 data-parallel ranks, the global norm over both stages' meshes) gives one
+    rank's losses and gradient norms. The router's auxiliary loss is off (pipeline parallel
+    refuses it: one function of every stage's router logits)."""
+    off = ("model.moe_aux_loss_coef=0",) if case == "debug-moe" else ()
+    run = _train(pools, moe_folders, case, 4, "parallel.pp=2", *off)
+    assert run.start["mesh"] == [["pp", 2], ["dp_shard_mod_ep", 1], ["ep", 2]]
+    _assert_same(run, _train(pools, moe_folders, case, 1, *off))
+
+
 def test_packed_rows_under_activation_checkpointing_train_as_one_rank(pools, moe_folders):
     """Packed chat rows (several conversations a row, positions restarting; the auxiliary loss
     over the real tokens only) with full activation checkpointing, whose recomputation in

@@ -169,7 +169,9 @@ MOE_MODEL = ["model.moe_experts=16", "model.moe_active=2", "model.moe_ffn_dim=40
              "model.moe_aux_loss_coef=0.01"]  # fmt: skip
 EP_CELLS: dict[int, dict[str, list[str]]] = {
     8: {"fsdp2:full:ep2": ["parallel.ep=2"], "fsdp2:full:ep8": ["parallel.ep=8"],
-        "fsdp2:hybrid:bf16:ep2": ["parallel.ep=2", "fsdp.sharding=hybrid", HYBRID, *BF16]},
+        "fsdp2:hybrid:bf16:ep2": ["parallel.ep=2", "fsdp.sharding=hybrid", HYBRID, *BF16],
+        # Inside pipeline stages (pipeline parallel refuses the router's auxiliary loss).
+        "fsdp2:full:pp2:ep2": ["parallel.pp=2", "parallel.ep=2", "model.moe_aux_loss_coef=0"]},
     64: {"fsdp2:full:ep8": ["parallel.ep=8"], "fsdp2:grad_op:ep4": ["parallel.ep=4",
                                                                    "fsdp.sharding=grad_op"]},
 }  # fmt: skip
@@ -526,9 +528,10 @@ def measured():
 def _check(got: dict[str, int], want: dict[str, int], label: str) -> None:
     # Pipeline cells: 1f1b runs the second micro-batch's forward before the first one's
     # backward, so between the backwards a rank holds that forward's activations too (plan
-    # counts them as activations); and plan's gathered peak is the units' one forward and
-    # backward, which the schedule's interleaved forwards and backwards leave about one root
-    # unit (the embedding) apart (docs/limits.md).
+    # counts them as activations), and that forward runs with the stage's last block (and its
+    # experts) still gathered from the first, which plan counts (`carried`): exact in the 1f1b
+    # cells. In the hybrid gpipe cell FSDP2 frees the root's flat output before the block's
+    # copy-out, which plan counts as in every forward: plan is 12% over there.
     pp = ":pp" in label
     tolerance = {"gathered_buffers": 0.15 if pp else 0.05}
     wrong = {

@@ -411,6 +411,15 @@ def in_flight(
     return held / v
 
 
+def _aux_words(cfg: RecipeConfig, facts: ModelFacts | None) -> tuple[str, str]:
+    """How the user turned the router's auxiliary loss on, and how to turn it off: an HF
+    folder's config.json, or the built-in MoE's model.moe_aux_loss_coef."""
+    if facts is None or facts.hf:
+        return ("config.json's output_router_logits: true",
+                "output_router_logits to false in config.json")  # fmt: skip
+    return f"model.moe_aux_loss_coef={cfg.model.moe_aux_loss_coef:g}", "model.moe_aux_loss_coef=0"
+
+
 def _pp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> list[str]:
     """What parallel.pp refuses, one message per problem: a degree the world or the layers
     cannot hold, a split or a schedule that does not fit the micro-batches, and what the
@@ -480,6 +489,7 @@ def _pp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
                 "train.global_batch_size or train.micro_batch_size"
             )
     entry = facts.entry if facts is not None else None
+    aux_key, aux_off = _aux_words(cfg, facts)
     refused = (
         (
             cfg.fsdp.engine is not Engine.fsdp2,
@@ -499,9 +509,8 @@ def _pp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
         ),
         (
             facts is not None and facts.router_aux_loss,
-            "the router's auxiliary loss (config.json's output_router_logits: true): it is one "
-            "function of every block's router logits, which live on different stages; set "
-            "output_router_logits to false in config.json, or parallel.pp=1",
+            f"the router's auxiliary loss ({aux_key}): it is one function of every block's "
+            f"router logits, which live on different stages; set {aux_off}, or parallel.pp=1",
         ),
         (
             cfg.compile.enabled and not cfg.compile.per_block,
@@ -623,11 +632,7 @@ def _cp_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
     unverified = facts.cp_unverified() if facts is not None else None
     attention_dropout = facts.attention_dropout if facts is not None else 0.0
     router_aux = facts is not None and facts.router_aux_loss
-    hf = facts is None or facts.hf
-    aux_key = ("config.json's output_router_logits: true" if hf
-               else f"model.moe_aux_loss_coef={cfg.model.moe_aux_loss_coef:g}")  # fmt: skip
-    aux_off = ("output_router_logits to false in config.json" if hf
-               else "model.moe_aux_loss_coef=0")  # fmt: skip
+    aux_key, aux_off = _aux_words(cfg, facts)
     errors = []
     if world_size % (cp * tp):
         what = f"parallel.cp ({cp})" if tp == 1 else f"parallel.cp x parallel.tp ({cp} x {tp})"
@@ -809,12 +814,6 @@ def _ep_errors(cfg: RecipeConfig, layout: Layout, facts: ModelFacts | None) -> l
             layout.cp > 1,
             f"parallel.cp={layout.cp}: the ep groups would be carved out of dp_shard x cp, "
             "which fsdprun's mesh does not split yet; set parallel.cp=1",
-        ),
-        (
-            layout.pp > 1,
-            f"parallel.pp={layout.pp}: a stage's experts would be dispatched over an ep group "
-            "inside its pipeline rank's data-parallel ranks, which fsdprun's mesh does not "
-            "build yet; set parallel.pp=1 or parallel.ep=1",
         ),
     )  # fmt: skip
     errors += [f"parallel.ep={ep} with {why}" for refuse, why in refused if refuse]

@@ -429,7 +429,8 @@ class ParallelConfig:
         "but a rank gathers only its own experts. Must divide the experts and the "
         "data-parallel ranks of a shard group (hybrid sharding: an ep group inside each); "
         "needs fsdp.engine=fsdp2, a model with experts (model.moe_experts, or an HF folder whose "
-        "family declares them), and no tp, cp or pp yet. 1 = off. See "
+        "family declares them), and no tp or cp yet (under pp, each stage's experts over an "
+        "ep group of its own ranks). 1 = off. See "
         "docs/expert-parallel.md.",
     )
 

@@ -85,12 +85,16 @@ def rank_memory(
     sharding: Sharding,
     shards: int,
     engine: EngineKind | None = None,
+    carried: bool = False,
 ) -> RankMemory:
     """What rank 0 holds under `engine` (default: the recipe's) when `units` (each unit's own
     parameters as the wrap policy takes them, the root last) are sharded over `shards` ranks
-    under `sharding`: the engine's own padding, gathered peak and accumulation rules."""
+    under `sharding`: the engine's own padding, gathered peak and accumulation rules.
+    `carried`: a pipeline rank's forwards overlap an earlier micro-batch's (fsdp2 only, the
+    engine pipeline parallel takes)."""
+    extra = {"carried": True} if carried else {}
     return engine_module(engine or cfg.fsdp.engine).memory(
-        units, cfg, sharding=sharding, shards=shards
+        units, cfg, sharding=sharding, shards=shards, **extra
     )
 
 

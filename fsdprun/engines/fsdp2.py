@@ -296,7 +296,7 @@ def dim0_shards(
 
 def _gathered_peak(
     units: list[int], kept: list[bool], root: int, root_kept: bool, *, forward: int,
-    backward: int, inner: list[list[int]] | None = None,
+    backward: int, inner: list[list[int]] | None = None, carried: bool = False,
 ) -> int:  # fmt: skip
     """Peak unsharded bytes on one rank, unit by unit (root first in forward).
 
@@ -307,20 +307,35 @@ def _gathered_peak(
     in backward `backward` units ahead (implicitly one). `inner[k]`: the sizes of the units that
     run inside unit k (expert parallel's experts inside their block), which reshard as unit k
     does; unit k's parameters stay gathered while they run, in forward and in backward.
+    `carried`: a forward runs while an earlier micro-batch's waits for its backward (a pipeline
+    schedule's, as 1F1B's warm-up): the `kept` units (and their inner ones) are then still
+    gathered from that one.
     """
     inner = inner or [[] for _ in units]
-    peak = 2 * root  # the root's copy-out: its flat output and its parameters
-    held, prev_flat = root, root
-    for k, size in enumerate(units):
-        early = sum(units[k + 1 : k + forward]) if k else 0  # prefetched by earlier units
-        peak = max(peak, held + prev_flat + 2 * size + early)
-        if forward:  # after its copy-out, a unit prefetches the next `forward` units
-            peak = max(peak, held + 2 * size + sum(units[k + 1 : k + 1 + forward]))
-        prev_flat = size
-        for child in inner[k]:  # unit k's flat output is freed after this copy-out
-            peak = max(peak, held + size + prev_flat + 2 * child)
-            prev_flat = child
-        held += size + sum(inner[k]) if kept[k] else 0
+
+    def forward_peak(carry: int) -> int:
+        """One forward's peak, with `carry` bytes of kept units still gathered (which it then
+        does not gather again)."""
+        peak = 2 * root + carry  # the root's copy-out: its flat output and its parameters
+        held, prev_flat = root + carry, root
+        for k, size in enumerate(units):
+            if carry and kept[k]:
+                continue  # still gathered from the earlier micro-batch: no all-gather
+            early = sum(units[k + 1 : k + forward]) if k else 0  # prefetched by earlier units
+            peak = max(peak, held + prev_flat + 2 * size + early)
+            if forward:  # after its copy-out, a unit prefetches the next `forward` units
+                peak = max(peak, held + 2 * size + sum(units[k + 1 : k + 1 + forward]))
+            prev_flat = size
+            for child in inner[k]:  # unit k's flat output is freed after this copy-out
+                peak = max(peak, held + size + prev_flat + 2 * child)
+                prev_flat = child
+            held += size + sum(inner[k]) if kept[k] else 0
+        return peak
+
+    peak = forward_peak(0)
+    if carried:  # the next micro-batch's forward, the kept units still gathered
+        peak = max(peak, forward_peak(sum(s + sum(inner[k]) for k, s in enumerate(units)
+                                          if kept[k])))  # fmt: skip
     held = sum(size + sum(inner[k])
                for k, (size, keep) in enumerate(zip(units, kept, strict=True)) if keep)  # fmt: skip
     if not root_kept:
@@ -341,10 +356,12 @@ def _gathered_peak(
 
 
 def memory(
-    units: list[list[ParamShape]], cfg: RecipeConfig, *, sharding: Sharding, shards: int
-) -> RankMemory:
+    units: list[list[ParamShape]], cfg: RecipeConfig, *, sharding: Sharding, shards: int,
+    carried: bool = False,
+) -> RankMemory:  # fmt: skip
     """What rank 0 holds when `units` (each unit's own parameters, the root last) are sharded
-    over `shards` ranks under `sharding`."""
+    over `shards` ranks under `sharding`; `carried`: a pipeline rank that runs a micro-batch's
+    forward while an earlier one waits for its backward (`_gathered_peak`)."""
     pbytes = DTYPE_BYTES[cfg.precision.param_dtype]
     shard, gathered, optimizer, trainable = dim0_shards(units, shards)
     sizes = gathered_bytes(units, gathered, pbytes)
@@ -358,7 +375,7 @@ def memory(
         kept = [not reshard or i == len(blocks) - 1 for i in range(len(blocks))]
         buffers = _gathered_peak(
             blocks, kept, root, not reshard, forward=cfg.fsdp.forward_prefetch,
-            backward=backward_prefetch_depth(cfg.fsdp), inner=inner,
+            backward=backward_prefetch_depth(cfg.fsdp), inner=inner, carried=carried,
         )  # fmt: skip
     unsharded_grads = 0
     if accumulation(cfg) == LOCAL and accumulation_steps(cfg) > 1 and shards > 1:
@@ -494,10 +511,6 @@ def build(
 
     layout = Layout.of(cfg, world_size)
     fsdp_mesh = dp_mesh(mesh) if mesh is not None else build_device_mesh(layout, device_kind)
-    experts = {}
-    if layout.is_ep:  # the experts `apply_ep` sharded over the mesh's ep dim
-        experts = {"experts": experts_paths(model, model_facts(cfg.model).entry.experts),
-                   "expert_mesh": expert_mesh(mesh)}  # fmt: skip
     roots = [model]
     if parts is not None:
         from torch.distributed import get_rank
@@ -505,10 +518,17 @@ def build(
         from fsdprun.engines.pp import stage_roots
 
         roots = stage_roots(parts, layout=layout, rank=get_rank())
+    # The experts `apply_ep` sharded over the mesh's ep dim, named in each root (a pipeline
+    # stage's root holds the pruned model as its `part`); found before any root is wrapped.
+    experts = [{} for _ in roots]
+    if layout.is_ep:
+        where = model_facts(cfg.model).entry.experts
+        experts = [{"experts": experts_paths(root, where), "expert_mesh": expert_mesh(mesh)}
+                   for root in roots]  # fmt: skip
     units = [
-        unit for root in roots for unit in apply_fsdp(
+        unit for root, ep in zip(roots, experts, strict=True) for unit in apply_fsdp(
             root, mesh=fsdp_mesh, cfg=cfg.fsdp, param_dtype=cfg.precision.param_dtype,
-            reduce_dtype=cfg.precision.reduce_dtype, pin_memory=device_kind != "cpu", **experts,
+            reduce_dtype=cfg.precision.reduce_dtype, pin_memory=device_kind != "cpu", **ep,
         )
     ]  # fmt: skip
     # Offloaded parameters live on the CPU from the start: FSDP2 refuses to offload parameters
@@ -545,6 +565,27 @@ def micro_step(engine: Engine, sync: bool) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """`params` grouped by their gradients' mesh: expert parallel's experts are DTensors on
+    another mesh (dp_shard_mod_ep x ep) than the rest, and DTensor ops take one mesh."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return list(groups.values())
+
+
+def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of `params`' gradients over every rank that holds a shard of them, a plain
+    tensor: each mesh's norm (`by_mesh`), then theirs."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+             for group in by_mesh(params)]  # fmt: skip
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """torch's clip over DTensor gradients: the norm is `get_total_norm`, global over the mesh,
     reduced once to a plain tensor; `clip_grads_with_norm_` then multiplies every gradient by
@@ -558,18 +599,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
 
     # Frozen parameters (the base under LoRA) have no gradient and take no part.
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-    # Expert parallel's experts are DTensors on another mesh (dp_shard_mod_ep x ep) than the
-    # rest, and DTensor ops take one mesh: each mesh's norm, then theirs.
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    if len(by_mesh) > 1:
-        norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
-                 for group in by_mesh.values()]  # fmt: skip
-        whole = torch.linalg.vector_norm(
-            torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
-        )
-        for group in by_mesh.values():
+    groups = by_mesh(params)
+    if len(groups) > 1:
+        whole = grad_norm(params)
+        for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, whole, foreach=True)
         return whole
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)

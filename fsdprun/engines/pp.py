@@ -320,13 +320,12 @@ class Pipeline:
         """Clip on the global gradient norm over every stage: each stage's norm (FSDP's, over its
         data-parallel and tp ranks) squared, summed over the pp group, then the root; every
         rank then scales its gradients by the same factor."""
-        from torch.distributed.tensor import DTensor
+        from fsdprun.engines.fsdp2 import by_mesh, grad_norm
 
         params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total = norm.float() ** 2
+        total = grad_norm(params).float() ** 2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
         total = total.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for group in by_mesh(params):  # expert parallel's experts are on a mesh of their own
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
         return total

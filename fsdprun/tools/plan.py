@@ -215,7 +215,12 @@ def _unit_params(
     for root in [*(modules[path] for path in paths), model]:
         own = [p for p in root.parameters() if id(p) not in taken]
         taken.update(id(p) for p in own)
-        own = [p for p in own if keep is None or id(p) in keep]
+        if keep is not None and own and root is not model:
+            own = [p for p in own if id(p) in keep]
+            if not own:  # another pipeline rank's unit: this rank has no such unit at all
+                continue
+        elif keep is not None:
+            own = [p for p in own if id(p) in keep]
         units.append([ParamShape(tp_local_shape(tuple(p.shape), tp_dims.get(id(p)), tp),
                                  p.requires_grad, id(p) in matmul, id(p) in f8,
                                  p.numel() if tp > 1 and id(p) in whole_grads else None,
@@ -357,9 +362,11 @@ def _pipeline_ranks(
         held = in_flight(layout.pp_schedule, layout.pp, micro, layout.pp_stages_per_rank, r)
         blocks = sum(counts[s] for s in local)
         acts = stage_activation_bytes(cfg, blocks=blocks, last=last in local, held=held)
-        memory = _strategy_memory(cfg, units_at(layout.tp, _rank_params(cfg, model, r)),
+        memory = _strategy_memory(cfg, units_at(layout.tp, _rank_params(cfg, model, r),
+                                                layout.ep),
                                   sharding, engine, activations=acts,
-                                  pipeline_buffers=pipeline_buffer_bytes(cfg, local))  # fmt: skip
+                                  pipeline_buffers=pipeline_buffer_bytes(cfg, local),
+                                  carried=held > 1)  # fmt: skip
         ranks.append(PipelineRank(r, local, blocks, 0 in local, last in local, held, memory))
     return ranks
 
@@ -487,7 +494,7 @@ def plan_memory(
         pipeline = _pipeline_record(cfg, ranks)
         # Each strategy is then pp rank 0's: its stages' units and activations.
         rank0 = (units_at(layout.tp, _rank_params(cfg, model, 0)), ranks[0].memory.activations,
-                 ranks[0].memory.pipeline_buffers)  # fmt: skip
+                 ranks[0].memory.pipeline_buffers, ranks[0].in_flight > 1)  # fmt: skip
     recipe_strategy, strategies = _strategies(cfg, units, rank0=rank0)
     tp_degrees, cp_degrees, pp_degrees, ep_degrees = [], [], [], []
     if cfg.world_size > 1:
@@ -495,7 +502,7 @@ def plan_memory(
         cp_degrees = _cp_degrees(cfg, units, model=model, units_at=units_at)
         pp_degrees = _pp_degrees(cfg, model, units_at)
         if facts is not None and facts.num_experts:
-            ep_degrees = _ep_degrees(cfg, units_at, layers=len(experts))
+            ep_degrees = _ep_degrees(cfg, units_at, model=model, experts=experts)
     if device_memory_bytes is None and cfg.launch.device_memory_gb is not None:
         device_memory_bytes = int(cfg.launch.device_memory_gb * 10**9)
         device_memory_text = f"{cfg.launch.device_memory_gb:g}GB"
@@ -532,7 +539,11 @@ def plan_memory(
         ep=layout.ep,
         ep_degrees=[asdict(o) for o in ep_degrees],
         notes=_notes(
-            cfg, model, num_adapted=len(adapted), tp_dims=tp_dims, moe_layers=len(experts)
+            cfg,
+            model,
+            num_adapted=len(adapted),
+            tp_dims=tp_dims,
+            moe_layers=_moe_layers(cfg, model, experts),
         ),
     )
 
@@ -574,12 +585,12 @@ def _planned_units(
 
 def _strategy_memory(
     cfg: RecipeConfig, units: list[list[ParamShape]], strategy: Sharding, engine: Engine,
-    *, activations: int | None = None, pipeline_buffers: int = 0,
+    *, activations: int | None = None, pipeline_buffers: int = 0, carried: bool = False,
 ) -> StrategyMemory:  # fmt: skip
     """Rank 0's memory under `strategy`: FSDP shards the (TP-local) `units` over its shard
     group of data-parallel ranks times cp (dp_shard x cp; ddp: none)."""
     shards = Layout.of(_with_sharding(cfg, strategy, engine)).fsdp_shards
-    m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine)
+    m = rank_memory(cfg, units, sharding=strategy, shards=shards, engine=engine, carried=carried)
     return StrategyMemory(
         shards, params=m.params, grads=m.grads, optimizer=m.optimizer,
         gathered_buffers=m.buffers, accumulation=m.accumulation,
@@ -619,20 +630,21 @@ def _strategies(
     """The recipe's strategy, and rank 0's memory under it and under ddp, full, grad_op and
     hybrid (one node's shard groups) to compare. Under TP there is no ddp column (DDP cannot
     hold DTensor shards), nor under CP (which needs fsdp2): `none` there is FSDP2 replicating
-    over the data-parallel ranks. `rank0`: under pipeline parallel, (pipeline rank 0's units,
-    its activations, its pipeline buffers), which each strategy then holds instead (no ddp
-    column either)."""
+    over the data-parallel ranks; nor under ep (its experts are DTensors, which only FSDP2
+    shards). `rank0`: under pipeline parallel, (pipeline rank 0's units, its activations, its
+    pipeline buffers, whether its forwards overlap an earlier micro-batch's), which each
+    strategy then holds instead (no ddp column either)."""
     fsdp, sharded = cfg.fsdp, _sharded_engine(cfg)
     layout = Layout.of(cfg)
-    acts, buffers = None, 0
+    acts, buffers, carried = None, 0, False
     if rank0 is not None:
-        units, acts, buffers = rank0
-    strategies = {} if layout.is_tp or layout.is_cp or layout.is_pp else {
+        units, acts, buffers, carried = rank0
+    strategies = {} if layout.is_tp or layout.is_cp or layout.is_pp or layout.is_ep else {
         "ddp": _strategy_memory(cfg, units, Sharding.none, Engine.ddp)
     }  # fmt: skip
     for s in (Sharding.full, Sharding.grad_op, Sharding.hybrid):
         strategies[s.value] = _strategy_memory(
-            cfg, units, s, sharded, activations=acts, pipeline_buffers=buffers
+            cfg, units, s, sharded, activations=acts, pipeline_buffers=buffers, carried=carried
         )
     recipe_strategy = "ddp" if fsdp.engine is Engine.ddp else effective_sharding(fsdp).value
     if recipe_strategy in ("hybrid_zero2", "none"):
@@ -643,6 +655,7 @@ def _strategies(
             sharded,
             activations=acts,
             pipeline_buffers=buffers,
+            carried=carried,
         )
     return recipe_strategy, strategies
 
@@ -729,11 +742,13 @@ def _cp_degrees(
     return options
 
 
-def _ep_degrees(cfg: RecipeConfig, units_at, *, layers: int) -> list[EpOption]:
+def _ep_degrees(
+    cfg: RecipeConfig, units_at, *, model: nn.Module, experts: list[str]
+) -> list[EpOption]:
     """The recipe at EP_DEGREES and its own degree, at its world size, under its sharding with
-    fsdp2 (the engine ep needs): the mesh, rank 0's memory and the all-to-all bytes a step over
-    the model's `layers` MoE layers, or why not (what `fsdprun train` refuses); `units_at(tp,
-    ep)` gives the units at a degree."""
+    fsdp2 (the engine ep needs): the mesh, rank 0's memory (under pp the largest pipeline
+    rank's) and the all-to-all bytes a step over the MoE layers (`experts`) a rank holds, or why
+    not (what `fsdprun train` refuses); `units_at(tp, ep=)` gives the units at a degree."""
     fsdp2, sharding = _as_fsdp2(cfg)
     tp = Layout.of(cfg).tp
     options = []
@@ -743,11 +758,22 @@ def _ep_degrees(cfg: RecipeConfig, units_at, *, layers: int) -> list[EpOption]:
             options.append(EpOption(ep, missing=problem))
             continue
         units = units_at(tp, ep=ep)
-        memory = _strategy_memory(at, units, sharding, Engine.fsdp2)
+        memory = _layout_memory(at, units, sharding, model=model, units_at=units_at)
+        layers = _moe_layers(at, model, experts)
         options.append(EpOption(ep, mesh=mesh_text(Layout.of(at).mesh_dims), memory=memory,
                                 alltoall_bytes=_alltoall_bytes(at, layers),
                                 note=note))  # fmt: skip
     return options
+
+
+def _moe_layers(cfg: RecipeConfig, model: nn.Module, experts: list[str]) -> int:
+    """The MoE layers (`experts` modules) a rank runs: all of them, or under pipeline
+    parallel the most any pipeline rank's stages hold."""
+    layout = Layout.of(cfg)
+    if not layout.is_pp:
+        return len(experts)
+    firsts = [id(next(model.get_submodule(e).parameters())) for e in experts]
+    return max(sum(f in _rank_params(cfg, model, r) for f in firsts) for r in range(layout.pp))
 
 
 def _notes(
