@@ -16,9 +16,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import FSDPRUN, fsdprun_env
 
 from fsdprun.config import accelerator_device_nodes
+from fsdprun.config.composition import TINY_FAMILIES, tiny_config_json
 
 # Runs every command in turn in one fresh interpreter through the Typer app (as the console
 # script does) and records, after each, its exit code and whether torch was loaded by then.
@@ -248,8 +250,9 @@ def test_recipes_reads_its_cards_without_merging_a_recipe(tmp_path):
     with each recipe. Its cards are the merged recipes' all the same. Neither it nor `config`
     loads torch, nor typer's pydantic adapters for text options (60 ms)."""
     from fsdprun.config import builtin_recipes, load_recipe
+    from fsdprun.config.model_facts import model_facts
     from fsdprun.config.reference import runs_on
-    from fsdprun.config.sizes import model_num_params
+    from fsdprun.config.sizes import config_num_params, model_num_params
     from fsdprun.report.console import fmt_count
 
     proc = subprocess.run(
@@ -266,7 +269,7 @@ def test_recipes_reads_its_cards_without_merging_a_recipe(tmp_path):
     assert len(lines) == len(builtin_recipes())
     for line, (name, description) in zip(lines, builtin_recipes().items(), strict=True):
         cfg = load_recipe(name, [], check=False).config
-        count = model_num_params(cfg.model)
+        count = model_num_params(cfg.model) or config_num_params(model_facts(cfg.model))
         expected = [name, runs_on(cfg.launch), fmt_count(count) if count else "?", description]
         assert re.split(r"\s{2,}", line.strip(), maxsplit=3) == expected, line
 
@@ -289,6 +292,43 @@ def test_a_card_whose_keys_need_the_merge_is_merged(tmp_path):
     assert card.runs_on == runs_on(cfg.launch) == "3 nodes x 4 CPU ranks"
     assert card.num_params == model_num_params(cfg.model)
     assert cfg.model.tie_embeddings and card.num_params < recipe_card("debug", "").num_params
+
+
+# Each HF family's tiny config (the composition table's), and the variants that change the count:
+# a mixture of experts with dense layers among its sparse ones, tied and untied embeddings.
+CONFIG_COUNTS = {
+    **{family: {} for family in TINY_FAMILIES},
+    "qwen3_moe-dense-layers": {"mlp_only_layers": [0], "decoder_sparse_step": 1,
+                               "num_hidden_layers": 3},
+    "qwen3_moe-every-second": {"decoder_sparse_step": 2, "num_hidden_layers": 4},
+    "llama-tied": {"tie_word_embeddings": True},
+    "gemma2-untied": {"tie_word_embeddings": False},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CONFIG_COUNTS))
+def test_a_folder_without_weights_counts_as_transformers_builds_it(case, tmp_path):
+    """A recipe's HF folder with no weights (random init, as qwen3-30b-a3b's) shows on its card
+    the parameters transformers builds from its config.json, counted without torch; a config
+    this count does not cover (biased attention) says so (None, shown as '?')."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fsdprun.config.model_facts import model_facts
+    from fsdprun.config.schema import ModelConfig
+    from fsdprun.config.sizes import config_num_params
+
+    family = case.split("-")[0]
+    config = {**tiny_config_json(family), **CONFIG_COUNTS[case]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(tmp_path)
+        )
+    built = sum(p.numel() for p in model.parameters())  # a tied weight once
+    assert config_num_params(model_facts(ModelConfig(hf_path=str(tmp_path)))) == built
+    config["attention_bias"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert config_num_params(model_facts(ModelConfig(hf_path=str(tmp_path)))) is None
 
 
 def test_text_options_reach_commands_as_typers_own_adapters_give_them():

@@ -244,6 +244,11 @@ def test_pp2_dp2_trains_as_one_rank(pp_run, pools, tmp_path):
     assert "512 tokens/step (micro 1 x 2 dp ranks x 4 accumulation)" in out
     assert ("pipeline parallel: pp 2, 1f1b schedule, 2 stages (blocks 1 | 1); 4 micro-batches a "
             "step, up to 2 in flight on stage 0; bubble 20% of each step") in out  # fmt: skip
+    # The summary's memory table says which stage each rank's memory holds.
+    summary = pp_run.summary
+    assert [r["stages"] for r in summary["ranks"]] == [[0], [0], [1], [1]]
+    table = _header(summary)
+    assert re.search(r"rank\s*┃\s*stages", table) and re.search(r"│\s+3\s+│\s+1\s+│", table), table
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,8 @@ class ModelFacts:
     num_experts: int | None = None  # experts per mixture-of-experts layer; None: dense
     num_experts_per_tok: int | None = None
     expert_ffn_dim: int | None = None  # each expert's hidden size (moe_intermediate_size)
+    moe_layers: int | None = None  # the layers that are sparse (the others dense); None: dense
+    attention_bias: bool = False  # config.json's attention_bias (or mlp_bias): biased Linears
     # config.json's output_router_logits: true (and a router_aux_loss_coef other than 0): the
     # mixture of experts' load-balancing loss is added to the training loss.
     router_aux_loss: bool = False
@@ -176,11 +178,25 @@ def _folder_facts(folder: str, mtime_ns: int, size: int) -> ModelFacts | None:
         num_experts=experts,
         num_experts_per_tok=_count(hf.get("num_experts_per_tok")),
         expert_ffn_dim=_count(hf.get("moe_intermediate_size")) if experts else None,
+        moe_layers=_sparse_layers(hf, experts),
+        attention_bias=hf.get("attention_bias") is True or hf.get("mlp_bias") is True,
         router_aux_loss=hf.get("output_router_logits") is True
         and _number(hf.get("router_aux_loss_coef", 1.0)) != 0,
         remote_code=isinstance(hf.get("auto_map"), dict),
         source=f"{Path(folder) / CONFIG_JSON}",
     )
+
+
+def _sparse_layers(hf: dict[str, Any], experts: int | None) -> int | None:
+    """How many decoder layers are mixtures of experts, as transformers' Qwen3-MoE decides
+    (layer i unless it is in mlp_only_layers or (i + 1) is no multiple of decoder_sparse_step;
+    Mixtral's every layer); None for a dense model or a layer count it cannot read."""
+    layers = _count(hf.get("num_hidden_layers"))
+    if not experts or layers is None:
+        return None
+    step = _count(hf.get("decoder_sparse_step")) or 1
+    dense = hf.get("mlp_only_layers") if isinstance(hf.get("mlp_only_layers"), list) else []
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
 
 
 def _count(value: Any) -> int | None:

@@ -15,6 +15,7 @@ import yaml
 
 from fsdprun.config import schema
 from fsdprun.config.load import _load_layers, builtin_recipes, config_to_dict, load_recipe
+from fsdprun.config.model_facts import model_facts
 from fsdprun.config.schema import (
     DeviceKind,
     LaunchConfig,
@@ -22,7 +23,7 @@ from fsdprun.config.schema import (
     RecipeConfig,
     schema_fields,
 )
-from fsdprun.config.sizes import model_num_params
+from fsdprun.config.sizes import config_num_params, model_num_params
 
 
 def _type_name(f: dataclasses.Field) -> str:
@@ -123,7 +124,11 @@ def recipe_card(recipe: str, description: str) -> RecipeCard:
     else:
         cfg = load_recipe(recipe, [], check=False).config
         model, launch = cfg.model, cfg.launch
-    return RecipeCard(recipe, runs_on(launch), model_num_params(model), description)
+    # A folder without weights (a recipe that initializes at random): counted from config.json.
+    count = model_num_params(model)
+    if count is None and model.hf_path is not None:
+        count = config_num_params(model_facts(model))
+    return RecipeCard(recipe, runs_on(launch), count, description)
 
 
 def builtin_recipe_cards() -> list[RecipeCard]:

@@ -82,6 +82,38 @@ def safetensors_num_params(folder: Path) -> int | None:
     return total if found else None
 
 
+# HuggingFace families whose parameters `config_num_params` counts from config.json alone, and
+# what each adds to the Llama shape: biases on q, k and v; a norm of the head dim on q and k;
+# four norms a layer (before and after attention and the feed-forward) instead of two.
+_COUNTED = {"llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"}
+_QKV_BIAS = {"qwen2"}
+_QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text"}
+_FOUR_NORMS = {"gemma2", "gemma3_text"}
+
+
+def config_num_params(facts) -> int | None:
+    """A HuggingFace folder's parameters from its config.json facts (`config.model_facts`'s
+    `ModelFacts`), for a folder with no weights to read (a recipe that initializes at random):
+    the `_COUNTED` families as transformers builds them (the tied output counted once, a
+    mixture of experts' routers and its dense layers); None for another family, biases beyond
+    Qwen2's, or a size config.json does not give."""
+    f = facts
+    sizes = (f.n_layers, f.dim, f.n_heads, f.head_dim, f.vocab_size) if f is not None else (None,)
+    if f is None or f.model_type not in _COUNTED or f.attention_bias or None in sizes:
+        return None
+    q, kv = f.n_heads * f.head_dim, (f.n_kv_heads or f.n_heads) * f.head_dim
+    layer = 2 * f.dim * q + 2 * f.dim * kv + (4 if f.model_type in _FOUR_NORMS else 2) * f.dim
+    layer += (q + 2 * kv) * (f.model_type in _QKV_BIAS)
+    layer += 2 * f.head_dim * (f.model_type in _QK_NORM)
+    sparse = f.moe_layers or 0
+    if sparse and f.expert_ffn_dim is None or sparse < f.n_layers and f.ffn_dim is None:
+        return None
+    moe = sparse * f.num_experts * (3 * f.dim * f.expert_ffn_dim + f.dim) if sparse else 0
+    dense = (f.n_layers - sparse) * 3 * f.dim * (f.ffn_dim or 0)
+    embeddings = f.vocab_size * f.dim * (1 if f.tie_embeddings else 2)
+    return embeddings + f.n_layers * layer + dense + moe + f.dim
+
+
 def model_num_params(model) -> int | None:
     """A recipe's model parameters (`model`: its ModelConfig) without building it: the Llama
     family's from its shape, a HuggingFace folder's from its safetensors headers (None when the

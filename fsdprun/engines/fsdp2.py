@@ -40,7 +40,9 @@ from fsdprun.engines.base import (
     UnitPlan,
     accumulation_steps,
     backward_prefetch_depth,
+    by_mesh,
     gathered_bytes,
+    grad_norm,
     reshards_after_forward,
     unsharded_grads_text,
 )
@@ -563,27 +565,6 @@ def micro_step(engine: Engine, sync: bool) -> contextlib.AbstractContextManager:
     else:
         engine.model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
-
-
-def by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """`params` grouped by their gradients' mesh: expert parallel's experts are DTensors on
-    another mesh (dp_shard_mod_ep x ep) than the rest, and DTensor ops take one mesh."""
-    groups: dict[object, list[nn.Parameter]] = {}
-    for p in params:
-        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    return list(groups.values())
-
-
-def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """The 2-norm of `params`' gradients over every rank that holds a shard of them, a plain
-    tensor: each mesh's norm (`by_mesh`), then theirs."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
-             for group in by_mesh(params)]  # fmt: skip
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:

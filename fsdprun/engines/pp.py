@@ -320,7 +320,7 @@ class Pipeline:
         """Clip on the global gradient norm over every stage: each stage's norm (FSDP's, over its
         data-parallel and tp ranks) squared, summed over the pp group, then the root; every
         rank then scales its gradients by the same factor."""
-        from fsdprun.engines.fsdp2 import by_mesh, grad_norm
+        from fsdprun.engines.base import by_mesh, grad_norm
 
         params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
         total = grad_norm(params).float() ** 2

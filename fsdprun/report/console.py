@@ -388,7 +388,10 @@ class Reporter:
         mem = Table(title="Memory per rank", title_justify="left")
         ranks = e["ranks"]
         gpu = "peak_allocated_bytes" in ranks[0]
-        cols = ["rank", "peak allocated", "peak reserved"] if gpu else ["rank", "peak RSS"]
+        cols = ["peak allocated", "peak reserved"] if gpu else ["peak RSS"]
+        # Pipeline parallel: each rank's stages, whose layers its memory holds.
+        staged = "stages" in ranks[0]
+        cols = ["rank", *(["stages"] if staged else []), *cols]
         cols += ["params", "grads", "optimizer", "model state"]
         for col in cols:
             mem.add_column(col, justify="right")
@@ -402,7 +405,8 @@ class Reporter:
             )
             values = [*peaks, *(fmt_bytes(ms[k]) for k in ("params", "grads", "optimizer"))]
             values.append(fmt_bytes(ms["total"]))
-            mem.add_row(str(r["rank"]), *map(Cell.whole, values))
+            stages = [", ".join(map(str, r["stages"]))] if staged else []
+            mem.add_row(str(r["rank"]), *stages, *map(Cell.whole, values))
         self.console.print(mem)
         if e.get("experts"):
             self.console.print(expert_load_table(e["experts"]))

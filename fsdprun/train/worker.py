@@ -425,7 +425,9 @@ def _train(
         last = records[-1].path if records else (str(resume_from) if resume_from else None)
         return {"vanished": {"step": result.vanished_at, "checkpoint": last}}
     ranks_info: list[dict[str, Any]] = [{}] * ranks.world_size
-    mine = {"rank": ranks.rank, "model_state_bytes": result.model_state_bytes,
+    layout = Layout.of(cfg, ranks.world_size)
+    stages = {"stages": layout.local_stages(ranks.rank)} if layout.is_pp else {}
+    mine = {"rank": ranks.rank, **stages, "model_state_bytes": result.model_state_bytes,
             **device.peak_memory(), "compile": compile_stats()}  # fmt: skip
     dist.all_gather_object(ranks_info, mine)
     if ranks.rank != 0:
