@@ -421,3 +421,19 @@ def test_launch_killed_loads_no_torch():
     # It describes a dead worker from files; the plan it quotes is imported only then.
     seen, outside, via = loaded_by({"fsdprun.launch.killed"})
     assert "torch" not in outside, path_to("torch", via)
+
+
+# A module reads in one sitting; the two that are one long table each (every command's
+# options, every recipe key's dataclass and help) may be longer.
+MAX_MODULE_LINES = 800
+LONG_MODULES_ALLOWED = {"fsdprun.cli", "fsdprun.config.schema"}
+
+
+def test_no_module_is_longer_than_one_sitting():
+    long = {
+        name: n
+        for name, path in modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    over = {name: n for name, n in long.items() if name not in LONG_MODULES_ALLOWED}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by what they own): {over}"

@@ -21,7 +21,8 @@ from conftest import Run, model_at, run_fsdprun
 from hf_families import FAMILIES as HF_TINY_FAMILIES
 
 from fsdprun.config import PpSchedule, load_recipe
-from fsdprun.config.layout import Layout, bubble_fraction, in_flight, pp_blocks
+from fsdprun.config.layout import Layout
+from fsdprun.config.schedule import bubble_fraction, in_flight, pp_blocks
 from fsdprun.errors import UserError
 
 FOUR = ["launch.nproc_per_node=4"]

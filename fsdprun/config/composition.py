@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdprun.config.layout import Layout
 from fsdprun.config.load import load_recipe
 from fsdprun.config.model_facts import CONFIG_JSON, model_facts
 from fsdprun.config.validate import validate
@@ -190,9 +191,10 @@ def refusals(overrides: tuple[str, ...] | list[str]) -> list[str]:
     errors = validate(cfg, world_size=WORLD_SIZE)
     facts = model_facts(cfg.model)
     plan = facts.entry.tp_plan if facts is not None else None
-    if cfg.parallel.tp > 1 and isinstance(plan, str) and facts.hf:
+    layout = Layout.of(cfg, WORLD_SIZE)
+    if layout.is_tp and isinstance(plan, str) and facts.hf:
         # `engines.tp.tp_plan_problem`'s words, which name the model's class from the built model.
-        errors.append(f"parallel.tp={cfg.parallel.tp}: model.hf_path's {facts.model_type} has "
+        errors.append(f"parallel.tp={layout.tp}: model.hf_path's {facts.model_type} has "
                       f"no tensor-parallel plan: {plan}; set parallel.tp=1")  # fmt: skip
     return errors
 

@@ -167,7 +167,7 @@ def _blocks_bytes(cfg: RecipeConfig, n_layers: int) -> tuple[int, int]:
 
 def stage_activation_bytes(cfg: RecipeConfig, *, blocks: int, last: bool, held: float) -> int:
     """Activations a pipeline rank keeps for backward at its peak: `held` micro-batches
-    (`config.layout.in_flight`) through its `blocks` blocks, each with the loss's where the rank
+    (`config.schedule.in_flight`) through its `blocks` blocks, each with the loss's where the rank
     runs the last stage (its forward computes the loss), plus one block recomputed at a time
     under checkpointing (see ACTIVATION_FORMULA)."""
     kept, recompute = _blocks_bytes(cfg, blocks)

@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdprun.config.layout import PP_SCHEDULES, Layout
+from fsdprun.config.layout import Layout
+from fsdprun.config.schedule import PP_SCHEDULES
 from fsdprun.errors import UserError
 from fsdprun.families import Stages
 

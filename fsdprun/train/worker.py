@@ -40,13 +40,12 @@ from fsdprun.compile_cache import combine_ranks, compile_stats, describe_cache_d
 from fsdprun.config import Dtype, ModelConfig, ModelInit, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.config.layout import (
     Layout,
-    bubble_fraction,
     cp_impl,
     cp_zigzag,
-    in_flight,
     stage_blocks,
 )
 from fsdprun.config.model_facts import model_facts
+from fsdprun.config.schedule import bubble_fraction, in_flight
 from fsdprun.data import BatchLayout, Dataset, build_datasets
 from fsdprun.device import (
     Device,
