@@ -283,9 +283,8 @@ class Reporter:
             c.print(f"  loss: {e['loss']}; float8: {e.get('float8', 'off')}", soft_wrap=True)
         if e.get("compile_cache"):
             c.print(f"  compile cache: {e['compile_cache']}", soft_wrap=True)  # a path stays whole
-        tp, cp, pp = e.get("tp") or 1, e.get("cp") or 1, e.get("pp") or 1
-        ranks = (f"{e['world_size']} ranks" if tp * cp * pp == 1
-                 else f"{e['world_size'] // (tp * cp * pp)} dp ranks")  # fmt: skip
+        cp, dp = e.get("cp") or 1, e.get("dp", e["world_size"])  # the layout's (worker)
+        ranks = f"{dp} dp ranks" if dp != e["world_size"] else f"{dp} ranks"
         c.print(
             f"  batch {e['global_batch_size']} seqs x {e['seq_len']} tokens = "
             f"{fmt_count(e['tokens_per_step'])} tokens/step (micro {e['micro_batch_size']} x "
@@ -300,14 +299,14 @@ class Reporter:
                 f"{e['seq_len'] // cp} of the {e['seq_len']} tokens of every row)"
             )
         if e.get("pipeline"):
-            c.print(f"  {pipeline_line(pp, e['pipeline'])}", soft_wrap=True)
+            c.print(f"  {pipeline_line(e['pp'], e['pipeline'])}", soft_wrap=True)
         if (e.get("ep") or 1) > 1:
             c.print(
                 f"  expert parallel: ep {e['ep']} (each MoE layer's experts split over "
                 f"{e['ep']} ranks; tokens go to their experts' ranks by all-to-all and back)"
             )
         if e.get("tp_plan"):
-            c.print(f"  tensor parallel plan (tp {tp}):")
+            c.print(f"  tensor parallel plan (tp {e['tp']}):")
             for path, style in tp_plan_lines(e["tp_plan"]):
                 c.print(f"    {path}: {style}")
         c.print(
@@ -514,28 +513,18 @@ def render_plan(plan: dict[str, Any], console: Console, *, full: bool = False) -
             c.print(f"  {note}.")
     else:
         c.print("  * estimates; --full says how each row is counted and what is left out.")
-    if plan["tp_degrees"]:
-        c.print(_plan_tp_table(plan) if full else _plan_tp_line(plan), soft_wrap=not full)
-        for o in plan["tp_degrees"]:
+    for dim in ("tp", "cp", "pp", "ep"):
+        if dim == "pp" and plan.get("pipeline"):
+            c.print(_plan_stages_line(plan), soft_wrap=True)
+        if not plan.get(f"{dim}_degrees"):
+            continue
+        if dim == "tp" and full:
+            c.print(_plan_tp_table(plan))
+        else:
+            c.print(_plan_degrees_line(plan, dim), soft_wrap=True)
+        for o in plan[f"{dim}_degrees"]:
             if o["missing"]:
-                c.print(f"  tp {o['tp']}: not possible, {escape(o['missing'])}.")
-    if plan.get("cp_degrees"):
-        c.print(_plan_cp_line(plan), soft_wrap=True)
-        for o in plan["cp_degrees"]:
-            if o["missing"]:
-                c.print(f"  cp {o['cp']}: not possible, {escape(o['missing'])}.")
-    if plan.get("pipeline"):
-        c.print(_plan_stages_line(plan), soft_wrap=True)
-    if plan.get("pp_degrees"):
-        c.print(_plan_pp_line(plan), soft_wrap=True)
-        for o in plan["pp_degrees"]:
-            if o["missing"]:
-                c.print(f"  pp {o['pp']}: not possible, {escape(o['missing'])}.")
-    if plan.get("ep_degrees"):
-        c.print(_plan_ep_line(plan), soft_wrap=True)
-        for o in plan["ep_degrees"]:
-            if o["missing"]:
-                c.print(f"  ep {o['ep']}: not possible, {escape(o['missing'])}.")
+                c.print(f"  {dim} {o[dim]}: not possible, {escape(o['missing'])}.")
     c.print(_plan_verdict(plan))
 
 
@@ -562,74 +551,46 @@ def _plan_stages_line(plan: dict[str, Any]) -> str:
     )
 
 
-def _plan_pp_line(plan: dict[str, Any]) -> str:
-    """The pipeline degrees' totals (the largest pipeline rank's) and bubbles in one line."""
+def _note(o: dict[str, Any]) -> str:
+    return f" ({o['note']})" if o.get("note") else ""
+
+
+# Each parallel dimension's line of degrees: its name, what each total is, and what a degree's
+# entry adds after its total.
+_DEGREE_LINES = {
+    "tp": ("Tensor", "rank 0 total", _note),
+    "cp": ("Context", "rank 0 total, activations / cp", _note),
+    "pp": ("Pipeline", "the largest pipeline rank's total",
+           lambda o: f" (pp rank {o['largest_rank']}; bubble {o['bubble']:.0%})"
+           if o["pp"] > 1 else ""),
+    "ep": ("Expert", "rank 0 total, the all-to-all each rank sends",
+           lambda o: (f" + {fmt_bytes(o['alltoall_bytes'])} all-to-all a step"
+                      if o["alltoall_bytes"] else "") + _note(o)),
+}  # fmt: skip
+
+
+def _plan_degrees_line(plan: dict[str, Any], dim: str) -> str:
+    """One parallel dimension's degrees (`plan[dim + "_degrees"]`) in one line: each one's mesh
+    and total per rank, and whether it fits the device memory where that is known; tp's table
+    (--full) splits each total."""
+    name, what, extra = _DEGREE_LINES[dim]
     strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
-    fits = plan["device_memory_bytes"] is not None
+    fits = plan["device_memory_bytes"] is not None and dim != "tp"
     parts = [
-        f"pp {o['pp']}{' (recipe)' if o['pp'] == plan.get('pp', 1) else ''} {o['mesh']} "
-        f"{fmt_bytes(o['memory']['total'])}"
-        + (f" (pp rank {o['largest_rank']}; bubble {o['bubble']:.0%})" if o["pp"] > 1 else "")
+        f"{dim} {o[dim]}{' (recipe)' if o[dim] == plan.get(dim, 1) else ''} {o['mesh']} "
+        f"{fmt_bytes(o['memory']['total'])}" + extra(o)
         + ((" fits" if o["memory"]["fits"] else " does not fit") if fits else "")
-        for o in plan["pp_degrees"] if o["memory"] is not None
+        for o in plan[f"{dim}_degrees"] if o["memory"] is not None
     ]  # fmt: skip
     return escape(
-        f"Pipeline parallel at world size {plan['world_size']} (fsdp2, {strategy}; the largest "
-        "pipeline rank's total): " + ", ".join(parts)
+        f"{name} parallel at world size {plan['world_size']} (fsdp2, {strategy}; {what}): "
+        + ", ".join(parts)
+        + ("; --full splits each total" if dim == "tp" else "")
     )
 
 
 def _mesh_text(mesh: list[list]) -> str:
     return "[" + " x ".join(f"{name} {n}" for name, n in mesh) + "]"
-
-
-def _plan_tp_line(plan: dict[str, Any]) -> str:
-    """The TP degrees' totals per rank in one line (--full: the table, component by component)."""
-    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
-    parts = [
-        f"tp {o['tp']}{' (recipe)' if o['tp'] == plan['tp'] else ''} {o['mesh']} "
-        f"{fmt_bytes(o['memory']['total'])}{' (' + o['note'] + ')' if o.get('note') else ''}"
-        for o in plan["tp_degrees"] if o["memory"] is not None
-    ]  # fmt: skip
-    return escape(
-        f"Tensor parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 total): "
-        + ", ".join(parts)
-        + "; --full splits each total"
-    )
-
-
-def _plan_cp_line(plan: dict[str, Any]) -> str:
-    """The context-parallel degrees' totals per rank in one line."""
-    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
-    fits = plan["device_memory_bytes"] is not None
-    parts = [
-        f"cp {o['cp']}{' (recipe)' if o['cp'] == plan['cp'] else ''} {o['mesh']} "
-        f"{fmt_bytes(o['memory']['total'])}{' (' + o['note'] + ')' if o.get('note') else ''}"
-        + ((" fits" if o["memory"]["fits"] else " does not fit") if fits else "")
-        for o in plan["cp_degrees"] if o["memory"] is not None
-    ]  # fmt: skip
-    return escape(
-        f"Context parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 "
-        "total, activations / cp): " + ", ".join(parts)
-    )
-
-
-def _plan_ep_line(plan: dict[str, Any]) -> str:
-    """The expert-parallel degrees' totals per rank and all-to-all bytes a step, in one line."""
-    strategy = "full" if plan["recipe_strategy"] == "ddp" else plan["recipe_strategy"]
-    fits = plan["device_memory_bytes"] is not None
-    parts = [
-        f"ep {o['ep']}{' (recipe)' if o['ep'] == plan['ep'] else ''} {o['mesh']} "
-        f"{fmt_bytes(o['memory']['total'])}"
-        + (f" + {fmt_bytes(o['alltoall_bytes'])} all-to-all a step" if o["alltoall_bytes"] else "")
-        + (" (" + o["note"] + ")" if o.get("note") else "")
-        + ((" fits" if o["memory"]["fits"] else " does not fit") if fits else "")
-        for o in plan["ep_degrees"] if o["memory"] is not None
-    ]  # fmt: skip
-    return escape(
-        f"Expert parallel at world size {plan['world_size']} (fsdp2, {strategy}; rank 0 total, "
-        "the all-to-all each rank sends): " + ", ".join(parts)
-    )
 
 
 def _plan_tp_table(plan: dict[str, Any]) -> Table:

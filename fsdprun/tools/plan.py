@@ -398,71 +398,75 @@ def _at_degree(
     return at, problem, None
 
 
+def _degree_options(
+    cfg: RecipeConfig,
+    dim: str,
+    degrees: tuple[int, ...],
+    option: type,
+    column,
+    *,
+    refusal=lambda degree: None,
+) -> list:
+    """The recipe at `degrees` of parallel.`dim` and its own degree, at its world size, under its
+    sharding with fsdp2 (the engine tp, cp and ep compose with): each an `option` with its mesh
+    and the fields `column(at, degree, sharding)` gives, or why not (what `fsdprun train`
+    refuses, else `refusal(degree)`). A degree refused only because of compile is shown with
+    compile off (`_at_degree`), as that is the run it could be."""
+    fsdp2, sharding = _as_fsdp2(cfg)
+    options = []
+    for degree in sorted({*degrees, getattr(Layout.of(cfg), dim)}):
+        at, problem, note = _at_degree(fsdp2, sharding, degree, **{dim: degree})
+        problem = problem if problem is not None else refusal(degree)
+        if problem is not None:
+            options.append(option(degree, missing=problem))
+            continue
+        options.append(option(degree, mesh=mesh_text(Layout.of(at).mesh_dims), note=note,
+                              **column(at, degree, sharding)))  # fmt: skip
+    return options
+
+
 def _tp_degrees(
     cfg: RecipeConfig, units_at, *, split_problem: str | None, model: nn.Module
 ) -> list[TpOption]:
-    """The recipe at TP_DEGREES and its own degree, at its world size, under its sharding with
-    fsdp2 (the engine TP composes with); `units_at(tp)` gives the units at a degree;
-    `split_problem`: why the family's plan does not split the model
-    (`engines.tp.tp_plan_problem`), or None."""
-    fsdp2, sharding = _as_fsdp2(cfg)
-    options = []
-    for tp in sorted({*TP_DEGREES, Layout.of(cfg).tp}):
-        at, problem, note = _at_degree(fsdp2, sharding, tp, tp=tp)
-        if tp > 1 and problem is None:
-            problem = split_problem
-        if problem is not None:
-            options.append(TpOption(tp, missing=problem))
-            continue
-        mesh = Layout.of(at).mesh_dims
-        memory = layout_memory(at, units_at(tp), sharding, model=model, units_at=units_at)
-        options.append(TpOption(tp, mesh=mesh_text(mesh), memory=memory, note=note))
-    return options
+    """The recipe at TP_DEGREES: rank 0's memory (under pp the largest pipeline rank's);
+    `units_at(tp)` gives the units at a degree; `split_problem`: why the family's plan does not
+    split the model (`engines.tp.tp_plan_problem`), or None."""
+    return _degree_options(
+        cfg, "tp", TP_DEGREES, TpOption,
+        lambda at, tp, sharding: {"memory": layout_memory(
+            at, units_at(tp), sharding, model=model, units_at=units_at)},
+        refusal=lambda tp: split_problem if tp > 1 else None,
+    )  # fmt: skip
 
 
 def _cp_degrees(
     cfg: RecipeConfig, units: list[list[ParamShape]], *, model: nn.Module, units_at
 ) -> list[CpOption]:
-    """The recipe at CP_DEGREES and its own degree, at its world size and tp, under its sharding
-    with fsdp2 (the engine CP needs): the mesh and rank 0's memory, or why not (what
-    `fsdprun train` refuses). A degree refused only because of compile is shown with compile
-    off (the ring refuses compile.fullgraph, tp compile with checkpointing), as that is
-    the run it could be."""
-    fsdp2, sharding = _as_fsdp2(cfg)
-    options = []
-    for cp in sorted({*CP_DEGREES, Layout.of(cfg).cp}):
-        at, problem, note = _at_degree(fsdp2, sharding, cp, cp=cp)
-        if problem is not None:
-            options.append(CpOption(cp, missing=problem))
-            continue
-        memory = layout_memory(at, units, sharding, model=model, units_at=units_at)
-        options.append(CpOption(cp, mesh=mesh_text(Layout.of(at).mesh_dims), memory=memory,
-                                note=note))  # fmt: skip
-    return options
+    """The recipe at CP_DEGREES, at its tp: rank 0's memory (the ring refuses
+    compile.fullgraph, tp compile with checkpointing: those degrees show compile off)."""
+    return _degree_options(
+        cfg, "cp", CP_DEGREES, CpOption,
+        lambda at, cp, sharding: {"memory": layout_memory(
+            at, units, sharding, model=model, units_at=units_at)},
+    )  # fmt: skip
 
 
 def _ep_degrees(
     cfg: RecipeConfig, units_at, *, model: nn.Module, experts: list[str]
 ) -> list[EpOption]:
-    """The recipe at EP_DEGREES and its own degree, at its world size, under its sharding with
-    fsdp2 (the engine ep needs): the mesh, rank 0's memory (under pp the largest pipeline
-    rank's) and the all-to-all bytes a step over the MoE layers (`experts`) a rank holds, or why
-    not (what `fsdprun train` refuses); `units_at(tp, ep=)` gives the units at a degree."""
-    fsdp2, sharding = _as_fsdp2(cfg)
+    """The recipe at EP_DEGREES: rank 0's memory (under pp the largest pipeline rank's) and the
+    all-to-all bytes a step over the MoE layers (`experts`) a rank holds; `units_at(tp, ep=)`
+    gives the units at a degree."""
     tp = Layout.of(cfg).tp
-    options = []
-    for ep in sorted({*EP_DEGREES, Layout.of(cfg).ep}):
-        at, problem, note = _at_degree(fsdp2, sharding, ep, ep=ep)
-        if problem is not None:
-            options.append(EpOption(ep, missing=problem))
-            continue
+
+    def column(at: RecipeConfig, ep: int, sharding: Sharding) -> dict:
         units = units_at(tp, ep=ep)
-        memory = layout_memory(at, units, sharding, model=model, units_at=units_at)
-        layers = rank_moe_layers(at, model, experts)
-        options.append(EpOption(ep, mesh=mesh_text(Layout.of(at).mesh_dims), memory=memory,
-                                alltoall_bytes=alltoall_bytes(at, layers),
-                                note=note))  # fmt: skip
-    return options
+        return {
+            "memory": layout_memory(at, units, sharding, model=model, units_at=units_at),
+            "alltoall_bytes": alltoall_bytes(at, rank_moe_layers(at, model, experts)),
+        }
+
+    return _degree_options(cfg, "ep", EP_DEGREES, EpOption, column)
 
 
 def _notes(

@@ -474,6 +474,7 @@ def _start_fields(
         "fsdp_units": [u.path or "<root>" for u in engine.units],
         # The device mesh (dim name, size), outermost first, and the TP plan of every module.
         "mesh": [list(dim) for dim in parallel.mesh_dims],
+        "dp": parallel.dp,  # data-parallel ranks: each reads its share of the batch
         "tp": parallel.tp,
         "cp": parallel.cp,
         "ep": parallel.ep,
