@@ -174,7 +174,8 @@ def test_mesh_puts_cp_between_dp_shard_and_tp_and_fsdp_shards_over_both():
     hybrid = cfg("parallel.cp=2", "fsdp.sharding=hybrid", "fsdp.shard_group_size=1")
     assert Layout.of(hybrid).mesh_dims == [("dp_replicate", 2), ("dp_shard", 1), ("cp", 2)]
     assert Layout.of(hybrid).fsdp_shards == 2
-    assert [Layout.of(cp2).dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    batches = BatchLayout.of(Layout.of(cp2), cp2.train)
+    assert [batches.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
     # cp rank j of a data-parallel rank keeps slice j of the sequence, positions included, and
     # the whole row's doc_ids (attention sees whole rows).
     import torch

@@ -314,8 +314,7 @@ def _measure(cell: list[str], world: int) -> dict[str, dict[str, int]]:
     optimizer = build_optimizer(
         engine.model, cfg=cfg.optim, device_kind="cpu", is_matrix=engine.is_matrix
     )
-    layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                         world // (tp * cp * pp), tp, cp, pp=pp)  # fmt: skip
+    layout = BatchLayout.of(layout_, cfg.train)
     assert layout.grad_accum_steps == 2
     data, _ = build_datasets(cfg.data, vocab_size=engine.inner.args.vocab_size,
                              seq_len=cfg.train.seq_len, seed=0)  # fmt: skip

@@ -23,6 +23,7 @@ from hf_families import FAMILIES as HF_TINY_FAMILIES
 from fsdprun.config import PpSchedule, load_recipe
 from fsdprun.config.layout import Layout
 from fsdprun.config.schedule import bubble_fraction, in_flight, pp_blocks
+from fsdprun.data import BatchLayout
 from fsdprun.errors import UserError
 
 FOUR = ["launch.nproc_per_node=4"]
@@ -94,6 +95,9 @@ def test_layout_puts_pp_outermost_and_gives_each_rank_its_stages():
     layout = Layout.of(looped)
     assert layout.mesh_dims == [("pp", 2), ("dp_shard", 2)] and layout.num_stages == 4
     assert layout.local_stages(0) == [0, 2] and layout.local_stages(3) == [1, 3]
+    # Both stages of a pipeline read the same samples: ranks 0, 2 and 1, 3.
+    batches = BatchLayout.of(layout, looped.train)
+    assert [batches.data_rank(r) for r in range(4)] == [0, 1, 0, 1] and batches.num_ranks == 4
     # resume's re-fit: 2 ranks hold pp 2 of a pp 4 x dp 1 run, 3 ranks only pp 1.
     assert layout.at(world_size=2, pp=4).refit("pp") == 2
     assert layout.at(world_size=3, pp=2).refit("pp") == 1

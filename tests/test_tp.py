@@ -26,6 +26,7 @@ import fsdprun.launch.elastic
 from fsdprun.cli import app
 from fsdprun.config import load_recipe
 from fsdprun.config.layout import Layout
+from fsdprun.data import BatchLayout
 from fsdprun.errors import UserError
 
 FOUR = ["launch.nproc_per_node=4"]
@@ -139,7 +140,9 @@ def test_mesh_dims_put_tp_innermost():
     assert Layout.of(hybrid, 16).shard_group == 4 and Layout.of(hybrid, 16).dp == 8
     assert Layout.of(cfg()).mesh_dims == [("dp", 4)]  # without TP: as before
     assert Layout.of(cfg("fsdp.sharding=hybrid")).mesh_dims == [("replicate", 1), ("shard", 4)]
-    assert [Layout.of(cfg("parallel.tp=2")).dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    tp2 = cfg("parallel.tp=2")
+    batches = BatchLayout.of(Layout.of(tp2), tp2.train)
+    assert [batches.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
 
 
 def test_cli_refuses_before_launch_in_one_line(tmp_path, monkeypatch):

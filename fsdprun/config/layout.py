@@ -122,10 +122,6 @@ class Layout:
         reads one share of the batch)."""
         return self.world_size // (max(self.pp, 1) * self.row_group)
 
-    def dp_rank(self, rank: int) -> int:
-        """The data-parallel rank of global `rank` (its row group's index)."""
-        return rank // self.row_group
-
     def pp_rank(self, rank: int) -> int:
         """The pipeline rank (stage group) of global `rank`: pp is the outermost dim."""
         return rank // (self.world_size // max(self.pp, 1))

@@ -50,6 +50,9 @@ from fsdprun.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+    from fsdprun.config import TrainConfig
+    from fsdprun.config.layout import Layout
+
 __all__ = [
     "IGNORE_INDEX", "Batch", "BatchLayout", "DataKind", "DataSpec", "Dataset", "Row",
     "SyntheticData", "build_datasets", "describe_data", "forget_data", "load_batch",
@@ -84,6 +87,13 @@ class BatchLayout:
         False  # cp ranks hold zig-zag chunks (the ring's layout: `fsdprun.config.layout.cp_chunks`)
     )
     pp: int = 1  # pipeline stages: each is a copy of the layout above (pp is the outermost dim)
+
+    @classmethod
+    def of(cls, layout: Layout, train: TrainConfig, *, zigzag: bool = False) -> BatchLayout:
+        """The batch layout of the parallel `layout` (its degrees and data-parallel size, decided
+        there) for `train`'s batch sizes."""
+        return cls(train.global_batch_size, train.micro_batch_size, layout.dp, layout.tp,
+                   layout.cp, zigzag=zigzag, pp=layout.pp)  # fmt: skip
 
     @property
     def num_ranks(self) -> int:

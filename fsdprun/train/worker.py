@@ -391,9 +391,7 @@ def _train(
     trainable, facts = _build(cfg, ranks, device)
     # The ranks of a TP x CP group read the same samples (each cp rank keeps its slice).
     parallel = Layout.of(cfg, ranks.world_size)
-    layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                         parallel.dp, parallel.tp, parallel.cp,
-                         zigzag=cp_zigzag(cfg, model_facts(cfg.model)), pp=parallel.pp)  # fmt: skip
+    layout = BatchLayout.of(parallel, cfg.train, zigzag=cp_zigzag(cfg, model_facts(cfg.model)))
     data, val_data = build_datasets(
         cfg.data, vocab_size=trainable.engine.inner.args.vocab_size, seq_len=cfg.train.seq_len,
         seed=cfg.train.seed, with_val=cfg.eval.every_steps > 0, saved=tokenized_dir(run_dir),
