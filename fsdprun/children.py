@@ -30,6 +30,10 @@ from types import FrameType
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How this node's fsdprun was started (`launch.modes`' decision, described): the CLI sets it, the
+# launcher's children, its workers, inherit it and put it in the run's `start` event, which the
+# header prints.
+MODE_ENV = "FSDPRUN_LAUNCH_MODE"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 POLL_S = 0.5  # how often die_with's watching thread looks at a process that is not the parent
 

@@ -364,8 +364,9 @@ def train(
     launch: LaunchFlags,
 ) -> None:
     """Train a recipe: launch the workers, print throughput and memory tables."""
+    from fsdprun.children import MODE_ENV
     from fsdprun.config import load_recipe
-    from fsdprun.launch.modes import MODE_ENV, decide
+    from fsdprun.launch.modes import decide
 
     if resume not in RESUME_CHOICES:
         raise UserError(f"--resume {resume!r}: use one of {', '.join(RESUME_CHOICES)}")
@@ -459,7 +460,8 @@ def resume(
     launch: LaunchFlags,
 ) -> None:
     """Continue a run from its newest complete checkpoint (any world size)."""
-    from fsdprun.launch.modes import MODE_ENV, decide
+    from fsdprun.children import MODE_ENV
+    from fsdprun.launch.modes import decide
     from fsdprun.rundir import recipe_path
     from fsdprun.runlock import hold_run_dir
 

@@ -18,8 +18,8 @@ from fsdprun.config import load_recipe
 from fsdprun.device import BACKENDS, check_nproc, process_group_backend, resolve_device_kind
 from fsdprun.errors import UserError
 from fsdprun.launch.elastic import build_launch_plan
-from fsdprun.launch.loopback import RDZV_BACKEND
 from fsdprun.launch.rendezvous import NODE_RANK_CONF, NODES_BACKEND
+from fsdprun.loopback import RDZV_BACKEND
 from fsdprun.models import model_spec
 from fsdprun.report.console import Reporter
 from fsdprun.tools.plan import CPU_FLOPS_PER_CORE, hardware_warnings, plan_memory

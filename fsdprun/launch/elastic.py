@@ -37,7 +37,6 @@ from fsdprun.engines.float8 import check_float8
 from fsdprun.engines.preflight import check_model
 from fsdprun.errors import StorageError, UserError, diagnostic, write_error
 from fsdprun.launch.killed import describe_sigkill, is_sigkill
-from fsdprun.launch.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.launch.rendezvous import (
     NNODES_FROM_CONF,
     NODE_RANK_CONF,
@@ -47,6 +46,7 @@ from fsdprun.launch.rendezvous import (
     wait_for_host,
 )
 from fsdprun.launch.resume import resolve_auto
+from fsdprun.loopback import LOOPBACK_ADDR, RDZV_BACKEND, endpoint_is_local, single_node_env
 from fsdprun.report.console import MetricsFollower, Reporter
 from fsdprun.report.metrics import MetricsLog, drop_all_steps
 from fsdprun.report.trackers import tracker_folder_errors

@@ -39,10 +39,6 @@ from fsdprun.errors import UserError
 from fsdprun.launch.flags import LaunchFlags, parse_nnodes
 from fsdprun.launch.slurm import PORT_BASE, PORT_SPAN, srun_env
 
-# The launcher sets it to the decision's description; its workers (which inherit it) put it in
-# the run's `start` event, which the header prints.
-MODE_ENV = "FSDPRUN_LAUNCH_MODE"
-
 KINDS = {
     "torchrun": "a worker of torchrun (RANK, LOCAL_RANK, WORLD_SIZE)",
     "srun": "a task of an srun step (SLURM_* mapped to RANK, LOCAL_RANK, WORLD_SIZE)",

@@ -36,6 +36,7 @@ from fsdprun.checkpoint import (
     new_checkpoint_group,
     read_manifest,
 )
+from fsdprun.children import MODE_ENV
 from fsdprun.compile_cache import combine_ranks, compile_stats, describe_cache_dir, use_cache_dir
 from fsdprun.config import Dtype, ModelConfig, ModelInit, RecipeConfig, config_to_dict, load_recipe
 from fsdprun.config.layout import (
@@ -70,8 +71,7 @@ from fsdprun.engines.tp import apply_tp, wait_block_inputs
 from fsdprun.engines.transforms import apply_activation_checkpointing, apply_compile
 from fsdprun.engines.weights import model_state_bytes
 from fsdprun.errors import UserError
-from fsdprun.launch.loopback import worker_store_args
-from fsdprun.launch.modes import MODE_ENV
+from fsdprun.loopback import worker_store_args
 from fsdprun.loss import describe_loss
 from fsdprun.models import build_model, model_spec
 from fsdprun.models.lora import apply_lora, num_trainable_params

@@ -58,7 +58,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,12 +69,9 @@ from fsdprun.data.spec import forget_data
 from fsdprun.errors import UserError
 from fsdprun.rundir import TUNE_LOG_FILE
 from fsdprun.runlock import hold_run_dir
+from fsdprun.tools.tune.args import TuneArgs
 from fsdprun.tools.tune.report import _print_space, _report, _write_tuned, render
 from fsdprun.tools.tune.search import (
-    DEFAULT_CONFIRM,
-    DEFAULT_FINALISTS,
-    DEFAULT_REPEATS,
-    DEFAULT_STEPS,
     _confirm,
     _search,
     confirm_skipped,
@@ -82,7 +79,6 @@ from fsdprun.tools.tune.search import (
     select,
 )
 from fsdprun.tools.tune.space import (
-    DEFAULT_MARGIN,
     Candidate,
     SpaceKnob,
     current_value,
@@ -107,26 +103,6 @@ __all__ = ["Interrupted", "TuneArgs", "parse_duration", "render", "tune"]
 
 # ---------------------------------------------------------------------------------------------
 # tune() itself
-
-
-@dataclass
-class TuneArgs:
-    recipe: str
-    overrides: list[str]  # the user's key=value overrides
-    launch_overrides: list[str]  # from the launch flags
-    launch_flags: list[str]  # the same flags as typed, for the printed train command
-    out_dir: Path
-    budget_s: float
-    device_memory_bytes: int | None = None
-    space: list[str] = field(default_factory=list)
-    allow_numerics: bool = False
-    steps: int = DEFAULT_STEPS
-    repeats: int = DEFAULT_REPEATS
-    finalists: int = DEFAULT_FINALISTS
-    confirm: int = DEFAULT_CONFIRM  # pairs of the winner and the baseline after the search
-    trial_timeout_s: float | None = None
-    margin: float = DEFAULT_MARGIN
-    dry_run: bool = False  # print the space, the pruning and the order; run nothing
 
 
 def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from fsdprun.config import RecipeConfig
-    from fsdprun.tools.tune import TuneArgs
+    from fsdprun.tools.tune.args import TuneArgs
     from fsdprun.tools.tune.space import Candidate
 
 
