@@ -840,7 +840,7 @@ def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypat
                           confirm=confirm)  # fmt: skip
         log = T_trials.TrialLog(out / "trials.jsonl", {"event": "tune", "search": "s"})
         start = clock[0]
-        stop, left = T_search._search(
+        stop, left = T_search.run_search(
             args, log, cands, warmup=1, rtol=1e-4, started=start, say=print
         )
         return stop, left, log, clock[0] - start
@@ -853,8 +853,8 @@ def test_search_schedule_budget_and_resume_with_a_fake_clock(tmp_path, monkeypat
     resolved = load_recipe("debug")
     args = T.TuneArgs(recipe="debug", overrides=[], launch_overrides=[], launch_flags=[],
                       out_dir=tmp_path / "a", budget_s=1e4, confirm=0)  # fmt: skip
-    report = T_report._report(args, resolved, resolved.config, cands, log.records, 10**9, "given",
-                       None, 0.0, 1e-4)  # fmt: skip
+    report = T_report.tune_report(args, resolved, resolved.config, cands, log.records, 10**9,
+                                  "given", None, 0.0, 1e-4)  # fmt: skip
     reasons = {r["candidate"]: r["reason"] for r in report["candidates"]}
     assert report["winner"] == "c5" and reasons["c5"] is None and reasons["c0"] is None
     assert {reasons[f"c{i}"] for i in range(1, 5)} == {"dropped after round 0 (successive halving)"}

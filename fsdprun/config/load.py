@@ -281,7 +281,7 @@ def _recipe_dir(identity: str) -> Path:
     return Path(identity).parent
 
 
-def _load_layers(ref: str, base: Path | None, stack: tuple[str, ...]) -> list[Layer]:
+def load_layers(ref: str, base: Path | None, stack: tuple[str, ...]) -> list[Layer]:
     identity, text = _resolve_path(ref, base)
     source = identity if not identity.startswith("builtin:") else identity
     if identity in stack:
@@ -299,7 +299,7 @@ def _load_layers(ref: str, base: Path | None, stack: tuple[str, ...]) -> list[La
     layers: list[Layer] = []
     for parent in parents:
         try:
-            layers += _load_layers(parent, here, (*stack, identity))
+            layers += load_layers(parent, here, (*stack, identity))
         except UserError as e:
             if "neither a file nor a built-in" in str(e):
                 raise UserError(f"{source}: extends {e}") from e
@@ -451,7 +451,7 @@ def load_recipe(
     Raises:
         UserError: anything wrong with the recipe, one line.
     """
-    layers = _load_layers(recipe, None, ())
+    layers = load_layers(recipe, None, ())
     values, drops = parse_overrides(overrides or [])
     for key in drops:
         for layer in layers:

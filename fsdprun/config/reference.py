@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from fsdprun.config import schema
-from fsdprun.config.load import _load_layers, builtin_recipes, config_to_dict, load_recipe
+from fsdprun.config.load import builtin_recipes, config_to_dict, load_layers, load_recipe
 from fsdprun.config.model_facts import model_facts
 from fsdprun.config.schema import (
     DeviceKind,
@@ -113,7 +113,7 @@ def recipe_card(recipe: str, description: str) -> RecipeCard:
     figures either way; a test compares the two for every built-in recipe.
     """
     values: dict[str, Any] = {}
-    for layer in _load_layers(recipe, None, ()):
+    for layer in load_layers(recipe, None, ()):
         values.update((k, v) for k, v in layer.values.items() if k in CARD_KEYS)
     if all(_as_merged(k, v) for k, v in values.items()):
         leaves: dict[str, dict[str, Any]] = {"model": {}, "launch": {}}

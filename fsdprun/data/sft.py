@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from fsdprun.config import Truncate
 from fsdprun.data.batch import IGNORE_INDEX, Row
 from fsdprun.data.lazy_numpy import np
-from fsdprun.data.windows import VOCAB_FIX, EpochOrder, _epoch_seed
+from fsdprun.data.windows import VOCAB_FIX, EpochOrder, epoch_seed
 from fsdprun.errors import UserError
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def pack_rows(
     """The kept examples of each row (indices into `lengths`)."""
     if not pack:
         return [np.array([k]) for k in range(len(lengths))]
-    rng = np.random.Generator(np.random.PCG64(_epoch_seed(seed, f"{stream}/pack", 0)))
+    rng = np.random.Generator(np.random.PCG64(epoch_seed(seed, f"{stream}/pack", 0)))
     rows, current, used = [], [], 0
     for k in rng.permutation(len(lengths)):
         n = int(lengths[k])

@@ -40,7 +40,7 @@ def num_val_windows(num_windows: int, val_fraction: float) -> int:
     return round(num_windows * val_fraction)
 
 
-def _epoch_seed(seed: int, stream: str, epoch: int) -> int:
+def epoch_seed(seed: int, stream: str, epoch: int) -> int:
     digest = hashlib.blake2b(f"{seed}/{stream}/{epoch}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # a non-negative int64
 
@@ -57,7 +57,7 @@ class EpochOrder:
         if self._perm is None or self._perm[0] != epoch:
             import torch  # not at the top: the data preflight imports this module without torch
 
-            gen = torch.Generator().manual_seed(_epoch_seed(self.seed, self.stream, epoch))
+            gen = torch.Generator().manual_seed(epoch_seed(self.seed, self.stream, epoch))
             self._perm = (epoch, torch.randperm(self.num_samples, generator=gen).numpy())
         return self._perm[1]
 

@@ -70,12 +70,12 @@ from fsdprun.errors import UserError
 from fsdprun.rundir import TUNE_LOG_FILE
 from fsdprun.runlock import hold_run_dir
 from fsdprun.tools.tune.args import TuneArgs
-from fsdprun.tools.tune.report import _print_space, _report, _write_tuned, render
+from fsdprun.tools.tune.report import print_space, render, tune_report, write_tuned
 from fsdprun.tools.tune.search import (
-    _confirm,
-    _search,
     confirm_skipped,
+    confirm_winner,
     halving_schedule,
+    run_search,
     select,
 )
 from fsdprun.tools.tune.space import (
@@ -161,7 +161,7 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
                 if leader is not None:
                     leader.wait_for_nodes(say)
                 # (3, 5) The rounds of trials, each logged as it finishes.
-                stop, not_tried = _search(args, log, order, warmup=warmup, rtol=rtol,
+                stop, not_tried = run_search(args, log, order, warmup=warmup, rtol=rtol,
                                           started=started, say=say, leader=leader)  # fmt: skip
                 for c in candidates:
                     if c.id in not_tried:
@@ -170,14 +170,14 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
                 sel, confirm_stop = select(log.records), None
                 if confirm_skipped(sel, args.confirm) is None:
                     winner = next(c for c in candidates if c.id == sel.winner)
-                    confirm_stop = _confirm(args, log, sel, winner, order[0], warmup=warmup,
+                    confirm_stop = confirm_winner(args, log, sel, winner, order[0], warmup=warmup,
                                             rtol=rtol, started=started, say=say,
                                             leader=leader)  # fmt: skip
-                report = _report(args, resolved, cfg, candidates, log.records, memory,
+                report = tune_report(args, resolved, cfg, candidates, log.records, memory,
                                  memory_source, stop, started, rtol,
                                  confirmations=log.confirmations,
                                  confirm_stop=confirm_stop)  # fmt: skip
-                _write_tuned(args, report, candidates, cfg)
+                write_tuned(args, report, candidates, cfg)
                 log.note("done", winner=report["winner"], winner_label=report["winner_label"],
                          verdict=report["verdict"], stopped_early=stop,
                          measured_ratio=report["measured_ratio"],
@@ -298,7 +298,7 @@ def _plan(s: _Setting, say, records=()) -> tuple[list[Candidate], list[Candidate
           margin=args.margin, dominate_memory_knobs=s.defaults,
           measured=measured_peaks(list(records)))  # fmt: skip
     order = prior_order(candidates)
-    _print_space(say, s.space, candidates, order, s.memory, s.memory_source, args, s.warmup,
+    print_space(say, s.space, candidates, order, s.memory, s.memory_source, args, s.warmup,
                  s.rtol, s.cfg, s.left_out)  # fmt: skip
     base = candidates[0]
     if base.planned_peak_bytes * (1 + args.margin) > s.memory:

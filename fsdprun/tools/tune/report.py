@@ -109,7 +109,7 @@ def tuned_layer(
 # The space printed, the report
 
 
-def _print_space(
+def print_space(
     say, space, candidates, order, memory, memory_source, args, warmup, rtol, cfg, left_out
 ):  # fmt: skip
     say(f"space ({len(candidates)} candidates) from {space_sources(args.space, cfg)}:")
@@ -138,7 +138,7 @@ def _print_space(
     say(confirm if args.confirm else "then no confirmation (--confirm 0)")
 
 
-def _report(args, resolved, cfg, candidates, records, memory, memory_source, stop, started,
+def tune_report(args, resolved, cfg, candidates, records, memory, memory_source, stop, started,
             rtol, *, confirmations=(), confirm_stop=None) -> dict[str, Any]:  # fmt: skip
     sel = select(records)
     skipped = confirm_skipped(sel, args.confirm)
@@ -298,7 +298,7 @@ def _recipe_ref(recipe: str) -> str:
     return str(path.resolve()) if path.is_file() else recipe
 
 
-def _write_tuned(
+def write_tuned(
     args: TuneArgs, report: dict[str, Any], candidates: list[Candidate], cfg: RecipeConfig
 ) -> None:
     winner = next(c for c in candidates if c.id == report["winner"])

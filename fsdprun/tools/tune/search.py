@@ -287,7 +287,7 @@ class _Clock:
         return min(limit, max(self.args.budget_s - self.elapsed(), 0) + (est or limit))
 
 
-def _search(
+def run_search(
     args, log, order, *, warmup, rtol, started, say, leader=None
 ) -> tuple[str | None, dict]:
     """Run the rounds. Returns why the search stopped early (the budget) or None, and the
@@ -474,7 +474,7 @@ def confirm_round(sel: Selection, steps: int, pairs: int) -> Round:
     return Round(index, 2, steps * 2**index, pairs)
 
 
-def _confirm(
+def confirm_winner(
     args, log, sel: Selection, winner: Candidate, base: Candidate, *, warmup, rtol, started, say,
     leader=None,
 ) -> str | None:  # fmt: skip
