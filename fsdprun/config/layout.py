@@ -136,11 +136,15 @@ class Layout:
         return self.pp * self.pp_stages_per_rank if self.is_pp else 1
 
     def local_stages(self, rank: int) -> list[int]:
-        """The stages global `rank` runs: pp rank r holds stages r, r + pp, ... (torch's
-        placement of looped schedules; one stage for gpipe and 1f1b)."""
+        """The stages global `rank` runs (`pp_stages` of its pipeline rank)."""
+        return self.pp_stages(self.pp_rank(rank))
+
+    def pp_stages(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` runs: stages r, r + pp, ... (torch's placement of
+        looped schedules; one stage for gpipe and 1f1b)."""
         if not self.is_pp:
             return [0]
-        return list(range(self.pp_rank(rank), self.num_stages, self.pp))
+        return list(range(pp_rank, self.num_stages, self.pp))
 
     @property
     def is_tp(self) -> bool:

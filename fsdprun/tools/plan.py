@@ -65,7 +65,7 @@ from fsdprun.engines.activations import (
     ACTIVATION_FORMULA,
     ring_bytes,
 )
-from fsdprun.engines.base import UnitPlan, backward_prefetch_depth
+from fsdprun.engines.base import UnitPlan, accumulation_steps, backward_prefetch_depth
 from fsdprun.engines.cp import CP_ACTIVATION_FORMULA, RING_MEMORY_FORMULA
 from fsdprun.engines.ep import (
     EP_FORMULA,
@@ -248,10 +248,10 @@ def _pp_degrees(cfg: RecipeConfig, model: nn.Module, units_at) -> list[PpOption]
             continue
         ranks = pipeline_ranks(at, model, units_at, sharding, Engine.fsdp2)
         worst = max(ranks, key=lambda r: r.memory.total)
-        micro = at.train.global_batch_size // (at.train.micro_batch_size * layout.dp)
         options.append(PpOption(
             pp, mesh=mesh_text(layout.mesh_dims), memory=worst.memory, largest_rank=worst.rank,
-            bubble=bubble_fraction(layout.pp_schedule, pp, micro, layout.pp_stages_per_rank),
+            bubble=bubble_fraction(layout.pp_schedule, pp, accumulation_steps(at),
+                                   layout.pp_stages_per_rank),
         ))  # fmt: skip
     return options
 

@@ -154,7 +154,7 @@ def rank_params(cfg: RecipeConfig, model: nn.Module, rank: int) -> set[int]:
     the first stage, the norm and head on the last."""
     layout = Layout.of(cfg)
     declared, _, plan = _stage_plan(cfg, model)
-    local = layout.local_stages(rank * layout.world_size // layout.pp)
+    local = layout.pp_stages(rank)
     paths = [f"{declared.blocks}.{name}" for s in local for name in plan.blocks[s]]
     if 0 in local:
         paths += list(declared.first)
@@ -171,19 +171,18 @@ def pipeline_ranks(
     blocks' activations (with the loss's on the last stage)."""
     layout = Layout.of(cfg)
     _, counts, plan = _stage_plan(cfg, model)
-    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp)
+    micro = accumulation_steps(cfg)
     last = plan.num_stages - 1
     ranks = []
     for r in range(layout.pp):
-        local = layout.local_stages(r * layout.world_size // layout.pp)
+        local = layout.pp_stages(r)
         held = in_flight(layout.pp_schedule, layout.pp, micro, layout.pp_stages_per_rank, r)
         blocks = sum(counts[s] for s in local)
         acts = stage_activation_bytes(cfg, blocks=blocks, last=last in local, held=held)
-        memory = strategy_memory(cfg, units_at(layout.tp, rank_params(cfg, model, r),
-                                                layout.ep),
-                                  sharding, engine, activations=acts,
-                                  pipeline_buffers=pipeline_buffer_bytes(cfg, local),
-                                  carried=held > 1)  # fmt: skip
+        memory = strategy_memory(cfg, units_at(layout.tp, rank_params(cfg, model, r), layout.ep),
+                                 sharding, engine, activations=acts,
+                                 pipeline_buffers=pipeline_buffer_bytes(cfg, local),
+                                 carried=held > 1)  # fmt: skip
         ranks.append(PipelineRank(r, local, blocks, 0 in local, last in local, held, memory))
     return ranks
 
@@ -192,10 +191,8 @@ def pipeline_buffer_bytes(cfg: RecipeConfig, local: list[int]) -> int:
     """What torch's pipeline stages `local` allocate once and keep: for each micro-batch, a
     buffer for the activations a stage receives (all but the first) and one for the gradients
     it receives (all but the last), each micro_batch x seq / (cp x tp) x dim in param_dtype."""
-    from fsdprun.engines.base import DTYPE_BYTES
-
     layout, t = Layout.of(cfg), cfg.train
-    micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    micro = accumulation_steps(cfg)
     one = (t.micro_batch_size * (t.seq_len // layout.row_group) * cfg.model.dim
            * DTYPE_BYTES[cfg.precision.param_dtype])  # fmt: skip
     last = layout.num_stages - 1
@@ -204,8 +201,7 @@ def pipeline_buffer_bytes(cfg: RecipeConfig, local: list[int]) -> int:
 
 def pipeline_record(cfg: RecipeConfig, ranks: list[PipelineRank]) -> dict:
     """The plan's pipeline: schedule, blocks per stage, micro-batches, bubble, each rank."""
-    layout = Layout.of(cfg)
-    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp)
+    layout, micro = Layout.of(cfg), accumulation_steps(cfg)
     return {
         "schedule": layout.pp_schedule.value,
         "stages_per_rank": layout.pp_stages_per_rank,

@@ -162,7 +162,7 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
                     leader.wait_for_nodes(say)
                 # (3, 5) The rounds of trials, each logged as it finishes.
                 stop, not_tried = run_search(args, log, order, warmup=warmup, rtol=rtol,
-                                          started=started, say=say, leader=leader)  # fmt: skip
+                                             started=started, say=say, leader=leader)  # fmt: skip
                 for c in candidates:
                     if c.id in not_tried:
                         c.reason = not_tried[c.id]
@@ -170,13 +170,13 @@ def tune(args: TuneArgs, *, say=None) -> dict[str, Any]:
                 sel, confirm_stop = select(log.records), None
                 if confirm_skipped(sel, args.confirm) is None:
                     winner = next(c for c in candidates if c.id == sel.winner)
-                    confirm_stop = confirm_winner(args, log, sel, winner, order[0], warmup=warmup,
-                                            rtol=rtol, started=started, say=say,
-                                            leader=leader)  # fmt: skip
+                    confirm_stop = confirm_winner(args, log, sel, winner, order[0],
+                                                  warmup=warmup, rtol=rtol, started=started,
+                                                  say=say, leader=leader)  # fmt: skip
                 report = tune_report(args, resolved, cfg, candidates, log.records, memory,
-                                 memory_source, stop, started, rtol,
-                                 confirmations=log.confirmations,
-                                 confirm_stop=confirm_stop)  # fmt: skip
+                                     memory_source, stop, started, rtol,
+                                     confirmations=log.confirmations,
+                                     confirm_stop=confirm_stop)  # fmt: skip
                 write_tuned(args, report, candidates, cfg)
                 log.note("done", winner=report["winner"], winner_label=report["winner_label"],
                          verdict=report["verdict"], stopped_early=stop,
@@ -299,7 +299,7 @@ def _plan(s: _Setting, say, records=()) -> tuple[list[Candidate], list[Candidate
           measured=measured_peaks(list(records)))  # fmt: skip
     order = prior_order(candidates)
     print_space(say, s.space, candidates, order, s.memory, s.memory_source, args, s.warmup,
-                 s.rtol, s.cfg, s.left_out)  # fmt: skip
+                s.rtol, s.cfg, s.left_out)  # fmt: skip
     base = candidates[0]
     if base.planned_peak_bytes * (1 + args.margin) > s.memory:
         from fsdprun.fmt import fmt_bytes

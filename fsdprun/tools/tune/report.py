@@ -139,7 +139,7 @@ def print_space(
 
 
 def tune_report(args, resolved, cfg, candidates, records, memory, memory_source, stop, started,
-            rtol, *, confirmations=(), confirm_stop=None) -> dict[str, Any]:  # fmt: skip
+                rtol, *, confirmations=(), confirm_stop=None) -> dict[str, Any]:  # fmt: skip
     sel = select(records)
     skipped = confirm_skipped(sel, args.confirm)
     conf = None if skipped else confirmation_of(
