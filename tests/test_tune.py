@@ -503,8 +503,8 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     # Then the confirmation's 2 pairs of real trials: the gain measured after the search.
     out = tmp_path / "out"
     proc = run_fsdprun(
-        *tune_cmd(recipe, out, "schedule.warmup_steps=12", "--space",
-                  "train.micro_batch_size=1,4,8", "--device-memory", "6MiB", "--steps", "8",
+        *tune_cmd(recipe, out, "schedule.warmup_steps=24", "--space",
+                  "train.micro_batch_size=1,4,8", "--device-memory", "6MiB", "--steps", "16",
                   "--repeats", "2", "--confirm", "2", "--budget", "10m", "--json", "--plot",
                   str(tmp_path / "tune.png")),
         cwd=tmp_path,
@@ -526,14 +526,14 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     records = trials_of(out)
     assert [r["id"] for r in records] == ["r0-c0-0", "r0-c1-0", "r0-c0-1", "r0-c1-1"]
     assert all(r["status"] == "ok" and r.get("loss_checked", True) for r in records)
-    assert all(len(r["step_times_s"]) == r["measured_steps"] == 8 for r in records)
+    assert all(len(r["step_times_s"]) == r["measured_steps"] == 16 for r in records)
     # The confirmation: 2 pairs after the search, as long as its trials, the order alternating;
     # its ratio is the median of the pairs' (winner / baseline median tokens/s), each side read
     # here from its trial's own metrics.jsonl.
     confirm = [d for d in map(json.loads, (out / "trials.jsonl").open()) if d["event"] == "confirm"]
     assert [r["id"] for r in confirm] == ["confirm-c0-0", "confirm-c1-0", "confirm-c1-1",
                                           "confirm-c0-1"]  # fmt: skip
-    assert all(r["status"] == "ok" and r["measured_steps"] == 8 for r in confirm), confirm
+    assert all(r["status"] == "ok" and r["measured_steps"] == 16 for r in confirm), confirm
     assert confirm[1]["loss_checked"] and confirm[2]["loss_checked"]
 
     def tokens_per_s(tid: str) -> float:
@@ -556,7 +556,7 @@ def test_tune_moves_to_a_larger_micro_batch_that_fits(tmp_path, recipe):
     # tuned.yaml: only allowed knobs, and it trains with the original's fp32 losses.
     tuned = yaml.safe_load((out / "tuned.yaml").read_text())
     assert tuned.pop("extends") == str(recipe.resolve())
-    assert tuned.pop("schedule") == {"warmup_steps": 12}  # the user's, not the trials' cut
+    assert tuned.pop("schedule") == {"warmup_steps": 24}  # the user's, not the trials' cut
     keys = {f"{s}.{k}" for s, d in tuned.items() for k in d}
     assert keys == {"train.micro_batch_size"} <= set(T_space.MATH_KNOBS)
     assert report["command"] == f"fsdprun train {out / 'tuned.yaml'} --nproc-per-node 2"
